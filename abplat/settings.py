@@ -1,0 +1,207 @@
+"""abplat settings: embedded defaults, real services by environment variable.
+
+Every value comes through a strict parser in ``abplat.env``; a bad one stops the process at
+start with the variable's name and what it accepts. Defaults run the whole platform on one
+machine with nothing installed: SQLite, Celery eager, chDB, a local weights store.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+from abplat import env
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+try:
+    VAR_DIR = Path(env.env_str("ABPLAT_VAR", str(BASE_DIR / "var"))).resolve()
+    DEBUG = env.env_bool("ABPLAT_DEBUG", True)
+    SECRET_KEY = env.env_str("ABPLAT_SECRET_KEY", "")
+    ALLOWED_HOSTS = env.env_list("ABPLAT_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
+    DATABASE_URL = env.env_url(
+        "ABPLAT_DATABASE_URL", "", schemes=("sqlite", "postgres", "postgresql", "pgsql")
+    )
+    BROKER_URL = env.env_url("ABPLAT_BROKER_URL", "", schemes=("redis", "rediss", "amqp", "amqps", "pyamqp"))
+    ETCD_ENDPOINTS = env.env_endpoints("ABPLAT_ETCD_ENDPOINTS")
+    ETCD_PREFIX = env.env_str("ABPLAT_ETCD_PREFIX", "/abplat/experiments/")
+    WEIGHTS_DIR = Path(env.env_str("ABPLAT_WEIGHTS_DIR", str(VAR_DIR / "weights")))
+    CLICKHOUSE_URL = env.env_url("ABPLAT_CLICKHOUSE_URL", "", schemes=("clickhouse", "clickhouses"))
+    CHDB_PATH = Path(env.env_str("ABPLAT_CHDB_PATH", str(VAR_DIR / "chdb")))
+    SPOOL_DIR = Path(env.env_str("ABPLAT_SPOOL_DIR", str(VAR_DIR / "spool")))
+    CELERY_WORKER_CONCURRENCY = env.env_int("ABPLAT_WORKER_CONCURRENCY", 2, minimum=1, maximum=256)
+    LOG_LEVEL = env.env_str("ABPLAT_LOG_LEVEL", "INFO").upper()
+    VISIBILITY_TIMEOUT = env.env_int("ABPLAT_VISIBILITY_TIMEOUT", 40 * 60, minimum=5)
+except env.EnvError as exc:
+    raise ImproperlyConfigured(str(exc)) from None
+
+if not ETCD_PREFIX.startswith("/") or not ETCD_PREFIX.endswith("/"):
+    raise ImproperlyConfigured(
+        f"Unexpected value ABPLAT_ETCD_PREFIX={ETCD_PREFIX!r}: it must start and end with '/'."
+    )
+if LOG_LEVEL not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+    raise ImproperlyConfigured(
+        f"Unexpected value ABPLAT_LOG_LEVEL={LOG_LEVEL!r}: use DEBUG, INFO, WARNING or ERROR."
+    )
+
+if not SECRET_KEY:
+    if not DEBUG:
+        raise ImproperlyConfigured(
+            "ABPLAT_SECRET_KEY is not set: with ABPLAT_DEBUG off a secret key of at least "
+            "50 random characters is required."
+        )
+    # Development only: a fixed, clearly-marked key so sessions survive restarts.
+    SECRET_KEY = "django-insecure-abplat-development-key-never-use-in-production-0123456789"
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "experiments",
+    "workers",
+    "samples",
+    "dashboards",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "abplat.urls"
+WSGI_APPLICATION = "abplat.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+if DATABASE_URL:
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)}
+else:
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": VAR_DIR / "abplat.sqlite3",
+            # Replay workers and the web process write at once in the embedded mode.
+            "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
+        }
+    }
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+LOGIN_URL = "/admin/login/"
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        # Token first: an anonymous caller gets 401 with a WWW-Authenticate header.
+        "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 100,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "abplat API",
+    "DESCRIPTION": "A/B experiments and streaming SLA observability for LLM serving.",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
+    # Swagger UI served from our own static files: no CDN needed (closed networks).
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+}
+
+# Celery: eager in-process by default; a broker URL switches to real workers.
+CELERY_BROKER_URL = BROKER_URL or "memory://"
+CELERY_TASK_ALWAYS_EAGER = not BROKER_URL
+CELERY_TASK_EAGER_PROPAGATES = True
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_SOFT_TIME_LIMIT = 30 * 60
+CELERY_TASK_TIME_LIMIT = 35 * 60
+# A task held by a worker that died comes back after this many seconds (Redis transport).
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": VISIBILITY_TIMEOUT,
+    "unacked_restore_interval": 2,
+    "unacked_restore_throttle": 1,
+}
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+if not DEBUG:
+    # Behind TLS termination; what only TLS can fix is listed in README (check --deploy).
+    SESSION_COOKIE_SECURE = env.env_bool("ABPLAT_SECURE_COOKIES", True)
+    CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
+    SECURE_CONTENT_TYPE_NOSNIFF = True
+    X_FRAME_OPTIONS = "DENY"
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_SSL_REDIRECT = env.env_bool("ABPLAT_SSL_REDIRECT", True)
+    SECURE_HSTS_SECONDS = env.env_int("ABPLAT_HSTS_SECONDS", 31536000, minimum=0)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = True
+    if len(SECRET_KEY) < 50 or len(set(SECRET_KEY)) < 5:
+        raise ImproperlyConfigured(
+            "ABPLAT_SECRET_KEY is too weak: use at least 50 characters with at least 5 distinct ones."
+        )
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": "WARNING"},
+    "loggers": {
+        "abplat": {"level": LOG_LEVEL},
+        "experiments": {"level": LOG_LEVEL},
+        "workers": {"level": LOG_LEVEL},
+        "samples": {"level": LOG_LEVEL},
+        "dashboards": {"level": LOG_LEVEL},
+    },
+}

@@ -1,0 +1,13 @@
+from django.contrib import admin
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from abplat.health import healthz
+
+urlpatterns = [
+    path("healthz", healthz, name="healthz"),
+    path("admin/", admin.site.urls),
+    path("api/", include("experiments.api.urls")),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+]

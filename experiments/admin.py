@@ -1,0 +1,176 @@
+"""Admin for product teams: experiments with inline variants, validated exactly like the API
+(the pure document rules), lifecycle actions that respect the transitions."""
+
+from __future__ import annotations
+
+from django.contrib import admin, messages
+from django.core.exceptions import ValidationError
+from django.db import models
+from django.forms.models import BaseInlineFormSet
+from django.utils.html import format_html
+
+from experiments import lifecycle, services
+from experiments.document import DocumentError, validate_document
+from experiments.models import AuditEntry, Experiment, Variant
+
+VARIANT_FIELDS = ("key", "control", "weight", "endpoint", "model", "api", "http2", "factors", "engine_args")
+
+
+def document_from_admin(experiment: Experiment, variant_rows: list[dict]) -> dict:
+    sla = {"ttft_ms": experiment.sla_ttft_ms, "target": experiment.sla_target}
+    if experiment.sla_tpot_ms is not None:
+        sla["tpot_ms"] = experiment.sla_tpot_ms
+    if experiment.sla_e2e_ms is not None:
+        sla["e2e_ms"] = experiment.sla_e2e_ms
+    return {
+        "key": experiment.key,
+        "name": experiment.name,
+        "hypothesis": experiment.hypothesis,
+        "sla": sla,
+        "variants": [{f: row.get(f) for f in VARIANT_FIELDS} for row in variant_rows],
+    }
+
+
+class VariantFormSet(BaseInlineFormSet):
+    """Validates the whole experiment as one document and keeps it for save_model."""
+
+    def clean(self):
+        super().clean()
+        if any(self.errors):
+            return
+        rows = []
+        for form in self.forms:
+            if not form.cleaned_data or form.cleaned_data.get("DELETE"):
+                continue
+            row = dict(form.cleaned_data)
+            if form.instance.pk and "key" not in row:
+                row["key"] = form.instance.key
+            for name in VARIANT_FIELDS:  # read-only fields of a running experiment
+                if name not in row and form.instance.pk:
+                    row[name] = getattr(form.instance, name)
+            row["factors"] = row.get("factors") or {}
+            row["engine_args"] = row.get("engine_args") or {}
+            rows.append(row)
+        doc = document_from_admin(self.instance, rows)
+        try:
+            validate_document(doc)
+            existing = Experiment.objects.filter(pk=self.instance.pk).first()
+            if existing is not None and existing.is_locked:
+                before = services._normalized(services.export_document(existing))
+                services._check_locked_change(existing, before, services._normalized(validate_document(doc)))
+        except DocumentError as exc:
+            raise ValidationError([str(e) for e in exc.errors]) from None
+        self.instance._abplat_document = doc
+
+
+class VariantInline(admin.StackedInline):
+    model = Variant
+    formset = VariantFormSet
+    # Endpoints are often plain http on a private network: do not guess https.
+    formfield_overrides = {models.URLField: {"assume_scheme": "http"}}
+    extra = 0
+    min_num = 2
+    fields = VARIANT_FIELDS
+
+    def get_readonly_fields(self, request, obj=None):
+        if obj is not None and obj.status == Experiment.Status.CONCLUDED:
+            return VARIANT_FIELDS
+        if obj is not None and obj.is_locked:
+            # The variant set is fixed once running; weights change through the SRE weights form.
+            return ("key", "control", "weight", "factors")
+        return ()
+
+    def has_add_permission(self, request, obj=None):
+        return super().has_add_permission(request, obj) and (obj is None or not obj.is_locked)
+
+    def has_delete_permission(self, request, obj=None):
+        return super().has_delete_permission(request, obj) and (obj is None or not obj.is_locked)
+
+
+def _lifecycle_action(action: str):
+    def run(modeladmin, request, queryset):
+        for experiment in queryset:
+            try:
+                services.transition(experiment, action, request.user, reason="admin action")
+                modeladmin.message_user(request, f"{experiment.key}: {action} done", messages.SUCCESS)
+            except (lifecycle.TransitionError, services.ConflictError) as exc:
+                modeladmin.message_user(request, f"{experiment.key}: {exc}", messages.ERROR)
+
+    run.__name__ = f"{action}_experiments"
+    run.short_description = f"{action.capitalize()} selected experiments"
+    run.allowed_permissions = ("run_lifecycle",)
+    return run
+
+
+@admin.register(Experiment)
+class ExperimentAdmin(admin.ModelAdmin):
+    list_display = ("key", "name", "status", "sla_ttft_ms", "sla_target", "owner", "updated_at", "dashboard")
+    list_filter = ("status", "owner")
+    search_fields = ("key", "name", "hypothesis", "variants__key", "variants__model")
+    inlines = [VariantInline]
+    actions = [_lifecycle_action(a) for a in lifecycle.ACTIONS]
+    readonly_fields = ("status", "salt", "hash_version", "owner", "created_at", "updated_at",
+                       "started_at", "concluded_at", "dashboard")  # fmt: skip
+    fieldsets = (
+        (None, {"fields": ("key", "name", "hypothesis", "status", "owner", "dashboard")}),
+        ("SLA", {"fields": ("sla_ttft_ms", "sla_tpot_ms", "sla_e2e_ms", "sla_target")}),
+        ("Assignment", {"fields": ("salt", "hash_version")}),
+        ("Timeline", {"fields": ("created_at", "updated_at", "started_at", "concluded_at")}),
+    )
+
+    def get_readonly_fields(self, request, obj=None):
+        fields = list(super().get_readonly_fields(request, obj))
+        if obj is not None and obj.is_locked:
+            fields.append("key")
+        if obj is not None and obj.status == Experiment.Status.CONCLUDED:
+            fields += ["name", "hypothesis", "sla_ttft_ms", "sla_tpot_ms", "sla_e2e_ms", "sla_target"]
+        return fields
+
+    def has_run_lifecycle_permission(self, request):
+        return request.user.has_perm("experiments.run_lifecycle")
+
+    def has_delete_permission(self, request, obj=None):
+        if obj is not None and obj.status != Experiment.Status.DRAFT:
+            return False
+        return super().has_delete_permission(request, obj)
+
+    @admin.display(description="Dashboard")
+    def dashboard(self, obj):
+        if obj is None or obj.pk is None:
+            return "-"
+        return format_html('<a href="/dashboards/{}/">open dashboard</a>', obj.key)
+
+    def save_model(self, request, obj, form, change):
+        doc = getattr(obj, "_abplat_document", None)
+        if doc is None:  # concluded experiments have no editable inline; nothing to apply
+            return
+        result = services.apply_document(doc, actor=request.user)
+        obj.pk = result.experiment.pk
+        obj.refresh_from_db()
+        if result.changes:
+            messages.info(request, "Changes: " + "; ".join(result.changes))
+
+    def save_related(self, request, form, formsets, change):
+        # Variants were written by apply_document together with the experiment; the change
+        # message (construct_change_message) still reads these from each formset.
+        for formset in formsets:
+            formset.new_objects, formset.changed_objects, formset.deleted_objects = [], [], []
+
+    def delete_model(self, request, obj):
+        services.delete_experiment(obj, actor=request.user)
+
+
+@admin.register(AuditEntry)
+class AuditEntryAdmin(admin.ModelAdmin):
+    list_display = ("at", "experiment_key", "actor_name", "action", "reason")
+    list_filter = ("action",)
+    search_fields = ("experiment_key", "actor_name", "reason")
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False

@@ -1,0 +1,91 @@
+"""API shapes. Validation of experiment documents is the pure ``experiments.document``
+module, so the API, the command line and the admin reject exactly the same things."""
+
+from __future__ import annotations
+
+from django.urls import NoReverseMatch, reverse
+from rest_framework import serializers
+
+from experiments import lifecycle
+from experiments.document import APIS, DocumentError, validate_document
+from experiments.models import AuditEntry, Experiment
+from experiments.services import export_document
+
+
+class SlaSerializer(serializers.Serializer):
+    ttft_ms = serializers.FloatField(help_text="TTFT (first content) must be under this")
+    tpot_ms = serializers.FloatField(required=False, help_text="optional TPOT bound")
+    e2e_ms = serializers.FloatField(required=False, help_text="optional end-to-end bound")
+    target = serializers.FloatField(help_text="share of requests that must meet every SLO")
+
+
+class VariantDocumentSerializer(serializers.Serializer):
+    key = serializers.SlugField()
+    control = serializers.BooleanField(default=False)
+    weight = serializers.IntegerField(min_value=0, max_value=100)
+    endpoint = serializers.URLField()
+    model = serializers.CharField()
+    api = serializers.ChoiceField(choices=APIS, default="chat")
+    http2 = serializers.BooleanField(default=False)
+    factors = serializers.DictField(child=serializers.JSONField(), required=False)
+    engine_args = serializers.DictField(child=serializers.JSONField(), required=False)
+
+
+class ExperimentDocumentSerializer(serializers.Serializer):
+    """The experiment document (see README). Errors are keyed by field path."""
+
+    key = serializers.SlugField()
+    name = serializers.CharField()
+    hypothesis = serializers.CharField(required=False, allow_blank=True)
+    sla = SlaSerializer()
+    variants = VariantDocumentSerializer(many=True)
+
+    def to_internal_value(self, data):
+        try:
+            return validate_document(data)
+        except DocumentError as exc:
+            raise serializers.ValidationError(exc.as_dict()) from None
+
+
+class ExperimentSerializer(serializers.Serializer):
+    """An experiment as read: its document plus lifecycle and bookkeeping."""
+
+    document = serializers.SerializerMethodField()
+    status = serializers.CharField()
+    allowed_actions = serializers.SerializerMethodField()
+    owner = serializers.SerializerMethodField()
+    salt = serializers.CharField()
+    hash_version = serializers.IntegerField()
+    created_at = serializers.DateTimeField()
+    updated_at = serializers.DateTimeField()
+    started_at = serializers.DateTimeField()
+    concluded_at = serializers.DateTimeField()
+    links = serializers.SerializerMethodField()
+
+    def get_document(self, obj: Experiment) -> dict:
+        return export_document(obj)
+
+    def get_allowed_actions(self, obj: Experiment) -> list[str]:
+        return lifecycle.allowed_actions(obj.status)
+
+    def get_owner(self, obj: Experiment) -> str | None:
+        return obj.owner.get_username() if obj.owner else None
+
+    def get_links(self, obj: Experiment) -> dict:
+        links = {"self": f"/api/experiments/{obj.key}/", "audit": f"/api/experiments/{obj.key}/audit/"}
+        try:
+            links["dashboard"] = reverse("dashboards:experiment", args=[obj.key])
+        except NoReverseMatch:
+            pass
+        return links
+
+
+class AuditEntrySerializer(serializers.ModelSerializer):
+    class Meta:
+        model = AuditEntry
+        fields = ["id", "experiment_key", "actor_name", "at", "action", "reason", "before", "after"]
+        read_only_fields = fields
+
+
+class ActionSerializer(serializers.Serializer):
+    reason = serializers.CharField(required=False, allow_blank=True, max_length=2000, default="")

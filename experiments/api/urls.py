@@ -1,0 +1,21 @@
+from django.urls import path
+
+from experiments.api import views
+
+app_name = "experiments-api"
+
+urlpatterns = [
+    path("experiments/", views.ExperimentListView.as_view(), name="experiment-list"),
+    path("experiments/<slug:key>/", views.ExperimentDetailView.as_view(), name="experiment-detail"),
+    path("experiments/<slug:key>/audit/", views.AuditListView.as_view(), name="experiment-audit"),
+    path("audit/", views.AuditListView.as_view(), name="audit"),
+]
+for _action in ("start", "pause", "resume", "conclude"):
+    urlpatterns.append(
+        path(
+            f"experiments/<slug:key>/{_action}/",
+            views.ExperimentActionView.as_view(action_name=_action),
+            name=f"experiment-{_action}",
+        )
+    )
+# weights routes (issue 3)

@@ -1,0 +1,130 @@
+from __future__ import annotations
+
+from django.shortcuts import get_object_or_404
+from drf_spectacular.utils import extend_schema
+from rest_framework import generics, status
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from experiments import lifecycle, services
+from experiments.api.permissions import CanRunLifecycle, CanView, ExperimentPermission
+from experiments.api.serializers import (
+    ActionSerializer,
+    AuditEntrySerializer,
+    ExperimentDocumentSerializer,
+    ExperimentSerializer,
+)
+from experiments.document import DocumentError
+from experiments.models import AuditEntry, Experiment
+
+
+def _document_errors(exc: DocumentError) -> Response:
+    return Response(exc.as_dict(), status=status.HTTP_400_BAD_REQUEST)
+
+
+def _apply(request, data) -> tuple[services.ApplyResult | None, Response | None]:
+    serializer = ExperimentDocumentSerializer(data=data)
+    if not serializer.is_valid():
+        return None, Response(serializer.errors, status=status.HTTP_400_BAD_REQUEST)
+    try:
+        return services.apply_document(serializer.validated_data, actor=request.user), None
+    except DocumentError as exc:
+        return None, _document_errors(exc)
+
+
+class ExperimentListView(generics.ListAPIView):
+    permission_classes = [ExperimentPermission]
+    serializer_class = ExperimentSerializer
+
+    def get_queryset(self):
+        qs = Experiment.objects.select_related("owner").prefetch_related("variants")
+        wanted = self.request.query_params.get("status")
+        if wanted:
+            qs = qs.filter(status=wanted)
+        return qs
+
+    @extend_schema(request=ExperimentDocumentSerializer, responses={201: ExperimentSerializer})
+    def post(self, request):
+        key = request.data.get("key") if isinstance(request.data, dict) else None
+        if isinstance(key, str) and Experiment.objects.filter(key=key).exists():
+            return Response(
+                {"key": [f"experiment {key!r} already exists; PUT /api/experiments/{key}/ updates it"]},
+                status=status.HTTP_400_BAD_REQUEST,
+            )
+        result, error = _apply(request, request.data)
+        if error:
+            return error
+        return Response(ExperimentSerializer(result.experiment).data, status=status.HTTP_201_CREATED)
+
+
+class ExperimentDetailView(APIView):
+    permission_classes = [ExperimentPermission]
+
+    def _get(self, key: str) -> Experiment:
+        return get_object_or_404(Experiment.objects.prefetch_related("variants"), key=key)
+
+    @extend_schema(responses=ExperimentSerializer)
+    def get(self, request, key: str):
+        return Response(ExperimentSerializer(self._get(key)).data)
+
+    def _update(self, request, key: str, data):
+        experiment = self._get(key)
+        if not isinstance(data, dict):
+            return Response({"(document)": ["must be a mapping of fields"]}, status=400)
+        if data.get("key", key) != key:
+            return Response({"key": ["is immutable: it must match the URL"]}, status=400)
+        result, error = _apply(request, {**data, "key": key})
+        if error:
+            return error
+        body = ExperimentSerializer(result.experiment if result else experiment).data
+        body["changes"] = result.changes
+        return Response(body)
+
+    @extend_schema(request=ExperimentDocumentSerializer, responses=ExperimentSerializer)
+    def put(self, request, key: str):
+        return self._update(request, key, request.data)
+
+    @extend_schema(request=ExperimentDocumentSerializer(partial=True), responses=ExperimentSerializer)
+    def patch(self, request, key: str):
+        if not isinstance(request.data, dict):
+            return Response({"(document)": ["must be a mapping of fields"]}, status=400)
+        merged = {**services.export_document(self._get(key)), **request.data}
+        return self._update(request, key, merged)
+
+    @extend_schema(responses={204: None, 409: None})
+    def delete(self, request, key: str):
+        experiment = self._get(key)
+        try:
+            services.delete_experiment(experiment, actor=request.user)
+        except lifecycle.TransitionError as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class ExperimentActionView(APIView):
+    """POST /api/experiments/{key}/{start|pause|resume|conclude}/"""
+
+    permission_classes = [CanRunLifecycle]
+    action_name = ""
+
+    @extend_schema(request=ActionSerializer, responses=ExperimentSerializer)
+    def post(self, request, key: str):
+        experiment = get_object_or_404(Experiment, key=key)
+        body = ActionSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        try:
+            services.transition(experiment, self.action_name, request.user, body.validated_data["reason"])
+        except (lifecycle.TransitionError, services.ConflictError) as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+        return Response(ExperimentSerializer(experiment).data)
+
+
+class AuditListView(generics.ListAPIView):
+    permission_classes = [CanView]
+    serializer_class = AuditEntrySerializer
+
+    def get_queryset(self):
+        qs = AuditEntry.objects.all()
+        if "key" in self.kwargs:
+            qs = qs.filter(experiment_key=self.kwargs["key"])
+        return qs

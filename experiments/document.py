@@ -1,0 +1,251 @@
+"""The experiment document: one shape for the REST API body, files applied from the command
+line, and exports. Pure: no Django imports.
+
+``validate_document(raw)`` returns a normalized document or raises ``DocumentError`` with every
+problem found, each naming its field path (``variants[2].weight``) and the rule it broke.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+from urllib.parse import urlsplit
+
+SLUG_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?$")
+FACTOR_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+APIS = ("chat", "completions")
+WEIGHT_TOTAL = 100  # weights are integer percentages
+MAX_VARIANTS = 26
+MAX_SLO_MS = 3_600_000.0
+
+TOP_FIELDS = {"key", "name", "hypothesis", "sla", "variants"}
+SLA_FIELDS = {"ttft_ms", "tpot_ms", "e2e_ms", "target"}
+VARIANT_FIELDS = {
+    "key", "control", "weight", "endpoint", "model", "api", "http2", "factors", "engine_args",
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldError:
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class DocumentError(ValueError):
+    """A rejected document; ``errors`` lists every field problem found."""
+
+    def __init__(self, errors: list[FieldError]):
+        self.errors = errors
+        super().__init__("; ".join(str(e) for e in errors))
+
+    def as_dict(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for err in self.errors:
+            out.setdefault(err.path, []).append(err.message)
+        return out
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.errors: list[FieldError] = []
+
+    def add(self, path: str, message: str) -> None:
+        self.errors.append(FieldError(path, message))
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _text(c: _Collector, raw: dict, field: str, *, required: bool, max_len: int) -> str:
+    value = raw.get(field, "" if not required else None)
+    if value is None:
+        c.add(field, "is required")
+        return ""
+    if not isinstance(value, str):
+        c.add(field, f"must be a string, got {type(value).__name__}")
+        return ""
+    value = value.strip()
+    if required and not value:
+        c.add(field, "must not be empty")
+    if len(value) > max_len:
+        c.add(field, f"must be at most {max_len} characters, got {len(value)}")
+    return value
+
+
+def _unknown(c: _Collector, raw: dict, allowed: set[str], prefix: str) -> None:
+    for name in sorted(set(raw) - allowed):
+        where = f"{prefix}.{name}" if prefix else str(name)
+        c.add(where, f"unknown field; allowed: {', '.join(sorted(allowed))}")
+
+
+def _validate_sla(c: _Collector, raw: Any) -> dict:
+    if not isinstance(raw, dict):
+        c.add("sla", "is required: a mapping with ttft_ms and target (optional tpot_ms, e2e_ms)")
+        return {}
+    _unknown(c, raw, SLA_FIELDS, "sla")
+    sla: dict[str, float | None] = {}
+    for field in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        value = raw.get(field)
+        if value is None:
+            if field == "ttft_ms":
+                c.add("sla.ttft_ms", "is required")
+            sla[field] = None
+            continue
+        number = _number(value)
+        if number is None or not 0 < number <= MAX_SLO_MS:
+            c.add(f"sla.{field}", f"must be a number of milliseconds in (0, {MAX_SLO_MS:.0f}]")
+        sla[field] = number
+    target = _number(raw.get("target"))
+    if raw.get("target") is None:
+        c.add("sla.target", "is required: the share of requests that must meet the SLO")
+    elif target is None or not 0 < target < 1:
+        c.add("sla.target", "must be a fraction strictly between 0 and 1 (e.g. 0.992)")
+    sla["target"] = target
+    return sla
+
+
+def _validate_scalar_map(c: _Collector, raw: Any, path: str, *, names_re: re.Pattern | None):
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        c.add(path, "must be a mapping")
+        return {}
+    out = {}
+    for name, value in raw.items():
+        if not isinstance(name, str) or (names_re and not names_re.match(name)):
+            c.add(f"{path}.{name}", "name must be lowercase letters, digits and _ (max 63)")
+            continue
+        if isinstance(value, dict) or (isinstance(value, list) and path.endswith("factors")):
+            c.add(f"{path}.{name}", "must be a scalar (string, number or boolean)")
+            continue
+        if value is None:
+            c.add(f"{path}.{name}", "must not be null")
+            continue
+        out[name] = value
+    return out
+
+
+def _validate_endpoint(c: _Collector, value: Any, path: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        c.add(path, "is required: the http(s) base URL of an OpenAI-compatible server")
+        return ""
+    value = value.strip().rstrip("/")
+    parts = urlsplit(value)
+    try:
+        port_ok = parts.port is None or 0 < parts.port < 65536
+    except ValueError:
+        port_ok = False
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+        c.add(path, f"must be a valid http(s) URL, got {value!r}")
+    elif parts.query or parts.fragment:
+        c.add(path, "must not carry a query string or fragment")
+    return value
+
+
+def _validate_variant(c: _Collector, raw: Any, i: int) -> dict:
+    path = f"variants[{i}]"
+    if not isinstance(raw, dict):
+        c.add(path, "must be a mapping")
+        return {}
+    _unknown(c, raw, VARIANT_FIELDS, path)
+    key = raw.get("key")
+    if not isinstance(key, str) or not SLUG_RE.match(key):
+        c.add(f"{path}.key", "is required: lowercase letters, digits and '-' (max 64)")
+    control = raw.get("control", False)
+    if not isinstance(control, bool):
+        c.add(f"{path}.control", "must be true or false")
+    weight = raw.get("weight")
+    if isinstance(weight, bool) or not isinstance(weight, int) or weight < 0:
+        c.add(f"{path}.weight", "must be a non-negative whole number (percent of users)")
+        weight = None
+    model = raw.get("model")
+    if not isinstance(model, str) or not model.strip():
+        c.add(f"{path}.model", "is required: the model name the server serves")
+    api = raw.get("api", "chat")
+    if api not in APIS:
+        c.add(f"{path}.api", f"must be one of {', '.join(APIS)}, got {api!r}")
+    http2 = raw.get("http2", False)
+    if not isinstance(http2, bool):
+        c.add(f"{path}.http2", "must be true or false")
+    return {
+        "key": key,
+        "control": control,
+        "weight": weight,
+        "endpoint": _validate_endpoint(c, raw.get("endpoint"), f"{path}.endpoint"),
+        "model": model.strip() if isinstance(model, str) else model,
+        "api": api,
+        "http2": http2,
+        "factors": _validate_scalar_map(c, raw.get("factors"), f"{path}.factors", names_re=FACTOR_NAME_RE),
+        "engine_args": _validate_scalar_map(
+            c, raw.get("engine_args"), f"{path}.engine_args", names_re=FACTOR_NAME_RE
+        ),
+    }
+
+
+def validate_document(raw: Any) -> dict:
+    """Check every rule and return the normalized document, or raise ``DocumentError``."""
+    c = _Collector()
+    if not isinstance(raw, dict):
+        raise DocumentError([FieldError("(document)", "must be a mapping of fields")])
+    _unknown(c, raw, TOP_FIELDS, "")
+    key = raw.get("key")
+    if not isinstance(key, str) or not SLUG_RE.match(key):
+        c.add("key", "is required: lowercase letters, digits and '-' (max 64), e.g. ttft-opt")
+    doc = {
+        "key": key,
+        "name": _text(c, raw, "name", required=True, max_len=200),
+        "hypothesis": _text(c, raw, "hypothesis", required=False, max_len=2000),
+        "sla": _validate_sla(c, raw.get("sla")),
+        "variants": [],
+    }
+    variants_raw = raw.get("variants")
+    if not isinstance(variants_raw, list) or len(variants_raw) < 2:
+        c.add("variants", "is required: a list of at least 2 variants (a control and a treatment)")
+        raise DocumentError(c.errors)
+    if len(variants_raw) > MAX_VARIANTS:
+        c.add("variants", f"must have at most {MAX_VARIANTS} variants")
+    variants = [_validate_variant(c, v, i) for i, v in enumerate(variants_raw)]
+    doc["variants"] = variants
+    _check_across_variants(c, variants)
+    if c.errors:
+        raise DocumentError(c.errors)
+    return doc
+
+
+def _check_across_variants(c: _Collector, variants: list[dict]) -> None:
+    seen: dict[str, int] = {}
+    for i, v in enumerate(variants):
+        if isinstance(v.get("key"), str):
+            if v["key"] in seen:
+                c.add(f"variants[{i}].key", f"duplicates variants[{seen[v['key']]}].key {v['key']!r}")
+            seen.setdefault(v["key"], i)
+    controls = [i for i, v in enumerate(variants) if v.get("control") is True]
+    if len(controls) != 1:
+        found = ", ".join(f"variants[{i}]" for i in controls) or "none"
+        c.add("variants", f"exactly one variant must have control: true (found {found})")
+    weights = [v.get("weight") for v in variants]
+    if all(isinstance(w, int) for w in weights) and sum(weights) != WEIGHT_TOTAL:
+        c.add("variants", f"weights must sum to {WEIGHT_TOTAL} (percent), got {sum(weights)}")
+    names = [set(v.get("factors", {})) for v in variants if v]
+    if names and any(n != names[0] for n in names):
+        for i, v in enumerate(variants):
+            if v and set(v.get("factors", {})) != names[0]:
+                c.add(
+                    f"variants[{i}].factors",
+                    f"must name the same factors as variants[0] ({', '.join(sorted(names[0])) or 'none'}), "
+                    f"got {', '.join(sorted(v.get('factors', {}))) or 'none'}",
+                )
+
+
+def weights_of(doc: dict) -> dict[str, int]:
+    return {v["key"]: v["weight"] for v in doc["variants"]}

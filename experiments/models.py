@@ -1,0 +1,130 @@
+from __future__ import annotations
+
+import secrets
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+from experiments import lifecycle
+
+
+def new_salt() -> str:
+    # Fixed at creation: it keys every user's assignment in this experiment.
+    return secrets.token_hex(16)
+
+
+class Experiment(models.Model):
+    class Status(models.TextChoices):
+        DRAFT = lifecycle.DRAFT, "Draft"
+        RUNNING = lifecycle.RUNNING, "Running"
+        PAUSED = lifecycle.PAUSED, "Paused"
+        CONCLUDED = lifecycle.CONCLUDED, "Concluded"
+
+    key = models.SlugField(max_length=64, unique=True)
+    name = models.CharField(max_length=200)
+    hypothesis = models.TextField(blank=True, max_length=2000)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.DRAFT)
+    sla_ttft_ms = models.FloatField("SLA: TTFT under (ms)")
+    sla_tpot_ms = models.FloatField("SLA: TPOT under (ms)", null=True, blank=True)
+    sla_e2e_ms = models.FloatField("SLA: end-to-end under (ms)", null=True, blank=True)
+    sla_target = models.FloatField("SLA: share of requests that must meet it")
+    salt = models.CharField(max_length=64, default=new_salt, editable=False)
+    hash_version = models.PositiveSmallIntegerField(default=1, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    started_at = models.DateTimeField(null=True, blank=True, editable=False)
+    concluded_at = models.DateTimeField(null=True, blank=True, editable=False)
+
+    class Meta:
+        ordering = ["-created_at"]
+        permissions = [
+            ("change_weights", "Can change traffic weights"),
+            ("run_lifecycle", "Can start, pause, resume and conclude experiments"),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(sla_target__gt=0) & Q(sla_target__lt=1), name="experiment_sla_target_0_1"
+            ),
+            models.CheckConstraint(condition=Q(sla_ttft_ms__gt=0), name="experiment_sla_ttft_positive"),
+            models.CheckConstraint(
+                condition=Q(status__in=list(lifecycle.STATUSES)), name="experiment_status_valid"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.key
+
+    @property
+    def is_locked(self) -> bool:
+        """Once running, the key, salt and variant set are fixed."""
+        return self.status != self.Status.DRAFT
+
+    def weights(self) -> dict[str, int]:
+        return {v.key: v.weight for v in self.variants.all()}
+
+
+class Variant(models.Model):
+    class Api(models.TextChoices):
+        CHAT = "chat", "Chat completions"
+        COMPLETIONS = "completions", "Completions"
+
+    experiment = models.ForeignKey(Experiment, on_delete=models.CASCADE, related_name="variants")
+    key = models.SlugField(max_length=64)
+    position = models.PositiveSmallIntegerField(default=0)
+    control = models.BooleanField(default=False)
+    weight = models.PositiveSmallIntegerField(help_text="Percent of users (all variants sum to 100)")
+    endpoint = models.URLField(max_length=500, help_text="Base URL of the OpenAI-compatible API")
+    model = models.CharField(max_length=200)
+    api = models.CharField(max_length=16, choices=Api.choices, default=Api.CHAT)
+    http2 = models.BooleanField(default=False)
+    factors = models.JSONField(default=dict, blank=True)
+    engine_args = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["experiment", "position"]
+        constraints = [
+            models.UniqueConstraint(fields=["experiment", "key"], name="variant_key_unique"),
+            models.UniqueConstraint(
+                fields=["experiment"], condition=Q(control=True), name="variant_one_control"
+            ),
+            models.CheckConstraint(condition=Q(weight__lte=100), name="variant_weight_max_100"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.experiment.key}/{self.key}"
+
+
+class AuditEntry(models.Model):
+    """Append-only: who changed what, when, with the state before and after."""
+
+    experiment = models.ForeignKey(
+        Experiment, null=True, blank=True, on_delete=models.SET_NULL, related_name="audit"
+    )
+    # Kept as text too, so the entry survives the deletion of a draft experiment.
+    experiment_key = models.CharField(max_length=64, db_index=True)
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
+    actor_name = models.CharField(max_length=150)
+    at = models.DateTimeField(auto_now_add=True)
+    action = models.CharField(max_length=32)
+    reason = models.TextField(blank=True)
+    before = models.JSONField(null=True)
+    after = models.JSONField(null=True)
+
+    class Meta:
+        ordering = ["-at", "-id"]
+        verbose_name_plural = "audit entries"
+        # Serves the audit list of one experiment, newest first.
+        indexes = [models.Index(fields=["experiment_key", "-at"], name="audit_by_experiment")]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor_name} {self.action} {self.experiment_key}"
+
+    def save(self, *args, **kwargs):
+        if self.pk is not None:
+            raise ValueError("audit entries are append-only and cannot be changed")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        raise ValueError("audit entries are append-only and cannot be deleted")

@@ -1,0 +1,23 @@
+"""What the weights store hears of the experiment lifecycle.
+
+Starting an experiment publishes its first weights document (the variants' weights as the
+product team set them), so routers begin assigning users; from then on only SREs change
+weights. Runs inside the transition's transaction: if the store write fails, the status
+change rolls back and the experiment stays a draft.
+"""
+
+from __future__ import annotations
+
+
+def after_transition(experiment, action: str, actor) -> None:
+    if action != "start":
+        return
+    from experiments.weights.service import publish_weights
+
+    publish_weights(
+        experiment,
+        {v.key: v.weight for v in experiment.variants.all()},
+        actor=actor,
+        reason="experiment started",
+        expected_revision=None,
+    )

@@ -1,0 +1,44 @@
+"""Which sample store this process uses: a ClickHouse server when a URL is set, else chDB.
+
+store_from_config is pure of Django (scripts, benches, tests); get_store/get_writer read the
+lead's settings CLICKHOUSE_URL, CHDB_PATH and SPOOL_DIR and cache one instance per process.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from samples.spool import SpoolingWriter
+from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore
+
+_cache: dict[tuple[str, str], SampleStore] = {}
+_cache_lock = threading.Lock()
+
+
+def store_from_config(clickhouse_url: str, chdb_path: str, database: str = "abplat") -> SampleStore:
+    """ClickHouse server if clickhouse_url is non-empty (its database comes from the URL path),
+    otherwise chDB in-process under chdb_path (database `database`)."""
+    if clickhouse_url:
+        return ClickHouseServerBackend(clickhouse_url)
+    if not chdb_path:
+        raise ValueError(
+            "sample store not configured: set ABPLAT_CLICKHOUSE_URL (ClickHouse server) "
+            "or ABPLAT_CHDB_PATH (embedded chDB directory)"
+        )
+    return ChdbBackend(chdb_path, database)
+
+
+def get_store() -> SampleStore:
+    from django.conf import settings
+
+    key = (settings.CLICKHOUSE_URL, settings.CHDB_PATH)
+    with _cache_lock:
+        if key not in _cache:
+            _cache[key] = store_from_config(str(key[0] or ""), str(key[1] or ""))
+        return _cache[key]
+
+
+def get_writer() -> SpoolingWriter:
+    from django.conf import settings
+
+    return SpoolingWriter(get_store(), str(settings.SPOOL_DIR))

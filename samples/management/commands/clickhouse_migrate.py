@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from samples.factory import get_store
+from samples.store import StoreError
+
+
+class Command(BaseCommand):
+    help = "Apply the sample store's ClickHouse schema migrations (ClickHouse server or chDB)."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--show", action="store_true", help="list migrations and whether each is applied"
+        )
+
+    def handle(self, *args: Any, show: bool = False, **options: Any) -> None:
+        store = get_store()
+        try:
+            if show:
+                for m in store.migration_status():
+                    mark = "[X]" if m["applied"] else "[ ]"
+                    bad = "" if m["checksum_ok"] else "  CHECKSUM MISMATCH"
+                    self.stdout.write(f"{mark} {m['version']:04d} {m['name']}{bad}")
+                return
+            applied = store.migrate()
+        except StoreError as e:
+            raise CommandError(str(e)) from e
+        if applied:
+            for v in applied:
+                self.stdout.write(f"applied {v:04d} on {store.describe()}")
+        else:
+            self.stdout.write(f"no migrations to apply on {store.describe()}")

@@ -1,0 +1,376 @@
+"""The simulator's ASGI app: vLLM's OpenAI-compatible surface over the latency model.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
+GET /metrics. A request may force a fault with the header ``x-abplat-fault: KIND`` (one of
+``Faults.KINDS``); otherwise it draws one from the profile's rates, seeded by the profile seed
+and the request's X-Request-Id, so a replayed run faults the same requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import time
+from typing import Any
+
+from simulator.framing import DONE, ENGINE_ERROR, Framer, error_body
+from simulator.metrics import Metrics
+from simulator.model import Faults, Profile, Seq
+from simulator.runtime import Engine
+
+_WORDS = (
+    " the a of to and in is it that for on with as was at by be this from or an are not "
+    "model token latency server batch queue prefill decode cache stream request GPU fast slow "
+    "test binary icode enum md so per address bu nce iltin ader vo"
+).split(" ")[1:]
+_MULTIBYTE = ("你好", "世界", "模型", "延迟", "吞吐", "😀", "🚀", "✨", "café", "naïve", "Ж", "λ")
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+]
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+class SimulatedDisconnect(Exception):
+    """Raised mid-response so the server drops the connection (the disconnect fault)."""
+
+
+class _QuietDisconnect(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, SimulatedDisconnect)
+
+
+logging.getLogger("uvicorn.error").addFilter(_QuietDisconnect())
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str, err_type: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.err_type, self.param = status, message, err_type, param
+
+
+class SimulatorApp:
+    def __init__(self, profile: Profile, model: str = "abplat-sim") -> None:
+        self.profile = profile
+        self.model = model
+        self.engine = Engine(profile)
+        self.metrics = Metrics(model)
+        self._counter = 0
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await self.engine.aclose()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if path in ("/v1/chat/completions", "/v1/completions"):
+            if method != "POST":
+                return await _respond(send, 405, b'{"detail":"Method Not Allowed"}')
+            api = "chat" if path == "/v1/chat/completions" else "completions"
+            return await self._generate(api, scope, receive, send)
+        if method != "GET":
+            return await _respond(send, 405, b'{"detail":"Method Not Allowed"}')
+        if path == "/health":
+            return await _respond(send, 200, b"", [])
+        if path == "/v1/models":
+            body = {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model,
+                        "object": "model",
+                        "created": int(time.time()),
+                        "owned_by": "vllm",
+                        "root": self.model,
+                        "parent": None,
+                        "max_model_len": self.profile.max_model_len,
+                    }
+                ],
+            }
+            return await _respond(send, 200, json.dumps(body).encode())
+        if path == "/metrics":
+            text = self.metrics.render(self.engine.running, self.engine.waiting)
+            headers = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
+            return await _respond(send, 200, text.encode(), headers)
+        return await _respond(send, 404, b'{"detail":"Not Found"}')
+
+    # ------------------------------------------------------------------------------------
+    async def _generate(self, api: str, scope: dict, receive: Any, send: Any) -> None:
+        received_ns = time.perf_counter_ns()
+        body = b""
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        self._counter += 1
+        rid = headers.get("x-request-id") or f"sim-{self._counter}"
+        try:
+            req = self._parse(api, body)
+            req["rid"] = headers.get("x-request-id") or f"{rng_id(self.profile.seed, rid):016x}"
+            fault = self._fault(rid, headers.get("x-abplat-fault", ""))
+        except BadRequest as e:
+            self.metrics.request_failed()
+            return await _respond(send, e.status, error_body(e.message, e.err_type, e.status, e.param))
+        rng = random.Random(f"{self.profile.seed}:{rid}")
+        if fault == "http_error":
+            self.metrics.request_failed()
+            msg = "simulated internal server error"
+            return await _respond(send, 500, error_body(msg, "InternalServerError", 500))
+        echo = [(b"x-request-id", rid.encode("latin-1"))]
+        if not req["stream"]:
+            return await self._complete(api, req, rng, send, echo)
+        await self._stream(api, req, rng, fault, received_ns, receive, send, echo)
+
+    def _fault(self, rid: str, forced: str) -> str:
+        if forced:
+            if forced not in Faults.KINDS:
+                raise BadRequest(
+                    400,
+                    f"x-abplat-fault: unknown fault {forced!r}; known: {', '.join(Faults.KINDS)}",
+                    "BadRequestError",
+                )
+            return forced
+        return self.profile.faults.draw(random.Random(f"fault:{self.profile.seed}:{rid}").random())
+
+    def _parse(self, api: str, raw: bytes) -> dict[str, Any]:
+        try:
+            req = json.loads(raw)
+        except ValueError:
+            raise BadRequest(400, "request body is not valid JSON", "BadRequestError") from None
+        if not isinstance(req, dict):
+            raise BadRequest(400, "request body must be a JSON object", "BadRequestError")
+        model = req.get("model")
+        if model != self.model:
+            raise BadRequest(
+                404, f"The model `{model}` does not exist.", "NotFoundError", "model"
+            )
+        if api == "chat":
+            msgs = req.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                raise BadRequest(400, "messages: a non-empty list is required", "BadRequestError")
+            prompt_tokens = 3 + sum(4 + _approx_tokens(m.get("content")) for m in msgs)
+            max_tokens = req.get("max_completion_tokens", req.get("max_tokens"))
+        else:
+            prompt = req.get("prompt")
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                prompt_tokens = len(prompt)
+            elif isinstance(prompt, str):
+                prompt_tokens = 1 + _approx_tokens(prompt)
+            else:
+                raise BadRequest(400, "prompt: a string is required", "BadRequestError")
+            max_tokens = req.get("max_tokens", 16)
+        limit = self.profile.max_model_len
+        if max_tokens is None:
+            max_tokens = max(1, min(256, limit - prompt_tokens))
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise BadRequest(400, "max_tokens must be at least 1", "BadRequestError", "max_tokens")
+        if prompt_tokens + max_tokens > limit:
+            raise BadRequest(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+                f"{max_tokens} in the completion). Please reduce the length of the messages or "
+                "completion.",
+                "BadRequestError",
+            )
+        opts = req.get("stream_options") or {}
+        return {
+            "model": model,
+            "prompt_tokens": prompt_tokens,
+            "max_tokens": max_tokens,
+            "stream": bool(req.get("stream", False)),
+            "usage": bool(isinstance(opts, dict) and opts.get("include_usage")),
+        }
+
+    def _text(self, rng: random.Random) -> str:
+        p = self.profile
+        u = rng.random()
+        if u < p.empty_token_rate:
+            return ""
+        if u < p.empty_token_rate + p.multibyte_rate:
+            return rng.choice(_MULTIBYTE)
+        return " " + rng.choice(_WORDS)
+
+    async def _stream(
+        self,
+        api: str,
+        req: dict[str, Any],
+        rng: random.Random,
+        fault: str,
+        received_ns: int,
+        receive: Any,
+        send: Any,
+        echo: list[tuple[bytes, bytes]],
+    ) -> None:
+        p = self.profile
+        max_tokens = req["max_tokens"]
+        prefix = "chatcmpl-" if api == "chat" else "cmpl-"
+        # Like vLLM, the event id carries the client's X-Request-Id when it sent one.
+        framer = Framer(api, prefix + req["rid"], int(time.time()), req["model"])
+        fault_at = rng.randrange(max(1, max_tokens // 2)) if fault else -1
+        if fault == "slow_headers":
+            await asyncio.sleep(p.faults.slow_headers_ms / 1000.0)
+        seq = Seq(prompt_tokens=req["prompt_tokens"], max_tokens=max_tokens)
+        run = self.engine.submit(seq)
+        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, self.engine, run))
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + echo})
+        perf = time.perf_counter_ns
+        first_content_ns: int | None = None
+        emitted = 0
+        try:
+            while emitted < max_tokens:
+                await run.wait_tokens(emitted)
+                if run.gone:
+                    self.metrics.request_aborted()
+                    return
+                while emitted < run.ready:
+                    if emitted == fault_at:
+                        fault_at = -1
+                        if fault == "engine_error":
+                            self.engine.abort(run)
+                            self.metrics.request_failed()
+                            await _body(send, ENGINE_ERROR + DONE, more=False)
+                            return
+                        if fault == "disconnect":
+                            self.engine.abort(run)
+                            self.metrics.request_failed()
+                            raise SimulatedDisconnect()
+                        if fault == "stall":
+                            await asyncio.sleep(p.faults.stall_ms / 1000.0)
+                        if fault == "malformed":
+                            await _body(send, framer.malformed())
+                    if emitted == 0 and api == "chat":
+                        await _body(send, framer.role())
+                    emitted += 1
+                    split = fault == "split_utf8" and emitted <= 4  # the first tokens
+                    text = rng.choice(_MULTIBYTE[:5]) if split else self._text(rng)
+                    finish = "length" if emitted == max_tokens else None
+                    data = framer.token(text, finish)
+                    if text and first_content_ns is None:
+                        first_content_ns = perf()  # ground truth: just before the write
+                    if split:
+                        cut = _inside_multibyte(data)
+                        await _body(send, data[:cut])
+                        await asyncio.sleep(0.002)  # make the split reach the client on its own
+                        await _body(send, data[cut:])
+                    else:
+                        await _body(send, data)
+            now = perf()
+            if req["usage"]:
+                truth = {
+                    "server_ttft_ms": (
+                        None
+                        if first_content_ns is None
+                        else round((first_content_ns - received_ns) / 1e6, 6)
+                    ),
+                    "first_content_ns": first_content_ns,
+                    "received_ns": received_ns,
+                    "queue_ms": round(((seq.admitted_at or seq.arrival) - seq.arrival) * 1e3, 6),
+                    "fault": fault,
+                }
+                await _body(send, framer.usage(req["prompt_tokens"], emitted, truth))
+            await _body(send, DONE, more=False)
+            self.metrics.request_done(
+                req["prompt_tokens"],
+                emitted,
+                (first_content_ns - received_ns) / 1e9 if first_content_ns else None,
+                (now - received_ns) / 1e9,
+                max_tokens,
+            )
+        finally:
+            watcher.cancel()
+            if not seq.finished:
+                self.engine.abort(run)
+
+    async def _complete(
+        self,
+        api: str,
+        req: dict[str, Any],
+        rng: random.Random,
+        send: Any,
+        echo: list[tuple[bytes, bytes]],
+    ) -> None:
+        seq = Seq(prompt_tokens=req["prompt_tokens"], max_tokens=req["max_tokens"])
+        run = self.engine.submit(seq)
+        while not seq.finished:
+            await run.wait_tokens(run.ready)
+        text = "".join(self._text(rng) for _ in range(seq.generated))
+        usage = {
+            "prompt_tokens": req["prompt_tokens"],
+            "total_tokens": req["prompt_tokens"] + seq.generated,
+            "completion_tokens": seq.generated,
+        }
+        if api == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "length",
+            }
+            obj, rid = "chat.completion", "chatcmpl-"
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": "length"}
+            obj, rid = "text_completion", "cmpl-"
+        out = {
+            "id": rid + f"{rng.getrandbits(64):016x}",
+            "object": obj,
+            "created": int(time.time()),
+            "model": req["model"],
+            "choices": [choice],
+            "usage": usage,
+        }
+        await _respond(send, 200, json.dumps(out, ensure_ascii=False).encode(), JSON_HEADERS + echo)
+
+
+async def _watch_disconnect(receive: Any, engine: Engine, run: Any) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            engine.abort(run)
+            return
+
+
+async def _body(send: Any, data: bytes, more: bool = True) -> None:
+    await send({"type": "http.response.body", "body": data, "more_body": more})
+
+
+async def _respond(
+    send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    hdrs = JSON_HEADERS if headers is None else headers
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": body})
+
+
+def rng_id(seed: int, rid: str) -> int:
+    return random.Random(f"id:{seed}:{rid}").getrandbits(64)
+
+
+def _approx_tokens(text: Any) -> int:
+    if isinstance(text, list):  # content parts
+        text = " ".join(str(p.get("text", "")) for p in text if isinstance(p, dict))
+    if not isinstance(text, str):
+        return 0
+    return max(1, math.ceil(len(text.encode()) / 4))
+
+
+def _inside_multibyte(data: bytes) -> int:
+    """An offset that falls inside a multi-byte UTF-8 character (after its lead byte)."""
+    for i, b in enumerate(data):
+        if b >= 0xC0:
+            return i + 1
+    return len(data) // 2

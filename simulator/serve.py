@@ -1,0 +1,166 @@
+"""Run simulators on uvicorn: several profiles on several ports in one process, or one in a
+background thread / subprocess with a handle that knows when it is ready."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import uvicorn
+
+from simulator.app import SimulatorApp
+from simulator.model import Profile
+from simulator.profiles import get_profile
+
+HOST = "127.0.0.1"
+DEFAULT_MODEL = "abplat-sim"
+
+
+def parse_serve_pair(text: str) -> tuple[str, int]:
+    """'NAME=PORT' -> (NAME, PORT), with a clear error naming what is wrong."""
+    name, sep, port = text.partition("=")
+    if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--serve {text!r}: expected PROFILE=PORT, e.g. fp16=8101")
+    get_profile(name)
+    return name, int(port)
+
+
+def _bind(port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((HOST, port))
+    sock.listen(4096)
+    sock.setblocking(False)
+    return sock
+
+
+def build_server(profile: str | Profile, model: str = DEFAULT_MODEL) -> uvicorn.Server:
+    prof = profile if isinstance(profile, Profile) else get_profile(profile)
+    app = SimulatorApp(prof, model=model)
+    config = uvicorn.Config(
+        app,
+        http="httptools",
+        loop="uvloop",
+        lifespan="off",
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=30,
+        backlog=4096,
+    )
+    return uvicorn.Server(config)
+
+
+async def serve_many(pairs: list[tuple[str, int]], model: str = DEFAULT_MODEL) -> None:
+    """Serve each (profile, port) on 127.0.0.1 from this one event loop until interrupted."""
+    if not pairs:
+        raise ValueError("serve_many: no PROFILE=PORT pairs given")
+    servers = [(build_server(name, model), _bind(port)) for name, port in pairs]
+    for (name, port), _ in zip(pairs, servers):
+        print(f"simulator profile={name} at http://{HOST}:{port}", flush=True)
+    await asyncio.gather(*(srv.serve(sockets=[sock]) for srv, sock in servers))
+
+
+def run_forever(pairs: list[tuple[str, int]], model: str = DEFAULT_MODEL) -> None:
+    import uvloop
+
+    uvloop.run(serve_many(pairs, model))
+
+
+@dataclasses.dataclass
+class Handle:
+    url: str
+    profile: str
+    model: str
+    _stop: object
+
+    def stop(self) -> None:
+        self._stop()  # type: ignore[operator]
+
+
+def start_in_thread(
+    profile: str | Profile = "default", port: int = 0, model: str = DEFAULT_MODEL, ready_s: float = 10.0
+) -> Handle:
+    """Serve in a daemon thread with its own event loop; port 0 picks a free port."""
+    sock = _bind(port)
+    real_port = sock.getsockname()[1]
+    server = build_server(profile, model)
+    name = profile.name if isinstance(profile, Profile) else profile
+    server.config.loop = "asyncio"  # uvloop in a side thread works, but keep the thread simple
+    thread = threading.Thread(
+        target=lambda: asyncio.run(server.serve(sockets=[sock])),
+        name=f"simulator-{name}-{real_port}",
+        daemon=True,
+    )
+    thread.start()
+    deadline = time.monotonic() + ready_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"simulator {name!r} on port {real_port} did not start")
+        time.sleep(0.01)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+    return Handle(f"http://{HOST}:{real_port}", name, model, stop)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server for {url} exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        time.sleep(0.1)
+    raise RuntimeError(f"{url}/health not ready after {timeout_s}s ({last})")
+
+
+def start_subprocess(
+    profile: str = "default", port: int = 0, model: str = DEFAULT_MODEL, ready_s: float = 20.0
+) -> Handle:
+    """Serve in a child process (its own core: what benchmarks need); ready when /health is."""
+    get_profile(profile)
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "simulator", "--port", str(port), "--profile", profile]
+    cmd += ["--model", model]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+    url = f"http://{HOST}:{port}"
+    try:
+        wait_healthy(url, ready_s, proc)
+    except Exception:
+        proc.kill()
+        proc.wait()
+        raise
+
+    def stop() -> None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    return Handle(url, profile, model, stop)

@@ -1,0 +1,94 @@
+"""Root fixtures: users in each role, API clients, and experiment documents."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from django.contrib.auth.models import Group, User
+from rest_framework.test import APIClient
+
+DEMO_DOCUMENT = {
+    "key": "ttft-opt",
+    "name": "TTFT optimizations",
+    "hypothesis": "AWQ + FlashAttention-2 keeps 99.2% of first tokens under 200 ms",
+    "sla": {"ttft_ms": 200, "target": 0.992},
+    "variants": [
+        {
+            "key": "fp16", "control": True, "weight": 34, "endpoint": "http://127.0.0.1:8100/v1",
+            "model": "tiny-llama", "api": "chat",
+            "factors": {"quantization": "none", "attention": "sdpa"}, "engine_args": {"dtype": "float16"},
+        },
+        {
+            "key": "awq", "weight": 33, "endpoint": "http://127.0.0.1:8101/v1", "model": "tiny-llama",
+            "api": "chat", "factors": {"quantization": "awq", "attention": "sdpa"},
+            "engine_args": {"quantization": "awq"},
+        },
+        {
+            "key": "awq-fa2", "weight": 33, "endpoint": "http://127.0.0.1:8102/v1",
+            "model": "tiny-llama", "api": "completions",
+            "factors": {"quantization": "awq", "attention": "flash_attn_2"},
+            "engine_args": {"quantization": "awq", "attention_backend": "FLASH_ATTN"},
+        },
+    ],
+}  # fmt: skip
+
+
+DB_FIXTURES = {"db", "transactional_db", "django_db_setup", "live_server", "admin_client", "django_user_model"}
+
+
+def pytest_collection_modifyitems(items):
+    # `make test` runs the tests that touch the database a second time on PostgreSQL.
+    for item in items:
+        if item.get_closest_marker("django_db") or DB_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.database)
+
+
+@pytest.fixture
+def document():
+    """A valid experiment document; each test gets its own copy to mutate."""
+    return copy.deepcopy(DEMO_DOCUMENT)
+
+
+def _user(username: str, role: str | None = None, **extra) -> User:
+    extra.setdefault("is_staff", role is not None)  # role users work in the admin
+    user = User.objects.create_user(username=username, password="pw-" + username, **extra)
+    if role:
+        user.groups.add(Group.objects.get(name=role))
+    return user
+
+
+@pytest.fixture
+def users(db):
+    """One user per role, plus a user in no group and a superuser."""
+    return {
+        "product": _user("pat", "product"),
+        "sre": _user("sam", "sre"),
+        "analyst": _user("ana", "analyst"),
+        "nobody": _user("nob"),
+        "admin": _user("root", is_superuser=True, is_staff=True),
+    }
+
+
+@pytest.fixture
+def client_for(users):
+    def make(role: str | None) -> APIClient:
+        client = APIClient()
+        if role is not None:
+            client.force_authenticate(users[role])
+        return client
+
+    return make
+
+
+@pytest.fixture
+def experiment(db, document, users):
+    from experiments.services import apply_document
+
+    return apply_document(document, actor=users["product"]).experiment
+
+
+@pytest.fixture(autouse=True)
+def _fast_password_hashing(settings):
+    # PBKDF2's deliberate slowness buys nothing in tests.
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

@@ -1,0 +1,99 @@
+"""The experiment document rules, shared by the API, the command line and the admin."""
+
+import pytest
+
+from experiments.document import DocumentError, validate_document
+
+
+def errors_of(doc) -> dict[str, list[str]]:
+    with pytest.raises(DocumentError) as info:
+        validate_document(doc)
+    return info.value.as_dict()
+
+
+def test_valid_document_is_normalized(document):
+    doc = validate_document(document)
+    assert [v["key"] for v in doc["variants"]] == ["fp16", "awq", "awq-fa2"]
+    assert doc["variants"][1]["control"] is False  # defaulted
+    assert doc["variants"][1]["http2"] is False
+    assert doc["sla"] == {"ttft_ms": 200.0, "tpot_ms": None, "e2e_ms": None, "target": 0.992}
+
+
+def test_error_names_the_field_path_and_rule(document):
+    document["variants"][2]["weight"] = -1
+    assert "variants[2].weight" in errors_of(document)
+
+
+@pytest.mark.parametrize("weight", [1.5, "33", True, None, -3])
+def test_weight_must_be_a_non_negative_integer(document, weight):
+    document["variants"][1]["weight"] = weight
+    assert "non-negative whole number" in errors_of(document)["variants[1].weight"][0]
+
+
+def test_weights_must_sum_to_100(document):
+    document["variants"][0]["weight"] = 30
+    assert "sum to 100" in errors_of(document)["variants"][0]
+
+
+def test_exactly_one_control(document):
+    document["variants"][1]["control"] = True
+    assert "exactly one" in errors_of(document)["variants"][0]
+    document["variants"][0]["control"] = document["variants"][1]["control"] = False
+    assert "found none" in errors_of(document)["variants"][0]
+
+
+def test_variant_keys_unique(document):
+    document["variants"][2]["key"] = "awq"
+    assert "duplicates variants[1].key" in errors_of(document)["variants[2].key"][0]
+
+
+@pytest.mark.parametrize(
+    "endpoint", ["ftp://x/v1", "127.0.0.1:8000", "http:///v1", "http://h:99999/v1", "", "http://h/v1?x=1"]
+)
+def test_endpoint_must_be_http_url(document, endpoint):
+    document["variants"][0]["endpoint"] = endpoint
+    assert "variants[0].endpoint" in errors_of(document)
+
+
+@pytest.mark.parametrize(
+    "sla, path",
+    [
+        ({"ttft_ms": 200, "target": 1.0}, "sla.target"),
+        ({"ttft_ms": 200, "target": 0}, "sla.target"),
+        ({"ttft_ms": -5, "target": 0.9}, "sla.ttft_ms"),
+        ({"ttft_ms": float("nan"), "target": 0.9}, "sla.ttft_ms"),
+        ({"target": 0.9}, "sla.ttft_ms"),
+        ({"ttft_ms": 200}, "sla.target"),
+        ({"ttft_ms": 200, "target": 0.9, "tpot_ms": 0}, "sla.tpot_ms"),
+        ({"ttft_ms": 200, "target": 0.9, "p99": 3}, "sla.p99"),
+    ],
+)
+def test_sla_values_in_range(document, sla, path):
+    document["sla"] = sla
+    assert path in errors_of(document)
+
+
+def test_factors_must_have_the_same_names_everywhere(document):
+    document["variants"][2]["factors"] = {"quantization": "awq"}
+    errors = errors_of(document)
+    assert "must name the same factors" in errors["variants[2].factors"][0]
+
+
+def test_unknown_fields_are_rejected(document):
+    document["colour"] = "blue"
+    document["variants"][0]["wieght"] = 3
+    errors = errors_of(document)
+    assert "colour" in errors and "variants[0].wieght" in errors
+
+
+def test_all_errors_reported_at_once(document):
+    document["key"] = "Bad Key"
+    document["variants"][0]["api"] = "grpc"
+    document["variants"][1]["model"] = ""
+    assert {"key", "variants[0].api", "variants[1].model"} <= set(errors_of(document))
+
+
+@pytest.mark.parametrize("raw", [None, [], "text", {"key": "x"}])
+def test_non_documents_rejected(raw):
+    with pytest.raises(DocumentError):
+        validate_document(raw)

@@ -1,0 +1,249 @@
+"""Sample store fixtures: every store test runs on chDB and on the real ClickHouse server.
+
+The server must be running (scripts/clickhouse.sh start); each test gets a fresh database on it
+and on chDB, dropped afterwards. chDB opens one data directory per process, so the whole session
+shares one directory and isolates tests by database.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from workers.streaming.result import Outcome, StreamResult
+
+from samples.columns import row_from
+from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore, release_chdb
+
+SERVER_URL = os.environ.get(
+    "ABPLAT_TEST_CLICKHOUSE_URL", "clickhouse://default:@127.0.0.1:19000/abplat_test"
+)
+
+
+def server_url_for(database: str, url: str = SERVER_URL) -> str:
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(parts._replace(path="/" + database))
+
+
+@pytest.fixture(scope="session")
+def clickhouse_server() -> str:
+    probe = ClickHouseServerBackend(SERVER_URL, tries=1)
+    try:
+        probe.ping()
+    except Exception as e:
+        pytest.fail(
+            f"ClickHouse server not reachable at {SERVER_URL} ({e}). "
+            "Start it with: scripts/clickhouse.sh start",
+            pytrace=False,
+        )
+    finally:
+        probe.close()
+    return SERVER_URL
+
+
+@pytest.fixture(scope="session")
+def chdb_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    # Another test module may have left its own chDB directory open in this process.
+    release_chdb()
+    path = str(tmp_path_factory.mktemp("chdb"))
+    yield path
+    release_chdb()
+
+
+def _fresh_db() -> str:
+    return f"abplat_test_{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def make_store(request: pytest.FixtureRequest, chdb_dir: str) -> Iterator:
+    """make_store(kind, **kw) -> a migrated-or-not store on a fresh database of that kind."""
+    made: list[SampleStore] = []
+
+    def make(kind: str, url: str | None = None, **kw) -> SampleStore:
+        db = _fresh_db()
+        if kind == "chdb":
+            store: SampleStore = ChdbBackend(chdb_dir, db)
+        else:
+            request.getfixturevalue("clickhouse_server")
+            store = ClickHouseServerBackend(server_url_for(db, url or SERVER_URL), **kw)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        try:
+            cleanup = (
+                ClickHouseServerBackend(server_url_for(store.database))
+                if isinstance(store, ClickHouseServerBackend)
+                else store
+            )
+            cleanup.execute(f"DROP DATABASE IF EXISTS {store.database}")
+            cleanup.close()
+        except Exception:  # a test that broke the server must not hide its own failure
+            pass
+        store.close()
+
+
+@pytest.fixture(params=["chdb", "server"])
+def store(request: pytest.FixtureRequest, make_store) -> SampleStore:
+    s = make_store(request.param)
+    s.migrate()
+    return s
+
+
+class FlakyProxy:
+    """A TCP proxy to the ClickHouse server that can be switched off and on: "the store went
+    down and came back" for one backend object, without stopping the shared server."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        self.port = probe.getsockname()[1]
+        probe.close()
+        self._listener: socket.socket | None = None
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def up(self) -> None:
+        ls = socket.socket()
+        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        ls.bind(("127.0.0.1", self.port))
+        ls.listen(16)
+        self._listener = ls
+        threading.Thread(target=self._accept, args=(ls,), daemon=True).start()
+
+    def down(self) -> None:
+        with self._lock:
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
+            for c in self._conns:
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                c.close()
+            self._conns.clear()
+
+    def _accept(self, ls: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = ls.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target, timeout=5)
+            upstream.settimeout(None)
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+@pytest.fixture
+def flaky_server(clickhouse_server: str) -> Iterator[tuple[FlakyProxy, str]]:
+    """(proxy, url) where url reaches the real server through the switchable proxy."""
+    parts = urllib.parse.urlsplit(clickhouse_server)
+    proxy = FlakyProxy((parts.hostname or "127.0.0.1", parts.port or 9000))
+    proxy.up()
+    auth = f"{parts.username or 'default'}:{parts.password or ''}"
+    url = urllib.parse.urlunsplit(parts._replace(netloc=f"{auth}@127.0.0.1:{proxy.port}"))
+    yield proxy, url
+    proxy.down()
+
+
+def full_result(**over: Any) -> StreamResult:
+    """A StreamResult with every field set to a non-default value."""
+    fields: dict[str, Any] = dict(
+        outcome=Outcome.STALL,
+        http_status=200,
+        error="stall after 12 tokens: «Überlauf» 日本語 'quoted' \\ back\nslash",
+        new_connection=True,
+        connect_ms=1.25,
+        ttfb_ms=3.5,
+        first_byte_ms=3.75,
+        ttft_event_ms=20.125,
+        ttft_ms=21.5,
+        itl_mean_ms=4.0,
+        itl_p50_ms=3.9,
+        itl_p99_ms=12.0,
+        itl_max_ms=15.5,
+        tpot_ms=4.1,
+        e2e_ms=120.0,
+        output_tokens=25,
+        prompt_tokens=512,
+        usage_reported=True,
+        chunks=27,
+        finish_reason="length",
+        request_id="",
+        traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        trace_id="0af7651916cd43dd8448eb211c80319c",
+        server_ttft_ms=19.0,
+        start_ns=2**62 + 17,
+        server_first_content_ns=2**62 + 19_000_017,
+    )
+    fields.update(over)
+    return StreamResult(**fields)
+
+
+def context(seq_: int, **over: Any) -> dict[str, Any]:
+    ctx: dict[str, Any] = dict(
+        experiment="ttft-opt",
+        run_id=7,
+        seq=seq_,
+        variant="awq",
+        mode="split",
+        sent_unix_ms=1_732_900_000_123.456 + seq_ * 10,
+        user_id=f"user-{seq_ % 5}",
+        config_revision=42,
+        scheduled_offset_ms=seq_ * 10.0,
+        schedule_lag_ms=0.75,
+        in_flight=3,
+        prompt_tokens=500,
+        prompt_tokens_estimated=True,
+        max_tokens=64,
+        worker="host-a:1234",
+        attempt=1,
+        recorded_ms=1_732_900_001_000 + seq_,
+    )
+    ctx.update(over)
+    return ctx
+
+
+@pytest.fixture
+def make_rows():
+    """make_rows(n, start=0, **context overrides) -> n sample rows of run 7, variant awq."""
+
+    def make(n: int, start: int = 0, **over: Any) -> list[dict[str, Any]]:
+        return [row_from(full_result(), context(i, **over)) for i in range(start, start + n)]
+
+    return make
+
+
+@pytest.fixture
+def build():
+    """build.result(**fields) and build.context(seq, **keys): the pieces row_from takes."""
+    import types
+
+    return types.SimpleNamespace(result=full_result, context=context)

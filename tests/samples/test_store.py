@@ -1,0 +1,136 @@
+"""The sample store on both backends (chDB in-process and the real ClickHouse server)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from samples import columns, schema
+from samples.store import SchemaMismatch, StoreError
+
+
+def test_migrate_applies_once_and_is_idempotent(make_store):
+    for kind in ("chdb", "server"):
+        store = make_store(kind)
+        assert store.migrate() == [1]
+        assert store.migrate() == []
+        assert store.query(f"SELECT count() FROM {schema.MIGRATIONS_TABLE}") == [(1,)]
+        assert [m["applied"] for m in store.migration_status()] == [True]
+
+
+def test_migrated_table_has_exactly_the_declared_columns_and_types(store):
+    rows = store.query("DESCRIBE TABLE samples")  # system.columns has no position on 18.16
+    assert [r[:2] for r in rows] == [(c.name, c.ch_type) for c in columns.COLUMNS]
+
+
+def test_status_before_migrating_lists_everything_pending(make_store):
+    store = make_store("chdb")
+    assert [m["applied"] for m in store.migration_status()] == [False] * len(schema.MIGRATIONS)
+
+
+def test_an_edited_applied_migration_is_refused(make_store):
+    for kind in ("chdb", "server"):
+        store = make_store(kind)
+        store.ensure_database()
+        store.execute(schema.CREATE_MIGRATIONS_TABLE)
+        store.execute(
+            f"INSERT INTO {schema.MIGRATIONS_TABLE} SELECT 1, 'create samples', 'deadbeef', now()"
+        )
+        with pytest.raises(SchemaMismatch, match="migration 1 .* checksum deadbeef"):
+            store.migrate()
+
+
+def test_a_migration_unknown_to_this_code_is_refused(store):
+    store.execute(f"INSERT INTO {schema.MIGRATIONS_TABLE} SELECT 99, 'future', 'x', now()")
+    with pytest.raises(SchemaMismatch, match="migration 99 is applied but unknown"):
+        store.migrate()
+
+
+def test_every_column_round_trips_including_none_and_unicode(store, build):
+    full = columns.row_from(build.result(), build.context(1))
+    empty = columns.row_from(
+        build.result(
+            connect_ms=None,
+            ttfb_ms=None,
+            first_byte_ms=None,
+            ttft_event_ms=None,
+            ttft_ms=None,
+            itl_mean_ms=None,
+            itl_p50_ms=None,
+            itl_p99_ms=None,
+            itl_max_ms=None,
+            tpot_ms=None,
+            e2e_ms=None,
+            server_ttft_ms=None,
+            server_first_content_ns=None,
+            error="",
+        ),
+        build.context(2, run_id=2**64 - 1, config_revision=-5, user_id="用户-ü"),
+    )
+    assert store.insert_samples([full, empty]) == 2
+    names = ", ".join(columns.COLUMN_NAMES)
+    got = store.query_columns(f"SELECT {names} FROM {schema.SAMPLES_FROM} ORDER BY seq")
+    for i, want in enumerate((full, empty)):
+        row = {n: got[n][i] for n in columns.COLUMN_NAMES}
+        expected = dict(want, sent_at=dt.datetime.fromtimestamp(want["sent_at"], dt.UTC))
+        assert row == expected
+
+
+def test_the_same_batch_inserted_twice_reads_back_once(store, make_rows):
+    rows = make_rows(50)
+    store.insert_samples(rows)
+    store.insert_samples(rows)
+    assert store.count(7) == 50
+    assert store.query(f"SELECT count() FROM {schema.SAMPLES_FROM} WHERE run_id = 7") == [(50,)]
+    assert store.recorded_request_ids(7) == {r["request_id"] for r in rows}
+
+
+def test_a_re_recorded_request_shows_its_latest_recording(store, make_rows):
+    first = make_rows(1)
+    later = make_rows(1, recorded_ms=first[0]["recorded_ms"] + 1, attempt=2)
+    store.insert_samples(later)
+    store.insert_samples(first)
+    rows = store.query(f"SELECT attempt FROM {schema.SAMPLES_FROM}")
+    assert rows == [(2,)]
+
+
+def test_recorded_request_ids_filters_by_variant_and_seq_range(store, make_rows):
+    store.insert_samples(make_rows(10) + make_rows(10, variant="fp16"))
+    ids = store.recorded_request_ids(7, variant="fp16", seq_from=3, seq_to=6)
+    assert ids == {f"r7-0000000{i}-fp16" for i in (3, 4, 5)}
+    assert store.recorded_request_ids(8) == set()
+    assert store.counts_by_variant(7) == {"awq": 10, "fp16": 10}
+    assert store.count(7, variant="awq") == 10
+
+
+def test_parameters_are_quoted_identically_on_both_backends(store):
+    nasty = "it's \\ a \"test\"\n; DROP TABLE samples --"
+    assert store.query("SELECT %(s)s, %(n)s, %(f)s", {"s": nasty, "n": 2**63, "f": 0.1}) == [
+        (nasty, 2**63, 0.1)
+    ]
+    assert store.query("SELECT 1 IN %(ids)s", {"ids": (1, 2)}) == [(1,)]
+
+
+def test_a_bad_query_is_a_permanent_error_naming_the_backend(store):
+    with pytest.raises(StoreError, match=store.backend_name) as err:
+        store.query("SELECT no_such_column FROM samples")
+    assert type(err.value) is StoreError  # not StoreUnavailable: retrying will not help
+
+
+def test_insert_rejects_a_malformed_row_before_sending(store, make_rows):
+    rows = make_rows(3)
+    rows[2]["seq"] = "three"
+    with pytest.raises(ValueError, match="insert_samples row 2: column seq"):
+        store.insert_samples(rows)
+    assert store.count(7) == 0
+
+
+def test_truncate_for_tests_empties_the_table(store, make_rows):
+    store.insert_samples(make_rows(5))
+    store.truncate_for_tests()
+    assert store.count(7) == 0
+
+
+def test_ping_answers(store):
+    store.ping()

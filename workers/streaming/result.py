@@ -1,0 +1,72 @@
+"""What one streamed request measured: the record every layer agrees on.
+
+Pure: no Django, no network. The client fills it, the replay adds its context, the sample
+store writes one row from it, the dashboards read those rows back.
+All durations are milliseconds as floats, measured on a monotonic nanosecond clock that
+starts just before the request is written. A phase that never happened is ``None``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from enum import StrEnum
+
+
+class Outcome(StrEnum):
+    """How a request ended. Every value but OK counts as a miss against the SLA."""
+
+    OK = "ok"
+    HTTP_4XX = "http_4xx"
+    HTTP_5XX = "http_5xx"
+    CONNECT_ERROR = "connect_error"  # refused, DNS, TLS: no connection at all
+    CONNECT_TIMEOUT = "connect_timeout"
+    HEADERS_TIMEOUT = "headers_timeout"  # connected, but no response headers in time
+    FIRST_TOKEN_TIMEOUT = "first_token_timeout"
+    STALL = "stall"  # a gap between two events longer than the stall timeout
+    DISCONNECT = "disconnect"  # the server closed the stream before [DONE]
+    MALFORMED = "malformed"  # an event that is not valid JSON / not the expected shape
+    ENGINE_ERROR = "engine_error"  # vLLM's in-stream error: HTTP 200 then data: {"error": ...}
+    TOTAL_TIMEOUT = "total_timeout"
+    CANCELLED = "cancelled"
+
+
+@dataclasses.dataclass(slots=True)
+class StreamResult:
+    outcome: Outcome = Outcome.OK
+    http_status: int = 0
+    error: str = ""  # human-readable detail of a non-OK outcome
+    # connection
+    new_connection: bool = False
+    connect_ms: float | None = None  # only when a new connection was opened
+    ttfb_ms: float | None = None  # response headers received
+    first_byte_ms: float | None = None  # first body byte
+    # TTFT, three definitions
+    ttft_event_ms: float | None = None  # first event with non-empty choices (vLLM bench)
+    ttft_ms: float | None = None  # first non-empty content (LLMPerf/genai-perf; the SLA's)
+    # decode
+    itl_mean_ms: float | None = None
+    itl_p50_ms: float | None = None
+    itl_p99_ms: float | None = None
+    itl_max_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+    output_tokens: int = 0
+    prompt_tokens: int = 0  # from the usage event when the server sends one
+    usage_reported: bool = False  # False: output_tokens is a chunk count
+    chunks: int = 0
+    finish_reason: str = ""
+    # correlation
+    request_id: str = ""  # X-Request-Id sent
+    traceparent: str = ""  # W3C traceparent sent
+    trace_id: str = ""
+    # ground truth from the simulator (ms after it received the request); None elsewhere
+    server_ttft_ms: float | None = None
+    # Absolute CLOCK_MONOTONIC nanoseconds (time.perf_counter_ns on Linux, one clock for every
+    # process on the host): when the client started its clock, and when the simulator wrote the
+    # first non-empty content event. Their difference against ttft_ms is the measurement error.
+    start_ns: int = 0
+    server_first_content_ns: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.OK
