@@ -31,8 +31,8 @@ def check_weights_store() -> str:
     from experiments.weights.django_store import get_store
 
     store = get_store()
-    store.ping()
-    return f"ok ({store.describe()})"
+    listing = store.list_raw()  # a read at the store's current revision
+    return f"ok ({store.description}, {len(listing.values)} experiments, revision {listing.revision})"
 
 
 def check_sample_store() -> str:

@@ -33,6 +33,7 @@ try:
     SPOOL_DIR = Path(env.env_str("ABPLAT_SPOOL_DIR", str(VAR_DIR / "spool")))
     CELERY_WORKER_CONCURRENCY = env.env_int("ABPLAT_WORKER_CONCURRENCY", 2, minimum=1, maximum=256)
     LOG_LEVEL = env.env_str("ABPLAT_LOG_LEVEL", "INFO").upper()
+    REPLAY_SHARDS = env.env_int("ABPLAT_REPLAY_SHARDS", 2, minimum=1, maximum=256)
     VISIBILITY_TIMEOUT = env.env_int("ABPLAT_VISIBILITY_TIMEOUT", 40 * 60, minimum=5)
 except env.EnvError as exc:
     raise ImproperlyConfigured(str(exc)) from None

@@ -20,9 +20,10 @@ import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from fractions import Fraction
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
+from scipy import special
 from scipy import stats as sps
 
 DEFAULT_CONF = 0.95
@@ -571,6 +572,10 @@ def mann_whitney_from_counts(
     return RankTest(u1, p, u1 / (n1 * n2), n2, n1, "mann-whitney from counts, normal approx")
 
 
+@overload
+def holm_adjust(p_values: Mapping[str, float]) -> dict[str, float]: ...
+@overload
+def holm_adjust(p_values: Sequence[float]) -> list[float]: ...
 def holm_adjust(p_values: Sequence[float] | Mapping[str, float]) -> Any:
     """Holm step-down adjusted p-values (same shape as the input: list or dict)."""
     if isinstance(p_values, Mapping):
@@ -652,8 +657,10 @@ def mcnemar_mid_p(control_only: int, variant_only: int) -> float:
     if discordant == 0:
         return 1.0
     k = min(control_only, variant_only)
-    dist = sps.binom(discordant, 0.5)
-    return float(min(1.0, 2.0 * (dist.cdf(k) - 0.5 * dist.pmf(k))))
+    # scipy.special.bdtr is the binomial CDF without the rv_discrete overhead (~50x faster).
+    below = float(special.bdtr(k - 1, discordant, 0.5)) if k > 0 else 0.0
+    at = float(special.bdtr(k, discordant, 0.5)) - below
+    return min(1.0, 2.0 * (below + 0.5 * at))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -704,7 +711,7 @@ class SrmPart:
     total: int
     observed: dict[str, int]
     expected: dict[str, float]
-    chi2: float
+    chi2: float | None  # None when traffic reached a weight-0 variant (infinite mismatch)
     df: int
     p_value: float
     flagged: bool
@@ -749,7 +756,8 @@ def _srm_part(
     live = [k for k, w in weights.items() if w > 0]
     if leaked:
         note = f"traffic reached variants at weight 0: {sorted(leaked)}"
-        return SrmPart(revision, total, observed, expected, math.inf, len(live), 0.0, True, note)
+        # chi2 is infinite here; None keeps the result JSON-safe.
+        return SrmPart(revision, total, observed, expected, None, len(live), 0.0, True, note)
     if total == 0 or len(live) < 2:
         note = "no traffic" if total == 0 else "a single live variant: nothing to compare"
         return SrmPart(revision, total, observed, expected, 0.0, 0, 1.0, False, note)
@@ -772,13 +780,13 @@ def sample_ratio_mismatch(
     if not revisions:
         raise ValueError("sample_ratio_mismatch: no revisions given")
     parts = [_srm_part(str(rev), counts, weights, alpha) for rev, counts, weights in revisions]
-    chi2 = sum(p.chi2 for p in parts)
     df = sum(p.df for p in parts)
-    p_comb = (
-        float(sps.chi2.sf(chi2, df))
-        if df > 0 and math.isfinite(chi2)
-        else (0.0 if not math.isfinite(chi2) else 1.0)
-    )
+    chi2: float | None
+    if any(p.chi2 is None for p in parts):
+        chi2, p_comb = None, 0.0
+    else:
+        chi2 = float(sum(p.chi2 or 0.0 for p in parts))
+        p_comb = float(sps.chi2.sf(chi2, df)) if df > 0 else 1.0
     observed: dict[str, int] = {}
     expected: dict[str, float] = {}
     for p in parts:

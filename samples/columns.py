@@ -45,33 +45,19 @@ COLUMNS: tuple[Column, ...] = (
     _c("seq", "UInt32", "u32"),
     _c("request_id", "String", "str"),
     # --- replay context: how and when it was sent
-    _c(
-        "mode", "LowCardinality(String)", "str"
-    ),  # 'split' | 'mirror', validated in row_from
+    _c("mode", "LowCardinality(String)", "str"),  # 'split' | 'mirror', validated in row_from
     _c("user_id", "String", "str"),
-    _c(
-        "config_revision", "Int64", "i64"
-    ),  # etcd revision of the weights the router used
-    _c(
-        "sent_at", "DateTime('UTC')", "datetime"
-    ),  # explicit UTC: same partitions on any host
+    _c("config_revision", "Int64", "i64"),  # etcd revision of the weights the router used
+    _c("sent_at", "DateTime('UTC')", "datetime"),  # explicit UTC: same partitions on any host
     _c("sent_unix_ms", "Float64", "f64"),  # exact send time
-    _c(
-        "scheduled_offset_ms", "Float64", "f64"
-    ),  # planned send time, ms after the run start
+    _c("scheduled_offset_ms", "Float64", "f64"),  # planned send time, ms after the run start
     _c("schedule_lag_ms", "Float64", "f64"),  # how late the send was against that plan
     _c("in_flight", "UInt32", "u32"),  # requests in flight in this shard at send time
     _c("prompt_tokens", "UInt32", "u32"),
-    _c(
-        "prompt_tokens_estimated", "UInt8", "u8"
-    ),  # 1: no usage event and no known tokenizer
+    _c("prompt_tokens_estimated", "UInt8", "u8"),  # 1: no usage event and no known tokenizer
     _c("max_tokens", "UInt32", "u32"),
-    _c(
-        "worker", "LowCardinality(String)", "str"
-    ),  # hostname:pid of the recording worker
-    _c(
-        "attempt", "UInt8", "u8"
-    ),  # delivery attempt of the shard task that sent it (1-based)
+    _c("worker", "LowCardinality(String)", "str"),  # hostname:pid of the recording worker
+    _c("attempt", "UInt8", "u8"),  # delivery attempt of the shard task that sent it (1-based)
     # --- StreamResult: every measured field, same names
     _c("outcome", "LowCardinality(String)", "str"),
     _c("http_status", "UInt16", "u16"),
@@ -156,9 +142,7 @@ def row_from(result: StreamResult, context: Mapping[str, Any]) -> dict[str, Any]
     OPTIONAL_CONTEXT. Unknown keys are rejected so a typo never silently drops a value.
     """
     if not isinstance(result, StreamResult):
-        raise SampleError(
-            f"row_from: result must be a StreamResult, got {type(result).__name__}"
-        )
+        raise SampleError(f"row_from: result must be a StreamResult, got {type(result).__name__}")
     unknown = sorted(set(context) - set(REQUIRED_CONTEXT) - set(OPTIONAL_CONTEXT))
     if unknown:
         raise SampleError(f"row_from: unknown context key(s) {unknown}")
@@ -177,11 +161,7 @@ def row_from(result: StreamResult, context: Mapping[str, Any]) -> dict[str, Any]
     # 1. request id: the replay's deterministic id; the client must have sent that same id.
     derived = make_request_id(ctx["run_id"], ctx["seq"], ctx["variant"])
     rid = ctx["request_id"] or result.request_id or derived
-    if (
-        result.request_id
-        and ctx["request_id"]
-        and result.request_id != ctx["request_id"]
-    ):
+    if result.request_id and ctx["request_id"] and result.request_id != ctx["request_id"]:
         raise SampleError(
             f"row_from: result.request_id {result.request_id!r} differs from "
             f"context request_id {ctx['request_id']!r}"
@@ -219,12 +199,8 @@ def row_from(result: StreamResult, context: Mapping[str, Any]) -> dict[str, Any]
         raise SampleError(f"row_from: mode must be one of {MODES}, got {row['mode']!r}")
     if not row["experiment"]:
         raise SampleError("row_from: experiment must be a non-empty string")
-    if not isinstance(row["sent_unix_ms"], int | float) or isinstance(
-        row["sent_unix_ms"], bool
-    ):
-        raise SampleError(
-            f"row_from: sent_unix_ms must be a number, got {row['sent_unix_ms']!r}"
-        )
+    if not isinstance(row["sent_unix_ms"], int | float) or isinstance(row["sent_unix_ms"], bool):
+        raise SampleError(f"row_from: sent_unix_ms must be a number, got {row['sent_unix_ms']!r}")
     row["sent_unix_ms"] = float(row["sent_unix_ms"])
     row["sent_at"] = int(row["sent_unix_ms"] // 1000)
     recorded = ctx["recorded_ms"]
@@ -239,9 +215,7 @@ def validate_row(row: Mapping[str, Any], where: str = "row") -> dict[str, Any]:
     extra = sorted(set(row) - set(COLUMN_NAMES))
     missing = [n for n in COLUMN_NAMES if n not in row]
     if extra or missing:
-        raise SampleError(
-            f"{where}: unknown column(s) {extra}, missing column(s) {missing}"
-        )
+        raise SampleError(f"{where}: unknown column(s) {extra}, missing column(s) {missing}")
     out: dict[str, Any] = {}
     for col in COLUMNS:
         v = row[col.name]
@@ -260,11 +234,7 @@ def validate_row(row: Mapping[str, Any], where: str = "row") -> dict[str, Any]:
         elif col.kind in ("f64", "nf64"):
             if v is None and col.kind == "nf64":
                 pass
-            elif (
-                isinstance(v, bool)
-                or not isinstance(v, int | float)
-                or not math.isfinite(v)
-            ):
+            elif isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
                 raise SampleError(bad)
             else:
                 v = float(v)
@@ -272,6 +242,49 @@ def validate_row(row: Mapping[str, Any], where: str = "row") -> dict[str, Any]:
             raise AssertionError(f"no validation for kind {col.kind}")
         out[col.name] = v
     return out
+
+
+_NAME_SET = frozenset(COLUMN_NAMES)
+_NONE = type(None)
+_ALLOWED_TYPES: dict[str, frozenset[type]] = {
+    "str": frozenset({str}),
+    "f64": frozenset({float, int}),
+    "nf64": frozenset({float, int, _NONE}),
+    "nu64": frozenset({int, _NONE}),
+    **{k: frozenset({int}) for k in ("u8", "u16", "u32", "u64", "i64", "datetime")},
+}
+
+
+def validate_rows(rows: Sequence[Mapping[str, Any]], where: str = "rows") -> dict[str, list[Any]]:
+    """validate_row for a whole batch, column at a time (~20x faster), returning the columns.
+
+    On any problem it falls back to validate_row row by row, so the error names the row.
+    """
+
+    def locate() -> None:
+        for i, r in enumerate(rows):
+            validate_row(r, where=f"{where} row {i}")
+        raise AssertionError("columnar validation failed but no row did")  # pragma: no cover
+
+    if not all(r.keys() == _NAME_SET for r in rows):
+        locate()
+    cols: dict[str, list[Any]] = {}
+    for col in COLUMNS:
+        values = [r[col.name] for r in rows]
+        if not set(map(type, values)) <= _ALLOWED_TYPES[col.kind]:
+            locate()
+        if col.kind in _INT_RANGES:
+            present = values if col.kind != "nu64" else [v for v in values if v is not None]
+            lo, hi = _INT_RANGES[col.kind]
+            if present and (min(present) < lo or max(present) > hi):
+                locate()
+        elif col.kind in ("f64", "nf64"):
+            present = values if col.kind == "f64" else [v for v in values if v is not None]
+            if not all(map(math.isfinite, present)):
+                locate()
+            values = [v if v is None else float(v) for v in values]
+        cols[col.name] = values
+    return cols
 
 
 def to_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:

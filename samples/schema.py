@@ -112,17 +112,13 @@ PARTITION BY toYYYYMM(sent_at)
 ORDER BY (experiment, variant, run_id, seq, request_id)
 """.strip()
 
-MIGRATIONS: tuple[Migration, ...] = (
-    Migration(1, "create samples", (CREATE_SAMPLES_TABLE,)),
-)
+MIGRATIONS: tuple[Migration, ...] = (Migration(1, "create samples", (CREATE_SAMPLES_TABLE,)),)
 
 
 def check_sequence(migrations: tuple[Migration, ...] = MIGRATIONS) -> None:
     versions = [m.version for m in migrations]
     if versions != list(range(1, len(versions) + 1)):
-        raise ValueError(
-            f"schema migrations must be numbered 1..n without gaps, got {versions}"
-        )
+        raise ValueError(f"schema migrations must be numbered 1..n without gaps, got {versions}")
 
 
 check_sequence()

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from samples.columns import row_key, validate_row
+from samples.columns import row_key, validate_row, validate_rows
 from samples.store import SampleStore, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,8 @@ class SpoolingWriter:
         self.spool = Spool(spool_dir)
 
     def write(self, rows: Sequence[Mapping[str, Any]]) -> str:
-        checked = [validate_row(r, where=f"SpoolingWriter.write row {i}") for i, r in enumerate(rows)]
+        validate_rows(rows, "SpoolingWriter.write")  # never spool what the store would reject
+        checked = list(rows)
         if not checked:
             return "stored"
         with self.spool.locked():

@@ -46,16 +46,12 @@ def quote(value: Any, name: str = "?") -> str:
         return "'" + "".join(_ESCAPES.get(ch, ch) for ch in value) + "'"
     if isinstance(value, dt.datetime):
         if value.tzinfo is None:
-            raise ParamError(
-                f"SQL parameter {name!r}: naive datetime {value!r}; pass UTC-aware"
-            )
+            raise ParamError(f"SQL parameter {name!r}: naive datetime {value!r}; pass UTC-aware")
         utc = value.astimezone(dt.UTC)
         return f"toDateTime('{utc:%Y-%m-%d %H:%M:%S}', 'UTC')"
     if isinstance(value, list | tuple | set | frozenset):
         if not value:
-            raise ParamError(
-                f"SQL parameter {name!r}: empty collection has no literal for IN"
-            )
+            raise ParamError(f"SQL parameter {name!r}: empty collection has no literal for IN")
         items = sorted(value) if isinstance(value, set | frozenset) else value
         inner = ", ".join(quote(v, f"{name}[]") for v in items)
         # list -> Array literal; tuple/set -> (a, b) for `x IN %(p)s`.
@@ -69,15 +65,11 @@ def bind(sql: str, params: Mapping[str, Any] | None) -> str:
     if params is None:
         return sql
     if not isinstance(params, Mapping):
-        raise ParamError(
-            f"SQL parameters must be a mapping of name -> value, got {params!r}"
-        )
+        raise ParamError(f"SQL parameters must be a mapping of name -> value, got {params!r}")
     quoted = {k: quote(v, k) for k, v in params.items()}
     try:
         return sql % quoted
     except KeyError as e:
-        raise ParamError(
-            f"SQL uses parameter {e.args[0]!r} that was not given"
-        ) from None
+        raise ParamError(f"SQL uses parameter {e.args[0]!r} that was not given") from None
     except (TypeError, ValueError) as e:
         raise ParamError(f"SQL placeholders do not match the parameters: {e}") from None

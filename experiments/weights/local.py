@@ -4,7 +4,8 @@ Layout::
 
     DIR/.lock            flock(2) taken for every write: the compare-and-set critical section
     DIR/.revision        the store-wide revision counter (text)
-    DIR/<key>.json       {"revision": N, "value": "<the document's JSON text>"}
+    DIR/<key>.json       {"revision": N, "value": "<the document's JSON text>"}, or
+                         {"revision": N, "value": null} once deleted (a tombstone)
 
 Writes go to a temp file in DIR, are fsync'ed and renamed over the target, so a reader sees the
 old or the new file, never half of one. Watchers poll ``.revision`` (one small read per tick) and
@@ -94,28 +95,16 @@ class LocalWeightsStore(WeightsStore):
         except FileNotFoundError:
             return 0
 
-    def _read_entry(self, key: str) -> StoredValue | None:
+    def _read_entry(self, key: str) -> WatchEvent | None:
+        """The key's record: raw None for a tombstone; None when there is no file at all."""
         try:
             data = self._path(key).read_bytes()
         except FileNotFoundError:
             return None
         return _decode_entry(key, data, self._read_counter())
 
-    # WeightsStore ----------------------------------------------------------------------
-
-    def get_raw(self, key: str) -> StoredValue | None:
-        check_key(key)
-        return self._read_entry(key)
-
-    def list_raw(self) -> Listing:
-        # Read the counter first: every entry scanned after it is at least that new.
-        counter = self._read_counter()
-        values = self._scan(counter)
-        top = max((v.revision for v in values.values()), default=0)
-        return Listing(values=values, revision=max(counter, top))
-
-    def _scan(self, counter: int) -> dict[str, StoredValue]:
-        values: dict[str, StoredValue] = {}
+    def _scan(self, counter: int) -> dict[str, WatchEvent]:
+        records: dict[str, WatchEvent] = {}
         for name in sorted(os.listdir(self.directory)):
             if name.startswith(".") or not name.endswith(".json"):
                 continue
@@ -123,35 +112,49 @@ class LocalWeightsStore(WeightsStore):
             try:
                 data = (self.directory / name).read_bytes()
             except FileNotFoundError:
-                continue  # deleted between listdir and read
-            values[key] = _decode_entry(key, data, counter)
-        return values
+                continue  # removed between listdir and read
+            records[key] = _decode_entry(key, data, counter)
+        return records
 
-    def put_raw(self, key: str, raw: bytes, expected_revision: int) -> int:
+    # WeightsStore ----------------------------------------------------------------------
+
+    def get_raw(self, key: str) -> StoredValue | None:
+        check_key(key)
+        record = self._read_entry(key)
+        if record is None or record.raw is None:
+            return None
+        return StoredValue(key, record.raw, record.revision)
+
+    def list_raw(self) -> Listing:
+        # Read the counter first: every entry scanned after it is at least that new.
+        counter = self._read_counter()
+        records = self._scan(counter)
+        values = {k: StoredValue(k, r.raw, r.revision) for k, r in records.items() if r.raw is not None}
+        top = max((r.revision for r in records.values()), default=0)
+        return Listing(values=values, revision=max(counter, top))
+
+    def _write(self, key: str, raw: bytes | None, expected_revision: int | None) -> int:
         check_key(key)
         with self._locked():
             current = self._read_entry(key)
-            actual = current.revision if current is not None else 0
-            if actual != expected_revision:
+            actual = current.revision if current is not None and current.raw is not None else 0
+            if expected_revision is not None and actual != expected_revision:
                 raise ConflictError(key, expected_revision, actual)
-            revision = max(self._read_counter(), actual) + 1
-            envelope = {
-                "revision": revision,
-                "value": raw.decode("utf-8", errors="surrogateescape"),
-            }
+            revision = max(self._read_counter(), current.revision if current else 0) + 1
+            value = raw.decode("utf-8", errors="surrogateescape") if raw is not None else None
+            envelope = {"revision": revision, "value": value}
             # Entry first, counter second: a watcher that sees the new counter finds the entry.
             self._write_atomic(self._path(key), json.dumps(envelope).encode())
             self._write_atomic(self.directory / ".revision", str(revision).encode())
             return revision
 
+    def put_raw(self, key: str, raw: bytes, expected_revision: int) -> int:
+        return self._write(key, raw, expected_revision)
+
     def delete(self, key: str) -> int:
-        check_key(key)
-        with self._locked():
-            revision = self._read_counter() + 1
-            with contextlib.suppress(FileNotFoundError):
-                self._path(key).unlink()
-            self._write_atomic(self.directory / ".revision", str(revision).encode())
-            return revision
+        # A tombstone ({"value": null}) rather than an unlink: a watcher that starts after the
+        # delete still learns of it from the revision, as it would from etcd's history.
+        return self._write(key, None, None)
 
     def watch(self, start_revision: int, stop: threading.Event) -> Iterator[list[WatchEvent]]:
         known: dict[str, int] | None = None
@@ -161,21 +164,14 @@ class LocalWeightsStore(WeightsStore):
             counter = self._read_counter()
             events: list[WatchEvent] = []
             if counter != last_counter:
-                values = self._scan(counter)
+                records = self._scan(counter)
                 if known is None:
-                    events = [
-                        WatchEvent(k, v.raw, v.revision)
-                        for k, v in values.items()
-                        if v.revision >= start_revision
-                    ]
+                    events = [r for r in records.values() if r.revision >= start_revision]
                 else:
-                    events = [
-                        WatchEvent(k, v.raw, v.revision)
-                        for k, v in values.items()
-                        if known.get(k) != v.revision
-                    ]
-                    events += [WatchEvent(k, None, counter) for k in known if k not in values]
-                known = {k: v.revision for k, v in values.items()}
+                    events = [r for k, r in records.items() if known.get(k) != r.revision]
+                    # a file removed by hand rather than through delete()
+                    events += [WatchEvent(k, None, counter) for k in known if k not in records]
+                known = {k: r.revision for k, r in records.items()}
                 last_counter = counter
             now = time.monotonic()
             if events or now - last_yield >= IDLE_TICK_S:
@@ -184,18 +180,20 @@ class LocalWeightsStore(WeightsStore):
             stop.wait(self.poll_interval)
 
 
-def _decode_entry(key: str, data: bytes, counter: int) -> StoredValue:
+def _decode_entry(key: str, data: bytes, counter: int) -> WatchEvent:
     try:
         envelope = json.loads(data)
         revision = envelope["revision"]
         value = envelope["value"]
         if isinstance(revision, bool) or not isinstance(revision, int) or revision <= 0:
             raise TypeError("revision")
+        if value is None:
+            return WatchEvent(key, None, revision)  # tombstone
         if not isinstance(value, str):
             raise TypeError("value")
-        return StoredValue(key, value.encode("utf-8", errors="surrogateescape"), revision)
+        return WatchEvent(key, value.encode("utf-8", errors="surrogateescape"), revision)
     except (ValueError, KeyError, TypeError):
         # A file edited by hand into something else: hand its bytes on as the document so the
         # router rejects it with a reason (and keeps the previous one), at the current counter.
         log.warning("local weights store: %s.json is not a store entry", key)
-        return StoredValue(key, data, max(counter, 1))
+        return WatchEvent(key, data, max(counter, 1))

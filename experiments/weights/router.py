@@ -187,6 +187,7 @@ class Router:
     def _run(self) -> None:
         backoff = self.backoff_min
         need_load = True
+        down_since: float | None = None  # monotonic time of the first error of an outage
         while not self._stop.is_set():
             try:
                 if need_load:
@@ -194,10 +195,18 @@ class Router:
                     need_load = False
                 next_resync = time.monotonic() + self.resync_interval
                 batches = self.store.watch(self._last_seen + 1, self._stop)
-                self._metrics["watch_registrations"] += 1
                 for batch in batches:
-                    self.connected = True
-                    backoff = self.backoff_min
+                    if not self.connected or down_since is not None:
+                        self._metrics["watch_registrations"] += 1
+                        self.connected = True
+                        backoff = self.backoff_min
+                        if down_since is not None:
+                            log.warning(
+                                "weights router: watch re-registered from revision %d after %.2f s",
+                                self._last_seen + 1,
+                                time.monotonic() - down_since,
+                            )
+                            down_since = None
                     if batch:
                         self._apply(batch)
                     if time.monotonic() >= next_resync:
@@ -206,23 +215,27 @@ class Router:
             except WatchCompacted as exc:
                 log.warning("weights router: %s; reloading everything", exc)
                 need_load = True
-            except StoreUnavailable as exc:
-                self.connected = False
-                self.last_error = str(exc)
-                self._metrics["watch_errors"] += 1
-                log.warning(
-                    "weights router: %s; serving the last good snapshot (revision %d), retrying in %.2f s",
-                    exc,
-                    self._last_seen,
-                    backoff,
-                )
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, self.backoff_max)
             except Exception as exc:  # keep serving whatever happens; never kill the thread
                 self.connected = False
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 self._metrics["watch_errors"] += 1
-                log.exception("weights router: unexpected error; retrying")
+                if down_since is None:
+                    down_since = time.monotonic()
+                    # One warning per outage; the retries that follow are logged at debug.
+                    serving = (
+                        f"serving the last good snapshot (revision {self._last_seen}) and "
+                        f"re-registering the watch from revision {self._last_seen + 1}"
+                        if self._snapshot.loaded
+                        else "nothing loaded yet: assignments fail until the first load"
+                    )
+                    log.warning(
+                        "weights router: %s; %s; retrying until the store is back",
+                        self.last_error,
+                        serving,
+                        exc_info=not isinstance(exc, StoreUnavailable),
+                    )
+                else:
+                    log.debug("weights router: still down: %s", self.last_error)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self.backoff_max)
 
@@ -240,7 +253,6 @@ class Router:
         ]
         self._apply(events, store_revision=listing.revision, full=True)
         self._metrics["full_loads"] += 1
-        self.connected = True
         self._ready.set()
 
     def _apply(self, events: Iterable[WatchEvent], store_revision: int = 0, full: bool = False) -> None:

@@ -67,7 +67,7 @@ class WeightsStore(ABC):
         Returns when ``stop`` is set; raises StoreUnavailable when the store goes away and
         WatchCompacted when start_revision is no longer available."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: most stores hold nothing to close
         pass
 
     # Document-level helpers -------------------------------------------------------------

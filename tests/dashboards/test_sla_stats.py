@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import numpy as np
@@ -199,6 +200,18 @@ def test_attainment_difference_ci_matches_newcombe_1998_worked_example():
     assert d.estimate == pytest.approx(0.2)
     assert d.lo == pytest.approx(0.0524, abs=5e-5)
     assert d.hi == pytest.approx(0.3339, abs=5e-5)
+
+
+@given(
+    nc=st.integers(1, 10**6),
+    nv=st.integers(1, 10**6),
+    fc=st.floats(0, 1),
+    fv=st.floats(0, 1),
+)
+def test_attainment_difference_ci_contains_the_estimate(nc, nv, fc, fv):
+    d = S.attainment_difference(int(fc * nc), nc, int(fv * nv), nv)
+    assert -1.0 <= d.lo <= d.estimate <= d.hi <= 1.0
+    assert 0.0 <= d.p_value <= 1.0
 
 
 def test_attainment_difference_p_value_equals_chi_square_without_correction():
@@ -414,8 +427,12 @@ def test_srm_pooling_would_hide_a_mismatch_that_per_revision_tests_see():
 
 
 def test_srm_traffic_to_a_zero_weight_variant_is_a_mismatch():
-    res = S.sample_ratio_mismatch([("r1", {"a": 100, "b": 3}, {"a": 1, "b": 0})])
+    res = S.sample_ratio_mismatch(
+        [("r1", {"a": 100, "b": 3}, {"a": 1, "b": 0}), ("r2", {"a": 5, "b": 5}, {"a": 1, "b": 1})]
+    )
     assert res.flagged and "weight 0" in res.message
+    assert res.combined.p_value == 0.0
+    json.dumps(res.as_dict(), allow_nan=False)  # the report API must not emit Infinity
 
 
 def test_srm_counts_for_unknown_variants_are_an_error():

@@ -17,14 +17,11 @@ from typing import Any
 
 import pytest
 
-from workers.streaming.result import Outcome, StreamResult
-
 from samples.columns import row_from
 from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore, release_chdb
+from workers.streaming.result import Outcome, StreamResult
 
-SERVER_URL = os.environ.get(
-    "ABPLAT_TEST_CLICKHOUSE_URL", "clickhouse://default:@127.0.0.1:19000/abplat_test"
-)
+SERVER_URL = os.environ.get("ABPLAT_TEST_CLICKHOUSE_URL", "clickhouse://default:@127.0.0.1:19000/abplat_test")
 
 
 def server_url_for(database: str, url: str = SERVER_URL) -> str:
@@ -123,6 +120,12 @@ class FlakyProxy:
     def down(self) -> None:
         with self._lock:
             if self._listener is not None:
+                # shutdown() wakes the thread blocked in accept(); close() alone would not, and
+                # the kernel would keep accepting on the "closed" socket.
+                try:
+                    self._listener.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
                 self._listener.close()
                 self._listener = None
             for c in self._conns:

@@ -34,9 +34,7 @@ def test_an_edited_applied_migration_is_refused(make_store):
         store = make_store(kind)
         store.ensure_database()
         store.execute(schema.CREATE_MIGRATIONS_TABLE)
-        store.execute(
-            f"INSERT INTO {schema.MIGRATIONS_TABLE} SELECT 1, 'create samples', 'deadbeef', now()"
-        )
+        store.execute(f"INSERT INTO {schema.MIGRATIONS_TABLE} SELECT 1, 'create samples', 'deadbeef', now()")
         with pytest.raises(SchemaMismatch, match="migration 1 .* checksum deadbeef"):
             store.migrate()
 
@@ -105,7 +103,7 @@ def test_recorded_request_ids_filters_by_variant_and_seq_range(store, make_rows)
 
 
 def test_parameters_are_quoted_identically_on_both_backends(store):
-    nasty = "it's \\ a \"test\"\n; DROP TABLE samples --"
+    nasty = 'it\'s \\ a "test"\n; DROP TABLE samples --'
     assert store.query("SELECT %(s)s, %(n)s, %(f)s", {"s": nasty, "n": 2**63, "f": 0.1}) == [
         (nasty, 2**63, 0.1)
     ]
@@ -134,3 +132,27 @@ def test_truncate_for_tests_empties_the_table(store, make_rows):
 
 def test_ping_answers(store):
     store.ping()
+
+
+def test_a_closed_port_is_unavailable_with_a_hint_to_start_the_server():
+    import socket
+
+    from samples.store import ClickHouseServerBackend, StoreUnavailable
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    store = ClickHouseServerBackend(f"clickhouse://default:@127.0.0.1:{port}/x", backoff_s=(0.01,))
+    with pytest.raises(StoreUnavailable, match=r"after 1 tries \(ping\).*clickhouse.sh start"):
+        store.ping()
+    with pytest.raises(StoreUnavailable, match="after 3 tries"):
+        store.count(1)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8123/abplat", "clickhouse:///abplat"])
+def test_a_malformed_url_names_the_expected_shape(url):
+    from samples.store import ClickHouseServerBackend
+
+    with pytest.raises(StoreError, match="must look like clickhouse://user:password@host:port/db"):
+        ClickHouseServerBackend(url)

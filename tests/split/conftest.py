@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -74,6 +75,38 @@ def etcd_endpoints() -> Iterator[list[tuple[str, int]]]:
     yield endpoints
     if started:
         run_etcd_sh("stop", endpoints[0][1])
+
+
+PRIVATE_ETCD_PORT = 12479  # peer 12480
+
+
+@pytest.fixture
+def private_etcd(tmp_path) -> Iterator[SimpleNamespace]:
+    """A second etcd of our own (client 12479, data under tmp_path) started, stopped and
+    restarted through scripts/etcd.sh, so an outage disturbs no other test."""
+    from experiments.weights.etcd import EtcdWeightsStore
+
+    var = tmp_path / "var"
+    port = PRIVATE_ETCD_PORT
+    run_etcd_sh("start", port, var)
+    clients: list[EtcdWeightsStore] = []
+
+    def new_client() -> EtcdWeightsStore:
+        client = EtcdWeightsStore([("127.0.0.1", port)], prefix="/abplat-test/private/")
+        clients.append(client)
+        return client
+
+    ctl = SimpleNamespace(
+        store=new_client(),
+        new_client=new_client,
+        start=lambda: run_etcd_sh("start", port, var),
+        stop=lambda: run_etcd_sh("stop", port, var),
+        restart=lambda: run_etcd_sh("restart", port, var),
+    )
+    yield ctl
+    for client in clients:
+        client.close()
+    run_etcd_sh("stop", port, var)
 
 
 @pytest.fixture

@@ -161,9 +161,7 @@ MOVES = [
 
 
 @pytest.mark.parametrize(("name", "before", "after"), MOVES, ids=[m[0] for m in MOVES])
-def test_weight_change_moves_at_most_the_total_variation_distance_of_users(
-    buckets, name, before, after
-):
+def test_weight_change_moves_at_most_the_total_variation_distance_of_users(buckets, name, before, after):
     old = allocate(before)
     new = rebalance(old, after)
     moved = users_moved(old, new, buckets[SALT_A]).mean()

@@ -19,9 +19,7 @@ from experiments.assignment import (
     rebalance,
 )
 
-GOLDEN = json.loads(
-    (Path(__file__).parents[1] / "data" / "assignment_golden_v1.json").read_text("utf-8")
-)
+GOLDEN = json.loads((Path(__file__).parents[1] / "data" / "assignment_golden_v1.json").read_text("utf-8"))
 
 
 def pytest_generate_tests(metafunc):

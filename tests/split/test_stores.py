@@ -139,14 +139,12 @@ print(json.dumps({"conflicts": conflicts}))
 """
 
 
-def test_two_processes_incrementing_with_compare_and_set_lose_no_update(
-    store, store_config, spawn
-):
+def test_two_processes_incrementing_with_compare_and_set_lose_no_update(store, store_config, spawn):
     store.put("counter", doc("counter", reason="0"), 0)
     per_process = 40
     children = [spawn(CAS_CHILD, store_config, str(per_process), f"p{i}") for i in range(2)]
     results = [child.communicate(timeout=120) for child in children]
-    for child, (out, err) in zip(children, results, strict=True):
+    for child, (_out, err) in zip(children, results, strict=True):
         assert child.returncode == 0, err
     final, _ = store.get("counter")
     assert int(final.reason) == 2 * per_process

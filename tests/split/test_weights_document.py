@@ -134,8 +134,6 @@ def test_every_problem_is_reported_at_once():
 
 
 def test_conflict_error_says_what_changed_and_what_to_do():
-    assert "expected revision 5, but it is now at revision 7; reload" in str(
-        ConflictError("ttft-opt", 5, 7)
-    )
+    assert "expected revision 5, but it is now at revision 7; reload" in str(ConflictError("ttft-opt", 5, 7))
     assert "already exists at revision 3" in str(ConflictError("ttft-opt", 0, 3))
     assert "does not exist" in str(ConflictError("ttft-opt", 4, 0))

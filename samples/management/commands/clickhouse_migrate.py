@@ -12,9 +12,7 @@ class Command(BaseCommand):
     help = "Apply the sample store's ClickHouse schema migrations (ClickHouse server or chDB)."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument(
-            "--show", action="store_true", help="list migrations and whether each is applied"
-        )
+        parser.add_argument("--show", action="store_true", help="list migrations and whether each is applied")
 
     def handle(self, *args: Any, show: bool = False, **options: Any) -> None:
         store = get_store()

@@ -1,0 +1,263 @@
+"""Seeded synthetic sample rows with a known ground truth, for tests and benchmarks.
+
+Pure numpy (no Django, no database driver): ``generate()`` returns every column of the samples
+table as numpy arrays plus the truth that went into them; ``insert()`` writes them through the
+store in columnar chunks (10M rows without building one Python dict per row).
+
+The model, per request:
+  TTFT = base(prompt tokens, in-flight load) * product of the variant's factor effects * noise
+with a lognormal noise shared by all variants of one request in mirror mode (so paired tests
+see correlated arms). Errors replace the measurement with a failed outcome. TTFT is split into
+the phases the client measures (connect, headers, first event, first content), so the phase
+breakdown of misses has known shares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from samples import columns as colmod
+
+DEFAULT_START_MS = 1_732_900_000_000.0  # 2024-11-29, well inside one monthly partition
+# Phase split of the TTFT measured by the client (fractions, sum 1, connect only when new).
+PHASE_SHARES = {"headers": 0.15, "headers_to_first_event": 0.7, "first_event_to_first_content": 0.15}
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantSpec:
+    key: str
+    weight: float  # traffic share in split mode (normalized)
+    factors: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    ttft_scale: float = 1.0  # multiplies TTFT on top of factor effects (a non-factor effect)
+    error_rate: float = 0.01
+    control: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticSpec:
+    experiment: str = "ttft-opt"
+    run_id: int = 1
+    n: int = 20_000  # requests (split: rows; mirror: rows per variant)
+    mode: str = "split"
+    seed: int = 0
+    variants: Sequence[VariantSpec] = ()
+    # multiplicative TTFT effect of a factor level, e.g. {"quantization=awq": 0.8}
+    factor_effects: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    base_ttft_ms: float = 90.0
+    sigma: float = 0.35  # lognormal noise of TTFT
+    ms_per_1k_prompt_tokens: float = 40.0  # prefill cost
+    ms_per_in_flight: float = 4.0  # queueing cost per request in flight
+    duration_s: float = 3600.0
+    start_unix_ms: float = DEFAULT_START_MS
+    config_revisions: Sequence[int] = (100,)  # evenly split over the run, in time order
+    duplicate_rate: float = 0.0  # extra, OLDER recordings of some requests (must be ignored)
+    round_ms: int = 3  # decimals kept on latencies (keeps distinct values realistic)
+
+
+def demo_variants() -> list[VariantSpec]:
+    """The demo experiment's three arms: fp16 control, AWQ, AWQ + FlashAttention-2."""
+    return [
+        VariantSpec("fp16", 34, {"quantization": "none", "attention": "sdpa"}, control=True),
+        VariantSpec("awq", 33, {"quantization": "awq", "attention": "sdpa"}),
+        VariantSpec("awq-fa2", 33, {"quantization": "awq", "attention": "flash_attn_2"}),
+    ]
+
+
+DEMO_FACTOR_EFFECTS = {"quantization=awq": 0.8, "attention=flash_attn_2": 0.85}
+
+
+@dataclasses.dataclass
+class Synthetic:
+    spec: SyntheticSpec
+    columns: dict[str, np.ndarray]  # every samples column, duplicates included
+    is_duplicate: np.ndarray  # bool per row: an older recording that reads must not see
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.is_duplicate.size)
+
+    def latest(self) -> dict[str, np.ndarray]:
+        """The rows a deduplicated read must return (independent of ClickHouse)."""
+        keep = ~self.is_duplicate
+        return {k: v[keep] for k, v in self.columns.items()}
+
+    def chunks(self, size: int) -> list[dict[str, np.ndarray]]:
+        return [{k: v[i : i + size] for k, v in self.columns.items()} for i in range(0, self.n_rows, size)]
+
+
+def _factor_multiplier(spec: SyntheticSpec, v: VariantSpec) -> float:
+    m = v.ttft_scale
+    for factor, level in v.factors.items():
+        m *= spec.factor_effects.get(f"{factor}={level}", 1.0)
+    return m
+
+
+def _check(spec: SyntheticSpec) -> None:
+    if spec.mode not in colmod.MODES:
+        raise ValueError(f"SyntheticSpec.mode must be one of {colmod.MODES}, got {spec.mode!r}")
+    if not spec.variants:
+        raise ValueError("SyntheticSpec.variants is empty")
+    if sum(1 for v in spec.variants if v.control) != 1:
+        raise ValueError("SyntheticSpec.variants needs exactly one control")
+    if spec.n < 1:
+        raise ValueError(f"SyntheticSpec.n must be >= 1, got {spec.n}")
+    if not 0 <= spec.duplicate_rate <= 1:
+        raise ValueError(f"SyntheticSpec.duplicate_rate must be in [0, 1], got {spec.duplicate_rate}")
+    for v in spec.variants:
+        if not 0 <= v.error_rate < 1 or v.weight < 0:
+            raise ValueError(f"variant {v.key!r}: error_rate in [0, 1) and weight >= 0 needed")
+
+
+def generate(spec: SyntheticSpec) -> Synthetic:
+    _check(spec)
+    rng = np.random.default_rng(spec.seed)
+    keys = [v.key for v in spec.variants]
+    n_req = spec.n
+
+    # 1. the traffic: one request per seq, sent in order over the run
+    seq_req = np.arange(n_req, dtype=np.uint32)
+    offset_ms = np.sort(rng.uniform(0, spec.duration_s * 1000.0, n_req))
+    prompt = np.clip(rng.lognormal(np.log(400), 1.0, n_req), 4, 16000).astype(np.uint32)
+    in_flight = rng.poisson(6, n_req).astype(np.uint32)
+    noise = rng.lognormal(0.0, spec.sigma, n_req)
+
+    # 2. which variant(s) answer each request
+    if spec.mode == "split":
+        w = np.array([v.weight for v in spec.variants], dtype=float)
+        arm = rng.choice(len(keys), size=n_req, p=w / w.sum())
+        req = np.arange(n_req)
+    else:  # mirror: every request goes to every variant
+        arm = np.repeat(np.arange(len(keys)), n_req)
+        req = np.tile(np.arange(n_req), len(keys))
+    n = arm.size
+
+    mult = np.array([_factor_multiplier(spec, v) for v in spec.variants])[arm]
+    err_p = np.array([v.error_rate for v in spec.variants])[arm]
+    base = (
+        spec.base_ttft_ms
+        + spec.ms_per_1k_prompt_tokens * prompt[req] / 1000.0
+        + spec.ms_per_in_flight * in_flight[req]
+    )
+    # mirror arms share the request's noise plus a little of their own
+    own = rng.lognormal(0.0, spec.sigma / 3, n) if spec.mode == "mirror" else 1.0
+    ttft = np.round(base * mult * noise[req] * own, spec.round_ms)
+    error = rng.random(n) < err_p
+
+    # 3. phases of TTFT as the client sees them
+    new_conn = rng.random(n) < 0.1
+    connect = np.where(new_conn, np.round(rng.uniform(0.5, 3.0, n), spec.round_ms), np.nan)
+    rest = ttft - np.nan_to_num(connect)
+    ttfb = np.round(np.nan_to_num(connect) + rest * PHASE_SHARES["headers"], spec.round_ms)
+    ttft_event = np.round(ttfb + rest * PHASE_SHARES["headers_to_first_event"], spec.round_ms)
+    ttft_event = np.minimum(ttft_event, ttft)
+    out_tokens = rng.integers(16, 256, n).astype(np.uint32)
+    tpot = np.round(rng.lognormal(np.log(12.0), 0.2, n) * mult, spec.round_ms)
+    itl_mean = np.round(tpot * rng.uniform(0.95, 1.05, n), spec.round_ms)
+    e2e = np.round(ttft + tpot * (out_tokens - 1), spec.round_ms)
+    lag = np.round(rng.exponential(0.5, n), spec.round_ms)
+
+    def failed(a: np.ndarray) -> np.ndarray:
+        return np.where(error, np.nan, a)
+
+    sent_ms = spec.start_unix_ms + offset_ms[req] + lag
+    revs = np.asarray(spec.config_revisions, dtype=np.int64)
+    rev = revs[
+        np.minimum((offset_ms[req] / (spec.duration_s * 1000.0) * len(revs)).astype(int), len(revs) - 1)
+    ]
+    variant = np.array(keys, dtype=object)[arm]
+    seq = seq_req[req]
+    request_id = np.array(
+        [f"r{spec.run_id}-{s:08d}-{v}" for s, v in zip(seq.tolist(), variant.tolist())],
+        dtype=object,
+    )
+    cols: dict[str, np.ndarray] = {
+        "experiment": np.full(n, spec.experiment, dtype=object),
+        "variant": variant,
+        "run_id": np.full(n, spec.run_id, dtype=np.uint64),
+        "seq": seq,
+        "request_id": request_id,
+        "mode": np.full(n, spec.mode, dtype=object),
+        "user_id": np.array([f"u{r % 50_000}" for r in req.tolist()], dtype=object),
+        "config_revision": rev,
+        "sent_at": (sent_ms // 1000).astype(np.uint32),
+        "sent_unix_ms": sent_ms,
+        "scheduled_offset_ms": offset_ms[req],
+        "schedule_lag_ms": lag,
+        "in_flight": in_flight[req],
+        "prompt_tokens": prompt[req],
+        "prompt_tokens_estimated": np.zeros(n, dtype=np.uint8),
+        "max_tokens": np.full(n, 256, dtype=np.uint32),
+        "worker": np.full(n, "synthetic:0", dtype=object),
+        "attempt": np.ones(n, dtype=np.uint8),
+        "outcome": np.where(error, "http_5xx", "ok").astype(object),
+        "http_status": np.where(error, 503, 200).astype(np.uint16),
+        "error": np.where(error, "503 Service Unavailable", "").astype(object),
+        "new_connection": new_conn.astype(np.uint8),
+        "connect_ms": connect,
+        "ttfb_ms": ttfb,  # headers arrive even on a 503
+        "first_byte_ms": failed(ttfb),
+        "ttft_event_ms": failed(ttft_event),
+        "ttft_ms": failed(ttft),
+        "itl_mean_ms": failed(itl_mean),
+        "itl_p50_ms": failed(itl_mean),
+        "itl_p99_ms": failed(np.round(itl_mean * 2.5, spec.round_ms)),
+        "itl_max_ms": failed(np.round(itl_mean * 4.0, spec.round_ms)),
+        "tpot_ms": failed(tpot),
+        "e2e_ms": failed(e2e),
+        "output_tokens": np.where(error, 0, out_tokens).astype(np.uint32),
+        "usage_reported": np.ones(n, dtype=np.uint8),
+        "chunks": np.where(error, 0, out_tokens + 2).astype(np.uint32),
+        "finish_reason": np.where(error, "", "length").astype(object),
+        "traceparent": np.full(n, "", dtype=object),
+        "trace_id": np.full(n, "", dtype=object),
+        "server_ttft_ms": np.full(n, np.nan),
+        "start_ns": np.zeros(n, dtype=np.uint64),
+        "server_first_content_ns": np.full(n, np.nan),
+        "recorded_ms": (sent_ms + 10_000).astype(np.uint64),
+    }
+    is_dup = np.zeros(n, dtype=bool)
+
+    # 4. older recordings of some requests with wrong values: a correct read never sees them
+    n_dup = int(round(spec.duplicate_rate * n))
+    if n_dup:
+        pick = rng.choice(n, size=n_dup, replace=False)
+        dup = {k: v[pick].copy() for k, v in cols.items()}
+        dup["recorded_ms"] = dup["recorded_ms"] - 5_000
+        dup["ttft_ms"] = dup["ttft_ms"] * 0 + 99_999.0  # would wreck p99.9 if read
+        dup["outcome"] = np.full(n_dup, "ok", dtype=object)
+        cols = {k: np.concatenate([cols[k], dup[k]]) for k in cols}
+        is_dup = np.concatenate([is_dup, np.ones(n_dup, dtype=bool)])
+    missing = set(colmod.COLUMN_NAMES) ^ set(cols)
+    assert not missing, f"synthetic columns out of sync with samples.columns: {missing}"
+    return Synthetic(spec, {k: cols[k] for k in colmod.COLUMN_NAMES}, is_dup)
+
+
+def _for_store(chunk: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """Arrays in the shapes both store backends accept: Nullable columns as object arrays
+    holding None (NaN would be stored as a NaN value, not NULL)."""
+    out: dict[str, Any] = {}
+    for name in colmod.COLUMN_NAMES:
+        a = chunk[name]
+        if colmod.BY_NAME[name].kind in ("nf64", "nu64"):
+            obj = a.astype(object)
+            obj[np.isnan(a)] = None
+            a = obj
+        out[name] = a
+    return out
+
+
+def insert(store: Any, data: Synthetic, chunk_rows: int = 500_000) -> int:
+    """Columnar insert of every row (duplicates included) in chunks; returns rows written.
+
+    Uses the store's columnar hook (_insert_columns): insert_samples validates one dict per
+    row, which is right for recorded samples and far too slow for 10M synthetic ones.
+    """
+    from samples import schema
+
+    for chunk in data.chunks(chunk_rows):
+        store._insert_columns(schema.SAMPLES_TABLE, _for_store(chunk))
+    return data.n_rows

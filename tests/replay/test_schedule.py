@@ -1,0 +1,74 @@
+"""Arrival processes, shards, deterministic ids and synthetic prompts."""
+
+import statistics
+
+import pytest
+
+from workers.replay import plan
+from workers.replay.arrivals import Arrival
+from workers.replay.prompts import synth_prompt
+
+
+def test_recorded_arrivals_scale_by_speed():
+    assert Arrival(mode="recorded", speed=20).offsets([0.0, 2.0, 4.0]) == [0.0, 0.1, 0.2]
+
+
+def test_poisson_rate_and_reproducible():
+    offsets = Arrival(mode="poisson", rate=50, seed=1).offsets([0.0] * 20001)
+    assert offsets == Arrival(mode="poisson", rate=50, seed=1).offsets([0.0] * 20001)
+    assert offsets[0] == 0.0
+    assert 20000 / offsets[-1] == pytest.approx(50, rel=0.03)
+
+
+def test_gamma_burstiness_shows_in_gap_cv():
+    offsets = Arrival(mode="gamma", rate=50, cv=3.0, seed=2).offsets([0.0] * 20001)
+    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    assert statistics.pstdev(gaps) / statistics.mean(gaps) == pytest.approx(3.0, rel=0.1)
+    assert statistics.mean(gaps) == pytest.approx(1 / 50, rel=0.1)
+
+
+def test_closed_loop_has_no_schedule():
+    assert Arrival(mode="closed", concurrency=8).offsets([0.0, 1.0]) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [({"mode": "warp"}, "mode must be"), ({"speed": 0}, "speed must be > 0"),
+     ({"mode": "poisson"}, "rate must be > 0"), ({"mode": "gamma", "rate": 1, "cv": 0}, "cv must be"),
+     ({"mode": "closed"}, "concurrency must be")],
+)  # fmt: skip
+def test_bad_arrival_settings_named(kwargs, says):
+    with pytest.raises(ValueError, match=says):
+        Arrival(**kwargs)
+
+
+def test_shards_partition_every_request_exactly_once():
+    total = 1003
+    cut = plan.shards(total, 4)
+    owned = sorted(seq for s in cut for seq in s.seqs(total))
+    assert owned == list(range(total))
+    assert all(s.owns(seq) for s in cut for seq in s.seqs(total))
+    assert len(plan.shards(2, 8)) == 2
+
+
+def test_request_ids_deterministic_and_distinct_per_mode():
+    assert plan.request_id(7, 42) == "r7-42"
+    assert plan.request_id(7, 42, "awq") == "r7-42-awq"
+    assert plan.expected_samples(8819, "split", 3) == 8819
+    assert plan.expected_samples(8819, "mirror", 3) == 26457
+
+
+def test_synthetic_prompt_exact_length_with_a_tokenizer():
+    def count(text: str) -> int:  # a tokenizer that splits long words in two
+        return sum(2 if len(w) > 4 else 1 for w in text.split())
+
+    text, estimated = synth_prompt(3, 500, count)
+    assert count(text) == 500 and not estimated
+    assert synth_prompt(3, 500, count)[0] == text  # deterministic
+
+
+def test_synthetic_prompt_estimated_without_a_tokenizer():
+    text, estimated = synth_prompt(1, 120)
+    assert estimated and len(text.split()) == 120
+    with pytest.raises(ValueError):
+        synth_prompt(1, 0)

@@ -1,0 +1,114 @@
+"""Samples survive a store outage: spooled on disk, flushed in order, never duplicated."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from samples.spool import SpoolingWriter
+from samples.store import StoreUnavailable
+
+
+def _spy_inserts(store):
+    calls: list[list[int]] = []
+    real = store.insert_samples
+
+    def spy(rows):
+        calls.append([r["seq"] for r in rows])
+        return real(rows)
+
+    store.insert_samples = spy
+    return calls
+
+
+def test_samples_are_spooled_while_the_server_is_down_and_flushed_in_order(
+    make_store, flaky_server, make_rows, tmp_path
+):
+    proxy, url = flaky_server
+    store = make_store("server", url=url, tries=2, backoff_s=(0.05,), connect_timeout=1.0)
+    store.migrate()
+    writer = SpoolingWriter(store, str(tmp_path / "spool"))
+    assert writer.write(make_rows(10, start=0)) == "stored"
+
+    proxy.down()
+    assert writer.write(make_rows(10, start=10)) == "spooled"
+    assert writer.write(make_rows(10, start=20)) == "spooled"
+    assert writer.pending(7) == 20 and not writer.durable(7)
+    with pytest.raises(StoreUnavailable, match="scripts/clickhouse.sh start"):
+        writer.flush()
+    assert writer.pending(7) == 20  # a failed flush keeps everything
+
+    proxy.up()
+    calls = _spy_inserts(store)
+    assert writer.write(make_rows(10, start=30)) == "stored"
+    # the spooled batches went first, oldest first, then the new one
+    assert [c[0] for c in calls] == [10, 20, 30]
+    assert writer.durable(7) and writer.pending() == 0
+    assert store.count(7) == 40
+    assert store.query("SELECT count() FROM samples WHERE run_id = 7") == [(40,)]
+
+
+def test_a_batch_spooled_after_an_insert_that_landed_is_not_stored_twice(store, make_rows, tmp_path):
+    rows = make_rows(20)
+    writer = SpoolingWriter(store, str(tmp_path / "spool"))
+    # The insert reached the store but its reply was lost, so the writer spooled it too.
+    store.insert_samples(rows[:15])
+    writer.spool.append(rows)
+    report = writer.flush()
+    assert (report.inserted, report.skipped_stored, report.files) == (5, 15, 1)
+    # physically one copy each: the flush filtered, not just FINAL
+    assert store.query("SELECT count() FROM samples") == [(20,)]
+    assert writer.durable(7)
+
+
+@pytest.mark.parametrize("crash", ["mid_line", "before_rename"])
+def test_a_spool_file_torn_by_a_crash_gives_up_its_complete_rows_and_is_quarantined(
+    store, make_rows, tmp_path, crash
+):
+    writer = SpoolingWriter(store, str(tmp_path / "spool"))
+    name = writer.spool.append(make_rows(10))
+    path = os.path.join(writer.spool.dir, name)
+    data = open(path, "rb").read()
+    lines = data.split(b"\n")
+    # header + 4 complete rows, then half of the 5th row: what a crash mid-write leaves
+    cut = sum(len(x) + 1 for x in lines[:5]) + len(lines[5]) // 2
+    with open(path, "r+b") as f:
+        f.truncate(cut)
+    if crash == "before_rename":
+        os.rename(path, path + ".tmp")
+
+    assert not writer.durable(7)
+    report = writer.flush()
+    assert report.salvaged == 4 and report.inserted == 4
+    assert len(report.torn_files) == 1 and os.path.exists(report.torn_files[0])
+    assert store.recorded_request_ids(7) == {f"r7-0000000{i}-awq" for i in range(4)}
+    assert writer.durable(7)
+    # the next batch gets a fresh sequence number, never the quarantined one
+    assert writer.spool.append(make_rows(1, start=50)) != name
+
+
+def test_a_torn_file_whose_header_is_unreadable_blocks_every_run_until_flushed(store, make_rows, tmp_path):
+    writer = SpoolingWriter(store, str(tmp_path / "spool"))
+    name = writer.spool.append(make_rows(3))
+    path = os.path.join(writer.spool.dir, name)
+    with open(path, "r+b") as f:
+        f.truncate(5)
+    assert not writer.durable(7) and not writer.durable(12345)
+    report = writer.flush()
+    assert report.torn_files and report.salvaged == 0
+    assert writer.durable(12345)
+
+
+def test_rows_the_store_would_reject_are_refused_not_spooled(store, make_rows, tmp_path):
+    writer = SpoolingWriter(store, str(tmp_path / "spool"))
+    rows = make_rows(2)
+    rows[1]["mode"] = 3
+    with pytest.raises(ValueError, match="SpoolingWriter.write row 1: column mode"):
+        writer.write(rows)
+    assert writer.pending() == 0 and store.count(7) == 0
+
+
+def test_flush_of_an_empty_spool_does_nothing(store, tmp_path):
+    report = SpoolingWriter(store, str(tmp_path / "spool")).flush()
+    assert (report.files, report.inserted) == (0, 0)

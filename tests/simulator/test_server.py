@@ -1,0 +1,163 @@
+"""The simulator as a server: routes, metrics, startup handles, CLI and management command."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import httpx
+import pytest
+from django.core.management import CommandError, call_command
+
+from simulator.__main__ import pairs_from_args
+from simulator.profiles import get_profile
+from simulator.serve import free_port, start_in_thread, start_subprocess, wait_healthy
+from workers.streaming.client import VariantClient
+from workers.streaming.result import Outcome
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def sim():
+    handle = start_in_thread("fast")
+    yield handle
+    handle.stop()
+
+
+def test_health_models_and_unknown_routes(sim):
+    with httpx.Client(base_url=sim.url, trust_env=False, timeout=5) as c:
+        assert c.get("/health").status_code == 200
+        models = c.get("/v1/models").json()
+        assert models["data"][0]["id"] == "abplat-sim"
+        assert c.get("/nope").status_code == 404
+        assert c.get("/v1/completions").status_code == 405
+
+
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b'{"model": "abplat-sim", "messages": []}', 400, "messages"),
+        (b'{"model": "abplat-sim", "messages": [{"role":"user","content":"x"}], "max_tokens": 0}', 400, "max_tokens"),
+        (b'{"model": "abplat-sim", "messages": [{"role":"user","content":"x"}], "max_tokens": 99999}', 400, "maximum context length"),
+        (b'{"model": "other", "messages": [{"role":"user","content":"x"}]}', 404, "does not exist"),
+    ],
+)  # fmt: skip
+def test_bad_requests_get_vllm_style_errors(sim, body, status, message):
+    r = httpx.post(sim.url + "/v1/chat/completions", content=body, trust_env=False)
+    assert r.status_code == status
+    assert message in r.json()["error"]["message"]
+
+
+def test_unknown_forced_fault_is_a_400_naming_the_known_ones(sim):
+    r = httpx.post(
+        sim.url + "/v1/completions",
+        json={"model": "abplat-sim", "prompt": "x", "stream": True},
+        headers={"x-abplat-fault": "meteor"},
+        trust_env=False,
+    )
+    assert r.status_code == 400 and "stall" in r.json()["error"]["message"]
+
+
+def test_non_streaming_completion_returns_usage(sim):
+    r = httpx.post(
+        sim.url + "/v1/completions",
+        json={"model": "abplat-sim", "prompt": "x", "max_tokens": 5},
+        trust_env=False,
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_metrics_use_vllm_names_and_count_tokens(sim):
+    async def go():
+        async with VariantClient(sim.url, "abplat-sim", "completions") as c:
+            await asyncio.gather(*(c.stream(f"m{i}", "hello", 7) for i in range(5)))
+
+    asyncio.run(go())
+    text = httpx.get(sim.url + "/metrics", trust_env=False).text
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_count",
+    ):
+        assert name in text
+    gen = next(ln for ln in text.splitlines() if ln.startswith("vllm:generation_tokens_total"))
+    assert float(gen.rsplit(" ", 1)[1]) >= 35
+    assert 'le="0.25"' in text and 'le="0.2"' not in text  # vLLM's TTFT buckets
+
+
+def test_same_request_id_draws_the_same_fault_and_text():
+    # chaos profile: which requests fault depends only on the seed and the request id.
+    chaos = get_profile("chaos")
+    quick = dataclasses.replace(chaos.faults, stall_ms=20.0, slow_headers_ms=20.0)
+    h = start_in_thread(dataclasses.replace(chaos, faults=quick))
+    try:
+
+        async def go():
+            async with VariantClient(h.url, "abplat-sim", "completions") as c:
+                return [(await c.stream(f"r{i}", "x", 4)).outcome for i in range(60)]
+
+        first, second = asyncio.run(go()), asyncio.run(go())
+    finally:
+        h.stop()
+    assert first == second
+    assert len(set(first)) > 1  # some faults did fire
+
+
+def test_a_thousand_concurrent_streams_all_complete(sim):
+    async def go():
+        async with VariantClient(sim.url, "abplat-sim", "completions") as c:
+            return await asyncio.gather(*(c.stream(f"k{i}", "x", 2) for i in range(1000)))
+
+    results = asyncio.run(go())
+    assert all(r.outcome is Outcome.OK for r in results)
+
+
+def test_subprocess_handle_is_ready_when_returned_and_stops():
+    h = start_subprocess("awq")
+    try:
+        assert urllib.request.urlopen(h.url + "/health", timeout=2).status == 200
+    finally:
+        h.stop()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(h.url + "/health", timeout=2)
+
+
+def test_cli_pairs_are_validated():
+    assert pairs_from_args(8000, None, ["fp16=8001"]) == [("default", 8000), ("fp16", 8001)]
+    with pytest.raises(ValueError, match="PROFILE=PORT"):
+        pairs_from_args(None, None, ["fp16:8001"])
+    with pytest.raises(ValueError, match="unknown simulator profile"):
+        pairs_from_args(None, None, ["gpt9=8001"])
+    with pytest.raises(ValueError, match="used twice"):
+        pairs_from_args(8001, "awq", ["fp16=8001"])
+    with pytest.raises(ValueError, match="needs --port"):
+        pairs_from_args(None, "awq", [])
+
+
+def test_management_command_rejects_bad_pairs():
+    with pytest.raises(CommandError, match="PROFILE=PORT"):
+        call_command("simulator", "--serve", "fp16")
+
+
+def test_management_command_serves_several_profiles_from_one_process():
+    p1, p2 = free_port(), free_port()
+    cmd = [sys.executable, "manage.py", "simulator", "--serve", f"fp16={p1}", "--serve", f"awq-fa2={p2}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_healthy(f"http://127.0.0.1:{p1}", 20, proc)
+        wait_healthy(f"http://127.0.0.1:{p2}", 20, proc)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=10)
+    assert b"profile=fp16" in out and b"profile=awq-fa2" in out
+    time.sleep(0.1)

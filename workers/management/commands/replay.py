@@ -1,0 +1,116 @@
+import sys
+import threading
+import time
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+from experiments.models import Experiment
+from workers.models import ReplayRun
+from workers.replay.arrivals import Arrival
+from workers.runs import ReplayError, create_run, describe
+
+
+class Command(BaseCommand):
+    help = "Replay recorded traffic through an experiment's variants and record one sample per request."
+
+    def add_arguments(self, parser):
+        parser.add_argument("key", help="experiment key (must be running)")
+        parser.add_argument("--trace", required=True, help="trace or log file")
+        parser.add_argument("--format", choices=["azure", "jsonl"], default="azure")
+        parser.add_argument("--mode", choices=["split", "mirror"], default="split")
+        parser.add_argument(
+            "--arrival", choices=["recorded", "poisson", "gamma", "closed"], default="recorded"
+        )
+        parser.add_argument("--speed", type=float, default=1.0, help="recorded arrivals: time compression")
+        parser.add_argument("--rate", type=float, default=0.0, help="poisson/gamma: requests per second")
+        parser.add_argument("--cv", type=float, default=1.0, help="gamma: burstiness (gap CV)")
+        parser.add_argument(
+            "--concurrency", type=int, default=512, help="in flight per shard (closed loop: exactly)"
+        )
+        parser.add_argument("--limit", type=int, help="only the first N requests")
+        parser.add_argument("--shards", type=int, help="shards to fan out to workers")
+        parser.add_argument(
+            "--skip-malformed", action="store_true", help="skip bad lines instead of rejecting"
+        )
+        parser.add_argument("--seed", type=int, default=0, help="user population and arrival seed")
+        parser.add_argument("--wait", action="store_true", help="wait for the end (always with eager Celery)")
+
+    def handle(self, *args, **o):
+        experiment = Experiment.objects.filter(key=o["key"]).first()
+        if experiment is None:
+            raise CommandError(f"no experiment with key {o['key']!r}")
+        try:
+            arrival = Arrival(mode=o["arrival"], speed=o["speed"], rate=o["rate"], cv=o["cv"],
+                              concurrency=o["concurrency"], seed=o["seed"])  # fmt: skip
+            eager = settings.CELERY_TASK_ALWAYS_EAGER
+            run = create_run(
+                experiment, source=o["trace"], source_format=o["format"], mode=o["mode"], arrival=arrival,
+                limit=o["limit"], concurrency=o["concurrency"], shard_count=o["shards"],
+                on_malformed="skip" if o["skip_malformed"] else "reject", population_seed=o["seed"],
+                enqueue=not eager,
+            )  # fmt: skip
+        except (ReplayError, ValueError) as exc:
+            raise CommandError(str(exc)) from None
+        self.stdout.write(
+            f"run {run.pk}: {run.total_requests} requests, {run.expected_samples} samples expected "
+            f"({run.mode}, {run.shard_count} shard(s)); {run.skipped_lines} malformed line(s) skipped"
+        )
+        if eager:
+            # Eager Celery: run in a thread of this process (it owns the embedded sample store)
+            # while this thread draws the progress bar.
+            from workers.tasks import start_replay
+
+            failure: list[BaseException] = []
+
+            def work():
+                try:
+                    start_replay(run.pk)
+                except BaseException as exc:
+                    failure.append(exc)
+
+            worker = threading.Thread(target=work, name="abplat-replay")
+            worker.start()
+            self._follow(run, lambda: worker.is_alive())
+            worker.join()
+            if failure:
+                raise CommandError(f"run {run.pk} failed: {failure[0]}")
+        elif o["wait"]:
+            self._follow(run, lambda: True)
+        else:
+            self.stdout.write(f"queued; follow it with the API /api/replays/{run.pk}/ or the admin")
+            return
+        run.refresh_from_db()
+        summary = describe(run)
+        self.stdout.write(
+            f"\nrun {run.pk} {run.status}: {summary['samples_recorded']}/{summary['expected_samples']} samples, "
+            f"outcomes {summary['outcomes']}"
+        )
+        lags = [s for s in run.shards.values_list("lag_p99_ms", flat=True) if s is not None]
+        if lags:
+            self.stdout.write(f"schedule lag p99 (worst shard): {max(lags):.2f} ms")
+        if run.error:
+            self.stdout.write(f"error: {run.error}")
+        if run.status != ReplayRun.Status.DONE:
+            raise CommandError(f"run {run.pk} ended {run.status}")
+
+    def _follow(self, run: ReplayRun, alive) -> None:
+        tty = sys.stdout.isatty()
+        last = ""
+        while True:
+            run.refresh_from_db()
+            p = run.progress()
+            width = 30
+            filled = int(width * min(1.0, p["fraction"]))
+            line = (f"[{'#' * filled}{'.' * (width - filled)}] {p['recorded']}/{p['expected']} "
+                    f"samples, {p['sent']} sent, {run.status}")  # fmt: skip
+            if tty:
+                self.stdout.write("\r" + line, ending="")
+            elif line != last and (p["recorded"] % 500 < 50 or run.is_final):
+                self.stdout.write(line)
+            last = line
+            if run.is_final or not alive():
+                break
+            time.sleep(0.5)
+        if tty:
+            self.stdout.write("")

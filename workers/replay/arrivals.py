@@ -1,0 +1,68 @@
+"""Arrival processes: when each request of a replay is sent. Pure.
+
+- recorded: the trace's own timestamps divided by a speed factor (20 = twenty times faster);
+- poisson: exponential gaps at a given rate;
+- gamma: gamma gaps at a given rate with a coefficient of variation (cv > 1 is burstier than
+  Poisson, cv = 1 is Poisson);
+- closed: no schedule; a fixed number of requests in flight, the next sent when one ends.
+Open-loop offsets are seconds after the run's start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+MODES = ("recorded", "poisson", "gamma", "closed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    mode: str = "recorded"
+    speed: float = 1.0  # recorded
+    rate: float = 0.0  # poisson / gamma: requests per second
+    cv: float = 1.0  # gamma: coefficient of variation of the gaps
+    concurrency: int = 0  # closed: requests in flight
+    seed: int = 0
+
+    def __post_init__(self):
+        problems = []
+        if self.mode not in MODES:
+            problems.append(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode == "recorded" and not self.speed > 0:
+            problems.append(f"speed must be > 0, got {self.speed}")
+        if self.mode in ("poisson", "gamma") and not self.rate > 0:
+            problems.append(f"rate must be > 0 requests/s for {self.mode} arrivals, got {self.rate}")
+        if self.mode == "gamma" and not self.cv > 0:
+            problems.append(f"cv must be > 0, got {self.cv}")
+        if self.mode == "closed" and self.concurrency < 1:
+            problems.append(f"concurrency must be >= 1 for closed-loop arrivals, got {self.concurrency}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def open_loop(self) -> bool:
+        return self.mode != "closed"
+
+    def offsets(self, recorded: list[float]) -> list[float] | None:
+        """Send offsets for requests recorded at ``recorded`` seconds; None when closed-loop."""
+        n = len(recorded)
+        if self.mode == "recorded":
+            return [t / self.speed for t in recorded]
+        if self.mode == "closed":
+            return None
+        rng = random.Random(self.seed)
+        if self.mode == "poisson":
+            gaps = [rng.expovariate(self.rate) for _ in range(n)]
+        else:
+            shape = 1.0 / (self.cv**2)
+            gaps = [rng.gammavariate(shape, 1.0 / (self.rate * shape)) for _ in range(n)]
+        out, t = [], 0.0
+        for i, gap in enumerate(gaps):
+            out.append(t)
+            if i + 1 < n:
+                t += gap
+        return out
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)

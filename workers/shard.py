@@ -1,0 +1,89 @@
+"""Executing one claimed shard: build its inputs from the database, run it, keep its rows."""
+
+from __future__ import annotations
+
+import logging
+
+from django.db import close_old_connections
+
+from experiments.weights.django_store import get_router
+from samples.factory import get_store, get_writer
+from workers.models import ReplayRun, ReplayShard
+from workers.replay.arrivals import Arrival
+from workers.replay.plan import SPLIT, Shard
+from workers.replay.runner import ShardRunner, ShardSpec, ShardStats
+from workers.replay.sink import BatchSink
+from workers.replay.sources import load_source
+from workers.runs import population
+from workers.streaming.client import VariantClient
+from workers.tasks import run_coroutine
+
+log = logging.getLogger(__name__)
+
+
+def execute_shard(shard: ReplayShard) -> ShardStats:
+    run = shard.run
+    experiment = run.experiment
+    variants = list(experiment.variants.order_by("position"))
+    # 1. The shard's requests and their send offsets on the run's one schedule.
+    loaded = load_source(run.source, run.source_format, population=population(run),
+                         on_error=run.on_malformed, limit=run.limit)  # fmt: skip
+    offsets_all = Arrival(**run.arrival).offsets([r.offset_s for r in loaded.requests])
+    part = Shard(shard.index, run.shard_count)
+    seqs = list(part.seqs(len(loaded.requests)))
+    requests = [loaded.requests[i] for i in seqs]
+    offsets = None if offsets_all is None else [offsets_all[i] for i in seqs]
+    # 2. What an earlier delivery of this shard already recorded (spool first, then store).
+    writer = get_writer()
+    writer.flush()
+    recorded = get_store().recorded_request_ids(run.pk, seq_from=None, seq_to=None)
+    spec = ShardSpec(
+        experiment=experiment.key, run_id=run.pk, mode=run.mode, requests=requests, offsets=offsets,
+        start_at_unix=run.start_at_unix, concurrency=run.concurrency,
+        variants=[v.key for v in variants], attempt=shard.attempts, skip_ids=frozenset(recorded),
+    )  # fmt: skip
+    # 3. The live router: a weight change in the store takes effect mid-run.
+    router = get_router() if run.mode == SPLIT else None
+
+    def assign(user_id: str) -> tuple[str, int]:
+        a = router.assign(experiment.key, user_id)
+        return a.variant, a.revision
+
+    def revision() -> int:
+        try:
+            return get_router().document(experiment.key)[1]
+        except LookupError:
+            return 0
+
+    def should_cancel() -> bool:
+        try:
+            return ReplayRun.objects.filter(pk=run.pk, cancel_requested=True).exists()
+        finally:
+            close_old_connections()
+
+    def on_progress(stats: ShardStats) -> None:
+        try:
+            ReplayShard.objects.filter(pk=shard.pk).update(
+                sent=stats.sent + stats.skipped_recorded, recorded=stats.recorded + stats.skipped_recorded
+            )
+        finally:
+            close_old_connections()
+
+    sink = BatchSink(writer.write)
+
+    async def main() -> ShardStats:
+        clients = {v.key: VariantClient(v.endpoint, v.model, v.api, http2=v.http2) for v in variants}
+        try:
+            runner = ShardRunner(spec, clients, assign if router else None, sink.put,
+                                 should_cancel=should_cancel, revision=revision, on_progress=on_progress)  # fmt: skip
+            return await runner.run()
+        finally:
+            for client in clients.values():
+                await client.aclose()
+
+    try:
+        stats = run_coroutine(main())
+    finally:
+        sink.close()  # raises if rows could not be written (the task fails; nothing silent)
+    log.info("run %s shard %s: %s", run.pk, shard.index, stats.as_dict())
+    return stats

@@ -1,0 +1,143 @@
+"""Celery tasks of a replay. Thin: they claim rows, call workers.replay, and record results.
+
+Each task takes primitive ids, re-reads its rows and returns quietly when there is nothing to
+do, so a redelivered message never does anything twice:
+
+- start_replay(run):   queued -> running; fans the shards out (a group, no result backend).
+- run_shard(run, i):   claims the shard (pending/running -> running, attempts + 1), asks the
+                       sample store what this run already recorded, sends only the rest.
+- finish_replay(run):  once every shard has ended; waits until the run's samples are
+                       durable (spool flushed), counts them, and ends the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from celery import group, shared_task
+from django.db import close_old_connections
+from django.db.models import F
+from django.utils import timezone
+
+from samples.store import StoreUnavailable
+from workers.models import ReplayRun, ReplayShard
+
+log = logging.getLogger(__name__)
+
+START_LEAD_S = 1.0  # every shard gets this long to be picked up before time zero
+
+
+@shared_task(acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def start_replay(run_id: int) -> None:
+    claimed = ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.QUEUED).update(
+        status=ReplayRun.Status.RUNNING, started_at=timezone.now(), start_at_unix=time.time() + START_LEAD_S
+    )
+    if not claimed:
+        return
+    shard_ids = list(ReplayShard.objects.filter(run_id=run_id).values_list("index", flat=True))
+    group(run_shard.si(run_id, index) for index in shard_ids).apply_async()
+
+
+@shared_task(
+    acks_late=True, reject_on_worker_lost=True, ignore_result=True,
+    autoretry_for=(StoreUnavailable,), retry_backoff=2, retry_backoff_max=60, retry_jitter=True, max_retries=10,
+)  # fmt: skip
+def run_shard(run_id: int, index: int) -> None:
+    from workers.shard import execute_shard
+
+    claimable = [ReplayShard.Status.PENDING, ReplayShard.Status.RUNNING]
+    claimed = ReplayShard.objects.filter(run_id=run_id, index=index, status__in=claimable).update(
+        status=ReplayShard.Status.RUNNING, attempts=F("attempts") + 1, started_at=timezone.now()
+    )
+    if not claimed:
+        return  # done already: a redelivered message
+    shard = ReplayShard.objects.select_related("run__experiment").get(run_id=run_id, index=index)
+    try:
+        stats = execute_shard(shard)
+    except StoreUnavailable:
+        raise  # retried: the shard stays claimable and resumes where it stopped
+    except Exception as exc:
+        log.exception("run %s shard %s failed", run_id, index)
+        ReplayShard.objects.filter(pk=shard.pk).update(
+            status=ReplayShard.Status.FAILED,
+            error=f"{type(exc).__name__}: {exc}"[:4000],
+            finished_at=timezone.now(),
+        )
+        ReplayRun.objects.filter(pk=run_id).update(error=f"shard {index}: {type(exc).__name__}: {exc}"[:4000])
+    else:
+        ReplayShard.objects.filter(pk=shard.pk).update(
+            status=ReplayShard.Status.DONE, finished_at=timezone.now(),
+            sent=stats.sent + stats.skipped_recorded, recorded=stats.recorded + stats.skipped_recorded,
+            skipped_recorded=stats.skipped_recorded,
+            lag_p50_ms=stats.lag_quantile(0.5), lag_p99_ms=stats.lag_quantile(0.99),
+            lag_max_ms=max(stats.lags_ms, default=0.0),
+        )  # fmt: skip
+    finally:
+        close_old_connections()
+    maybe_finish(run_id)
+
+
+def maybe_finish(run_id: int) -> None:
+    """The shard that sees every shard ended moves the run on; only one can claim it."""
+    open_shards = ReplayShard.objects.filter(run_id=run_id).exclude(
+        status__in=[ReplayShard.Status.DONE, ReplayShard.Status.FAILED]
+    )
+    if open_shards.exists():
+        return
+    claimed = ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.RUNNING).update(
+        status=ReplayRun.Status.FLUSHING
+    )
+    if claimed:
+        finish_replay.delay(run_id)
+
+
+@shared_task(
+    acks_late=True, reject_on_worker_lost=True, ignore_result=True,
+    autoretry_for=(StoreUnavailable,), retry_backoff=2, retry_backoff_max=30, retry_jitter=False, max_retries=None,
+)  # fmt: skip
+def finish_replay(run_id: int) -> None:
+    from samples.factory import get_store, get_writer
+
+    run = ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.FLUSHING).first()
+    if run is None:
+        return
+    writer = get_writer()
+    writer.flush()  # StoreUnavailable: retried until the store is back
+    if not writer.durable(run_id):
+        raise StoreUnavailable(f"run {run_id}: samples still spooled")
+    store = get_store()
+    recorded = store.count(run_id)
+    outcomes = dict(
+        store.query(
+            "SELECT outcome, uniqExact(variant, request_id) FROM samples WHERE run_id = %(run)s GROUP BY outcome",
+            {"run": run_id},
+        )
+    )
+    failed = run.shards.filter(status=ReplayShard.Status.FAILED).exists()
+    if failed:
+        status = ReplayRun.Status.FAILED
+    elif run.cancel_requested:
+        status = ReplayRun.Status.CANCELLED
+    elif recorded != run.expected_samples:
+        status = ReplayRun.Status.FAILED
+        run.error = f"expected {run.expected_samples} samples, the store has {recorded}"
+    else:
+        status = ReplayRun.Status.DONE
+    ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.FLUSHING).update(
+        status=status, samples_recorded=recorded, outcomes={k: int(v) for k, v in outcomes.items()},
+        finished_at=timezone.now(), error=run.error,
+    )  # fmt: skip
+
+
+def run_coroutine(coro):
+    """Run a coroutine to completion from a (sync) task, even inside a running loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
