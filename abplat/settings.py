@@ -30,6 +30,7 @@ try:
     WEIGHTS_DIR = Path(env.env_str("ABPLAT_WEIGHTS_DIR", str(VAR_DIR / "weights")))
     CLICKHOUSE_URL = env.env_url("ABPLAT_CLICKHOUSE_URL", "", schemes=("clickhouse", "clickhouses"))
     CHDB_PATH = Path(env.env_str("ABPLAT_CHDB_PATH", str(VAR_DIR / "chdb")))
+    CHDB_DATABASE = env.env_str("ABPLAT_CHDB_DATABASE", "abplat")
     SPOOL_DIR = Path(env.env_str("ABPLAT_SPOOL_DIR", str(VAR_DIR / "spool")))
     CELERY_WORKER_CONCURRENCY = env.env_int("ABPLAT_WORKER_CONCURRENCY", 2, minimum=1, maximum=256)
     LOG_LEVEL = env.env_str("ABPLAT_LOG_LEVEL", "INFO").upper()

@@ -7,6 +7,7 @@ Baselines run side by side in the same process and run:
   (a) crc32(user + exp) % n         -- unweighted, the naive choice
   (b) contiguous-range FNV-1a       -- hash to [0, 1) then cumulative weight ranges, as common
                                        feature-flag SDKs do (GrowthBook hash v1 style)
+HTTP assign is measured against an authenticated DRF detail GET of the same server as baseline.
 Hot reload runs the router in another process and measures put -> snapshot swap with
 CLOCK_MONOTONIC, which is system-wide on Linux, so the two processes share a clock.
 """
@@ -341,6 +342,92 @@ def bench_restart(rounds: int, writes_per_round: int) -> list[str]:
     return out
 
 
+# 5. HTTP assign endpoint on loopback -----------------------------------------------------
+
+HTTP_SETUP = """
+import django, json
+django.setup()
+from django.contrib.auth.models import User
+from rest_framework.authtoken.models import Token
+from experiments import services
+user = User.objects.create_superuser("bench", "bench@example.com", "bench-password")
+doc = {"key": "ttft-opt", "name": "bench", "sla": {"ttft_ms": 200, "target": 0.99}, "variants": [
+    {"key": "fp16", "control": True, "weight": 34, "endpoint": "http://127.0.0.1:9/v1", "model": "m"},
+    {"key": "awq", "weight": 33, "endpoint": "http://127.0.0.1:9/v1", "model": "m"},
+    {"key": "awq-fa2", "weight": 33, "endpoint": "http://127.0.0.1:9/v1", "model": "m"}]}
+experiment = services.apply_document(doc, actor=user).experiment
+services.transition(experiment, "start", user, reason="bench")
+print(Token.objects.create(user=user).key)
+"""
+
+
+def bench_http(n_requests: int, port: int = 18765) -> list[str]:
+    import httpx
+
+    with tempfile.TemporaryDirectory() as var:
+        env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "abplat.settings",
+            "PYTHONPATH": str(ROOT),
+            "ABPLAT_VAR": var,
+            "ABPLAT_DATABASE_URL": "",
+            "ABPLAT_ETCD_ENDPOINTS": "",
+            "ABPLAT_DEBUG": "false",
+            "ABPLAT_SECRET_KEY": "bench-" + "x" * 60,
+            "ABPLAT_ALLOWED_HOSTS": "127.0.0.1",
+            "ABPLAT_LOG_LEVEL": "WARNING",
+            "ABPLAT_SSL_REDIRECT": "false",  # plain http on loopback
+        }
+        run = {"env": env, "cwd": ROOT, "check": True, "capture_output": True, "text": True}
+        subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], **run)
+        token = subprocess.run([sys.executable, "-c", HTTP_SETUP], **run).stdout.strip()
+        server = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "abplat.asgi:application", "--host", "127.0.0.1",
+             "--port", str(port), "--log-level", "warning", "--no-access-log"],
+            env=env, cwd=ROOT,
+        )  # fmt: skip
+        try:
+            base = f"http://127.0.0.1:{port}"
+            with httpx.Client(base_url=base, timeout=10) as client:
+                deadline = time.monotonic() + 30
+                while True:
+                    try:
+                        client.get("/healthz")
+                        break
+                    except httpx.TransportError:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.2)
+                headers = {"Authorization": f"Token {token}"}
+                targets = {
+                    "GET /api/experiments/ttft-opt/assign?user_id=U": "/api/experiments/ttft-opt/assign",
+                    "baseline: GET /api/experiments/ttft-opt/ (DRF detail)": "/api/experiments/ttft-opt/",
+                }
+                rows = []
+                for name, url in targets.items():
+                    for i in range(50):  # warm up (starts the router on first assign)
+                        client.get(url, params={"user_id": f"w{i}"}, headers=headers).raise_for_status()
+                    samples = []
+                    for i in range(n_requests):
+                        t0 = time.perf_counter()
+                        client.get(url, params={"user_id": f"user-{i}"}, headers=headers).raise_for_status()
+                        samples.append((time.perf_counter() - t0) * 1000)
+                    rows.append((name, pct(samples, 0.5), pct(samples, 0.99)))
+        finally:
+            server.terminate()
+            server.wait(timeout=10)
+    base_p50 = rows[1][1]
+    out = [
+        f"HTTP on loopback (uvicorn, 1 worker, SQLite, local weights store, token auth), "
+        f"{n_requests} sequential keep-alive requests",
+        f"| {'request':54} | p50 ms | p99 ms | p50 vs baseline |",
+        f"|{'-' * 56}|--------|--------|-----------------|",
+    ]
+    for name, p50, p99 in rows:
+        out.append(f"| {name:54} | {p50:6.2f} | {p99:6.2f} | {p50 / base_p50:14.2f}x |")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
@@ -359,6 +446,7 @@ def main() -> None:
         bench_moved(50_000 if quick else 200_000),
         bench_hot_reload(50 if quick else 200, endpoints),
         bench_restart(2 if quick else 3, 5 if quick else 10),
+        bench_http(200 if quick else 1000),
     ]
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} cores")
     for section in sections:

@@ -45,7 +45,14 @@ METRIC_LABELS = {
     "e2e_ms": "End-to-end",
 }
 CDF_LEVELS: tuple[float, ...] = tuple(i / 400 for i in range(1, 400)) + (0.9975, 0.999)
-MW_RESOLUTION_DECIMALS = 1  # TTFT rounded to 0.1 ms for the rank test's counts
+# TTFT (and mirror differences) rounded to 0.1 ms for the rank tests' counts, half up, as
+# floor(x * 10 + 0.5) / 10: the same IEEE arithmetic everywhere, unlike round(), whose ties
+# differ between 18.16, chDB and numpy.
+MW_SCALE = 10
+
+
+def rounded_sql(expr: str) -> str:
+    return f"floor(({expr}) * {MW_SCALE} + 0.5) / {MW_SCALE}"
 TIME_BUCKETS_S = (10, 30, 60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 86400)
 MAX_TIME_BUCKETS = 120
 
@@ -158,12 +165,9 @@ _PHASE_ROWS = "isNotNull(ttft_ms) AND isNotNull(ttfb_ms) AND isNotNull(ttft_even
 def summary(store: Any, f: Filters, slo: Slo) -> dict[str, dict[str, Any]]:
     where, params = where_clause(f)
     hit, hp = hit_expr(slo)
-    metric_counts = ", ".join(
-        f"countIf({_metric_ok(col)}) AS n_{key}" for key, col in METRICS.items()
-    )
+    metric_counts = ", ".join(f"countIf({_metric_ok(col)}) AS n_{key}" for key, col in METRICS.items())
     phase_sums = ", ".join(
-        f"sumIf({expr}, NOT {hit} AND {_PHASE_ROWS}) AS phase_{name}"
-        for name, expr in _PHASE_SQL.items()
+        f"sumIf({expr}, NOT {hit} AND {_PHASE_ROWS}) AS phase_{name}" for name, expr in _PHASE_SQL.items()
     )
     levels = ", ".join(repr(x) for x in CDF_LEVELS)
     sql = f"""
@@ -248,7 +252,7 @@ def order_statistics(
 def ttft_value_counts(store: Any, f: Filters) -> dict[str, tuple[list[float], list[int]]]:
     where, params = where_clause(f, [_metric_ok("ttft_ms")])
     sql = f"""
-        SELECT variant, round(assumeNotNull(ttft_ms), {MW_RESOLUTION_DECIMALS}) AS v, count() AS c
+        SELECT variant, {rounded_sql("assumeNotNull(ttft_ms)")} AS v, count() AS c
         FROM {schema.SAMPLES_FROM}
         WHERE {where}
         GROUP BY variant, v
@@ -273,8 +277,11 @@ def choose_bucket_s(window_s: float) -> int:
     return TIME_BUCKETS_S[-1]
 
 
-def _edges_sql(edges: Sequence[float]) -> str:
-    return "[" + ", ".join(repr(float(e)) for e in edges) + "]"
+def bucket_sql(column: str, edges: Sequence[float]) -> str:
+    """Bucket index = number of edges <= x (attribution.bucket_index). A sum of comparisons,
+    not arrayCount(e -> e <= x, [...]): 18.16 cannot see columns inside that lambda under
+    GROUP BY ("Unknown identifier")."""
+    return "(" + " + ".join(f"({column} >= {float(e)!r})" for e in edges) + ")"
 
 
 def segment_cells(store: Any, f: Filters, slo: Slo, bucket_s: int) -> list[dict[str, Any]]:
@@ -289,8 +296,8 @@ def segment_cells(store: Any, f: Filters, slo: Slo, bucket_s: int) -> list[dict[
     hit, hp = hit_expr(slo)
     sql = f"""
         SELECT variant, config_revision AS rev,
-               arrayCount(e -> e <= prompt_tokens, {_edges_sql(PROMPT_TOKEN_EDGES)}) AS pb,
-               arrayCount(e -> e <= in_flight, {_edges_sql(INFLIGHT_EDGES)}) AS ib,
+               {bucket_sql("prompt_tokens", PROMPT_TOKEN_EDGES)} AS pb,
+               {bucket_sql("in_flight", INFLIGHT_EDGES)} AS ib,
                intDiv(toUInt32(sent_at), {bucket_s}) * {bucket_s} AS tb,
                count() AS n, countIf({hit}) AS hits, min(sent_unix_ms) AS first_ms
         FROM {schema.SAMPLES_FROM}
@@ -338,9 +345,7 @@ def modes(store: Any, f: Filters) -> dict[str, int]:
     return {m: int(c) for m, c in rows}
 
 
-def mirror_pairs(
-    store: Any, f: Filters, slo: Slo, control: str, variant: str
-) -> dict[str, Any]:
+def mirror_pairs(store: Any, f: Filters, slo: Slo, control: str, variant: str) -> dict[str, Any]:
     """Paired counts for McNemar and counts of rounded TTFT differences for Wilcoxon."""
     where, params = where_clause(f, ["mode = 'mirror'"])
     hit, hp = hit_expr(slo)
@@ -350,12 +355,11 @@ def mirror_pairs(
     )
     sql = f"""
         SELECT c_hit, v_hit, c_ok AND v_ok AS paired,
-               if(paired, round(assumeNotNull(v_ttft) - assumeNotNull(c_ttft),
-                              {MW_RESOLUTION_DECIMALS}), 0) AS d,
+               if(paired, {rounded_sql("assumeNotNull(v_ttft) - assumeNotNull(c_ttft)")}, 0) AS d,
                count() AS pairs
-        FROM ({side.format(hit=hit, ok=_metric_ok("ttft_ms"), p="c", where=where)})
+        FROM ({side.format(hit=hit, ok=_metric_ok("ttft_ms"), p="c", where=where)}) AS c
         ALL INNER JOIN
-             ({side.format(hit=hit, ok=_metric_ok("ttft_ms"), p="v", where=where)})
+             ({side.format(hit=hit, ok=_metric_ok("ttft_ms"), p="v", where=where)}) AS v
         USING (run_id, seq)
         GROUP BY c_hit, v_hit, paired, d
     """

@@ -11,7 +11,7 @@ import threading
 from samples.spool import SpoolingWriter
 from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore
 
-_cache: dict[tuple[str, str], SampleStore] = {}
+_cache: dict[tuple[str, str, str], SampleStore] = {}
 _cache_lock = threading.Lock()
 
 
@@ -31,10 +31,10 @@ def store_from_config(clickhouse_url: str, chdb_path: str, database: str = "abpl
 def get_store() -> SampleStore:
     from django.conf import settings
 
-    key = (settings.CLICKHOUSE_URL, settings.CHDB_PATH)
+    key = (settings.CLICKHOUSE_URL, str(settings.CHDB_PATH), settings.CHDB_DATABASE)
     with _cache_lock:
         if key not in _cache:
-            _cache[key] = store_from_config(str(key[0] or ""), str(key[1] or ""))
+            _cache[key] = store_from_config(str(key[0] or ""), key[1], database=key[2])
         return _cache[key]
 
 

@@ -34,7 +34,14 @@ DEMO_DOCUMENT = {
 }  # fmt: skip
 
 
-DB_FIXTURES = {"db", "transactional_db", "django_db_setup", "live_server", "admin_client", "django_user_model"}
+DB_FIXTURES = {
+    "db",
+    "transactional_db",
+    "django_db_setup",
+    "live_server",
+    "admin_client",
+    "django_user_model",
+}
 
 
 def pytest_collection_modifyitems(items):
@@ -58,9 +65,20 @@ def _user(username: str, role: str | None = None, **extra) -> User:
     return user
 
 
+def _ensure_role_groups() -> None:
+    # transaction=True tests flush the tables the data migrations filled; put the roles back.
+    import importlib
+
+    from django.apps import apps
+
+    importlib.import_module("experiments.migrations.0002_role_groups").create_groups(apps, None)
+    importlib.import_module("workers.migrations.0002_sre_operates_replays").grant(apps, None)
+
+
 @pytest.fixture
 def users(db):
     """One user per role, plus a user in no group and a superuser."""
+    _ensure_role_groups()
     return {
         "product": _user("pat", "product"),
         "sre": _user("sam", "sre"),
@@ -92,3 +110,68 @@ def experiment(db, document, users):
 def _fast_password_hashing(settings):
     # PBKDF2's deliberate slowness buys nothing in tests.
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture(scope="session")
+def chdb_dir() -> str:
+    """The one chDB data directory of this test process (chDB allows one per process): the
+    session's ABPLAT_VAR/chdb, which the Django settings' embedded store uses too."""
+    from django.conf import settings
+
+    return str(settings.CHDB_PATH)
+
+
+@pytest.fixture(scope="session")
+def clickhouse_server() -> str:
+    """The real ClickHouse server's test URL; fails (never skips) when it is not running."""
+    from abplat.testing import SERVER_URL
+    from samples.store import ClickHouseServerBackend
+
+    probe = ClickHouseServerBackend(SERVER_URL, tries=1)
+    try:
+        probe.ping()
+    except Exception as e:
+        pytest.fail(
+            f"ClickHouse server not reachable at {SERVER_URL} ({e}). Start it with: scripts/clickhouse.sh start",
+            pytrace=False,
+        )
+    finally:
+        probe.close()
+    return SERVER_URL
+
+
+@pytest.fixture(params=["chdb", "server"])
+def sample_store(request, settings, chdb_dir, tmp_path):
+    """The Django-configured sample store on a fresh database, on chDB and on the server."""
+    import uuid
+
+    from abplat.testing import server_url_for
+    from samples import factory
+
+    database = f"abplat_test_{uuid.uuid4().hex[:10]}"
+    settings.SPOOL_DIR = tmp_path / "spool"
+    if request.param == "chdb":
+        settings.CLICKHOUSE_URL, settings.CHDB_PATH, settings.CHDB_DATABASE = "", chdb_dir, database
+    else:
+        settings.CLICKHOUSE_URL = server_url_for(database, request.getfixturevalue("clickhouse_server"))
+    store = factory.get_store()
+    store.ensure_database()
+    store.migrate()
+    yield store
+    try:
+        store.execute(f"DROP DATABASE IF EXISTS {database}")
+    except Exception:  # a test that broke the store must not hide its own failure
+        pass
+    factory._cache.clear()
+
+
+@pytest.fixture
+def weights_dir(settings, tmp_path):
+    """A fresh local weights store (and router) for this test."""
+    from experiments.weights import django_store
+
+    settings.ETCD_ENDPOINTS = []
+    settings.WEIGHTS_DIR = tmp_path / "weights"
+    django_store.reset_for_tests()
+    yield settings.WEIGHTS_DIR
+    django_store.reset_for_tests()

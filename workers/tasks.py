@@ -21,6 +21,7 @@ from django.db import close_old_connections
 from django.db.models import F
 from django.utils import timezone
 
+from samples.schema import SAMPLES_TABLE
 from samples.store import StoreUnavailable
 from workers.models import ReplayRun, ReplayShard
 
@@ -111,7 +112,7 @@ def finish_replay(run_id: int) -> None:
     recorded = store.count(run_id)
     outcomes = dict(
         store.query(
-            "SELECT outcome, uniqExact(variant, request_id) FROM samples WHERE run_id = %(run)s GROUP BY outcome",
+            f"SELECT outcome, uniqExact(variant, request_id) FROM {SAMPLES_TABLE} WHERE run_id = %(run)s GROUP BY outcome",
             {"run": run_id},
         )
     )

@@ -171,6 +171,7 @@ class EtcdWeightsStore(WeightsStore):
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         try:
+            yield []  # registered: the caller may count it before any change arrives
             while not stop.is_set():
                 try:
                     item = inbox.get(timeout=IDLE_TICK_S)

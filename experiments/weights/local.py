@@ -160,6 +160,7 @@ class LocalWeightsStore(WeightsStore):
         known: dict[str, int] | None = None
         last_counter = -1
         last_yield = time.monotonic()
+        first = True  # the first scan is always yielded: "the watch is registered"
         while not stop.is_set():
             counter = self._read_counter()
             events: list[WatchEvent] = []
@@ -174,7 +175,8 @@ class LocalWeightsStore(WeightsStore):
                 known = {k: r.revision for k, r in records.items()}
                 last_counter = counter
             now = time.monotonic()
-            if events or now - last_yield >= IDLE_TICK_S:
+            if events or first or now - last_yield >= IDLE_TICK_S:
+                first = False
                 last_yield = now
                 yield sorted(events, key=lambda e: e.revision)
             stop.wait(self.poll_interval)

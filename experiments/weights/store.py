@@ -62,8 +62,9 @@ class WeightsStore(ABC):
 
     @abstractmethod
     def watch(self, start_revision: int, stop: threading.Event) -> Iterator[list[WatchEvent]]:
-        """Yield batches of changes with revision >= start_revision, in revision order, and an
-        empty batch at least once a second while idle (so the caller can do periodic work).
+        """Yield batches of changes with revision >= start_revision, in revision order. The
+        first batch comes as soon as the watch is registered (possibly empty), then an empty
+        batch at least once a second while idle (so the caller can do periodic work).
         Returns when ``stop`` is set; raises StoreUnavailable when the store goes away and
         WatchCompacted when start_revision is no longer available."""
 

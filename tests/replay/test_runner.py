@@ -56,17 +56,18 @@ def test_split_sends_each_request_once_to_its_assigned_variant(sims):
         assert r["variant"] == assign(r["user_id"])[0] and r["config_revision"] == 17
         assert r["ttft_ms"] is not None and r["output_tokens"] == 4 and r["prompt_tokens"] >= 20 + r["seq"]
         assert r["scheduled_offset_ms"] == pytest.approx(r["seq"] * 10, abs=0.5)
-    assert stats.lag_quantile(0.99) < 50  # loose: a loaded CI machine; figures are in bench/
+    assert all(r["schedule_lag_ms"] >= 0 for r in rows) and len(stats.lags_ms) == 40
 
 
 def test_mirror_sends_every_request_to_every_variant(sims):
     stats, rows = run(spec_for(requests(15), mode="mirror"), sims, assign=None, revision=lambda: 3)
     assert stats.recorded == 30
     assert {(r["seq"], r["variant"]) for r in rows} == {(i, v) for i in range(15) for v in "ab"}
-    by_seq = {}
+    planned = {}
     for r in rows:
-        by_seq.setdefault(r["seq"], []).append(r["sent_unix_ms"])
-    assert max(abs(a - b) for a, b in by_seq.values()) < 50  # the same moment, give or take the loop
+        planned.setdefault(r["seq"], set()).add(r["scheduled_offset_ms"])
+    assert all(len(p) == 1 for p in planned.values())  # both variants on the same planned moment
+    assert {r["config_revision"] for r in rows} == {3}
 
 
 def test_resumed_shard_skips_what_is_recorded(sims):

@@ -2,14 +2,11 @@
 
 The server must be running (scripts/clickhouse.sh start); each test gets a fresh database on it
 and on chDB, dropped afterwards. chDB opens one data directory per process, so the whole session
-shares one directory and isolates tests by database.
+shares one directory (the root conftest's ``chdb_dir``) and isolates tests by database.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import threading
 import urllib.parse
 import uuid
 from collections.abc import Iterator
@@ -17,41 +14,10 @@ from typing import Any
 
 import pytest
 
+from abplat.testing import SERVER_URL, FlakyProxy, server_url_for
 from samples.columns import row_from
-from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore, release_chdb
+from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore
 from workers.streaming.result import Outcome, StreamResult
-
-SERVER_URL = os.environ.get("ABPLAT_TEST_CLICKHOUSE_URL", "clickhouse://default:@127.0.0.1:19000/abplat_test")
-
-
-def server_url_for(database: str, url: str = SERVER_URL) -> str:
-    parts = urllib.parse.urlsplit(url)
-    return urllib.parse.urlunsplit(parts._replace(path="/" + database))
-
-
-@pytest.fixture(scope="session")
-def clickhouse_server() -> str:
-    probe = ClickHouseServerBackend(SERVER_URL, tries=1)
-    try:
-        probe.ping()
-    except Exception as e:
-        pytest.fail(
-            f"ClickHouse server not reachable at {SERVER_URL} ({e}). "
-            "Start it with: scripts/clickhouse.sh start",
-            pytrace=False,
-        )
-    finally:
-        probe.close()
-    return SERVER_URL
-
-
-@pytest.fixture(scope="session")
-def chdb_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    # Another test module may have left its own chDB directory open in this process.
-    release_chdb()
-    path = str(tmp_path_factory.mktemp("chdb"))
-    yield path
-    release_chdb()
 
 
 def _fresh_db() -> str:
@@ -93,75 +59,6 @@ def store(request: pytest.FixtureRequest, make_store) -> SampleStore:
     s = make_store(request.param)
     s.migrate()
     return s
-
-
-class FlakyProxy:
-    """A TCP proxy to the ClickHouse server that can be switched off and on: "the store went
-    down and came back" for one backend object, without stopping the shared server."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        self.port = probe.getsockname()[1]
-        probe.close()
-        self._listener: socket.socket | None = None
-        self._conns: list[socket.socket] = []
-        self._lock = threading.Lock()
-
-    def up(self) -> None:
-        ls = socket.socket()
-        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        ls.bind(("127.0.0.1", self.port))
-        ls.listen(16)
-        self._listener = ls
-        threading.Thread(target=self._accept, args=(ls,), daemon=True).start()
-
-    def down(self) -> None:
-        with self._lock:
-            if self._listener is not None:
-                # shutdown() wakes the thread blocked in accept(); close() alone would not, and
-                # the kernel would keep accepting on the "closed" socket.
-                try:
-                    self._listener.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                self._listener.close()
-                self._listener = None
-            for c in self._conns:
-                try:
-                    c.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                c.close()
-            self._conns.clear()
-
-    def _accept(self, ls: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = ls.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.target, timeout=5)
-            upstream.settimeout(None)
-            with self._lock:
-                self._conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
 
 @pytest.fixture

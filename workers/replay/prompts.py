@@ -3,7 +3,8 @@
 The trace gives prompt sizes, not text. With a tokenizer (a callable text -> token count) the
 prompt is grown until it has exactly the wanted count when that is reachable; without one the
 length is an estimate (one vocabulary word ~ one token for common English words on BPE
-tokenizers) and the sample records it as estimated.
+tokenizers, and exactly one under the 4-bytes-a-token estimate) and the sample records it as
+estimated.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-# Short, common words: each is a single token for typical BPE vocabularies.
+# Common three-letter words: one token each on typical BPE vocabularies (with the leading
+# space), and exactly four bytes with their separator, so the widespread "4 bytes a token"
+# estimate (which the simulator uses) agrees: n words are n tokens either way.
 VOCABULARY = (
-    "the of and to in is that for it as was with be by on not he this are or his from at "
-    "which but have an they you were her she there been one all we their has would when if "
-    "so no will can more out up into do any your what some time about them than only other "
-    "new our these two may first then do way could its also after use people made over "
-    "def return import class self value list data file code test error print function loop"
+    "the and for are but not you all any can had her was one our out day get has him his how "
+    "man new now old see two way who boy did its let put say she too use def int str var ret "
+    "try map set add sum max min len key val obj arr buf end row col"
 ).split()
+assert all(len(w) == 3 for w in VOCABULARY)
 
 
 def _word_stream(seq: int, n_words: int) -> list[str]:

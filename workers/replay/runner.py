@@ -144,7 +144,7 @@ class ShardRunner:
         finally:
             watcher.cancel()
             if self.on_progress:
-                self.on_progress(self.stats)
+                await asyncio.to_thread(self.on_progress, self.stats)
         self.stats.cancelled = self._cancel.is_set()
         return self.stats
 

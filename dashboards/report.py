@@ -1,0 +1,468 @@
+"""The SLA report: queries (dashboards.queries) + statistics (dashboards.stats) + attribution.
+
+``build_report`` is free of Django: it takes an ExperimentInfo and a store, so tests and benches
+can call it directly. ``experiment_info`` and ``report_for_key`` are the Django glue (models,
+audit log). The returned dict is the stable JSON shape documented in docs/report-json.md;
+``SCHEMA_VERSION`` changes whenever a key is removed or changes meaning (adding keys does not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from dashboards import attribution as attr
+from dashboards import queries as q
+from dashboards import stats
+
+SCHEMA_VERSION = 1
+P99 = 0.99
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantInfo:
+    key: str
+    control: bool
+    weight: float
+    factors: Mapping[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentInfo:
+    key: str
+    name: str
+    slo: q.Slo
+    target: float
+    variants: Sequence[VariantInfo]
+    # config revision -> {variant: weight} in force; revisions missing here use `weights`
+    weights_by_revision: Mapping[int, Mapping[str, float]] = dataclasses.field(default_factory=dict)
+    weights_source: str = "current variant weights (no weights history recorded)"
+    weight_changes: Sequence[Mapping[str, Any]] = ()  # [{"at": iso, "label": str}]
+
+    @property
+    def control(self) -> str:
+        keys = [v.key for v in self.variants if v.control]
+        if len(keys) != 1:
+            raise ValueError(f"experiment {self.key!r} needs exactly one control, has {keys}")
+        return keys[0]
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {v.key: float(v.weight) for v in self.variants}
+
+
+def _iso(unix_s: float) -> str:
+    return dt.datetime.fromtimestamp(unix_s, dt.UTC).isoformat().replace("+00:00", "Z")
+
+
+def _finite(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+def _ranks_for(metric: str, n: int) -> list[int]:
+    ranks = set(stats.ranks_to_fetch(n))
+    if metric == "ttft_ms":
+        # the p99 difference needs per-arm CIs at 1 - alpha/2 (Bonferroni)
+        ranks.update(stats.ranks_to_fetch(n, (P99,), stats.quantile_difference_conf()))
+    return sorted(ranks)
+
+
+def build_report(store: Any, exp: ExperimentInfo, filters: q.Filters) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    control = exp.control
+    known = {v.key: v for v in exp.variants}
+    unknown = sorted(set(filters.variants) - set(known))
+    if unknown:
+        raise q.QueryError(f"variant filter: {unknown} not in experiment {exp.key!r}")
+    if filters.variants and control not in filters.variants:
+        # every comparison is against the control, so it is always read
+        filters = dataclasses.replace(filters, variants=(control, *filters.variants))
+    order = [v.key for v in exp.variants if not filters.variants or v.key in filters.variants]
+
+    # 1. counts, hits, phase sums, CDF per variant
+    summ = q.summary(store, filters, exp.slo)
+    stray = sorted(set(summ) - set(known))
+    present = [k for k in order if k in summ]
+    first = min((s["first_ms"] for s in summ.values()), default=None)
+    last = max((s["last_ms"] for s in summ.values()), default=None)
+    if filters.since and filters.until:
+        window_s: float | None = (filters.until - filters.since).total_seconds()
+    elif first is not None and last is not None and last > first:
+        window_s = (last - first) / 1000.0
+    else:
+        window_s = None
+
+    # 2. exact order statistics for every metric of every variant, one pass
+    plan = {
+        (v, m): (summ[v]["metric_n"][m], _ranks_for(m, summ[v]["metric_n"][m]))
+        for v in present
+        for m in q.METRICS
+        if summ[v]["metric_n"][m] > 0
+    }
+    order_stats = q.order_statistics(store, filters, plan)
+
+    def estimate(v: str, m: str, quant: float, conf: float = stats.DEFAULT_CONF) -> Any:
+        n = summ[v]["metric_n"][m] if v in summ else 0
+        return stats.quantile_from_order_stats(n, quant, order_stats.get((v, m), {}), conf)
+
+    variants: list[dict[str, Any]] = []
+    for v in order:
+        s = summ.get(v, {"n": 0, "errors": 0, "hits": 0, "metric_n": dict.fromkeys(q.METRICS, 0)})
+        entry: dict[str, Any] = {
+            "key": v,
+            "control": v == control,
+            "factors": dict(known[v].factors),
+            "weight": known[v].weight,
+            "n": s["n"],
+            "errors": s["errors"],
+            "hits": s["hits"],
+            "error_rate": None,
+            "attainment": None,
+            "goodput_rps": None,
+            "verdict": stats.sla_verdict(s["hits"], s["n"], exp.target).as_dict(),
+            "percentiles": {},
+            "vs_control": None,
+        }
+        if s["n"]:
+            a = stats.sla_attainment(s["n"], s["hits"], s["errors"], window_s)
+            entry.update(
+                error_rate=a.error_rate,
+                attainment=a.attainment.as_dict(),
+                goodput_rps=a.goodput_rps,
+            )
+        entry["percentiles"] = {
+            m: [estimate(v, m, quant).as_dict() for quant in stats.REPORT_QUANTILES] for m in q.METRICS
+        }
+        variants.append(entry)
+    by_key = {e["key"]: e for e in variants}
+
+    # 3. every variant against the control (Holm across variants)
+    comparisons = _compare(store, filters, exp, summ, present, estimate)
+    for v, comp in comparisons.items():
+        by_key[v]["vs_control"] = comp
+
+    # 4. one pass for segments, SRM and the revisions' first send times
+    bucket_s = q.choose_bucket_s(window_s or 60.0)
+    cells = q.segment_cells(store, filters, exp.slo, bucket_s)
+    mode_counts = q.modes(store, filters)
+    srm = _srm(exp, cells, present, mode_counts)
+    segments = _segments(cells, present)
+    mix_rate = _mix_rate(segments, control, present)
+
+    # 5. why: factors, phases
+    attribution_out = _attribution(exp, by_key, present)
+    phases: dict[str, Any] = {}
+    for v in present:
+        try:
+            phases[v] = attr.phase_breakdown_from_sums(summ[v]["phase_sums"], summ[v]["phase_n"])
+        except ValueError as e:
+            phases[v] = {"n": summ[v]["phase_n"], "dropped": 0, "phases": {}, "note": str(e)}
+
+    # 6. over time, and the CDF
+    series = q.p99_over_time(store, filters, bucket_s)
+    rev_first: dict[int, float] = {}
+    for c in cells:
+        rev_first[int(c["rev"])] = min(rev_first.get(int(c["rev"]), math.inf), float(c["first_ms"]))
+    markers = [
+        {"at": _iso(ms / 1000.0), "kind": "config_revision", "label": f"config revision {rev}"}
+        for rev, ms in sorted(rev_first.items(), key=lambda kv: kv[1])
+    ][1:]  # the first revision is the start, not a change
+    markers += [{"kind": "audit", **dict(m)} for m in exp.weight_changes]
+
+    banners = [srm["message"]] if srm.get("flagged") else []
+    if stray:
+        banners.append(f"samples for variants not in the experiment were ignored: {stray}")
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "generated_at": dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z"),
+        "experiment": {
+            "key": exp.key,
+            "name": exp.name,
+            "control": control,
+            "sla": {**exp.slo.limits(), "target": exp.target, "comparison": "<"},
+        },
+        "filters": filters.as_dict(),
+        "window": {
+            "first": _iso(first / 1000.0) if first is not None else None,
+            "last": _iso(last / 1000.0) if last is not None else None,
+            "seconds": window_s,
+        },
+        "modes": mode_counts,
+        "banners": banners,
+        "srm": srm,
+        "variants": variants,
+        "attribution": attribution_out,
+        "phases": phases,
+        "segments": segments,
+        "mix_rate": mix_rate,
+        "timeseries": {
+            "bucket_s": bucket_s,
+            "note": "p99 per bucket from quantileExact(0.99) (rank floor(0.99n)+1): chart only",
+            "p99_ttft_ms": {
+                v: [{"t": _iso(tb), "n": n, "p99": p} for tb, n, p in series.get(v, [])] for v in present
+            },
+            "markers": markers,
+        },
+        "cdf": {
+            v: {"ttft_ms": summ[v]["cdf"]["values"], "share": summ[v]["cdf"]["levels"]}
+            for v in present
+            if summ[v]["cdf"]["values"]
+        },
+        "timing": {"query_s": time.perf_counter() - t0},
+    }
+
+
+def _compare(
+    store: Any,
+    filters: q.Filters,
+    exp: ExperimentInfo,
+    summ: Mapping[str, Mapping[str, Any]],
+    present: Sequence[str],
+    estimate: Any,
+) -> dict[str, dict[str, Any]]:
+    control = exp.control
+    others = [v for v in present if v != control]
+    if control not in present or summ[control]["n"] == 0 or not others:
+        return {}
+    arms = {v: stats.ArmCounts(summ[v]["n"], summ[v]["hits"]) for v in others if summ[v]["n"]}
+    att = stats.compare_attainment(stats.ArmCounts(summ[control]["n"], summ[control]["hits"]), arms)
+    counts = q.ttft_value_counts(store, filters)
+    arm_conf = stats.quantile_difference_conf()
+    out: dict[str, dict[str, Any]] = {}
+    for v in arms:
+        comp: dict[str, Any] = {
+            "attainment_difference": att[v]["difference"],
+            "attainment_p_holm": att[v]["p_holm"],
+            "p99_ttft_difference": None,
+            "mann_whitney_ttft": None,
+            "paired": None,
+        }
+        if summ[v]["metric_n"]["ttft_ms"] and summ[control]["metric_n"]["ttft_ms"]:
+            diff = stats.quantile_difference_from_order_stats(
+                estimate(control, "ttft_ms", P99, arm_conf), estimate(v, "ttft_ms", P99, arm_conf)
+            )
+            comp["p99_ttft_difference"] = diff.as_dict()
+        if v in counts and control in counts:
+            cv, cc = dict(zip(*counts[control], strict=True)), dict(zip(*counts[v], strict=True))
+            values = sorted(set(cv) | set(cc))
+            rt = stats.mann_whitney_from_counts(
+                values, [cv.get(x, 0) for x in values], [cc.get(x, 0) for x in values]
+            )
+            comp["mann_whitney_ttft"] = {
+                **rt.as_dict(),
+                "resolution_ms": 1.0 / q.MW_SCALE,
+            }
+        out[v] = comp
+    # Mann-Whitney p-values are Holm-adjusted across variants too
+    mw = {v: c["mann_whitney_ttft"]["p_value"] for v, c in out.items() if c["mann_whitney_ttft"]}
+    for v, p in stats.holm_adjust(mw).items() if mw else ():
+        out[v]["mann_whitney_ttft"]["p_holm"] = p
+
+    # mirror mode: the same requests went to every variant, so pair them
+    if q.modes(store, filters).get("mirror"):
+        paired_p: dict[str, float] = {}
+        for v in out:
+            pairs = q.mirror_pairs(store, filters, exp.slo, control, v)
+            c = pairs["cells"]
+            if not sum(c.values()):
+                continue
+            pa = stats.mcnemar_attainment(c["both_hit"], c["control_only"], c["variant_only"], c["both_miss"])
+            diffs = np.repeat(np.asarray(pairs["diff_values"]), np.asarray(pairs["diff_counts"]))
+            wx = stats.wilcoxon_paired(diffs).as_dict() if diffs.size else None
+            out[v]["paired"] = {"attainment": pa.as_dict(), "wilcoxon_ttft": wx}
+            if pa.difference.p_value is not None:
+                paired_p[v] = pa.difference.p_value
+        for v, p in stats.holm_adjust(paired_p).items() if paired_p else ():
+            out[v]["paired"]["attainment_p_holm"] = p
+    return out
+
+
+def _srm(
+    exp: ExperimentInfo,
+    cells: Sequence[Mapping[str, Any]],
+    present: Sequence[str],
+    mode_counts: Mapping[str, int],
+) -> dict[str, Any]:
+    if mode_counts.get("mirror") and not mode_counts.get("split"):
+        return {"applicable": False, "flagged": False, "message": "", "note": "mirror mode"}
+    by_rev: dict[int, dict[str, int]] = {}
+    for c in cells:
+        if c["variant"] in present:
+            counts = by_rev.setdefault(int(c["rev"]), {})
+            counts[c["variant"]] = counts.get(c["variant"], 0) + int(c["n"])
+    if not by_rev:
+        return {"applicable": False, "flagged": False, "message": "", "note": "no samples"}
+    parts = []
+    for rev, counts in sorted(by_rev.items()):
+        weights = exp.weights_by_revision.get(rev, exp.weights)
+        # only the variants being read: a variant filter must not look like missing traffic
+        parts.append((str(rev), counts, {k: float(w) for k, w in weights.items() if k in present}))
+    try:
+        res = stats.sample_ratio_mismatch(parts)
+    except ValueError as e:
+        return {"applicable": False, "flagged": False, "message": "", "note": str(e)}
+    return {"applicable": True, **res.as_dict(), "weights_source": exp.weights_source}
+
+
+SEGMENT_DIMS = {
+    "prompt_tokens": ("pb", attr.bucket_labels(attr.PROMPT_TOKEN_EDGES)),
+    "in_flight": ("ib", attr.bucket_labels(attr.INFLIGHT_EDGES)),
+}
+
+
+def _segments(cells: Sequence[Mapping[str, Any]], present: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    dims: dict[str, tuple[str, list[str] | None]] = {**SEGMENT_DIMS, "time": ("tb", None)}
+    for dim, (col, labels) in dims.items():
+        counts: dict[str, dict[Any, list[int]]] = {v: {} for v in present}
+        for c in cells:
+            if c["variant"] not in counts:
+                continue
+            cell = counts[c["variant"]].setdefault(c[col], [0, 0])
+            cell[0] += int(c["n"])
+            cell[1] += int(c["hits"])
+        if labels is None:
+            keys = sorted({k for per in counts.values() for k in per})
+            labels = [_iso(k) for k in keys]
+        else:
+            keys = list(range(len(labels)))
+        out[dim] = {
+            "labels": labels,
+            "variants": {
+                v: attr.attainment_by_segment(
+                    {lab: tuple(counts[v].get(k, (0, 0))) for k, lab in zip(keys, labels, strict=True)}
+                )
+                for v in present
+            },
+        }
+    return out
+
+
+def _mix_rate(segments: Mapping[str, Any], control: str, present: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if control not in present:
+        return out
+    for v in present:
+        if v == control:
+            continue
+        out[v] = {}
+        for dim in SEGMENT_DIMS:
+            segs = segments[dim]["variants"]
+            a = {s: (c["n"], c["hits"]) for s, c in segs[control].items()}
+            b = {s: (c["n"], c["hits"]) for s, c in segs[v].items()}
+            try:
+                out[v][dim] = attr.mix_rate_decomposition(a, b)
+            except ValueError as e:
+                out[v][dim] = {"note": str(e)}
+    return out
+
+
+def _attribution(
+    exp: ExperimentInfo, by_key: Mapping[str, Mapping[str, Any]], present: Sequence[str]
+) -> dict[str, Any]:
+    control = exp.control
+    out: dict[str, Any] = {"attainment": {}, "p99_ttft_ms": {}, "note": ""}
+    live = [v for v in present if by_key[v]["n"] > 0]
+    if control not in live or len(live) < 2:
+        out["note"] = "needs the control and at least one other variant with samples"
+        return out
+    if not any(by_key[v]["factors"] for v in live):
+        out["note"] = "variants carry no factor tags"
+        return out
+
+    def p99(v: str) -> float | None:
+        return next(e["value"] for e in by_key[v]["percentiles"]["ttft_ms"] if e["q"] == P99)
+
+    metrics = {
+        "attainment": ({v: by_key[v]["attainment"]["estimate"] for v in live}, True),
+        "p99_ttft_ms": ({v: p99(v) for v in live}, False),
+    }
+    for name, (values, higher_is_better) in metrics.items():
+        cells = {
+            v: attr.Cell(dict(by_key[v]["factors"]), float(values[v]), float(by_key[v]["n"]))
+            for v in live
+            if values[v] is not None
+        }
+        try:
+            result = attr.attribute_factors(cells, control)
+        except ValueError as e:
+            out["note"] = str(e)
+            continue
+        for v, entry in result.items():
+            entry["text"] = attr.render_attribution(entry, higher_is_better=higher_is_better)
+            out[name][v] = entry
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Django glue
+
+
+def weights_history(experiment: Any) -> tuple[dict[int, dict[str, float]], str, list[dict]]:
+    """Weights in force per config revision, from the audit log when it recorded them.
+
+    Any audit entry whose ``before`` or ``after`` holds {"weights": {...}, "revision": int}
+    (experiments.weights.service.publish_weights writes "set_weights" entries like that) maps
+    that revision to its weights. Revisions the log does not name are tested against the
+    variants' current weights, which is wrong for revisions before a later weight change: the
+    report's srm.weights_source says which source was used.
+    """
+    by_rev: dict[int, dict[str, float]] = {}
+    changes: list[dict[str, Any]] = []
+    for entry in experiment.audit.order_by("at", "id"):
+        found = False
+        for state in (entry.before, entry.after):
+            state = state if isinstance(state, dict) else {}
+            weights, rev = state.get("weights"), state.get("revision")
+            if (
+                isinstance(weights, dict)
+                and isinstance(rev, int)
+                and not isinstance(rev, bool)
+                and rev > 0
+                and all(isinstance(w, int | float) for w in weights.values())
+            ):
+                by_rev[rev] = {str(k): float(w) for k, w in weights.items()}
+                found = True
+        if found or "weights" in entry.action:
+            changes.append(
+                {
+                    "at": entry.at.astimezone(dt.UTC).isoformat().replace("+00:00", "Z"),
+                    "label": f"{entry.action} by {entry.actor_name}",
+                }
+            )
+    source = (
+        "audit log (weights per config revision; other revisions: current weights)"
+        if by_rev
+        else "current variant weights (no weights history in the audit log)"
+    )
+    return by_rev, source, changes
+
+
+def experiment_info(experiment: Any) -> ExperimentInfo:
+    by_rev, source, changes = weights_history(experiment)
+    return ExperimentInfo(
+        key=experiment.key,
+        name=experiment.name,
+        slo=q.Slo(experiment.sla_ttft_ms, experiment.sla_tpot_ms, experiment.sla_e2e_ms),
+        target=experiment.sla_target,
+        variants=[
+            VariantInfo(v.key, v.control, v.weight, dict(v.factors or {})) for v in experiment.variants.all()
+        ],
+        weights_by_revision=by_rev,
+        weights_source=source,
+        weight_changes=changes,
+    )
+
+
+def report_for(experiment: Any, filters: q.Filters, store: Any | None = None) -> dict[str, Any]:
+    if store is None:
+        from samples.factory import get_store
+
+        store = get_store()
+    return build_report(store, experiment_info(experiment), filters)

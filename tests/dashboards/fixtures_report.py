@@ -1,0 +1,125 @@
+"""Fixtures for the report tests: synthetic samples in chDB and in the ClickHouse server.
+
+Imported by the test modules (`from tests.dashboards.fixtures_report import *`-style names), not a
+conftest: it copies the connection approach of tests/samples/conftest.py. Every dataset is
+generated once per session and loaded into a fresh database on each backend.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from dashboards import queries as q
+from dashboards import report as r
+from samples import synthetic
+from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore, release_chdb
+
+SERVER_URL = os.environ.get(
+    "ABPLAT_TEST_CLICKHOUSE_URL", "clickhouse://default:@127.0.0.1:19000/abplat_test"
+)
+SLO = q.Slo(200.0)
+TARGET = 0.9
+
+
+def server_url_for(database: str) -> str:
+    parts = urllib.parse.urlsplit(SERVER_URL)
+    return urllib.parse.urlunsplit(parts._replace(path="/" + database))
+
+
+def require_server() -> None:
+    probe = ClickHouseServerBackend(SERVER_URL, tries=1)
+    try:
+        probe.ping()
+    except Exception as e:
+        pytest.fail(
+            f"ClickHouse server not reachable at {SERVER_URL} ({e}). "
+            "Start it with: scripts/clickhouse.sh start",
+            pytrace=False,
+        )
+    finally:
+        probe.close()
+
+
+def split_spec() -> synthetic.SyntheticSpec:
+    return synthetic.SyntheticSpec(
+        n=30_000,
+        seed=6,
+        run_id=11,
+        variants=synthetic.demo_variants(),
+        factor_effects=synthetic.DEMO_FACTOR_EFFECTS,
+        config_revisions=(101, 102),
+        duplicate_rate=0.01,
+        duration_s=1800.0,
+    )
+
+
+def mirror_spec() -> synthetic.SyntheticSpec:
+    return synthetic.SyntheticSpec(
+        experiment="ttft-mirror",
+        mode="mirror",
+        n=4_000,
+        seed=7,
+        run_id=12,
+        variants=synthetic.demo_variants(),
+        factor_effects=synthetic.DEMO_FACTOR_EFFECTS,
+        duration_s=600.0,
+    )
+
+
+def info(spec: synthetic.SyntheticSpec, **over) -> r.ExperimentInfo:
+    return r.ExperimentInfo(
+        key=spec.experiment,
+        name=spec.experiment,
+        slo=over.pop("slo", SLO),
+        target=TARGET,
+        variants=[
+            r.VariantInfo(v.key, v.control, v.weight, dict(v.factors)) for v in spec.variants
+        ],
+        **over,
+    )
+
+
+@pytest.fixture(scope="session")
+def split_data() -> synthetic.Synthetic:
+    return synthetic.generate(split_spec())
+
+
+@pytest.fixture(scope="session")
+def mirror_data() -> synthetic.Synthetic:
+    return synthetic.generate(mirror_spec())
+
+
+@pytest.fixture(scope="session")
+def loaded_stores(
+    tmp_path_factory: pytest.TempPathFactory, split_data, mirror_data
+) -> Iterator[dict[str, SampleStore]]:
+    """{"chdb": store, "server": store}, both holding the split and the mirror dataset."""
+    require_server()
+    release_chdb()  # another module may have left its own chDB directory open
+    db = f"abplat_test_dash_{uuid.uuid4().hex[:8]}"
+    stores: dict[str, SampleStore] = {
+        "chdb": ChdbBackend(str(tmp_path_factory.mktemp("chdb_dash")), db),
+        "server": ClickHouseServerBackend(server_url_for(db), send_receive_timeout=120),
+    }
+    for store in stores.values():
+        store.migrate()
+        synthetic.insert(store, split_data)
+        synthetic.insert(store, mirror_data)
+    yield stores
+    for store in stores.values():
+        try:
+            store.execute(f"DROP DATABASE IF EXISTS {db}")
+        except Exception:
+            pass
+        store.close()
+    release_chdb()
+
+
+@pytest.fixture(params=["chdb", "server"])
+def backend(request: pytest.FixtureRequest, loaded_stores) -> SampleStore:
+    return loaded_stores[request.param]
