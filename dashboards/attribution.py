@@ -225,9 +225,7 @@ def render_attribution(
         parts = []
         for f in factor.split("+"):
             level = levels.get(f, {}).get("variant", "")
-            parts.append(
-                labels.get(f"{f}={level}") or labels.get(level) or (f"{f}={level}" if level else f)
-            )
+            parts.append(labels.get(f"{f}={level}") or labels.get(level) or (f"{f}={level}" if level else f))
         return " + ".join(parts)
 
     gain = (total > 0) == higher_is_better
@@ -309,9 +307,7 @@ def _check_phase_keys(keys: Sequence[str], where: str) -> None:
     unknown = sorted(set(keys) - set(PHASES))
     missing = sorted(set(PHASES) - set(keys))
     if unknown or missing:
-        raise ValueError(
-            f"{where}: phases must be exactly {PHASES}; unknown {unknown}, missing {missing}"
-        )
+        raise ValueError(f"{where}: phases must be exactly {PHASES}; unknown {unknown}, missing {missing}")
 
 
 def phase_breakdown(
@@ -505,9 +501,7 @@ def mix_rate_decomposition(
     for label, side in (("a", a), ("b", b)):
         for seg, (n, hits) in side.items():
             if not (0 <= hits <= n):
-                raise ValueError(
-                    f"mix_rate_decomposition: segment {seg!r} of {label} has hits={hits}, n={n}"
-                )
+                raise ValueError(f"mix_rate_decomposition: segment {seg!r} of {label} has hits={hits}, n={n}")
     return mix_rate_decomposition_rates(
         {s: (n, h / n if n else math.nan) for s, (n, h) in a.items()},
         {s: (n, h / n if n else math.nan) for s, (n, h) in b.items()},

@@ -28,21 +28,22 @@ def _color(i: int) -> str:
 
 
 def _fig(fig: go.Figure, title: str) -> dict[str, Any]:
-    fig.update_layout(title=dict(text=title, x=0, font=dict(size=14)), **_LAYOUT)
+    layout = {k: v for k, v in _LAYOUT.items() if k != "height" or fig.layout.height is None}
+    fig.update_layout(title=dict(text=title, x=0, font=dict(size=14)), **layout)
     return json.loads(fig.to_json())
 
 
 def ttft_cdf(report: Mapping[str, Any]) -> dict[str, Any]:
     fig = go.Figure()
+    top = 0.0
     for i, (v, cdf) in enumerate(report["cdf"].items()):
+        top = max(top, cdf["ttft_ms"][-1] if cdf["ttft_ms"] else 0.0)
         fig.add_trace(
-            go.Scatter(
-                x=cdf["ttft_ms"], y=cdf["share"], mode="lines", name=v, line=dict(color=_color(i))
-            )
+            go.Scatter(x=cdf["ttft_ms"], y=cdf["share"], mode="lines", name=v, line=dict(color=_color(i)))
         )
     sla = report["experiment"]["sla"]["ttft_ms"]
     fig.add_vline(x=sla, line=dict(color="black", dash="dash"), annotation_text=f"SLA {sla:g} ms")
-    fig.update_xaxes(title="TTFT (ms)", type="log")
+    fig.update_xaxes(title="TTFT (ms)", range=[0, max(top, sla) * 1.05])
     fig.update_yaxes(title="share of successful requests", range=[0, 1])
     return _fig(fig, "TTFT CDF per variant")
 
@@ -94,7 +95,7 @@ def percentile_table(report: Mapping[str, Any]) -> dict[str, Any]:
             cells=dict(values=cols, align="left", height=22),
         )
     )
-    fig.update_layout(height=60 + 22 * len(cols[0]))
+    fig.update_layout(height=110 + 24 * len(cols[0]))
     return _fig(fig, "Latency percentiles (exact, distribution-free 95% CI)")
 
 
@@ -139,11 +140,9 @@ def p99_over_time(report: Mapping[str, Any]) -> dict[str, Any]:
 def attribution_waterfall(report: Mapping[str, Any]) -> dict[str, Any]:
     fig = go.Figure()
     att = report["attribution"]["attainment"]
-    for i, (v, entry) in enumerate(att.items()):
+    for v, entry in att.items():
         names = list(entry["contributions"]) + (["other"] if entry["residual"] else [])
-        values = list(entry["contributions"].values()) + (
-            [entry["residual"]] if entry["residual"] else []
-        )
+        values = list(entry["contributions"].values()) + ([entry["residual"]] if entry["residual"] else [])
         fig.add_trace(
             go.Waterfall(
                 name=v,
@@ -154,7 +153,7 @@ def attribution_waterfall(report: Mapping[str, Any]) -> dict[str, Any]:
                 textposition="outside",
                 increasing=dict(marker=dict(color="#2ca02c")),
                 decreasing=dict(marker=dict(color="#d62728")),
-                totals=dict(marker=dict(color=_color(i + 1))),
+                totals=dict(marker=dict(color="#555555")),
             )
         )
     fig.update_yaxes(title="attainment vs control (pp)")
@@ -196,9 +195,16 @@ def segment_heatmap(report: Mapping[str, Any], dim: str, title: str) -> dict[str
         )
     fig = go.Figure(
         go.Heatmap(
-            z=z, x=seg["labels"], y=variants, text=text, texttemplate="%{text}",
-            colorscale="RdYlGn", zmin=max(0.0, report["experiment"]["sla"]["target"] - 0.3),
-            zmax=1.0, colorbar=dict(tickformat=".0%"), hoverongaps=False,
+            z=z,
+            x=seg["labels"],
+            y=variants,
+            text=text,
+            texttemplate="%{text}",
+            colorscale="RdYlGn",
+            zmin=max(0.0, report["experiment"]["sla"]["target"] - 0.3),
+            zmax=1.0,
+            colorbar=dict(tickformat=".0%"),
+            hoverongaps=False,
         )  # fmt: skip
     )
     fig.update_xaxes(type="category")

@@ -53,6 +53,8 @@ MW_SCALE = 10
 
 def rounded_sql(expr: str) -> str:
     return f"floor(({expr}) * {MW_SCALE} + 0.5) / {MW_SCALE}"
+
+
 TIME_BUCKETS_S = (10, 30, 60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 86400)
 MAX_TIME_BUCKETS = 120
 

@@ -289,15 +289,19 @@ def _srm(
     present: Sequence[str],
     mode_counts: Mapping[str, int],
 ) -> dict[str, Any]:
+    def not_applicable(note: str) -> dict[str, Any]:
+        return {"applicable": False, "flagged": False, "message": "", "note": note,
+                "weights_source": exp.weights_source}  # fmt: skip
+
     if mode_counts.get("mirror") and not mode_counts.get("split"):
-        return {"applicable": False, "flagged": False, "message": "", "note": "mirror mode"}
+        return not_applicable("mirror mode: every request goes to every variant")
     by_rev: dict[int, dict[str, int]] = {}
     for c in cells:
         if c["variant"] in present:
             counts = by_rev.setdefault(int(c["rev"]), {})
             counts[c["variant"]] = counts.get(c["variant"], 0) + int(c["n"])
     if not by_rev:
-        return {"applicable": False, "flagged": False, "message": "", "note": "no samples"}
+        return not_applicable("no samples")
     parts = []
     for rev, counts in sorted(by_rev.items()):
         weights = exp.weights_by_revision.get(rev, exp.weights)
@@ -306,8 +310,8 @@ def _srm(
     try:
         res = stats.sample_ratio_mismatch(parts)
     except ValueError as e:
-        return {"applicable": False, "flagged": False, "message": "", "note": str(e)}
-    return {"applicable": True, **res.as_dict(), "weights_source": exp.weights_source}
+        return not_applicable(str(e))
+    return {"applicable": True, "note": "", **res.as_dict(), "weights_source": exp.weights_source}
 
 
 SEGMENT_DIMS = {

@@ -145,9 +145,7 @@ def sla_attainment(
     )
 
 
-def meets_slos(
-    ok: np.ndarray, metrics: Mapping[str, np.ndarray], slos_ms: Mapping[str, float]
-) -> np.ndarray:
+def meets_slos(ok: np.ndarray, metrics: Mapping[str, np.ndarray], slos_ms: Mapping[str, float]) -> np.ndarray:
     """Per-request "meets every SLO" from raw arrays; the reference for the ClickHouse countIf.
 
     A failed request, or a metric that never happened (NaN), is a miss.
@@ -269,9 +267,7 @@ def quantile_plan(n: int, q: float, conf: float = DEFAULT_CONF) -> QuantilePlan:
     return QuantilePlan(q, n, quantile_rank(n, q), lo, hi, coverage, "")
 
 
-def ranks_to_fetch(
-    n: int, qs: Iterable[float] = REPORT_QUANTILES, conf: float = DEFAULT_CONF
-) -> list[int]:
+def ranks_to_fetch(n: int, qs: Iterable[float] = REPORT_QUANTILES, conf: float = DEFAULT_CONF) -> list[int]:
     """Sorted unique 1-based ranks to pull from ClickHouse for all quantiles in one query."""
     ranks: set[int] = set()
     for q in qs:
@@ -395,8 +391,7 @@ def attainment_difference(
     _check_counts(variant_hits, variant_n, "attainment_difference(variant)")
     if control_n == 0 or variant_n == 0:
         raise ValueError(
-            f"attainment_difference: both arms need samples (control n={control_n}, "
-            f"variant n={variant_n})"
+            f"attainment_difference: both arms need samples (control n={control_n}, variant n={variant_n})"
         )
     wc = wilson_interval(control_hits, control_n, conf)
     wv = wilson_interval(variant_hits, variant_n, conf)
@@ -441,8 +436,7 @@ def quantile_difference_from_order_stats(
     want = quantile_difference_conf(conf)
     if control.q != variant.q:
         raise ValueError(
-            f"quantile_difference: quantiles differ (control {control.label}, "
-            f"variant {variant.label})"
+            f"quantile_difference: quantiles differ (control {control.label}, variant {variant.label})"
         )
     if control.value is None or variant.value is None:
         raise ValueError("quantile_difference: an arm has no samples")
@@ -507,15 +501,11 @@ class RankTest:
         return _asdict(self)
 
 
-def mann_whitney(
-    control: np.ndarray | Sequence[float], variant: np.ndarray | Sequence[float]
-) -> RankTest:
+def mann_whitney(control: np.ndarray | Sequence[float], variant: np.ndarray | Sequence[float]) -> RankTest:
     c = _clean_samples(control, "mann_whitney(control)")
     v = _clean_samples(variant, "mann_whitney(variant)")
     if c.size == 0 or v.size == 0:
-        raise ValueError(
-            f"mann_whitney: both arms need samples (control {c.size}, variant {v.size})"
-        )
+        raise ValueError(f"mann_whitney: both arms need samples (control {c.size}, variant {v.size})")
     res = sps.mannwhitneyu(v, c, alternative="two-sided", method="auto")
     u = float(res.statistic)
     return RankTest(

@@ -10,6 +10,7 @@ from django.forms.models import BaseInlineFormSet
 from django.utils.html import format_html
 
 from experiments import lifecycle, services
+from experiments.admin_weights import WeightsAdminMixin
 from experiments.document import DocumentError, validate_document
 from experiments.models import AuditEntry, Experiment, Variant
 
@@ -103,18 +104,18 @@ def _lifecycle_action(action: str):
 
 
 @admin.register(Experiment)
-class ExperimentAdmin(admin.ModelAdmin):
+class ExperimentAdmin(WeightsAdminMixin, admin.ModelAdmin):
     list_display = ("key", "name", "status", "sla_ttft_ms", "sla_target", "owner", "updated_at", "dashboard")
     list_filter = ("status", "owner")
     search_fields = ("key", "name", "hypothesis", "variants__key", "variants__model")
     inlines = [VariantInline]
     actions = [_lifecycle_action(a) for a in lifecycle.ACTIONS]
     readonly_fields = ("status", "salt", "hash_version", "owner", "created_at", "updated_at",
-                       "started_at", "concluded_at", "dashboard")  # fmt: skip
+                       "started_at", "concluded_at", "dashboard", "weights_link")  # fmt: skip
     fieldsets = (
         (None, {"fields": ("key", "name", "hypothesis", "status", "owner", "dashboard")}),
         ("SLA", {"fields": ("sla_ttft_ms", "sla_tpot_ms", "sla_e2e_ms", "sla_target")}),
-        ("Assignment", {"fields": ("salt", "hash_version")}),
+        ("Assignment", {"fields": ("salt", "hash_version", "weights_link")}),
         ("Timeline", {"fields": ("created_at", "updated_at", "started_at", "concluded_at")}),
     )
 

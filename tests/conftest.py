@@ -165,9 +165,9 @@ def sample_store(request, settings, chdb_dir, tmp_path):
     factory._cache.clear()
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def weights_dir(settings, tmp_path):
-    """A fresh local weights store (and router) for this test."""
+    """A fresh local weights store (and router) for every test: no test sees another's weights."""
     from experiments.weights import django_store
 
     settings.ETCD_ENDPOINTS = []

@@ -51,6 +51,7 @@ class AssignmentSerializer(serializers.Serializer):
 
 class AssignView(APIView):
     permission_classes = [CanView]
+    serializer_class = AssignmentSerializer
 
     @extend_schema(
         parameters=[OpenApiParameter("user_id", str, required=True)],
@@ -93,6 +94,25 @@ class WeightsChangeSerializer(serializers.Serializer):
     dry_run = serializers.BooleanField(default=False, help_text="preview only, write nothing")
 
 
+class WeightsSerializer(serializers.Serializer):
+    """The weights as stored (the fields after ``weights`` only once published)."""
+
+    experiment = serializers.CharField()
+    status = serializers.CharField()
+    published = serializers.BooleanField()
+    revision = serializers.IntegerField(help_text="send it back as expected_revision to change them")
+    weights = serializers.DictField(child=serializers.IntegerField())
+    control = serializers.CharField(required=False)
+    hash_version = serializers.IntegerField(required=False)
+    actor = serializers.CharField(required=False)
+    at = serializers.CharField(required=False)
+    reason = serializers.CharField(required=False)
+    moved_share = serializers.FloatField(required=False, help_text="PUT: share of users moved")
+    minimum_share = serializers.FloatField(required=False, help_text="PUT: the least possible")
+    moved = serializers.CharField(required=False)
+    dry_run = serializers.BooleanField(required=False)
+
+
 def weights_body(experiment: Experiment) -> dict:
     doc, revision = current_weights(experiment.key)
     body = {
@@ -118,7 +138,9 @@ def weights_body(experiment: Experiment) -> dict:
 
 class WeightsView(APIView):
     permission_classes = [CanChangeWeights]
+    serializer_class = WeightsSerializer
 
+    @extend_schema(responses=WeightsSerializer)
     def get(self, request, key: str):
         experiment = get_object_or_404(Experiment, key=key)
         try:
@@ -126,7 +148,7 @@ class WeightsView(APIView):
         except StoreUnavailable as exc:
             return Response({"detail": str(exc)}, status=503)
 
-    @extend_schema(request=WeightsChangeSerializer)
+    @extend_schema(request=WeightsChangeSerializer, responses=WeightsSerializer)
     def put(self, request, key: str):
         get_object_or_404(Experiment, key=key)
         change = WeightsChangeSerializer(data=request.data)

@@ -21,11 +21,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple, Self
 
-from experiments.assignment import assign as assign_variant
+from experiments.assignment import make_assigner
 from experiments.weights.document import WeightsDocument, parse_document
 from experiments.weights.errors import StoreUnavailable, WatchCompacted, WeightsError
 from experiments.weights.store import WatchEvent, WeightsStore
@@ -40,6 +40,9 @@ class Assignment(NamedTuple):
     hash_version: int
 
 
+_new_tuple = tuple.__new__
+
+
 class UnknownExperiment(LookupError):
     pass
 
@@ -48,6 +51,10 @@ class UnknownExperiment(LookupError):
 class Entry:
     doc: WeightsDocument
     revision: int
+    assign: Callable[[str], str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "assign", make_assigner(self.doc.salt, self.doc.allocation))
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,12 +137,10 @@ class Router:
         entry = snapshot.entries.get(experiment_key)
         if entry is None:
             entry = self._entry(snapshot, experiment_key)
-        doc = entry.doc
-        return Assignment(
-            experiment_key,
-            assign_variant(doc.salt, user_id, doc.allocation),
-            entry.revision,
-            doc.allocation.hash_version,
+        # tuple.__new__ skips the NamedTuple's Python-level __new__ (~0.3 us of ~1.5)
+        return _new_tuple(
+            Assignment,
+            (experiment_key, entry.assign(user_id), entry.revision, entry.doc.allocation.hash_version),
         )
 
     def _entry(self, snapshot: Snapshot, key: str) -> Entry:

@@ -19,9 +19,7 @@ from dashboards import report as r
 from samples import synthetic
 from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore, release_chdb
 
-SERVER_URL = os.environ.get(
-    "ABPLAT_TEST_CLICKHOUSE_URL", "clickhouse://default:@127.0.0.1:19000/abplat_test"
-)
+SERVER_URL = os.environ.get("ABPLAT_TEST_CLICKHOUSE_URL", "clickhouse://default:@127.0.0.1:19000/abplat_test")
 SLO = q.Slo(200.0)
 TARGET = 0.9
 
@@ -77,9 +75,7 @@ def info(spec: synthetic.SyntheticSpec, **over) -> r.ExperimentInfo:
         name=spec.experiment,
         slo=over.pop("slo", SLO),
         target=TARGET,
-        variants=[
-            r.VariantInfo(v.key, v.control, v.weight, dict(v.factors)) for v in spec.variants
-        ],
+        variants=[r.VariantInfo(v.key, v.control, v.weight, dict(v.factors)) for v in spec.variants],
         **over,
     )
 

@@ -130,9 +130,7 @@ def test_incomplete_design_uses_the_additive_model_and_recovers_effects():
 
     out = attribute_factors(_three_factor_cells(value, INCOMPLETE), "control")["awq-fa2-fp8"]
     assert out["method"] == ADDITIVE
-    assert out["contributions"] == pytest.approx(
-        {"quantization": 0.03, "attention": 0.02, "kv_cache": -0.01}
-    )
+    assert out["contributions"] == pytest.approx({"quantization": 0.03, "attention": 0.02, "kv_cache": -0.01})
     assert out["residual"] == pytest.approx(0.0, abs=1e-12)
     text = render_attribution(out, {**LABELS, "fp8": "FP8 KV cache"})
     assert text == "AWQ: 75% of the gain, FlashAttention-2: 50%, FP8 KV cache: -25%"

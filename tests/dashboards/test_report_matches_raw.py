@@ -1,3 +1,4 @@
+# ruff: noqa: F811 - pytest fixtures imported from fixtures_report are re-bound as arguments
 """The report's numbers equal an independent numpy computation over the raw synthetic samples,
 on chDB and on the ClickHouse server (duplicated, older recordings included in the table)."""
 
@@ -69,7 +70,7 @@ def test_counts_errors_and_attainment_match_raw_samples(split_report, split_data
         assert entry["error_rate"] == pytest.approx(errors / n)
         ci = stats.wilson_interval(hits, n)
         assert entry["attainment"] == pytest.approx(ci.as_dict())
-        window = (split_data.latest()["sent_unix_ms"].max() - split_data.latest()["sent_unix_ms"].min())
+        window = split_data.latest()["sent_unix_ms"].max() - split_data.latest()["sent_unix_ms"].min()
         assert entry["goodput_rps"] == pytest.approx(hits / (window / 1000.0))
 
 

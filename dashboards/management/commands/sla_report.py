@@ -1,0 +1,114 @@
+"""python manage.py sla_report KEY [--run ID] [--since T] [--until T] [--variant V ...]
+[--json] [--csv DIR]
+
+Default output is a readable table. --json prints the report dict, the stable shape documented
+in docs/report-json.md (the same JSON as GET /api/experiments/KEY/report):
+
+    {"schema_version": 1, "experiment": {"key", "name", "control", "sla": {...}},
+     "filters": {...}, "window": {...}, "banners": [str], "srm": {...},
+     "variants": [{"key", "control", "n", "errors", "error_rate", "hits",
+                   "attainment": {"estimate", "lo", "hi", "conf"}, "goodput_rps",
+                   "verdict": {...}, "percentiles": {metric: [{"q", "label", "n", "value",
+                   "lo", "hi", "coverage", "note"}]}, "vs_control": {...} | null}],
+     "attribution": {...}, "phases": {...}, "segments": {...}, "mix_rate": {...},
+     "timeseries": {...}, "cdf": {...}, "timing": {"query_s"}}
+
+--csv DIR writes one CSV per table (dashboards.tables.TABLES) into DIR.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from django.core.management.base import BaseCommand, CommandError
+
+from dashboards import tables
+from dashboards.filters import filters_from_params
+from dashboards.queries import QueryError
+from dashboards.report import report_for
+from experiments.models import Experiment
+
+
+class Command(BaseCommand):
+    help = "SLA report of an experiment: a table, --json, or --csv DIR"
+
+    def add_arguments(self, parser):
+        parser.add_argument("key")
+        parser.add_argument("--run", help="only this run id")
+        parser.add_argument("--since", help="ISO date-time (UTC when no zone), inclusive")
+        parser.add_argument("--until", help="ISO date-time (UTC when no zone), exclusive")
+        parser.add_argument("--variant", action="append", default=[], help="repeatable")
+        parser.add_argument("--json", action="store_true", help="print the report JSON")
+        parser.add_argument("--csv", metavar="DIR", help="write one CSV per table into DIR")
+
+    def handle(self, *args, **opts):
+        try:
+            experiment = Experiment.objects.get(key=opts["key"])
+        except Experiment.DoesNotExist:
+            raise CommandError(f"no experiment with key {opts['key']!r}") from None
+        known = [v.key for v in experiment.variants.all()]
+        params = {k: opts[k] or "" for k in ("since", "until")} | {"run": opts["run"] or ""}
+        try:
+            filters = filters_from_params(experiment.key, params, opts["variant"], known)
+        except QueryError as e:
+            raise CommandError(str(e)) from None
+        report = report_for(experiment, filters)
+        if opts["csv"]:
+            out = Path(opts["csv"])
+            out.mkdir(parents=True, exist_ok=True)
+            for table in tables.TABLES:
+                rows = tables.rows(report, table)
+                with open(out / f"{table}.csv", "w", newline="") as f:
+                    if rows:
+                        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                        w.writeheader()
+                        w.writerows(rows)
+        if opts["json"]:
+            self.stdout.write(json.dumps(report, indent=2, allow_nan=False))
+            return
+        self.stdout.write(render_text(report))
+
+
+def _f(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def render_text(report) -> str:
+    exp = report["experiment"]
+    sla = exp["sla"]
+    lines = [
+        f"{exp['name']} ({exp['key']}): TTFT < {sla['ttft_ms']:g} ms for {sla['target']:.2%}"
+        f" of requests; control {exp['control']}",
+    ]
+    lines += [f"!! {b}" for b in report["banners"]]
+    head = f"{'variant':<14}{'n':>9}{'errors':>8}{'attainment [95% CI]':>28}{'p99 TTFT ms':>14}"
+    head += f"{'Δ vs control (p Holm)':>28}  verdict"
+    lines += ["", head, "-" * len(head)]
+    for e in report["variants"]:
+        a = e["attainment"]
+        att = f"{a['estimate']:.4f} [{a['lo']:.4f}, {a['hi']:.4f}]" if a else "-"
+        p99 = next(x for x in e["percentiles"]["ttft_ms"] if x["label"] == "p99")["value"]
+        vs = e["vs_control"]
+        comp = (
+            f"{vs['attainment_difference']['estimate']:+.4f} ({vs['attainment_p_holm']:.3g})" if vs else "-"
+        )
+        verdict = e["verdict"]["verdict"]
+        if e["verdict"]["n_needed"]:
+            verdict += f" (need ~{e['verdict']['n_needed']})"
+        lines.append(
+            f"{e['key']:<14}{e['n']:>9}{e['errors']:>8}{att:>28}{_f(p99, '.1f'):>14}{comp:>28}  {verdict}"
+        )
+    lines += ["", "Percentiles (ms, [95% CI]) of successful requests:"]
+    for e in report["variants"]:
+        for metric, ests in e["percentiles"].items():
+            cells = "  ".join(
+                f"{x['label']} {_f(x['value'], '.1f')} [{_f(x['lo'], '.1f')}, {_f(x['hi'], '.1f')}]"
+                for x in ests
+            )
+            lines.append(f"  {e['key']:<12}{metric:<9}{cells}")
+    for metric in ("attainment", "p99_ttft_ms"):
+        for v, entry in report["attribution"].get(metric, {}).items():
+            lines.append(f"Why {v} ({metric}): {entry['text']}")
+    return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""The report's tables as rows, shared by the CSV export, the page and the sla_report command."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+TABLES = ("variants", "percentiles", "comparisons", "segments", "phases", "attribution", "srm")
+
+
+def _pct(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)
+
+
+def variants(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
+    for e in report["variants"]:
+        a = e["attainment"] or {}
+        yield {
+            "variant": e["key"],
+            "control": e["control"],
+            "n": e["n"],
+            "errors": e["errors"],
+            "error_rate": _pct(e["error_rate"]),
+            "hits": e["hits"],
+            "attainment": _pct(a.get("estimate")),
+            "attainment_lo": _pct(a.get("lo")),
+            "attainment_hi": _pct(a.get("hi")),
+            "goodput_rps": e["goodput_rps"],
+            "verdict": e["verdict"]["verdict"],
+            "n_needed": e["verdict"]["n_needed"],
+        }
+
+
+def percentiles(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
+    for e in report["variants"]:
+        for metric, ests in e["percentiles"].items():
+            for est in ests:
+                yield {
+                    "variant": e["key"],
+                    "metric": metric,
+                    "quantile": est["label"],
+                    "n": est["n"],
+                    "value_ms": est["value"],
+                    "ci_lo_ms": est["lo"],
+                    "ci_hi_ms": est["hi"],
+                    "coverage": est["coverage"],
+                    "note": est["note"],
+                }
+
+
+def comparisons(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
+    for e in report["variants"]:
+        vs = e["vs_control"]
+        if not vs:
+            continue
+        d, p99, mw = vs["attainment_difference"], vs["p99_ttft_difference"], vs["mann_whitney_ttft"]
+        paired = (vs.get("paired") or {}).get("attainment") or {}
+        yield {
+            "variant": e["key"],
+            "attainment_diff": d["estimate"],
+            "attainment_diff_lo": d["lo"],
+            "attainment_diff_hi": d["hi"],
+            "attainment_p": d["p_value"],
+            "attainment_p_holm": vs["attainment_p_holm"],
+            "p99_ttft_diff_ms": p99["estimate"] if p99 else None,
+            "p99_ttft_diff_lo_ms": p99["lo"] if p99 else None,
+            "p99_ttft_diff_hi_ms": p99["hi"] if p99 else None,
+            "mann_whitney_p": mw["p_value"] if mw else None,
+            "mann_whitney_p_holm": mw.get("p_holm") if mw else None,
+            "prob_variant_slower": mw["prob_variant_greater"] if mw else None,
+            "paired_attainment_diff": (paired.get("difference") or {}).get("estimate"),
+            "paired_p": (paired.get("difference") or {}).get("p_value"),
+        }
+
+
+def segments(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
+    for dim, seg in report["segments"].items():
+        for v, cells in seg["variants"].items():
+            for label in seg["labels"]:
+                c = cells[label]
+                yield {
+                    "dimension": dim,
+                    "segment": label,
+                    "variant": v,
+                    "n": c["n"],
+                    "hits": c["hits"],
+                    "attainment": c["attainment"],
+                    "lo": c["lo"],
+                    "hi": c["hi"],
+                }
+
+
+def phases(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
+    for v, p in report["phases"].items():
+        for phase, d in p.get("phases", {}).items():
+            yield {
+                "variant": v,
+                "missed_requests": p["n"],
+                "phase": phase,
+                "mean_ms": d["mean_ms"],
+                "share_of_total": d["share_of_total"],
+            }
+
+
+def attribution(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
+    for metric in ("attainment", "p99_ttft_ms"):
+        for v, entry in report["attribution"].get(metric, {}).items():
+            parts = {**entry["contributions"], "residual": entry["residual"]}
+            for factor, value in parts.items():
+                yield {
+                    "metric": metric,
+                    "variant": v,
+                    "method": entry["method"],
+                    "factor": factor,
+                    "contribution": value,
+                    "share": (value / entry["total"]) if entry["total"] else None,
+                    "total": entry["total"],
+                }
+
+
+def srm(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
+    s = report["srm"]
+    if not s.get("applicable"):
+        return
+    for part in [*s["revisions"], s["combined"]]:
+        for v, obs in part["observed"].items():
+            yield {
+                "revision": part["revision"],
+                "variant": v,
+                "observed": obs,
+                "expected": round(part["expected"][v], 3),
+                "chi2": part["chi2"],
+                "p_value": part["p_value"],
+                "flagged": part["flagged"],
+            }
+
+
+def rows(report: Mapping[str, Any], table: str) -> list[dict[str, Any]]:
+    if table not in TABLES:
+        raise KeyError(f"unknown table {table!r}; one of {', '.join(TABLES)}")
+    return list(globals()[table](report))

@@ -1,0 +1,115 @@
+"""Dashboard page, CSV export and the plotly.js asset. Analyst, product, sre and superusers."""
+
+from __future__ import annotations
+
+import csv
+import functools
+import gzip
+import json
+
+from django.contrib.auth.decorators import login_required, permission_required
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
+from django.shortcuts import get_object_or_404, render
+from django.views.decorators.http import require_GET
+
+from dashboards import charts, tables
+from dashboards.filters import filters_from_params
+from dashboards.queries import QueryError
+from dashboards.report import report_for
+from experiments.models import Experiment
+
+VIEW_PERM = "experiments.view_experiment"
+
+
+def _guard(view):
+    # anonymous -> login page; signed in without the permission -> 403
+    return login_required(permission_required(VIEW_PERM, raise_exception=True)(require_GET(view)))
+
+
+def _report(request: HttpRequest, key: str):
+    experiment = get_object_or_404(Experiment, key=key)
+    known = [v.key for v in experiment.variants.all()]
+    filters = filters_from_params(key, request.GET, request.GET.getlist("variant"), known)
+    return experiment, filters, report_for(experiment, filters)
+
+
+@_guard
+def experiment(request: HttpRequest, key: str) -> HttpResponse:
+    try:
+        exp, filters, report = _report(request, key)
+    except QueryError as e:
+        return HttpResponseBadRequest(f"Bad filter: {e}", content_type="text/plain")
+    context = {
+        "experiment": exp,
+        "report": report,
+        "filters": filters,
+        "all_variants": [v.key for v in exp.variants.all()],
+        "figures": charts.all_figures(report),
+        "variant_rows": list(tables.variants(report)),
+        "comparison_rows": list(tables.comparisons(report)),
+        "attribution_texts": {
+            metric: {v: e["text"] for v, e in report["attribution"][metric].items()}
+            for metric in ("attainment", "p99_ttft_ms")
+        },
+        "tables": tables.TABLES,
+        "query_string": request.GET.urlencode(),
+        "plotly_url": plotly_url(),
+    }
+    return render(request, "dashboards/experiment.html", context)
+
+
+@_guard
+def export_csv(request: HttpRequest, key: str, table: str) -> HttpResponse:
+    if table not in tables.TABLES:
+        return HttpResponseBadRequest(
+            f"Unknown table {table!r}: one of {', '.join(tables.TABLES)}", content_type="text/plain"
+        )
+    try:
+        _, _, report = _report(request, key)
+    except QueryError as e:
+        return HttpResponseBadRequest(f"Bad filter: {e}", content_type="text/plain")
+    rows = tables.rows(report, table)
+    response = HttpResponse(content_type="text/csv; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="{key}-{table}.csv"'
+    if rows:
+        writer = csv.DictWriter(response, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return response
+
+
+# ---- plotly.js: served from the installed plotly package, once, cached for a year -----------
+
+
+@functools.cache
+def _plotly_js() -> tuple[str, bytes, bytes]:
+    import plotly
+    from plotly.offline import get_plotlyjs
+
+    raw = get_plotlyjs().encode()
+    return plotly.__version__, raw, gzip.compress(raw, compresslevel=6)
+
+
+def plotly_url() -> str:
+    from django.urls import reverse
+
+    # the version is in the URL, so the file can be cached "forever" and changes with plotly
+    return reverse("dashboards:plotly", kwargs={"version": _plotly_js()[0]})
+
+
+@require_GET
+def plotly_js(request: HttpRequest, version: str) -> HttpResponse:
+    current, raw, gz = _plotly_js()
+    if version != current:
+        return HttpResponse(status=404)
+    use_gzip = "gzip" in request.headers.get("Accept-Encoding", "")
+    response = HttpResponse(gz if use_gzip else raw, content_type="text/javascript; charset=utf-8")
+    if use_gzip:
+        response["Content-Encoding"] = "gzip"
+    response["Vary"] = "Accept-Encoding"
+    response["Cache-Control"] = "public, max-age=31536000, immutable"
+    return response
+
+
+def figures_json(report) -> str:
+    return json.dumps(charts.all_figures(report), allow_nan=False)

@@ -1,0 +1,123 @@
+# ruff: noqa: F811 - pytest fixtures imported from fixtures_report are re-bound as arguments
+"""Dashboard page, CSV export, report API and sla_report command over real samples."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+from django.core.management import call_command
+
+from samples.factory import _cache as store_cache
+from tests.dashboards.fixtures_report import loaded_stores, mirror_data, server_url_for, split_data  # noqa: F401
+
+pytestmark = [pytest.mark.urls("tests.dashboards.urls_dashboards"), pytest.mark.django_db]
+
+ROLES_ALLOWED = ["analyst", "product", "sre", "admin"]
+
+
+@pytest.fixture
+def samples_db(settings, loaded_stores):
+    """Point the app's sample store at the server database holding the synthetic samples."""
+    settings.CLICKHOUSE_URL = server_url_for(loaded_stores["server"].database)
+    yield
+    store_cache.clear()
+
+
+def _login(client, users, role):
+    client.force_login(users[role])
+    return client
+
+
+@pytest.mark.parametrize("role", ROLES_ALLOWED)
+def test_dashboard_page_renders_for_viewer_roles(client, users, experiment, samples_db, role):
+    resp = _login(client, users, role).get("/dashboards/ttft-opt/")
+    assert resp.status_code == 200
+    html = resp.content.decode()
+    for chart in ("attainment", "cdf", "percentiles", "p99-time", "attribution", "phases", "srm"):
+        assert f'id="chart-{chart}"' in html
+    assert "/dashboards/assets/plotly-" in html
+    assert len(resp.content) < 1_000_000
+
+
+def test_dashboard_forbids_users_without_view_permission(client, users, experiment, samples_db):
+    assert _login(client, users, "nobody").get("/dashboards/ttft-opt/").status_code == 403
+    assert client.get("/dashboards/ttft-opt/export/variants.csv").status_code == 403
+
+
+def test_anonymous_is_sent_to_the_admin_login(client, experiment):
+    resp = client.get("/dashboards/ttft-opt/")
+    assert resp.status_code == 302
+    assert resp["Location"].startswith("/admin/login/?next=/dashboards/ttft-opt/")
+
+
+def test_unknown_experiment_is_404_and_bad_filters_are_400(client, users, experiment, samples_db):
+    _login(client, users, "analyst")
+    assert client.get("/dashboards/nope/").status_code == 404
+    resp = client.get("/dashboards/ttft-opt/?run=abc")
+    assert resp.status_code == 400 and b"run='abc'" in resp.content
+    resp = client.get("/dashboards/ttft-opt/?variant=zzz")
+    assert resp.status_code == 400 and b"zzz" in resp.content
+    resp = client.get("/dashboards/ttft-opt/?since=yesterday")
+    assert resp.status_code == 400 and b"since=" in resp.content
+
+
+def test_csv_export_matches_the_report(client, users, experiment, samples_db, split_data):
+    _login(client, users, "analyst")
+    resp = client.get("/dashboards/ttft-opt/export/variants.csv?run=11")
+    assert resp.status_code == 200 and resp["Content-Type"].startswith("text/csv")
+    rows = list(csv.DictReader(io.StringIO(resp.content.decode())))
+    latest = split_data.latest()
+    assert {r["variant"]: int(r["n"]) for r in rows} == {
+        v: int((latest["variant"] == v).sum()) for v in ("fp16", "awq", "awq-fa2")
+    }
+    for table in ("percentiles", "comparisons", "segments", "phases", "attribution", "srm"):
+        resp = client.get(f"/dashboards/ttft-opt/export/{table}.csv")
+        assert resp.status_code == 200 and len(resp.content.splitlines()) > 2, table
+    assert client.get("/dashboards/ttft-opt/export/secrets.csv").status_code == 400
+
+
+@pytest.mark.parametrize(
+    "role, status",
+    [("analyst", 200), ("product", 200), ("sre", 200), ("admin", 200), ("nobody", 403), (None, 401)],
+)
+def test_report_api_permissions(client_for, experiment, samples_db, role, status):
+    resp = client_for(role).get("/api/experiments/ttft-opt/report")
+    assert resp.status_code == status
+
+
+def test_report_api_returns_the_command_json(client_for, experiment, samples_db):
+    api = client_for("analyst").get("/api/experiments/ttft-opt/report?run=11&variant=awq").json()
+    out = io.StringIO()
+    call_command("sla_report", "ttft-opt", "--run", "11", "--variant", "awq", "--json", stdout=out)
+    cmd = json.loads(out.getvalue())
+    for doc in (api, cmd):
+        doc.pop("generated_at"), doc.pop("timing")
+    assert api == cmd
+    assert api["schema_version"] == 1
+    assert [v["key"] for v in api["variants"]] == ["fp16", "awq"]
+    bad = client_for("analyst").get("/api/experiments/ttft-opt/report?run=-1")
+    assert bad.status_code == 400 and "run" in bad.json()["filters"]
+
+
+def test_sla_report_command_prints_a_table_and_writes_csv(experiment, samples_db, tmp_path):
+    out = io.StringIO()
+    call_command("sla_report", "ttft-opt", "--csv", str(tmp_path), stdout=out)
+    text = out.getvalue()
+    assert "attainment [95% CI]" in text and "awq-fa2" in text and "Why awq-fa2" in text
+    assert (tmp_path / "variants.csv").read_text().startswith("variant,control,n,")
+    with pytest.raises(Exception, match="no experiment with key 'nope'"):
+        call_command("sla_report", "nope")
+
+
+def test_plotly_js_is_served_once_with_a_long_lived_cache(client, users, samples_db):
+    from dashboards.views import plotly_url
+
+    url = plotly_url()
+    resp = client.get(url, HTTP_ACCEPT_ENCODING="gzip")
+    assert resp.status_code == 200
+    assert resp["Content-Encoding"] == "gzip"
+    assert "immutable" in resp["Cache-Control"]
+    assert client.get(url.replace("plotly-", "plotly-0.0.")).status_code == 404
