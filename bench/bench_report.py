@@ -98,6 +98,8 @@ def main() -> None:
             settings, Client, override_settings, setup_test_environment, _cache
         )
         rows.append((size, report_s, final_s, argmax_s, page_s, page_bytes, js_bytes, rep["timing"]))
+        print(f"{size}: report {report_s:.2f} s, FINAL {final_s:.2f} s, argMax {argmax_s:.2f} s, "
+              f"page {page_s:.2f} s {page_bytes} B", flush=True)  # fmt: skip
     print()
     print(
         f"{'samples':>10} {'report s':>9} {'FINAL s':>8} {'argMax s':>9} {'page s':>7} {'page kB':>8} {'plotly.js gz kB (once)':>23}"
@@ -112,9 +114,11 @@ def main() -> None:
 def _page(settings, Client, override_settings, setup_test_environment, cache):
     from django.contrib.auth.models import User
     from django.db import connection
+    from django.test import utils
     from django.test.utils import setup_databases, teardown_databases
 
-    setup_test_environment()
+    if not getattr(utils, "_TestState", None) or not hasattr(utils._TestState, "saved_data"):
+        setup_test_environment()
     old = setup_databases(verbosity=0, interactive=False)
     try:
         from experiments.models import Experiment, Variant

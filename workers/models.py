@@ -104,6 +104,7 @@ class ReplayShard(models.Model):
     lag_p99_ms = models.FloatField(null=True, blank=True)
     lag_max_ms = models.FloatField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True, help_text="last sign of life of its worker")
     finished_at = models.DateTimeField(null=True, blank=True)
     error = models.TextField(blank=True)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from django.db import close_old_connections
+from django.utils import timezone
 
 from experiments.weights.django_store import get_router
 from samples.factory import get_store, get_writer
@@ -34,9 +35,13 @@ def execute_shard(shard: ReplayShard) -> ShardStats:
     requests = [loaded.requests[i] for i in seqs]
     offsets = None if offsets_all is None else [offsets_all[i] for i in seqs]
     # 2. What an earlier delivery of this shard already recorded (spool first, then store).
+    # A first delivery has sent nothing yet, so it needs neither and starts even while the
+    # store is down (its samples then go to the spool).
     writer = get_writer()
-    writer.flush()
-    recorded = get_store().recorded_request_ids(run.pk, seq_from=None, seq_to=None)
+    recorded: set[str] = set()
+    if shard.attempts > 1:
+        writer.flush()
+        recorded = get_store().recorded_request_ids(run.pk)
     spec = ShardSpec(
         experiment=experiment.key, run_id=run.pk, mode=run.mode, requests=requests, offsets=offsets,
         start_at_unix=run.start_at_unix, concurrency=run.concurrency,
@@ -64,7 +69,9 @@ def execute_shard(shard: ReplayShard) -> ShardStats:
     def on_progress(stats: ShardStats) -> None:
         try:
             ReplayShard.objects.filter(pk=shard.pk).update(
-                sent=stats.sent + stats.skipped_recorded, recorded=stats.recorded + stats.skipped_recorded
+                sent=stats.sent + stats.skipped_recorded,
+                recorded=stats.recorded + stats.skipped_recorded,
+                heartbeat_at=timezone.now(),
             )
         finally:
             close_old_connections()

@@ -13,12 +13,13 @@ do, so a redelivered message never does anything twice:
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 import time
 
 from celery import group, shared_task
 from django.db import close_old_connections
-from django.db.models import F
+from django.db.models import F, Q
 from django.utils import timezone
 
 from samples.schema import SAMPLES_TABLE
@@ -28,6 +29,11 @@ from workers.models import ReplayRun, ReplayShard
 log = logging.getLogger(__name__)
 
 START_LEAD_S = 1.0  # every shard gets this long to be picked up before time zero
+# A running shard whose worker has not written a heartbeat for this long is presumed dead and
+# may be claimed by a redelivered message. Heartbeats come every second; a broker that
+# redelivers a message whose worker is alive (Redis' visibility timeout) finds a fresh
+# heartbeat and leaves the shard alone.
+LEASE_S = 10.0
 
 
 @shared_task(acks_late=True, reject_on_worker_lost=True, ignore_result=True)
@@ -42,17 +48,26 @@ def start_replay(run_id: int) -> None:
 
 
 @shared_task(
-    acks_late=True, reject_on_worker_lost=True, ignore_result=True,
+    bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
     autoretry_for=(StoreUnavailable,), retry_backoff=2, retry_backoff_max=60, retry_jitter=True, max_retries=10,
 )  # fmt: skip
-def run_shard(run_id: int, index: int) -> None:
+def run_shard(self, run_id: int, index: int) -> None:
     from workers.shard import execute_shard
 
-    claimable = [ReplayShard.Status.PENDING, ReplayShard.Status.RUNNING]
-    claimed = ReplayShard.objects.filter(run_id=run_id, index=index, status__in=claimable).update(
-        status=ReplayShard.Status.RUNNING, attempts=F("attempts") + 1, started_at=timezone.now()
+    now = timezone.now()
+    stale = now - dt.timedelta(seconds=LEASE_S)
+    claimable = Q(status=ReplayShard.Status.PENDING) | Q(status=ReplayShard.Status.RUNNING) & (
+        Q(heartbeat_at__isnull=True) | Q(heartbeat_at__lt=stale)
+    )
+    claimed = ReplayShard.objects.filter(claimable, run_id=run_id, index=index).update(
+        status=ReplayShard.Status.RUNNING, attempts=F("attempts") + 1, started_at=now, heartbeat_at=now
     )
     if not claimed:
+        alive = ReplayShard.objects.filter(run_id=run_id, index=index, status=ReplayShard.Status.RUNNING)
+        if alive.exists():
+            # Another worker holds a fresh lease (or died moments ago): look again once the
+            # lease could have expired, so a dead worker's shard is always picked up.
+            raise self.retry(countdown=LEASE_S, max_retries=None)
         return  # done already: a redelivered message
     shard = ReplayShard.objects.select_related("run__experiment").get(run_id=run_id, index=index)
     try:
@@ -94,18 +109,30 @@ def maybe_finish(run_id: int) -> None:
         finish_replay.delay(run_id)
 
 
-@shared_task(
-    acks_late=True, reject_on_worker_lost=True, ignore_result=True,
-    autoretry_for=(StoreUnavailable,), retry_backoff=2, retry_backoff_max=30, retry_jitter=False, max_retries=None,
-)  # fmt: skip
-def finish_replay(run_id: int) -> None:
+@shared_task(bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True, max_retries=None)
+def finish_replay(self, run_id: int) -> None:
+    try:
+        complete_run(run_id)
+    except StoreUnavailable as exc:
+        if self.request.is_eager:
+            # No broker to retry through: the run waits in "flushing" until
+            # `manage.py flush_samples` (or the next replay) finds the store back.
+            log.warning("run %s: sample store unavailable, samples stay spooled: %s", run_id, exc)
+            ReplayRun.objects.filter(pk=run_id).update(error=f"waiting for the sample store: {exc}"[:4000])
+            return
+        raise self.retry(exc=exc, countdown=min(60, 2 ** min(self.request.retries, 6))) from exc
+
+
+def complete_run(run_id: int) -> bool:
+    """Flush the spool, check the run's samples are durable, count them and end the run.
+    Raises StoreUnavailable while the store is down; True when this call ended the run."""
     from samples.factory import get_store, get_writer
 
     run = ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.FLUSHING).first()
     if run is None:
-        return
+        return False
     writer = get_writer()
-    writer.flush()  # StoreUnavailable: retried until the store is back
+    writer.flush()
     if not writer.durable(run_id):
         raise StoreUnavailable(f"run {run_id}: samples still spooled")
     store = get_store()
@@ -126,10 +153,11 @@ def finish_replay(run_id: int) -> None:
         run.error = f"expected {run.expected_samples} samples, the store has {recorded}"
     else:
         status = ReplayRun.Status.DONE
-    ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.FLUSHING).update(
+    ended = ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.FLUSHING).update(
         status=status, samples_recorded=recorded, outcomes={k: int(v) for k, v in outcomes.items()},
-        finished_at=timezone.now(), error=run.error,
+        finished_at=timezone.now(), error="" if status == ReplayRun.Status.DONE else run.error,
     )  # fmt: skip
+    return bool(ended)
 
 
 def run_coroutine(coro):

