@@ -112,6 +112,9 @@ else:
             "NAME": VAR_DIR / "abplat.sqlite3",
             # Replay workers and the web process write at once in the embedded mode.
             "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
+            # A file, not shared-cache memory: threads of a test (a replay and its progress
+            # reporting) then wait on each other's writes instead of failing "table is locked".
+            "TEST": {"NAME": str(VAR_DIR / "test.sqlite3")},
         }
     }
 

@@ -12,7 +12,9 @@ BatchSink into the ClickHouse server. Simulators run in their own processes, one
 1. Throughput: Poisson arrivals at increasing rates (request shapes from the Azure code trace),
    one worker process running every shard, then two processes with half the shards each. A rate
    is sustained when schedule lag p99 < 5 ms, every request got a sample in the store and every
-   outcome is ok. Scaling ratio = best sustained rate with 2 workers / with 1.
+   outcome is ok. Scaling ratio = best sustained rate with 2 workers / with 1. Baselines at each
+   rate, same run: `floor` (sleep until each send time, nothing else), `no network` (the runner
+   with an in-process stand-in client), and `prompts prebuilt` (the proposed runner fix).
 2. The whole Azure code trace (8,819 requests) at 20x through three `fast` simulators, split
    and mirror: wall time, lag, and the samples counted in the store (uniqExact and FINAL).
 3. A slice of the trace through the realistic fp16/awq/awq-fa2 profiles at a speed they sustain,
@@ -48,8 +50,11 @@ TRACE = ROOT / "data" / "traces" / "azure_llm_2023_code.csv"
 DEFAULT_URL = "clickhouse://default:@127.0.0.1:19000/abplat_bench"
 EXPERIMENT = "bench-replay"
 SALT = "bench-replay-salt"
-WEIGHTS = {"a": 34, "b": 33, "c": 33}
+VARIANTS = ("a", "b", "c")
+SHARES = (34, 33, 33)  # percent, in variant order
 LAG_LIMIT_MS = 5.0
+WARMUP_PER_VARIANT = 8
+WARMUP_RUN_OFFSET = 10**15  # run ids of warm-up rows: far from any bench run id
 MODEL = "abplat-sim"
 
 
@@ -77,6 +82,30 @@ class WorkerJob:
     clickhouse_url: str
     spool_dir: str
     concurrency: int = 512
+    # real: HTTP to the simulators, rows to the store. nonet: the same runner with an in-process
+    # stand-in for the client (a 30 ms "stream", rows to a list): the runner's own overhead.
+    # floor: only sleep until each send time: the event loop and OS wake-up floor.
+    # prebuilt: real, with every prompt synthesized before the start (the proposed runner fix).
+    kind: str = "real"
+
+
+class InstantStreamer:
+    async def stream(self, request_id, prompt, max_tokens, extra=None):
+        from workers.streaming.result import Outcome, StreamResult
+
+        await asyncio.sleep(0.03)  # about a `fast` stream of the trace's mean 28 tokens
+        return StreamResult(outcome=Outcome.OK, request_id=request_id, output_tokens=max_tokens)
+
+
+async def sleep_floor(offsets: list[float], start_at: float) -> list[float]:
+    start = time.perf_counter() + (start_at - time.time())
+    lags = []
+    for offset in sorted(offsets):
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        lags.append(max(0.0, (time.perf_counter() - start - offset) * 1000.0))
+    return lags
 
 
 def worker_main(conn, job: WorkerJob) -> None:
@@ -91,10 +120,13 @@ def worker_main(conn, job: WorkerJob) -> None:
 
 
 def _worker(conn, job: WorkerJob) -> dict:
+    from collections import Counter
+
     from experiments.assignment import allocate, make_assigner
+    from samples.columns import row_from
     from samples.spool import SpoolingWriter
     from samples.store import ClickHouseServerBackend
-    from workers.replay.runner import ShardRunner, ShardSpec
+    from workers.replay.runner import ShardRunner, ShardSpec, ShardStats
     from workers.replay.sink import BatchSink
     from workers.streaming.client import VariantClient
 
@@ -107,41 +139,89 @@ def _worker(conn, job: WorkerJob) -> dict:
         return how
 
     sink = BatchSink(write)
-    pick = make_assigner(SALT, allocate(WEIGHTS))
+    n_warm = WARMUP_PER_VARIANT * len(job.variants) if job.kind in ("real", "prebuilt") else 0
+    pick = make_assigner(SALT, allocate(dict(zip(job.variants, SHARES, strict=True))))
 
     def assign(user_id: str) -> tuple[str, int]:
         return pick(user_id), 1
 
     async def main() -> dict:
+        if job.kind in ("nonet", "floor"):
+            return await offline()
         clients = {v: VariantClient(url, MODEL, "completions") for v, url in job.variants.items()}
         try:
-            # Warm connections and code paths; the measured run starts when the parent says so.
-            await asyncio.gather(*(c.stream(f"warm-{v}-{i}", "warm up", 2, {"ignore_eos": True})
-                                   for v, c in clients.items() for i in range(8)))  # fmt: skip
-            conn.send(("ready", os.getpid()))
-            start_at = await asyncio.to_thread(conn.recv)
-            runners = []
-            for index in job.shards:
-                part = Shard(index, job.shard_count)
-                mine = [i for i, r in enumerate(job.requests) if part.owns(r.seq)]
-                spec = ShardSpec(
-                    experiment=EXPERIMENT, run_id=job.run_id, mode=job.mode,
-                    requests=[job.requests[i] for i in mine], offsets=[job.offsets[i] for i in mine],
-                    start_at_unix=start_at, concurrency=job.concurrency, variants=list(job.variants),
-                )  # fmt: skip
-                runners.append(ShardRunner(spec, clients, assign if job.mode == SPLIT else None,
-                                           sink.put, revision=lambda: 1))  # fmt: skip
-            cpu0 = time.process_time()
-            stats = await asyncio.gather(*(r.run() for r in runners))
-            return {"stats": stats, "cpu_s": time.process_time() - cpu0, "end_unix": time.time()}
+            # Warm every code path (client, rows, the sink thread's store connection, numpy) so
+            # first-use imports and handshakes do not land in the measured schedule. Warm-up rows
+            # go to run_id + WARMUP_RUN_OFFSET, never counted with the run.
+            warm = [(v, f"warm-{v}-{i}") for v in clients for i in range(WARMUP_PER_VARIANT)]
+            results = await asyncio.gather(*(clients[v].stream(rid, "warm up", 2, {"ignore_eos": True})
+                                             for v, rid in warm))  # fmt: skip
+            for seq, ((v, rid), res) in enumerate(zip(warm, results)):
+                sink.put(row_from(res, {
+                    "experiment": EXPERIMENT, "run_id": job.run_id + WARMUP_RUN_OFFSET, "seq": seq,
+                    "variant": v, "mode": job.mode, "sent_unix_ms": time.time() * 1000.0,
+                    "request_id": rid, "user_id": "warm", "config_revision": 0,
+                    "scheduled_offset_ms": 0.0, "schedule_lag_ms": 0.0, "in_flight": 0,
+                    "prompt_tokens": 2, "prompt_tokens_estimated": True, "max_tokens": 2,
+                    "worker": "warm", "attempt": 1,
+                }))  # fmt: skip
+            while sink.written < len(warm):
+                await asyncio.sleep(0.02)
+            return await measured(clients, sink.put)
         finally:
             for c in clients.values():
                 await c.aclose()
+
+    runner_cls = ShardRunner
+    if job.kind == "prebuilt":
+        # What-if for the proposed fix: prompt synthesis (~0.6 ms for the trace's mean 2,048
+        # tokens, 2 ms at its max) off the send path. Same texts, built ahead.
+        built = {r.seq: ShardRunner._prompt(r) for r in job.requests}
+
+        class PrebuiltRunner(ShardRunner):
+            @staticmethod
+            def _prompt(req):
+                return built[req.seq]
+
+        runner_cls = PrebuiltRunner
+
+    async def measured(clients, put_row) -> dict:
+        conn.send(("ready", os.getpid()))
+        start_at = await asyncio.to_thread(conn.recv)
+        runners = []
+        for index in job.shards:
+            part = Shard(index, job.shard_count)
+            mine = [i for i, r in enumerate(job.requests) if part.owns(r.seq)]
+            spec = ShardSpec(
+                experiment=EXPERIMENT, run_id=job.run_id, mode=job.mode,
+                requests=[job.requests[i] for i in mine], offsets=[job.offsets[i] for i in mine],
+                start_at_unix=start_at, concurrency=job.concurrency, variants=list(job.variants),
+            )  # fmt: skip
+            runners.append(runner_cls(spec, clients, assign if job.mode == SPLIT else None,
+                                      put_row, revision=lambda: 1))  # fmt: skip
+        cpu0 = time.process_time()
+        stats = await asyncio.gather(*(r.run() for r in runners))
+        return {"stats": stats, "cpu_s": time.process_time() - cpu0, "end_unix": time.time()}
+
+    async def offline() -> dict:
+        if job.kind == "nonet":
+            fake = InstantStreamer()
+            return await measured({v: fake for v in job.variants}, [].append)
+        conn.send(("ready", os.getpid()))
+        start_at = await asyncio.to_thread(conn.recv)
+        cpu0 = time.process_time()
+        lags = await sleep_floor(job.offsets, start_at)
+        n = len(lags)
+        return {"lags": lags, "n": n, "cpu_s": time.process_time() - cpu0, "end_unix": time.time()}
 
     try:
         out = asyncio.run(main())
     finally:
         written = sink.close()  # every row durable (stored or spooled) before we report
+    if "lags" in out:  # floor
+        n = out["n"]
+        out["stats"] = [ShardStats(planned=n, sent=n, recorded=n, outcomes=Counter(slept=n),
+                                   lags_ms=out["lags"])]  # fmt: skip
     lags = [lag for s in out["stats"] for lag in s.lags_ms]
     outcomes: dict[str, int] = {}
     for s in out["stats"]:
@@ -149,7 +229,7 @@ def _worker(conn, job: WorkerJob) -> dict:
             outcomes[k] = outcomes.get(k, 0) + n
     return {
         "pid": os.getpid(), "lags_ms": lags, "outcomes": outcomes, "cpu_s": out["cpu_s"],
-        "end_unix": out["end_unix"], "end_durable_unix": time.time(), "written": written,
+        "end_unix": out["end_unix"], "end_durable_unix": time.time(), "written": written - n_warm,
         "batches": sink.batches, "spooled": spooled[0],
         "sent": sum(s.sent for s in out["stats"]), "recorded": sum(s.recorded for s in out["stats"]),
     }  # fmt: skip
@@ -176,7 +256,12 @@ class Bench:
             ) from None
         # Unique run ids per invocation: the bench database keeps earlier runs' samples.
         self._next_run = int(time.time() * 1000)
-        self.ctx = mp.get_context("spawn")  # never fork a process with threads and sockets
+        # Workers fork from a clean forkserver that imported the replay stack once: never from
+        # this process (threads, sockets), and without paying the imports per worker.
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["__main__", "httpx", "numpy", "clickhouse_driver",
+                                         "workers.replay.runner", "workers.streaming.client",
+                                         "samples.spool", "samples.store", "experiments.assignment"])  # fmt: skip
 
     def run_id(self) -> int:
         self._next_run += 1
@@ -184,7 +269,7 @@ class Bench:
 
     def replay(self, *, mode: str, requests: list[TraceRequest], offsets: list[float],
                variants: dict[str, str], workers: int, shard_count: int,
-               concurrency: int = 512) -> dict:  # fmt: skip
+               concurrency: int = 512, kind: str = "real") -> dict:  # fmt: skip
         run_id = self.run_id()
         jobs = []
         for w in range(workers):
@@ -192,7 +277,7 @@ class Bench:
             idx = [i for i, r in enumerate(requests) if r.seq % shard_count in mine]
             jobs.append(WorkerJob(run_id, mode, mine, shard_count, [requests[i] for i in idx],
                                   [offsets[i] for i in idx], variants, self.url, self.spool_dir,
-                                  concurrency))  # fmt: skip
+                                  concurrency, kind))  # fmt: skip
         procs, conns = [], []
         for job in jobs:
             parent, child = self.ctx.Pipe()
@@ -220,7 +305,7 @@ class Bench:
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
-        return self._summarize(run_id, mode, requests, offsets, variants, start_at, results)
+        return self._summarize(run_id, mode, requests, offsets, variants, start_at, results, kind)
 
     @staticmethod
     def _recv(conn, timeout_s: float):
@@ -228,7 +313,7 @@ class Bench:
             raise RuntimeError(f"worker sent nothing for {timeout_s:.0f}s")
         return conn.recv()
 
-    def _summarize(self, run_id, mode, requests, offsets, variants, start_at, results) -> dict:
+    def _summarize(self, run_id, mode, requests, offsets, variants, start_at, results, kind) -> dict:
         from samples.schema import SAMPLES_TABLE
 
         lags = sorted(lag for r in results for lag in r["lags_ms"])
@@ -236,10 +321,17 @@ class Bench:
         for r in results:
             for k, n in r["outcomes"].items():
                 outcomes[k] = outcomes.get(k, 0) + n
-        final = self.store.query(
-            f"SELECT count() FROM {SAMPLES_TABLE} FINAL WHERE run_id = %(r)s", {"r": run_id}
-        )[0][0]
-        raw = self.store.query(f"SELECT count() FROM {SAMPLES_TABLE} WHERE run_id = %(r)s", {"r": run_id})
+        recorded = sum(r["recorded"] for r in results)
+        if kind in ("real", "prebuilt"):
+            count = self.store.count(run_id)
+            final = self.store.query(
+                f"SELECT count() FROM {SAMPLES_TABLE} FINAL WHERE run_id = %(r)s", {"r": run_id}
+            )[0][0]
+            raw = self.store.query(
+                f"SELECT count() FROM {SAMPLES_TABLE} WHERE run_id = %(r)s", {"r": run_id}
+            )[0][0]
+        else:  # nothing went to the store
+            count = final = raw = recorded
         end = max(r["end_unix"] for r in results)
         return {
             "run_id": run_id, "mode": mode, "requests": len(requests),
@@ -248,10 +340,11 @@ class Bench:
             "durable_s": max(r["end_durable_unix"] for r in results) - start_at,
             "lag_p50": nearest_rank(lags, 0.50), "lag_p99": nearest_rank(lags, 0.99),
             "lag_max": lags[-1] if lags else 0.0, "outcomes": outcomes,
-            "sent": sum(r["sent"] for r in results), "recorded": sum(r["recorded"] for r in results),
-            "count": self.store.count(run_id), "final": int(final), "raw": int(raw[0][0]),
+            "sent": sum(r["sent"] for r in results), "recorded": recorded,
+            "count": count, "final": int(final), "raw": int(raw),
             "spooled": sum(r["spooled"] for r in results), "batches": sum(r["batches"] for r in results),
             "cpu": [r["cpu_s"] / max(end - start_at, 1e-9) for r in results],
+            "cpu_ms_per_request": sum(r["cpu_s"] for r in results) * 1000.0 / max(len(requests), 1),
         }  # fmt: skip
 
 
@@ -285,36 +378,60 @@ def fmt_outcomes(outcomes: dict[str, int]) -> str:
 def part1(bench: Bench, sims: dict, args) -> None:
     trace = load_trace()
     urls = {v: h.url for v, h in sims.items()}
-    print(f"\nPart 1: replay throughput, Poisson arrivals, split mode, {args.seconds:g} s per rate,"
-          f" {args.shards} shards, concurrency 512/shard, 3 x `fast` simulator subprocesses,"
-          f" request shapes from the Azure code trace (prompt mean 2,048 tokens, output mean 28)")  # fmt: skip
-    head = (f"| workers | target/s | requests | sent/s | lag p50 ms | lag p99 ms | lag max ms | "
-            f"outcomes | in store | worker CPU | sustained |")  # fmt: skip
+    print(
+        f"\nPart 1: replay throughput, Poisson arrivals, split mode 34/33/33, {args.seconds:g} s per "
+        f"rate, {args.shards} shards, concurrency 512/shard, 3 x `fast` simulator subprocesses, "
+        f"request shapes from the Azure code trace (prompt mean 2,048 tokens, output mean 28)."
+    )
+    print("Baselines in the same run, one worker process each: `floor` = only sleep until each send "
+          "time (event loop + OS wake-up); `no network` = the same ShardRunner with an in-process "
+          "30 ms stand-in for the HTTP client and rows to a list (the runner's own cost).")  # fmt: skip
+    head = ("| run | workers | target/s | requests | lag p50 ms | lag p99 ms | lag max ms | "
+            "outcomes | in store | worker CPU | CPU ms/req | sustained |")  # fmt: skip
     print(head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
-    best: dict[int, float] = {}
-    for workers in (1, 2):
-        best[workers] = 0.0
-        for rate in args.rates:
-            n = max(1, int(rate * args.seconds))
-            reqs = shaped(trace, n)
-            offsets = Arrival(mode="poisson", rate=rate, seed=int(rate)).offsets([0.0] * n)
-            r = bench.replay(mode=SPLIT, requests=reqs, offsets=offsets, variants=urls,
-                             workers=workers, shard_count=args.shards)  # fmt: skip
-            all_ok = r["outcomes"] == {"ok": n}
-            ok = r["lag_p99"] < LAG_LIMIT_MS and r["count"] == n and all_ok
-            if ok:
-                best[workers] = max(best[workers], rate)
-            sent_rate = (n - 1) / r["span_s"] if r["span_s"] else float(n)
+    best: dict = {1: 0.0, 2: 0.0, "prebuilt": 0.0}
+    live: dict = {1: True, 2: True, "prebuilt": True}
+    strikes: dict = {1: 0, 2: 0, "prebuilt": 0}
+    for rate in args.rates:
+        if not any(live.values()):
+            break
+        n = max(args.min_requests, int(rate * args.seconds))  # enough sends for a p99
+        reqs = shaped(trace, n)
+        offsets = Arrival(mode="poisson", rate=rate, seed=int(rate)).offsets([0.0] * n)
+        runs = [("floor", 1), ("no network", 1)] + [("real", w) for w in (1, 2) if live[w]]
+        if live["prebuilt"]:
+            runs.append(("real, prompts prebuilt", 1))
+        floor_p99 = float("nan")
+        for label, workers in runs:
+            kind = {"no network": "nonet", "real, prompts prebuilt": "prebuilt"}.get(label, label)
+            r = bench.replay(mode=SPLIT, requests=reqs, offsets=offsets, variants=urls, workers=workers,
+                             shard_count=args.shards, kind=kind)  # fmt: skip
+            ok = (
+                r["lag_p99"] < LAG_LIMIT_MS and r["count"] == n and r["outcomes"] in ({"ok": n}, {"slept": n})
+            )
+            stored = r["count"] if kind in ("real", "prebuilt") else "-"
             cpu = "+".join(f"{c * 100:.0f}%" for c in r["cpu"])
-            print(f"| {workers} | {rate:g} | {n} | {sent_rate:.0f} | {r['lag_p50']:.2f} | "
-                  f"{r['lag_p99']:.2f} | {r['lag_max']:.1f} | {fmt_outcomes(r['outcomes'])} | "
-                  f"{r['count']} | {cpu} | {'yes' if ok else 'NO'} |", flush=True)  # fmt: skip
-            if not ok and r["lag_p99"] > 4 * LAG_LIMIT_MS:
-                break  # far past the knee: higher rates only take time
-    ratio = best[2] / best[1] if best[1] else float("nan")
+            print(f"| {label} | {workers} | {rate:g} | {n} | {r['lag_p50']:.2f} | {r['lag_p99']:.2f} | "
+                  f"{r['lag_max']:.1f} | {fmt_outcomes(r['outcomes'])} | {stored} | {cpu} | "
+                  f"{r['cpu_ms_per_request']:.2f} | {'yes' if ok else 'NO'} |", flush=True)  # fmt: skip
+            if kind == "floor":
+                floor_p99 = r["lag_p99"]
+            key = "prebuilt" if kind == "prebuilt" else workers
+            if kind in ("real", "prebuilt"):
+                if ok:
+                    best[key] = max(best[key], rate)
+                elif r["lag_p99"] > 4 * LAG_LIMIT_MS and floor_p99 < LAG_LIMIT_MS:
+                    # Far past the knee twice in a row while the machine itself kept time:
+                    # higher rates only take time. (One bad run on a shared machine is noise.)
+                    strikes[key] += 1
+                    live[key] = strikes[key] < 2
+                else:
+                    strikes[key] = 0
+    ratio = f"{best[2] / best[1]:.2f}x" if best[1] else "n/a (1 worker sustained none of the rates)"
     print(f"\nhighest sustained rate (lag p99 < {LAG_LIMIT_MS:g} ms, every sample stored, all ok): "
-          f"1 worker {best[1]:g} req/s, 2 workers {best[2]:g} req/s, scaling ratio {ratio:.2f}x")  # fmt: skip
+          f"1 worker {best[1]:g} req/s, 2 workers {best[2]:g} req/s, scaling ratio {ratio}; "
+          f"1 worker with prompts prebuilt (proposed fix) {best['prebuilt']:g} req/s")  # fmt: skip
 
 
 def part2(bench: Bench, sims: dict, args, profile: str) -> None:
@@ -355,22 +472,30 @@ def part3(bench: Bench, args) -> None:
     sims = start_simulators(profiles)
     try:
         urls = {v: h.url for v, h in sims.items()}
-        trace = load_trace(args.realistic_limit)
-        offsets = Arrival(mode="recorded", speed=args.realistic_speed).offsets([r.offset_s for r in trace])
-        print(f"\nPart 3: realistic profiles (fp16 / awq / awq-fa2 simulators), first {len(trace)} "
-              f"requests of the trace at {args.realistic_speed:g}x, split 34/33/33")  # fmt: skip
+        t0, t1 = args.realistic_at, args.realistic_at + args.realistic_seconds
+        trace = [r for r in load_trace() if t0 <= r.offset_s < t1]
+        if not trace:
+            raise SystemExit(f"--realistic-at {t0:g}: no trace requests in [{t0:g}, {t1:g}) s")
+        offsets = [(r.offset_s - t0) / args.realistic_speed for r in trace]
+        print(f"\nPart 3: realistic profiles (fp16 / awq / awq-fa2 simulators), the trace's "
+              f"{len(trace)} requests in [{t0:g} s, {t1:g} s) (a median-load minute) at "
+              f"{args.realistic_speed:g}x, split 34/33/33")  # fmt: skip
         sub = argparse.Namespace(**{**vars(args), "speed": args.realistic_speed})
         (r,) = table_runs(bench, urls, trace, offsets, sub, [SPLIT], "fp16/awq/awq-fa2")
+        # Percentiles in Python: the same nearest-rank figures on any ClickHouse version.
         rows = bench.store.query(
-            f"SELECT variant, count(), countIf(outcome = 'ok'), quantileExact(0.5)(ttft_ms), "
-            f"quantileExact(0.99)(ttft_ms), countIf(ttft_ms < 200) / count() "
-            f"FROM {SAMPLES_TABLE} FINAL WHERE run_id = %(r)s GROUP BY variant ORDER BY variant",
+            f"SELECT variant, outcome, ttft_ms FROM {SAMPLES_TABLE} FINAL WHERE run_id = %(r)s",
             {"r": r["run_id"]},
         )
         print("| variant | samples | ok | TTFT p50 ms | TTFT p99 ms | TTFT < 200 ms |")
         print("|---------|---------|----|-------------|-------------|---------------|")
-        for v, n, ok, p50, p99, under in rows:
-            print(f"| {v} | {n} | {ok} | {p50:.1f} | {p99:.1f} | {under * 100:.1f}% |")
+        for v in urls:
+            mine = [(o, t) for var, o, t in rows if var == v]
+            ttft = sorted(t for o, t in mine if t is not None)
+            ok = sum(1 for o, _ in mine if o == "ok")
+            under = sum(1 for t in ttft if t < 200) / max(len(mine), 1)
+            print(f"| {v} | {len(mine)} | {ok} | {nearest_rank(ttft, 0.5):.1f} | "
+                  f"{nearest_rank(ttft, 0.99):.1f} | {under * 100:.1f}% |")  # fmt: skip
     finally:
         for h in sims.values():
             h.stop()
@@ -382,15 +507,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part", type=int, choices=(1, 2, 3), action="append",
                     help="run only this part (repeatable); default all")  # fmt: skip
     ap.add_argument("--clickhouse-url", default=DEFAULT_URL, help=f"default {DEFAULT_URL}")
-    ap.add_argument("--rates", default="50,100,200,300,400,600,800", help="part 1 req/s, comma-separated")
+    ap.add_argument("--rates", default="50,100,200,400,800", help="part 1 req/s, comma-separated")
     ap.add_argument("--seconds", type=float, default=4.0, help="part 1 schedule length per rate")
+    ap.add_argument("--min-requests", type=int, default=200, help="part 1: at least this many per rate")
     ap.add_argument("--shards", type=int, default=2, help="shards per run (split over the workers)")
     ap.add_argument("--speed", type=float, default=20.0, help="part 2 trace speed")
     ap.add_argument("--limit", type=int, default=None, help="part 2: first N trace requests")
-    ap.add_argument("--trace-workers", type=int, default=1, help="part 2/3 worker processes")
+    ap.add_argument("--trace-workers", type=int, default=2, help="part 2/3 worker processes")
     ap.add_argument("--trace-profile", default="fast", help="part 2 simulator profile")
-    ap.add_argument("--realistic-speed", type=float, default=4.0)
-    ap.add_argument("--realistic-limit", type=int, default=150)
+    ap.add_argument("--realistic-speed", type=float, default=1.0, help="part 3 trace speed")
+    ap.add_argument("--realistic-at", type=float, default=1620.0, help="part 3 window start, trace s")
+    ap.add_argument("--realistic-seconds", type=float, default=60.0, help="part 3 window length")
     args = ap.parse_args(argv)
     try:
         args.rates = [float(x) for x in args.rates.split(",") if x.strip()]
@@ -400,22 +527,24 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--shards must be >= 1 and --trace-workers within [1, --shards]")
     parts = sorted(set(args.part or [1, 2, 3]))
     if args.quick:
-        args.rates, args.seconds = [50.0, 200.0], 1.0
+        args.rates, args.seconds, args.min_requests = [50.0], 1.0, 50
         args.limit, args.speed = args.limit or 60, 100.0
         parts = [p for p in parts if p != 3]
 
     print(f"bench_replay: python {sys.version.split()[0]}, {os.cpu_count()} cores, "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
     print("command: " + shlex.join([".venv/bin/python", "bench/bench_replay.py", *(argv or sys.argv[1:])]))
-    print(f"{os.cpu_count()} cores shared by the worker process(es), 3 simulator processes and the "
-          "ClickHouse server: every figure is a whole-machine figure, not one worker's ceiling.")
+    print(
+        f"{os.cpu_count()} cores shared by the worker process(es), 3 simulator processes and the "
+        "ClickHouse server: every figure is a whole-machine figure, not one worker's ceiling."
+    )
     with tempfile.TemporaryDirectory(prefix="abplat-bench-spool-") as spool:
         bench = Bench(args.clickhouse_url, spool)
         print(f"store: {bench.store.describe()}")
         t0 = time.perf_counter()
         if 1 in parts or 2 in parts:
             profile = args.trace_profile
-            sims = start_simulators({v: "fast" for v in WEIGHTS})
+            sims = start_simulators({v: "fast" for v in VARIANTS})
             try:
                 if 1 in parts:
                     part1(bench, sims, args)
@@ -423,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                     if profile != "fast":
                         for h in sims.values():
                             h.stop()
-                        sims = start_simulators({v: profile for v in WEIGHTS})
+                        sims = start_simulators({v: profile for v in VARIANTS})
                     part2(bench, sims, args, profile)
             finally:
                 for h in sims.values():

@@ -162,7 +162,8 @@ def main() -> int:
     ap.add_argument("--profile", default="default", help="simulator profile for 1 and 2")
     args = ap.parse_args()
     cmd = "python bench/bench_streaming.py " + " ".join(sys.argv[1:])
-    print(f"# {cmd}\n# host: {os.cpu_count()} cores, Python {sys.version.split()[0]}")
+    load = os.getloadavg()[0]
+    print(f"# {cmd}\n# host: {os.cpu_count()} cores, load average {load:.1f} at start")
 
     print("\n## 1. Measurement error vs simulator ground truth (ms; measured - true)")
     print(f"profile={args.profile}, completions, 32 output tokens, closed loop")
@@ -175,8 +176,8 @@ def main() -> int:
             f"{r['err_max']:.3f} | {r['cpu_us_per_token']:.1f} | {r['tokens_per_s']:.0f} |"
         )
 
-    print("\n## 2. Highest stream rate before p99 error passes 1 ms (profile=fast, 64 tokens)")
-    sweep = measurement_error("fast", [64, 128, 256, 512, 1024], 64)
+    print(f"\n## 2. Highest stream rate before p99 error passes 1 ms (profile={args.profile})")
+    sweep = measurement_error(args.profile, [1, 4, 8, 16, 32, 64], 32)
     print("| streams | tokens/s | p99 err ms | CPU us/token |")
     print("|---:|---:|---:|---:|")
     best = None

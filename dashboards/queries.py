@@ -1,14 +1,23 @@
 """Every SQL query of the SLA report. Aggregation happens in ClickHouse; only aggregates return.
 
 Runs unchanged on ClickHouse 18.16 and chDB: no CTEs, no window functions, no DateTime64, client
-side %(name)s parameters (samples.sql.bind). Reads deduplicate with FINAL: the samples table is
-a ReplacingMergeTree keyed on (experiment, variant, run_id, seq, request_id), and FINAL measured
-faster than argMax-per-key on 18.16 (bench/bench_report.py prints both).
+side %(name)s parameters (samples.sql.bind).
+
+No FINAL (it cost ~7 s per pass at 10M rows on 18.16). Reads rely on the dedup contract: a
+completed run holds one row per (experiment, variant, run_id, seq, request_id). Exactly-once is
+enforced at write time (a redelivered shard skips stored request ids; the spool flush filters
+stored keys), and the replay's finish step checks count() == uniqExact(variant, request_id) and
+calls SampleStore.deduplicate(run_id) (OPTIMIZE ... PARTITION p FINAL) when they differ. A run
+still in progress may transiently show a duplicate after an insert retry, until its finish step.
 
 Order statistics are exact: ClickHouse's quantileExact(level) returns the element at 0-based
 index floor(level * n) of the sorted values, so asking for level (r - 0.5) / n returns exactly
-the r-th smallest value (1-based rank r, the ranks dashboards.stats asks for). All quantiles of
-all metrics of all variants come back from a single pass (quantilesExactIf per variant).
+the r-th smallest value (1-based rank r, the ranks dashboards.stats asks for). TTFT ranks are
+selected in two steps instead: the histogram of TTFT at 0.1 ms (the Mann-Whitney counts, needed
+anyway) says which 0.1 ms bucket holds each rank and its place there; a second pass sorts only
+the values of those few buckets (ttft_order_statistics). The CDF chart comes from the same
+histogram: each point is (largest TTFT of a bucket, exact share of requests <= it), so it needs
+no ranks at all (400 quantileExact levels cost more than every other query together on 18.16).
 
 Definitions shared with the report:
 - a request meets the SLA when outcome = 'ok' and every SLO holds with a strict "<"
@@ -28,6 +37,7 @@ from typing import Any
 
 from dashboards.attribution import INFLIGHT_EDGES, PROMPT_TOKEN_EDGES
 from samples import schema
+from samples.columns import MODES
 
 # metric key in the report -> samples column
 METRICS: dict[str, str] = {
@@ -117,11 +127,16 @@ class Slo:
         }
 
 
-def where_clause(f: Filters, extra: Sequence[str] = ()) -> tuple[str, dict[str, Any]]:
-    conds = ["experiment = %(experiment)s"]
+# What analytics read: the raw table, no FINAL (see the dedup contract above).
+SAMPLES = schema.SAMPLES_TABLE
+
+
+def _conditions(f: Filters, extra: Sequence[str]) -> tuple[list[str], list[str], dict[str, Any]]:
+    pre = ["experiment = %(experiment)s"]
+    conds: list[str] = []
     params: dict[str, Any] = {"experiment": f.experiment}
     if f.run_id is not None:
-        conds.append("run_id = %(run_id)s")
+        pre.append("run_id = %(run_id)s")
         params["run_id"] = f.run_id
     if f.since is not None:
         conds.append("sent_at >= %(since)s")
@@ -133,7 +148,19 @@ def where_clause(f: Filters, extra: Sequence[str] = ()) -> tuple[str, dict[str, 
         conds.append("variant IN %(variants)s")
         params["variants"] = tuple(f.variants)
     conds.extend(extra)
-    return " AND ".join(conds), params
+    return pre, conds, params
+
+
+def where_clause(f: Filters, extra: Sequence[str] = ()) -> tuple[str, dict[str, Any]]:
+    pre, conds, params = _conditions(f, extra)
+    return " AND ".join(pre + conds), params
+
+
+def from_where(f: Filters, extra: Sequence[str] = ()) -> tuple[str, dict[str, Any]]:
+    """FROM samples PREWHERE <experiment, run> WHERE <the rest>; no FINAL (dedup contract)."""
+    pre, conds, params = _conditions(f, extra)
+    sql = f"FROM {SAMPLES} PREWHERE {' AND '.join(pre)}"
+    return (sql + f" WHERE {' AND '.join(conds)}" if conds else sql), params
 
 
 def hit_expr(slo: Slo) -> tuple[str, dict[str, Any]]:
@@ -151,35 +178,21 @@ def _metric_ok(column: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. Summary per variant: counts, hits, window, metric counts, phase sums of misses, the CDF
-
-_PHASE_SQL = {
-    "schedule_lag": "schedule_lag_ms",
-    "connect": "ifNull(connect_ms, 0)",
-    "headers": "assumeNotNull(ttfb_ms) - ifNull(connect_ms, 0)",
-    "headers_to_first_event": "assumeNotNull(ttft_event_ms) - assumeNotNull(ttfb_ms)",
-    "first_event_to_first_content": "assumeNotNull(ttft_ms) - assumeNotNull(ttft_event_ms)",
-}
-# Misses with a complete TTFT timeline (a failed request without TTFT has no phases to split).
-_PHASE_ROWS = "isNotNull(ttft_ms) AND isNotNull(ttfb_ms) AND isNotNull(ttft_event_ms)"
+# 1. Summary per variant: counts, hits, window, metric counts, modes
 
 
 def summary(store: Any, f: Filters, slo: Slo) -> dict[str, dict[str, Any]]:
-    where, params = where_clause(f)
+    """Per variant: n, errors, hits, first/last send (unix ms), metric_n, mode counts."""
+    fw, params = from_where(f)
     hit, hp = hit_expr(slo)
     metric_counts = ", ".join(f"countIf({_metric_ok(col)}) AS n_{key}" for key, col in METRICS.items())
-    phase_sums = ", ".join(
-        f"sumIf({expr}, NOT {hit} AND {_PHASE_ROWS}) AS phase_{name}" for name, expr in _PHASE_SQL.items()
-    )
-    levels = ", ".join(repr(x) for x in CDF_LEVELS)
+    # countIf per mode, not GROUP BY mode: a second LowCardinality key doubled the time on 18.16
+    mode_counts = ", ".join(f"countIf(mode = '{m}') AS mode_{m}" for m in MODES)
     sql = f"""
         SELECT variant, count() AS n, countIf(outcome != 'ok') AS errors, countIf({hit}) AS hits,
                min(sent_unix_ms) AS first_ms, max(sent_unix_ms) AS last_ms,
-               {metric_counts},
-               countIf(NOT {hit} AND {_PHASE_ROWS}) AS phase_n, {phase_sums},
-               quantilesExactIf({levels})(assumeNotNull(ttft_ms), {_metric_ok("ttft_ms")}) AS cdf
-        FROM {schema.SAMPLES_FROM}
-        WHERE {where}
+               {metric_counts}, {mode_counts}
+        {fw}
         GROUP BY variant
         ORDER BY variant
     """
@@ -194,18 +207,66 @@ def summary(store: Any, f: Filters, slo: Slo) -> dict[str, dict[str, Any]]:
             "first_ms": float(row["first_ms"]),
             "last_ms": float(row["last_ms"]),
             "metric_n": {k: int(row[f"n_{k}"]) for k in METRICS},
-            "phase_n": int(row["phase_n"]),
-            "phase_sums": {p: float(row[f"phase_{p}"]) for p in _PHASE_SQL},
-            "cdf": {
-                "levels": list(CDF_LEVELS),
-                "values": [float(x) for x in row["cdf"]] if row["n_ttft_ms"] else [],
+            "modes": {m: int(row[f"mode_{m}"]) for m in MODES},
+        }
+    return out
+
+
+def mode_counts(summ: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+    """{mode: rows} over the summary's variants (modes() without another pass)."""
+    out: dict[str, int] = {}
+    for s in summ.values():
+        for m, c in s["modes"].items():
+            if c:
+                out[m] = out.get(m, 0) + c
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 1b. Phase sums of misses
+
+_PHASE_COLUMNS = {
+    "schedule_lag": "schedule_lag_ms",
+    "connect": "ifNull(connect_ms, 0)",
+    "ttfb": "assumeNotNull(ttfb_ms)",
+    "ttft_event": "assumeNotNull(ttft_event_ms)",
+    "ttft": "assumeNotNull(ttft_ms)",
+}
+# Misses with a complete TTFT timeline (a failed request without TTFT has no phases to split).
+_PHASE_ROWS = "isNotNull(ttft_ms) AND isNotNull(ttfb_ms) AND isNotNull(ttft_event_ms)"
+PHASES = ("schedule_lag", "connect", "headers", "headers_to_first_event", "first_event_to_first_content")
+
+
+def phase_sums(store: Any, f: Filters, slo: Slo) -> dict[str, dict[str, Any]]:
+    """{variant: {"phase_n", "phase_sums": {phase: total ms}}} over misses.
+
+    Sums of the five timestamps, differenced in Python (a sum of differences is the difference
+    of sums), with the miss filter in WHERE: a fifth of the aggregates of sumIf per phase.
+    """
+    hit, hp = hit_expr(slo)
+    fw, params = from_where(f, [f"NOT {hit}", _PHASE_ROWS])
+    sums = ", ".join(f"sum({expr}) AS s_{name}" for name, expr in _PHASE_COLUMNS.items())
+    cols = store.query_columns(
+        f"SELECT variant, count() AS n, {sums} {fw} GROUP BY variant", {**params, **hp}
+    )
+    out: dict[str, dict[str, Any]] = {}
+    for i, variant in enumerate(cols.get("variant", [])):
+        t = {name: float(cols[f"s_{name}"][i]) for name in _PHASE_COLUMNS}
+        out[variant] = {
+            "phase_n": int(cols["n"][i]),
+            "phase_sums": {
+                "schedule_lag": t["schedule_lag"],
+                "connect": t["connect"],
+                "headers": t["ttfb"] - t["connect"],
+                "headers_to_first_event": t["ttft_event"] - t["ttfb"],
+                "first_event_to_first_content": t["ttft"] - t["ttft_event"],
             },
         }
     return out
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. Exact order statistics at given ranks, every variant and metric in one pass
+# 2. Exact order statistics at given ranks (quantilesExact; a few ranks per metric)
 
 
 def rank_level(rank: int, n: int) -> float:
@@ -222,7 +283,7 @@ def order_statistics(
 
     n must be the count of successful requests with that metric (summary()["metric_n"]).
     """
-    where, params = where_clause(f)
+    fw, params = from_where(f)
     selects: list[str] = []
     keys: list[tuple[tuple[str, str], list[int]]] = []
     for i, ((variant, metric), (n, ranks)) in enumerate(sorted(plan.items())):
@@ -239,8 +300,7 @@ def order_statistics(
         keys.append(((variant, metric), ranks))
     if not selects:
         return {}
-    sql = f"SELECT {', '.join(selects)} FROM {schema.SAMPLES_FROM} WHERE {where}"
-    row = store.query(sql, params)[0]
+    row = store.query(f"SELECT {', '.join(selects)} {fw}", params)[0]
     out: dict[tuple[str, str], dict[int, float]] = {}
     for (key, ranks), values in zip(keys, row, strict=True):
         out[key] = {r: float(v) for r, v in zip(ranks, values, strict=True)}
@@ -248,24 +308,124 @@ def order_statistics(
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Counts per rounded TTFT value for the Mann-Whitney test
+# 3. TTFT at 0.1 ms: the Mann-Whitney counts, and the histogram that locates TTFT ranks
+
+# integer bucket of the rounded TTFT: compared as integers (a float literal in SQL might parse
+# one ulp away from the computed value on 18.16)
+_TTFT_KEY = f"toInt64(floor(assumeNotNull(ttft_ms) * {MW_SCALE} + 0.5))"
+
+
+def ttft_histogram(store: Any, f: Filters) -> dict[str, tuple[list[int], list[int], list[float]]]:
+    """{variant: (sorted keys, counts, largest TTFT in each key)} over successful requests;
+    key = floor(TTFT * 10 + 0.5), the 0.1 ms rounding of the Mann-Whitney test."""
+    fw, params = from_where(f, [_metric_ok("ttft_ms")])
+    sql = (
+        f"SELECT variant, {_TTFT_KEY} AS k, count() AS c, max(assumeNotNull(ttft_ms)) AS top "
+        f"{fw} GROUP BY variant, k ORDER BY variant, k"
+    )
+    out: dict[str, tuple[list[int], list[int], list[float]]] = {}
+    for variant, key, count, top in store.query(sql, params):
+        keys, counts, tops = out.setdefault(variant, ([], [], []))
+        keys.append(int(key))
+        counts.append(int(count))
+        tops.append(float(top))
+    return out
+
+
+def cdf_points(
+    hist: Mapping[str, tuple[Sequence[int], Sequence[int], Sequence[float]]],
+    levels: Sequence[float] = CDF_LEVELS,
+) -> dict[str, dict[str, list[float]]]:
+    """{variant: {"ttft_ms": [x], "share": [y]}}: exact points of the empirical CDF of TTFT.
+
+    x is the largest TTFT of a 0.1 ms bucket (a sample value), y the exact share of requests
+    with TTFT <= x; one point per level (the first bucket whose share reaches it), so ~400
+    points evenly spaced in probability, from the histogram, without another pass.
+    """
+    import numpy as np
+
+    out: dict[str, dict[str, list[float]]] = {}
+    for variant, (_keys, counts, tops) in hist.items():
+        cum = np.cumsum(np.asarray(counts, dtype=np.int64))
+        if not cum.size:
+            continue
+        n = int(cum[-1])
+        # the first bucket with cum >= level * n, counted in integers (no float share compare)
+        need = np.ceil(np.asarray(levels) * n - 1e-9).astype(np.int64)
+        idx = np.unique(np.searchsorted(cum, np.maximum(need, 1), side="left"))
+        out[variant] = {
+            "ttft_ms": [float(tops[i]) for i in idx],
+            "share": [int(cum[i]) / n for i in idx],
+        }
+    return out
 
 
 def ttft_value_counts(store: Any, f: Filters) -> dict[str, tuple[list[float], list[int]]]:
-    where, params = where_clause(f, [_metric_ok("ttft_ms")])
-    sql = f"""
-        SELECT variant, {rounded_sql("assumeNotNull(ttft_ms)")} AS v, count() AS c
-        FROM {schema.SAMPLES_FROM}
-        WHERE {where}
-        GROUP BY variant, v
-        ORDER BY variant, v
+    """{variant: (TTFT rounded half-up to 0.1 ms, counts)} for the Mann-Whitney test."""
+    return values_from_histogram(ttft_histogram(store, f))
+
+
+def values_from_histogram(
+    hist: Mapping[str, tuple[Sequence[int], Sequence[int], Sequence[float]]],
+) -> dict[str, tuple[list[float], list[int]]]:
+    # k / 10 in IEEE double is what floor(x * 10 + 0.5) / 10 gives in SQL
+    return {v: ([k / MW_SCALE for k in h[0]], list(h[1])) for v, h in hist.items()}
+
+
+def ttft_order_statistics(
+    store: Any,
+    f: Filters,
+    hist: Mapping[str, tuple[Sequence[int], Sequence[int], Sequence[float]]],
+    ranks: Mapping[str, Sequence[int]],
+) -> dict[str, dict[int, float]]:
+    """{variant: {rank: exact TTFT}} for 1-based ranks, located through ttft_histogram.
+
+    1. The histogram's running count says which 0.1 ms bucket holds rank r and how many values
+       lie in lower buckets. Rounding is monotone, so every value of a lower bucket is <= every
+       value of a higher one.
+    2. One pass collects, per variant, only the values of the buckets needed, sorted; rank r is
+       at position r - (values below its bucket) + (collected values below its bucket).
     """
-    out: dict[str, tuple[list[float], list[int]]] = {}
-    for variant, value, count in store.query(sql, params):
-        values, counts = out.setdefault(variant, ([], []))
-        values.append(float(value))
-        counts.append(int(count))
-    return out
+    import numpy as np
+
+    inner: list[str] = []
+    outer: list[str] = []
+    wanted: list[tuple[str, list[int]]] = []
+    all_keys: set[int] = set()
+    params: dict[str, Any] = {}
+    for variant, rs in sorted(ranks.items()):
+        if variant not in hist or not rs:
+            continue
+        keys = np.asarray(hist[variant][0], dtype=np.int64)
+        counts = np.asarray(hist[variant][1], dtype=np.int64)
+        cum = np.cumsum(counts)
+        rs = sorted(set(int(r) for r in rs))
+        if rs[0] < 1 or rs[-1] > int(cum[-1]):
+            raise QueryError(f"TTFT rank outside 1..{int(cum[-1])} for variant {variant!r}: {rs}")
+        idx = np.searchsorted(cum, np.asarray(rs), side="left")  # the bucket holding each rank
+        chosen = np.unique(idx)
+        taken = np.zeros(keys.size, dtype=np.int64)
+        taken[chosen] = counts[chosen]
+        below = cum[idx] - counts[idx]  # values in lower buckets
+        taken_below = (np.cumsum(taken) - taken)[idx]  # collected values in lower buckets
+        positions = np.asarray(rs) - below + taken_below  # 1-based, in the collected array
+        j = len(wanted)
+        params[f"tv{j}"] = variant
+        params[f"tk{j}"] = tuple(int(k) for k in keys[chosen])
+        all_keys.update(params[f"tk{j}"])
+        inner.append(
+            f"arraySort(groupArrayIf(assumeNotNull(ttft_ms), variant = %(tv{j})s "
+            f"AND {_TTFT_KEY} IN %(tk{j})s)) AS s{j}"
+        )
+        # one element per expression: 18.16 loses outer columns in a second arrayMap lambda
+        outer.extend(f"s{j}[{int(p)}]" for p in positions)
+        wanted.append((variant, rs))
+    if not wanted:
+        return {}
+    fw, fparams = from_where(f, [_metric_ok("ttft_ms"), f"{_TTFT_KEY} IN %(tk_all)s"])
+    sql = f"SELECT {', '.join(outer)} FROM (SELECT {', '.join(inner)} {fw})"
+    row = iter(store.query(sql, {**fparams, **params, "tk_all": tuple(sorted(all_keys))})[0])
+    return {variant: {r: float(next(row)) for r in rs} for variant, rs in wanted}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,7 +454,7 @@ def segment_cells(store: Any, f: Filters, slo: Slo, bucket_s: int) -> list[dict[
     """
     if not isinstance(bucket_s, int) or bucket_s < 1:
         raise QueryError(f"bucket_s must be a positive integer, got {bucket_s!r}")
-    where, params = where_clause(f)
+    fw, params = from_where(f)
     hit, hp = hit_expr(slo)
     sql = f"""
         SELECT variant, config_revision AS rev,
@@ -302,12 +462,20 @@ def segment_cells(store: Any, f: Filters, slo: Slo, bucket_s: int) -> list[dict[
                {bucket_sql("in_flight", INFLIGHT_EDGES)} AS ib,
                intDiv(toUInt32(sent_at), {bucket_s}) * {bucket_s} AS tb,
                count() AS n, countIf({hit}) AS hits, min(sent_unix_ms) AS first_ms
-        FROM {schema.SAMPLES_FROM}
-        WHERE {where}
+        {fw}
         GROUP BY variant, rev, pb, ib, tb
     """
     names = ("variant", "rev", "pb", "ib", "tb", "n", "hits", "first_ms")
     return [dict(zip(names, r, strict=True)) for r in store.query(sql, {**params, **hp})]
+
+
+def window_ms(store: Any, f: Filters) -> tuple[float, float] | None:
+    """(first, last) send time in unix ms, or None without samples: picks the time bucket
+    before the summary is back, so the segment and time-series passes can run beside it."""
+    fw, params = from_where(f)
+    rows = store.query(f"SELECT count(), min(sent_unix_ms), max(sent_unix_ms) {fw}", params)
+    n, first, last = rows[0]
+    return (float(first), float(last)) if n else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,12 +488,11 @@ def p99_over_time(store: Any, f: Filters, bucket_s: int) -> dict[str, list[tuple
     Chart only: quantileExact(0.99) takes rank floor(0.99 n) + 1, one rank above ceil(0.99 n)
     when 0.99 n is an integer; the report's own p99 uses the exact ranks.
     """
-    where, params = where_clause(f, [_metric_ok("ttft_ms")])
+    fw, params = from_where(f, [_metric_ok("ttft_ms")])
     sql = f"""
         SELECT variant, intDiv(toUInt32(sent_at), {int(bucket_s)}) * {int(bucket_s)} AS tb,
                count() AS n, quantileExact(0.99)(assumeNotNull(ttft_ms)) AS p99
-        FROM {schema.SAMPLES_FROM}
-        WHERE {where}
+        {fw}
         GROUP BY variant, tb
         ORDER BY variant, tb
     """
@@ -340,28 +507,26 @@ def p99_over_time(store: Any, f: Filters, bucket_s: int) -> dict[str, list[tuple
 
 
 def modes(store: Any, f: Filters) -> dict[str, int]:
-    where, params = where_clause(f)
-    rows = store.query(
-        f"SELECT mode, count() FROM {schema.SAMPLES_TABLE} WHERE {where} GROUP BY mode", params
-    )
+    fw, params = from_where(f)
+    rows = store.query(f"SELECT mode, count() {fw} GROUP BY mode", params)
     return {m: int(c) for m, c in rows}
 
 
 def mirror_pairs(store: Any, f: Filters, slo: Slo, control: str, variant: str) -> dict[str, Any]:
     """Paired counts for McNemar and counts of rounded TTFT differences for Wilcoxon."""
-    where, params = where_clause(f, ["mode = 'mirror'"])
+    fw, params = from_where(f, ["mode = 'mirror'"])
     hit, hp = hit_expr(slo)
     side = (
         "SELECT run_id, seq, {hit} AS {p}_hit, ({ok}) AS {p}_ok, ttft_ms AS {p}_ttft "
-        "FROM " + schema.SAMPLES_FROM + " WHERE {where} AND variant = %({p}_variant)s"
+        "{fw} AND variant = %({p}_variant)s"
     )
     sql = f"""
         SELECT c_hit, v_hit, c_ok AND v_ok AS paired,
                if(paired, {rounded_sql("assumeNotNull(v_ttft) - assumeNotNull(c_ttft)")}, 0) AS d,
                count() AS pairs
-        FROM ({side.format(hit=hit, ok=_metric_ok("ttft_ms"), p="c", where=where)}) AS c
+        FROM ({side.format(hit=hit, ok=_metric_ok("ttft_ms"), p="c", fw=fw)}) AS c
         ALL INNER JOIN
-             ({side.format(hit=hit, ok=_metric_ok("ttft_ms"), p="v", where=where)}) AS v
+             ({side.format(hit=hit, ok=_metric_ok("ttft_ms"), p="v", fw=fw)}) AS v
         USING (run_id, seq)
         GROUP BY c_hit, v_hit, paired, d
     """
@@ -377,3 +542,19 @@ def mirror_pairs(store: Any, f: Filters, slo: Slo, control: str, variant: str) -
         if paired:
             diffs[float(d)] = diffs.get(float(d), 0) + int(pairs)
     return {"cells": cells, "diff_values": list(diffs), "diff_counts": list(diffs.values())}
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Data version (the report cache's key)
+
+
+def data_version(store: Any, experiment: str) -> tuple[int, int, int]:
+    """(rows, sum, max of recorded_ms) of an experiment: changes with every insert, delete and
+    dedup merge (a newer recording replacing an older one changes the sum), at the cost of one
+    column scan instead of the report's passes."""
+    rows = store.query(
+        f"SELECT count(), sum(recorded_ms), max(recorded_ms) FROM {SAMPLES} PREWHERE experiment = %(e)s",
+        {"e": experiment},
+    )
+    n, total, newest = rows[0]
+    return int(n), int(total), int(newest)

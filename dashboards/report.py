@@ -1,18 +1,34 @@
 """The SLA report: queries (dashboards.queries) + statistics (dashboards.stats) + attribution.
 
 ``build_report`` is free of Django: it takes an ExperimentInfo and a store, so tests and benches
-can call it directly. ``experiment_info`` and ``report_for_key`` are the Django glue (models,
-audit log). The returned dict is the stable JSON shape documented in docs/report-json.md;
-``SCHEMA_VERSION`` changes whenever a key is removed or changes meaning (adding keys does not).
+can call it directly. ``experiment_info`` and ``report_for`` are the Django glue (models, audit
+log, the report cache). The returned dict is the stable JSON shape documented in
+docs/report-json.md; ``SCHEMA_VERSION`` changes whenever a key is removed or changes meaning
+(adding keys does not).
+
+Dedup contract: the queries read the samples table without FINAL, so the numbers are exact when
+the rows read hold one recording per request. Writes guarantee that for completed runs (shards
+skip stored request ids, the spool flush filters stored keys, and the replay's finish step calls
+SampleStore.deduplicate(run_id) when count() != uniqExact(variant, request_id)). A run still in
+progress may transiently count a duplicate after an insert retry, until that finish step.
+
+Speed: two stages of independent queries run concurrently (one connection per thread):
+summary, phase sums and the TTFT histogram first; then the exact order statistics, the TTFT
+ranks, segments, the p99 series and mirror pairs, which need the counts or the window.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
+import json
 import math
+import os
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -73,6 +89,32 @@ def _ranks_for(metric: str, n: int) -> list[int]:
     return sorted(ranks)
 
 
+# One pool for the process, created on first use (and again in a forked child): its threads
+# keep their store connections between reports. clickhouse-driver clients are not thread-safe;
+# the server store keeps one per thread. chDB serializes queries itself (parallel_queries = 1).
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
+_pool_guard = threading.Lock()
+POOL_THREADS = 4
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool, _pool_pid
+    with _pool_guard:
+        if _pool is None or _pool_pid != os.getpid():
+            _pool = ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="sla-report")
+            _pool_pid = os.getpid()
+        return _pool
+
+
+def run_queries(store: Any, jobs: Mapping[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Run independent query jobs, concurrently when the store allows it; {name: result}."""
+    if int(getattr(store, "parallel_queries", 1)) <= 1 or len(jobs) <= 1:
+        return {name: fn() for name, fn in jobs.items()}
+    futures = {name: _executor().submit(fn) for name, fn in jobs.items()}
+    return {name: fut.result() for name, fut in futures.items()}
+
+
 def build_report(store: Any, exp: ExperimentInfo, filters: q.Filters) -> dict[str, Any]:
     t0 = time.perf_counter()
     control = exp.control
@@ -85,8 +127,18 @@ def build_report(store: Any, exp: ExperimentInfo, filters: q.Filters) -> dict[st
         filters = dataclasses.replace(filters, variants=(control, *filters.variants))
     order = [v.key for v in exp.variants if not filters.variants or v.key in filters.variants]
 
-    # 1. counts, hits, phase sums, CDF per variant
-    summ = q.summary(store, filters, exp.slo)
+    # 1. counts, hits, phase sums, the TTFT histogram (independent: run together)
+    got = run_queries(
+        store,
+        {
+            "summary": lambda: q.summary(store, filters, exp.slo),
+            "phases": lambda: q.phase_sums(store, filters, exp.slo),
+            "ttft_hist": lambda: q.ttft_histogram(store, filters),
+        },
+    )
+    summ, hist = got["summary"], got["ttft_hist"]
+    for v, s in summ.items():
+        s.update(got["phases"].get(v, {"phase_n": 0, "phase_sums": dict.fromkeys(q.PHASES, 0.0)}))
     stray = sorted(set(summ) - set(known))
     present = [k for k in order if k in summ]
     first = min((s["first_ms"] for s in summ.values()), default=None)
@@ -97,15 +149,39 @@ def build_report(store: Any, exp: ExperimentInfo, filters: q.Filters) -> dict[st
         window_s = (last - first) / 1000.0
     else:
         window_s = None
+    bucket_s = q.choose_bucket_s(window_s or 60.0)
+    mode_counts = q.mode_counts(summ)
 
-    # 2. exact order statistics for every metric of every variant, one pass
-    plan = {
-        (v, m): (summ[v]["metric_n"][m], _ranks_for(m, summ[v]["metric_n"][m]))
-        for v in present
-        for m in q.METRICS
-        if summ[v]["metric_n"][m] > 0
+    # 2. exact order statistics (a query per metric; TTFT through its histogram), segments,
+    # the p99 series and mirror pairs: independent of each other, run together
+    ttft_ranks = {v: _ranks_for("ttft_ms", n) for v in present if (n := summ[v]["metric_n"]["ttft_ms"]) > 0}
+    jobs: dict[str, Callable[[], Any]] = {
+        "ttft": lambda: q.ttft_order_statistics(store, filters, hist, ttft_ranks),
+        "cells": lambda: q.segment_cells(store, filters, exp.slo, bucket_s),
+        "series": lambda: q.p99_over_time(store, filters, bucket_s),
     }
-    order_stats = q.order_statistics(store, filters, plan)
+    for m in q.METRICS:
+        plan = {
+            (v, m): (summ[v]["metric_n"][m], _ranks_for(m, summ[v]["metric_n"][m]))
+            for v in present
+            if summ[v]["metric_n"][m] > 0
+        }
+        if m != "ttft_ms" and plan:
+            jobs[f"os_{m}"] = lambda plan=plan: q.order_statistics(store, filters, plan)
+    mirror_with = [v for v in present if v != control] if mode_counts.get("mirror") else []
+    if control in present:
+        for v in mirror_with:
+            jobs[f"pairs_{v}"] = lambda v=v: q.mirror_pairs(store, filters, exp.slo, control, v)
+    got = run_queries(store, jobs)
+    order_stats: dict[tuple[str, str], dict[int, float]] = {}
+    for name, value in got.items():
+        if name.startswith("os_"):
+            order_stats.update(value)
+    for v, by_rank in got["ttft"].items():
+        order_stats[(v, "ttft_ms")] = by_rank
+    cdf = q.cdf_points(hist)
+    pairs = {k[len("pairs_") :]: p for k, p in got.items() if k.startswith("pairs_")}
+    cells, series = got["cells"], got["series"]
 
     def estimate(v: str, m: str, quant: float, conf: float = stats.DEFAULT_CONF) -> Any:
         n = summ[v]["metric_n"][m] if v in summ else 0
@@ -143,14 +219,12 @@ def build_report(store: Any, exp: ExperimentInfo, filters: q.Filters) -> dict[st
     by_key = {e["key"]: e for e in variants}
 
     # 3. every variant against the control (Holm across variants)
-    comparisons = _compare(store, filters, exp, summ, present, estimate)
+    counts = q.values_from_histogram(hist)
+    comparisons = _compare(exp, summ, present, estimate, counts, pairs)
     for v, comp in comparisons.items():
         by_key[v]["vs_control"] = comp
 
-    # 4. one pass for segments, SRM and the revisions' first send times
-    bucket_s = q.choose_bucket_s(window_s or 60.0)
-    cells = q.segment_cells(store, filters, exp.slo, bucket_s)
-    mode_counts = q.modes(store, filters)
+    # 4. segments, SRM and the revisions' first send times, from one set of cells
     srm = _srm(exp, cells, present, mode_counts)
     segments = _segments(cells, present)
     mix_rate = _mix_rate(segments, control, present)
@@ -165,7 +239,6 @@ def build_report(store: Any, exp: ExperimentInfo, filters: q.Filters) -> dict[st
             phases[v] = {"n": summ[v]["phase_n"], "dropped": 0, "phases": {}, "note": str(e)}
 
     # 6. over time, and the CDF
-    series = q.p99_over_time(store, filters, bucket_s)
     rev_first: dict[int, float] = {}
     for c in cells:
         rev_first[int(c["rev"])] = min(rev_first.get(int(c["rev"]), math.inf), float(c["first_ms"]))
@@ -209,22 +282,18 @@ def build_report(store: Any, exp: ExperimentInfo, filters: q.Filters) -> dict[st
             },
             "markers": markers,
         },
-        "cdf": {
-            v: {"ttft_ms": summ[v]["cdf"]["values"], "share": summ[v]["cdf"]["levels"]}
-            for v in present
-            if summ[v]["cdf"]["values"]
-        },
+        "cdf": {v: cdf[v] for v in present if v in cdf},
         "timing": {"query_s": time.perf_counter() - t0},
     }
 
 
 def _compare(
-    store: Any,
-    filters: q.Filters,
     exp: ExperimentInfo,
     summ: Mapping[str, Mapping[str, Any]],
     present: Sequence[str],
     estimate: Any,
+    counts: Mapping[str, tuple[list[float], list[int]]],
+    pairs_by_variant: Mapping[str, Mapping[str, Any]],
 ) -> dict[str, dict[str, Any]]:
     control = exp.control
     others = [v for v in present if v != control]
@@ -232,7 +301,6 @@ def _compare(
         return {}
     arms = {v: stats.ArmCounts(summ[v]["n"], summ[v]["hits"]) for v in others if summ[v]["n"]}
     att = stats.compare_attainment(stats.ArmCounts(summ[control]["n"], summ[control]["hits"]), arms)
-    counts = q.ttft_value_counts(store, filters)
     arm_conf = stats.quantile_difference_conf()
     out: dict[str, dict[str, Any]] = {}
     for v in arms:
@@ -265,10 +333,10 @@ def _compare(
         out[v]["mann_whitney_ttft"]["p_holm"] = p
 
     # mirror mode: the same requests went to every variant, so pair them
-    if q.modes(store, filters).get("mirror"):
+    if pairs_by_variant:
         paired_p: dict[str, float] = {}
         for v in out:
-            pairs = q.mirror_pairs(store, filters, exp.slo, control, v)
+            pairs = pairs_by_variant[v]
             c = pairs["cells"]
             if not sum(c.values()):
                 continue
@@ -464,9 +532,56 @@ def experiment_info(experiment: Any) -> ExperimentInfo:
     )
 
 
-def report_for(experiment: Any, filters: q.Filters, store: Any | None = None) -> dict[str, Any]:
+CACHE_ALIAS = "default"
+CACHE_TIMEOUT_S = 600
+# bump when the report's computation changes without a SCHEMA_VERSION change
+CACHE_FORMAT = 2
+
+
+def cache_key(store: Any, exp: ExperimentInfo, filters: q.Filters, version: Sequence[int]) -> str:
+    """Everything the report depends on: the store, the experiment's settings and weights
+    history, the filters, and the experiment's data version (queries.data_version)."""
+    blob = json.dumps(
+        {
+            "format": [SCHEMA_VERSION, CACHE_FORMAT],
+            "store": store.describe(),
+            "experiment": dataclasses.asdict(exp),
+            "filters": filters.as_dict(),
+            "version": list(version),
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return "abplat:sla-report:" + hashlib.sha256(blob.encode()).hexdigest()
+
+
+def report_for(
+    experiment: Any, filters: q.Filters, store: Any | None = None, *, use_cache: bool = True
+) -> dict[str, Any]:
+    """The report, from Django's cache when the experiment's data have not changed since.
+
+    A hit costs one scan of recorded_ms (data_version) instead of the report's passes; its
+    ``generated_at`` is when it was computed and ``timing.cache`` says "hit".
+    """
     if store is None:
         from samples.factory import get_store
 
         store = get_store()
-    return build_report(store, experiment_info(experiment), filters)
+    info = experiment_info(experiment)
+    if not use_cache:
+        report = build_report(store, info, filters)
+        report["timing"]["cache"] = "off"
+        return report
+    from django.core.cache import caches
+
+    cache = caches[CACHE_ALIAS]
+    t0 = time.perf_counter()
+    key = cache_key(store, info, filters, q.data_version(store, filters.experiment))
+    cached = cache.get(key)
+    if cached is not None:
+        cached["timing"] = {**cached["timing"], "cache": "hit", "lookup_s": time.perf_counter() - t0}
+        return cached
+    report = build_report(store, info, filters)
+    report["timing"].update(cache="miss", lookup_s=time.perf_counter() - t0 - report["timing"]["query_s"])
+    cache.set(key, report, CACHE_TIMEOUT_S)
+    return report

@@ -46,6 +46,102 @@ class SchemaMismatch(StoreError):
     """An applied migration differs from the code's migration of the same version."""
 
 
+def _validate_columns(cols: Mapping[str, Any]) -> dict[str, Any]:
+    """insert_columns' checks, a column at a time; returns the columns in table order, nullable
+    ones as object arrays holding None (the shape both backends' insert hooks take)."""
+    import numpy as np
+
+    if not isinstance(cols, Mapping):
+        raise StoreError(f"insert_columns: expected a mapping of column -> values, got {type(cols).__name__}")
+    extra = sorted(set(cols) - set(colmod.COLUMN_NAMES))
+    missing = [n for n in colmod.COLUMN_NAMES if n not in cols]
+    if extra or missing:
+        raise StoreError(f"insert_columns: unknown column(s) {extra}, missing column(s) {missing}")
+    lengths = {n: len(cols[n]) for n in colmod.COLUMN_NAMES}
+    if len(set(lengths.values())) > 1:
+        raise StoreError(f"insert_columns: columns differ in length: {lengths}")
+    out: dict[str, Any] = {}
+    for name in colmod.COLUMN_NAMES:
+        col = colmod.BY_NAME[name]
+        raw = cols[name]
+        arr = raw if isinstance(raw, np.ndarray) else np.asarray(raw, dtype=object)
+
+        def bad(i: Any, why: str, col: Any = col, arr: Any = arr) -> StoreError:
+            i = int(i)
+            return StoreError(f"insert_columns: column {col.name} ({col.ch_type}) row {i}: {arr[i]!r} {why}")
+
+        if col.kind == "str":
+            if arr.dtype != object:
+                arr = arr.astype(object)
+            if not set(map(type, arr)) <= {str}:
+                raise bad(next(i for i, v in enumerate(arr) if type(v) is not str), "is not a str")
+        elif col.kind in ("f64", "nf64"):
+            if arr.dtype == object:
+                if not set(map(type, arr)) <= (
+                    {float, int, type(None)} if col.kind == "nf64" else {float, int}
+                ):
+                    i = next(
+                        i
+                        for i, v in enumerate(arr)
+                        if type(v) not in (float, int, type(None)) or (v is None and col.kind == "f64")
+                    )
+                    raise bad(i, "is not a number" + (" or None" if col.kind == "nf64" else ""))
+                arr = (
+                    np.array([np.nan if v is None else v for v in arr], dtype=np.float64)
+                    if col.kind == "nf64"
+                    else arr.astype(np.float64)
+                )
+            elif arr.dtype.kind not in "fiu":
+                raise StoreError(f"insert_columns: column {name} needs numbers, got dtype {arr.dtype}")
+            arr = arr.astype(np.float64, copy=False)
+            null = np.isnan(arr)
+            inf = np.isinf(arr) | (null if col.kind == "f64" else False)
+            if inf.any():
+                raise bad(np.flatnonzero(inf)[0], "is not a finite number")
+            if col.kind == "nf64":
+                obj = arr.astype(object)
+                obj[null] = None
+                arr = obj
+        else:  # integers, nullable UInt64, DateTime as unix seconds
+            lo, hi = colmod._INT_RANGES[col.kind]
+            nullable = col.kind == "nu64"
+            if arr.dtype == object or (nullable and arr.dtype.kind == "f"):
+                # NaN -> NULL; a whole float (numpy float arrays of nullable ints) -> int
+                values = [
+                    None
+                    if v is None or (isinstance(v, float) and v != v)
+                    else int(v)
+                    if isinstance(v, float) and v.is_integer()
+                    else v
+                    for v in arr
+                ]
+                if not nullable and None in values:
+                    raise bad(values.index(None), "is not an integer")
+                kinds = set(map(type, values)) - {type(None)}
+                if not kinds <= {int, np.int64, np.uint64}:
+                    i = next(
+                        i
+                        for i, v in enumerate(values)
+                        if v is not None and type(v) not in (int, np.int64, np.uint64)
+                    )
+                    raise bad(i, "is not an integer")
+                present = [v for v in values if v is not None]
+                if present and (min(present) < lo or max(present) > hi):
+                    i = next(i for i, v in enumerate(values) if v is not None and not lo <= v <= hi)
+                    raise bad(i, f"is out of range [{lo}, {hi}]")
+                arr = np.array(values, dtype=object) if nullable else np.array(values)
+            else:
+                if arr.dtype.kind not in "iu":
+                    raise StoreError(f"insert_columns: column {name} needs integers, got dtype {arr.dtype}")
+                if arr.size and (int(arr.min()) < lo or int(arr.max()) > hi):
+                    i = np.flatnonzero((arr < lo) | (arr > hi))[0]
+                    raise bad(i, f"is out of range [{lo}, {hi}]")
+                if nullable:
+                    arr = arr.astype(object)
+        out[name] = arr
+    return out
+
+
 def _check_ident(name: str, what: str) -> str:
     if not _IDENT.match(name or ""):
         raise StoreError(f"{what} {name!r} is not a plain identifier ([A-Za-z_][A-Za-z0-9_]*)")
@@ -57,6 +153,9 @@ class SampleStore:
 
     database: str
     backend_name: str = "?"
+    # How many queries a reader (the SLA report) may run at once through this store, one per
+    # thread. 1: run them one after another (chDB serializes its session anyway).
+    parallel_queries: int = 1
 
     # ---- schema -------------------------------------------------------------------------
     def migrate(self) -> list[int]:
@@ -127,6 +226,73 @@ class SampleStore:
         cols = colmod.validate_rows(rows, "insert_samples")
         self._insert_columns(schema.SAMPLES_TABLE, cols)
         return len(rows)
+
+    def insert_columns(self, cols: Mapping[str, Any]) -> int:
+        """Insert one columnar batch {column: list or numpy array}; returns rows inserted.
+
+        For bulk loads (synthetic data, imports): validated a column at a time with numpy, not a
+        dict per row. Every column of the table must be given, all of one length. Nullable
+        columns take None, or NaN in a float array (NaN cannot be a measurement: non-nullable
+        floats must be finite). A bad column raises StoreError naming it and the first bad row.
+        """
+        return self._insert_batch(_validate_columns(cols))
+
+    def _insert_batch(self, cols: dict[str, Any]) -> int:
+        n = len(next(iter(cols.values()))) if cols else 0
+        if n:
+            self._insert_columns(schema.SAMPLES_TABLE, cols)
+        return n
+
+    def deduplicate(self, run_id: int | None = None) -> int:
+        """Physically remove duplicate recordings (of one run, or of the whole table).
+
+        Analytics reads do not use FINAL (it cost ~7 s per pass at 10M rows); they rely on
+        completed runs holding one row per (experiment, variant, run_id, seq, request_id). This
+        is the step that makes that true: it finds the monthly partitions holding duplicates and
+        runs OPTIMIZE TABLE samples PARTITION p FINAL on those only (a partition without
+        duplicates is not rewritten). Returns the number of duplicate rows removed. Raises
+        StoreError if duplicates remain: a pair split across two months cannot be merged.
+        """
+        if run_id is not None and (isinstance(run_id, bool) or not isinstance(run_id, int) or run_id < 0):
+            raise StoreError(f"deduplicate: run_id must be a non-negative integer or None, got {run_id!r}")
+        where = "run_id = %(run_id)s" if run_id is not None else "1"
+        params = {"run_id": run_id} if run_id is not None else {}
+        key = "experiment, variant, run_id, seq, request_id"
+
+        def dup_partitions() -> dict[int, int]:
+            rows = self.query(
+                f"SELECT toYYYYMM(sent_at) AS p, count() - uniqExact({key}) AS d "
+                f"FROM {schema.SAMPLES_TABLE} WHERE {where} GROUP BY p HAVING d > 0",
+                params,
+            )
+            return {int(p): int(d) for p, d in rows}
+
+        before = dup_partitions()
+        pending = dict(before)
+        # A merge already running on those parts can make OPTIMIZE a silent no-op: retry, bounded.
+        for attempt in range(3):
+            if not pending:
+                break
+            if attempt:
+                time.sleep(0.5 * attempt)
+            for p in sorted(pending):
+                self.execute(f"OPTIMIZE TABLE {schema.SAMPLES_TABLE} PARTITION {p} FINAL")
+            pending = dup_partitions()
+        if pending:
+            raise StoreError(
+                f"{self.describe()}: deduplicate({run_id}) left duplicates in partitions {pending} "
+                "after OPTIMIZE FINAL (merges busy?); run it again"
+            )
+        rows = self.query(
+            f"SELECT count() - uniqExact({key}) FROM {schema.SAMPLES_TABLE} WHERE {where}", params
+        )
+        if int(rows[0][0]):
+            raise StoreError(
+                f"{self.describe()}: deduplicate({run_id}): {rows[0][0]} duplicate recordings sit "
+                "in different monthly partitions, which OPTIMIZE cannot merge; delete the older "
+                "copies with ALTER TABLE samples DELETE"
+            )
+        return sum(before.values())
 
     # ---- reads --------------------------------------------------------------------------
     def query(self, sql: str, params: Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
@@ -278,6 +444,7 @@ def _normalize_value(v: Any) -> Any:
 
 class ClickHouseServerBackend(SampleStore):
     backend_name = "clickhouse-server"
+    parallel_queries = 4  # a connection per thread (self._local); the server runs them together
 
     def __init__(
         self,

@@ -236,28 +236,13 @@ def generate(spec: SyntheticSpec) -> Synthetic:
     return Synthetic(spec, {k: cols[k] for k in colmod.COLUMN_NAMES}, is_dup)
 
 
-def _for_store(chunk: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    """Arrays in the shapes both store backends accept: Nullable columns as object arrays
-    holding None (NaN would be stored as a NaN value, not NULL)."""
-    out: dict[str, Any] = {}
-    for name in colmod.COLUMN_NAMES:
-        a = chunk[name]
-        if colmod.BY_NAME[name].kind in ("nf64", "nu64"):
-            obj = a.astype(object)
-            obj[np.isnan(a)] = None
-            a = obj
-        out[name] = a
-    return out
-
-
 def insert(store: Any, data: Synthetic, chunk_rows: int = 500_000) -> int:
     """Columnar insert of every row (duplicates included) in chunks; returns rows written.
 
-    Uses the store's columnar hook (_insert_columns): insert_samples validates one dict per
-    row, which is right for recorded samples and far too slow for 10M synthetic ones.
+    Through SampleStore.insert_columns (validated a column at a time; NaN in a nullable column
+    is NULL): insert_samples validates one dict per row, far too slow for 10M synthetic rows.
+    Duplicates stay physical until store.deduplicate() (the dedup contract, docs/report-json.md).
     """
-    from samples import schema
-
     for chunk in data.chunks(chunk_rows):
-        store._insert_columns(schema.SAMPLES_TABLE, _for_store(chunk))
+        store.insert_columns(chunk)
     return data.n_rows

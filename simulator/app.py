@@ -156,9 +156,7 @@ class SimulatorApp:
             raise BadRequest(400, "request body must be a JSON object", "BadRequestError")
         model = req.get("model")
         if model != self.model:
-            raise BadRequest(
-                404, f"The model `{model}` does not exist.", "NotFoundError", "model"
-            )
+            raise BadRequest(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         if api == "chat":
             msgs = req.get("messages")
             if not isinstance(msgs, list) or not msgs:
@@ -278,9 +276,7 @@ class SimulatorApp:
             if req["usage"]:
                 truth = {
                     "server_ttft_ms": (
-                        None
-                        if first_content_ns is None
-                        else round((first_content_ns - received_ns) / 1e6, 6)
+                        None if first_content_ns is None else round((first_content_ns - received_ns) / 1e6, 6)
                     ),
                     "first_content_ns": first_content_ns,
                     "received_ns": received_ns,

@@ -40,6 +40,9 @@ class ReplayCreateSerializer(serializers.Serializer):
     mode = serializers.ChoiceField(choices=ReplayRun.Mode.values, default="split")
     arrival = ArrivalSerializer(required=False)
     limit = serializers.IntegerField(required=False, min_value=1, allow_null=True)
+    sample = serializers.FloatField(
+        default=1.0, min_value=0.0001, max_value=1.0, help_text="share of requests kept"
+    )
     concurrency = serializers.IntegerField(default=512, min_value=1, max_value=100_000)
     shards = serializers.IntegerField(required=False, min_value=1, max_value=256, allow_null=True)
     on_malformed = serializers.ChoiceField(choices=["reject", "skip"], default="reject")
@@ -54,7 +57,7 @@ class ReplayRunSerializer(serializers.ModelSerializer):
     class Meta:
         model = ReplayRun
         fields = [
-            "id", "experiment", "status", "mode", "source", "source_format", "arrival", "limit",
+            "id", "experiment", "status", "mode", "source", "source_format", "arrival", "limit", "sample_fraction",
             "concurrency", "shard_count", "on_malformed", "population_seed", "cancel_requested",
             "started_by", "created_at", "started_at", "finished_at", "total_requests",
             "expected_samples", "samples_recorded", "skipped_lines", "outcomes", "error", "progress",
@@ -88,7 +91,8 @@ class ReplayListView(generics.ListAPIView):
                 experiment, source=data["source"], source_format=data["format"], mode=data["mode"],
                 arrival=Arrival(**data.get("arrival", {})), limit=data.get("limit"),
                 concurrency=data["concurrency"], shard_count=data.get("shards"),
-                on_malformed=data["on_malformed"], population_seed=data["seed"], actor=request.user,
+                on_malformed=data["on_malformed"], population_seed=data["seed"],
+                sample_fraction=data["sample"], actor=request.user,
             )  # fmt: skip
         except ReplayError as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)

@@ -38,6 +38,7 @@ class ReplayRun(models.Model):
         default=dict, help_text="arrival process: mode, speed, rate, cv, concurrency, seed"
     )
     limit = models.PositiveIntegerField(null=True, blank=True, help_text="replay only the first N requests")
+    sample_fraction = models.FloatField(default=1.0, help_text="keep this share of the requests (0, 1]")
     concurrency = models.PositiveIntegerField(default=512, help_text="requests in flight per shard at most")
     shard_count = models.PositiveSmallIntegerField(default=1)
     population_seed = models.IntegerField(default=0)
@@ -61,6 +62,9 @@ class ReplayRun(models.Model):
         constraints = [
             models.CheckConstraint(condition=Q(shard_count__gte=1), name="replay_run_shards_positive"),
             models.CheckConstraint(condition=Q(concurrency__gte=1), name="replay_run_concurrency_positive"),
+            models.CheckConstraint(
+                condition=Q(sample_fraction__gt=0) & Q(sample_fraction__lte=1), name="replay_run_sample_0_1"
+            ),
         ]
         # Serves the runs list of one experiment, newest first.
         indexes = [models.Index(fields=["experiment", "-created_at"], name="replay_run_by_experiment")]

@@ -12,16 +12,12 @@ from experiments.models import Experiment
 from workers.models import ReplayRun, ReplayShard
 from workers.replay.arrivals import Arrival
 from workers.replay.plan import expected_samples
-from workers.replay.sources import SourceError, load_source
+from workers.replay.sources import LoadedSource, SourceError, load_source, thin
 from workers.replay.users import UserPopulation
 
 
 class ReplayError(ValueError):
     """A replay that cannot start; nothing was created or sent."""
-
-
-def population(run: ReplayRun) -> UserPopulation:
-    return UserPopulation(seed=run.population_seed)
 
 
 def resolve_source(path: str) -> Path:
@@ -34,7 +30,7 @@ def resolve_source(path: str) -> Path:
 def create_run(experiment: Experiment, *, source: str, source_format: str = "azure", mode: str = "split",
                arrival: Arrival | None = None, limit: int | None = None, concurrency: int = 512,
                shard_count: int | None = None, on_malformed: str = "reject", population_seed: int = 0,
-               actor=None, enqueue: bool = True) -> ReplayRun:  # fmt: skip
+               sample_fraction: float = 1.0, actor=None, enqueue: bool = True) -> ReplayRun:  # fmt: skip
     """Validate everything, record the run and its shards, and queue it after commit."""
     arrival = arrival or Arrival()
     if experiment.status != Experiment.Status.RUNNING:
@@ -59,15 +55,17 @@ def create_run(experiment: Experiment, *, source: str, source_format: str = "azu
     path = resolve_source(source)
     try:
         # A malformed source is rejected here, before anything is sent.
-        loaded = load_source(path, source_format, population=UserPopulation(seed=population_seed),
-                             on_error=on_malformed, limit=limit)  # fmt: skip
+        loaded = load_requests(
+            str(path), source_format, on_malformed, limit, population_seed, sample_fraction
+        )
     except (SourceError, ValueError) as exc:
         raise ReplayError(str(exc)) from None
     n_variants = experiment.variants.count()
     with transaction.atomic():
         run = ReplayRun.objects.create(
             experiment=experiment, source=str(path), source_format=source_format, mode=mode,
-            arrival=arrival.as_dict(), limit=limit, concurrency=concurrency, shard_count=shard_count,
+            arrival=arrival.as_dict(), limit=limit, sample_fraction=sample_fraction,
+            concurrency=concurrency, shard_count=shard_count,
             on_malformed=on_malformed, population_seed=population_seed,
             started_by=actor if getattr(actor, "pk", None) else None,
             total_requests=len(loaded.requests), skipped_lines=len(loaded.skipped),
@@ -83,6 +81,21 @@ def create_run(experiment: Experiment, *, source: str, source_format: str = "azu
 
             transaction.on_commit(lambda: start_replay.delay(run.pk))
     return run
+
+
+def load_requests(source: str, fmt: str, on_malformed: str, limit: int | None, seed: int,
+                  sample_fraction: float) -> LoadedSource:  # fmt: skip
+    """The run's requests, exactly as every shard of it will see them."""
+    loaded = load_source(
+        source, fmt, population=UserPopulation(seed=seed), on_error=on_malformed, limit=limit
+    )
+    loaded.requests = thin(loaded.requests, sample_fraction, seed)
+    return loaded
+
+
+def run_requests(run: ReplayRun) -> LoadedSource:
+    return load_requests(run.source, run.source_format, run.on_malformed, run.limit, run.population_seed,
+                         run.sample_fraction)  # fmt: skip
 
 
 def cancel_run(run: ReplayRun, actor=None) -> bool:
@@ -107,6 +120,7 @@ def describe(run: ReplayRun) -> dict:
     return {
         "run": run.pk, "experiment": run.experiment.key, "status": run.status, "mode": run.mode,
         "source": run.source, "format": run.source_format, "arrival": run.arrival, "limit": run.limit,
+        "sample_fraction": run.sample_fraction,
         "total_requests": run.total_requests, "expected_samples": run.expected_samples,
         "samples_recorded": run.samples_recorded, "skipped_lines": run.skipped_lines,
         "outcomes": run.outcomes, "shards": run.shard_count, "error": run.error,

@@ -14,8 +14,7 @@ from workers.replay.arrivals import Arrival
 from workers.replay.plan import SPLIT, Shard
 from workers.replay.runner import ShardRunner, ShardSpec, ShardStats
 from workers.replay.sink import BatchSink
-from workers.replay.sources import load_source
-from workers.runs import population
+from workers.runs import run_requests
 from workers.streaming.client import VariantClient
 from workers.tasks import run_coroutine
 
@@ -27,13 +26,12 @@ def execute_shard(shard: ReplayShard) -> ShardStats:
     experiment = run.experiment
     variants = list(experiment.variants.order_by("position"))
     # 1. The shard's requests and their send offsets on the run's one schedule.
-    loaded = load_source(run.source, run.source_format, population=population(run),
-                         on_error=run.on_malformed, limit=run.limit)  # fmt: skip
+    loaded = run_requests(run)
     offsets_all = Arrival(**run.arrival).offsets([r.offset_s for r in loaded.requests])
-    part = Shard(shard.index, run.shard_count)
-    seqs = list(part.seqs(len(loaded.requests)))
-    requests = [loaded.requests[i] for i in seqs]
-    offsets = None if offsets_all is None else [offsets_all[i] for i in seqs]
+    # Shards interleave by position in the (thinned) schedule, so each carries an even share.
+    positions = list(Shard(shard.index, run.shard_count).seqs(len(loaded.requests)))
+    requests = [loaded.requests[i] for i in positions]
+    offsets = None if offsets_all is None else [offsets_all[i] for i in positions]
     # 2. What an earlier delivery of this shard already recorded (spool first, then store).
     # A first delivery has sent nothing yet, so it needs neither and starts even while the
     # store is down (its samples then go to the spool).

@@ -17,7 +17,7 @@ import pytest
 from dashboards import queries as q
 from dashboards import report as r
 from samples import synthetic
-from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore, release_chdb
+from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore
 
 SERVER_URL = os.environ.get("ABPLAT_TEST_CLICKHOUSE_URL", "clickhouse://default:@127.0.0.1:19000/abplat_test")
 SLO = q.Slo(200.0)
@@ -91,21 +91,23 @@ def mirror_data() -> synthetic.Synthetic:
 
 
 @pytest.fixture(scope="session")
-def loaded_stores(
-    tmp_path_factory: pytest.TempPathFactory, split_data, mirror_data
-) -> Iterator[dict[str, SampleStore]]:
+def loaded_stores(chdb_dir: str, split_data, mirror_data) -> Iterator[dict[str, SampleStore]]:
     """{"chdb": store, "server": store}, both holding the split and the mirror dataset."""
     require_server()
-    release_chdb()  # another module may have left its own chDB directory open
     db = f"abplat_test_dash_{uuid.uuid4().hex[:8]}"
     stores: dict[str, SampleStore] = {
-        "chdb": ChdbBackend(str(tmp_path_factory.mktemp("chdb_dash")), db),
+        # chDB allows one data directory per process: the session's (root conftest chdb_dir)
+        "chdb": ChdbBackend(chdb_dir, db),
         "server": ClickHouseServerBackend(server_url_for(db), send_receive_timeout=120),
     }
     for store in stores.values():
         store.migrate()
         synthetic.insert(store, split_data)
         synthetic.insert(store, mirror_data)
+        # the dedup contract: reads skip FINAL, so the older recordings go the way a finished
+        # replay's do (SampleStore.deduplicate, OPTIMIZE ... FINAL)
+        # (background merges may already have removed some: deduplicate returns what was left)
+        assert 0 <= store.deduplicate() <= int(split_data.is_duplicate.sum())
     yield stores
     for store in stores.values():
         try:
@@ -113,7 +115,6 @@ def loaded_stores(
         except Exception:
             pass
         store.close()
-    release_chdb()
 
 
 @pytest.fixture(params=["chdb", "server"])

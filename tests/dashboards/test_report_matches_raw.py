@@ -1,6 +1,7 @@
 # ruff: noqa: F811 - pytest fixtures imported from fixtures_report are re-bound as arguments
 """The report's numbers equal an independent numpy computation over the raw synthetic samples,
-on chDB and on the ClickHouse server (duplicated, older recordings included in the table)."""
+on chDB and on the ClickHouse server (duplicated, older recordings inserted, then removed by
+SampleStore.deduplicate as a finished replay does)."""
 
 from __future__ import annotations
 
@@ -74,8 +75,9 @@ def test_counts_errors_and_attainment_match_raw_samples(split_report, split_data
         assert entry["goodput_rps"] == pytest.approx(hits / (window / 1000.0))
 
 
-def test_duplicate_older_recordings_are_invisible(split_report, split_data):
+def test_duplicate_older_recordings_are_gone_after_deduplicate(split_report, split_data, backend):
     assert split_data.is_duplicate.sum() > 100
+    assert backend.query("SELECT count() FROM samples WHERE run_id = 11") == [(split_data.spec.n,)]
     total = sum(e["n"] for e in split_report["variants"])
     assert total == split_data.spec.n
     for e in split_report["variants"]:
@@ -191,11 +193,15 @@ def test_cdf_and_time_series_come_from_the_samples(split_report, split_data):
     for v in ("fp16", "awq-fa2"):
         arr = _ok_metric(_raw(split_data, v), "ttft_ms")
         cdf = split_report["cdf"][v]
-        assert len(cdf["ttft_ms"]) == len(cdf["share"]) < 500
-        # CDF points are ClickHouse quantileExact ranks: 0-based index floor(level * n)
+        assert 300 < len(cdf["ttft_ms"]) == len(cdf["share"]) < 500
+        # every point is exactly on the empirical CDF: x a sample value, y the share <= x
+        xs = np.asarray(cdf["ttft_ms"])
+        assert np.isin(xs, arr).all() and (np.diff(xs) > 0).all()
+        assert cdf["share"] == (np.searchsorted(arr, xs, side="right") / arr.size).tolist()
+        # ~evenly spaced in probability: the point for a level is the first to reach it
         for level in (0.5, 0.9, 0.999):
-            i = cdf["share"].index(level)
-            assert cdf["ttft_ms"][i] == arr[int(level * arr.size)]
+            i = next(i for i, y in enumerate(cdf["share"]) if y >= level)
+            assert cdf["share"][i] - level < 0.01
         points = split_report["timeseries"]["p99_ttft_ms"][v]
         assert sum(p["n"] for p in points) == arr.size
     markers = split_report["timeseries"]["markers"]

@@ -128,3 +128,16 @@ def test_empty_source_is_an_error(tmp_path):
         load_source(path, "jsonl", population=POP)
     with pytest.raises(SourceError, match="cannot read"):
         load_source(tmp_path / "missing.csv", "azure", population=POP)
+
+
+def test_thinning_keeps_a_stable_share_and_the_order():
+    from workers.replay.sources import thin
+
+    reqs = load_source(TRACE, "azure", population=POP).requests
+    kept = thin(reqs, 0.25, seed=1)
+    assert abs(len(kept) / len(reqs) - 0.25) < 0.02
+    assert kept == thin(reqs, 0.25, seed=1) and kept != thin(reqs, 0.25, seed=2)
+    assert [r.seq for r in kept] == sorted(r.seq for r in kept)
+    assert thin(reqs, 1.0) is reqs
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        thin(reqs, 0)

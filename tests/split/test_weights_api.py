@@ -10,7 +10,6 @@ from django.test import RequestFactory
 
 from experiments import services
 from experiments.admin import ExperimentAdmin
-from experiments.admin_weights import WeightsAdminMixin
 from experiments.assignment import assign
 from experiments.models import AuditEntry, Experiment
 from experiments.weights import django_store
@@ -217,10 +216,6 @@ def test_put_on_unknown_experiment_is_404(db, client_for):
 # Admin weights form ---------------------------------------------------------------------------
 
 
-class _Admin(WeightsAdminMixin, ExperimentAdmin):
-    pass
-
-
 def admin_request(user, method="get", data=None):
     factory = RequestFactory()
     request = getattr(factory, method)("/admin/experiments/experiment/1/weights/", data or {})
@@ -233,7 +228,7 @@ def admin_request(user, method="get", data=None):
 
 @pytest.fixture
 def weights_admin():
-    return _Admin(Experiment, admin.site)
+    return ExperimentAdmin(Experiment, admin.site)  # the registered admin carries WeightsAdminMixin
 
 
 @pytest.fixture

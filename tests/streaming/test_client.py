@@ -43,7 +43,13 @@ def run(url: str, api: str = "chat", timeouts: Timeouts | None = None, fault: st
     async def go():
         async with VariantClient(url, MODEL, api, timeouts=timeouts) as c:
             headers = {"x-abplat-fault": fault} if fault else None
-            return await c.stream(kw.pop("rid", "req-1"), kw.pop("prompt", "hello"), kw.pop("max_tokens", 8), headers=headers, **kw)
+            return await c.stream(
+                kw.pop("rid", "req-1"),
+                kw.pop("prompt", "hello"),
+                kw.pop("max_tokens", 8),
+                headers=headers,
+                **kw,
+            )
 
     return asyncio.run(go())
 

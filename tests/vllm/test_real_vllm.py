@@ -87,8 +87,11 @@ def test_cancelling_a_stream_aborts_it_on_the_server(vllm):
     async def go():
         async with VariantClient(vllm.url, "tiny-llama", "completions") as c:
             task = asyncio.create_task(c.stream("vllm-cancel", "x", 400, {"ignore_eos": True}))
-            while running_requests(vllm.url) < 1:
+            for _ in range(500):  # bounded: wait until the server has it running
+                if running_requests(vllm.url) >= 1 or task.done():
+                    break
                 await asyncio.sleep(0.02)
+            assert not task.done(), "the 400-token stream ended before it could be cancelled"
             task.cancel()
             with pytest.raises(StreamCancelled) as info:
                 await task

@@ -9,9 +9,10 @@ counting them ("skip").
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -218,5 +219,17 @@ def load_source(path: str | Path, fmt: str, *, population: UserPopulation, on_er
     return loaded
 
 
-def iter_offsets(requests: list[TraceRequest]) -> Iterator[float]:
-    return (r.offset_s for r in requests)
+def thin(requests: list[TraceRequest], fraction: float, seed: int = 0) -> list[TraceRequest]:
+    """Keep each request with probability ``fraction``, decided by (seed, seq) alone: the same
+    subset in every process, and the trace's burstiness kept at a lower rate (replaying a whole
+    production service's traffic against one deployment per variant usually needs this)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"sample fraction must be in (0, 1], got {fraction}")
+    if fraction == 1:
+        return requests
+    threshold = int(fraction * 2**64)
+    return [r for r in requests if _uniform64(seed, r.seq) < threshold]
+
+
+def _uniform64(seed: int, seq: int) -> int:
+    return int.from_bytes(hashlib.blake2b(f"thin:{seed}:{seq}".encode(), digest_size=8).digest(), "big")

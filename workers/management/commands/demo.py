@@ -73,7 +73,7 @@ class Command(BaseCommand):
 
         # 4. The SLA table of this run.
         self.stdout.write("")
-        call_command("sla_report", experiment.key, "--run", str(run.pk)) if False else None
+        call_command("sla_report", experiment.key, "--run", str(run.pk))
         self.stdout.write(f"\ndemo job took {time.monotonic() - started:.0f} s")
         if no_serve:
             for handle in sims:

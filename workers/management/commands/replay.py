@@ -29,6 +29,7 @@ class Command(BaseCommand):
             "--concurrency", type=int, default=512, help="in flight per shard (closed loop: exactly)"
         )
         parser.add_argument("--limit", type=int, help="only the first N requests")
+        parser.add_argument("--sample", type=float, default=1.0, help="keep this share of requests (0, 1]")
         parser.add_argument("--shards", type=int, help="shards to fan out to workers")
         parser.add_argument(
             "--skip-malformed", action="store_true", help="skip bad lines instead of rejecting"
@@ -48,6 +49,7 @@ class Command(BaseCommand):
                 experiment, source=o["trace"], source_format=o["format"], mode=o["mode"], arrival=arrival,
                 limit=o["limit"], concurrency=o["concurrency"], shard_count=o["shards"],
                 on_malformed="skip" if o["skip_malformed"] else "reject", population_seed=o["seed"],
+                sample_fraction=o["sample"],
                 enqueue=not eager,
             )  # fmt: skip
         except (ReplayError, ValueError) as exc:
