@@ -7,12 +7,12 @@ import copy
 import pytest
 from django.contrib.auth.models import Group, User
 from hypothesis import settings as hypothesis_settings
+from rest_framework.test import APIClient
 
 # No per-example deadline: wall-clock limits flake on a loaded 2-core CI machine (speed is
 # measured in bench/); derandomized so a CI failure reproduces on a developer's machine.
 hypothesis_settings.register_profile("abplat", deadline=None, derandomize=True, print_blob=True)
 hypothesis_settings.load_profile("abplat")
-from rest_framework.test import APIClient
 
 DEMO_DOCUMENT = {
     "key": "ttft-opt",
