@@ -393,6 +393,7 @@ def part1(bench: Bench, sims: dict, args) -> None:
     best: dict = {1: 0.0, 2: 0.0, "prebuilt": 0.0}
     live: dict = {1: True, 2: True, "prebuilt": True}
     strikes: dict = {1: 0, 2: 0, "prebuilt": 0}
+    keeps_up: dict = {1: 0.0, 2: 0.0, "prebuilt": 0.0}  # relaxed: lag p50 < 5 ms
     for rate in args.rates:
         if not any(live.values()):
             break
@@ -419,6 +420,8 @@ def part1(bench: Bench, sims: dict, args) -> None:
                 floor_p99 = r["lag_p99"]
             key = "prebuilt" if kind == "prebuilt" else workers
             if kind in ("real", "prebuilt"):
+                if r["lag_p50"] < LAG_LIMIT_MS and r["count"] == n and r["outcomes"] == {"ok": n}:
+                    keeps_up[key] = max(keeps_up[key], rate)
                 if ok:
                     best[key] = max(best[key], rate)
                 elif r["lag_p99"] > 4 * LAG_LIMIT_MS and floor_p99 < LAG_LIMIT_MS:
@@ -432,6 +435,10 @@ def part1(bench: Bench, sims: dict, args) -> None:
     print(f"\nhighest sustained rate (lag p99 < {LAG_LIMIT_MS:g} ms, every sample stored, all ok): "
           f"1 worker {best[1]:g} req/s, 2 workers {best[2]:g} req/s, scaling ratio {ratio}; "
           f"1 worker with prompts prebuilt (proposed fix) {best['prebuilt']:g} req/s")  # fmt: skip
+    relaxed = f"{keeps_up[2] / keeps_up[1]:.2f}x" if keeps_up[1] else "n/a"
+    print(f"relaxed (lag p50 < {LAG_LIMIT_MS:g} ms: the schedule is kept, the tail is the machine's): "
+          f"1 worker {keeps_up[1]:g} req/s, 2 workers {keeps_up[2]:g} req/s, ratio {relaxed}; "
+          f"prompts prebuilt {keeps_up['prebuilt']:g} req/s")  # fmt: skip
 
 
 def part2(bench: Bench, sims: dict, args, profile: str) -> None:

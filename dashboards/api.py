@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from django.shortcuts import get_object_or_404
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -17,6 +19,16 @@ from experiments.models import Experiment
 class ExperimentReport(APIView):
     permission_classes = [CanView]
 
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("run", int, description="one replay run"),
+            OpenApiParameter("since", str, description="ISO 8601, inclusive (sent_at, UTC)"),
+            OpenApiParameter("until", str, description="ISO 8601, exclusive"),
+            OpenApiParameter("variant", str, many=True, description="only these variants"),
+        ],
+        responses={200: OpenApiTypes.OBJECT},
+        description="The SLA report (stable JSON shape, docs/report-json.md).",
+    )
     def get(self, request, key: str) -> Response:
         experiment = get_object_or_404(Experiment, key=key)
         known = [v.key for v in experiment.variants.all()]

@@ -469,6 +469,16 @@ def segment_cells(store: Any, f: Filters, slo: Slo, bucket_s: int) -> list[dict[
     return [dict(zip(names, r, strict=True)) for r in store.query(sql, {**params, **hp})]
 
 
+def srm_users(store: Any, f: Filters) -> list[dict[str, Any]]:
+    """Distinct users per (config revision, variant) in split mode: the unit the router
+    assigns, so the unit sample ratio mismatch is tested on. Requests are not independent
+    draws (a heavy user sends many, all to one variant), so request counts would flag SRM on
+    healthy traffic."""
+    fw, params = from_where(f, ["mode = 'split'"])
+    sql = f"SELECT config_revision AS rev, variant, uniqExact(user_id) AS users {fw} GROUP BY rev, variant"
+    return [{"rev": int(r), "variant": v, "n": int(n)} for r, v, n in store.query(sql, params)]
+
+
 def window_ms(store: Any, f: Filters) -> tuple[float, float] | None:
     """(first, last) send time in unix ms, or None without samples: picks the time bucket
     before the summary is back, so the segment and time-series passes can run beside it."""

@@ -159,6 +159,7 @@ def build_report(store: Any, exp: ExperimentInfo, filters: q.Filters) -> dict[st
         "ttft": lambda: q.ttft_order_statistics(store, filters, hist, ttft_ranks),
         "cells": lambda: q.segment_cells(store, filters, exp.slo, bucket_s),
         "series": lambda: q.p99_over_time(store, filters, bucket_s),
+        "srm_users": lambda: q.srm_users(store, filters),
     }
     for m in q.METRICS:
         plan = {
@@ -224,8 +225,8 @@ def build_report(store: Any, exp: ExperimentInfo, filters: q.Filters) -> dict[st
     for v, comp in comparisons.items():
         by_key[v]["vs_control"] = comp
 
-    # 4. segments, SRM and the revisions' first send times, from one set of cells
-    srm = _srm(exp, cells, present, mode_counts)
+    # 4. segments from the cells; SRM on distinct users, the unit of assignment
+    srm = _srm(exp, got["srm_users"], present, mode_counts)
     segments = _segments(cells, present)
     mix_rate = _mix_rate(segments, control, present)
 
@@ -353,7 +354,7 @@ def _compare(
 
 def _srm(
     exp: ExperimentInfo,
-    cells: Sequence[Mapping[str, Any]],
+    user_counts: Sequence[Mapping[str, Any]],
     present: Sequence[str],
     mode_counts: Mapping[str, int],
 ) -> dict[str, Any]:
@@ -364,7 +365,7 @@ def _srm(
     if mode_counts.get("mirror") and not mode_counts.get("split"):
         return not_applicable("mirror mode: every request goes to every variant")
     by_rev: dict[int, dict[str, int]] = {}
-    for c in cells:
+    for c in user_counts:
         if c["variant"] in present:
             counts = by_rev.setdefault(int(c["rev"]), {})
             counts[c["variant"]] = counts.get(c["variant"], 0) + int(c["n"])

@@ -181,7 +181,9 @@ def generate(spec: SyntheticSpec) -> Synthetic:
         "seq": seq,
         "request_id": request_id,
         "mode": np.full(n, spec.mode, dtype=object),
-        "user_id": np.array([f"u{r % 50_000}" for r in req.tolist()], dtype=object),
+        # One user per request: arms are drawn per request here, so users must not repeat
+        # across arms (the router keeps a user on one variant; SRM counts distinct users).
+        "user_id": np.array([f"u{r}" for r in req.tolist()], dtype=object),
         "config_revision": rev,
         "sent_at": (sent_ms // 1000).astype(np.uint32),
         "sent_unix_ms": sent_ms,

@@ -1,4 +1,4 @@
-"""python -m simulator --port P [--profile NAME] [--serve NAME=PORT ...] [--model NAME]"""
+"""python -m simulator --port P [--profile NAME] [--serve NAME=PORT ...] [--model NAME] [--replicas N]"""
 
 from __future__ import annotations
 
@@ -29,13 +29,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", help=f"one of {', '.join(sorted(PROFILES))} (default {DEFAULT})")
     ap.add_argument("--serve", action="append", default=[], metavar="NAME=PORT")
     ap.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
+    ap.add_argument(
+        "--replicas", type=int, default=1, help="engines behind each endpoint (least loaded first)"
+    )
     args = ap.parse_args(argv)
     try:
         pairs = pairs_from_args(args.port, args.profile, args.serve)
     except ValueError as exc:
         ap.error(str(exc))
+    if args.replicas < 1:
+        ap.error(f"--replicas must be at least 1, got {args.replicas}")
     try:
-        run_forever(pairs, args.model)
+        run_forever(pairs, args.model, args.replicas)
     except KeyboardInterrupt:
         pass
     return 0

@@ -54,10 +54,14 @@ class BadRequest(Exception):
 
 
 class SimulatorApp:
-    def __init__(self, profile: Profile, model: str = "abplat-sim") -> None:
+    def __init__(self, profile: Profile, model: str = "abplat-sim", replicas: int = 1) -> None:
+        if replicas < 1:
+            raise ValueError(f"replicas must be at least 1, got {replicas}")
         self.profile = profile
         self.model = model
-        self.engine = Engine(profile)
+        # A deployment of N identical engines behind one endpoint, as behind a load balancer
+        # that sends each request to the replica with the fewest outstanding requests.
+        self.engines = [Engine(profile) for _ in range(replicas)]
         self.metrics = Metrics(model)
         self._counter = 0
 
@@ -68,7 +72,8 @@ class SimulatorApp:
                 if msg["type"] == "lifespan.startup":
                     await send({"type": "lifespan.startup.complete"})
                 elif msg["type"] == "lifespan.shutdown":
-                    await self.engine.aclose()
+                    for engine in self.engines:
+                        await engine.aclose()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         if scope["type"] != "http":
@@ -100,10 +105,14 @@ class SimulatorApp:
             }
             return await _respond(send, 200, json.dumps(body).encode())
         if path == "/metrics":
-            text = self.metrics.render(self.engine.running, self.engine.waiting)
+            running = sum(e.running for e in self.engines)
+            text = self.metrics.render(running, sum(e.waiting for e in self.engines))
             headers = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
             return await _respond(send, 200, text.encode(), headers)
         return await _respond(send, 404, b'{"detail":"Not Found"}')
+
+    def _least_loaded(self) -> Engine:
+        return min(self.engines, key=lambda e: e.running + e.waiting)
 
     # ------------------------------------------------------------------------------------
     async def _generate(self, api: str, scope: dict, receive: Any, send: Any) -> None:
@@ -228,8 +237,9 @@ class SimulatorApp:
         if fault == "slow_headers":
             await asyncio.sleep(p.faults.slow_headers_ms / 1000.0)
         seq = Seq(prompt_tokens=req["prompt_tokens"], max_tokens=max_tokens)
-        run = self.engine.submit(seq)
-        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, self.engine, run))
+        engine = self._least_loaded()
+        run = engine.submit(seq)
+        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, engine, run))
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + echo})
         perf = time.perf_counter_ns
         first_content_ns: int | None = None
@@ -244,12 +254,12 @@ class SimulatorApp:
                     if emitted == fault_at:
                         fault_at = -1
                         if fault == "engine_error":
-                            self.engine.abort(run)
+                            engine.abort(run)
                             self.metrics.request_failed()
                             await _body(send, ENGINE_ERROR + DONE, more=False)
                             return
                         if fault == "disconnect":
-                            self.engine.abort(run)
+                            engine.abort(run)
                             self.metrics.request_failed()
                             raise SimulatedDisconnect()
                         if fault == "stall":
@@ -295,7 +305,7 @@ class SimulatorApp:
         finally:
             watcher.cancel()
             if not seq.finished:
-                self.engine.abort(run)
+                engine.abort(run)
 
     async def _complete(
         self,
@@ -306,7 +316,7 @@ class SimulatorApp:
         echo: list[tuple[bytes, bytes]],
     ) -> None:
         seq = Seq(prompt_tokens=req["prompt_tokens"], max_tokens=req["max_tokens"])
-        run = self.engine.submit(seq)
+        run = self._least_loaded().submit(seq)
         while not seq.finished:
             await run.wait_tokens(run.ready)
         text = "".join(self._text(rng) for _ in range(seq.generated))

@@ -42,9 +42,9 @@ def _bind(port: int) -> socket.socket:
     return sock
 
 
-def build_server(profile: str | Profile, model: str = DEFAULT_MODEL) -> uvicorn.Server:
+def build_server(profile: str | Profile, model: str = DEFAULT_MODEL, replicas: int = 1) -> uvicorn.Server:
     prof = profile if isinstance(profile, Profile) else get_profile(profile)
-    app = SimulatorApp(prof, model=model)
+    app = SimulatorApp(prof, model=model, replicas=replicas)
     config = uvicorn.Config(
         app,
         http="httptools",
@@ -58,20 +58,20 @@ def build_server(profile: str | Profile, model: str = DEFAULT_MODEL) -> uvicorn.
     return uvicorn.Server(config)
 
 
-async def serve_many(pairs: list[tuple[str, int]], model: str = DEFAULT_MODEL) -> None:
+async def serve_many(pairs: list[tuple[str, int]], model: str = DEFAULT_MODEL, replicas: int = 1) -> None:
     """Serve each (profile, port) on 127.0.0.1 from this one event loop until interrupted."""
     if not pairs:
         raise ValueError("serve_many: no PROFILE=PORT pairs given")
-    servers = [(build_server(name, model), _bind(port)) for name, port in pairs]
+    servers = [(build_server(name, model, replicas), _bind(port)) for name, port in pairs]
     for (name, port), _ in zip(pairs, servers):
         print(f"simulator profile={name} at http://{HOST}:{port}", flush=True)
     await asyncio.gather(*(srv.serve(sockets=[sock]) for srv, sock in servers))
 
 
-def run_forever(pairs: list[tuple[str, int]], model: str = DEFAULT_MODEL) -> None:
+def run_forever(pairs: list[tuple[str, int]], model: str = DEFAULT_MODEL, replicas: int = 1) -> None:
     import uvloop
 
-    uvloop.run(serve_many(pairs, model))
+    uvloop.run(serve_many(pairs, model, replicas))
 
 
 @dataclasses.dataclass
@@ -86,12 +86,16 @@ class Handle:
 
 
 def start_in_thread(
-    profile: str | Profile = "default", port: int = 0, model: str = DEFAULT_MODEL, ready_s: float = 10.0
+    profile: str | Profile = "default",
+    port: int = 0,
+    model: str = DEFAULT_MODEL,
+    ready_s: float = 10.0,
+    replicas: int = 1,
 ) -> Handle:
     """Serve in a daemon thread with its own event loop; port 0 picks a free port."""
     sock = _bind(port)
     real_port = sock.getsockname()[1]
-    server = build_server(profile, model)
+    server = build_server(profile, model, replicas)
     name = profile.name if isinstance(profile, Profile) else profile
     server.config.loop = "asyncio"  # uvloop in a side thread works, but keep the thread simple
     thread = threading.Thread(
@@ -137,13 +141,17 @@ def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = Non
 
 
 def start_subprocess(
-    profile: str = "default", port: int = 0, model: str = DEFAULT_MODEL, ready_s: float = 20.0
+    profile: str = "default",
+    port: int = 0,
+    model: str = DEFAULT_MODEL,
+    ready_s: float = 20.0,
+    replicas: int = 1,
 ) -> Handle:
     """Serve in a child process (its own core: what benchmarks need); ready when /health is."""
     get_profile(profile)
     port = port or free_port()
     cmd = [sys.executable, "-m", "simulator", "--port", str(port), "--profile", profile]
-    cmd += ["--model", model]
+    cmd += ["--model", model, "--replicas", str(replicas)]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)

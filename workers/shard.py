@@ -47,6 +47,13 @@ def execute_shard(shard: ReplayShard) -> ShardStats:
     )  # fmt: skip
     # 3. The live router: a weight change in the store takes effect mid-run.
     router = get_router() if run.mode == SPLIT else None
+    if router is not None:
+        doc, _revision = router.document(experiment.key)  # LookupError: never published
+        if set(doc.weights) != {v.key for v in variants}:
+            raise ValueError(
+                f"weights document of {experiment.key!r} names {sorted(doc.weights)} but the experiment "
+                f"has {sorted(v.key for v in variants)}; publish weights again (set_weights)"
+            )
 
     def assign(user_id: str) -> tuple[str, int]:
         a = router.assign(experiment.key, user_id)

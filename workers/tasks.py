@@ -137,6 +137,14 @@ def complete_run(run_id: int) -> bool:
         raise StoreUnavailable(f"run {run_id}: samples still spooled")
     store = get_store()
     recorded = store.count(run_id)
+    # Reads skip FINAL (the report's speed depends on it): a finished run must hold one row
+    # per sample physically. Duplicates only come from an insert retried after it landed.
+    raw = int(
+        store.query(f"SELECT count() FROM {SAMPLES_TABLE} WHERE run_id = %(run)s", {"run": run_id})[0][0]
+    )
+    if raw != recorded:
+        removed = store.deduplicate(run_id)
+        log.warning("run %s: removed %d duplicate sample rows", run_id, removed)
     outcomes = dict(
         store.query(
             f"SELECT outcome, uniqExact(variant, request_id) FROM {SAMPLES_TABLE} WHERE run_id = %(run)s GROUP BY outcome",

@@ -132,7 +132,10 @@ def test_srm_is_tested_per_config_revision_against_weights(split_report, split_d
     assert [p["revision"] for p in srm["revisions"]] == ["101", "102"]
     for part in srm["revisions"]:
         sel = c["config_revision"] == int(part["revision"])
-        observed = [int((c["variant"][sel] == k).sum()) for k in ("fp16", "awq", "awq-fa2")]
+        # distinct users, the unit of assignment
+        observed = [
+            len(set(c["user_id"][sel & (c["variant"] == k)].tolist())) for k in ("fp16", "awq", "awq-fa2")
+        ]
         assert [part["observed"][k] for k in ("fp16", "awq", "awq-fa2")] == observed
         chi2, p = sps.chisquare(observed, np.array([34, 33, 33]) / 100 * sum(observed))
         assert part["chi2"] == pytest.approx(chi2)
@@ -258,3 +261,35 @@ def test_report_is_strict_json_with_a_schema_version(split_report):
     text = json.dumps(split_report, allow_nan=False)
     assert json.loads(text)["schema_version"] == r.SCHEMA_VERSION
     assert len(text) < 400_000
+
+
+def test_srm_counts_users_not_requests_so_heavy_users_do_not_fire_it(backend):
+    """Sticky users with skewed volumes: one heavy user sends half of all requests to its one
+    variant. Request counts are far from the weights; distinct users are not."""
+    import uuid
+
+    from samples.columns import row_from
+    from workers.streaming.result import StreamResult
+
+    run_id = 900_000 + uuid.uuid4().int % 1000
+    rows = []
+    seq = 0
+    for i in range(3000):
+        variant = ("fp16", "awq", "awq-fa2")[i % 3]  # users split evenly: no mismatch by users
+        for _ in range(300 if i == 0 else 1):  # user 0 is heavy
+            rows.append(row_from(StreamResult(ttft_ms=50.0), {
+                "experiment": "srm-users", "run_id": run_id, "seq": seq, "variant": variant, "mode": "split",
+                "sent_unix_ms": 1.7e12 + seq, "user_id": f"user-{i}", "config_revision": 5,
+            }))  # fmt: skip
+            seq += 1
+    backend.insert_samples(rows)
+    exp = r.ExperimentInfo(
+        key="srm-users", name="x", slo=q.Slo(ttft_ms=200.0), target=0.99,
+        variants=[r.VariantInfo("fp16", True, 34, {}), r.VariantInfo("awq", False, 33, {}),
+                  r.VariantInfo("awq-fa2", False, 33, {})],
+    )  # fmt: skip
+    rep = r.build_report(backend, exp, q.Filters("srm-users"))
+    assert rep["srm"]["applicable"] and not rep["srm"]["flagged"]
+    assert rep["srm"]["revisions"][0]["observed"] == {"fp16": 1000, "awq": 1000, "awq-fa2": 1000}
+    requests_fp16 = next(v["n"] for v in rep["variants"] if v["key"] == "fp16")
+    assert requests_fp16 == 1299  # the requests themselves are lopsided

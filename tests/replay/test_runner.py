@@ -119,3 +119,9 @@ def test_bad_specs_rejected():
         spec_for(requests(1), concurrency=0)
     with pytest.raises(ValueError, match="needs an assigner"):
         ShardRunner(spec_for(requests(1)), {"a": None, "b": None}, None, lambda r: None)
+
+
+def test_a_variant_the_experiment_lacks_is_recorded_with_the_reason(sims):
+    stats, rows = run(spec_for(requests(4)), sims, assign=lambda u: ("ghost", 2))
+    assert stats.recorded == 4 and {r["outcome"] for r in rows} == {"malformed"}
+    assert "router assigned variant 'ghost'" in rows[0]["error"]

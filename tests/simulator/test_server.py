@@ -161,3 +161,36 @@ def test_management_command_serves_several_profiles_from_one_process():
         out, _ = proc.communicate(timeout=10)
     assert b"profile=fp16" in out and b"profile=awq-fa2" in out
     time.sleep(0.1)
+
+
+def test_replicas_share_the_load_so_queueing_falls():
+    """Two engines behind one endpoint take twice the load: the same burst waits less."""
+    import asyncio
+
+    import httpx
+
+    from simulator.serve import start_in_thread
+
+    async def burst(url: str) -> list[float]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+
+            async def one(i: int) -> float:
+                body = {"model": "abplat-sim", "prompt": "x " * 2000, "max_tokens": 2, "stream": True,
+                        "stream_options": {"include_usage": True}}  # fmt: skip
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    text = b"".join([c async for c in r.aiter_bytes()]).decode()
+                marker = '"server_ttft_ms":'
+                return float(text.split(marker, 1)[1].split(",", 1)[0].split("}", 1)[0])
+
+            return await asyncio.gather(*(one(i) for i in range(16)))
+
+    one_engine = start_in_thread("fp16", replicas=1)
+    two_engines = start_in_thread("fp16", replicas=2)
+    try:
+        single = sorted(asyncio.run(burst(one_engine.url)))
+        double = sorted(asyncio.run(burst(two_engines.url)))
+    finally:
+        one_engine.stop()
+        two_engines.stop()
+    # The simulator's own ground truth (receipt to first token), not the client's clock.
+    assert sum(double) < 0.75 * sum(single)

@@ -124,6 +124,8 @@ class ShardRunner:
                 if self._cancel.is_set():
                     self.stats.not_sent += len(spec.requests) - i
                     break
+                # The prompt is built before the wait, so its cost never shows as schedule lag.
+                prepared = self._prompt(req)
                 planned = start_mono + (spec.offsets[i] if spec.offsets is not None else 0.0)
                 delay = planned - time.perf_counter()
                 if delay > 0:
@@ -136,7 +138,7 @@ class ShardRunner:
                 await slots.acquire()
                 if spec.offsets is None:
                     planned = time.perf_counter()  # closed loop: sent when a slot frees
-                task = asyncio.create_task(self._send(req, planned, start_mono))
+                task = asyncio.create_task(self._send(req, planned, start_mono, prepared))
                 tasks.add(task)
                 task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
             if tasks:
@@ -156,7 +158,8 @@ class ShardRunner:
             if self.on_progress:
                 await asyncio.to_thread(self.on_progress, self.stats)
 
-    async def _send(self, req: TraceRequest, planned: float, start_mono: float) -> None:
+    async def _send(self, req: TraceRequest, planned: float, start_mono: float,
+                    prepared: tuple[Any, int, bool]) -> None:  # fmt: skip
         spec = self.spec
         if spec.mode == SPLIT:
             variant, revision = self.assign(req.user_id)
@@ -168,7 +171,7 @@ class ShardRunner:
         self.stats.skipped_recorded += (1 if spec.mode == SPLIT else len(spec.variants)) - len(targets)
         if not targets:
             return
-        prompt, prompt_tokens, estimated = self._prompt(req)
+        prompt, prompt_tokens, estimated = prepared
         await asyncio.gather(*(
             self._one(req, variant, rid, revision, planned, start_mono, prompt, prompt_tokens, estimated)
             for variant, rid in targets
@@ -194,7 +197,14 @@ class ShardRunner:
         self.stats.lags_ms.append(lag_ms)
         extra = {"ignore_eos": True} if spec.ignore_eos else None
         try:
-            result = await self.clients[variant].stream(rid, prompt, req.max_tokens, extra)
+            client = self.clients.get(variant)
+            if client is None:
+                # The weights document names a variant this experiment does not have: record
+                # the request as failed (never drop it) and say exactly why.
+                raise LookupError(
+                    f"router assigned variant {variant!r}; the experiment has {sorted(self.clients)}"
+                )
+            result = await client.stream(rid, prompt, req.max_tokens, extra)
         except StreamCancelled as exc:
             result = exc.result
             result.outcome = Outcome.CANCELLED

@@ -1,8 +1,9 @@
 """make demo: the main job on the embedded defaults, then the admin and dashboards.
 
 1. Migrate the database and the embedded sample store (chDB).
-2. Start three vLLM-compatible simulators (FP16, AWQ, AWQ + FlashAttention-2 profiles) and
-   load the demo experiment pointing at them; start it (this publishes its weights).
+2. Start three vLLM-compatible simulators (FP16, AWQ, AWQ + FlashAttention-2 profiles, each a
+   deployment of 4 engines: the trace is a whole production service's traffic) and load the
+   demo experiment pointing at them; start it (this publishes its weights).
 3. Replay a slice of the real Azure code trace through the live router (split mode).
 4. Print the per-variant SLA table, then serve the admin and dashboards until Ctrl-C.
 """
@@ -30,11 +31,12 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--port", type=int, default=8000, help="admin and dashboards port")
-        parser.add_argument("--limit", type=int, default=700, help="requests of the trace to replay")
-        parser.add_argument("--speed", type=float, default=2.0, help="time compression of the trace")
+        parser.add_argument("--limit", type=int, default=1000, help="requests of the trace to replay")
+        parser.add_argument("--speed", type=float, default=4.0, help="time compression of the trace")
+        parser.add_argument("--replicas", type=int, default=4, help="engines per simulated deployment")
         parser.add_argument("--no-serve", action="store_true", help="stop after the SLA table")
 
-    def handle(self, *args, port: int, limit: int, speed: float, no_serve: bool, **options):
+    def handle(self, *args, port: int, limit: int, speed: float, replicas: int, no_serve: bool, **options):
         started = time.monotonic()
         call_command("migrate", verbosity=0)
         call_command("clickhouse_migrate", verbosity=0)
@@ -49,12 +51,16 @@ class Command(BaseCommand):
         for variant in doc["variants"]:
             wanted = int(variant["endpoint"].rsplit(":", 1)[1].split("/")[0])
             try:
-                handle = start_subprocess(variant["key"], port=wanted, model=variant["model"])
+                handle = start_subprocess(
+                    variant["key"], port=wanted, model=variant["model"], replicas=replicas
+                )
             except (OSError, RuntimeError):
-                handle = start_subprocess(variant["key"], port=0, model=variant["model"])
+                handle = start_subprocess(variant["key"], port=0, model=variant["model"], replicas=replicas)
             variant["endpoint"] = handle.url + "/v1"
             sims.append(handle)
-            self.stdout.write(f"simulator {variant['key']:8s} {handle.url} (profile {handle.profile})")
+            self.stdout.write(
+                f"simulator {variant['key']:8s} {handle.url} (profile {handle.profile}, {replicas} replicas)"
+            )
         experiment = Experiment.objects.filter(key=doc["key"]).first()
         if experiment is not None and experiment.status == Experiment.Status.CONCLUDED:
             self.stderr.write(f"{doc['key']} is concluded; run `make clean` for a fresh demo")

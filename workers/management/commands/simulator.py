@@ -20,6 +20,7 @@ class Command(BaseCommand):
         parser.add_argument("--profile", help=f"one of {', '.join(sorted(PROFILES))} (default {DEFAULT})")
         parser.add_argument("--serve", action="append", default=[], metavar="NAME=PORT")
         parser.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
+        parser.add_argument("--replicas", type=int, default=1, help="engines behind each endpoint")
 
     def handle(self, *args, **opts) -> None:
         try:
@@ -27,6 +28,8 @@ class Command(BaseCommand):
         except ValueError as exc:
             raise CommandError(str(exc)) from None
         try:
-            run_forever(pairs, opts["model"])
+            if opts["replicas"] < 1:
+                raise CommandError(f"--replicas must be at least 1, got {opts['replicas']}")
+            run_forever(pairs, opts["model"], opts["replicas"])
         except KeyboardInterrupt:
             pass
