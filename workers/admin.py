@@ -1,7 +1,43 @@
+from django import forms
 from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.shortcuts import redirect
+from django.template.response import TemplateResponse
+from django.urls import path
 
+from experiments.models import Experiment
 from workers.models import ReplayRun, ReplayShard
-from workers.runs import cancel_run
+from workers.replay.arrivals import MODES, Arrival
+from workers.runs import ReplayError, cancel_run, create_run
+
+
+class StartReplayForm(forms.Form):
+    experiment = forms.ModelChoiceField(queryset=Experiment.objects.filter(status=Experiment.Status.RUNNING))
+    source = forms.CharField(
+        initial="data/traces/azure_llm_2023_code.csv", help_text="path the workers can read"
+    )
+    source_format = forms.ChoiceField(choices=ReplayRun.SourceFormat.choices, initial="azure")
+    mode = forms.ChoiceField(choices=ReplayRun.Mode.choices, initial="split")
+    arrival = forms.ChoiceField(choices=[(m, m) for m in MODES], initial="recorded")
+    speed = forms.FloatField(initial=1.0, help_text="recorded arrivals: time compression")
+    rate = forms.FloatField(initial=0.0, help_text="poisson/gamma: requests per second")
+    cv = forms.FloatField(initial=1.0, help_text="gamma: burstiness")
+    concurrency = forms.IntegerField(initial=512, min_value=1)
+    limit = forms.IntegerField(required=False, min_value=1)
+    sample_fraction = forms.FloatField(initial=1.0, min_value=0.0001, max_value=1.0)
+    skip_malformed = forms.BooleanField(required=False)
+
+    def clean(self):
+        data = super().clean()
+        if not self.errors:
+            try:
+                data["arrival_obj"] = Arrival(
+                    mode=data["arrival"], speed=data["speed"], rate=data["rate"], cv=data["cv"],
+                    concurrency=data["concurrency"],
+                )  # fmt: skip
+            except ValueError as exc:
+                raise forms.ValidationError(str(exc)) from None
+        return data
 
 
 class ReplayShardInline(admin.TabularInline):
@@ -36,6 +72,39 @@ class ReplayRunAdmin(admin.ModelAdmin):
 
     def has_operate_permission(self, request):
         return request.user.has_perm("workers.operate_replay")
+
+    def get_urls(self):
+        start = path("start/", self.admin_site.admin_view(self.start_view), name="workers_replayrun_start")
+        return [start, *super().get_urls()]
+
+    def changelist_view(self, request, extra_context=None):
+        extra_context = {**(extra_context or {}), "can_start_replay": self.has_operate_permission(request)}
+        return super().changelist_view(request, extra_context)
+
+    def start_view(self, request):
+        """Start a replay (sre): validated like the API and the replay command."""
+        if not self.has_operate_permission(request):
+            raise PermissionDenied("starting a replay needs the permission workers.operate_replay")
+        form = StartReplayForm(request.POST or None)
+        if request.method == "POST" and form.is_valid():
+            d = form.cleaned_data
+            try:
+                run = create_run(
+                    d["experiment"], source=d["source"], source_format=d["source_format"], mode=d["mode"],
+                    arrival=d["arrival_obj"], limit=d["limit"], concurrency=d["concurrency"],
+                    on_malformed="skip" if d["skip_malformed"] else "reject",
+                    sample_fraction=d["sample_fraction"], actor=request.user,
+                )  # fmt: skip
+            except ReplayError as exc:
+                form.add_error(None, str(exc))
+            else:
+                self.message_user(
+                    request, f"run {run.pk} started: {run.total_requests} requests", messages.SUCCESS
+                )
+                return redirect("admin:workers_replayrun_change", run.pk)
+        context = {**self.admin_site.each_context(request), "opts": self.opts, "form": form,
+                   "title": "Start a replay"}  # fmt: skip
+        return TemplateResponse(request, "admin/workers/replayrun/start.html", context)
 
     def has_add_permission(self, request):
         return False  # started with the replay command or POST /api/replays/ (validated there)

@@ -90,3 +90,29 @@ def test_cancel_of_an_ended_run_is_409(client_for, running):
 def test_cancel_of_a_queued_run_ends_it(client_for, running):
     run = ReplayRun.objects.create(experiment=running, source="x")
     assert client_for("sre").post(f"/api/replays/{run.pk}/cancel/").json()["status"] == "cancelled"
+
+
+@pytest.mark.django_db
+def test_sre_starts_a_replay_from_the_admin_and_others_cannot(users, running):
+    from django.test import Client
+
+    sre = Client()
+    sre.force_login(users["sre"])
+    assert "Start a replay" in sre.get("/admin/workers/replayrun/").content.decode()
+    bad = sre.post("/admin/workers/replayrun/start/", {
+        "experiment": running.pk, "source": "/nonexistent.csv", "source_format": "azure", "mode": "split",
+        "arrival": "recorded", "speed": 1, "rate": 0, "cv": 1, "concurrency": 8, "sample_fraction": 1,
+    })  # fmt: skip
+    assert bad.status_code == 200 and "cannot read" in bad.content.decode()
+    assert not ReplayRun.objects.exists()
+    ok = sre.post("/admin/workers/replayrun/start/", {
+        "experiment": running.pk, "source": "data/traces/azure_llm_2023_code.csv", "source_format": "azure",
+        "mode": "mirror", "arrival": "recorded", "speed": 1, "rate": 0, "cv": 1, "concurrency": 8,
+        "limit": 10, "sample_fraction": 1,
+    })  # fmt: skip
+    run = ReplayRun.objects.get()
+    assert ok.status_code == 302 and run.started_by == users["sre"] and run.expected_samples == 30
+    analyst = Client()
+    analyst.force_login(users["analyst"])
+    assert analyst.get("/admin/workers/replayrun/start/").status_code == 403
+    assert "Start a replay" not in analyst.get("/admin/workers/replayrun/").content.decode()
