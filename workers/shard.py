@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from django.db import close_old_connections
+from django.db import connections
 from django.utils import timezone
 
 from experiments.weights.django_store import get_router
@@ -69,7 +69,8 @@ def execute_shard(shard: ReplayShard) -> ShardStats:
         try:
             return ReplayRun.objects.filter(pk=run.pk, cancel_requested=True).exists()
         finally:
-            close_old_connections()
+            # These run in short-lived helper threads: never leave their connections behind.
+            connections.close_all()
 
     def on_progress(stats: ShardStats) -> None:
         try:
@@ -79,7 +80,7 @@ def execute_shard(shard: ReplayShard) -> ShardStats:
                 heartbeat_at=timezone.now(),
             )
         finally:
-            close_old_connections()
+            connections.close_all()
 
     sink = BatchSink(writer.write)
 

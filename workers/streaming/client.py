@@ -18,16 +18,19 @@ import hashlib
 import json
 import math
 import time
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
 
+from workers.streaming.h1 import IDLE_EXPIRY_S, Exchange, H1Connection, request_bytes
 from workers.streaming.result import Outcome, StreamResult
 from workers.streaming.sse import SSEEvent, SSEParser
 from workers.streaming.timing import StreamProtocolError, StreamTimer
 
 APIS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+TRANSPORTS = ("auto", "h1", "httpx")
 _ERROR_BODY_LIMIT = 2048
 
 
@@ -84,7 +87,11 @@ class VariantClient:
         timeouts: Timeouts | None = None,
         max_connections: int = 4096,
         headers: Mapping[str, str] | None = None,
+        transport: str = "auto",
     ) -> None:
+        """transport: "auto" streams plain-http HTTP/1.1 variants on the lean asyncio path
+        (h1.py) and HTTP/2 or TLS variants on httpx; "httpx" forces httpx (the baseline the
+        benchmark compares against); "h1" insists on the lean path."""
         if not endpoint.startswith(("http://", "https://")):
             raise ValueError(f"endpoint {endpoint!r}: must be an http:// or https:// base URL")
         if api not in APIS:
@@ -99,8 +106,29 @@ class VariantClient:
         self.http2 = http2
         self.timeouts = timeouts or Timeouts()
         self._path = APIS[api]
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport {transport!r}: must be one of {TRANSPORTS}")
+        lean_ok = base.startswith("http://") and not http2
+        if transport == "h1" and not lean_ok:
+            raise ValueError("transport 'h1': only for plain http:// variants without http2")
+        self.transport = "h1" if lean_ok and transport != "httpx" else "httpx"
+        self._default_headers = dict(headers or {})
+        url = urllib.parse.urlsplit(base)
+        self._host_header = url.netloc
+        self._host = url.hostname or ""
+        self._port = url.port or (443 if url.scheme == "https" else 80)
+        self._base_path = url.path.rstrip("/")
+        self._idle: list[H1Connection] = []
+        self._conns: set[H1Connection] = set()
+        self._client: httpx.AsyncClient | None = None
+        if self.transport == "httpx":
+            self._client = self._httpx_client(base, http2, max_connections, headers)
+
+    def _httpx_client(
+        self, base: str, http2: bool, max_connections: int, headers: Mapping[str, str] | None
+    ) -> httpx.AsyncClient:
         t = self.timeouts
-        self._client = httpx.AsyncClient(
+        return httpx.AsyncClient(
             base_url=base,
             # Plain-http HTTP/2 needs prior knowledge (h2c): disable HTTP/1.1 so httpx does not
             # silently fall back. Over TLS, ALPN negotiates h2 with http1 still allowed.
@@ -119,7 +147,12 @@ class VariantClient:
         )
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        for conn in list(self._conns):
+            conn.close()
+        self._conns.clear()
+        self._idle.clear()
+        if self._client is not None:
+            await self._client.aclose()
 
     async def __aenter__(self) -> VariantClient:
         return self
@@ -181,6 +214,72 @@ class VariantClient:
         if headers:
             req_headers.update(headers)
         result = StreamResult(request_id=request_id, traceparent=traceparent, trace_id=trace_id)
+        if self._client is None:
+            all_headers = {**self._default_headers, **req_headers}
+            return await self._stream_h1(content, all_headers, result)
+        return await self._stream_httpx(content, req_headers, result)
+
+    # the lean HTTP/1.1 path (h1.py) ------------------------------------------------------------
+    def _take_idle(self, loop: asyncio.AbstractEventLoop) -> H1Connection | None:
+        now = loop.time()
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.closed or conn.loop is not loop or now - conn.idle_since > IDLE_EXPIRY_S:
+                conn.close()
+                self._conns.discard(conn)
+                continue
+            return conn
+        return None
+
+    async def _stream_h1(self, content: bytes, headers: dict[str, str], result: StreamResult) -> StreamResult:
+        request = request_bytes(self._host_header, self._base_path + self._path, headers, content)
+        loop = asyncio.get_running_loop()
+        t = self.timeouts
+        timer = StreamTimer(0, result)
+        # The clock starts here, before a connection is taken or opened (as with httpx).
+        start = time.perf_counter_ns()
+        timer.start_ns = start
+        result.start_ns = start
+        try:
+            conn = self._take_idle(loop)
+            if conn is None:
+                budget = min(t.connect_s, t.headers_s, t.total_s)
+                c0 = time.perf_counter_ns()
+                try:
+                    _, conn = await asyncio.wait_for(
+                        loop.create_connection(
+                            lambda: H1Connection(self._idle.append), self._host, self._port
+                        ),
+                        budget,
+                    )
+                except TimeoutError:
+                    return timer.finish(
+                        time.perf_counter_ns(),
+                        Outcome.CONNECT_TIMEOUT,
+                        f"connect timeout after {budget}s to {self._host_header}",
+                    )
+                except OSError as exc:
+                    return timer.finish(time.perf_counter_ns(), Outcome.CONNECT_ERROR, _msg(exc))
+                timer.connected(c0, time.perf_counter_ns())
+                self._conns = {c for c in self._conns if not c.closed}
+                self._conns.add(conn)
+        except asyncio.CancelledError:
+            res = timer.finish(time.perf_counter_ns(), Outcome.CANCELLED, "cancelled by caller")
+            raise StreamCancelled(res) from None
+        ex = Exchange(timer, t, loop)
+        conn.start(ex, request)
+        try:
+            return await ex.future
+        except asyncio.CancelledError:
+            ex.end(time.perf_counter_ns(), Outcome.CANCELLED, "cancelled by caller")
+            assert ex.result is not None
+            raise StreamCancelled(ex.result) from None
+
+    # the httpx path (HTTP/2, TLS, or transport="httpx") -------------------------------------
+    async def _stream_httpx(
+        self, content: bytes, req_headers: dict[str, str], result: StreamResult
+    ) -> StreamResult:
+        assert self._client is not None
         conn: dict[str, int] = {}
 
         async def trace(name: str, info: Mapping[str, Any]) -> None:

@@ -4,6 +4,7 @@ import time
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
+from django.db import connections
 
 from experiments.models import Experiment
 from workers.models import ReplayRun
@@ -70,6 +71,8 @@ class Command(BaseCommand):
                     start_replay(run.pk)
                 except BaseException as exc:
                     failure.append(exc)
+                finally:
+                    connections.close_all()  # this thread's own database connections
 
             worker = threading.Thread(target=work, name="abplat-replay")
             worker.start()
