@@ -18,16 +18,11 @@ VARIANT_FIELDS = ("key", "control", "weight", "endpoint", "model", "api", "http2
 
 
 def document_from_admin(experiment: Experiment, variant_rows: list[dict]) -> dict:
-    sla = {"ttft_ms": experiment.sla_ttft_ms, "target": experiment.sla_target}
-    if experiment.sla_tpot_ms is not None:
-        sla["tpot_ms"] = experiment.sla_tpot_ms
-    if experiment.sla_e2e_ms is not None:
-        sla["e2e_ms"] = experiment.sla_e2e_ms
     return {
         "key": experiment.key,
         "name": experiment.name,
         "hypothesis": experiment.hypothesis,
-        "sla": sla,
+        "sla": services.sla_of(experiment),
         "variants": [{f: row.get(f) for f in VARIANT_FIELDS} for row in variant_rows],
     }
 

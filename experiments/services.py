@@ -27,13 +27,19 @@ class ApplyResult:
     changes: list[str]
 
 
-def export_document(experiment: Experiment) -> dict:
+def sla_of(experiment: Experiment) -> dict:
+    """The document's ``sla`` mapping (optional SLOs only when set)."""
     sla = {"ttft_ms": experiment.sla_ttft_ms}
     if experiment.sla_tpot_ms is not None:
         sla["tpot_ms"] = experiment.sla_tpot_ms
     if experiment.sla_e2e_ms is not None:
         sla["e2e_ms"] = experiment.sla_e2e_ms
     sla["target"] = experiment.sla_target
+    return sla
+
+
+def export_document(experiment: Experiment) -> dict:
+    sla = sla_of(experiment)
     return {
         "key": experiment.key,
         "name": experiment.name,

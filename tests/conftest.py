@@ -78,7 +78,7 @@ def _ensure_role_groups() -> None:
     from django.apps import apps
 
     importlib.import_module("experiments.migrations.0002_role_groups").create_groups(apps, None)
-    importlib.import_module("workers.migrations.0002_sre_operates_replays").grant(apps, None)
+    importlib.import_module("workers.migrations.0002_sre_operates_replays").grant_replay_roles(apps, None)
 
 
 @pytest.fixture

@@ -5,8 +5,9 @@ sre: change traffic weights (and, with the replay app, start and stop replays).
 analyst: read everything, edit nothing.
 """
 
-from django.contrib.auth.management import create_permissions
 from django.db import migrations
+
+from experiments.roles import grant
 
 ROLES = {
     "product": [
@@ -20,20 +21,7 @@ ROLES = {
 
 
 def create_groups(apps, schema_editor):
-    # Permissions are normally created after all migrations; make sure ours exist now.
-    for app_config in apps.get_app_configs():
-        app_config.models_module = True
-        create_permissions(app_config, apps=apps, verbosity=0)
-        app_config.models_module = None
-    Group = apps.get_model("auth", "Group")
-    Permission = apps.get_model("auth", "Permission")
-    for role, codenames in ROLES.items():
-        group, _ = Group.objects.get_or_create(name=role)
-        perms = Permission.objects.filter(content_type__app_label="experiments", codename__in=codenames)
-        missing = set(codenames) - {p.codename for p in perms}
-        if missing:
-            raise RuntimeError(f"permissions missing for role {role}: {sorted(missing)}")
-        group.permissions.add(*perms)
+    grant(apps, "experiments", ROLES)
 
 
 def remove_groups(apps, schema_editor):

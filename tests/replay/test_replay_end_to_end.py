@@ -8,28 +8,9 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from experiments import services
-from simulator.serve import start_in_thread
 from workers.models import ReplayRun
 
 TRACE = "data/traces/azure_llm_2023_code.csv"
-
-
-@pytest.fixture(scope="module")
-def sims():
-    handles = {name: start_in_thread("fast", model="tiny-llama") for name in ("fp16", "awq", "awq-fa2")}
-    yield handles
-    for h in handles.values():
-        h.stop()
-
-
-@pytest.fixture
-def running(db, document, sims, weights_dir, users):
-    for v in document["variants"]:
-        v["endpoint"] = sims[v["key"]].url + "/v1"
-        v["api"] = "chat"
-    experiment = services.apply_document(document, actor=users["product"]).experiment
-    services.transition(experiment, "start", users["product"])
-    return experiment
 
 
 def replay(*args) -> str:

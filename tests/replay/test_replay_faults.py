@@ -11,20 +11,10 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from abplat.testing import FlakyProxy, server_url_for
-from experiments import services
 from samples import factory
-from simulator.serve import start_in_thread
 from workers.models import ReplayRun
 
 TRACE = "data/traces/azure_llm_2023_code.csv"
-
-
-@pytest.fixture(scope="module")
-def sims():
-    handles = {name: start_in_thread("fast", model="tiny-llama") for name in ("fp16", "awq", "awq-fa2")}
-    yield handles
-    for h in handles.values():
-        h.stop()
 
 
 @pytest.fixture
@@ -49,16 +39,6 @@ def flaky_store(settings, clickhouse_server, tmp_path):
 
     ClickHouseServerBackend(direct).execute(f"DROP DATABASE IF EXISTS {database}")
     factory._cache.clear()
-
-
-@pytest.fixture
-def running(db, document, sims, users):
-    for v in document["variants"]:
-        v["endpoint"] = sims[v["key"]].url + "/v1"
-        v["api"] = "chat"
-    experiment = services.apply_document(document, actor=users["product"]).experiment
-    services.transition(experiment, "start", users["product"])
-    return experiment
 
 
 def replay_in_thread(*args):

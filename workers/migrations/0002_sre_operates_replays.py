@@ -1,7 +1,8 @@
 """The sre role starts and cancels replays; every role can read them."""
 
-from django.contrib.auth.management import create_permissions
 from django.db import migrations
+
+from experiments.roles import grant
 
 GRANTS = {
     "sre": ["operate_replay", "view_replayrun", "view_replayshard"],
@@ -10,22 +11,10 @@ GRANTS = {
 }
 
 
-def grant(apps, schema_editor):
-    for app_config in apps.get_app_configs():
-        app_config.models_module = True
-        create_permissions(app_config, apps=apps, verbosity=0)
-        app_config.models_module = None
-    Group = apps.get_model("auth", "Group")
-    Permission = apps.get_model("auth", "Permission")
-    for role, codenames in GRANTS.items():
-        group, _ = Group.objects.get_or_create(name=role)
-        perms = Permission.objects.filter(content_type__app_label="workers", codename__in=codenames)
-        missing = set(codenames) - {p.codename for p in perms}
-        if missing:
-            raise RuntimeError(f"permissions missing for role {role}: {sorted(missing)}")
-        group.permissions.add(*perms)
+def grant_replay_roles(apps, schema_editor):
+    grant(apps, "workers", GRANTS)
 
 
 class Migration(migrations.Migration):
     dependencies = [("workers", "0001_initial"), ("experiments", "0002_role_groups")]
-    operations = [migrations.RunPython(grant, migrations.RunPython.noop)]
+    operations = [migrations.RunPython(grant_replay_roles, migrations.RunPython.noop)]
