@@ -15,6 +15,15 @@ from workers.streaming.client import StreamCancelled, Timeouts, VariantClient, t
 from workers.streaming.result import Outcome
 
 MODEL = "abplat-sim"
+TRANSPORT = "h1"
+
+
+@pytest.fixture(autouse=True, params=["h1", "httpx"])
+def transport(request):
+    """Every test runs on both paths: the lean HTTP/1.1 one (h1.py) and httpx (HTTP/2, TLS)."""
+    global TRANSPORT
+    TRANSPORT = request.param
+    yield request.param
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +50,9 @@ def slow():
 
 def run(url: str, api: str = "chat", timeouts: Timeouts | None = None, fault: str = "", **kw):
     async def go():
-        async with VariantClient(url, MODEL, api, timeouts=timeouts) as c:
-            headers = {"x-abplat-fault": fault} if fault else None
+        async with VariantClient(url, MODEL, api, timeouts=timeouts, transport=TRANSPORT) as c:
+            headers = {"x-abplat-fault": fault} if fault else {}
+            headers.update(kw.pop("headers", {}))
             return await c.stream(
                 kw.pop("rid", "req-1"),
                 kw.pop("prompt", "hello"),
@@ -84,7 +94,7 @@ def test_request_id_and_traceparent_are_sent_and_kept(fast):
 
 def test_unknown_model_is_http_4xx_with_the_servers_message(fast):
     async def go():
-        async with VariantClient(fast.url, "no-such-model") as c:
+        async with VariantClient(fast.url, "no-such-model", transport=TRANSPORT) as c:
             return await c.stream("r", "hi", 4)
 
     r = asyncio.run(go())
@@ -170,7 +180,7 @@ def test_total_deadline_caps_a_slow_but_steady_stream(slow):
 
 def test_cancelling_returns_the_partial_record_and_the_server_aborts(slow):
     async def go():
-        async with VariantClient(slow.url, MODEL) as c:
+        async with VariantClient(slow.url, MODEL, transport=TRANSPORT) as c:
             task = asyncio.create_task(c.stream("cancel-me", "hi", 50))
             await asyncio.sleep(0.7)  # past the first token, mid-decode
             task.cancel()
@@ -228,3 +238,41 @@ def test_http2_variant_uses_prior_knowledge_on_plain_http():
     pool = c._client._transport._pool  # type: ignore[attr-defined]
     assert pool._http2 and not pool._http1
     asyncio.run(c.aclose())
+
+
+def test_sequential_requests_reuse_one_keep_alive_connection(fast):
+    async def go():
+        async with VariantClient(fast.url, MODEL, "completions", transport=TRANSPORT) as c:
+            return [await c.stream(f"k{i}", "hi", 4) for i in range(3)]
+
+    rs = asyncio.run(go())
+    assert [r.outcome for r in rs] == [Outcome.OK] * 3
+    assert [r.new_connection for r in rs] == [True, False, False]
+    assert all(r.connect_ms is None for r in rs[1:])
+
+
+def test_concurrent_streams_each_get_their_own_exact_record(fast):
+    async def go():
+        async with VariantClient(fast.url, MODEL, "chat", transport=TRANSPORT) as c:
+            return await asyncio.gather(*(c.stream(f"c{i}", "hi", 5 + i % 3) for i in range(40)))
+
+    rs = asyncio.run(go())
+    assert all(r.outcome is Outcome.OK for r in rs), [r.error for r in rs if not r.ok]
+    assert [r.output_tokens for r in rs] == [5 + i % 3 for i in range(40)]
+    for r in rs:
+        assert r.start_ns + r.ttft_ms * 1e6 >= r.server_first_content_ns
+
+
+def test_auto_transport_picks_the_lean_path_only_for_plain_http1():
+    assert VariantClient("http://127.0.0.1:1", "m").transport == "h1"
+    assert VariantClient("http://127.0.0.1:1", "m", http2=True).transport == "httpx"
+    assert VariantClient("https://127.0.0.1:1", "m").transport == "httpx"
+    with pytest.raises(ValueError, match="transport 'h1'"):
+        VariantClient("https://127.0.0.1:1", "m", transport="h1")
+    with pytest.raises(ValueError, match="must be one of"):
+        VariantClient("http://127.0.0.1:1", "m", transport="curl")
+
+
+def test_header_injection_is_rejected_with_the_header_named(fast):
+    with pytest.raises(ValueError, match="x-evil"):
+        run(fast.url, headers={"x-evil": "a\r\nx-injected: 1"})

@@ -212,6 +212,9 @@ class VariantClient:
             "traceparent": traceparent,
         }
         if headers:
+            for name, value in headers.items():
+                if any(c in name or c in value for c in "\r\n\0"):
+                    raise ValueError(f"headers[{name!r}]: name and value must not contain CR, LF or NUL")
             req_headers.update(headers)
         result = StreamResult(request_id=request_id, traceparent=traceparent, trace_id=trace_id)
         if self._client is None:
@@ -366,17 +369,26 @@ class VariantClient:
         parser = SSEParser()
         stall_s = self.timeouts.stall_s
         total = state.total_deadline
+        finished: StreamResult | None = None
         async for chunk in resp.aiter_raw():
+            if finished is not None:
+                # After [DONE]: read the chunked terminator (still under the stall deadline)
+                # so httpx can reuse the connection; closing a half-read response drops it.
+                continue
             now = time.perf_counter_ns()  # first thing: the arrival time of these bytes
             timer.body_bytes(now)
             events = parser.feed(chunk)
             if events:
                 done = self._handle(events, now, timer)
                 if done is not None:
-                    return done
-                if timer.first_content_seen:
+                    if done.outcome is not Outcome.OK:
+                        return done
+                    finished = done
+                elif timer.first_content_seen:
                     state.phase = "stall"
                     cm.reschedule(min(loop.time() + stall_s, total))
+        if finished is not None:
+            return finished
         now = time.perf_counter_ns()
         done = self._handle(parser.finish(), now, timer)
         if done is not None:
