@@ -72,3 +72,13 @@ def test_synthetic_prompt_estimated_without_a_tokenizer():
     assert estimated and len(text.split()) == 120
     with pytest.raises(ValueError):
         synth_prompt(1, 0)
+
+
+def test_synthetic_words_are_prefix_stable_exact_and_long_prompts_work():
+    from workers.replay.prompts import _POOL_WORDS, synth_words
+
+    a, b = synth_words(5, 100), synth_words(5, 300)
+    assert b.startswith(a) and len(a.split()) == 100 and len(a) == 4 * 100 - 1  # 4 bytes a token
+    assert synth_words(6, 100) != a
+    huge = synth_words(1, _POOL_WORDS * 2 + 7)
+    assert len(huge.split()) == _POOL_WORDS * 2 + 7

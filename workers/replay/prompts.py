@@ -23,33 +23,42 @@ VOCABULARY = (
 assert all(len(w) == 3 for w in VOCABULARY)
 
 
-def _word_stream(seq: int, n_words: int) -> list[str]:
-    # Prefix-stable: the first k words of a prompt are the same whatever its length, so the
-    # token count grows monotonically with the number of words.
-    rng = random.Random(seq * 1_000_003)
-    return [rng.choice(VOCABULARY) for _ in range(n_words)]
+# One fixed pool of words, built once per process; a prompt is a slice of it (doubled so any
+# start can take up to a pool's worth of words). Slicing is ~100x cheaper than drawing words,
+# which matters because the replay builds each prompt on its send path.
+_POOL_WORDS = 1 << 15
+_POOL = " ".join(random.Random(20231116).choices(VOCABULARY, k=_POOL_WORDS))
+_POOL2 = _POOL + " " + _POOL
 
 
 def synth_words(seq: int, n_words: int) -> str:
-    return " ".join(_word_stream(seq, n_words))
+    """``n_words`` words for request ``seq``; prefix-stable: the first k words of a prompt are
+    the same whatever its length, so the token count grows monotonically with ``n_words``."""
+    start = (seq * 2654435761) % _POOL_WORDS * 4
+    if n_words <= _POOL_WORDS:
+        return _POOL2[start : start + 4 * n_words - 1]
+    whole, rest = divmod(n_words, _POOL_WORDS)
+    parts = [_POOL2[start : start + 4 * _POOL_WORDS - 1]] * whole
+    if rest:
+        parts.append(_POOL2[start : start + 4 * rest - 1])
+    return " ".join(parts)
 
 
 def synth_prompt(seq: int, tokens: int, count_tokens: Callable[[str], int] | None = None) -> tuple[str, bool]:
     """Return (text, estimated). ``estimated`` is False when ``count_tokens`` confirmed the length."""
     if tokens < 1:
         raise ValueError(f"prompt length must be at least 1 token, got {tokens}")
-    words = _word_stream(seq, tokens)  # a word is at least one token: never more words needed
     if count_tokens is None:
-        return " ".join(words), True
+        return synth_words(seq, tokens), True
     # 1. The longest prefix of words that does not exceed the wanted count (binary search).
     lo, hi = 1, tokens
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if count_tokens(" ".join(words[:mid])) <= tokens:
+        if count_tokens(synth_words(seq, mid)) <= tokens:
             lo = mid
         else:
             hi = mid - 1
-    text = " ".join(words[:lo])
+    text = synth_words(seq, lo)  # a word is at least one token: never more words needed
     # 2. Pad with one-token words until exact (bounded: a tokenizer may merge the padding).
     for _ in range(64):
         got = count_tokens(text)
