@@ -42,6 +42,8 @@ def experiment(request: HttpRequest, key: str) -> HttpResponse:
     context = {
         "experiment": exp,
         "report": report,
+        # 0.992 -> "99.2": widthratio in the template would round it to 99
+        "target_percent": f"{report['experiment']['sla']['target'] * 100:.10g}",
         "filters": filters,
         "all_variants": [v.key for v in exp.variants.all()],
         "figures": charts.all_figures(report),

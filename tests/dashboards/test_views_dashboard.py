@@ -39,6 +39,7 @@ def test_dashboard_page_renders_for_viewer_roles(client, users, experiment, samp
     for chart in ("attainment", "cdf", "percentiles", "p99-time", "attribution", "phases", "srm"):
         assert f'id="chart-{chart}"' in html
     assert "/dashboards/assets/plotly-" in html
+    assert "for 99.2% of requests" in html  # the target as set, not rounded
     assert len(resp.content) < 1_000_000
 
 
