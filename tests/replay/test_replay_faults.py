@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.db import connections
 
 from abplat.testing import FlakyProxy, server_url_for
 from samples import factory
@@ -49,6 +50,8 @@ def replay_in_thread(*args):
             call_command("replay", "ttft-opt", "--trace", TRACE, *args, stdout=out)
         except BaseException as exc:
             errors.append(exc)
+        finally:
+            connections.close_all()  # this thread's connections, before the test database goes
 
     thread = threading.Thread(target=work)
     thread.start()
