@@ -1,46 +1,25 @@
 """Fixtures for the report tests: synthetic samples in chDB and in the ClickHouse server.
 
 Imported by the test modules (`from tests.dashboards.fixtures_report import *`-style names), not a
-conftest: it copies the connection approach of tests/samples/conftest.py. Every dataset is
+conftest; the server and chDB directory come from the root conftest. Every dataset is
 generated once per session and loaded into a fresh database on each backend.
 """
 
 from __future__ import annotations
 
-import os
-import urllib.parse
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
+from abplat.testing import server_url_for
 from dashboards import queries as q
 from dashboards import report as r
 from samples import synthetic
 from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore
 
-SERVER_URL = os.environ.get("ABPLAT_TEST_CLICKHOUSE_URL", "clickhouse://default:@127.0.0.1:19000/abplat_test")
 SLO = q.Slo(200.0)
 TARGET = 0.9
-
-
-def server_url_for(database: str) -> str:
-    parts = urllib.parse.urlsplit(SERVER_URL)
-    return urllib.parse.urlunsplit(parts._replace(path="/" + database))
-
-
-def require_server() -> None:
-    probe = ClickHouseServerBackend(SERVER_URL, tries=1)
-    try:
-        probe.ping()
-    except Exception as e:
-        pytest.fail(
-            f"ClickHouse server not reachable at {SERVER_URL} ({e}). "
-            "Start it with: scripts/clickhouse.sh start",
-            pytrace=False,
-        )
-    finally:
-        probe.close()
 
 
 def split_spec() -> synthetic.SyntheticSpec:
@@ -91,9 +70,10 @@ def mirror_data() -> synthetic.Synthetic:
 
 
 @pytest.fixture(scope="session")
-def loaded_stores(chdb_dir: str, split_data, mirror_data) -> Iterator[dict[str, SampleStore]]:
+def loaded_stores(
+    chdb_dir: str, clickhouse_server: str, split_data, mirror_data
+) -> Iterator[dict[str, SampleStore]]:
     """{"chdb": store, "server": store}, both holding the split and the mirror dataset."""
-    require_server()
     db = f"abplat_test_dash_{uuid.uuid4().hex[:8]}"
     stores: dict[str, SampleStore] = {
         # chDB allows one data directory per process: the session's (root conftest chdb_dir)
