@@ -27,12 +27,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from simulator.serve import free_port, start_subprocess  # noqa: E402
+from workers.streaming import h1  # noqa: E402
 from workers.streaming.client import Timeouts, VariantClient  # noqa: E402
 from workers.streaming.result import Outcome  # noqa: E402
 from workers.streaming.timing import percentile  # noqa: E402
 
 _RUNS = iter(range(1_000_000))
 TRANSPORT = "auto"  # our client's transport in section 3 (--transport)
+# Pseudo-transports of sections 1-2: the lean h1 path stamping reads with kernel receive
+# timestamps (the default) or with the clock read only (what it did before; --rx-timestamps).
+H1_KERNEL, H1_CLOCK = "h1 kernel stamp", "h1 clock read"
 
 
 async def closed_loop(client: VariantClient, concurrency: int, n: int, max_tokens: int, prompts):
@@ -53,6 +57,11 @@ async def closed_loop(client: VariantClient, concurrency: int, n: int, max_token
 
 
 def run_sim(url: str, concurrency: int, n: int, max_tokens: int, transport: str = "auto") -> dict:
+    label = transport if transport != "auto" else "h1"
+    if transport in (H1_KERNEL, H1_CLOCK):
+        h1.RX_TIMESTAMPS = transport == H1_KERNEL
+        transport = "h1"
+
     async def go():
         t = Timeouts(total_s=120)
         async with VariantClient(url, "abplat-sim", "completions", timeouts=t, transport=transport) as c:
@@ -61,7 +70,10 @@ def run_sim(url: str, concurrency: int, n: int, max_tokens: int, transport: str 
             res = await closed_loop(c, concurrency, n, max_tokens, ["hello " * 20])
             return res, time.process_time() - cpu0, time.perf_counter() - wall0
 
-    res, cpu, wall = asyncio.run(go())
+    try:
+        res, cpu, wall = asyncio.run(go())
+    finally:
+        h1.RX_TIMESTAMPS = True
     ok = [r for r in res if r.outcome is Outcome.OK]
     errs = sorted(
         (r.start_ns + r.ttft_ms * 1e6 - r.server_first_content_ns) / 1e6
@@ -70,7 +82,7 @@ def run_sim(url: str, concurrency: int, n: int, max_tokens: int, transport: str 
     )
     tokens = sum(r.output_tokens for r in ok)
     return {
-        "transport": transport if transport != "auto" else "h1",
+        "transport": label,
         "c": concurrency,
         "n": len(ok),
         "failed": len(res) - len(ok),
@@ -172,6 +184,13 @@ def main() -> int:
     ap.add_argument("--transport", default="auto", help="our client's transport in section 3")
     ap.add_argument("--skip-sim", action="store_true", help="only the real-vLLM comparison")
     ap.add_argument("--profile", default="default", help="simulator profile for 1 and 2")
+    ap.add_argument(
+        "--rx-timestamps",
+        choices=("compare", "on", "off"),
+        default="compare",
+        help="h1 path in sections 1-2: kernel receive timestamps (on), the clock read (off), "
+        "or both side by side in section 1 (compare; section 2 then uses on)",
+    )
     args = ap.parse_args()
     cmd = "python bench/bench_streaming.py " + " ".join(sys.argv[1:])
     load = os.getloadavg()[0]
@@ -180,18 +199,20 @@ def main() -> int:
     global TRANSPORT
     TRANSPORT = args.transport
     if not args.skip_sim:
-        simulator_sections(args.profile)
+        simulator_sections(args.profile, args.rx_timestamps)
     if not args.skip_vllm:
         vllm_section(args.vllm_url)
     print(f"\n# load average at end: {os.getloadavg()[0]:.1f}")
     return 0
 
 
-def simulator_sections(profile: str) -> None:
+def simulator_sections(profile: str, rx_timestamps: str = "compare") -> None:
+    h1_rows = {"compare": (H1_CLOCK, H1_KERNEL), "on": (H1_KERNEL,), "off": (H1_CLOCK,)}
     print("\n## 1. Measurement error vs simulator ground truth (ms; measured - true)")
     print(f"profile={profile}, completions, 32 output tokens, closed loop")
     print("baseline: the same client on httpx (transport='httpx'), run side by side")
-    rows = measurement_error(profile, [1, 64, 512], 32, ("httpx", "auto"))
+    print("h1 clock read: stamped when read; h1 kernel stamp: SO_TIMESTAMPNS arrival time")
+    rows = measurement_error(profile, [1, 64, 512], 32, ("httpx", *h1_rows[rx_timestamps]))
     print("| transport | streams | requests | p50 err | p99 err | max err | client CPU us/token | tokens/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -201,7 +222,9 @@ def simulator_sections(profile: str) -> None:
         )
 
     print(f"\n## 2. Highest stream rate before p99 error passes 1 ms (profile={profile})")
-    sweep = measurement_error(profile, [1, 16, 64, 128, 256, 512], 32)
+    sweep_tr = H1_CLOCK if rx_timestamps == "off" else H1_KERNEL
+    print(f"transport: {sweep_tr}")
+    sweep = measurement_error(profile, [1, 16, 64, 128, 256, 512], 32, (sweep_tr,))
     print("| streams | tokens/s | p99 err ms | CPU us/token |")
     print("|---:|---:|---:|---:|")
     best = None

@@ -13,6 +13,11 @@ sockets' bytes wait in the kernel, and that wait is measurement error. Here:
    until the request is over (one wake-up per request, not per token).
 3. Deadlines are one TimerHandle per phase; the stall deadline is lazy (re-armed from the last
    event's time when it fires) instead of rescheduled per chunk.
+4. Kernel receive timestamps (Linux, on by default, see ``RX_TIMESTAMPS``): even with 1., the
+   loop reads a burst's sockets one after another, so at 64 streams the last socket's clock read
+   came ~2 ms after its bytes arrived. With ``SO_TIMESTAMPNS`` the kernel stamps each packet on
+   arrival and ``recvmsg`` returns the stamp, so a socket read late still gets its arrival time.
+   Any platform or read without a stamp falls back to the clock read of 1.
 
 HTTP/2 and TLS variants keep httpx (client.py picks the path).
 """
@@ -20,6 +25,11 @@ HTTP/2 and TLS variants keep httpx (client.py picks the path).
 from __future__ import annotations
 
 import asyncio
+import platform
+import socket
+import struct
+import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +47,113 @@ _ERROR_BODY_LIMIT = 2048
 IDLE_EXPIRY_S = 4.0
 _perf = time.perf_counter_ns
 _READ_SIZE = 65536
+
+# Kernel receive timestamps -------------------------------------------------------------------
+# Set False (or pass rx_timestamps=False) to stamp reads with the clock read only: the benchmark
+# compares both.
+RX_TIMESTAMPS = True
+# SO_TIMESTAMPNS is 35 in asm-generic and x86 (Python's socket module does not export it); other
+# architectures (alpha, mips, parisc, sparc) number it differently, so they take the fallback.
+_SO_TIMESTAMPNS = 35
+_RX_STAMPS_SUPPORTED = sys.platform == "linux" and platform.machine() in {
+    "x86_64", "amd64", "aarch64", "arm64", "riscv64",
+}  # fmt: skip
+_TIMESPEC = struct.Struct("@ll")  # struct timespec: two native longs (64-bit on these machines)
+_CMSG_SPACE = socket.CMSG_SPACE(_TIMESPEC.size) if _RX_STAMPS_SUPPORTED else 0
+_OFFSET_MAX_AGE_NS = 1_000_000_000
+
+
+# The stamp of the latest recv_into on this thread (CLOCK_REALTIME ns, 0 = none). The selector
+# transport calls buffer_updated right after recv_into, with no other read in between.
+class _RxStamp(threading.local):
+    ns = 0
+
+
+_rx = _RxStamp()
+
+
+class _RxStampSocket(socket.socket):
+    """The transport's socket, re-classed in place, so asyncio's own ``recv_into`` becomes a
+    ``recvmsg_into`` that also keeps the kernel's receive timestamp. For TCP the stamp is the
+    arrival time of the newest packet in the data returned."""
+
+    __slots__ = ()
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        if nbytes:
+            buffer = memoryview(buffer)[:nbytes]
+        n, ancdata, _, _ = self.recvmsg_into((buffer,), _CMSG_SPACE, flags)
+        stamp = 0
+        for level, kind, data in ancdata:
+            if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(data) >= 16:
+                sec, nsec = _TIMESPEC.unpack_from(data)
+                stamp = sec * 1_000_000_000 + nsec
+        _rx.ns = stamp
+        return n
+
+
+def enable_rx_timestamps(transport: asyncio.BaseTransport) -> bool:
+    """Turn on kernel receive timestamps for the transport's TCP socket. False (and nothing
+    changed) where that is not possible: not Linux, another event loop (uvloop has no ``_sock``),
+    not a plain TCP socket, or the kernel refused the option."""
+    if not _RX_STAMPS_SUPPORTED:
+        return False
+    sock = getattr(transport, "_sock", None)
+    # Exactly socket.socket: never re-class an SSLSocket or another subclass.
+    if type(sock) is not socket.socket:
+        return False
+    try:
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return False
+        sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+        sock.__class__ = _RxStampSocket
+    except (OSError, TypeError):
+        return False
+    return True
+
+
+def sample_realtime_offset(tries: int = 5) -> tuple[int, int]:
+    """(CLOCK_REALTIME - perf_counter clock, error bound), in ns. Each try reads perf, realtime,
+    perf back to back; the realtime read lies between the two perf reads, so taking their
+    midpoint is off by at most half the gap. The try with the smallest gap wins."""
+    best_gap = best_offset = -1
+    for _ in range(tries):
+        a = _perf()
+        real = time.time_ns()
+        b = _perf()
+        if best_gap < 0 or b - a < best_gap:
+            best_gap, best_offset = b - a, real - (a + b) // 2
+    return best_offset, (best_gap + 1) // 2
+
+
+_offset_ns, _, _offset_at = *sample_realtime_offset(), _perf()
+
+
+def realtime_offset() -> int:
+    """The cached offset, re-sampled when older than a second: both clocks are slewed alike by
+    NTP, but a step of the realtime clock moves the offset, and this bounds how long a stale one
+    is used."""
+    global _offset_ns, _offset_at
+    now = _perf()
+    if now - _offset_at > _OFFSET_MAX_AGE_NS:
+        _offset_ns = sample_realtime_offset()[0]
+        _offset_at = _perf()
+    return _offset_ns
+
+
+def rx_stamp_ns(rx_realtime_ns: int, offset_ns: int, now_ns: int, floor_ns: int) -> int:
+    """A kernel receive stamp on the perf_counter clock. No stamp (0) gives ``now_ns``, the
+    clock read; the result never lies after ``now_ns`` (bytes cannot arrive after they were
+    read: a later stamp is offset error or a clock step) nor before ``floor_ns`` (the request
+    was written, or an earlier read on the connection was stamped, then)."""
+    if not rx_realtime_ns:
+        return now_ns
+    t = rx_realtime_ns - offset_ns
+    if t > now_ns:
+        return now_ns
+    if t < floor_ns:
+        return floor_ns
+    return t
 
 
 class Exchange:
@@ -213,7 +330,7 @@ class H1Connection(asyncio.BufferedProtocol):
     makes asyncio ``recv(256 KiB)`` per read, and allocating 256 KiB goes through mmap and page
     faults (measured here: ~18 us per read vs ~3 us with a reused 64 KiB buffer)."""
 
-    def __init__(self, on_idle: Callable[[H1Connection], None]) -> None:
+    def __init__(self, on_idle: Callable[[H1Connection], None], rx_timestamps: bool | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.exchange: Exchange | None = None
@@ -226,17 +343,28 @@ class H1Connection(asyncio.BufferedProtocol):
         self.draining = False  # the exchange ended at [DONE]; waiting for the chunked trailer
         self._buf = bytearray(_READ_SIZE)
         self._view = memoryview(self._buf)
+        # Whether to ask for kernel receive stamps; after connection_made, whether they are on.
+        self.rx_timestamps = RX_TIMESTAMPS if rx_timestamps is None else rx_timestamps
+        self.rx_offset_ns = 0
+        self.rx_floor_ns = 0  # stamps never go before the request write or an earlier stamp
 
     # asyncio.Protocol -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if self.rx_timestamps:
+            self.rx_timestamps = enable_rx_timestamps(transport)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._view
 
     def buffer_updated(self, nbytes: int) -> None:
         # 1. the clock first: this is when the bytes came off the socket
-        self.pending.append((_perf(), self._buf[:nbytes]))
+        t = _perf()
+        if self.rx_timestamps:  # 4. or, better, when they arrived
+            t = rx_stamp_ns(_rx.ns, self.rx_offset_ns, t, self.rx_floor_ns)
+            _rx.ns = 0  # consumed: a read that brings no stamp must not reuse this one
+            self.rx_floor_ns = t
+        self.pending.append((t, self._buf[:nbytes]))
         if not self.scheduled:
             self.scheduled = True
             self.loop.call_soon(self._drain)
@@ -285,6 +413,9 @@ class H1Connection(asyncio.BufferedProtocol):
         ex.conn = self
         self.draining = False
         self.parser = httptools.HttpResponseParser(ex)
+        if self.rx_timestamps:
+            self.rx_offset_ns = realtime_offset()
+            self.rx_floor_ns = ex.start_ns
         assert self.transport is not None
         self.transport.write(request)
 
