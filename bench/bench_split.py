@@ -54,14 +54,18 @@ def fnv1a32(text: str) -> int:
     return h
 
 
-def contiguous_fnv(seed: str, user: str, weights: dict[str, int]) -> str:
-    point = (fnv1a32(seed + user) % 10_000) / 10_000
+def contiguous_pick(point: float, weights: dict[str, int]) -> str:
+    """The variant whose contiguous range of [0, 1) holds ``point`` (flag-SDK style)."""
     cumulative = 0.0
     for key, weight in weights.items():
         cumulative += weight / 100
         if point < cumulative:
             return key
     return key
+
+
+def contiguous_fnv(seed: str, user: str, weights: dict[str, int]) -> str:
+    return contiguous_pick((fnv1a32(seed + user) % 10_000) / 10_000, weights)
 
 
 def crc32_mod(exp: str, user: str, variants: list[str]) -> str:
@@ -159,15 +163,7 @@ def bench_moved(n_users: int) -> list[str]:
         new = rebalance(old, after)
         table = sum(old.lookup[b] != new.lookup[b] for b in buckets) / n_users
 
-        def pick(point: float, weights: dict[str, int]) -> str:
-            cumulative = 0.0
-            for key, weight in weights.items():
-                cumulative += weight / 100
-                if point < cumulative:
-                    return key
-            return key
-
-        contiguous = sum(pick(p, before) != pick(p, after) for p in points) / n_users
+        contiguous = sum(contiguous_pick(p, before) != contiguous_pick(p, after) for p in points) / n_users
         tv = total_variation(before, after)
         out.append(f"| {name:34} | {tv:11.2%} | {table:11.2%} | {contiguous:13.2%} |")
     return out
