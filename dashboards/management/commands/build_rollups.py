@@ -1,0 +1,61 @@
+"""python manage.py build_rollups KEY [--run ID ...]
+
+(Re)build the report rollups (dashboards.rollup) of an experiment's runs: every run with
+samples, or the runs named. A replay builds its run's rollup when it ends; this command is for
+runs recorded before rollups existed, a build that failed (the store was down), or runs whose
+samples changed after their build (the report then reads the raw samples until rebuilt).
+Runs still replaying are skipped: their samples are not final.
+"""
+
+from __future__ import annotations
+
+import time
+
+from django.core.management.base import BaseCommand, CommandError
+
+from dashboards import rollup
+from dashboards.report import slo_of
+from experiments.models import Experiment
+from samples.factory import get_store
+from workers.models import ReplayRun
+
+
+class Command(BaseCommand):
+    help = "Build the SLA report rollups of an experiment's finished runs"
+
+    def add_arguments(self, parser):
+        parser.add_argument("key")
+        parser.add_argument(
+            "--run", type=int, action="append", default=[], help="repeatable; default: every run"
+        )
+
+    def handle(self, *args, **opts):
+        try:
+            experiment = Experiment.objects.get(key=opts["key"])
+        except Experiment.DoesNotExist:
+            raise CommandError(f"no experiment with key {opts['key']!r}") from None
+        store = get_store()
+        runs = opts["run"] or list(rollup.runs_of(store, experiment.key))
+        busy = set(
+            ReplayRun.objects.filter(experiment=experiment, pk__in=runs)
+            .exclude(status__in=ReplayRun.FINAL)
+            .values_list("pk", flat=True)
+        )
+        built = 0
+        for run_id in runs:
+            if run_id in busy:
+                self.stdout.write(
+                    f"run {run_id}: still replaying, skipped (its rollup is built when it ends)"
+                )
+                continue
+            t = time.perf_counter()
+            try:
+                b = rollup.build_run_rollup(store, experiment.key, run_id, slo_of(experiment))
+            except rollup.RollupStale as e:
+                raise CommandError(str(e)) from None
+            if b is None:
+                self.stdout.write(f"run {run_id}: no samples of {experiment.key!r}, nothing to build")
+                continue
+            built += 1
+            self.stdout.write(f"run {run_id}: {b.rows} samples rolled up in {time.perf_counter() - t:.2f} s")
+        self.stdout.write(f"{built} run(s) built; rollup rows: {rollup.rollup_rows(store, experiment.key)}")

@@ -1,0 +1,194 @@
+# ruff: noqa: F811 - pytest fixtures imported from fixtures_report are re-bound as arguments
+"""The report from per-run rollups equals the report from the raw samples, on both backends,
+and falls back to the raw samples whenever a rollup could be out of date."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import math
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from abplat.testing import server_url_for
+from dashboards import queries as q
+from dashboards import report as r
+from dashboards import rollup
+from samples import synthetic
+from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore
+from tests.dashboards.fixtures_report import (  # noqa: F401 - fixtures
+    SLO,
+    drop_stores,
+    info,
+    load_stores,
+    mirror_data,
+    mirror_spec,
+    split_data,
+    split_spec,
+)
+
+pytestmark = pytest.mark.services
+
+SPLIT_RUN, MIRROR_RUN = split_spec().run_id, mirror_spec().run_id
+
+
+@pytest.fixture(scope="module")
+def stores(
+    chdb_dir: str, clickhouse_server: str, split_data, mirror_data
+) -> Iterator[dict[str, SampleStore]]:
+    """Own databases (the shared report fixtures stay on the raw path), rollups built."""
+    out = load_stores(chdb_dir, "abplat_test_rollup", (split_data, mirror_data))
+    for store in out.values():
+        for data in (split_data, mirror_data):
+            spec = data.spec
+            built = rollup.build_run_rollup(store, spec.experiment, spec.run_id, SLO)
+            assert built is not None and built.rows == int((~data.is_duplicate).sum())
+    yield out
+    drop_stores(out)
+
+
+@pytest.fixture(params=["chdb", "server"])
+def store(request: pytest.FixtureRequest, stores) -> SampleStore:
+    return stores[request.param]
+
+
+def assert_same(a, b, path: str = "") -> None:
+    """Equal, floats to 1e-9 relative (sums of the same values in another order), except the
+    p99-over-time chart, whose rollup values are within the 1 ms bucket of the exact ones (and
+    whose note says so)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {sorted(a)} != {sorted(b)}"
+        for k in a:
+            if k not in ("timing", "generated_at") and f"{path}.{k}" != ".timeseries.note":
+                assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), f"{path}: {len(a)} != {len(b)} items"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        tol = 1.0 if ".p99_ttft_ms." in path and path.endswith(".p99") else 1e-9 * max(1.0, abs(a))
+        assert (math.isnan(a) and math.isnan(b)) or abs(a - b) <= tol, f"{path}: {a} != {b}"
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+@pytest.mark.parametrize(
+    "spec_fn, filters",
+    [
+        (split_spec, {}),
+        (split_spec, {"run_id": SPLIT_RUN}),
+        (split_spec, {"variants": ("awq",)}),
+        (mirror_spec, {}),
+    ],
+    ids=["split", "split-run", "split-variant", "mirror"],
+)
+def test_rollup_report_equals_raw_report(store, spec_fn, filters):
+    spec = spec_fn()
+    exp = info(spec)
+    f = q.Filters(spec.experiment, **filters)
+    fast = r.build_report(store, exp, f)
+    raw = r.build_report(store, exp, f, use_rollup=False)
+    assert fast["timing"]["source"] == "rollup"
+    assert raw["timing"]["source"] == "samples"
+    assert fast["variants"][0]["n"] > 0
+    assert_same(raw, fast)
+
+
+def test_p99_chart_from_rollup_is_within_its_1ms_bucket_and_counts_match(store):
+    spec = split_spec()
+    f = q.Filters(spec.experiment)
+    builds = rollup.usable_builds(store, f, SLO)
+    assert builds == {SPLIT_RUN: builds[SPLIT_RUN]}
+    for bucket_s in (30, 60, 300):
+        exact = q.p99_over_time(store, f, bucket_s)
+        fast = rollup.p99_over_time(store, f, builds, bucket_s)
+        assert set(exact) == set(fast)
+        for v in exact:
+            assert [(t, n) for t, n, _ in exact[v]] == [(t, n) for t, n, _ in fast[v]]
+            for (_, _, e), (_, _, g) in zip(exact[v], fast[v], strict=True):
+                assert math.floor(e) == math.floor(g) and g >= e
+
+
+def test_a_time_window_or_another_slo_reads_the_raw_samples(store):
+    spec = split_spec()
+    start = dt.datetime.fromtimestamp(spec.start_unix_ms / 1000, dt.UTC)
+    window = q.Filters(spec.experiment, since=start, until=start + dt.timedelta(minutes=10))
+    assert rollup.usable_builds(store, window, SLO) is None
+    assert r.build_report(store, info(spec), window)["timing"]["source"] == "samples"
+    other = q.Slo(250.0)
+    assert rollup.usable_builds(store, q.Filters(spec.experiment), other) is None
+    rep = r.build_report(store, info(spec, slo=other), q.Filters(spec.experiment))
+    assert rep["timing"]["source"] == "samples"
+
+
+def test_srm_over_several_runs_counts_users_on_the_raw_samples(store):
+    # one build per run but two runs: per-run distinct users do not add up
+    builds = {1: 1, 2: 2}
+    assert rollup.srm_users(store, q.Filters("x"), builds) is None
+
+
+@pytest.mark.parametrize("kind", ["chdb", "server"])
+def test_a_row_added_after_the_build_sends_the_report_back_to_the_samples(kind, chdb_dir, clickhouse_server):
+    db = f"abplat_test_rollup_late_{uuid.uuid4().hex[:8]}"
+    store = ChdbBackend(chdb_dir, db) if kind == "chdb" else ClickHouseServerBackend(server_url_for(db))
+    try:
+        store.migrate()
+        spec = synthetic.SyntheticSpec(n=2_000, seed=3, run_id=5, variants=synthetic.demo_variants())
+        data = synthetic.generate(spec)
+        synthetic.insert(store, data)
+        store.deduplicate()
+        assert rollup.build_run_rollup(store, spec.experiment, 5, SLO) is not None
+        f = q.Filters(spec.experiment)
+        assert rollup.usable_builds(store, f, SLO) is not None
+        late = synthetic.generate(dataclasses.replace(spec, n=1, seed=99))
+        late.columns["request_id"] = np.array([f"{x}-late" for x in late.columns["request_id"]], dtype=object)
+        synthetic.insert(store, late)
+        assert rollup.usable_builds(store, f, SLO) is None
+        rep = r.build_report(store, info(spec), f)
+        assert rep["timing"]["source"] == "samples"
+        assert sum(v["n"] for v in rep["variants"]) == 2_001
+        # a rebuild makes the rollup current again, with the late row
+        assert rollup.build_run_rollup(store, spec.experiment, 5, SLO).rows == 2_001
+        rep2 = r.build_report(store, info(spec), f)
+        assert rep2["timing"]["source"] == "rollup"
+        assert_same(rep, rep2)
+        # a run without samples has nothing to build
+        assert rollup.build_run_rollup(store, spec.experiment, 6, SLO) is None
+    finally:
+        store.execute(f"DROP DATABASE IF EXISTS {db}")
+        store.close()
+
+
+def test_a_build_racing_new_samples_publishes_nothing(store, monkeypatch):
+    spec = split_spec()
+    before = rollup.usable_builds(store, q.Filters(spec.experiment), SLO)
+    real = rollup._signature
+    calls = iter(range(10))
+
+    def changing(st, experiment, run_id=None):
+        out = real(st, experiment, run_id)
+        if next(calls) == 1:  # the check after the build sees one more row
+            out = {k: (n + 1, s) for k, (n, s) in out.items()}
+        return out
+
+    monkeypatch.setattr(rollup, "_signature", changing)
+    with pytest.raises(rollup.RollupStale, match="samples changed during the rollup build"):
+        rollup.build_run_rollup(store, spec.experiment, SPLIT_RUN, SLO)
+    monkeypatch.setattr(rollup, "_signature", real)
+    assert rollup.usable_builds(store, q.Filters(spec.experiment), SLO) == before
+
+
+def test_bad_run_id_is_refused(store):
+    with pytest.raises(ValueError, match="run_id must be a non-negative integer"):
+        rollup.build_run_rollup(store, "x", -1, SLO)
+
+
+def test_a_build_of_another_rollup_format_is_not_used(store, monkeypatch):
+    f = q.Filters(split_spec().experiment)
+    assert rollup.usable_builds(store, f, SLO) is not None
+    monkeypatch.setattr(rollup, "FORMAT_VERSION", rollup.FORMAT_VERSION + 1)
+    assert rollup.build_spec(SLO).startswith(f"v{rollup.FORMAT_VERSION}|")
+    assert rollup.usable_builds(store, f, SLO) is None
