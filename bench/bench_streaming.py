@@ -107,11 +107,20 @@ def measurement_error(
         handle.stop()
 
 
-def vllm_bench(venv: pathlib.Path, url: str, tokenizer: str, data: str, n: int, c: int, out: int):
+def vllm_bench(
+    venv: pathlib.Path,
+    url: str,
+    tokenizer: str,
+    data: str,
+    n: int,
+    c: int,
+    out: int,
+    served: str = "tiny-llama",
+):
     res_dir = tempfile.mkdtemp(prefix="vbench-")
     cmd = [
         *CLIENT_PIN, str(venv / "bin" / "python"), str(ROOT / "scripts" / "vllm_cli.py"), "bench", "serve",
-        "--backend", "vllm", "--base-url", url, "--model", "tiny-llama",
+        "--backend", "vllm", "--base-url", url, "--model", served,
         "--tokenizer", tokenizer, "--dataset-name", "custom", "--dataset-path", data,
         "--custom-output-len", str(out), "--skip-chat-template", "--disable-shuffle",
         "--num-prompts", str(n), "--max-concurrency", str(c), "--ignore-eos",
@@ -292,6 +301,73 @@ def simulator_sections(profile: str, rx_timestamps: str = "compare") -> None:
         print("p99 error is >= 1 ms at every swept rate")
 
 
+def server_ttft_totals(url: str) -> tuple[float, float]:
+    """(sum of seconds, count) of the simulator's own TTFT (request received -> first content
+    written), from its vLLM-named metric."""
+    import urllib.request
+
+    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:time_to_first_token_seconds_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:time_to_first_token_seconds_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
+def overhead_on_simulator(n: int, levels: tuple[int, ...], rounds: int, out: int) -> dict:
+    """Each client's TTFT minus the simulator's own (received -> first content written), mean
+    over a run: what each client adds to what the server did. Same prompts, same pinning as
+    the vLLM comparison; the simulator (profile fast) on the server core."""
+    from workers.vllm.server import ensure_cpu_install
+
+    venv, model = ensure_cpu_install()
+    _pin_plan()
+    handle = start_subprocess("fast")
+    if SERVER_CPUS and handle.pid:
+        os.sched_setaffinity(handle.pid, SERVER_CPUS)
+    prompts = [f"Request {i}: summarise why time to first token grows with queue depth." for i in range(n)]
+    data = pathlib.Path(tempfile.mkdtemp()) / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+
+    def ours(c: int, kernel: bool) -> list[float]:
+        async def go():
+            async with VariantClient(handle.url, handle.model, "completions", transport=TRANSPORT) as client:
+                return await closed_loop(client, c, n, out, prompts)
+
+        h1.RX_TIMESTAMPS = kernel
+        mask = os.sched_getaffinity(0)
+        if CLIENT_CPUS:
+            os.sched_setaffinity(0, CLIENT_CPUS)
+        try:
+            return [r.ttft_event_ms for r in asyncio.run(go()) if r.outcome is Outcome.OK]
+        finally:
+            os.sched_setaffinity(0, mask)
+            h1.RX_TIMESTAMPS = True
+
+    def peer(c: int) -> list[float]:
+        return vllm_bench(venv, handle.url, str(model), str(data), n, c, out, served=handle.model)
+
+    clients = {PEER: peer, OURS_KERNEL: lambda c: ours(c, True), OURS_CLOCK: lambda c: ours(c, False)}
+    names = list(clients)
+    res: dict[int, dict[str, list[tuple[float, float]]]] = {}
+    try:
+        ours(4, True)  # warm up
+        for c in levels:
+            per = res.setdefault(c, {k: [] for k in names})
+            for rnd in range(rounds):
+                for name in names[rnd % 3 :] + names[: rnd % 3]:
+                    s0, n0 = server_ttft_totals(handle.url)
+                    got = clients[name](c)
+                    s1, n1 = server_ttft_totals(handle.url)
+                    server_mean = (s1 - s0) / (n1 - n0) * 1000
+                    per[name].append((sum(got) / len(got), server_mean))
+    finally:
+        handle.stop()
+    return res
+
+
 def vllm_section(vllm_url: str | None, rounds: int = 3) -> None:
     import statistics
 
@@ -320,6 +396,18 @@ def vllm_section(vllm_url: str | None, rounds: int = 3) -> None:
             f"| {c} | (peer's own round-to-round p50 spread) | | | "
             f"{(max(spread) - min(spread)) / statistics.median(spread) * 100:.1f}% | |"
         )
+    print("\n### 3b. What each client adds: its TTFT minus the server's own, on the simulator")
+    print("simulator profile fast on the server core; server TTFT = request received -> first content")
+    print("written (its vllm:time_to_first_token_seconds sum/count over the run); means in ms")
+    sim = overhead_on_simulator(n, levels, rounds, out)
+    print("| concurrency | client | client TTFT | server TTFT | client adds | per round |")
+    print("|---:|---|---:|---:|---:|---|")
+    for c, per in sim.items():
+        for name, rows in per.items():
+            cm = statistics.mean(a for a, _ in rows)
+            sm = statistics.mean(b for _, b in rows)
+            each = ", ".join(f"{a - b:.2f}" for a, b in rows)
+            print(f"| {c} | {name} | {cm:.2f} | {sm:.2f} | {cm - sm:.2f} | {each} |")
     print("\nslowest of our requests (first event), per concurrency:")
     print("| concurrency | client | round | TTFT ms | new conn | connect ms | TTFB ms | e2e ms |")
     print("|---:|---|---:|---:|---|---:|---:|---:|")

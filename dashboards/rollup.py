@@ -177,10 +177,13 @@ def _drop_build(store: Any, experiment: str, run_id: int, build_id: int, keep: b
             ]
         else:
             old = [build_id]
-        if old:
-            statements.append(f"ALTER TABLE {schema.ROLLUP_VALUES_TABLE} DELETE WHERE build_id IN %(old)s")
         for sql in statements:
-            store.execute(sql, {**params, "old": tuple(old)})
+            store.execute(sql, params)
+        if old:
+            store.execute(
+                f"ALTER TABLE {schema.ROLLUP_VALUES_TABLE} DELETE WHERE build_id IN %(old)s",
+                {"old": tuple(old)},
+            )
     except Exception as e:  # noqa: BLE001 - garbage rows are harmless; say so and go on
         log.warning("rollup of run %s: could not delete old rows: %s", run_id, e)
 

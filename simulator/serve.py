@@ -80,6 +80,7 @@ class Handle:
     profile: str
     model: str
     _stop: object
+    pid: int | None = None  # the serving process, when it is a child (start_subprocess)
 
     def stop(self) -> None:
         self._stop()  # type: ignore[operator]
@@ -171,4 +172,4 @@ def start_subprocess(
             proc.kill()
             proc.wait()
 
-    return Handle(url, profile, model, stop)
+    return Handle(url, profile, model, stop, proc.pid)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import math
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -17,7 +18,7 @@ from abplat.testing import server_url_for
 from dashboards import queries as q
 from dashboards import report as r
 from dashboards import rollup
-from samples import synthetic
+from samples import schema, synthetic
 from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore
 from tests.dashboards.fixtures_report import (  # noqa: F401 - fixtures
     SLO,
@@ -140,7 +141,8 @@ def test_a_row_added_after_the_build_sends_the_report_back_to_the_samples(kind, 
         data = synthetic.generate(spec)
         synthetic.insert(store, data)
         store.deduplicate()
-        assert rollup.build_run_rollup(store, spec.experiment, 5, SLO) is not None
+        first = rollup.build_run_rollup(store, spec.experiment, 5, SLO)
+        assert first is not None
         f = q.Filters(spec.experiment)
         assert rollup.usable_builds(store, f, SLO) is not None
         late = synthetic.generate(dataclasses.replace(spec, n=1, seed=99))
@@ -151,10 +153,24 @@ def test_a_row_added_after_the_build_sends_the_report_back_to_the_samples(kind, 
         assert rep["timing"]["source"] == "samples"
         assert sum(v["n"] for v in rep["variants"]) == 2_001
         # a rebuild makes the rollup current again, with the late row
-        assert rollup.build_run_rollup(store, spec.experiment, 5, SLO).rows == 2_001
+        second = rollup.build_run_rollup(store, spec.experiment, 5, SLO)
+        assert second.rows == 2_001 and second.build_id > first.build_id
         rep2 = r.build_report(store, info(spec), f)
         assert rep2["timing"]["source"] == "rollup"
         assert_same(rep, rep2)
+        # the first build's rows are deleted (ALTER ... DELETE: asynchronous on the server)
+        deadline = time.monotonic() + 20
+        while True:
+            left = [
+                store.query(f"SELECT count() FROM {t} WHERE build_id = %(b)s", {"b": first.build_id})[0][0]
+                for t in (*schema.ROLLUP_TABLES, schema.ROLLUP_VALUES_TABLE)
+            ]
+            if not any(left) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert left == [0] * len(left)
+        assert store.query(f"SELECT count() FROM {schema.ROLLUP_VALUES_TABLE} WHERE build_id = %(b)s",
+                           {"b": second.build_id})[0][0] > 0  # fmt: skip
         # a run without samples has nothing to build
         assert rollup.build_run_rollup(store, spec.experiment, 6, SLO) is None
     finally:
