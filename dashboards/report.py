@@ -172,9 +172,9 @@ def build_report(
     bucket_s = q.choose_bucket_s(window_s or 60.0)
     mode_counts = q.mode_counts(summ)
 
-    # 2. exact order statistics (a query per metric; through a histogram for TTFT, and for every
-    # metric from the rollup's sorted values),
-    # segments, the p99 series, SRM users and mirror pairs: independent, run together
+    # 2. exact order statistics (a query per metric, located through histograms: TTFT's on the raw
+    # path, every metric's from the rollup's sorted values), segments, the p99 series, SRM users
+    # and mirror pairs: independent, run together
     def ranks_of(metric: str) -> dict[str, list[int]]:
         return {v: _ranks_for(metric, n) for v in present if (n := summ[v]["metric_n"][metric]) > 0}
 
@@ -186,7 +186,7 @@ def build_report(
             )
         jobs["cells"] = lambda: rollup.segment_cells(store, filters, builds, bucket_s)
         jobs["series"] = lambda: rollup.p99_over_time(store, filters, builds, bucket_s)
-        jobs["srm_users"] = lambda: rollup.srm_users(store, filters, builds) or q.srm_users(store, filters)
+        jobs["srm_users"] = lambda: _srm_users_from_rollup(store, filters, builds)
     else:
         jobs["os_ttft_ms"] = lambda: q.order_statistics_from_histogram(
             store, filters, "ttft_ms", hist, ranks_of("ttft_ms")
@@ -319,6 +319,11 @@ def build_report(
             "source": "rollup" if builds is not None else "samples",
         },
     }
+
+
+def _srm_users_from_rollup(store: Any, filters: q.Filters, builds: Mapping[int, int]) -> list[dict[str, Any]]:
+    users = rollup.srm_users(store, filters, builds)
+    return q.srm_users(store, filters) if users is None else users  # several runs: distinct over all
 
 
 def _compare(

@@ -2,17 +2,23 @@
 
 Starting an experiment publishes its first weights document (the variants' weights as the
 product team set them), so routers begin assigning users; from then on only SREs change
-weights. Runs inside the transition's transaction: if the store write fails, the status
-change rolls back and the experiment stays a draft.
+weights. Concluding removes the document, so routers stop assigning (callers serve their
+default). Pausing keeps the weights: users keep their variant, only replays stop. Runs inside
+the transition's transaction: if the store write fails, the status change rolls back and the
+experiment stays where it was.
 """
 
 from __future__ import annotations
 
 
 def after_transition(experiment, action: str, actor) -> None:
+    from experiments.weights.service import publish_weights, retire_weights
+
+    if action == "conclude":
+        retire_weights(experiment, actor, reason="experiment concluded")
+        return
     if action != "start":
         return
-    from experiments.weights.service import publish_weights
 
     publish_weights(
         experiment,

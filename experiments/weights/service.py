@@ -193,3 +193,32 @@ def publish_weights(
         plan.move.describe(),
     )
     return new, revision
+
+
+def retire_weights(experiment: Experiment, actor, reason: str) -> int | None:
+    """Remove a concluding experiment's weights from the store, so routers stop assigning its
+    users (Router.assign then raises UnknownExperiment and callers serve their default).
+    Called inside the conclude transition's transaction: a failed delete (StoreUnavailable)
+    rolls the conclusion back, so an experiment is never concluded while still assigning.
+    Returns the store revision of the delete, None when nothing was stored."""
+    store = get_store()
+    current = store.get_raw(experiment.key)
+    if current is None:
+        return None
+    revision = store.delete(experiment.key)
+    audit.record(
+        actor,
+        experiment,
+        "retire_weights",
+        before={"revision": current.revision},
+        after={"weights": None, "revision": revision},
+        reason=reason,
+    )
+    log.info(
+        "weights of %s removed from %s at revision %d: %s",
+        experiment.key,
+        store.description,
+        revision,
+        reason,
+    )
+    return revision

@@ -185,8 +185,9 @@ def test_bad_weights_are_400_naming_the_field_and_nothing_is_written(
 
 
 def test_weights_of_a_concluded_experiment_are_400(running, users, client_for):
-    services.transition(running, "conclude", users["product"])
     _, revision = stored()
+    services.transition(running, "conclude", users["product"])
+    assert stored() is None  # concluding retired the weights
     response = client_for("sre").put(
         "/api/experiments/ttft-opt/weights",
         {"weights": RAMP, "reason": "late", "expected_revision": revision},
@@ -194,6 +195,7 @@ def test_weights_of_a_concluded_experiment_are_400(running, users, client_for):
     )
     assert response.status_code == 400
     assert "is concluded" in response.json()["experiment"][0]
+    assert stored() is None
 
 
 def test_dry_run_previews_without_writing(running, client_for):

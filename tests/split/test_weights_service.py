@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 import uuid
 
 import pytest
@@ -12,7 +13,8 @@ from experiments import services
 from experiments.assignment import assign
 from experiments.models import AuditEntry, Experiment
 from experiments.weights import django_store
-from experiments.weights.errors import ConflictError, WeightsError
+from experiments.weights.errors import ConflictError, StoreUnavailable, WeightsError
+from experiments.weights.router import Router, UnknownExperiment
 from experiments.weights.service import UnknownExperimentError, preview_move, publish_weights
 
 RAMP = {"fp16": 50, "awq": 30, "awq-fa2": 20}
@@ -98,12 +100,55 @@ def test_weights_of_a_concluded_or_draft_or_unknown_experiment_cannot_change(
         publish_weights(experiment, RAMP, users["sre"], "too early")
     services.transition(experiment, "start", users["product"])
     services.transition(experiment, "conclude", users["product"])
-    before = stored()
+    assert stored() is None  # concluding retired the weights
     with pytest.raises(WeightsError, match="'ttft-opt' is concluded"):
         publish_weights("ttft-opt", RAMP, users["sre"], "too late")
-    assert stored() == before
+    assert stored() is None
     with pytest.raises(UnknownExperimentError, match="unknown experiment 'nope'"):
         publish_weights("nope", RAMP, users["sre"], "who")
+
+
+def test_concluding_retires_the_weights_so_routers_stop_assigning(running, users):
+    store = django_store.get_store()
+    router = Router(store)
+    try:
+        assert router.start(wait=10)
+        assert router.assign("ttft-opt", "u1").variant in RAMP
+        _doc, revision = stored()
+        services.transition(running, "conclude", users["product"], reason="shipped awq")
+        assert stored() is None
+        entry = AuditEntry.objects.get(action="retire_weights")
+        assert entry.reason == "experiment concluded" and entry.before == {"revision": revision}
+        assert entry.after["weights"] is None and entry.after["revision"] > revision
+        deadline = time.monotonic() + 10
+        while "ttft-opt" in router.snapshot.entries and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(UnknownExperiment, match="no weights for experiment 'ttft-opt'"):
+            router.assign("ttft-opt", "u1")
+    finally:
+        router.stop()
+
+
+def test_pausing_keeps_the_weights(running, users):
+    before = stored()
+    services.transition(running, "pause", users["product"])
+    assert stored() == before
+    assert not AuditEntry.objects.filter(action="retire_weights").exists()
+
+
+def test_a_conclusion_the_store_cannot_record_rolls_back(running, users, monkeypatch):
+    store = django_store.get_store()
+
+    def down(key):
+        raise StoreUnavailable(f"{store.description}: down for the test")
+
+    monkeypatch.setattr(store, "delete", down)
+    with pytest.raises(StoreUnavailable, match="down for the test"):
+        services.transition(running, "conclude", users["product"])
+    running.refresh_from_db()
+    assert running.status == "running" and running.concluded_at is None
+    assert stored() is not None
+    assert not AuditEntry.objects.filter(action__in=["conclude", "retire_weights"]).exists()
 
 
 def test_missing_reason_is_rejected(running, users):

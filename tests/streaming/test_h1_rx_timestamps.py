@@ -11,7 +11,7 @@ import pytest
 
 from workers.streaming import h1
 from workers.streaming.client import Timeouts
-from workers.streaming.h1 import Exchange, H1Connection, request_bytes, rx_stamp_ns
+from workers.streaming.h1 import Exchange, H1Connection, open_connection, request_bytes, rx_stamp_ns
 from workers.streaming.result import Outcome
 from workers.streaming.timing import StreamTimer
 
@@ -39,9 +39,7 @@ async def _stream_once(rx_timestamps: bool | None) -> tuple[int, int, H1Connecti
     try:
         port = listener.getsockname()[1]
         idle: list[H1Connection] = []
-        _, conn = await loop.create_connection(
-            lambda: H1Connection(idle.append, rx_timestamps=rx_timestamps), "127.0.0.1", port
-        )
+        conn, _, _ = await open_connection("127.0.0.1", port, idle.append, rx_timestamps)
         server, _ = listener.accept()
     finally:
         listener.close()
@@ -88,11 +86,18 @@ def test_an_unsupported_platform_falls_back_to_the_clock_read(monkeypatch):
     assert measured >= written + int(BLOCK_S * 1e9)
 
 
-def test_a_transport_without_a_plain_socket_is_left_alone():
-    class NoSock(asyncio.Transport):
-        pass
+def test_uvloop_reads_the_fd_itself_so_it_falls_back_to_the_clock_read():
+    import uvloop
 
-    assert h1.enable_rx_timestamps(NoSock()) is False
+    measured, written, conn = uvloop.run(_stream_once(True))
+    assert not conn.rx_timestamps
+    assert measured >= written + int(BLOCK_S * 1e9)
+
+
+def test_the_stamping_socket_is_the_one_the_client_made_and_connected():
+    _, _, conn = asyncio.run(_stream_once(True))
+    assert type(conn.sock) is h1._RxStampSocket
+    assert conn.sock.fileno() == -1  # closed with the connection
 
 
 @pytest.mark.parametrize(

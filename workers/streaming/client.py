@@ -17,6 +17,8 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
+import ssl
 import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -24,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from workers.streaming.h1 import IDLE_EXPIRY_S, Exchange, H1Connection, request_bytes
+from workers.streaming.h1 import IDLE_EXPIRY_S, Exchange, H1Connection, open_connection, request_bytes
 from workers.streaming.result import Outcome, StreamResult
 from workers.streaming.sse import SSEEvent, SSEParser
 from workers.streaming.timing import StreamProtocolError, StreamTimer
@@ -88,10 +90,15 @@ class VariantClient:
         max_connections: int = 4096,
         headers: Mapping[str, str] | None = None,
         transport: str = "auto",
+        verify: bool | str = True,
     ) -> None:
         """transport: "auto" streams plain-http HTTP/1.1 variants on the lean asyncio path
         (h1.py) and HTTP/2 or TLS variants on httpx; "httpx" forces httpx (the baseline the
-        benchmark compares against); "h1" insists on the lean path."""
+        benchmark compares against); "h1" insists on the lean path.
+
+        verify (TLS variants): True checks the server against httpx's default trust store
+        (certifi's Mozilla bundle); a path trusts exactly the CAs in that PEM bundle (a
+        variant behind a private CA); False checks nothing and is for tests only."""
         if not endpoint.startswith(("http://", "https://")):
             raise ValueError(f"endpoint {endpoint!r}: must be an http:// or https:// base URL")
         if api not in APIS:
@@ -121,15 +128,22 @@ class VariantClient:
         self._idle: list[H1Connection] = []
         self._conns: set[H1Connection] = set()
         self._client: httpx.AsyncClient | None = None
+        tls = _tls_verify(verify)
         if self.transport == "httpx":
-            self._client = self._httpx_client(base, http2, max_connections, headers)
+            self._client = self._httpx_client(base, http2, max_connections, headers, tls)
 
     def _httpx_client(
-        self, base: str, http2: bool, max_connections: int, headers: Mapping[str, str] | None
+        self,
+        base: str,
+        http2: bool,
+        max_connections: int,
+        headers: Mapping[str, str] | None,
+        verify: bool | ssl.SSLContext,
     ) -> httpx.AsyncClient:
         t = self.timeouts
         return httpx.AsyncClient(
             base_url=base,
+            verify=verify,
             # Plain-http HTTP/2 needs prior knowledge (h2c): disable HTTP/1.1 so httpx does not
             # silently fall back. Over TLS, ALPN negotiates h2 with http1 still allowed.
             http1=not (http2 and base.startswith("http://")),
@@ -247,14 +261,9 @@ class VariantClient:
             conn = self._take_idle(loop)
             if conn is None:
                 budget = min(t.connect_s, t.headers_s, t.total_s)
-                c0 = time.perf_counter_ns()
                 try:
-                    _, conn = await asyncio.wait_for(
-                        loop.create_connection(
-                            lambda: H1Connection(self._idle.append), self._host, self._port
-                        ),
-                        budget,
-                    )
+                    async with asyncio.timeout(budget):
+                        conn, c0, c1 = await open_connection(self._host, self._port, self._idle.append)
                 except TimeoutError:
                     return timer.finish(
                         time.perf_counter_ns(),
@@ -263,7 +272,7 @@ class VariantClient:
                     )
                 except OSError as exc:
                     return timer.finish(time.perf_counter_ns(), Outcome.CONNECT_ERROR, _msg(exc))
-                timer.connected(c0, time.perf_counter_ns())
+                timer.connected(c0, c1)
                 self._conns = {c for c in self._conns if not c.closed}
                 self._conns.add(conn)
         except asyncio.CancelledError:
@@ -419,6 +428,22 @@ async def _read_some(resp: httpx.Response) -> str:
         if len(buf) >= _ERROR_BODY_LIMIT:
             break
     return buf[:_ERROR_BODY_LIMIT].decode("utf-8", "replace").strip()
+
+
+def _tls_verify(verify: bool | str) -> bool | ssl.SSLContext:
+    """The ``verify`` argument for httpx. A CA bundle path becomes an SSLContext here, since
+    httpx deprecates ``verify=<path>``, and so a missing or unreadable bundle fails when the
+    client is built, naming the path, not as a CONNECT_ERROR on every request."""
+    if isinstance(verify, bool):
+        return verify
+    if not isinstance(verify, str) or not verify:
+        raise ValueError(f"verify={verify!r}: must be True, False or the path of a CA bundle (PEM)")
+    if not os.path.isfile(verify):
+        raise ValueError(f"verify={verify!r}: no such CA bundle file")
+    try:
+        return ssl.create_default_context(cafile=verify)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"verify={verify!r}: not a readable PEM CA bundle ({exc})") from None
 
 
 def _msg(exc: BaseException) -> str:

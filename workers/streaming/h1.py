@@ -17,7 +17,9 @@ sockets' bytes wait in the kernel, and that wait is measurement error. Here:
    loop reads a burst's sockets one after another, so at 64 streams the last socket's clock read
    came ~2 ms after its bytes arrived. With ``SO_TIMESTAMPNS`` the kernel stamps each packet on
    arrival and ``recvmsg`` returns the stamp, so a socket read late still gets its arrival time.
-   Any platform or read without a stamp falls back to the clock read of 1.
+   The client creates and connects the TCP socket itself (``open_connection``) to set this up,
+   then hands it to asyncio. Any platform, event loop (uvloop) or read without a stamp falls
+   back to the clock read of 1.
 
 HTTP/2 and TLS variants keep httpx (client.py picks the path).
 """
@@ -25,6 +27,7 @@ HTTP/2 and TLS variants keep httpx (client.py picks the path).
 from __future__ import annotations
 
 import asyncio
+import functools
 import platform
 import socket
 import struct
@@ -73,9 +76,9 @@ _rx = _RxStamp()
 
 
 class _RxStampSocket(socket.socket):
-    """The transport's socket, re-classed in place, so asyncio's own ``recv_into`` becomes a
-    ``recvmsg_into`` that also keeps the kernel's receive timestamp. For TCP the stamp is the
-    arrival time of the newest packet in the data returned."""
+    """The socket open_connection made, re-classed before asyncio gets it, so the selector
+    loop's own ``recv_into`` becomes a ``recvmsg_into`` that also keeps the kernel's receive
+    timestamp. For TCP the stamp is the arrival time of the newest packet in the data returned."""
 
     __slots__ = ()
 
@@ -92,24 +95,73 @@ class _RxStampSocket(socket.socket):
         return n
 
 
-def enable_rx_timestamps(transport: asyncio.BaseTransport) -> bool:
-    """Turn on kernel receive timestamps for the transport's TCP socket. False (and nothing
-    changed) where that is not possible: not Linux, another event loop (uvloop has no ``_sock``),
-    not a plain TCP socket, or the kernel refused the option."""
-    if not _RX_STAMPS_SUPPORTED:
-        return False
-    sock = getattr(transport, "_sock", None)
-    # Exactly socket.socket: never re-class an SSLSocket or another subclass.
-    if type(sock) is not socket.socket:
+def _enable_rx_timestamps(sock: socket.socket, loop: asyncio.AbstractEventLoop) -> bool:
+    """Turn on kernel receive timestamps on a TCP socket this module created. False (and nothing
+    changed) where that is not possible: not Linux, or an event loop that does not read through
+    the socket object's ``recv_into`` (uvloop reads the fd in libuv), or the kernel refused."""
+    if not _RX_STAMPS_SUPPORTED or not isinstance(loop, asyncio.SelectorEventLoop):
         return False
     try:
-        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
-            return False
         sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
-        sock.__class__ = _RxStampSocket
-    except (OSError, TypeError):
+    except OSError:
         return False
+    # Our own socket, not yet handed to asyncio: re-classing it reaches into nothing private.
+    sock.__class__ = _RxStampSocket
     return True
+
+
+async def _addresses(host: str, port: int, loop: asyncio.AbstractEventLoop) -> list[tuple]:
+    """(family, address) to try in order. A numeric host skips getaddrinfo, which the default
+    loop runs in a thread: one hop per new connection, as asyncio's own fast path avoids."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        return [(family, (host, port) if family == socket.AF_INET else (host, port, 0, 0))]
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    if not infos:
+        raise OSError(f"getaddrinfo({host!r}, {port}) returned no addresses")
+    return [(family, addr) for family, _, _, _, addr in infos]
+
+
+async def open_connection(
+    host: str, port: int, on_idle: Callable[[H1Connection], None], rx_timestamps: bool | None = None
+) -> tuple[H1Connection, int, int]:
+    """Open a keep-alive connection on a TCP socket created here (so kernel receive stamps can
+    be switched on without touching asyncio's private transport attributes).
+
+    Returns (connection, connect start ns, connect end ns): the two clock reads around
+    ``sock_connect``, the TCP handshake alone. Addresses are tried in getaddrinfo order, as
+    ``loop.create_connection`` does; the last error is raised when all fail. The caller's
+    deadline (``asyncio.timeout``) covers name resolution too. Every failure, cancellation
+    included, closes the socket it made: no fd outlives a failed attempt."""
+    loop = asyncio.get_running_loop()
+    want_stamps = RX_TIMESTAMPS if rx_timestamps is None else rx_timestamps
+    error: OSError | None = None
+    for family, addr in await _addresses(host, port, loop):
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            stamps = want_stamps and _enable_rx_timestamps(sock, loop)
+            c0 = _perf()
+            await loop.sock_connect(sock, addr)
+            c1 = _perf()
+            _, conn = await loop.create_connection(
+                functools.partial(H1Connection, on_idle, stamps), sock=sock
+            )
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        conn.sock = sock
+        return conn, c0, c1
+    assert error is not None
+    raise error
 
 
 def sample_realtime_offset(tries: int = 5) -> tuple[int, int]:
@@ -330,7 +382,7 @@ class H1Connection(asyncio.BufferedProtocol):
     makes asyncio ``recv(256 KiB)`` per read, and allocating 256 KiB goes through mmap and page
     faults (measured here: ~18 us per read vs ~3 us with a reused 64 KiB buffer)."""
 
-    def __init__(self, on_idle: Callable[[H1Connection], None], rx_timestamps: bool | None = None) -> None:
+    def __init__(self, on_idle: Callable[[H1Connection], None], rx_timestamps: bool = False) -> None:
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.exchange: Exchange | None = None
@@ -343,16 +395,15 @@ class H1Connection(asyncio.BufferedProtocol):
         self.draining = False  # the exchange ended at [DONE]; waiting for the chunked trailer
         self._buf = bytearray(_READ_SIZE)
         self._view = memoryview(self._buf)
-        # Whether to ask for kernel receive stamps; after connection_made, whether they are on.
-        self.rx_timestamps = RX_TIMESTAMPS if rx_timestamps is None else rx_timestamps
+        # Whether the socket's reads carry kernel receive stamps (open_connection sets it up).
+        self.rx_timestamps = rx_timestamps
+        self.sock: socket.socket | None = None  # the socket open_connection made, if it did
         self.rx_offset_ns = 0
         self.rx_floor_ns = 0  # stamps never go before the request write or an earlier stamp
 
     # asyncio.Protocol -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        if self.rx_timestamps:
-            self.rx_timestamps = enable_rx_timestamps(transport)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._view
