@@ -125,14 +125,15 @@ class SampleError(ValueError):
     """A row or context value that cannot be stored; the message names the field."""
 
 
-def make_request_id(run_id: int, seq: int, variant: str) -> str:
-    """Deterministic id of one (run, request, variant): the same on every retry and redelivery.
-
-    Fixed-width seq keeps ids of one run sorted in schedule order.
-    """
-    if not variant:
-        raise SampleError("make_request_id: variant must be a non-empty string")
-    return f"r{int(run_id)}-{int(seq):08d}-{variant}"
+def request_id(run_id: int, seq: int, variant: str | None = None) -> str:
+    """The one definition of a request's id: deterministic, the same on every retry and
+    redelivery. One per (run, request) in split mode (the router picks the variant), one per
+    (run, request, variant) in mirror mode (every variant gets the request). The replay
+    (workers.replay.plan) sends these, and row_from derives the same when a writer gives none."""
+    if variant is not None and not variant:
+        raise SampleError("request_id: variant must be a non-empty string or None")
+    base = f"r{int(run_id)}-{int(seq)}"
+    return f"{base}-{variant}" if variant is not None else base
 
 
 def row_from(result: StreamResult, context: Mapping[str, Any]) -> dict[str, Any]:
@@ -159,7 +160,7 @@ def row_from(result: StreamResult, context: Mapping[str, Any]) -> dict[str, Any]
     row["error"] = result.error[:MAX_ERROR_CHARS]
 
     # 1. request id: the replay's deterministic id; the client must have sent that same id.
-    derived = make_request_id(ctx["run_id"], ctx["seq"], ctx["variant"])
+    derived = request_id(ctx["run_id"], ctx["seq"], ctx["variant"] if ctx["mode"] == "mirror" else None)
     rid = ctx["request_id"] or result.request_id or derived
     if result.request_id and ctx["request_id"] and result.request_id != ctx["request_id"]:
         raise SampleError(

@@ -8,8 +8,9 @@ import math
 import pytest
 
 from samples import columns, schema
-from samples.columns import SampleError, make_request_id, row_from, validate_row
+from samples.columns import SampleError, request_id, row_from, validate_row
 from samples.sql import ParamError, bind, quote
+from workers.replay import plan
 from workers.streaming.result import StreamResult
 
 
@@ -26,14 +27,22 @@ def test_frozen_migration_creates_exactly_the_declared_columns():
 
 
 def test_request_id_is_deterministic_and_distinct_per_run_seq_and_variant():
-    assert make_request_id(7, 3, "awq") == make_request_id(7, 3, "awq") == "r7-00000003-awq"
-    ids = {make_request_id(r, s, v) for r in (1, 2) for s in (1, 10, 100) for v in ("a", "b")}
-    assert len(ids) == 12
+    assert request_id(7, 3) == request_id(7, 3) == "r7-3"  # split: the router picks the variant
+    assert request_id(7, 3, "awq") == "r7-3-awq"  # mirror: one per variant
+    ids = {request_id(r, s, v) for r in (1, 2) for s in (1, 10, 100) for v in ("a", "b", None)}
+    assert len(ids) == 18
+    with pytest.raises(SampleError, match="variant must be a non-empty string or None"):
+        request_id(7, 3, "")
+
+
+def test_the_replay_sends_the_ids_row_from_derives(build):
+    assert plan.request_id is request_id
+    assert row_from(build.result(), build.context(3, mode="mirror"))["request_id"] == "r7-3-awq"
 
 
 def test_row_from_maps_result_and_context(build):
     row = row_from(build.result(), build.context(3))
-    assert row["request_id"] == "r7-00000003-awq"
+    assert row["request_id"] == "r7-3"
     assert row["sent_at"] == 1_732_900_000  # whole seconds of sent_unix_ms
     assert row["sent_unix_ms"] == 1_732_900_000_153.456
     assert row["outcome"] == "stall"

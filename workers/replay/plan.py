@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from samples.columns import request_id  # noqa: F401 - the one definition, used by the runner
+
 SPLIT, MIRROR = "split", "mirror"
-
-
-def request_id(run_id: int, seq: int, variant: str | None = None) -> str:
-    base = f"r{run_id}-{seq}"
-    return f"{base}-{variant}" if variant is not None else base
 
 
 @dataclasses.dataclass(frozen=True)
