@@ -80,10 +80,16 @@ class Filters:
     since: dt.datetime | None = None  # inclusive, on sent_at (UTC)
     until: dt.datetime | None = None  # exclusive
     variants: tuple[str, ...] = ()  # empty: all
+    # Only these runs (the report's raw part beside per-run rollups; not an analyst filter,
+    # so not in as_dict). Empty: no restriction.
+    runs: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.experiment:
             raise QueryError("Filters.experiment must be a non-empty key")
+        for run in self.runs:
+            if isinstance(run, bool) or not isinstance(run, int) or run < 0:
+                raise QueryError(f"Filters.runs must hold non-negative integers, got {run!r}")
         if self.run_id is not None and (
             isinstance(self.run_id, bool) or not isinstance(self.run_id, int) or self.run_id < 0
         ):
@@ -138,6 +144,9 @@ def _conditions(f: Filters, extra: Sequence[str]) -> tuple[list[str], list[str],
     if f.run_id is not None:
         pre.append("run_id = %(run_id)s")
         params["run_id"] = f.run_id
+    if f.runs:
+        pre.append("run_id IN %(runs)s")
+        params["runs"] = tuple(f.runs)
     if f.since is not None:
         conds.append("sent_at >= %(since)s")
         params["since"] = f.since
@@ -344,9 +353,16 @@ HIST_KEYS: dict[str, str] = {
 def ttft_histogram(store: Any, f: Filters) -> dict[str, tuple[list[int], list[int], list[float]]]:
     """{variant: (sorted keys, counts, largest TTFT in each key)} over successful requests;
     key = floor(TTFT * 10 + 0.5), the 0.1 ms rounding of the Mann-Whitney test."""
-    fw, params = from_where(f, [metric_ok("ttft_ms")])
+    return histogram(store, f, "ttft_ms")
+
+
+def histogram(store: Any, f: Filters, metric: str) -> dict[str, tuple[list[int], list[int], list[float]]]:
+    """{variant: (sorted keys, counts, largest value in each key)} of a metric over successful
+    requests, keyed by HIST_KEYS[metric]."""
+    column = METRICS[metric]
+    fw, params = from_where(f, [metric_ok(column)])
     sql = (
-        f"SELECT variant, {_TTFT_KEY} AS k, count() AS c, max(assumeNotNull(ttft_ms)) AS top "
+        f"SELECT variant, {HIST_KEYS[metric]} AS k, count() AS c, max(assumeNotNull({column})) AS top "
         f"{fw} GROUP BY variant, k ORDER BY variant, k"
     )
     out: dict[str, tuple[list[int], list[int], list[float]]] = {}

@@ -131,34 +131,34 @@ def build_report(
         filters = dataclasses.replace(filters, variants=(control, *filters.variants))
     order = [v.key for v in exp.variants if not filters.variants or v.key in filters.variants]
 
-    # Finished runs read their rollups (dashboards.rollup) where every run in scope has a current
-    # one; otherwise (a run still going, a time window, a changed SLO) the raw samples.
-    builds = rollup.usable_builds(store, filters, exp.slo) if use_rollup else None
+    # Finished runs read their rollups (dashboards.rollup); runs without a current one (still
+    # replaying, changed since) read the raw samples beside them; a time window or a changed
+    # SLO reads everything raw.
+    scope = rollup.report_scope(store, filters, exp.slo) if use_rollup else None
+    builds = scope.builds if scope is not None else None
+    live = dataclasses.replace(filters, runs=scope.live) if scope is not None and scope.live else None
 
-    # 1. counts, hits, phase sums, the TTFT histogram (independent: run together)
-    hists: dict[str, dict[str, tuple[list[int], list[int], list[float]]]] = {}
+    # 1. counts, hits, phase sums, the histograms (independent: run together)
+    jobs: dict[str, Callable[[], Any]] = {}
     if builds is not None:
-        got = run_queries(
-            store,
-            {
-                "summary": lambda: rollup.summary(store, filters, builds),
-                "hists": lambda: rollup.histograms(store, filters, builds),
-            },
-        )
-        summ, hists = got["summary"], got["hists"]
-        hist = hists["ttft_ms"]
+        jobs["summary"] = lambda: rollup.summary(store, filters, builds)
+        jobs["hists"] = lambda: rollup.histograms(store, filters, builds)
+    raw_f = live if builds is not None else filters
+    if raw_f is not None:
+        jobs["raw_summary"] = lambda: q.summary(store, raw_f, exp.slo)
+        jobs["raw_phases"] = lambda: q.phase_sums(store, raw_f, exp.slo)
+        for m in q.METRICS if builds is not None else ("ttft_ms",):
+            jobs[f"raw_hist_{m}"] = lambda m=m: q.histogram(store, raw_f, m)
+    got = run_queries(store, jobs)
+    raw_summ: dict[str, dict[str, Any]] = got.get("raw_summary", {})
+    for v, s in raw_summ.items():
+        s.update(got["raw_phases"].get(v, {"phase_n": 0, "phase_sums": dict.fromkeys(q.PHASES, 0.0)}))
+    if builds is not None:
+        summ = rollup.merge_summaries(got["summary"], raw_summ)
+        hists = {m: rollup.merge_histograms(got["hists"][m], got.get(f"raw_hist_{m}", {})) for m in q.METRICS}
     else:
-        got = run_queries(
-            store,
-            {
-                "summary": lambda: q.summary(store, filters, exp.slo),
-                "phases": lambda: q.phase_sums(store, filters, exp.slo),
-                "ttft_hist": lambda: q.ttft_histogram(store, filters),
-            },
-        )
-        summ, hist = got["summary"], got["ttft_hist"]
-        for v, s in summ.items():
-            s.update(got["phases"].get(v, {"phase_n": 0, "phase_sums": dict.fromkeys(q.PHASES, 0.0)}))
+        summ, hists = raw_summ, {"ttft_ms": got["raw_hist_ttft_ms"]}
+    hist = hists["ttft_ms"]
     stray = sorted(set(summ) - set(known))
     present = [k for k in order if k in summ]
     first = min((s["first_ms"] for s in summ.values()), default=None)
@@ -178,15 +178,20 @@ def build_report(
     def ranks_of(metric: str) -> dict[str, list[int]]:
         return {v: _ranks_for(metric, n) for v in present if (n := summ[v]["metric_n"][metric]) > 0}
 
-    jobs: dict[str, Callable[[], Any]] = {}
+    jobs = {}
     if builds is not None:
         for m in q.METRICS:
             jobs[f"os_{m}"] = lambda m=m: rollup.order_statistics(
-                store, filters, builds, m, hists[m], ranks_of(m)
+                store, filters, builds, m, hists[m], ranks_of(m), live
             )
-        jobs["cells"] = lambda: rollup.segment_cells(store, filters, builds, bucket_s)
-        jobs["series"] = lambda: rollup.p99_over_time(store, filters, builds, bucket_s)
-        jobs["srm_users"] = lambda: _srm_users_from_rollup(store, filters, builds)
+
+        def cells() -> list[dict[str, Any]]:
+            out = rollup.segment_cells(store, filters, builds, bucket_s)
+            return out + q.segment_cells(store, live, exp.slo, bucket_s) if live is not None else out
+
+        jobs["cells"] = cells
+        jobs["series"] = lambda: rollup.p99_over_time(store, filters, builds, bucket_s, live)
+        jobs["srm_users"] = lambda: _srm_users_from_rollup(store, filters, builds, live is not None)
     else:
         jobs["os_ttft_ms"] = lambda: q.order_statistics_from_histogram(
             store, filters, "ttft_ms", hist, ranks_of("ttft_ms")
@@ -316,14 +321,18 @@ def build_report(
         "cdf": {v: cdf[v] for v in present if v in cdf},
         "timing": {
             "query_s": time.perf_counter() - t0,
-            "source": "rollup" if builds is not None else "samples",
+            "source": "samples" if builds is None else "rollup+samples" if live is not None else "rollup",
         },
     }
 
 
-def _srm_users_from_rollup(store: Any, filters: q.Filters, builds: Mapping[int, int]) -> list[dict[str, Any]]:
-    users = rollup.srm_users(store, filters, builds)
-    return q.srm_users(store, filters) if users is None else users  # several runs: distinct over all
+def _srm_users_from_rollup(
+    store: Any, filters: q.Filters, builds: Mapping[int, int], with_live: bool
+) -> list[dict[str, Any]]:
+    # distinct users of one run come from its rollup; over several runs a user may appear in
+    # more than one, so they are counted over all the samples in scope
+    users = None if with_live else rollup.srm_users(store, filters, builds)
+    return q.srm_users(store, filters) if users is None else users
 
 
 def _compare(

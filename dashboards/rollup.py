@@ -9,13 +9,16 @@ A report then reads a few thousand rollup rows, and the exact order statistics r
 values of the histogram buckets that hold the ranks, from a table of every value sorted by
 (build, variant, metric, bucket), through its primary index.
 
-When a rollup is used (usable_builds), and when the report falls back to the raw samples:
-- every run in scope has a build whose row count and sum(recorded_ms) still match the samples
-  (a late row, a replaced recording or a delete sends the report back to the raw samples),
-- the build was made for the experiment's current SLO (hits and miss phases depend on it) and
-  by this version of the rollup format (FORMAT_VERSION),
-- no time window is set (the rollup's cells are 10 s wide; a window cuts through them).
-The numbers are the same either way (tests compare both paths); only the speed differs.
+Which runs a report reads from their rollup (report_scope): those whose build
+- still matches the samples' row count and sum(recorded_ms) (a late row, a replaced recording
+  or a delete makes it stale),
+- was made for the experiment's current SLO (hits and miss phases depend on it) and by this
+  version of the rollup format (FORMAT_VERSION).
+The other runs in scope (still replaying, stale) are read from the raw samples beside them and
+added in: counts and histograms add up, the exact ranks read the values of both (UNION ALL).
+With a time window (the rollup's cells are 10 s wide; a window cuts through them), or no run
+with a current build, the whole report reads the raw samples. The numbers are the same either
+way (tests compare the paths); only the speed differs.
 
 Runs unchanged on ClickHouse 18.16 and chDB (INSERT ... SELECT, ALTER ... DELETE).
 """
@@ -37,6 +40,7 @@ log = logging.getLogger(__name__)
 
 GRAIN_S = 10  # every report time bucket (queries.TIME_BUCKETS_S) is a multiple of this
 SERIES_KEY = "toInt64(floor(assumeNotNull(ttft_ms)))"  # 1 ms buckets for the p99 chart
+_GRAIN_SQL = f"toUInt32(intDiv(toUInt32(sent_at), {GRAIN_S}) * {GRAIN_S})"  # the 10 s cell of a sample
 
 
 class RollupStale(RuntimeError):
@@ -100,7 +104,7 @@ def build_run_rollup(store: Any, experiment: str, run_id: int, slo: q.Slo) -> Bu
         SELECT {head}, toString(variant), toString(mode), config_revision,
                toUInt8({q.bucket_sql("prompt_tokens", PROMPT_TOKEN_EDGES)}) AS pb,
                toUInt8({q.bucket_sql("in_flight", INFLIGHT_EDGES)}) AS ib,
-               toUInt32(intDiv(toUInt32(sent_at), {GRAIN_S}) * {GRAIN_S}) AS tb,
+               {_GRAIN_SQL} AS tb,
                count(), countIf(outcome != 'ok'), countIf({hit}), {metric_counts},
                min(sent_unix_ms), max(sent_unix_ms), countIf({miss_phase}), {phase_sums}
         {scope}
@@ -108,7 +112,7 @@ def build_run_rollup(store: Any, experiment: str, run_id: int, slo: q.Slo) -> Bu
         """,
         f"""
         INSERT INTO {schema.ROLLUP_SERIES_TABLE}
-        SELECT {head}, toString(variant), toUInt32(intDiv(toUInt32(sent_at), {GRAIN_S}) * {GRAIN_S}) AS tb,
+        SELECT {head}, toString(variant), {_GRAIN_SQL} AS tb,
                {SERIES_KEY} AS k, count(), max(assumeNotNull(ttft_ms))
         {scope} WHERE {q.metric_ok("ttft_ms")}
         GROUP BY variant, tb, k
@@ -192,9 +196,19 @@ def _drop_build(store: Any, experiment: str, run_id: int, build_id: int, keep: b
 # Read
 
 
-def usable_builds(store: Any, f: q.Filters, slo: q.Slo) -> dict[int, int] | None:
-    """{run_id: build_id} when every run in scope has a current rollup (same format version,
-    this SLO, the samples unchanged since), else None."""
+@dataclasses.dataclass(frozen=True)
+class Scope:
+    """How a report reads its runs: builds (run -> build id) from the rollups, live (runs with
+    no current build: still replaying, changed since, built before this format) from the raw
+    samples."""
+
+    builds: Mapping[int, int]
+    live: tuple[int, ...] = ()
+
+
+def report_scope(store: Any, f: q.Filters, slo: q.Slo) -> Scope | None:
+    """Which runs in scope have a current rollup (same format version, this SLO, the samples
+    unchanged since); None when none has, or a time window is set (read it all raw)."""
     if f.since is not None or f.until is not None:
         return None
     live = _signature(store, f.experiment, f.run_id)
@@ -205,14 +219,57 @@ def usable_builds(store: Any, f: q.Filters, slo: q.Slo) -> dict[int, int] | None
         f"SELECT run_id, build_id, spec, rows, recorded_sum FROM {schema.ROLLUP_BUILDS_TABLE} FINAL WHERE {where}",
         {"e": f.experiment, "r": f.run_id},
     )
-    builds = {int(r): (int(b), s, (int(n), int(total))) for r, b, s, n, total in rows}
+    catalog = {int(r): (int(b), s, (int(n), int(total))) for r, b, s, n, total in rows}
     want = build_spec(slo)
-    out: dict[int, int] = {}
-    for run_id, sig in live.items():
-        build = builds.get(run_id)
-        if build is None or build[1] != want or build[2] != sig:
-            return None
-        out[run_id] = build[0]
+    builds: dict[int, int] = {}
+    raw: list[int] = []
+    for run_id, sig in sorted(live.items()):
+        build = catalog.get(run_id)
+        if build is not None and build[1] == want and build[2] == sig:
+            builds[run_id] = build[0]
+        else:
+            raw.append(run_id)
+    return Scope(builds, tuple(raw)) if builds else None
+
+
+def merge_summaries(*parts: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per-variant summaries (queries.summary + phase_sums shape) of disjoint runs, added up."""
+    out: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for v, s in part.items():
+            if v not in out:
+                out[v] = {**s, "metric_n": dict(s["metric_n"]), "modes": dict(s["modes"]),
+                          "phase_sums": dict(s["phase_sums"])}  # fmt: skip
+                continue
+            o = out[v]
+            for k in ("n", "errors", "hits", "phase_n"):
+                o[k] += s[k]
+            o["first_ms"], o["last_ms"] = min(o["first_ms"], s["first_ms"]), max(o["last_ms"], s["last_ms"])
+            for group in ("metric_n", "modes", "phase_sums"):
+                for k, x in s[group].items():
+                    o[group][k] = o[group].get(k, 0) + x
+    return out
+
+
+def merge_histograms(
+    *parts: Mapping[str, tuple[Sequence[int], Sequence[int], Sequence[float]]],
+) -> dict[str, tuple[list[int], list[int], list[float]]]:
+    """Per-variant histograms (sorted keys, counts, largest value per key) added up by key."""
+    acc: dict[str, dict[int, list[float]]] = {}
+    for part in parts:
+        for v, (keys, counts, tops) in part.items():
+            cells = acc.setdefault(v, {})
+            for k, c, t in zip(keys, counts, tops, strict=True):
+                cell = cells.get(k)
+                if cell is None:
+                    cells[k] = [c, t]
+                else:
+                    cell[0] += c
+                    cell[1] = max(cell[1], t)
+    out: dict[str, tuple[list[int], list[int], list[float]]] = {}
+    for v, cells in acc.items():
+        keys = sorted(cells)
+        out[v] = (keys, [int(cells[k][0]) for k in keys], [float(cells[k][1]) for k in keys])
     return out
 
 
@@ -277,9 +334,12 @@ def order_statistics(
     metric: str,
     hist: Mapping[str, tuple[Sequence[int], Sequence[int], Sequence[float]]],
     ranks: Mapping[str, Sequence[int]],
+    live: q.Filters | None = None,
 ) -> dict[str, dict[int, float]]:
     """queries.order_statistics_from_histogram, the values read from the sorted value table:
-    the primary index narrows the read to the granules of the buckets that hold the ranks."""
+    the primary index narrows the read to the granules of the buckets that hold the ranks.
+    live: the runs without a build (Filters with runs set), whose values come from the samples;
+    hist must then count both."""
     where = "build_id IN %(builds)s AND metric = %(metric)s"
     params: dict[str, Any] = {"builds": tuple(sorted(builds.values())), "metric": metric}
     if f.variants:
@@ -287,7 +347,14 @@ def order_statistics(
         params["variants"] = tuple(f.variants)
 
     def source(keys: tuple[int, ...]) -> tuple[str, dict[str, Any]]:
-        return f"FROM {schema.ROLLUP_VALUES_TABLE} WHERE {where} AND k IN %(keys)s", {**params, "keys": keys}
+        sql = f"SELECT CAST(variant AS String) AS variant, v, k FROM {schema.ROLLUP_VALUES_TABLE} WHERE {where} AND k IN %(keys)s"
+        bound = {**params, "keys": keys}
+        if live is not None:
+            column, key = q.METRICS[metric], q.HIST_KEYS[metric]
+            fw, raw_params = q.from_where(live, [q.metric_ok(column), f"{key} IN %(keys)s"])
+            sql += f" UNION ALL SELECT CAST(variant AS String) AS variant, assumeNotNull({column}) AS v, {key} AS k {fw}"
+            bound.update(raw_params)
+        return f"FROM ({sql})", bound
 
     return q.values_at_ranks(store, source, "v", "k", hist, ranks)
 
@@ -321,7 +388,7 @@ def srm_users(store: Any, f: q.Filters, builds: Mapping[int, int]) -> list[dict[
 
 
 def p99_over_time(
-    store: Any, f: q.Filters, builds: Mapping[int, int], bucket_s: int
+    store: Any, f: q.Filters, builds: Mapping[int, int], bucket_s: int, live: q.Filters | None = None
 ) -> dict[str, list[tuple[int, int, float]]]:
     """queries.p99_over_time from the 1 ms TTFT histogram per 10 s: the same rank
     (floor(0.99 n) + 1); the value is the largest TTFT of the 1 ms bucket holding it, so it is
@@ -332,6 +399,14 @@ def p99_over_time(
     if not isinstance(bucket_s, int) or bucket_s < GRAIN_S or bucket_s % GRAIN_S:
         raise q.QueryError(f"bucket_s must be a positive multiple of {GRAIN_S}, got {bucket_s!r}")
     where, params = _scope(f, builds)
+    rows = f"SELECT variant, tb, k, n, top FROM {schema.ROLLUP_SERIES_TABLE} WHERE {where}"
+    if live is not None:  # runs without a build: their samples, one row each
+        fw, raw_params = q.from_where(live, [q.metric_ok("ttft_ms")])
+        rows += (
+            f" UNION ALL SELECT CAST(variant AS String) AS variant, {_GRAIN_SQL} AS tb, {SERIES_KEY} AS k, "
+            f"toUInt64(1) AS n, assumeNotNull(ttft_ms) AS top {fw}"
+        )
+        params = {**params, **raw_params}
     sql = f"""
         SELECT variant, tb2, total, argMin(t, c) AS p99
         FROM (
@@ -340,7 +415,7 @@ def p99_over_time(
                    arraySort((x, y) -> y, groupArray(t), groupArray(k)) AS tops
             FROM (
                 SELECT variant, intDiv(tb, {bucket_s}) * {bucket_s} AS tb2, k, sum(n) AS c, max(top) AS t
-                FROM {schema.ROLLUP_SERIES_TABLE} WHERE {where}
+                FROM ({rows})
                 GROUP BY variant, tb2, k
             )
             GROUP BY variant, tb2

@@ -33,15 +33,26 @@ from tests.dashboards.fixtures_report import (  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.services
 
-SPLIT_RUN, MIRROR_RUN = split_spec().run_id, mirror_spec().run_id
+SPLIT_RUN, MIRROR_RUN, LIVE_RUN = split_spec().run_id, mirror_spec().run_id, 13
+
+
+@pytest.fixture(scope="module")
+def live_data() -> synthetic.Synthetic:
+    """A second run of the split experiment that has no rollup (as if still replaying)."""
+    return synthetic.generate(
+        dataclasses.replace(
+            split_spec(), run_id=LIVE_RUN, n=6_000, seed=8, duplicate_rate=0.0, config_revisions=(102,)
+        )
+    )
 
 
 @pytest.fixture(scope="module")
 def stores(
-    chdb_dir: str, clickhouse_server: str, split_data, mirror_data
+    chdb_dir: str, clickhouse_server: str, split_data, mirror_data, live_data
 ) -> Iterator[dict[str, SampleStore]]:
-    """Own databases (the shared report fixtures stay on the raw path), rollups built."""
-    out = load_stores(chdb_dir, "abplat_test_rollup", (split_data, mirror_data))
+    """Own databases (the shared report fixtures stay on the raw path), rollups built for the
+    split and mirror runs, not for the live run."""
+    out = load_stores(chdb_dir, "abplat_test_rollup", (split_data, mirror_data, live_data))
     for store in out.values():
         for data in (split_data, mirror_data):
             spec = data.spec
@@ -77,32 +88,40 @@ def assert_same(a, b, path: str = "") -> None:
 
 
 @pytest.mark.parametrize(
-    "spec_fn, filters",
+    "spec_fn, filters, source",
     [
-        (split_spec, {}),
-        (split_spec, {"run_id": SPLIT_RUN}),
-        (split_spec, {"variants": ("awq",)}),
-        (mirror_spec, {}),
+        (split_spec, {"run_id": SPLIT_RUN}, "rollup"),
+        (split_spec, {"run_id": SPLIT_RUN, "variants": ("awq",)}, "rollup"),
+        (split_spec, {}, "rollup+samples"),  # the rolled-up run and the live one
+        (split_spec, {"variants": ("awq",)}, "rollup+samples"),
+        (split_spec, {"run_id": LIVE_RUN}, "samples"),
+        (mirror_spec, {}, "rollup"),
     ],
-    ids=["split", "split-run", "split-variant", "mirror"],
+    ids=["run", "run-variant", "mixed", "mixed-variant", "live-run", "mirror"],
 )
-def test_rollup_report_equals_raw_report(store, spec_fn, filters):
+def test_rollup_report_equals_raw_report(store, spec_fn, filters, source):
     spec = spec_fn()
     exp = info(spec)
     f = q.Filters(spec.experiment, **filters)
     fast = r.build_report(store, exp, f)
     raw = r.build_report(store, exp, f, use_rollup=False)
-    assert fast["timing"]["source"] == "rollup"
+    assert fast["timing"]["source"] == source
     assert raw["timing"]["source"] == "samples"
     assert fast["variants"][0]["n"] > 0
     assert_same(raw, fast)
 
 
+def test_the_scope_names_the_runs_read_from_rollups_and_from_samples(store):
+    scope = rollup.report_scope(store, q.Filters(split_spec().experiment), SLO)
+    assert set(scope.builds) == {SPLIT_RUN} and scope.live == (LIVE_RUN,)
+    assert rollup.report_scope(store, q.Filters(split_spec().experiment, run_id=LIVE_RUN), SLO) is None
+
+
 def test_p99_chart_from_rollup_is_within_its_1ms_bucket_and_counts_match(store):
     spec = split_spec()
-    f = q.Filters(spec.experiment)
-    builds = rollup.usable_builds(store, f, SLO)
-    assert builds == {SPLIT_RUN: builds[SPLIT_RUN]}
+    f = q.Filters(spec.experiment, run_id=SPLIT_RUN)
+    builds = rollup.report_scope(store, f, SLO).builds
+    assert list(builds) == [SPLIT_RUN]
     for bucket_s in (30, 60, 300):
         exact = q.p99_over_time(store, f, bucket_s)
         fast = rollup.p99_over_time(store, f, builds, bucket_s)
@@ -117,10 +136,10 @@ def test_a_time_window_or_another_slo_reads_the_raw_samples(store):
     spec = split_spec()
     start = dt.datetime.fromtimestamp(spec.start_unix_ms / 1000, dt.UTC)
     window = q.Filters(spec.experiment, since=start, until=start + dt.timedelta(minutes=10))
-    assert rollup.usable_builds(store, window, SLO) is None
+    assert rollup.report_scope(store, window, SLO) is None
     assert r.build_report(store, info(spec), window)["timing"]["source"] == "samples"
     other = q.Slo(250.0)
-    assert rollup.usable_builds(store, q.Filters(spec.experiment), other) is None
+    assert rollup.report_scope(store, q.Filters(spec.experiment), other) is None
     rep = r.build_report(store, info(spec, slo=other), q.Filters(spec.experiment))
     assert rep["timing"]["source"] == "samples"
 
@@ -144,11 +163,11 @@ def test_a_row_added_after_the_build_sends_the_report_back_to_the_samples(kind, 
         first = rollup.build_run_rollup(store, spec.experiment, 5, SLO)
         assert first is not None
         f = q.Filters(spec.experiment)
-        assert rollup.usable_builds(store, f, SLO) is not None
+        assert rollup.report_scope(store, f, SLO) is not None
         late = synthetic.generate(dataclasses.replace(spec, n=1, seed=99))
         late.columns["request_id"] = np.array([f"{x}-late" for x in late.columns["request_id"]], dtype=object)
         synthetic.insert(store, late)
-        assert rollup.usable_builds(store, f, SLO) is None
+        assert rollup.report_scope(store, f, SLO) is None
         rep = r.build_report(store, info(spec), f)
         assert rep["timing"]["source"] == "samples"
         assert sum(v["n"] for v in rep["variants"]) == 2_001
@@ -180,7 +199,7 @@ def test_a_row_added_after_the_build_sends_the_report_back_to_the_samples(kind, 
 
 def test_a_build_racing_new_samples_publishes_nothing(store, monkeypatch):
     spec = split_spec()
-    before = rollup.usable_builds(store, q.Filters(spec.experiment), SLO)
+    before = rollup.report_scope(store, q.Filters(spec.experiment), SLO)
     real = rollup._signature
     calls = iter(range(10))
 
@@ -194,7 +213,7 @@ def test_a_build_racing_new_samples_publishes_nothing(store, monkeypatch):
     with pytest.raises(rollup.RollupStale, match="samples changed during the rollup build"):
         rollup.build_run_rollup(store, spec.experiment, SPLIT_RUN, SLO)
     monkeypatch.setattr(rollup, "_signature", real)
-    assert rollup.usable_builds(store, q.Filters(spec.experiment), SLO) == before
+    assert rollup.report_scope(store, q.Filters(spec.experiment), SLO) == before
 
 
 def test_bad_run_id_is_refused(store):
@@ -204,7 +223,7 @@ def test_bad_run_id_is_refused(store):
 
 def test_a_build_of_another_rollup_format_is_not_used(store, monkeypatch):
     f = q.Filters(split_spec().experiment)
-    assert rollup.usable_builds(store, f, SLO) is not None
+    assert rollup.report_scope(store, f, SLO) is not None
     monkeypatch.setattr(rollup, "FORMAT_VERSION", rollup.FORMAT_VERSION + 1)
     assert rollup.build_spec(SLO).startswith(f"v{rollup.FORMAT_VERSION}|")
-    assert rollup.usable_builds(store, f, SLO) is None
+    assert rollup.report_scope(store, f, SLO) is None

@@ -154,7 +154,13 @@ def test_sre_changes_weights_through_the_admin_with_a_preview(users, experiment)
     page = client.get(url)
     assert page.status_code == 200
     assert f'href="{url}"' in client.get(change_url(experiment)).content.decode()
-    form = {"weight__fp16": 50, "weight__awq": 30, "weight__awq-fa2": 20, "reason": "ramp", "expected_revision": 1}
+    form = {
+        "weight__fp16": 50,
+        "weight__awq": 30,
+        "weight__awq-fa2": 20,
+        "reason": "ramp",
+        "expected_revision": 1,
+    }
     page = client.post(url, {**form, "_preview": "1"}).content.decode()
     assert "16.00% of users change variant" in page  # the preview, before anything is written
     assert experiment.weights() == {"fp16": 34, "awq": 33, "awq-fa2": 33}

@@ -42,7 +42,7 @@ def test_split_replay_records_exactly_one_sample_per_request(running, sample_sto
     # the finished run's report rollup was built, and the report reads it: same numbers as raw
     exp = report.experiment_info(running)
     f = Filters("ttft-opt")
-    assert rollup.usable_builds(sample_store, f, exp.slo) is not None
+    assert rollup.report_scope(sample_store, f, exp.slo) == rollup.Scope({run.pk: ANY})
     fast, raw = (
         report.build_report(sample_store, exp, f),
         report.build_report(sample_store, exp, f, use_rollup=False),
@@ -86,11 +86,11 @@ def test_build_rollups_rebuilds_a_finished_run_and_skips_one_still_replaying(run
     run = ReplayRun.objects.get()
     slo = report.slo_of(running)
     sample_store.execute("TRUNCATE TABLE rollup_builds")  # as if built before rollups existed
-    assert rollup.usable_builds(sample_store, Filters("ttft-opt"), slo) is None
+    assert rollup.report_scope(sample_store, Filters("ttft-opt"), slo) is None
     out = io.StringIO()
     call_command("build_rollups", "ttft-opt", stdout=out)
     assert f"run {run.pk}: 30 samples rolled up" in out.getvalue() and "1 run(s) built" in out.getvalue()
-    assert rollup.usable_builds(sample_store, Filters("ttft-opt"), slo) == {run.pk: ANY}
+    assert rollup.report_scope(sample_store, Filters("ttft-opt"), slo) == rollup.Scope({run.pk: ANY})
     ReplayRun.objects.filter(pk=run.pk).update(status=ReplayRun.Status.RUNNING)
     out = io.StringIO()
     call_command("build_rollups", "ttft-opt", "--run", str(run.pk), stdout=out)
