@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +23,27 @@ from simulator.profiles import get_profile
 
 HOST = "127.0.0.1"
 DEFAULT_MODEL = "abplat-sim"
+
+
+def _resolve_prctl():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux/glibc: children are stopped by their handles only
+        return None
+
+
+_PRCTL = _resolve_prctl()  # resolved here, not in the child: no dlopen between fork and exec
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """preexec_fn for child servers (simulators, vLLM): the kernel sends the child SIGTERM when
+    the thread that started it dies, so a killed demo, test run or benchmark (SIGTERM, SIGKILL)
+    leaves no server behind. Start children from a long-lived thread (the main one)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def parse_serve_pair(text: str) -> tuple[str, int]:
@@ -155,7 +177,7 @@ def start_subprocess(
     cmd += ["--model", model, "--replicas", str(replicas)]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent)
     url = f"http://{HOST}:{port}"
     try:
         wait_healthy(url, ready_s, proc)

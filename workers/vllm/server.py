@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from simulator.serve import die_with_parent
 from workers.vllm.args import serve_argv
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -84,7 +85,16 @@ def start(
     full_env.update(env or {})
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "wb")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    # its own session (stop() signals the whole group: vLLM runs an engine-core child), and
+    # SIGTERM from the kernel if the process that started it dies before stopping it
+    proc = subprocess.Popen(
+        argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=full_env,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
     server = VllmServer(f"http://{host}:{port}", served_model_name, proc, log_path)
     try:
         wait_ready(server, ready_s)
@@ -92,15 +102,6 @@ def start(
         server.stop(5)
         raise
     return server
-
-
-def _die_with_parent() -> None:
-    # If the test run or benchmark that started vLLM is killed before its teardown, the kernel
-    # sends vLLM SIGTERM (which stops its engine processes too) instead of leaving a 3 GB orphan.
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def wait_ready(server: VllmServer, ready_s: float) -> None:
