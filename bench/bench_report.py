@@ -1,7 +1,7 @@
 """SLA report and dashboard page over 1M and 10M synthetic samples in the ClickHouse server.
 
     scripts/clickhouse.sh start
-    .venv/bin/python bench/bench_report.py [--sizes 1000000,10000000] [--reuse]
+    .venv/bin/python bench/bench_report.py [--sizes 1000000,10000000] [--reuse] [--live N]
 
 Each size lives in its own database (abplat_bench_1m, abplat_bench_10m): loaded through
 SampleStore.insert_columns with 0.1% older duplicate recordings, then SampleStore.deduplicate()
@@ -16,6 +16,8 @@ Times, median of 3:
 - report HOT: report_for through Django's cache (locmem), data unchanged: one data_version scan;
 - page COLD / HOT: the dashboard through Django's test client, cache cleared / warm;
 - rollup build: once per finished run, in the replay's finish step.
+- --live N: then a second run of N samples without a rollup (as a run still replaying) is added,
+  the report over both timed (rollup + raw live run, and all raw), and the run deleted again.
 Bytes: the page's HTML (plotly.js is a separate asset cached for a year, reported once).
 Targets: report < 1 s at 10M, page < 2 s, page < 1 MB.
 """
@@ -55,6 +57,11 @@ def main() -> None:
     ap.add_argument("--sizes", default="1000000,10000000")
     ap.add_argument("--reuse", action="store_true")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument(
+        "--live", type=int, default=0,
+        help="also add a second run of N samples without a rollup (a run still replaying) and time "
+        "the report over both (rollup + raw), then delete it",
+    )  # fmt: skip
     args = ap.parse_args()
 
     import django
@@ -68,6 +75,7 @@ def main() -> None:
     from samples.store import ClickHouseServerBackend
 
     rows = []
+    live_rows = []
     for size in [int(s) for s in args.sizes.split(",")]:
         url = f"{BASE_URL}_{size_label(size)}"
         store = ClickHouseServerBackend(url, send_receive_timeout=900)
@@ -124,7 +132,14 @@ def main() -> None:
             f"{page['bytes']} B; data_version {version_s:.3f} s",
             flush=True,
         )
+        if args.live:
+            live_rows.append((size, *_with_live_run(store, spec, exp, f, args.live, args.repeat)))
         store.close()
+    for size, n_live, mixed_s, raw_s in live_rows:
+        print(
+            f"\n{size:,} finished + {n_live:,} live samples: report cold {mixed_s:.3f} s "
+            f"(rollup + raw live run), {raw_s:.2f} s from raw samples ({raw_s / mixed_s:.1f}x)"
+        )
     print()
     print("| samples | report COLD s (rollup) | report COLD s (raw samples, baseline) | raw / rollup "
           "| report HOT s | page COLD s | page HOT s | page HTML kB | plotly.js gzip kB | rollup build s |")  # fmt: skip
@@ -135,6 +150,37 @@ def main() -> None:
             f"{phot:.3f} | {pb / 1024:.0f} | {jb / 1024:.0f} | {build_s:.1f} |"
         )
     print("targets: report < 1 s at 10M, page < 2 s, page < 1 MB")
+
+
+def _with_live_run(store, spec, exp, f, n: int, repeat: int) -> tuple[int, float, float]:
+    """Add run 2 (n samples, no rollup) beside the finished one, time the report both ways,
+    delete run 2 again. Returns (n, median rollup + raw, median raw)."""
+    import dataclasses
+
+    from dashboards import report as r
+    from samples import synthetic
+
+    live = dataclasses.replace(
+        spec, run_id=2, n=n, seed=2, duplicate_rate=0.0,
+        start_unix_ms=spec.start_unix_ms + spec.duration_s * 1000,
+    )  # fmt: skip
+    synthetic.insert(store, synthetic.generate(live), chunk_rows=1_000_000)
+    try:
+        mixed, raw = [], []
+        for _ in range(repeat):
+            for out, use in ((mixed, True), (raw, False)):
+                t = time.perf_counter()
+                rep = r.build_report(store, exp, f, use_rollup=use)
+                out.append(time.perf_counter() - t)
+                assert rep["timing"]["source"] == ("rollup+samples" if use else "samples"), rep["timing"]
+        return n, statistics.median(mixed), statistics.median(raw)
+    finally:
+        store.execute("ALTER TABLE samples DELETE WHERE run_id = 2")
+        deadline = time.monotonic() + 300
+        while (
+            store.query("SELECT count() FROM samples WHERE run_id = 2")[0][0] and time.monotonic() < deadline
+        ):
+            time.sleep(0.5)
 
 
 def _page(url: str, repeat: int) -> dict[str, float]:

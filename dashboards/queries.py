@@ -533,13 +533,19 @@ def segment_cells(store: Any, f: Filters, slo: Slo, bucket_s: int) -> list[dict[
     return [dict(zip(names, r, strict=True)) for r in store.query(sql, {**params, **hp})]
 
 
+# Distinct users, counted on a 64-bit hash of the id: uniqExact(user_id) already counts 128-bit
+# SipHash values of the strings; CityHash64 was 2.8x faster at 10M distinct users on 18.16
+# (0.99 vs 2.76 s), and a collision (probability ~3e-6 at 10^7 users) changes a count by one.
+DISTINCT_USERS = "uniqExact(cityHash64(user_id))"
+
+
 def srm_users(store: Any, f: Filters) -> list[dict[str, Any]]:
     """Distinct users per (config revision, variant) in split mode: the unit the router
     assigns, so the unit sample ratio mismatch is tested on. Requests are not independent
     draws (a heavy user sends many, all to one variant), so request counts would flag SRM on
     healthy traffic."""
     fw, params = from_where(f, ["mode = 'split'"])
-    sql = f"SELECT config_revision AS rev, variant, uniqExact(user_id) AS users {fw} GROUP BY rev, variant"
+    sql = f"SELECT config_revision AS rev, variant, {DISTINCT_USERS} AS users {fw} GROUP BY rev, variant"
     return [{"rev": int(r), "variant": v, "n": int(n)} for r, v, n in store.query(sql, params)]
 
 

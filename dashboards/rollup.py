@@ -49,7 +49,7 @@ class RollupStale(RuntimeError):
 
 # Bump when what a build computes changes (a histogram key, a bucket edge, a column): builds of
 # another version are then not used, and the report reads the raw samples until rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: distinct users on a 64-bit hash (queries.DISTINCT_USERS)
 
 
 def build_spec(slo: q.Slo) -> str:
@@ -119,7 +119,7 @@ def build_run_rollup(store: Any, experiment: str, run_id: int, slo: q.Slo) -> Bu
         """,
         f"""
         INSERT INTO {schema.ROLLUP_USERS_TABLE}
-        SELECT {head}, config_revision, toString(variant), uniqExact(user_id)
+        SELECT {head}, config_revision, toString(variant), {q.DISTINCT_USERS}
         {scope} WHERE mode = 'split'
         GROUP BY config_revision, variant
         """,
