@@ -431,13 +431,19 @@ def p99_over_time(
     return out
 
 
-def rollup_rows(store: Any, experiment: str) -> dict[str, int]:
-    """Rows per rollup table for an experiment (sizes, for the build command's output)."""
+def rollup_rows(store: Any, experiment: str, current_only: bool = True) -> dict[str, int]:
+    """Rows per rollup table for an experiment: of its current builds, or (current_only=False)
+    of every build still on disk (a superseded build's rows go once its delete has run)."""
+    builds = f"SELECT build_id FROM {schema.ROLLUP_BUILDS_TABLE} {'FINAL' if current_only else ''} WHERE experiment = %(e)s"
     out = {
-        t: int(store.query(f"SELECT count() FROM {t} WHERE experiment = %(e)s", {"e": experiment})[0][0])
+        t: int(
+            store.query(
+                f"SELECT count() FROM {t} WHERE experiment = %(e)s AND build_id IN ({builds})",
+                {"e": experiment},
+            )[0][0]
+        )
         for t in schema.ROLLUP_TABLES
     }
-    builds = f"SELECT build_id FROM {schema.ROLLUP_BUILDS_TABLE} WHERE experiment = %(e)s"
     rows = store.query(
         f"SELECT count() FROM {schema.ROLLUP_VALUES_TABLE} WHERE build_id IN ({builds})", {"e": experiment}
     )
