@@ -27,13 +27,6 @@ def transport(request):
 
 
 @pytest.fixture(scope="module")
-def fast():
-    handle = start_in_thread("fast")
-    yield handle
-    handle.stop()
-
-
-@pytest.fixture(scope="module")
 def slow():
     # Prefill ~400 ms and 100 ms per decode step: room for first-token, stall, total timeouts.
     prof = dataclasses.replace(

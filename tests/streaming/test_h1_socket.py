@@ -13,17 +13,10 @@ import warnings
 
 import pytest
 
-from simulator.serve import DEFAULT_MODEL, build_server, start_in_thread
+from simulator.serve import DEFAULT_MODEL, build_server
 from workers.streaming import h1
 from workers.streaming.client import StreamCancelled, Timeouts, VariantClient
 from workers.streaming.result import Outcome
-
-
-@pytest.fixture(scope="module")
-def fast():
-    handle = start_in_thread("fast")
-    yield handle
-    handle.stop()
 
 
 @pytest.fixture(scope="module")
