@@ -135,9 +135,13 @@ def vllm_bench(
     return [t * 1000 for t in d["ttfts"] if t > 0]
 
 
-def ours_on_vllm(url: str, prompts: list[str], c: int, out: int, kernel_stamps: bool = True) -> list:
+def ours_on_vllm(
+    url: str, prompts: list[str], c: int, out: int, kernel_stamps: bool = True, model: str = "tiny-llama"
+) -> list:
+    """Our client, pinned to the clients' core, on every prompt; raises if any request failed."""
+
     async def go():
-        async with VariantClient(url, "tiny-llama", "completions", transport=TRANSPORT) as client:
+        async with VariantClient(url, model, "completions", transport=TRANSPORT) as client:
             return await closed_loop(client, c, len(prompts), out, prompts)
 
     h1.RX_TIMESTAMPS = kernel_stamps
@@ -332,19 +336,7 @@ def overhead_on_simulator(n: int, levels: tuple[int, ...], rounds: int, out: int
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
 
     def ours(c: int, kernel: bool) -> list[float]:
-        async def go():
-            async with VariantClient(handle.url, handle.model, "completions", transport=TRANSPORT) as client:
-                return await closed_loop(client, c, n, out, prompts)
-
-        h1.RX_TIMESTAMPS = kernel
-        mask = os.sched_getaffinity(0)
-        if CLIENT_CPUS:
-            os.sched_setaffinity(0, CLIENT_CPUS)
-        try:
-            return [r.ttft_event_ms for r in asyncio.run(go()) if r.outcome is Outcome.OK]
-        finally:
-            os.sched_setaffinity(0, mask)
-            h1.RX_TIMESTAMPS = True
+        return [r.ttft_event_ms for r in ours_on_vllm(handle.url, prompts, c, out, kernel, handle.model)]
 
     def peer(c: int) -> list[float]:
         return vllm_bench(venv, handle.url, str(model), str(data), n, c, out, served=handle.model)

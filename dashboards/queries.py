@@ -15,7 +15,7 @@ index floor(level * n) of the sorted values, so asking for level (r - 0.5) / n r
 the r-th smallest value (1-based rank r, the ranks dashboards.stats asks for). TTFT ranks are
 selected in two steps instead: the histogram of TTFT at 0.1 ms (the Mann-Whitney counts, needed
 anyway) says which 0.1 ms bucket holds each rank and its place there; a second pass sorts only
-the values of those few buckets (ttft_order_statistics). The CDF chart comes from the same
+the values of those few buckets (order_statistics_from_histogram). The CDF chart comes from the same
 histogram: each point is (largest TTFT of a bucket, exact share of requests <= it), so it needs
 no ranks at all (400 quantileExact levels cost more than every other query together on 18.16).
 
@@ -232,7 +232,7 @@ def summary_rows(cols: Mapping[str, Sequence[Any]], n_column: str = "n") -> dict
 
 
 def mode_counts(summ: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
-    """{mode: rows} over the summary's variants (modes() without another pass)."""
+    """{mode: rows} over the summary's variants (no pass of its own)."""
     out: dict[str, int] = {}
     for s in summ.values():
         for m, c in s["modes"].items():
@@ -350,12 +350,6 @@ HIST_KEYS: dict[str, str] = {
 }
 
 
-def ttft_histogram(store: Any, f: Filters) -> dict[str, tuple[list[int], list[int], list[float]]]:
-    """{variant: (sorted keys, counts, largest TTFT in each key)} over successful requests;
-    key = floor(TTFT * 10 + 0.5), the 0.1 ms rounding of the Mann-Whitney test."""
-    return histogram(store, f, "ttft_ms")
-
-
 def histogram(store: Any, f: Filters, metric: str) -> dict[str, tuple[list[int], list[int], list[float]]]:
     """{variant: (sorted keys, counts, largest value in each key)} of a metric over successful
     requests, keyed by HIST_KEYS[metric]."""
@@ -400,11 +394,6 @@ def cdf_points(
             "share": [int(cum[i]) / n for i in idx],
         }
     return out
-
-
-def ttft_value_counts(store: Any, f: Filters) -> dict[str, tuple[list[float], list[int]]]:
-    """{variant: (TTFT rounded half-up to 0.1 ms, counts)} for the Mann-Whitney test."""
-    return values_from_histogram(ttft_histogram(store, f))
 
 
 def values_from_histogram(
@@ -549,15 +538,6 @@ def srm_users(store: Any, f: Filters) -> list[dict[str, Any]]:
     return [{"rev": int(r), "variant": v, "n": int(n)} for r, v, n in store.query(sql, params)]
 
 
-def window_ms(store: Any, f: Filters) -> tuple[float, float] | None:
-    """(first, last) send time in unix ms, or None without samples: picks the time bucket
-    before the summary is back, so the segment and time-series passes can run beside it."""
-    fw, params = from_where(f)
-    rows = store.query(f"SELECT count(), min(sent_unix_ms), max(sent_unix_ms) {fw}", params)
-    n, first, last = rows[0]
-    return (float(first), float(last)) if n else None
-
-
 # ---------------------------------------------------------------------------------------------
 # 5. p99 TTFT per time bucket (chart)
 
@@ -584,12 +564,6 @@ def p99_over_time(store: Any, f: Filters, bucket_s: int) -> dict[str, list[tuple
 
 # ---------------------------------------------------------------------------------------------
 # 6. Mirror mode: pair control and variant by (run_id, seq)
-
-
-def modes(store: Any, f: Filters) -> dict[str, int]:
-    fw, params = from_where(f)
-    rows = store.query(f"SELECT mode, count() {fw} GROUP BY mode", params)
-    return {m: int(c) for m, c in rows}
 
 
 def mirror_pairs(store: Any, f: Filters, slo: Slo, control: str, variant: str) -> dict[str, Any]:

@@ -305,7 +305,7 @@ def summary(store: Any, f: q.Filters, builds: Mapping[int, int]) -> dict[str, di
 def histograms(
     store: Any, f: q.Filters, builds: Mapping[int, int]
 ) -> dict[str, dict[str, tuple[list[int], list[int], list[float]]]]:
-    """{metric: {variant: (sorted keys, counts, largest value per key)}}, as queries.ttft_histogram."""
+    """{metric: {variant: (sorted keys, counts, largest value per key)}}, as queries.histogram."""
     where, params = _scope(f, builds)
     cols = store.query_columns(
         f"""
