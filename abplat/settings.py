@@ -36,12 +36,19 @@ try:
     LOG_LEVEL = env.env_str("ABPLAT_LOG_LEVEL", "INFO").upper()
     REPLAY_SHARDS = env.env_int("ABPLAT_REPLAY_SHARDS", 2, minimum=1, maximum=256)
     VISIBILITY_TIMEOUT = env.env_int("ABPLAT_VISIBILITY_TIMEOUT", 40 * 60, minimum=5)
+    # TLS variants: empty trusts the system store; a PEM bundle path trusts exactly its CAs.
+    VARIANT_CA_BUNDLE = env.env_str("ABPLAT_VARIANT_CA_BUNDLE", "")
 except env.EnvError as exc:
     raise ImproperlyConfigured(str(exc)) from None
 
 if not ETCD_PREFIX.startswith("/") or not ETCD_PREFIX.endswith("/"):
     raise ImproperlyConfigured(
         f"Unexpected value ABPLAT_ETCD_PREFIX={ETCD_PREFIX!r}: it must start and end with '/'."
+    )
+if VARIANT_CA_BUNDLE and not Path(VARIANT_CA_BUNDLE).is_file():
+    raise ImproperlyConfigured(
+        f"Unexpected value ABPLAT_VARIANT_CA_BUNDLE={VARIANT_CA_BUNDLE!r}: no such file "
+        "(the PEM bundle of the CAs that sign the variants' TLS certificates)."
     )
 if LOG_LEVEL not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
     raise ImproperlyConfigured(

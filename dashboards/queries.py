@@ -602,13 +602,16 @@ def mirror_pairs(store: Any, f: Filters, slo: Slo, control: str, variant: str) -
 # 7. Data version (the report cache's key)
 
 
-def data_version(store: Any, experiment: str) -> tuple[int, int, int]:
-    """(rows, sum, max of recorded_ms) of an experiment: changes with every insert, delete and
-    dedup merge (a newer recording replacing an older one changes the sum), at the cost of one
-    column scan instead of the report's passes."""
+def data_version(store: Any, experiment: str) -> tuple[tuple[int, int, int, int], ...]:
+    """(run_id, rows, sum and max of recorded_ms) per run of an experiment, in run order.
+
+    It changes with every insert, delete and dedup merge (a newer recording replacing an older
+    one changes the sum), at the cost of one column scan instead of the report's passes. It
+    keys the report cache, and the same per-run (rows, sum) tells which rollups are current
+    (rollup.report_scope), so a cold page scans the column once."""
     rows = store.query(
-        f"SELECT count(), sum(recorded_ms), max(recorded_ms) FROM {SAMPLES} PREWHERE experiment = %(e)s",
+        f"SELECT run_id, count(), sum(recorded_ms), max(recorded_ms) FROM {SAMPLES} "
+        "PREWHERE experiment = %(e)s GROUP BY run_id ORDER BY run_id",
         {"e": experiment},
     )
-    n, total, newest = rows[0]
-    return int(n), int(total), int(newest)
+    return tuple((int(r), int(n), int(total), int(newest)) for r, n, total, newest in rows)

@@ -116,10 +116,15 @@ def run_queries(store: Any, jobs: Mapping[str, Callable[[], Any]]) -> dict[str, 
 
 
 def build_report(
-    store: Any, exp: ExperimentInfo, filters: q.Filters, use_rollup: bool = True
+    store: Any,
+    exp: ExperimentInfo,
+    filters: q.Filters,
+    use_rollup: bool = True,
+    version: Sequence[tuple[int, int, int, int]] | None = None,
 ) -> dict[str, Any]:
     """The report (docs/report-json.md). use_rollup=False reads the raw samples even where
-    finished runs have rollups (the same numbers, slower; for checking the rollups)."""
+    finished runs have rollups (the same numbers, slower; for checking the rollups).
+    version: queries.data_version, when the caller has read it (saves a scan)."""
     t0 = time.perf_counter()
     control = exp.control
     known = {v.key: v for v in exp.variants}
@@ -134,7 +139,7 @@ def build_report(
     # Finished runs read their rollups (dashboards.rollup); runs without a current one (still
     # replaying, changed since) read the raw samples beside them; a time window or a changed
     # SLO reads everything raw.
-    scope = rollup.report_scope(store, filters, exp.slo) if use_rollup else None
+    scope = rollup.report_scope(store, filters, exp.slo, version) if use_rollup else None
     builds = scope.builds if scope is not None else None
     live = dataclasses.replace(filters, runs=scope.live) if scope is not None and scope.live else None
 
@@ -587,10 +592,10 @@ def experiment_info(experiment: Any) -> ExperimentInfo:
 CACHE_ALIAS = "default"
 CACHE_TIMEOUT_S = 600
 # bump when the report's computation changes without a SCHEMA_VERSION change
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 
 
-def cache_key(store: Any, exp: ExperimentInfo, filters: q.Filters, version: Sequence[int]) -> str:
+def cache_key(store: Any, exp: ExperimentInfo, filters: q.Filters, version: Sequence[Sequence[int]]) -> str:
     """Everything the report depends on: the store, the experiment's settings and weights
     history, the filters, and the experiment's data version (queries.data_version)."""
     blob = json.dumps(
@@ -628,12 +633,13 @@ def report_for(
 
     cache = caches[CACHE_ALIAS]
     t0 = time.perf_counter()
-    key = cache_key(store, info, filters, q.data_version(store, filters.experiment))
+    version = q.data_version(store, filters.experiment)
+    key = cache_key(store, info, filters, version)
     cached = cache.get(key)
     if cached is not None:
         cached["timing"] = {**cached["timing"], "cache": "hit", "lookup_s": time.perf_counter() - t0}
         return cached
-    report = build_report(store, info, filters)
+    report = build_report(store, info, filters, version=version)
     report["timing"].update(cache="miss", lookup_s=time.perf_counter() - t0 - report["timing"]["query_s"])
     cache.set(key, report, CACHE_TIMEOUT_S)
     return report

@@ -206,12 +206,20 @@ class Scope:
     live: tuple[int, ...] = ()
 
 
-def report_scope(store: Any, f: q.Filters, slo: q.Slo) -> Scope | None:
+def report_scope(
+    store: Any, f: q.Filters, slo: q.Slo, version: Sequence[tuple[int, int, int, int]] | None = None
+) -> Scope | None:
     """Which runs in scope have a current rollup (same format version, this SLO, the samples
-    unchanged since); None when none has, or a time window is set (read it all raw)."""
+    unchanged since); None when none has, or a time window is set (read it all raw).
+
+    version: the experiment's queries.data_version when the caller already read it (the report
+    cache's key); the rollups are then checked against the data that key describes."""
     if f.since is not None or f.until is not None:
         return None
-    live = _signature(store, f.experiment, f.run_id)
+    if version is None:
+        live = _signature(store, f.experiment, f.run_id)
+    else:
+        live = {r: (n, total) for r, n, total, _ in version if f.run_id is None or r == f.run_id}
     if not live:
         return None
     where = "experiment = %(e)s" + (" AND run_id = %(r)s" if f.run_id is not None else "")

@@ -114,11 +114,15 @@ def start_in_thread(
     model: str = DEFAULT_MODEL,
     ready_s: float = 10.0,
     replicas: int = 1,
+    tls: tuple[str, str] | None = None,
 ) -> Handle:
-    """Serve in a daemon thread with its own event loop; port 0 picks a free port."""
+    """Serve in a daemon thread with its own event loop; port 0 picks a free port.
+    tls=(certfile, keyfile) serves https (HTTP/1.1) instead of plain http."""
     sock = _bind(port)
     real_port = sock.getsockname()[1]
     server = build_server(profile, model, replicas)
+    if tls is not None:
+        server.config.ssl_certfile, server.config.ssl_keyfile = tls
     name = profile.name if isinstance(profile, Profile) else profile
     server.config.loop = "asyncio"  # uvloop in a side thread works, but keep the thread simple
     thread = threading.Thread(
@@ -138,7 +142,8 @@ def start_in_thread(
         thread.join(timeout=10)
         sock.close()
 
-    return Handle(f"http://{HOST}:{real_port}", name, model, stop)
+    scheme = "https" if tls is not None else "http"
+    return Handle(f"{scheme}://{HOST}:{real_port}", name, model, stop)
 
 
 def free_port() -> int:

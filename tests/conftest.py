@@ -9,6 +9,8 @@ from django.contrib.auth.models import Group, User
 from hypothesis import settings as hypothesis_settings
 from rest_framework.test import APIClient
 
+from tests.pki import PKI, make_pki
+
 # No per-example deadline: wall-clock limits flake on a loaded 2-core CI machine (speed is
 # measured in bench/); derandomized so a CI failure reproduces on a developer's machine.
 hypothesis_settings.register_profile("abplat", deadline=None, derandomize=True, print_blob=True)
@@ -181,3 +183,9 @@ def weights_dir(settings, tmp_path):
     django_store.reset_for_tests()
     yield settings.WEIGHTS_DIR
     django_store.reset_for_tests()
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory) -> PKI:
+    """A private CA and a server certificate for 127.0.0.1 it signs (TLS variants)."""
+    return make_pki(tmp_path_factory.mktemp("pki"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from django.conf import settings
 from django.db import connections
 from django.utils import timezone
 
@@ -85,7 +86,10 @@ def execute_shard(shard: ReplayShard) -> ShardStats:
     sink = BatchSink(writer.write)
 
     async def main() -> ShardStats:
-        clients = {v.key: VariantClient(v.endpoint, v.model, v.api, http2=v.http2) for v in variants}
+        verify = settings.VARIANT_CA_BUNDLE or True  # True: the system trust store
+        clients = {
+            v.key: VariantClient(v.endpoint, v.model, v.api, http2=v.http2, verify=verify) for v in variants
+        }
         try:
             runner = ShardRunner(spec, clients, assign if router else None, sink.put,
                                  should_cancel=should_cancel, revision=revision, on_progress=on_progress)  # fmt: skip

@@ -28,6 +28,7 @@ def manage(*args: str, **env: str) -> subprocess.CompletedProcess:
         ("ABPLAT_CLICKHOUSE_URL", "http://h:8123", "ABPLAT_CLICKHOUSE_URL"),
         ("ABPLAT_ETCD_PREFIX", "abplat", "ABPLAT_ETCD_PREFIX"),
         ("ABPLAT_WORKER_CONCURRENCY", "0", "ABPLAT_WORKER_CONCURRENCY"),
+        ("ABPLAT_VARIANT_CA_BUNDLE", "/nonexistent/ca.pem", "ABPLAT_VARIANT_CA_BUNDLE"),
     ],
 )
 def test_bad_environment_value_stops_start_naming_the_variable(tmp_path, name, value, says):

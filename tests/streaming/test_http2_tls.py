@@ -10,118 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import datetime
-import ipaddress
 import socket
 import ssl
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
 from simulator.serve import DEFAULT_MODEL, build_server
+from tests.pki import PKI
 from workers.streaming.client import Timeouts, VariantClient
 from workers.streaming.result import Outcome
-
-# --- a private CA ------------------------------------------------------------------------------
-
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _make_ca(cn: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name(cn))
-        .issuer_name(_name(cn))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=False,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )  # fmt: skip
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    return key, cert
-
-
-def _make_server_cert(
-    ca_key: ec.EllipticCurvePrivateKey, ca: x509.Certificate
-) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    san = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name("abplat test variant"))
-        .issuer_name(ca.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName(san), critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    return key, cert
-
-
-def _pem(cert: x509.Certificate) -> bytes:
-    return cert.public_bytes(serialization.Encoding.PEM)
-
-
-@dataclasses.dataclass(frozen=True)
-class PKI:
-    ca: str  # the bundle that trusts the server
-    other_ca: str  # a bundle with an unrelated CA only
-    certfile: str
-    keyfile: str
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> PKI:
-    d: Path = tmp_path_factory.mktemp("pki")
-    ca_key, ca = _make_ca("abplat test CA")
-    key, cert = _make_server_cert(ca_key, ca)
-    _, other = _make_ca("some other CA")
-    (d / "ca.pem").write_bytes(_pem(ca))
-    (d / "other-ca.pem").write_bytes(_pem(other))
-    (d / "server.pem").write_bytes(_pem(cert))
-    key_pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    (d / "server.key").write_bytes(key_pem)
-    return PKI(str(d / "ca.pem"), str(d / "other-ca.pem"), str(d / "server.pem"), str(d / "server.key"))
-
 
 # --- the simulator on hypercorn ----------------------------------------------------------------
 
@@ -277,8 +179,10 @@ def test_concurrent_http2_streams_share_one_tcp_connection_and_keep_exact_record
 
 
 @pytest.mark.parametrize("bundle", ["other_ca", "default"])
-def test_tls_variant_whose_ca_is_not_trusted_fails_fast_as_a_connect_error(bundle, tls, pki):
-    verify = pki.other_ca if bundle == "other_ca" else True  # True: certifi's public CAs
+def test_tls_variant_whose_ca_is_not_trusted_fails_fast_as_a_connect_error(bundle, tls, pki, monkeypatch):
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    verify = pki.other_ca if bundle == "other_ca" else True  # True: the system store
     rid = f"untrusted-{bundle}"
 
     async def go():
@@ -290,6 +194,26 @@ def test_tls_variant_whose_ca_is_not_trusted_fails_fast_as_a_connect_error(bundl
     assert r.outcome is Outcome.CONNECT_ERROR, (r.outcome, r.error)
     assert "CERTIFICATE_VERIFY_FAILED" in r.error and r.http_status == 0
     assert rid not in tls.recorder.seen  # the request never reached the app
+
+
+@pytest.mark.parametrize("proto", ["h2-tls", "h1-tls"])
+def test_verify_true_trusts_the_system_store_where_an_operator_installs_a_company_ca(
+    proto, servers, pki, monkeypatch
+):
+    """SSL_CERT_FILE stands in for the host's store (OpenSSL's default paths read it). The client
+    must honour it although it ignores the environment's proxies (trust_env=False)."""
+    monkeypatch.setenv("SSL_CERT_FILE", pki.ca)
+    name, http2, version = PROTOCOLS[proto]
+    server = servers(name)
+    rid = f"system-store-{proto}"
+
+    async def go():
+        async with _client(server, pki, http2, verify=True) as c:
+            return await c.stream(rid, "hi", 3)
+
+    r = asyncio.run(go())
+    assert r.outcome is Outcome.OK, (r.outcome, r.error)
+    assert r.output_tokens == 3 and server.recorder.seen[rid].http_version == version
 
 
 def test_verify_false_skips_certificate_checks_for_tests(tls, pki):

@@ -96,9 +96,11 @@ class VariantClient:
         (h1.py) and HTTP/2 or TLS variants on httpx; "httpx" forces httpx (the baseline the
         benchmark compares against); "h1" insists on the lean path.
 
-        verify (TLS variants): True checks the server against httpx's default trust store
-        (certifi's Mozilla bundle); a path trusts exactly the CAs in that PEM bundle (a
-        variant behind a private CA); False checks nothing and is for tests only."""
+        verify (TLS variants): True checks the server against the system trust store
+        (OpenSSL's default paths, so a company CA installed on the worker host is trusted, and
+        SSL_CERT_FILE / SSL_CERT_DIR are honoured); a path trusts exactly the CAs in that PEM
+        bundle (variants behind a private CA; ABPLAT_VARIANT_CA_BUNDLE for the replay);
+        False checks nothing and is for tests only."""
         if not endpoint.startswith(("http://", "https://")):
             raise ValueError(f"endpoint {endpoint!r}: must be an http:// or https:// base URL")
         if api not in APIS:
@@ -431,11 +433,16 @@ async def _read_some(resp: httpx.Response) -> str:
 
 
 def _tls_verify(verify: bool | str) -> bool | ssl.SSLContext:
-    """The ``verify`` argument for httpx. A CA bundle path becomes an SSLContext here, since
-    httpx deprecates ``verify=<path>``, and so a missing or unreadable bundle fails when the
-    client is built, naming the path, not as a CONNECT_ERROR on every request."""
-    if isinstance(verify, bool):
-        return verify
+    """The ``verify`` argument for httpx. True becomes a context on the system trust store:
+    httpx's own default is certifi's bundle, and with ``trust_env=False`` (set so no proxy
+    from the environment sits in a measurement) it would also ignore SSL_CERT_FILE. A CA
+    bundle path becomes an SSLContext here, since httpx deprecates ``verify=<path>``, and so
+    a missing or unreadable bundle fails when the client is built, naming the path, not as a
+    CONNECT_ERROR on every request."""
+    if verify is True:
+        return ssl.create_default_context()
+    if verify is False:
+        return False
     if not isinstance(verify, str) or not verify:
         raise ValueError(f"verify={verify!r}: must be True, False or the path of a CA bundle (PEM)")
     if not os.path.isfile(verify):
