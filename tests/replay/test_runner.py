@@ -43,7 +43,7 @@ def run(spec, sims, **kw):
 def spec_for(reqs, mode="split", **kw):
     return ShardSpec(experiment="exp", run_id=9, mode=mode, requests=reqs,
                      offsets=[r.offset_s for r in reqs], start_at_unix=time.time() + 0.2,
-                     concurrency=kw.pop("concurrency", 64), variants=["a", "b"], **kw)  # fmt: skip
+                     concurrency=kw.pop("concurrency", 64), variants=kw.pop("variants", ["a", "b"]), **kw)  # fmt: skip
 
 
 def test_split_sends_each_request_once_to_its_assigned_variant(sims):
@@ -125,3 +125,35 @@ def test_a_variant_the_experiment_lacks_is_recorded_with_the_reason(sims):
     stats, rows = run(spec_for(requests(4)), sims, assign=lambda u: ("ghost", 2))
     assert stats.recorded == 4 and {r["outcome"] for r in rows} == {"malformed"}
     assert "router assigned variant 'ghost'" in rows[0]["error"]
+
+
+class _ClockStartsLate:
+    """A client whose request clock starts 50 ms after the call, as when a new connection
+    waits its turn in a start burst (streaming/pacing.py)."""
+
+    model = "m"
+
+    async def stream(self, rid, prompt, max_tokens, extra=None):
+        from workers.streaming.result import Outcome, StreamResult
+
+        start = time.perf_counter_ns() + 50_000_000
+        return StreamResult(outcome=Outcome.OK, request_id=rid, start_ns=start, ttft_ms=1.0, e2e_ms=2.0)
+
+    async def aclose(self):
+        pass
+
+
+def test_a_wait_before_the_request_clock_starts_counts_as_schedule_lag():
+    reqs = requests(5, gap_s=0.0)
+    spec = spec_for(reqs, mode="mirror", variants=["a"])
+    rows = []
+
+    async def main():
+        return await ShardRunner(spec, {"a": _ClockStartsLate()}, None, rows.append).run()
+
+    stats = asyncio.run(main())
+    assert stats.recorded == 5 and min(stats.lags_ms) >= 50.0
+    for r in rows:
+        assert r["schedule_lag_ms"] >= 50.0
+        planned_unix_ms = spec.start_at_unix * 1000.0 + r["scheduled_offset_ms"]
+        assert r["sent_unix_ms"] - planned_unix_ms >= 49.0  # the send time is when the clock started

@@ -192,9 +192,7 @@ class ShardRunner:
         self._in_flight += 1
         sent_mono = time.perf_counter()
         sent_unix_ms = time.time() * 1000.0
-        lag_ms = max(0.0, (sent_mono - planned) * 1000.0)
         self.stats.sent += 1
-        self.stats.lags_ms.append(lag_ms)
         extra = {"ignore_eos": True} if spec.ignore_eos else None
         try:
             client = self.clients.get(variant)
@@ -213,6 +211,12 @@ class ShardRunner:
                                   request_id=rid)  # fmt: skip
         finally:
             self._in_flight -= 1
+        # The request's clock may start after the call: a new connection waits its turn in a
+        # start burst (streaming/pacing.py). That wait is lateness against the plan too.
+        waited_s = max(0.0, result.start_ns / 1e9 - sent_mono) if result.start_ns else 0.0
+        sent_unix_ms += waited_s * 1000.0
+        lag_ms = max(0.0, (sent_mono + waited_s - planned) * 1000.0)
+        self.stats.lags_ms.append(lag_ms)
         row = row_from(result, {
             "experiment": spec.experiment, "run_id": spec.run_id, "seq": req.seq, "variant": variant,
             "mode": spec.mode, "sent_unix_ms": sent_unix_ms, "request_id": rid, "user_id": req.user_id,

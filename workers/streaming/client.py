@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from workers.streaming.h1 import IDLE_EXPIRY_S, Exchange, H1Connection, open_connection, request_bytes
+from workers.streaming.pacing import pacer_for
 from workers.streaming.result import Outcome, StreamResult
 from workers.streaming.sse import SSEEvent, SSEParser
 from workers.streaming.timing import StreamProtocolError, StreamTimer
@@ -255,12 +256,23 @@ class VariantClient:
         loop = asyncio.get_running_loop()
         t = self.timeouts
         timer = StreamTimer(0, result)
+        conn = self._take_idle(loop)
+        if conn is None:
+            # A new connection waits its turn in a start burst (pacing.py), before its clock
+            # starts: the replay records the wait as schedule lag.
+            try:
+                await pacer_for(loop).take()
+            except asyncio.CancelledError:
+                timer.start_ns = result.start_ns = time.perf_counter_ns()
+                raise StreamCancelled(
+                    timer.finish(timer.start_ns, Outcome.CANCELLED, "cancelled by caller")
+                ) from None
+            conn = self._take_idle(loop)  # one may have come back meanwhile
         # The clock starts here, before a connection is taken or opened (as with httpx).
         start = time.perf_counter_ns()
         timer.start_ns = start
         result.start_ns = start
         try:
-            conn = self._take_idle(loop)
             if conn is None:
                 budget = min(t.connect_s, t.headers_s, t.total_s)
                 try:
