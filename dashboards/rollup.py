@@ -263,6 +263,9 @@ def merge_histograms(
     *parts: Mapping[str, tuple[Sequence[int], Sequence[int], Sequence[float]]],
 ) -> dict[str, tuple[list[int], list[int], list[float]]]:
     """Per-variant histograms (sorted keys, counts, largest value per key) added up by key."""
+    nonempty = [part for part in parts if part]
+    if len(nonempty) == 1:  # nothing to add (a report with no live run): copy, already sorted
+        return {v: (list(k), list(c), list(t)) for v, (k, c, t) in nonempty[0].items()}
     acc: dict[str, dict[int, list[float]]] = {}
     for part in parts:
         for v, (keys, counts, tops) in part.items():

@@ -200,19 +200,27 @@ def quantile_ci_ranks(n: int, q: float, conf: float = DEFAULT_CONF) -> tuple[int
     _check_conf(conf, "quantile_ci_ranks")
     if n < 1:
         return None
+    return _quantile_ci_ranks(n, q, conf)
+
+
+@functools.lru_cache(maxsize=4096)
+def _quantile_ci_ranks(n: int, q: float, conf: float) -> tuple[int, int] | None:
+    # Pure in (n, q, conf), and a report asks for the same arm's n for every metric, for the
+    # ranks to fetch and again for the estimates. The unfrozen binom methods: freezing
+    # sps.binom(n, q) builds a distribution instance (docstrings and all), ~0.5 ms each.
     tail = (1.0 - conf) / 2.0
-    dist = sps.binom(n, q)
+    binom = sps.binom
     # ppf is float-based; nudge by exact cdf checks so the tail conditions hold exactly.
-    k = int(dist.ppf(tail))
-    while k >= 0 and dist.cdf(k) > tail:
+    k = int(binom.ppf(tail, n, q))
+    while k >= 0 and binom.cdf(k, n, q) > tail:
         k -= 1
-    while dist.cdf(k + 1) <= tail:
+    while binom.cdf(k + 1, n, q) <= tail:
         k += 1
     lo = k + 1  # B(lo - 1) = B(k) <= tail
-    m = int(dist.ppf(1.0 - tail))
-    while m > 0 and dist.cdf(m - 1) >= 1.0 - tail:
+    m = int(binom.ppf(1.0 - tail, n, q))
+    while m > 0 and binom.cdf(m - 1, n, q) >= 1.0 - tail:
         m -= 1
-    while dist.cdf(m) < 1.0 - tail:
+    while binom.cdf(m, n, q) < 1.0 - tail:
         m += 1
     hi = m + 1  # smallest u with B(u - 1) >= 1 - tail
     if lo < 1 or hi > n:
@@ -262,8 +270,7 @@ def quantile_plan(n: int, q: float, conf: float = DEFAULT_CONF) -> QuantilePlan:
         )
         return QuantilePlan(q, n, quantile_rank(n, q), None, None, None, note)
     lo, hi = ranks
-    dist = sps.binom(n, q)
-    coverage = float(dist.cdf(hi - 1) - dist.cdf(lo - 1))
+    coverage = float(sps.binom.cdf(hi - 1, n, q) - sps.binom.cdf(lo - 1, n, q))
     return QuantilePlan(q, n, quantile_rank(n, q), lo, hi, coverage, "")
 
 

@@ -8,7 +8,11 @@ from collections import Counter
 
 import pytest
 
+from simulator.serve import DEFAULT_MODEL
+from workers.streaming import pacing
+from workers.streaming.client import StreamCancelled, VariantClient
 from workers.streaming.pacing import OpenPacer, pacer_for
+from workers.streaming.result import Outcome
 
 
 async def _burst(pacer: OpenPacer, n: int, cancel: frozenset[int] = frozenset()) -> list[tuple[int, int]]:
@@ -83,3 +87,24 @@ def test_one_pacer_per_loop_and_a_bad_budget_is_refused():
     assert a is b and a is not c
     with pytest.raises(ValueError, match="per_pass must be at least 1"):
         OpenPacer(asyncio.new_event_loop(), 0)
+
+
+def test_the_client_paces_its_new_connections_and_a_waiting_request_can_be_cancelled(fast, monkeypatch):
+    """1 open per pass: 6 requests on cold connections all succeed, each on its own new
+    connection; one cancelled while it waits its turn ends CANCELLED before its clock ran."""
+    monkeypatch.setattr(pacing, "OPENS_PER_PASS", 1)
+
+    async def main():
+        async with VariantClient(fast.url + "/v1", DEFAULT_MODEL, "completions", transport="h1") as c:
+            tasks = [asyncio.ensure_future(c.stream(f"p{i}", "hi", 3)) for i in range(6)]
+            await asyncio.sleep(0)  # all started: p0 opens, p1..p5 wait their turn
+            assert len(pacer_for(asyncio.get_running_loop()).waiters) == 5
+            tasks[5].cancel()
+            with pytest.raises(StreamCancelled) as info:  # awaited itself: gather would re-wrap it
+                await tasks[5]
+            return [await t for t in tasks[:5]], info.value.result
+
+    done, cancelled = asyncio.run(main())
+    assert [r.outcome for r in done] == [Outcome.OK] * 5
+    assert all(r.new_connection and r.connect_ms is not None for r in done)
+    assert cancelled.outcome is Outcome.CANCELLED and cancelled.ttft_ms is None and cancelled.start_ns > 0
