@@ -85,8 +85,12 @@ def test_one_pacer_per_loop_and_a_bad_budget_is_refused():
     a, b = asyncio.run(both())
     c, _ = asyncio.run(both())
     assert a is b and a is not c
-    with pytest.raises(ValueError, match="per_pass must be at least 1"):
-        OpenPacer(asyncio.new_event_loop(), 0)
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(ValueError, match="per_pass must be at least 1"):
+            OpenPacer(loop, 0)
+    finally:
+        loop.close()
 
 
 def test_the_client_paces_its_new_connections_and_a_waiting_request_can_be_cancelled(fast, monkeypatch):
