@@ -302,8 +302,8 @@ def simulator_sections(profile: str, rx_timestamps: str = "compare") -> None:
             f"{r['err_max']:.3f} | {r['over_1ms']} | {r['cpu_us_per_token']:.1f} | {r['tokens_per_s']:.0f} |"
         )
 
-    kernel = H1_CLOCK if rx_timestamps == "off" else H1_KERNEL
-    print(f"\n## 1b. Start burst: new connections paced or not ({kernel}, profile={profile})")
+    h1_tr = H1_CLOCK if rx_timestamps == "off" else H1_KERNEL  # sections 1b and 2
+    print(f"\n## 1b. Start burst: new connections paced or not ({h1_tr}, profile={profile})")
     print("8 connections warm, so all other requests open theirs at once. Unpaced, one event-loop")
     print("pass opens them all while the first 8 stream; the kernel merges those streams' unread")
     print(f"packets and keeps the newest arrival stamp. Paced: {pacing.OPENS_PER_PASS} opens per pass.")
@@ -314,7 +314,7 @@ def simulator_sections(profile: str, rx_timestamps: str = "compare") -> None:
         for c in (256, 512):
             for per_pass in (1 << 30, paced):
                 pacing.OPENS_PER_PASS = per_pass
-                (r,) = measurement_error(profile, [c], 32, (kernel,))
+                (r,) = measurement_error(profile, [c], 32, (h1_tr,))
                 label = "unpaced" if per_pass > c else str(per_pass)
                 print(
                     f"| {c} | {label} | {r['n']} | {r['err_p99']:.3f} | {r['err_max']:.3f} | {r['over_1ms']} |"
@@ -323,9 +323,8 @@ def simulator_sections(profile: str, rx_timestamps: str = "compare") -> None:
         pacing.OPENS_PER_PASS = paced
 
     print(f"\n## 2. Highest sustained stream rate before p99 error passes 1 ms (profile={profile})")
-    sweep_tr = kernel
-    print(f"transport: {sweep_tr}; every connection open before the clock starts (no start burst)")
-    sweep = measurement_error(profile, [1, 16, 64, 128, 256, 512], 32, (sweep_tr,), warm=1 << 20)
+    print(f"transport: {h1_tr}; every connection open before the clock starts (no start burst)")
+    sweep = measurement_error(profile, [1, 16, 64, 128, 256, 512], 32, (h1_tr,), warm=1 << 20)
     print("| streams | tokens/s | p99 err ms | CPU us/token |")
     print("|---:|---:|---:|---:|")
     best = None
