@@ -28,17 +28,17 @@ def check_broker() -> str:
 
 
 def check_weights_store() -> str:
-    from experiments.weights.django_store import get_store
+    from experiments.weights.process import weights_store
 
-    store = get_store()
+    store = weights_store()
     listing = store.list_raw()  # a read at the store's current revision
     return f"ok ({store.description}, {len(listing.values)} experiments, revision {listing.revision})"
 
 
 def check_sample_store() -> str:
-    from samples.factory import get_store
+    from samples.factory import sample_store
 
-    store = get_store()
+    store = sample_store()
     store.ping()
     return f"ok ({store.describe()})"
 

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from samples.columns import COLUMN_NAMES, row_from, to_columns  # noqa: E402
 from samples.sql import quote  # noqa: E402
 from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore  # noqa: E402
-from workers.streaming.result import Outcome, StreamResult  # noqa: E402
+from streaming.result import Outcome, StreamResult  # noqa: E402
 
 
 def make_rows(n: int) -> list[dict[str, Any]]:

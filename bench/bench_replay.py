@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_replay.py --part 1     # one part
     .venv/bin/python bench/bench_replay.py --quick      # smoke run, ~20 s
 
-The shard core (workers.replay.runner.ShardRunner) runs in worker processes exactly as
+The shard core (replay.runner.ShardRunner) runs in worker processes exactly as
 workers/shard.py drives it from a Celery task, minus the Django rows: VariantClient per variant,
 the live assigner (experiments.assignment, 34/33/33), rows through samples' SpoolingWriter in a
 BatchSink into the ClickHouse server. Simulators run in their own processes, one per variant.
@@ -41,10 +41,10 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from workers.replay.arrivals import Arrival  # noqa: E402
-from workers.replay.plan import MIRROR, SPLIT, Shard, expected_samples  # noqa: E402
-from workers.replay.sources import TraceRequest, load_source  # noqa: E402
-from workers.replay.users import UserPopulation  # noqa: E402
+from replay.arrivals import Arrival  # noqa: E402
+from replay.plan import MIRROR, SPLIT, Shard, expected_samples  # noqa: E402
+from replay.sources import TraceRequest, load_source  # noqa: E402
+from replay.users import UserPopulation  # noqa: E402
 
 TRACE = ROOT / "data" / "traces" / "azure_llm_2023_code.csv"
 DEFAULT_URL = "clickhouse://default:@127.0.0.1:19000/abplat_bench"
@@ -91,7 +91,7 @@ class WorkerJob:
 
 class InstantStreamer:
     async def stream(self, request_id, prompt, max_tokens, extra=None):
-        from workers.streaming.result import Outcome, StreamResult
+        from streaming.result import Outcome, StreamResult
 
         await asyncio.sleep(0.03)  # about a `fast` stream of the trace's mean 28 tokens
         return StreamResult(outcome=Outcome.OK, request_id=request_id, output_tokens=max_tokens)
@@ -123,12 +123,12 @@ def _worker(conn, job: WorkerJob) -> dict:
     from collections import Counter
 
     from experiments.assignment import allocate, make_assigner
+    from replay.runner import ShardRunner, ShardSpec, ShardStats
+    from replay.sink import BatchSink
     from samples.columns import row_from
     from samples.spool import SpoolingWriter
     from samples.store import ClickHouseServerBackend
-    from workers.replay.runner import ShardRunner, ShardSpec, ShardStats
-    from workers.replay.sink import BatchSink
-    from workers.streaming.client import VariantClient
+    from streaming.client import VariantClient
 
     writer = SpoolingWriter(ClickHouseServerBackend(job.clickhouse_url), job.spool_dir)
     spooled = [0]
@@ -260,7 +260,7 @@ class Bench:
         # this process (threads, sockets), and without paying the imports per worker.
         self.ctx = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(["__main__", "httpx", "numpy", "clickhouse_driver",
-                                         "workers.replay.runner", "workers.streaming.client",
+                                         "replay.runner", "streaming.client",
                                          "samples.spool", "samples.store", "experiments.assignment"])  # fmt: skip
 
     def run_id(self) -> int:

@@ -5,7 +5,7 @@
 
 Each size lives in its own database (abplat_bench_1m, abplat_bench_10m): loaded through
 SampleStore.insert_columns with 0.1% older duplicate recordings, then SampleStore.deduplicate()
-and the run's report rollup (dashboards.rollup.build_run_rollup), as a finished replay does.
+and the run's report rollup (analysis.rollup.build_run_rollup), as a finished replay does.
 --reuse skips the load when the table already holds exactly that many rows (the rollup is
 rebuilt every time, and timed).
 
@@ -68,9 +68,9 @@ def main() -> None:
 
     django.setup()
 
-    from dashboards import queries as q
-    from dashboards import report as r
-    from dashboards import rollup, stats
+    from analysis import queries as q
+    from analysis import report as r
+    from analysis import rollup, stats
     from samples import synthetic
     from samples.store import ClickHouseServerBackend
 
@@ -168,8 +168,8 @@ def _with_live_run(store, spec, exp, f, n: int, repeat: int) -> tuple[int, float
     delete run 2 again. Returns (n, median rollup + raw, median raw)."""
     import dataclasses
 
-    from dashboards import report as r
-    from dashboards import stats
+    from analysis import report as r
+    from analysis import stats
     from samples import synthetic
 
     live = dataclasses.replace(
@@ -208,8 +208,8 @@ def _page(url: str, repeat: int) -> dict[str, float]:
         teardown_databases,
     )
 
-    from dashboards import queries as q
-    from dashboards.report import report_for
+    from analysis import queries as q
+    from dashboards.reports import report_for
     from samples.factory import _cache
 
     if not getattr(utils, "_TestState", None) or not hasattr(utils._TestState, "saved_data"):

@@ -6,7 +6,7 @@
    time (both on the host's CLOCK_MONOTONIC), p50/p99, at 1, 64 and 512 concurrent streams.
    The simulator runs in its own process, so it does not share the client's core.
 1b. Start burst: the same at 256 and 512 streams with 8 connections warm (the rest open as the
-   requests start), new connections unpaced vs paced (workers/streaming/pacing.py).
+   requests start), new connections unpaced vs paced (streaming/pacing.py).
 2. Client CPU per streamed token (process CPU time / tokens), and a concurrency sweep for the
    highest token rate one client process sustains (all connections warm) while p99 error stays
    under 1 ms.
@@ -32,10 +32,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from simulator.serve import free_port, start_subprocess  # noqa: E402
-from workers.streaming import h1, pacing  # noqa: E402
-from workers.streaming.client import Timeouts, VariantClient  # noqa: E402
-from workers.streaming.result import Outcome  # noqa: E402
-from workers.streaming.timing import percentile  # noqa: E402
+from streaming import h1, pacing  # noqa: E402
+from streaming.client import Timeouts, VariantClient  # noqa: E402
+from streaming.result import Outcome  # noqa: E402
+from streaming.timing import percentile  # noqa: E402
 
 _RUNS = iter(range(1_000_000))
 TRANSPORT = "auto"  # our client's transport in section 3 (--transport)
@@ -191,7 +191,7 @@ def _pin_plan() -> None:
 
 
 def start_pinned_vllm(log: pathlib.Path):
-    from workers.vllm.server import CPU_ENGINE_ARGS, cpu_launcher, ensure_cpu_install, start
+    from serving.vllm import CPU_ENGINE_ARGS, cpu_launcher, ensure_cpu_install, start
 
     venv, model = ensure_cpu_install()
     pin = ["taskset", "-c", ",".join(map(str, sorted(SERVER_CPUS)))] if SERVER_CPUS else []
@@ -211,7 +211,7 @@ def peer_comparison(vllm_url: str | None, n: int, levels: tuple[int, ...], round
 
     Each round runs the three clients back to back on the same prompts, in a rotated order, so
     drift in the machine's state hits every client alike; per-round medians show the noise."""
-    from workers.vllm.server import ensure_cpu_install
+    from serving.vllm import ensure_cpu_install
 
     venv, model = ensure_cpu_install()
     _pin_plan()
@@ -357,7 +357,7 @@ def overhead_on_simulator(n: int, levels: tuple[int, ...], rounds: int, out: int
     """Each client's TTFT minus the simulator's own (received -> first content written), mean
     over a run: what each client adds to what the server did. Same prompts, same pinning as
     the vLLM comparison; the simulator (profile fast) on the server core."""
-    from workers.vllm.server import ensure_cpu_install
+    from serving.vllm import ensure_cpu_install
 
     venv, model = ensure_cpu_install()
     _pin_plan()

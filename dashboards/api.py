@@ -9,9 +9,9 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from analysis.queries import QueryError
 from dashboards.filters import filters_from_params
-from dashboards.queries import QueryError
-from dashboards.report import report_for
+from dashboards.reports import report_for
 from experiments.api.permissions import CanView
 from experiments.models import Experiment
 

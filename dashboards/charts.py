@@ -75,7 +75,7 @@ def attainment(report: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def percentile_table(report: Mapping[str, Any]) -> dict[str, Any]:
-    from dashboards.queries import METRIC_LABELS
+    from analysis.queries import METRIC_LABELS
 
     header = ["variant", "metric"]
     cols: list[list[str]] = [[], []]
@@ -163,7 +163,7 @@ def attribution_waterfall(report: Mapping[str, Any]) -> dict[str, Any]:
 
 def phases(report: Mapping[str, Any]) -> dict[str, Any]:
     fig = go.Figure()
-    from dashboards.attribution import PHASE_LABELS, PHASES
+    from analysis.attribution import PHASE_LABELS, PHASES
 
     variants = [v for v, p in report["phases"].items() if p.get("phases")]
     for i, phase in enumerate(PHASES):

@@ -12,10 +12,10 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
+from analysis.queries import QueryError
 from dashboards import charts, tables
 from dashboards.filters import filters_from_params
-from dashboards.queries import QueryError
-from dashboards.report import report_for
+from dashboards.reports import report_for
 from experiments.models import Experiment
 
 VIEW_PERM = "experiments.view_experiment"

@@ -22,7 +22,7 @@ def document_from_admin(experiment: Experiment, variant_rows: list[dict]) -> dic
         "key": experiment.key,
         "name": experiment.name,
         "hypothesis": experiment.hypothesis,
-        "sla": services.sla_of(experiment),
+        "sla": services.sla_document(experiment),
         "variants": [{f: row.get(f) for f in VARIANT_FIELDS} for row in variant_rows],
     }
 

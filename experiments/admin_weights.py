@@ -1,5 +1,5 @@
 """The SRE weights form in the admin: same validation as set_weights and the API (both go
-through ``experiments.weights.service``), with the moved-users preview before saving.
+through ``experiments.weights.publish``), with the moved-users preview before saving.
 
 Hook it into the Experiment admin by mixing ``WeightsAdminMixin`` in first::
 
@@ -22,7 +22,7 @@ from django.utils.html import format_html
 
 from experiments.models import Experiment
 from experiments.weights.errors import ConflictError, StoreUnavailable, WeightsError
-from experiments.weights.service import current_weights, preview_move, publish_weights
+from experiments.weights.publish import current_weights, preview_move, publish_weights
 
 PERMISSION = "experiments.change_weights"
 

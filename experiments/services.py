@@ -27,7 +27,7 @@ class ApplyResult:
     changes: list[str]
 
 
-def sla_of(experiment: Experiment) -> dict:
+def sla_document(experiment: Experiment) -> dict:
     """The document's ``sla`` mapping (optional SLOs only when set)."""
     sla = {"ttft_ms": experiment.sla_ttft_ms}
     if experiment.sla_tpot_ms is not None:
@@ -39,7 +39,7 @@ def sla_of(experiment: Experiment) -> dict:
 
 
 def export_document(experiment: Experiment) -> dict:
-    sla = sla_of(experiment)
+    sla = sla_document(experiment)
     return {
         "key": experiment.key,
         "name": experiment.name,

@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from workers.streaming.result import Outcome, StreamResult
+from streaming.result import Outcome, StreamResult
 
 MODES = ("split", "mirror")
 MAX_ERROR_CHARS = 4096  # a runaway error body must not make one row megabytes long
@@ -129,7 +129,7 @@ def request_id(run_id: int, seq: int, variant: str | None = None) -> str:
     """The one definition of a request's id: deterministic, the same on every retry and
     redelivery. One per (run, request) in split mode (the router picks the variant), one per
     (run, request, variant) in mirror mode (every variant gets the request). The replay
-    (workers.replay.plan) sends these, and row_from derives the same when a writer gives none."""
+    (replay.plan) sends these, and row_from derives the same when a writer gives none."""
     if variant is not None and not variant:
         raise SampleError("request_id: variant must be a non-empty string or None")
     base = f"r{int(run_id)}-{int(seq)}"

@@ -1,6 +1,6 @@
 """Which sample store this process uses: a ClickHouse server when a URL is set, else chDB.
 
-store_from_config is pure of Django (scripts, benches, tests); get_store/get_writer read the
+store_from_config is pure of Django (scripts, benches, tests); sample_store/sample_writer read the
 lead's settings CLICKHOUSE_URL, CHDB_PATH and SPOOL_DIR and cache one instance per process.
 """
 
@@ -28,7 +28,7 @@ def store_from_config(clickhouse_url: str, chdb_path: str, database: str = "abpl
     return ChdbBackend(chdb_path, database)
 
 
-def get_store() -> SampleStore:
+def sample_store() -> SampleStore:
     from django.conf import settings
 
     key = (settings.CLICKHOUSE_URL, str(settings.CHDB_PATH), settings.CHDB_DATABASE)
@@ -38,7 +38,7 @@ def get_store() -> SampleStore:
         return _cache[key]
 
 
-def get_writer() -> SpoolingWriter:
+def sample_writer() -> SpoolingWriter:
     from django.conf import settings
 
-    return SpoolingWriter(get_store(), str(settings.SPOOL_DIR))
+    return SpoolingWriter(sample_store(), str(settings.SPOOL_DIR))

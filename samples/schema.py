@@ -112,7 +112,7 @@ PARTITION BY toYYYYMM(sent_at)
 ORDER BY (experiment, variant, run_id, seq, request_id)
 """.strip()
 
-# Per-run rollups for the SLA report (dashboards.rollup builds and reads them). A finished run's
+# Per-run rollups for the SLA report (analysis.rollup builds and reads them). A finished run's
 # samples no longer change, so its additive aggregates are computed once, when the run ends,
 # and the report sums a few thousand rollup rows instead of scanning millions of samples.
 # - Every rollup row carries the build_id of the build that wrote it; rollup_builds, written

@@ -17,8 +17,8 @@ import time
 from typing import Any
 
 from simulator.framing import DONE, ENGINE_ERROR, Framer, error_body
+from simulator.latency import Faults, Profile, Seq
 from simulator.metrics import Metrics
-from simulator.model import Faults, Profile, Seq
 from simulator.runtime import Engine
 
 _WORDS = (

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from simulator.model import Faults, Profile
+from simulator.latency import Faults, Profile
 
 DEFAULT = "default"
 

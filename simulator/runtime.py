@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from simulator.model import Profile, Scheduler, Seq
+from simulator.latency import Profile, Scheduler, Seq
 
 
 class Request:

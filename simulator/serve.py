@@ -18,7 +18,7 @@ import urllib.request
 import uvicorn
 
 from simulator.app import SimulatorApp
-from simulator.model import Profile
+from simulator.latency import Profile
 from simulator.profiles import get_profile
 
 HOST = "127.0.0.1"

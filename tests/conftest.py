@@ -9,6 +9,7 @@ from django.contrib.auth.models import Group, User
 from hypothesis import settings as hypothesis_settings
 from rest_framework.test import APIClient
 
+from experiments import services
 from tests.pki import PKI, make_pki
 
 # No per-example deadline: wall-clock limits flake on a loaded 2-core CI machine (speed is
@@ -132,8 +133,8 @@ def chdb_dir() -> str:
 @pytest.fixture(scope="session")
 def clickhouse_server() -> str:
     """The real ClickHouse server's test URL; fails (never skips) when it is not running."""
-    from abplat.testing import SERVER_URL
     from samples.store import ClickHouseServerBackend
+    from tests.plugin import SERVER_URL
 
     probe = ClickHouseServerBackend(SERVER_URL, tries=1)
     try:
@@ -153,8 +154,8 @@ def sample_store(request, settings, chdb_dir, tmp_path):
     """The Django-configured sample store on a fresh database, on chDB and on the server."""
     import uuid
 
-    from abplat.testing import server_url_for
     from samples import factory
+    from tests.plugin import server_url_for
 
     database = f"abplat_test_{uuid.uuid4().hex[:10]}"
     settings.SPOOL_DIR = tmp_path / "spool"
@@ -162,7 +163,7 @@ def sample_store(request, settings, chdb_dir, tmp_path):
         settings.CLICKHOUSE_URL, settings.CHDB_PATH, settings.CHDB_DATABASE = "", chdb_dir, database
     else:
         settings.CLICKHOUSE_URL = server_url_for(database, request.getfixturevalue("clickhouse_server"))
-    store = factory.get_store()
+    store = factory.sample_store()
     store.ensure_database()
     store.migrate()
     yield store
@@ -176,16 +177,38 @@ def sample_store(request, settings, chdb_dir, tmp_path):
 @pytest.fixture(autouse=True)
 def weights_dir(settings, tmp_path):
     """A fresh local weights store (and router) for every test: no test sees another's weights."""
-    from experiments.weights import django_store
+    from experiments.weights import process
 
     settings.ETCD_ENDPOINTS = []
     settings.WEIGHTS_DIR = tmp_path / "weights"
-    django_store.reset_for_tests()
+    process.reset_for_tests()
     yield settings.WEIGHTS_DIR
-    django_store.reset_for_tests()
+    process.reset_for_tests()
 
 
 @pytest.fixture(scope="session")
 def pki(tmp_path_factory) -> PKI:
     """A private CA and a server certificate for 127.0.0.1 it signs (TLS variants)."""
     return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def sims():
+    """Three fast simulators (in threads of this process) standing in for the demo's variants."""
+    from simulator.serve import start_in_thread
+
+    handles = {name: start_in_thread("fast", model="tiny-llama") for name in ("fp16", "awq", "awq-fa2")}
+    yield handles
+    for h in handles.values():
+        h.stop()
+
+
+@pytest.fixture
+def running(db, document, sims, users):
+    """The test document's experiment, its variants on the simulators, started (weights published)."""
+    for v in document["variants"]:
+        v["endpoint"] = sims[v["key"]].url + "/v1"
+        v["api"] = "chat"
+    experiment = services.apply_document(document, actor=users["product"]).experiment
+    services.transition(experiment, "start", users["product"])
+    return experiment

@@ -6,8 +6,8 @@ from django.template.response import TemplateResponse
 from django.urls import path
 
 from experiments.models import Experiment
+from replay.arrivals import MODES, Arrival
 from workers.models import ReplayRun, ReplayShard
-from workers.replay.arrivals import MODES, Arrival
 from workers.runs import ReplayError, cancel_run, create_run
 
 

@@ -10,8 +10,8 @@ from rest_framework.views import APIView
 
 from experiments.api.permissions import require
 from experiments.models import Experiment
+from replay.arrivals import MODES, Arrival
 from workers.models import ReplayRun
-from workers.replay.arrivals import MODES, Arrival
 from workers.runs import ReplayError, cancel_run, create_run, describe
 
 CanOperate = require("workers.operate_replay", read_perm="workers.view_replayrun")

@@ -1,4 +1,4 @@
-"""Starting, cancelling and describing replay runs (Django glue around workers.replay)."""
+"""Starting, cancelling and describing replay runs (Django glue around replay)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from django.db import transaction
 
 from experiments import audit
 from experiments.models import Experiment
+from replay.arrivals import Arrival
+from replay.plan import expected_samples
+from replay.sources import LoadedSource, SourceError, load_source, thin
+from replay.users import UserPopulation
 from workers.models import ReplayRun, ReplayShard
-from workers.replay.arrivals import Arrival
-from workers.replay.plan import expected_samples
-from workers.replay.sources import LoadedSource, SourceError, load_source, thin
-from workers.replay.users import UserPopulation
 
 
 class ReplayError(ValueError):

@@ -8,15 +8,15 @@ from django.conf import settings
 from django.db import connections
 from django.utils import timezone
 
-from experiments.weights.django_store import get_router
-from samples.factory import get_store, get_writer
+from experiments.weights.process import live_router
+from replay.arrivals import Arrival
+from replay.plan import SPLIT, Shard
+from replay.runner import ShardRunner, ShardSpec, ShardStats
+from replay.sink import BatchSink
+from samples.factory import sample_store, sample_writer
+from streaming.client import VariantClient
 from workers.models import ReplayRun, ReplayShard
-from workers.replay.arrivals import Arrival
-from workers.replay.plan import SPLIT, Shard
-from workers.replay.runner import ShardRunner, ShardSpec, ShardStats
-from workers.replay.sink import BatchSink
 from workers.runs import run_requests
-from workers.streaming.client import VariantClient
 from workers.tasks import run_coroutine
 
 log = logging.getLogger(__name__)
@@ -36,18 +36,18 @@ def execute_shard(shard: ReplayShard) -> ShardStats:
     # 2. What an earlier delivery of this shard already recorded (spool first, then store).
     # A first delivery has sent nothing yet, so it needs neither and starts even while the
     # store is down (its samples then go to the spool).
-    writer = get_writer()
+    writer = sample_writer()
     recorded: set[str] = set()
     if shard.attempts > 1:
         writer.flush()
-        recorded = get_store().recorded_request_ids(run.pk)
+        recorded = sample_store().recorded_request_ids(run.pk)
     spec = ShardSpec(
         experiment=experiment.key, run_id=run.pk, mode=run.mode, requests=requests, offsets=offsets,
         start_at_unix=run.start_at_unix, concurrency=run.concurrency,
         variants=[v.key for v in variants], attempt=shard.attempts, skip_ids=frozenset(recorded),
     )  # fmt: skip
     # 3. The live router: a weight change in the store takes effect mid-run.
-    router = get_router() if run.mode == SPLIT else None
+    router = live_router() if run.mode == SPLIT else None
     if router is not None:
         doc, _revision = router.document(experiment.key)  # LookupError: never published
         if set(doc.weights) != {v.key for v in variants}:
@@ -62,7 +62,7 @@ def execute_shard(shard: ReplayShard) -> ShardStats:
 
     def revision() -> int:
         try:
-            return get_router().document(experiment.key)[1]
+            return live_router().document(experiment.key)[1]
         except LookupError:
             return 0
 

@@ -1,4 +1,4 @@
-"""Celery tasks of a replay. Thin: they claim rows, call workers.replay, and record results.
+"""Celery tasks of a replay. Thin: they claim rows, call replay, and record results.
 
 Each task takes primitive ids, re-reads its rows and returns quietly when there is nothing to
 do, so a redelivered message never does anything twice:
@@ -126,16 +126,16 @@ def finish_replay(self, run_id: int) -> None:
 def complete_run(run_id: int) -> bool:
     """Flush the spool, check the run's samples are durable, count them and end the run.
     Raises StoreUnavailable while the store is down; True when this call ended the run."""
-    from samples.factory import get_store, get_writer
+    from samples.factory import sample_store, sample_writer
 
     run = ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.FLUSHING).first()
     if run is None:
         return False
-    writer = get_writer()
+    writer = sample_writer()
     writer.flush()
     if not writer.durable(run_id):
         raise StoreUnavailable(f"run {run_id}: samples still spooled")
-    store = get_store()
+    store = sample_store()
     recorded = store.count(run_id)
     # Reads skip FINAL (the report's speed depends on it): a finished run must hold one row
     # per sample physically. Duplicates only come from an insert retried after it landed.
@@ -171,10 +171,11 @@ def complete_run(run_id: int) -> bool:
 
 
 def build_rollup(store, run: ReplayRun) -> None:
-    """The run's samples are final: sum them into the report's rollup (dashboards.rollup).
+    """The run's samples are final: sum them into the report's rollup (analysis.rollup).
     Best effort: without it the report reads the raw samples (the same numbers, slower), and
     `python manage.py build_rollups` builds it later."""
-    from dashboards import report, rollup
+    from analysis import rollup
+    from dashboards import reports as report
 
     t = time.perf_counter()
     try:

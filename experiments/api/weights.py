@@ -17,15 +17,15 @@ from rest_framework.views import APIView
 
 from experiments.api.permissions import CanChangeWeights, CanView
 from experiments.models import Experiment
-from experiments.weights.django_store import get_router
 from experiments.weights.errors import ConflictError, StoreUnavailable, WeightsError
-from experiments.weights.router import UnknownExperiment
-from experiments.weights.service import (
+from experiments.weights.process import live_router
+from experiments.weights.publish import (
     UnknownExperimentError,
     current_weights,
     preview_move,
     publish_weights,
 )
+from experiments.weights.router import UnknownExperiment
 
 MAX_USER_ID = 512
 
@@ -68,7 +68,7 @@ class AssignView(APIView):
                 {"user_id": [f"at most {MAX_USER_ID} characters, got {len(user_id)}"]},
                 status=400,
             )
-        router = get_router()
+        router = live_router()
         try:
             result = router.assign(key, user_id)
         except UnknownExperiment as exc:

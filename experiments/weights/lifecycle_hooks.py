@@ -12,7 +12,7 @@ from __future__ import annotations
 
 
 def after_transition(experiment, action: str, actor) -> None:
-    from experiments.weights.service import publish_weights, retire_weights
+    from experiments.weights.publish import publish_weights, retire_weights
 
     if action == "conclude":
         retire_weights(experiment, actor, reason="experiment concluded")

@@ -10,9 +10,10 @@ import time
 import pytest
 from django.core.cache import caches
 
-from dashboards import queries as q
-from dashboards import report as r
-from dashboards import rollup
+from analysis import queries as q
+from analysis import report as r
+from analysis import rollup
+from dashboards import reports
 from samples import synthetic
 
 pytestmark = [pytest.mark.django_db, pytest.mark.services]
@@ -43,9 +44,9 @@ def _numbers(report: dict) -> list[tuple]:
 
 @pytest.fixture(autouse=True)
 def _empty_cache():
-    caches[r.CACHE_ALIAS].clear()
+    caches[reports.CACHE_ALIAS].clear()
     yield
-    caches[r.CACHE_ALIAS].clear()
+    caches[reports.CACHE_ALIAS].clear()
 
 
 @pytest.fixture
@@ -56,51 +57,51 @@ def loaded(sample_store):
 
 def test_a_repeat_is_a_hit_and_new_samples_are_a_miss(experiment, loaded):
     f = q.Filters("ttft-opt")
-    first = r.report_for(experiment, f, loaded)
-    again = r.report_for(experiment, f, loaded)
+    first = reports.report_for(experiment, f, loaded)
+    again = reports.report_for(experiment, f, loaded)
     assert (first["timing"]["cache"], again["timing"]["cache"]) == ("miss", "hit")
     assert _numbers(again) == _numbers(first) and again["generated_at"] == first["generated_at"]
     assert sum(v["n"] for v in first["variants"]) == 3000
 
     synthetic.insert(loaded, _data(SECOND, 500, 2))  # a second run arrives
-    grown = r.report_for(experiment, f, loaded)
+    grown = reports.report_for(experiment, f, loaded)
     assert grown["timing"]["cache"] == "miss"
     assert sum(v["n"] for v in grown["variants"]) == 3500
     # the run filter is part of the key: the first run alone is its own entry
-    alone = r.report_for(experiment, dataclasses.replace(f, run_id=FIRST), loaded)
+    alone = reports.report_for(experiment, dataclasses.replace(f, run_id=FIRST), loaded)
     assert alone["timing"]["cache"] == "miss" and sum(v["n"] for v in alone["variants"]) == 3000
 
 
 def test_deleted_samples_are_a_miss(experiment, loaded):
     synthetic.insert(loaded, _data(SECOND, 500, 2))
     f = q.Filters("ttft-opt")
-    assert sum(v["n"] for v in r.report_for(experiment, f, loaded)["variants"]) == 3500
+    assert sum(v["n"] for v in reports.report_for(experiment, f, loaded)["variants"]) == 3500
     loaded.execute(f"ALTER TABLE {q.SAMPLES} DELETE WHERE run_id = {SECOND}")
     deadline = time.monotonic() + 20  # ALTER ... DELETE is asynchronous on the server
     while [v[0] for v in q.data_version(loaded, "ttft-opt")] != [FIRST] and time.monotonic() < deadline:
         time.sleep(0.1)
-    after = r.report_for(experiment, f, loaded)
+    after = reports.report_for(experiment, f, loaded)
     assert after["timing"]["cache"] == "miss"
     assert sum(v["n"] for v in after["variants"]) == 3000
 
 
 def test_a_changed_slo_is_a_miss_with_its_own_numbers(experiment, loaded):
     f = q.Filters("ttft-opt")
-    strict = r.report_for(experiment, f, loaded)
+    strict = reports.report_for(experiment, f, loaded)
     experiment.sla_ttft_ms = 80.0
     experiment.save(update_fields=["sla_ttft_ms"])
-    loose = r.report_for(experiment, f, loaded)
+    loose = reports.report_for(experiment, f, loaded)
     assert loose["timing"]["cache"] == "miss"
     assert sum(v["hits"] for v in loose["variants"]) < sum(v["hits"] for v in strict["variants"])
     experiment.sla_ttft_ms = 200.0
     experiment.save(update_fields=["sla_ttft_ms"])
-    assert r.report_for(experiment, f, loaded)["timing"]["cache"] == "hit"  # the first entry again
+    assert reports.report_for(experiment, f, loaded)["timing"]["cache"] == "hit"  # the first entry again
 
 
 def test_the_one_scan_picks_the_same_rollups_as_a_scan_of_its_own(experiment, loaded):
     """report_for hands the cache key's per-run (rows, sum) to report_scope: with a finished
     run built and a second run still arriving, it chooses what a fresh scan chooses."""
-    slo = r.slo_of(experiment)
+    slo = reports.slo_of(experiment)
     assert rollup.build_run_rollup(loaded, "ttft-opt", FIRST, slo) is not None
     synthetic.insert(loaded, _data(SECOND, 500, 2))  # no rollup: read raw beside the build
     version = q.data_version(loaded, "ttft-opt")
@@ -111,7 +112,7 @@ def test_the_one_scan_picks_the_same_rollups_as_a_scan_of_its_own(experiment, lo
         q.Filters("ttft-opt", run_id=SECOND),
     ):
         assert rollup.report_scope(loaded, f, slo, version) == rollup.report_scope(loaded, f, slo)
-    rep = r.report_for(experiment, q.Filters("ttft-opt"), loaded)
+    rep = reports.report_for(experiment, q.Filters("ttft-opt"), loaded)
     assert rep["timing"]["source"] == "rollup+samples"
-    raw = r.build_report(loaded, r.experiment_info(experiment), q.Filters("ttft-opt"), use_rollup=False)
+    raw = r.build_report(loaded, reports.experiment_info(experiment), q.Filters("ttft-opt"), use_rollup=False)
     assert _numbers(rep) == _numbers(raw)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from samples.factory import _cache as store_cache
-from tests.dashboards.fixtures_report import loaded_stores, mirror_data, server_url_for, split_data  # noqa: F401
+from tests.analysis.fixtures_report import loaded_stores, mirror_data, server_url_for, split_data  # noqa: F401
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"

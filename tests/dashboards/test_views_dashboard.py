@@ -11,7 +11,7 @@ import pytest
 from django.core.management import call_command
 
 from samples.factory import _cache as store_cache
-from tests.dashboards.fixtures_report import loaded_stores, mirror_data, server_url_for, split_data  # noqa: F401
+from tests.analysis.fixtures_report import loaded_stores, mirror_data, server_url_for, split_data  # noqa: F401
 
 pytestmark = [pytest.mark.urls("tests.dashboards.urls_dashboards"), pytest.mark.django_db]
 

@@ -5,11 +5,11 @@ import time
 
 import pytest
 
+from replay.plan import request_id
+from replay.runner import ShardRunner, ShardSpec
+from replay.sources import TraceRequest
 from simulator.serve import start_in_thread
-from workers.replay.plan import request_id
-from workers.replay.runner import ShardRunner, ShardSpec
-from workers.replay.sources import TraceRequest
-from workers.streaming.client import VariantClient
+from streaming.client import VariantClient
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,7 @@ class _ClockStartsLate:
     model = "m"
 
     async def stream(self, rid, prompt, max_tokens, extra=None):
-        from workers.streaming.result import Outcome, StreamResult
+        from streaming.result import Outcome, StreamResult
 
         start = time.perf_counter_ns() + 50_000_000
         return StreamResult(outcome=Outcome.OK, request_id=rid, start_ns=start, ttft_ms=1.0, e2e_ms=2.0)

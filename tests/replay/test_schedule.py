@@ -4,9 +4,9 @@ import statistics
 
 import pytest
 
-from workers.replay import plan
-from workers.replay.arrivals import Arrival
-from workers.replay.prompts import synth_prompt
+from replay import plan
+from replay.arrivals import Arrival
+from replay.prompts import synth_prompt
 
 
 def test_recorded_arrivals_scale_by_speed():
@@ -75,7 +75,7 @@ def test_synthetic_prompt_estimated_without_a_tokenizer():
 
 
 def test_synthetic_words_are_prefix_stable_exact_and_long_prompts_work():
-    from workers.replay.prompts import _POOL_WORDS, synth_words
+    from replay.prompts import _POOL_WORDS, synth_words
 
     a, b = synth_words(5, 100), synth_words(5, 300)
     assert b.startswith(a) and len(a.split()) == 100 and len(a) == 4 * 100 - 1  # 4 bytes a token

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.replay.sources import SourceError, load_source, read_azure, read_jsonl
-from workers.replay.users import UserPopulation
+from replay.sources import SourceError, load_source, read_azure, read_jsonl
+from replay.users import UserPopulation
 
 TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "azure_llm_2023_code.csv"
 POP = UserPopulation(size=100, seed=7)
@@ -131,7 +131,7 @@ def test_empty_source_is_an_error(tmp_path):
 
 
 def test_thinning_keeps_a_stable_share_and_the_order():
-    from workers.replay.sources import thin
+    from replay.sources import thin
 
     reqs = load_source(TRACE, "azure", population=POP).requests
     kept = thin(reqs, 0.25, seed=1)

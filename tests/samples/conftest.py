@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from abplat.testing import SERVER_URL, FlakyProxy, server_url_for
 from samples.columns import row_from
 from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore
-from workers.streaming.result import Outcome, StreamResult
+from streaming.result import Outcome, StreamResult
+from tests.plugin import SERVER_URL, FlakyProxy, server_url_for
 
 
 def _fresh_db() -> str:

@@ -7,11 +7,11 @@ import math
 
 import pytest
 
+from replay import plan
 from samples import columns, schema
 from samples.columns import SampleError, request_id, row_from, validate_row
 from samples.sql import ParamError, bind, quote
-from workers.replay import plan
-from workers.streaming.result import StreamResult
+from streaming.result import StreamResult
 
 
 def test_every_stream_result_field_has_a_same_named_column():

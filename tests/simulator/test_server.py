@@ -18,8 +18,8 @@ from django.core.management import CommandError, call_command
 from simulator.__main__ import pairs_from_args
 from simulator.profiles import get_profile
 from simulator.serve import free_port, start_in_thread, start_subprocess, wait_healthy
-from workers.streaming.client import VariantClient
-from workers.streaming.result import Outcome
+from streaming.client import VariantClient
+from streaming.result import Outcome
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -12,7 +12,7 @@ from experiments import services
 from experiments.admin import ExperimentAdmin
 from experiments.assignment import assign
 from experiments.models import AuditEntry, Experiment
-from experiments.weights import django_store
+from experiments.weights import process
 
 RAMP = {"fp16": 50, "awq": 30, "awq-fa2": 20}
 START = {"fp16": 34, "awq": 33, "awq-fa2": 33}
@@ -22,9 +22,9 @@ START = {"fp16": 34, "awq": 33, "awq-fa2": 33}
 def local_weights(settings, tmp_path):
     settings.ETCD_ENDPOINTS = []
     settings.WEIGHTS_DIR = tmp_path / "weights"
-    django_store.reset_for_tests()
+    process.reset_for_tests()
     yield
-    django_store.reset_for_tests()
+    process.reset_for_tests()
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def running(experiment, users):
 
 
 def stored():
-    return django_store.get_store().get("ttft-opt")
+    return process.weights_store().get("ttft-opt")
 
 
 # Assign -------------------------------------------------------------------------------------

@@ -12,10 +12,10 @@ from django.core.management import CommandError, call_command
 from experiments import services
 from experiments.assignment import assign
 from experiments.models import AuditEntry, Experiment
-from experiments.weights import django_store
+from experiments.weights import process
 from experiments.weights.errors import ConflictError, StoreUnavailable, WeightsError
+from experiments.weights.publish import UnknownExperimentError, preview_move, publish_weights
 from experiments.weights.router import Router, UnknownExperiment
-from experiments.weights.service import UnknownExperimentError, preview_move, publish_weights
 
 RAMP = {"fp16": 50, "awq": 30, "awq-fa2": 20}
 
@@ -29,9 +29,9 @@ def weights_backend(request, settings, tmp_path):
     else:
         settings.ETCD_ENDPOINTS = []
     settings.WEIGHTS_DIR = tmp_path / "weights"
-    django_store.reset_for_tests()
+    process.reset_for_tests()
     yield request.param
-    django_store.reset_for_tests()
+    process.reset_for_tests()
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def running(experiment, users, weights_backend):
 
 
 def stored(key="ttft-opt"):
-    return django_store.get_store().get(key)
+    return process.weights_store().get(key)
 
 
 def test_starting_an_experiment_publishes_its_weights(running):
@@ -109,7 +109,7 @@ def test_weights_of_a_concluded_or_draft_or_unknown_experiment_cannot_change(
 
 
 def test_concluding_retires_the_weights_so_routers_stop_assigning(running, users):
-    store = django_store.get_store()
+    store = process.weights_store()
     router = Router(store)
     try:
         assert router.start(wait=10)
@@ -137,7 +137,7 @@ def test_pausing_keeps_the_weights(running, users):
 
 
 def test_a_conclusion_the_store_cannot_record_rolls_back(running, users, monkeypatch):
-    store = django_store.get_store()
+    store = process.weights_store()
 
     def down(key):
         raise StoreUnavailable(f"{store.description}: down for the test")
@@ -169,7 +169,7 @@ def test_stale_expected_revision_is_a_conflict_and_nothing_is_written(running, u
 def test_store_write_losing_the_race_rolls_back_the_database(running, users, monkeypatch):
     """Someone writes between our read and our compare-and-set: the CAS fails and the Variant
     rows and audit entry of our transaction are rolled back."""
-    store = django_store.get_store()
+    store = process.weights_store()
     real_put = store.put
 
     def racing_put(key, doc, expected_revision):

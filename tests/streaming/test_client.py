@@ -8,11 +8,11 @@ import socket
 
 import pytest
 
-from simulator.model import Faults
+from simulator.latency import Faults
 from simulator.profiles import get_profile
 from simulator.serve import start_in_thread
-from workers.streaming.client import StreamCancelled, Timeouts, VariantClient, trace_ids
-from workers.streaming.result import Outcome
+from streaming.client import StreamCancelled, Timeouts, VariantClient, trace_ids
+from streaming.result import Outcome
 
 MODEL = "abplat-sim"
 TRANSPORT = "h1"

@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from workers.streaming import h1
-from workers.streaming.client import Timeouts
-from workers.streaming.h1 import Exchange, H1Connection, open_connection, request_bytes, rx_stamp_ns
-from workers.streaming.result import Outcome
-from workers.streaming.timing import StreamTimer
+from streaming import h1
+from streaming.client import Timeouts
+from streaming.h1 import Exchange, H1Connection, open_connection, request_bytes, rx_stamp_ns
+from streaming.result import Outcome
+from streaming.timing import StreamTimer
 
 # The client's loop is blocked this long after the server wrote: the stamp must not include it.
 BLOCK_S = 0.2

@@ -14,9 +14,9 @@ import warnings
 import pytest
 
 from simulator.serve import DEFAULT_MODEL, build_server
-from workers.streaming import h1
-from workers.streaming.client import StreamCancelled, Timeouts, VariantClient
-from workers.streaming.result import Outcome
+from streaming import h1
+from streaming.client import StreamCancelled, Timeouts, VariantClient
+from streaming.result import Outcome
 
 
 @pytest.fixture(scope="module")

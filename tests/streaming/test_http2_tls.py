@@ -21,9 +21,9 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
 from simulator.serve import DEFAULT_MODEL, build_server
+from streaming.client import Timeouts, VariantClient
+from streaming.result import Outcome
 from tests.pki import PKI
-from workers.streaming.client import Timeouts, VariantClient
-from workers.streaming.result import Outcome
 
 # --- the simulator on hypercorn ----------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """The start-burst guard: at most N new connections per event-loop pass, in arrival order, so the
-loop reads the running streams between every N opens (workers/streaming/pacing.py)."""
+loop reads the running streams between every N opens (streaming/pacing.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from collections import Counter
 import pytest
 
 from simulator.serve import DEFAULT_MODEL
-from workers.streaming import pacing
-from workers.streaming.client import StreamCancelled, VariantClient
-from workers.streaming.pacing import OpenPacer, pacer_for
-from workers.streaming.result import Outcome
+from streaming import pacing
+from streaming.client import StreamCancelled, VariantClient
+from streaming.pacing import OpenPacer, pacer_for
+from streaming.result import Outcome
 
 
 async def _burst(pacer: OpenPacer, n: int, cancel: frozenset[int] = frozenset()) -> list[tuple[int, int]]:

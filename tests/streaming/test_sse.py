@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.streaming.sse import SSEEvent, SSEParser
+from streaming.sse import SSEEvent, SSEParser
 
 CAPTURES = pathlib.Path(__file__).parents[1] / "data" / "vllm-captures"
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from workers.streaming.result import Outcome
-from workers.streaming.timing import StreamProtocolError, StreamTimer, percentile
+from streaming.result import Outcome
+from streaming.timing import StreamProtocolError, StreamTimer, percentile
 
 MS = 1_000_000
 

@@ -1,6 +1,6 @@
 """python manage.py build_rollups KEY [--run ID ...]
 
-(Re)build the report rollups (dashboards.rollup) of an experiment's runs: every run with
+(Re)build the report rollups (analysis.rollup) of an experiment's runs: every run with
 samples, or the runs named. A replay builds its run's rollup when it ends; this command is for
 runs recorded before rollups existed, a build that failed (the store was down), or runs whose
 samples changed after their build (the report then reads the raw samples until rebuilt).
@@ -13,10 +13,10 @@ import time
 
 from django.core.management.base import BaseCommand, CommandError
 
-from dashboards import rollup
-from dashboards.report import slo_of
+from analysis import rollup
+from dashboards.reports import slo_of
 from experiments.models import Experiment
-from samples.factory import get_store
+from samples.factory import sample_store
 from workers.models import ReplayRun
 
 
@@ -34,7 +34,7 @@ class Command(BaseCommand):
             experiment = Experiment.objects.get(key=opts["key"])
         except Experiment.DoesNotExist:
             raise CommandError(f"no experiment with key {opts['key']!r}") from None
-        store = get_store()
+        store = sample_store()
         runs = opts["run"] or list(rollup.runs_of(store, experiment.key))
         busy = set(
             ReplayRun.objects.filter(experiment=experiment, pk__in=runs)

@@ -24,10 +24,10 @@ from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 
+from analysis.queries import QueryError
 from dashboards import tables
 from dashboards.filters import filters_from_params
-from dashboards.queries import QueryError
-from dashboards.report import report_for
+from dashboards.reports import report_for
 from experiments.models import Experiment
 
 

@@ -10,8 +10,8 @@ import sys
 
 from django.core.management.base import BaseCommand, CommandError
 
-from experiments.weights.django_store import get_store
 from experiments.weights.errors import StoreUnavailable
+from experiments.weights.process import weights_store
 from experiments.weights.router import Router, UnknownExperiment
 
 CHUNK_LINES = 4096
@@ -35,7 +35,7 @@ class Command(BaseCommand):
     def handle(self, *args, key, with_revision=False, **options):
         stdin = options.get("stdin") or sys.stdin
         # A one-shot load, no watch: the answer is for the weights as they are at start.
-        router = Router(get_store())
+        router = Router(weights_store())
         try:
             router.refresh()
             first = router.assign(key, "")

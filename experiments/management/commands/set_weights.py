@@ -6,7 +6,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
 from experiments.weights.errors import ConflictError, StoreUnavailable, WeightsError
-from experiments.weights.service import (
+from experiments.weights.publish import (
     UnknownExperimentError,
     WeightsPreview,
     preview_move,

@@ -4,7 +4,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from samples.factory import get_store
+from samples.factory import sample_store
 from samples.store import StoreError
 
 
@@ -15,7 +15,7 @@ class Command(BaseCommand):
         parser.add_argument("--show", action="store_true", help="list migrations and whether each is applied")
 
     def handle(self, *args: Any, show: bool = False, **options: Any) -> None:
-        store = get_store()
+        store = sample_store()
         try:
             if show:
                 for m in store.migration_status():

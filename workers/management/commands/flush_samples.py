@@ -1,6 +1,6 @@
 from django.core.management.base import BaseCommand, CommandError
 
-from samples.factory import get_writer
+from samples.factory import sample_writer
 from samples.store import StoreUnavailable
 from workers.models import ReplayRun
 from workers.tasks import complete_run
@@ -11,7 +11,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         try:
-            report = get_writer().flush()
+            report = sample_writer().flush()
         except StoreUnavailable as exc:
             raise CommandError(f"sample store still unavailable; samples stay spooled: {exc}") from None
         self.stdout.write(f"flushed {report.inserted} samples ({report.skipped_stored} already stored)")

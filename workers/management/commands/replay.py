@@ -7,8 +7,8 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
 from experiments.models import Experiment
+from replay.arrivals import Arrival
 from workers.models import ReplayRun
-from workers.replay.arrivals import Arrival
 from workers.runs import ReplayError, create_run, describe
 
 

@@ -14,9 +14,9 @@ import shlex
 from django.core.management.base import BaseCommand, CommandError
 
 from experiments.models import Variant
+from serving import vllm as vllm_server
+from serving.vllm_args import serve_argv
 from simulator.serve import free_port
-from workers.vllm import server as vllm_server
-from workers.vllm.args import serve_argv
 
 
 class Command(BaseCommand):

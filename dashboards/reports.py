@@ -1,0 +1,132 @@
+"""The report of one experiment model: its settings and weights history from the database, and
+the report cache (Django's cache, keyed by everything the report depends on). The report itself
+is assembled by analysis.report.build_report, which knows nothing of Django."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from analysis import queries as q
+from analysis.report import SCHEMA_VERSION, ExperimentInfo, VariantInfo, build_report
+
+
+def weights_history(experiment: Any) -> tuple[dict[int, dict[str, float]], str, list[dict]]:
+    """Weights in force per config revision, from the audit log when it recorded them.
+
+    Any audit entry whose ``before`` or ``after`` holds {"weights": {...}, "revision": int}
+    (experiments.weights.service.publish_weights writes "set_weights" entries like that) maps
+    that revision to its weights. Revisions the log does not name are tested against the
+    variants' current weights, which is wrong for revisions before a later weight change: the
+    report's srm.weights_source says which source was used.
+    """
+    by_rev: dict[int, dict[str, float]] = {}
+    changes: list[dict[str, Any]] = []
+    for entry in experiment.audit.order_by("at", "id"):
+        found = False
+        for state in (entry.before, entry.after):
+            state = state if isinstance(state, dict) else {}
+            weights, rev = state.get("weights"), state.get("revision")
+            if (
+                isinstance(weights, dict)
+                and isinstance(rev, int)
+                and not isinstance(rev, bool)
+                and rev > 0
+                and all(isinstance(w, int | float) for w in weights.values())
+            ):
+                by_rev[rev] = {str(k): float(w) for k, w in weights.items()}
+                found = True
+        if found or "weights" in entry.action:
+            changes.append(
+                {
+                    "at": entry.at.astimezone(dt.UTC).isoformat().replace("+00:00", "Z"),
+                    "label": f"{entry.action} by {entry.actor_name}",
+                }
+            )
+    source = (
+        "audit log (weights per config revision; other revisions: current weights)"
+        if by_rev
+        else "current variant weights (no weights history in the audit log)"
+    )
+    return by_rev, source, changes
+
+
+def slo_of(experiment: Any) -> q.Slo:
+    return q.Slo(experiment.sla_ttft_ms, experiment.sla_tpot_ms, experiment.sla_e2e_ms)
+
+
+def experiment_info(experiment: Any) -> ExperimentInfo:
+    by_rev, source, changes = weights_history(experiment)
+    return ExperimentInfo(
+        key=experiment.key,
+        name=experiment.name,
+        slo=slo_of(experiment),
+        target=experiment.sla_target,
+        variants=[
+            VariantInfo(v.key, v.control, v.weight, dict(v.factors or {})) for v in experiment.variants.all()
+        ],
+        weights_by_revision=by_rev,
+        weights_source=source,
+        weight_changes=changes,
+    )
+
+
+CACHE_ALIAS = "default"
+CACHE_TIMEOUT_S = 600
+# bump when the report's computation changes without a SCHEMA_VERSION change
+CACHE_FORMAT = 3
+
+
+def cache_key(store: Any, exp: ExperimentInfo, filters: q.Filters, version: Sequence[Sequence[int]]) -> str:
+    """Everything the report depends on: the store, the experiment's settings and weights
+    history, the filters, and the experiment's data version (queries.data_version)."""
+    blob = json.dumps(
+        {
+            "format": [SCHEMA_VERSION, CACHE_FORMAT],
+            "store": store.describe(),
+            "experiment": dataclasses.asdict(exp),
+            "filters": filters.as_dict(),
+            "version": list(version),
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return "abplat:sla-report:" + hashlib.sha256(blob.encode()).hexdigest()
+
+
+def report_for(
+    experiment: Any, filters: q.Filters, store: Any | None = None, *, use_cache: bool = True
+) -> dict[str, Any]:
+    """The report, from Django's cache when the experiment's data have not changed since.
+
+    A hit costs one scan of recorded_ms (data_version) instead of the report's passes; its
+    ``generated_at`` is when it was computed and ``timing.cache`` says "hit".
+    """
+    if store is None:
+        from samples.factory import sample_store
+
+        store = sample_store()
+    info = experiment_info(experiment)
+    if not use_cache:
+        report = build_report(store, info, filters)
+        report["timing"]["cache"] = "off"
+        return report
+    from django.core.cache import caches
+
+    cache = caches[CACHE_ALIAS]
+    t0 = time.perf_counter()
+    version = q.data_version(store, filters.experiment)
+    key = cache_key(store, info, filters, version)
+    cached = cache.get(key)
+    if cached is not None:
+        cached["timing"] = {**cached["timing"], "cache": "hit", "lookup_s": time.perf_counter() - t0}
+        return cached
+    report = build_report(store, info, filters, version=version)
+    report["timing"].update(cache="miss", lookup_s=time.perf_counter() - t0 - report["timing"]["query_s"])
+    cache.set(key, report, CACHE_TIMEOUT_S)
+    return report

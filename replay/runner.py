@@ -1,0 +1,230 @@
+"""Running one shard of a replay: send each request on its schedule, measure it, record it.
+
+Pure of Django and Celery: the task wrapper passes in the requests, an assigner (the live
+router), one streaming client per variant, a sink for rows and a cancel probe.
+
+1. Convert the run's absolute start (unix time) to this process's monotonic clock once.
+2. For each request in schedule order: sleep until its send time, then wait for a slot
+   (the concurrency bound); the difference between the actual and the planned send time is
+   the schedule lag, recorded per sample.
+3. Split mode: the router assigns the user's variant now, so a weight change takes effect
+   mid-run and the sample carries the config revision. Mirror mode: every variant at once.
+4. Requests whose id is already recorded (a redelivered shard) are not sent again.
+5. Every finished request becomes exactly one row; a request cut short by cancellation is
+   recorded with outcome "cancelled", never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import os
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from replay.plan import MIRROR, SPLIT, request_id
+from replay.prompts import synth_prompt
+from replay.sources import TraceRequest
+from samples.columns import row_from
+from streaming.client import StreamCancelled
+from streaming.result import Outcome, StreamResult
+
+
+class Streamer(Protocol):
+    async def stream(self, request_id: str, prompt: Any, max_tokens: int,
+                     extra: Mapping[str, Any] | None = None) -> StreamResult: ...  # fmt: skip
+
+
+Assigner = Callable[[str], tuple[str, int]]  # user_id -> (variant, config revision)
+
+
+@dataclasses.dataclass
+class ShardSpec:
+    experiment: str
+    run_id: int
+    mode: str
+    requests: Sequence[TraceRequest]
+    offsets: Sequence[float] | None  # seconds after start, per request; None: closed loop
+    start_at_unix: float
+    concurrency: int
+    variants: Sequence[str]
+    attempt: int = 1
+    skip_ids: frozenset[str] = frozenset()
+    ignore_eos: bool = True
+    worker: str = dataclasses.field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+
+    def __post_init__(self):
+        if self.mode not in (SPLIT, MIRROR):
+            raise ValueError(f"mode must be split or mirror, got {self.mode!r}")
+        if self.offsets is not None and len(self.offsets) != len(self.requests):
+            raise ValueError("offsets and requests differ in length")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {self.concurrency}")
+
+
+@dataclasses.dataclass
+class ShardStats:
+    planned: int = 0
+    sent: int = 0
+    skipped_recorded: int = 0
+    recorded: int = 0
+    not_sent: int = 0  # cancelled before its send time
+    outcomes: Counter = dataclasses.field(default_factory=Counter)
+    lags_ms: list[float] = dataclasses.field(default_factory=list)
+    cancelled: bool = False
+
+    def lag_quantile(self, q: float) -> float:
+        if not self.lags_ms:
+            return 0.0
+        ordered = sorted(self.lags_ms)
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+    def as_dict(self) -> dict:
+        return {
+            "planned": self.planned, "sent": self.sent, "skipped_recorded": self.skipped_recorded,
+            "recorded": self.recorded, "not_sent": self.not_sent, "outcomes": dict(self.outcomes),
+            "lag_p50_ms": round(self.lag_quantile(0.5), 3), "lag_p99_ms": round(self.lag_quantile(0.99), 3),
+            "lag_max_ms": round(max(self.lags_ms, default=0.0), 3), "cancelled": self.cancelled,
+        }  # fmt: skip
+
+
+class ShardRunner:
+    def __init__(self, spec: ShardSpec, clients: Mapping[str, Streamer], assign: Assigner | None,
+                 put_row: Callable[[dict], None], *, should_cancel: Callable[[], bool] | None = None,
+                 revision: Callable[[], int] | None = None,
+                 on_progress: Callable[[ShardStats], None] | None = None,
+                 progress_interval_s: float = 1.0):  # fmt: skip
+        if spec.mode == SPLIT and assign is None:
+            raise ValueError("split mode needs an assigner (the router)")
+        missing = [v for v in spec.variants if v not in clients]
+        if missing:
+            raise ValueError(f"no client for variant(s) {missing}")
+        self.spec, self.clients, self.assign, self.put_row = spec, clients, assign, put_row
+        self.should_cancel = should_cancel or (lambda: False)
+        self.revision = revision or (lambda: 0)
+        self.on_progress = on_progress
+        self.progress_interval_s = progress_interval_s
+        self.stats = ShardStats(planned=len(spec.requests))
+        self._in_flight = 0
+        self._cancel = asyncio.Event()
+
+    async def run(self) -> ShardStats:
+        spec = self.spec
+        # 1. One conversion from wall clock to monotonic; every send is planned on the latter.
+        start_mono = time.perf_counter() + (spec.start_at_unix - time.time())
+        slots = asyncio.Semaphore(spec.concurrency)
+        tasks: set[asyncio.Task] = set()
+        watcher = asyncio.create_task(self._watch_cancel())
+        try:
+            for i, req in enumerate(spec.requests):
+                if self._cancel.is_set():
+                    self.stats.not_sent += len(spec.requests) - i
+                    break
+                # The prompt is built before the wait, so its cost never shows as schedule lag.
+                prepared = self._prompt(req)
+                planned = start_mono + (spec.offsets[i] if spec.offsets is not None else 0.0)
+                delay = planned - time.perf_counter()
+                if delay > 0:
+                    try:
+                        await asyncio.wait_for(self._cancel.wait(), timeout=delay)
+                        self.stats.not_sent += len(spec.requests) - i
+                        break
+                    except TimeoutError:
+                        pass
+                await slots.acquire()
+                if spec.offsets is None:
+                    planned = time.perf_counter()  # closed loop: sent when a slot frees
+                task = asyncio.create_task(self._send(req, planned, start_mono, prepared))
+                tasks.add(task)
+                task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
+            if tasks:
+                await asyncio.gather(*tasks)
+        finally:
+            watcher.cancel()
+            if self.on_progress:
+                await asyncio.to_thread(self.on_progress, self.stats)
+        self.stats.cancelled = self._cancel.is_set()
+        return self.stats
+
+    async def _watch_cancel(self) -> None:
+        while True:
+            await asyncio.sleep(self.progress_interval_s)
+            if await asyncio.to_thread(self.should_cancel):
+                self._cancel.set()
+            if self.on_progress:
+                await asyncio.to_thread(self.on_progress, self.stats)
+
+    async def _send(self, req: TraceRequest, planned: float, start_mono: float,
+                    prepared: tuple[Any, int, bool]) -> None:  # fmt: skip
+        spec = self.spec
+        if spec.mode == SPLIT:
+            variant, revision = self.assign(req.user_id)
+            targets = [(variant, request_id(spec.run_id, req.seq))]
+        else:
+            revision = self.revision()
+            targets = [(v, request_id(spec.run_id, req.seq, v)) for v in spec.variants]
+        targets = [(v, rid) for v, rid in targets if rid not in spec.skip_ids]
+        self.stats.skipped_recorded += (1 if spec.mode == SPLIT else len(spec.variants)) - len(targets)
+        if not targets:
+            return
+        prompt, prompt_tokens, estimated = prepared
+        await asyncio.gather(*(
+            self._one(req, variant, rid, revision, planned, start_mono, prompt, prompt_tokens, estimated)
+            for variant, rid in targets
+        ))  # fmt: skip
+
+    @staticmethod
+    def _prompt(req: TraceRequest) -> tuple[Any, int, bool]:
+        if req.messages is not None:
+            return list(req.messages), 0, True
+        if req.prompt is not None:
+            return req.prompt, 0, True
+        text, estimated = synth_prompt(req.seq, req.prompt_tokens)
+        return text, req.prompt_tokens, estimated
+
+    async def _one(self, req, variant, rid, revision, planned, start_mono, prompt, prompt_tokens, estimated):
+        spec = self.spec
+        in_flight = self._in_flight
+        self._in_flight += 1
+        sent_mono = time.perf_counter()
+        sent_unix_ms = time.time() * 1000.0
+        self.stats.sent += 1
+        extra = {"ignore_eos": True} if spec.ignore_eos else None
+        try:
+            client = self.clients.get(variant)
+            if client is None:
+                # The weights document names a variant this experiment does not have: record
+                # the request as failed (never drop it) and say exactly why.
+                raise LookupError(
+                    f"router assigned variant {variant!r}; the experiment has {sorted(self.clients)}"
+                )
+            result = await client.stream(rid, prompt, req.max_tokens, extra)
+        except StreamCancelled as exc:
+            result = exc.result
+            result.outcome = Outcome.CANCELLED
+        except Exception as exc:  # a client bug must still leave a sample, never a gap
+            result = StreamResult(outcome=Outcome.MALFORMED, error=f"client error: {type(exc).__name__}: {exc}",
+                                  request_id=rid)  # fmt: skip
+        finally:
+            self._in_flight -= 1
+        # The request's clock may start after the call: a new connection waits its turn in a
+        # start burst (streaming/pacing.py). That wait is lateness against the plan too.
+        waited_s = max(0.0, result.start_ns / 1e9 - sent_mono) if result.start_ns else 0.0
+        sent_unix_ms += waited_s * 1000.0
+        lag_ms = max(0.0, (sent_mono + waited_s - planned) * 1000.0)
+        self.stats.lags_ms.append(lag_ms)
+        row = row_from(result, {
+            "experiment": spec.experiment, "run_id": spec.run_id, "seq": req.seq, "variant": variant,
+            "mode": spec.mode, "sent_unix_ms": sent_unix_ms, "request_id": rid, "user_id": req.user_id,
+            "config_revision": revision, "scheduled_offset_ms": (planned - start_mono) * 1000.0,
+            "schedule_lag_ms": lag_ms, "in_flight": in_flight, "prompt_tokens": prompt_tokens,
+            "prompt_tokens_estimated": estimated, "max_tokens": req.max_tokens, "worker": spec.worker,
+            "attempt": min(spec.attempt, 255),
+        })  # fmt: skip
+        self.put_row(row)
+        self.stats.recorded += 1
+        self.stats.outcomes[str(result.outcome)] += 1

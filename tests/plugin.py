@@ -1,0 +1,88 @@
+"""pytest plugin loaded first (pytest.ini: -p tests.plugin): a private ABPLAT_VAR per test
+session, so tests never touch the developer's var/ (SQLite file, chDB, spool, weights)."""
+
+import os
+import socket
+import tempfile
+import threading
+import urllib.parse
+
+if "ABPLAT_VAR" not in os.environ:
+    os.environ["ABPLAT_VAR"] = tempfile.mkdtemp(prefix="abplat-test-")
+
+SERVER_URL = os.environ.get("ABPLAT_TEST_CLICKHOUSE_URL", "clickhouse://default:@127.0.0.1:19000/abplat_test")
+
+
+def server_url_for(database: str, url: str = SERVER_URL) -> str:
+    """The test ClickHouse server URL with another database."""
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(parts._replace(path="/" + database))
+
+
+class FlakyProxy:
+    """A TCP proxy to the ClickHouse server that can be switched off and on: "the store went
+    down and came back" for one backend object, without stopping the shared server."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        self.port = probe.getsockname()[1]
+        probe.close()
+        self._listener: socket.socket | None = None
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def up(self) -> None:
+        ls = socket.socket()
+        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        ls.bind(("127.0.0.1", self.port))
+        ls.listen(16)
+        self._listener = ls
+        threading.Thread(target=self._accept, args=(ls,), daemon=True).start()
+
+    def down(self) -> None:
+        with self._lock:
+            if self._listener is not None:
+                # shutdown() wakes the thread blocked in accept(); close() alone would not, and
+                # the kernel would keep accepting on the "closed" socket.
+                try:
+                    self._listener.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                self._listener.close()
+                self._listener = None
+            for c in self._conns:
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                c.close()
+            self._conns.clear()
+
+    def _accept(self, ls: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = ls.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target, timeout=5)
+            upstream.settimeout(None)
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass

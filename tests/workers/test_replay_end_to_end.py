@@ -1,0 +1,102 @@
+"""The main job end to end on eager Celery: a trace replayed through simulated variants into
+the sample store (chDB and the ClickHouse server), exactly one sample per request."""
+
+import io
+from collections import Counter
+from unittest.mock import ANY
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from analysis import rollup
+from analysis.queries import Filters
+from dashboards import reports as report
+from experiments import services
+from workers.models import ReplayRun
+
+TRACE = "data/traces/azure_llm_2023_code.csv"
+
+
+def replay(*args) -> str:
+    out = io.StringIO()
+    call_command("replay", "ttft-opt", "--trace", TRACE, *args, stdout=out)
+    return out.getvalue()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_split_replay_records_exactly_one_sample_per_request(running, sample_store):
+    out = replay("--limit", "120", "--speed", "200")
+    run = ReplayRun.objects.get()
+    assert run.status == "done", (run.error, out)
+    assert run.samples_recorded == 120 == sample_store.count(run.pk)
+    rows = sample_store.query(
+        "SELECT seq, variant, user_id, config_revision, outcome FROM samples FINAL WHERE run_id = %(r)s",
+        {"r": run.pk},
+    )
+    assert sorted(r[0] for r in rows) == list(range(120))
+    # the router's assignment: every user always lands on the same variant
+    by_user = {}
+    for _seq, variant, user, revision, _outcome in rows:
+        assert by_user.setdefault(user, variant) == variant and revision > 0
+    assert Counter(r[4] for r in rows) == {"ok": 120}
+    assert "done: 120/120 samples" in out
+    # the finished run's report rollup was built, and the report reads it: same numbers as raw
+    exp = report.experiment_info(running)
+    f = Filters("ttft-opt")
+    assert rollup.report_scope(sample_store, f, exp.slo) == rollup.Scope({run.pk: ANY})
+    fast, raw = (
+        report.build_report(sample_store, exp, f),
+        report.build_report(sample_store, exp, f, use_rollup=False),
+    )
+    assert (fast["timing"]["source"], raw["timing"]["source"]) == ("rollup", "samples")
+    assert [(v["key"], v["n"], v["hits"]) for v in fast["variants"]] == [
+        (v["key"], v["n"], v["hits"]) for v in raw["variants"]
+    ]
+    assert sum(v["n"] for v in fast["variants"]) == 120
+    assert fast["variants"][0]["percentiles"] == raw["variants"][0]["percentiles"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_mirror_replay_sends_every_request_to_every_variant(running, sample_store):
+    replay("--limit", "30", "--speed", "200", "--mode", "mirror")
+    run = ReplayRun.objects.get()
+    assert run.status == "done" and run.samples_recorded == 90
+    assert sample_store.counts_by_variant(run.pk) == {"awq": 30, "awq-fa2": 30, "fp16": 30}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failing_variant_still_gets_one_sample_per_request(running, sample_store):
+    running.variants.filter(key="awq").update(endpoint="http://127.0.0.1:9/v1")  # nothing listens
+    replay("--limit", "40", "--speed", "200", "--mode", "mirror")
+    run = ReplayRun.objects.get()
+    assert run.status == "done" and run.samples_recorded == 120
+    assert run.outcomes == {"ok": 80, "connect_error": 40}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_replay_refuses_a_draft_experiment(document, sample_store):
+    services.apply_document(document)
+    with pytest.raises(CommandError, match="only running experiments replay"):
+        replay("--limit", "5")
+    assert not ReplayRun.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_build_rollups_rebuilds_a_finished_run_and_skips_one_still_replaying(running, sample_store):
+    replay("--limit", "30", "--speed", "200")
+    run = ReplayRun.objects.get()
+    slo = report.slo_of(running)
+    sample_store.execute("TRUNCATE TABLE rollup_builds")  # as if built before rollups existed
+    assert rollup.report_scope(sample_store, Filters("ttft-opt"), slo) is None
+    out = io.StringIO()
+    call_command("build_rollups", "ttft-opt", stdout=out)
+    assert f"run {run.pk}: 30 samples rolled up" in out.getvalue() and "1 run(s) built" in out.getvalue()
+    assert rollup.report_scope(sample_store, Filters("ttft-opt"), slo) == rollup.Scope({run.pk: ANY})
+    ReplayRun.objects.filter(pk=run.pk).update(status=ReplayRun.Status.RUNNING)
+    out = io.StringIO()
+    call_command("build_rollups", "ttft-opt", "--run", str(run.pk), stdout=out)
+    assert f"run {run.pk}: still replaying, skipped" in out.getvalue()
+    call_command("build_rollups", "ttft-opt", "--run", "999999", stdout=(out := io.StringIO()))
+    assert "run 999999: no samples of 'ttft-opt', nothing to build" in out.getvalue()
+    with pytest.raises(CommandError, match="no experiment with key 'nope'"):
+        call_command("build_rollups", "nope")
