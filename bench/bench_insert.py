@@ -1,21 +1,34 @@
-"""Sample store insert rate (rows/s): our columnar batch path vs plain inserts, same run.
+"""Sample store insert rate (rows/s): the validated store insert vs unvalidated baselines, same run.
 
+    scripts/clickhouse.sh start
     .venv/bin/python bench/bench_insert.py [--rows 200000] [--batch 10000] [--single 2000]
-        [--url clickhouse://default:@127.0.0.1:19000/abplat_bench]
+        [--rounds 3] [--url clickhouse://default:@127.0.0.1:19000/abplat_bench]
+    .venv/bin/python bench/bench_insert.py --quick    # 20k rows, 1 round, the same tables (~15 s)
 
-Needs the ClickHouse server (scripts/clickhouse.sh start). Each method writes into a fresh
-samples table; row generation is not timed. Baselines, per backend:
-  row-by-row   one INSERT statement per row (what a naive writer does)
-  row tuples   clickhouse-driver executemany-style list of tuples / one VALUES literal for chDB
-  lists        clickhouse-driver columnar=True with Python lists (no numpy)
-  store        SampleStore.insert_samples: validation + numpy columnar (server) /
-               pyarrow + INSERT ... SELECT FROM Python(tbl) (chDB)
+Rows are built as the replay builds them (replay.rows.row_from); building them is not timed, nor
+is turning them into the baselines' tuples. Each method writes into a freshly migrated samples
+table (ClickHouse server database from --url; chDB in a temporary directory). Methods:
+  row-by-row     one INSERT statement per row (what a naive writer does)
+  row tuples     UNVALIDATED: clickhouse-driver's list of row tuples per INSERT (server);
+                 one VALUES literal per INSERT (chDB, which has no driver)
+  lists          UNVALIDATED: clickhouse-driver columnar=True with Python lists (server)
+  store          SampleStore.insert_samples: the dict rows validated (samples.columns, whole
+                 columns at a time), then numpy columnar (server) / Arrow (chDB)
+The batched methods run in --rounds interleaved rounds (every method once per round, in turn),
+so a load change on the machine hits them alike; each figure is the median round.
+The second table puts the validated store insert beside the unvalidated row tuples of its
+backend (issue 16's target: ratio >= 1.0).
+
+Checks (any failure prints `bench FAILED: <what and where>` to stderr and exits 1): the ClickHouse
+server answers and chDB opens its directory; after every method the table holds exactly the rows
+that method inserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -25,13 +38,18 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from samples.columns import COLUMN_NAMES, row_from, to_columns  # noqa: E402
-from samples.sql import quote  # noqa: E402
-from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore  # noqa: E402
-from streaming.result import Outcome, StreamResult  # noqa: E402
+from bench.benchlib import BenchFailed, run_checked  # noqa: E402
+
+DEFAULT_URL = os.environ.get(
+    "ABPLAT_BENCH_CLICKHOUSE_URL", "clickhouse://default:@127.0.0.1:19000/abplat_bench"
+)
+ROW_BY_ROW, TUPLES, LISTS, STORE = "row-by-row", "row tuples", "lists", "store"
 
 
 def make_rows(n: int) -> list[dict[str, Any]]:
+    from replay.rows import row_from
+    from streaming.result import Outcome, StreamResult
+
     base = StreamResult(
         outcome=Outcome.OK,
         http_status=200,
@@ -81,95 +99,141 @@ def make_rows(n: int) -> list[dict[str, Any]]:
     return rows
 
 
-def timed(fn: Callable[[], None]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def batches(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def batches(rows: list[dict[str, Any]], size: int) -> list[list[dict[str, Any]]]:
-    return [rows[i : i + size] for i in range(0, len(rows), size)]
+def reset(store: Any) -> None:
+    from samples import schema
 
-
-INSERT_COLS = f"INSERT INTO samples ({', '.join(COLUMN_NAMES)})"
-
-
-def values_literal(rows: list[dict[str, Any]]) -> str:
-    return ", ".join("(" + ", ".join(quote(r[c]) for c in COLUMN_NAMES) + ")" for r in rows)
-
-
-def reset(store: SampleStore) -> None:
-    store.execute("DROP TABLE IF EXISTS samples")
-    store.execute("DROP TABLE IF EXISTS schema_migrations")
+    store.execute(f"DROP TABLE IF EXISTS {schema.SAMPLES_TABLE}")
+    store.execute(f"DROP TABLE IF EXISTS {schema.MIGRATIONS_TABLE}")
     store.migrate()
 
 
-def check(store: SampleStore, n: int, label: str) -> None:
+def timed_into(store: Any, label: str, n: int, fn: Callable[[], None]) -> float:
+    """Seconds `fn` takes to insert n rows into a fresh table; checks the table then holds n."""
+    reset(store)
+    t0 = time.perf_counter()
+    fn()
+    secs = time.perf_counter() - t0
     got = store.query("SELECT count() FROM samples")[0][0]
     if got != n:
-        raise SystemExit(f"{label}: expected {n} rows, table has {got}")
+        raise BenchFailed(f"{store.backend_name} {label}: inserted {n} rows, the table holds {got}")
+    return secs
 
 
-def bench_server(url: str, rows: list, batch: int, single: int) -> list[tuple]:
-    store = ClickHouseServerBackend(url)
-    store.ensure_database()
+def server_methods(
+    store: Any, rows: list, batch: int, single: int
+) -> dict[str, tuple[int, Callable[[], None]]]:
+    from samples.columns import COLUMN_NAMES, to_columns
+
     client = store._client()  # the raw driver, for the baselines
-    out = []
     tuples = [tuple(r[c] for c in COLUMN_NAMES) for r in rows]
-    plain_sql = INSERT_COLS + " VALUES"
-
-    reset(store)
-    secs = timed(lambda: [client.execute(plain_sql, [t]) for t in tuples[:single]])
-    check(store, single, "server row-by-row")
-    out.append(("server", "row-by-row (1 INSERT/row)", single, secs))
-
-    reset(store)
-    secs = timed(lambda: [client.execute(plain_sql, b) for b in batches(tuples, batch)])
-    check(store, len(rows), "server row tuples")
-    out.append(("server", f"row tuples, {batch}/INSERT", len(rows), secs))
-
-    reset(store)
-
-    def lists() -> None:
-        for b in batches(rows, batch):
-            cols = list(to_columns(b).values())
-            client.execute(plain_sql, cols, columnar=True)
-
-    secs = timed(lists)
-    check(store, len(rows), "server lists")
-    out.append(("server", f"columnar lists, {batch}/INSERT", len(rows), secs))
-
-    reset(store)
-    secs = timed(lambda: [store.insert_samples(b) for b in batches(rows, batch)])
-    check(store, len(rows), "server store")
-    out.append(("server", f"store.insert_samples (numpy), {batch}", len(rows), secs))
-    store.execute("DROP TABLE IF EXISTS samples")
-    return out
+    sql = f"INSERT INTO samples ({', '.join(COLUMN_NAMES)}) VALUES"
+    tuple_batches, row_batches = batches(tuples, batch), batches(rows, batch)
+    list_batches = [list(to_columns(b).values()) for b in row_batches]
+    return {
+        ROW_BY_ROW: (single, lambda: [client.execute(sql, [t]) for t in tuples[:single]]),
+        TUPLES: (len(rows), lambda: [client.execute(sql, b) for b in tuple_batches]),
+        LISTS: (len(rows), lambda: [client.execute(sql, b, columnar=True) for b in list_batches]),
+        STORE: (len(rows), lambda: [store.insert_samples(b) for b in row_batches]),
+    }
 
 
-def bench_chdb(path: str, rows: list, batch: int, single: int) -> list[tuple]:
-    store = ChdbBackend(path, "abplat_bench")
+def chdb_methods(
+    store: Any, rows: list, batch: int, single: int
+) -> dict[str, tuple[int, Callable[[], None]]]:
+    from samples.columns import COLUMN_NAMES
+    from samples.sql import quote
+
+    head = f"INSERT INTO samples ({', '.join(COLUMN_NAMES)}) VALUES "
+    tuples = [tuple(r[c] for c in COLUMN_NAMES) for r in rows]
+
+    def literal(ts: list[tuple]) -> str:
+        return ", ".join("(" + ", ".join(quote(v) for v in t) + ")" for t in ts)
+
+    tuple_batches, row_batches = batches(tuples, batch), batches(rows, batch)
+    return {
+        ROW_BY_ROW: (single, lambda: [store.execute(head + literal([t])) for t in tuples[:single]]),
+        TUPLES: (len(rows), lambda: [store.execute(head + literal(b)) for b in tuple_batches]),
+        STORE: (len(rows), lambda: [store.insert_samples(b) for b in row_batches]),
+    }
+
+
+def measure(
+    backend: str, store: Any, methods: dict[str, tuple[int, Callable[[], None]]], rounds: int
+) -> list[tuple[str, str, int, float]]:
+    """(backend, method, rows, median seconds); row-by-row once, the batched ones interleaved."""
     out = []
-
-    reset(store)
-    secs = timed(
-        lambda: [store.execute(INSERT_COLS + " VALUES " + values_literal([r])) for r in rows[:single]]
-    )
-    check(store, single, "chdb row-by-row")
-    out.append(("chdb", "row-by-row (1 INSERT/row)", single, secs))
-
-    reset(store)
-    secs = timed(
-        lambda: [store.execute(INSERT_COLS + " VALUES " + values_literal(b)) for b in batches(rows, batch)]
-    )
-    check(store, len(rows), "chdb row tuples")
-    out.append(("chdb", f"VALUES literal, {batch}/INSERT", len(rows), secs))
-
-    reset(store)
-    secs = timed(lambda: [store.insert_samples(b) for b in batches(rows, batch)])
-    check(store, len(rows), "chdb store")
-    out.append(("chdb", f"store.insert_samples (arrow), {batch}", len(rows), secs))
+    n, fn = methods[ROW_BY_ROW]
+    out.append((backend, ROW_BY_ROW, n, timed_into(store, ROW_BY_ROW, n, fn)))
+    times: dict[str, list[float]] = {label: [] for label in methods if label != ROW_BY_ROW}
+    for _ in range(rounds):
+        for label in times:
+            n, fn = methods[label]
+            times[label].append(timed_into(store, label, n, fn))
+    for label, secs in times.items():
+        out.append((backend, label, methods[label][0], statistics.median(secs)))
     return out
+
+
+def warm(store: Any, rows: list) -> None:
+    """One small validated insert before timing, untimed: first-use imports (pandas for the
+    driver's numpy path, pyarrow) and connection setup must not be charged to any method."""
+    reset(store)
+    store.insert_samples(rows[:100])
+
+
+def run(args: argparse.Namespace) -> None:
+    from samples.backends.chdb import ChdbBackend
+    from samples.backends.clickhouse import ClickHouseServerBackend
+    from samples.columns import COLUMN_NAMES
+    from samples.store import StoreError
+
+    server = ClickHouseServerBackend(args.url, tries=1)
+    try:
+        server.ensure_database()  # through the `default` database: this one may not exist yet
+        server.ping()
+    except StoreError as e:
+        raise BenchFailed(f"precondition: ClickHouse server {server.url_safe} unreachable: {e}") from None
+
+    rows = make_rows(args.rows)
+    warm(server, rows)
+    results = measure("server", server, server_methods(server, rows, args.batch, args.single), args.rounds)
+    server.execute("DROP TABLE IF EXISTS samples")
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            chdb = ChdbBackend(d, "abplat_bench")
+        except StoreError as e:
+            raise BenchFailed(f"precondition: chDB cannot open {d}: {e}") from None
+        warm(chdb, rows)
+        results += measure("chdb", chdb, chdb_methods(chdb, rows, args.batch, args.single), args.rounds)
+
+    label = {
+        ROW_BY_ROW: "row-by-row (1 INSERT/row)",
+        TUPLES: f"row tuples, {args.batch}/INSERT (unvalidated)",
+        LISTS: f"columnar lists, {args.batch}/INSERT (unvalidated)",
+        STORE: f"store.insert_samples, {args.batch} (validated)",
+    }
+    print(
+        f"\nInsert rate, {len(COLUMN_NAMES)} columns, {args.rows} rows, batch {args.batch}, "
+        f"median of {args.rounds} interleaved round(s)"
+    )
+    print(f"{'backend':<8} {'method':<46} {'rows':>8} {'s':>8} {'rows/s':>10} {'vs row-by-row':>14}")
+    rate: dict[tuple[str, str], float] = {}
+    for backend, method, n, secs in results:
+        rate[backend, method] = n / secs
+        base = rate[backend, ROW_BY_ROW]
+        print(
+            f"{backend:<8} {label[method]:<46} {n:>8} {secs:>8.2f} {n / secs:>10,.0f} "
+            f"{n / secs / base:>13.1f}x"
+        )
+    print("\nValidated store insert vs unvalidated row tuples (same run; target: ratio >= 1.0)")
+    print(f"{'backend':<8} {'row tuples rows/s':>18} {'validated rows/s':>17} {'ratio':>7}")
+    for backend in ("server", "chdb"):
+        t, s = rate[backend, TUPLES], rate[backend, STORE]
+        print(f"{backend:<8} {t:>18,.0f} {s:>17,.0f} {s / t:>6.2f}x")
 
 
 def main() -> None:
@@ -177,23 +241,21 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=200_000)
     ap.add_argument("--batch", type=int, default=10_000)
     ap.add_argument("--single", type=int, default=2_000, help="rows for the row-by-row baseline")
-    ap.add_argument("--url", default="clickhouse://default:@127.0.0.1:19000/abplat_bench")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the batched methods")
+    ap.add_argument("--url", default=DEFAULT_URL)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 20k rows, 1 round (~15 s)")
     args = ap.parse_args()
-    if urllib.parse.urlsplit(args.url).scheme != "clickhouse":
-        raise SystemExit(f"--url must be clickhouse://..., got {args.url!r}")
+    if args.quick:
+        args.rows, args.batch, args.single, args.rounds = 20_000, 5_000, 50, 1
 
-    rows = make_rows(args.rows)
-    results = bench_server(args.url, rows, args.batch, args.single)
-    with tempfile.TemporaryDirectory() as d:
-        results += bench_chdb(d, rows, args.batch, args.single)
+    def checked() -> None:
+        if urllib.parse.urlsplit(args.url).scheme != "clickhouse":
+            raise BenchFailed(f"--url must be clickhouse://..., got {args.url!r}")
+        if min(args.rows, args.batch, args.single, args.rounds) < 1 or args.single > args.rows:
+            raise BenchFailed("--rows, --batch, --single, --rounds must be >= 1 and --single <= --rows")
+        run(args)
 
-    print(f"\nInsert rate, {len(COLUMN_NAMES)} columns, {args.rows} rows, batch {args.batch}")
-    print(f"{'backend':<8} {'method':<40} {'rows':>8} {'s':>8} {'rows/s':>10} {'vs row-by-row':>14}")
-    base: dict[str, float] = {}
-    for backend, method, n, secs in results:
-        rate = n / secs
-        base.setdefault(backend, rate)  # the first method of each backend is row-by-row
-        print(f"{backend:<8} {method:<40} {n:>8} {secs:>8.2f} {rate:>10,.0f} {rate / base[backend]:>13.1f}x")
+    sys.exit(run_checked(checked))
 
 
 if __name__ == "__main__":

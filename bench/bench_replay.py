@@ -2,7 +2,12 @@
 
     .venv/bin/python bench/bench_replay.py              # parts 1-3, ~10 minutes
     .venv/bin/python bench/bench_replay.py --part 1     # one part
-    .venv/bin/python bench/bench_replay.py --quick      # smoke run, ~20 s
+    .venv/bin/python bench/bench_replay.py --quick      # smoke run, the same tables, ~15 s
+
+Checks its own preconditions and results: the store usable, every simulator healthy before each
+run, every request's outcome ok, exactly one sample per request (per variant in mirror mode) in
+the store. Any failure prints `bench FAILED: <what and where>` to stderr and exits 1; a rate
+that is not sustained (lag) is a measured result, not a failure.
 
 The shard core (replay.runner.ShardRunner) runs in worker processes exactly as
 workers/shard.py drives it from a Celery task, minus the Django rows: VariantClient per variant,
@@ -29,7 +34,6 @@ import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
-import math
 import multiprocessing as mp
 import os
 import pathlib
@@ -41,13 +45,18 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.benchlib import BenchFailed, run_checked  # noqa: E402
+
 from replay.arrivals import Arrival  # noqa: E402
 from replay.plan import MIRROR, SPLIT, Shard, expected_samples  # noqa: E402
 from replay.sources import TraceRequest, load_source  # noqa: E402
 from replay.users import UserPopulation  # noqa: E402
+from stats.quantiles import nearest_rank  # noqa: E402
 
 TRACE = ROOT / "data" / "traces" / "azure_llm_2023_code.csv"
-DEFAULT_URL = "clickhouse://default:@127.0.0.1:19000/abplat_bench"
+DEFAULT_URL = os.environ.get(
+    "ABPLAT_BENCH_CLICKHOUSE_URL", "clickhouse://default:@127.0.0.1:19000/abplat_bench"
+)
 EXPERIMENT = "bench-replay"
 SALT = "bench-replay-salt"
 VARIANTS = ("a", "b", "c")
@@ -58,11 +67,21 @@ WARMUP_RUN_OFFSET = 10**15  # run ids of warm-up rows: far from any bench run id
 MODEL = "abplat-sim"
 
 
-def nearest_rank(ordered: list[float], q: float) -> float:
-    # Same quantile as ShardStats.lag_quantile, so figures match what runs record.
-    if not ordered:
-        return 0.0
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+def require_healthy(urls: dict[str, str], where: str) -> None:
+    """Every simulator answers /health, or BenchFailed naming the ones that do not."""
+    import urllib.request
+
+    down = []
+    for variant, url in urls.items():
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    continue
+                down.append(f"{variant} ({url}: HTTP {r.status})")
+        except OSError as exc:
+            down.append(f"{variant} ({url}: {exc})")
+    if down:
+        raise BenchFailed(f"{where}: simulator not healthy: {', '.join(down)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,11 +142,11 @@ def _worker(conn, job: WorkerJob) -> dict:
     from collections import Counter
 
     from experiments.assignment import allocate, make_assigner
+    from replay.rows import row_from
     from replay.runner import ShardRunner, ShardSpec, ShardStats
     from replay.sink import BatchSink
-    from samples.columns import row_from
+    from samples.backends.clickhouse import ClickHouseServerBackend
     from samples.spool import SpoolingWriter
-    from samples.store import ClickHouseServerBackend
     from streaming.client import VariantClient
 
     writer = SpoolingWriter(ClickHouseServerBackend(job.clickhouse_url), job.spool_dir)
@@ -242,7 +261,8 @@ def _worker(conn, job: WorkerJob) -> dict:
 
 class Bench:
     def __init__(self, clickhouse_url: str, spool_dir: str) -> None:
-        from samples.store import ClickHouseServerBackend, StoreError
+        from samples.backends.clickhouse import ClickHouseServerBackend
+        from samples.store import StoreError
 
         self.url, self.spool_dir = clickhouse_url, spool_dir
         self.store = ClickHouseServerBackend(clickhouse_url, tries=1)
@@ -250,8 +270,8 @@ class Bench:
             self.store.ensure_database()
             self.store.migrate()
         except StoreError as exc:
-            raise SystemExit(
-                f"bench_replay: ClickHouse server at {self.store.url_safe} is not usable ({exc}). "
+            raise BenchFailed(
+                f"ClickHouse server at {self.store.url_safe} is not usable ({exc}). "
                 "Start it with: scripts/clickhouse.sh start"
             ) from None
         # Unique run ids per invocation: the bench database keeps earlier runs' samples.
@@ -261,7 +281,7 @@ class Bench:
         self.ctx = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(["__main__", "httpx", "numpy", "clickhouse_driver",
                                          "replay.runner", "streaming.client",
-                                         "samples.spool", "samples.store", "experiments.assignment"])  # fmt: skip
+                                         "samples.spool", "samples.backends.clickhouse", "experiments.assignment"])  # fmt: skip
 
     def run_id(self) -> int:
         self._next_run += 1
@@ -270,6 +290,8 @@ class Bench:
     def replay(self, *, mode: str, requests: list[TraceRequest], offsets: list[float],
                variants: dict[str, str], workers: int, shard_count: int,
                concurrency: int = 512, kind: str = "real") -> dict:  # fmt: skip
+        if kind in ("real", "prebuilt"):
+            require_healthy(variants, f"before a {mode} run of {len(requests)} requests")
         run_id = self.run_id()
         jobs = []
         for w in range(workers):
@@ -289,7 +311,7 @@ class Bench:
             for c in conns:  # 1. every worker imported, connected and warmed up
                 kind, value = self._recv(c, 60)
                 if kind != "ready":
-                    raise RuntimeError(f"worker failed before the start: {value}")
+                    raise BenchFailed(f"a worker failed before the start: {value}")
             start_at = time.time() + 0.3
             for c in conns:  # 2. one absolute start for all shards
                 c.send(start_at)
@@ -298,7 +320,7 @@ class Bench:
             for c in conns:
                 kind, value = self._recv(c, budget)
                 if kind != "done":
-                    raise RuntimeError(f"worker failed: {value}")
+                    raise BenchFailed(f"a worker failed: {value}")
                 results.append(value)
         finally:
             for p in procs:
@@ -310,7 +332,7 @@ class Bench:
     @staticmethod
     def _recv(conn, timeout_s: float):
         if not conn.poll(timeout_s):
-            raise RuntimeError(f"worker sent nothing for {timeout_s:.0f}s")
+            raise BenchFailed(f"a worker sent nothing for {timeout_s:.0f}s")
         return conn.recv()
 
     def _summarize(self, run_id, mode, requests, offsets, variants, start_at, results, kind) -> dict:
@@ -349,11 +371,38 @@ class Bench:
 
 
 def start_simulators(profiles: dict[str, str]) -> dict[str, object]:
+    """One simulator subprocess per variant, started in parallel; healthy when returned (the
+    pool's threads end here: the children live on, serving.children)."""
     from simulator.serve import start_subprocess
 
     with concurrent.futures.ThreadPoolExecutor(len(profiles)) as pool:
         futures = {v: pool.submit(start_subprocess, p, 0, MODEL) for v, p in profiles.items()}
-        return {v: f.result() for v, f in futures.items()}
+        handles, errors = {}, []
+        for v, f in futures.items():
+            try:
+                handles[v] = f.result()
+            except RuntimeError as exc:
+                errors.append(f"{v} ({profiles[v]}): {exc}")
+        if errors:
+            for h in handles.values():
+                h.stop()
+            raise BenchFailed(f"a simulator did not start: {errors[0]}")
+    require_healthy({v: h.url for v, h in handles.items()}, "after starting the simulators")
+    return handles
+
+
+def check_run(r: dict, where: str, *, stored: bool) -> None:
+    """Every outcome ok (slept, for the floor) and, when rows go to the store, exactly the
+    expected samples there: counted, FINAL and as the runner recorded them."""
+    want = r["expected"]  # one per request in split mode, one per request and variant in mirror
+    good = set(r["outcomes"]) <= {"ok", "slept"} and sum(r["outcomes"].values()) == want
+    if not good:
+        raise BenchFailed(f"{where}: outcomes {fmt_outcomes(r['outcomes'])}, expected ok={want}")
+    if stored and not r["count"] == r["final"] == r["recorded"] == want:
+        raise BenchFailed(
+            f"{where}: samples in the store count={r['count']} FINAL={r['final']} "
+            f"recorded={r['recorded']}, expected {want} (run_id {r['run_id']})"
+        )
 
 
 def load_trace(limit: int | None = None) -> list[TraceRequest]:
@@ -416,6 +465,8 @@ def part1(bench: Bench, sims: dict, args) -> None:
             print(f"| {label} | {workers} | {rate:g} | {n} | {r['lag_p50']:.2f} | {r['lag_p99']:.2f} | "
                   f"{r['lag_max']:.1f} | {fmt_outcomes(r['outcomes'])} | {stored} | {cpu} | "
                   f"{r['cpu_ms_per_request']:.2f} | {'yes' if ok else 'NO'} |", flush=True)  # fmt: skip
+            where = f"part 1, {label}, {workers} worker(s) at {rate:g} req/s"
+            check_run(r, where, stored=kind in ("real", "prebuilt"))
             if kind == "floor":
                 floor_p99 = r["lag_p99"]
             key = "prebuilt" if kind == "prebuilt" else workers
@@ -468,6 +519,7 @@ def table_runs(bench, urls, trace, offsets, args, modes, profile) -> list[dict]:
               f"{r['expected']} | {'yes' if exact else 'NO'} |", flush=True)  # fmt: skip
         if r["spooled"]:
             print(f"  ({r['spooled']} rows went through the spool)")
+        check_run(r, f"{mode} run of {r['requests']} requests through `{profile}`", stored=True)
         out.append(r)
     return out
 
@@ -482,7 +534,7 @@ def part3(bench: Bench, args) -> None:
         t0, t1 = args.realistic_at, args.realistic_at + args.realistic_seconds
         trace = [r for r in load_trace() if t0 <= r.offset_s < t1]
         if not trace:
-            raise SystemExit(f"--realistic-at {t0:g}: no trace requests in [{t0:g}, {t1:g}) s")
+            raise BenchFailed(f"--realistic-at {t0:g}: no trace requests in [{t0:g}, {t1:g}) s")
         offsets = [(r.offset_s - t0) / args.realistic_speed for r in trace]
         print(f"\nPart 3: realistic profiles (fp16 / awq / awq-fa2 simulators), the trace's "
               f"{len(trace)} requests in [{t0:g} s, {t1:g} s) (a median-load minute) at "
@@ -500,6 +552,8 @@ def part3(bench: Bench, args) -> None:
             mine = [(o, t) for var, o, t in rows if var == v]
             ttft = sorted(t for o, t in mine if t is not None)
             ok = sum(1 for o, _ in mine if o == "ok")
+            if not ttft:
+                raise BenchFailed(f"part 3: no TTFT stored for variant {v} (run_id {r['run_id']})")
             under = sum(1 for t in ttft if t < 200) / max(len(mine), 1)
             print(f"| {v} | {len(mine)} | {ok} | {nearest_rank(ttft, 0.5):.1f} | "
                   f"{nearest_rank(ttft, 0.99):.1f} | {under * 100:.1f}% |")  # fmt: skip
@@ -509,6 +563,10 @@ def part3(bench: Bench, args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_checked(run, argv)
+
+
+def run(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, parts 1 and 2")
     ap.add_argument("--part", type=int, choices=(1, 2, 3), action="append",

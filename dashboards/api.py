@@ -9,9 +9,8 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from analysis.queries import QueryError
-from dashboards.filters import filters_from_params
-from dashboards.reports import report_for
+from analysis.definitions import QueryError
+from dashboards.reports import report_for_params
 from experiments.api.permissions import CanView
 from experiments.models import Experiment
 
@@ -31,11 +30,10 @@ class ExperimentReport(APIView):
     )
     def get(self, request, key: str) -> Response:
         experiment = get_object_or_404(Experiment, key=key)
-        known = [v.key for v in experiment.variants.all()]
         try:
-            filters = filters_from_params(
-                key, request.query_params, request.query_params.getlist("variant"), known
+            _filters, report = report_for_params(
+                experiment, request.query_params, request.query_params.getlist("variant")
             )
         except QueryError as e:
             raise ValidationError({"filters": str(e)}) from None
-        return Response(report_for(experiment, filters))
+        return Response(report)

@@ -12,6 +12,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from analysis.definitions import METRIC_LABELS, PHASE_LABELS, PHASES
+
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf")
 PHASE_COLORS = ("#bbbbbb", "#8c564b", "#ff7f0e", "#1f77b4", "#17becf")
 _LAYOUT = dict(
@@ -75,8 +77,6 @@ def attainment(report: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def percentile_table(report: Mapping[str, Any]) -> dict[str, Any]:
-    from analysis.queries import METRIC_LABELS
-
     header = ["variant", "metric"]
     cols: list[list[str]] = [[], []]
     labels: list[str] = []
@@ -163,8 +163,6 @@ def attribution_waterfall(report: Mapping[str, Any]) -> dict[str, Any]:
 
 def phases(report: Mapping[str, Any]) -> dict[str, Any]:
     fig = go.Figure()
-    from analysis.attribution import PHASE_LABELS, PHASES
-
     variants = [v for v, p in report["phases"].items() if p.get("phases")]
     for i, phase in enumerate(PHASES):
         fig.add_trace(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Mapping, Sequence
 
-from analysis.queries import Filters, QueryError
+from analysis.definitions import Filters, QueryError
 
 
 def _parse_time(name: str, raw: str) -> dt.datetime:

@@ -9,11 +9,13 @@ import datetime as dt
 import hashlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from analysis import queries as q
+from analysis.definitions import Filters, Slo
+from analysis.readers.raw import RawReader
 from analysis.report import SCHEMA_VERSION, ExperimentInfo, VariantInfo, build_report
+from dashboards.filters import filters_from_params
 
 
 def weights_history(experiment: Any) -> tuple[dict[int, dict[str, float]], str, list[dict]]:
@@ -56,8 +58,8 @@ def weights_history(experiment: Any) -> tuple[dict[int, dict[str, float]], str, 
     return by_rev, source, changes
 
 
-def slo_of(experiment: Any) -> q.Slo:
-    return q.Slo(experiment.sla_ttft_ms, experiment.sla_tpot_ms, experiment.sla_e2e_ms)
+def slo_of(experiment: Any) -> Slo:
+    return Slo(experiment.sla_ttft_ms, experiment.sla_tpot_ms, experiment.sla_e2e_ms)
 
 
 def experiment_info(experiment: Any) -> ExperimentInfo:
@@ -82,9 +84,9 @@ CACHE_TIMEOUT_S = 600
 CACHE_FORMAT = 3
 
 
-def cache_key(store: Any, exp: ExperimentInfo, filters: q.Filters, version: Sequence[Sequence[int]]) -> str:
+def cache_key(store: Any, exp: ExperimentInfo, filters: Filters, version: Sequence[Sequence[int]]) -> str:
     """Everything the report depends on: the store, the experiment's settings and weights
-    history, the filters, and the experiment's data version (queries.data_version)."""
+    history, the filters, and the experiment's data version (RawReader.data_version)."""
     blob = json.dumps(
         {
             "format": [SCHEMA_VERSION, CACHE_FORMAT],
@@ -100,7 +102,7 @@ def cache_key(store: Any, exp: ExperimentInfo, filters: q.Filters, version: Sequ
 
 
 def report_for(
-    experiment: Any, filters: q.Filters, store: Any | None = None, *, use_cache: bool = True
+    experiment: Any, filters: Filters, store: Any | None = None, *, use_cache: bool = True
 ) -> dict[str, Any]:
     """The report, from Django's cache when the experiment's data have not changed since.
 
@@ -120,7 +122,7 @@ def report_for(
 
     cache = caches[CACHE_ALIAS]
     t0 = time.perf_counter()
-    version = q.data_version(store, filters.experiment)
+    version = RawReader(store).data_version(filters.experiment)
     key = cache_key(store, info, filters, version)
     cached = cache.get(key)
     if cached is not None:
@@ -130,3 +132,14 @@ def report_for(
     report["timing"].update(cache="miss", lookup_s=time.perf_counter() - t0 - report["timing"]["query_s"])
     cache.set(key, report, CACHE_TIMEOUT_S)
     return report
+
+
+def report_for_params(
+    experiment: Any, params: Mapping[str, str], variants: Sequence[str]
+) -> tuple[Filters, dict[str, Any]]:
+    """The filters named by request (or command line) parameters, and their report: the one
+    path of the page, the CSV export, the API and sla_report. Raises QueryError naming a bad
+    parameter (dashboards.filters.filters_from_params)."""
+    known = [v.key for v in experiment.variants.all()]
+    filters = filters_from_params(experiment.key, params, variants, known)
+    return filters, report_for(experiment, filters)

@@ -8,7 +8,8 @@ from typing import Any
 TABLES = ("variants", "percentiles", "comparisons", "segments", "phases", "attribution", "srm")
 
 
-def _pct(x: float | None) -> float | None:
+def _round6(x: float | None) -> float | None:
+    """x rounded to 6 decimals (a share in the CSV: 0.987654); None stays None."""
     return None if x is None else round(x, 6)
 
 
@@ -20,11 +21,11 @@ def variants(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
             "control": e["control"],
             "n": e["n"],
             "errors": e["errors"],
-            "error_rate": _pct(e["error_rate"]),
+            "error_rate": _round6(e["error_rate"]),
             "hits": e["hits"],
-            "attainment": _pct(a.get("estimate")),
-            "attainment_lo": _pct(a.get("lo")),
-            "attainment_hi": _pct(a.get("hi")),
+            "attainment": _round6(a.get("estimate")),
+            "attainment_lo": _round6(a.get("lo")),
+            "attainment_hi": _round6(a.get("hi")),
             "goodput_rps": e["goodput_rps"],
             "verdict": e["verdict"]["verdict"],
             "n_needed": e["verdict"]["n_needed"],

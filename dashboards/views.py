@@ -12,10 +12,9 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
-from analysis.queries import QueryError
+from analysis.definitions import QueryError
 from dashboards import charts, tables
-from dashboards.filters import filters_from_params
-from dashboards.reports import report_for
+from dashboards.reports import report_for_params
 from experiments.models import Experiment
 
 VIEW_PERM = "experiments.view_experiment"
@@ -28,9 +27,7 @@ def _guard(view):
 
 def _report(request: HttpRequest, key: str):
     experiment = get_object_or_404(Experiment, key=key)
-    known = [v.key for v in experiment.variants.all()]
-    filters = filters_from_params(key, request.GET, request.GET.getlist("variant"), known)
-    return experiment, filters, report_for(experiment, filters)
+    return experiment, *report_for_params(experiment, request.GET, request.GET.getlist("variant"))
 
 
 @_guard

@@ -67,9 +67,11 @@ def _number(value: Any) -> float | None:
 
 
 def _text(c: _Collector, raw: dict, field: str, *, required: bool, max_len: int) -> str:
-    value = raw.get(field, "" if not required else None)
+    value = raw.get(field)
     if value is None:
-        c.add(field, "is required")
+        # YAML reads an empty `hypothesis:` as null: for an optional field that is "not given".
+        if required:
+            c.add(field, "is required")
         return ""
     if not isinstance(value, str):
         c.add(field, f"must be a string, got {type(value).__name__}")
@@ -79,6 +81,18 @@ def _text(c: _Collector, raw: dict, field: str, *, required: bool, max_len: int)
         c.add(field, "must not be empty")
     if len(value) > max_len:
         c.add(field, f"must be at most {max_len} characters, got {len(value)}")
+    return value
+
+
+SLUG_RULE = "lowercase letters, digits and '-', starting and ending with a letter or digit (max 64)"
+
+
+def _slug(c: _Collector, value: Any, path: str, example: str) -> Any:
+    """A key: missing and malformed are different mistakes, so they get different messages."""
+    if value is None or value == "":
+        c.add(path, f"is required: {SLUG_RULE}, {example}")
+    elif not isinstance(value, str) or not SLUG_RE.match(value):
+        c.add(path, f"must be {SLUG_RULE}, got {value!r}")
     return value
 
 
@@ -114,16 +128,28 @@ def _validate_sla(c: _Collector, raw: Any) -> dict:
     return sla
 
 
-def _validate_scalar_map(c: _Collector, raw: Any, path: str, *, names_re: re.Pattern | None):
+def _validate_scalar_map(
+    c: _Collector, raw: Any, path: str, *, names_re: re.Pattern | None, dashes: bool = False
+):
+    """A mapping of names to scalars. dashes=True (engine_args) also accepts vLLM's own flag
+    spelling, `max-model-len` for `max_model_len`, and stores the underscore form."""
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         c.add(path, "must be a mapping")
         return {}
     out = {}
+    given: dict[str, str] = {}
     for name, value in raw.items():
+        if dashes and isinstance(name, str):
+            name, spelled = name.strip().removeprefix("--").replace("-", "_"), name
+            if name in given:
+                c.add(f"{path}.{spelled}", f"is given twice (as {given[name]!r} and {spelled!r})")
+                continue
+            given[name] = spelled
         if not isinstance(name, str) or (names_re and not names_re.match(name)):
-            c.add(f"{path}.{name}", "name must be lowercase letters, digits and _ (max 63)")
+            spelling = " (or vLLM's dashed flag spelling)" if dashes else ""
+            c.add(f"{path}.{name}", f"name must be lowercase letters, digits and _ (max 63){spelling}")
             continue
         if isinstance(value, dict) or (isinstance(value, list) and path.endswith("factors")):
             c.add(f"{path}.{name}", "must be a scalar (string, number or boolean)")
@@ -158,9 +184,7 @@ def _validate_variant(c: _Collector, raw: Any, i: int) -> dict:
         c.add(path, "must be a mapping")
         return {}
     _unknown(c, raw, VARIANT_FIELDS, path)
-    key = raw.get("key")
-    if not isinstance(key, str) or not SLUG_RE.match(key):
-        c.add(f"{path}.key", "is required: lowercase letters, digits and '-' (max 64)")
+    key = _slug(c, raw.get("key"), f"{path}.key", "e.g. awq-fa2")
     control = raw.get("control", False)
     if not isinstance(control, bool):
         c.add(f"{path}.control", "must be true or false")
@@ -187,7 +211,7 @@ def _validate_variant(c: _Collector, raw: Any, i: int) -> dict:
         "http2": http2,
         "factors": _validate_scalar_map(c, raw.get("factors"), f"{path}.factors", names_re=FACTOR_NAME_RE),
         "engine_args": _validate_scalar_map(
-            c, raw.get("engine_args"), f"{path}.engine_args", names_re=FACTOR_NAME_RE
+            c, raw.get("engine_args"), f"{path}.engine_args", names_re=FACTOR_NAME_RE, dashes=True
         ),
     }
 
@@ -198,9 +222,7 @@ def validate_document(raw: Any) -> dict:
     if not isinstance(raw, dict):
         raise DocumentError([FieldError("(document)", "must be a mapping of fields")])
     _unknown(c, raw, TOP_FIELDS, "")
-    key = raw.get("key")
-    if not isinstance(key, str) or not SLUG_RE.match(key):
-        c.add("key", "is required: lowercase letters, digits and '-' (max 64), e.g. ttft-opt")
+    key = _slug(c, raw.get("key"), "key", "e.g. ttft-opt")
     doc = {
         "key": key,
         "name": _text(c, raw, "name", required=True, max_len=200),

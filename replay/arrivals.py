@@ -63,6 +63,3 @@ class Arrival:
             if i + 1 < n:
                 t += gap
         return out
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)

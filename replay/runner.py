@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import os
 import socket
 import time
@@ -28,10 +27,10 @@ from typing import Any, Protocol
 
 from replay.plan import MIRROR, SPLIT, request_id
 from replay.prompts import synth_prompt
+from replay.rows import row_from
 from replay.sources import TraceRequest
-from samples.columns import row_from
-from streaming.client import StreamCancelled
-from streaming.result import Outcome, StreamResult
+from stats.quantiles import nearest_rank
+from streaming.result import Outcome, StreamCancelled, StreamResult
 
 
 class Streamer(Protocol):
@@ -78,12 +77,12 @@ class ShardStats:
     cancelled: bool = False
 
     def lag_quantile(self, q: float) -> float:
-        if not self.lags_ms:
-            return 0.0
-        ordered = sorted(self.lags_ms)
-        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+        """The exact q-quantile (nearest rank, the project's one convention) of the schedule
+        lags; 0.0 before anything was sent."""
+        return nearest_rank(sorted(self.lags_ms), q) if self.lags_ms else 0.0
 
-    def as_dict(self) -> dict:
+    def summary(self) -> dict:
+        """For the log: counts, outcomes and lag quantiles in ms (not the raw lags)."""
         return {
             "planned": self.planned, "sent": self.sent, "skipped_recorded": self.skipped_recorded,
             "recorded": self.recorded, "not_sent": self.not_sent, "outcomes": dict(self.outcomes),

@@ -233,3 +233,15 @@ def thin(requests: list[TraceRequest], fraction: float, seed: int = 0) -> list[T
 
 def _uniform64(seed: int, seq: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"thin:{seed}:{seq}".encode(), digest_size=8).digest(), "big")
+
+
+def load_requests(source: str | Path, fmt: str, *, on_malformed: str = "reject", limit: int | None = None,
+                  seed: int = 0, sample_fraction: float = 1.0) -> LoadedSource:  # fmt: skip
+    """A run's requests, exactly as every shard of it sees them: the source read with the
+    run's user population (``seed``), cut to ``limit``, then thinned to ``sample_fraction``.
+    Deterministic, so each shard (in any process) loads the same list and takes its share."""
+    loaded = load_source(
+        source, fmt, population=UserPopulation(seed=seed), on_error=on_malformed, limit=limit
+    )
+    loaded.requests = thin(loaded.requests, sample_fraction, seed)
+    return loaded

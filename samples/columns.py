@@ -1,7 +1,10 @@
-"""The samples table's columns and how one StreamResult plus its replay context becomes a row.
+"""The samples table's columns and the one validator of what goes into them.
 
-Pure: stdlib only (no Django, no database driver). The store turns the dict rows built here into
-columnar batches; the spool writes them as JSON lines, so every value is a str, int, float or None.
+Pure: stdlib and numpy (no Django, no database driver), and nothing of the replay: the replay
+builds rows (replay.rows.row_from), this module says what a valid row is. A row is a mapping of
+every column name to a str, int, float or None (the spool writes rows as JSON lines); a batch is
+validated a whole column at a time (validate_columns) and comes out as the numpy arrays both
+store backends insert.
 
 Types are the subset that works on ClickHouse 18.16 (CI) and chDB 4.4 alike: no DateTime64, Bool,
 Map or JSON. Booleans are UInt8 0/1; exact send time is kept as Float64 unix milliseconds next to a
@@ -12,14 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from streaming.result import Outcome, StreamResult
+import numpy as np
 
 MODES = ("split", "mirror")
-MAX_ERROR_CHARS = 4096  # a runaway error body must not make one row megabytes long
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -45,7 +47,7 @@ COLUMNS: tuple[Column, ...] = (
     _c("seq", "UInt32", "u32"),
     _c("request_id", "String", "str"),
     # --- replay context: how and when it was sent
-    _c("mode", "LowCardinality(String)", "str"),  # 'split' | 'mirror', validated in row_from
+    _c("mode", "LowCardinality(String)", "str"),  # 'split' | 'mirror' (MODES), checked by row_from
     _c("user_id", "String", "str"),
     _c("config_revision", "Int64", "i64"),  # etcd revision of the weights the router used
     _c("sent_at", "DateTime('UTC')", "datetime"),  # explicit UTC: same partitions on any host
@@ -101,195 +103,285 @@ _INT_RANGES = {
     "datetime": (0, 2**32 - 1),
 }
 
-REQUIRED_CONTEXT = ("experiment", "run_id", "seq", "variant", "mode", "sent_unix_ms")
-OPTIONAL_CONTEXT: dict[str, Any] = {
-    "request_id": "",
-    "user_id": "",
-    "config_revision": 0,
-    "scheduled_offset_ms": 0.0,
-    "schedule_lag_ms": 0.0,
-    "in_flight": 0,
-    "prompt_tokens": 0,  # what the replay sent; the usage event's count wins when reported
-    "prompt_tokens_estimated": False,
-    "max_tokens": 0,
-    "worker": "",
-    "attempt": 1,
-    "recorded_ms": None,  # default: now
+# numpy dtype of each validated column; nu64 stays an object array of int | None, because a
+# uint64 array cannot hold NULL and float64 would round the nanosecond clock.
+_DTYPES: dict[str, Any] = {
+    "str": object,
+    "u8": np.uint8,
+    "u16": np.uint16,
+    "u32": np.uint32,
+    "u64": np.uint64,
+    "i64": np.int64,
+    "datetime": np.uint32,  # unix seconds; each backend turns it into DateTime('UTC')
+    "f64": np.float64,
+    "nf64": np.float64,  # NaN is NULL
+    "nu64": object,
 }
-
-# StreamResult fields copied as-is (after validation) into same-named columns.
-_RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(StreamResult))
-
-
-class SampleError(ValueError):
-    """A row or context value that cannot be stored; the message names the field."""
-
-
-def request_id(run_id: int, seq: int, variant: str | None = None) -> str:
-    """The one definition of a request's id: deterministic, the same on every retry and
-    redelivery. One per (run, request) in split mode (the router picks the variant), one per
-    (run, request, variant) in mirror mode (every variant gets the request). The replay
-    (replay.plan) sends these, and row_from derives the same when a writer gives none."""
-    if variant is not None and not variant:
-        raise SampleError("request_id: variant must be a non-empty string or None")
-    base = f"r{int(run_id)}-{int(seq)}"
-    return f"{base}-{variant}" if variant is not None else base
-
-
-def row_from(result: StreamResult, context: Mapping[str, Any]) -> dict[str, Any]:
-    """One samples row (column name -> JSON-safe value) from a measurement and its replay context.
-
-    Required context: experiment, run_id, seq, variant, mode, sent_unix_ms. Optional: see
-    OPTIONAL_CONTEXT. Unknown keys are rejected so a typo never silently drops a value.
-    """
-    if not isinstance(result, StreamResult):
-        raise SampleError(f"row_from: result must be a StreamResult, got {type(result).__name__}")
-    unknown = sorted(set(context) - set(REQUIRED_CONTEXT) - set(OPTIONAL_CONTEXT))
-    if unknown:
-        raise SampleError(f"row_from: unknown context key(s) {unknown}")
-    missing = [k for k in REQUIRED_CONTEXT if k not in context]
-    if missing:
-        raise SampleError(f"row_from: missing context key(s) {missing}")
-    ctx = {**OPTIONAL_CONTEXT, **context}
-
-    row: dict[str, Any] = {}
-    for name in _RESULT_FIELDS:
-        if name in BY_NAME and name not in ("request_id", "prompt_tokens"):
-            row[name] = getattr(result, name)
-    row["outcome"] = Outcome(result.outcome).value
-    row["error"] = result.error[:MAX_ERROR_CHARS]
-
-    # 1. request id: the replay's deterministic id; the client must have sent that same id.
-    derived = request_id(ctx["run_id"], ctx["seq"], ctx["variant"] if ctx["mode"] == "mirror" else None)
-    rid = ctx["request_id"] or result.request_id or derived
-    if result.request_id and ctx["request_id"] and result.request_id != ctx["request_id"]:
-        raise SampleError(
-            f"row_from: result.request_id {result.request_id!r} differs from "
-            f"context request_id {ctx['request_id']!r}"
-        )
-    row["request_id"] = rid
-
-    # 2. prompt tokens: the server's usage count is exact; otherwise the replay's own count,
-    # flagged when that count was itself an estimate.
-    if result.usage_reported and result.prompt_tokens > 0:
-        row["prompt_tokens"] = result.prompt_tokens
-        row["prompt_tokens_estimated"] = 0
-    else:
-        row["prompt_tokens"] = ctx["prompt_tokens"]
-        row["prompt_tokens_estimated"] = int(bool(ctx["prompt_tokens_estimated"]))
-
-    # 3. the rest of the context
-    for name in (
-        "experiment",
-        "variant",
-        "run_id",
-        "seq",
-        "mode",
-        "user_id",
-        "config_revision",
-        "scheduled_offset_ms",
-        "schedule_lag_ms",
-        "in_flight",
-        "max_tokens",
-        "worker",
-        "attempt",
-        "sent_unix_ms",
-    ):
-        row[name] = ctx[name]
-    if row["mode"] not in MODES:
-        raise SampleError(f"row_from: mode must be one of {MODES}, got {row['mode']!r}")
-    if not row["experiment"]:
-        raise SampleError("row_from: experiment must be a non-empty string")
-    if not isinstance(row["sent_unix_ms"], int | float) or isinstance(row["sent_unix_ms"], bool):
-        raise SampleError(f"row_from: sent_unix_ms must be a number, got {row['sent_unix_ms']!r}")
-    row["sent_unix_ms"] = float(row["sent_unix_ms"])
-    row["sent_at"] = int(row["sent_unix_ms"] // 1000)
-    recorded = ctx["recorded_ms"]
-    row["recorded_ms"] = int(time.time() * 1000) if recorded is None else recorded
-    for name in ("new_connection", "usage_reported"):
-        row[name] = int(bool(row[name]))
-    return validate_row(row, where="row_from")
-
-
-def validate_row(row: Mapping[str, Any], where: str = "row") -> dict[str, Any]:
-    """Check names and value types of one row; returns a normalized copy (floats as float)."""
-    extra = sorted(set(row) - set(COLUMN_NAMES))
-    missing = [n for n in COLUMN_NAMES if n not in row]
-    if extra or missing:
-        raise SampleError(f"{where}: unknown column(s) {extra}, missing column(s) {missing}")
-    out: dict[str, Any] = {}
-    for col in COLUMNS:
-        v = row[col.name]
-        bad = f"{where}: column {col.name} ({col.ch_type}) cannot hold {v!r}"
-        if col.kind == "str":
-            if not isinstance(v, str):
-                raise SampleError(bad)
-        elif col.kind == "nu64" and v is None:
-            pass
-        elif col.kind in _INT_RANGES:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise SampleError(bad)
-            lo, hi = _INT_RANGES[col.kind]
-            if not lo <= v <= hi:
-                raise SampleError(bad + f": out of range [{lo}, {hi}]")
-        elif col.kind in ("f64", "nf64"):
-            if v is None and col.kind == "nf64":
-                pass
-            elif isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-                raise SampleError(bad)
-            else:
-                v = float(v)
-        else:  # pragma: no cover - a new kind without validation is a programming error
-            raise AssertionError(f"no validation for kind {col.kind}")
-        out[col.name] = v
-    return out
-
-
-_NAME_SET = frozenset(COLUMN_NAMES)
 _NONE = type(None)
+# Python types a value may have in a list, tuple or object array, per kind: exact types (bool is
+# not an int, a str is not a number). numpy integer scalars are integers (object arrays of them);
+# a typed numpy array is checked by its dtype instead (_typed_array).
 _ALLOWED_TYPES: dict[str, frozenset[type]] = {
     "str": frozenset({str}),
     "f64": frozenset({float, int}),
     "nf64": frozenset({float, int, _NONE}),
-    "nu64": frozenset({int, _NONE}),
-    **{k: frozenset({int}) for k in ("u8", "u16", "u32", "u64", "i64", "datetime")},
+    "nu64": frozenset({int, np.int64, np.uint64, _NONE}),
+    **{k: frozenset({int, np.int64, np.uint64}) for k in ("u8", "u16", "u32", "u64", "i64", "datetime")},
 }
+_PY_INT = frozenset({int})
+_WHAT = {"str": "not a str", "f64": "not a number", "nf64": "not a number or None"}
+_GETTERS = tuple((name, operator.itemgetter(name)) for name in COLUMN_NAMES)
 
 
-def validate_rows(rows: Sequence[Mapping[str, Any]], where: str = "rows") -> dict[str, list[Any]]:
-    """validate_row for a whole batch, column at a time (~20x faster), returning the columns.
+class SampleError(ValueError):
+    """A row or column value that cannot be stored. The message names the column and, for a
+    batch, the row; ``row`` is that row's index in the batch (None: not one row's fault)."""
 
-    On any problem it falls back to validate_row row by row, so the error names the row.
+    def __init__(self, message: str, row: int | None = None) -> None:
+        super().__init__(message)
+        self.row = row
+
+
+class ValidColumns(dict):
+    """{column: numpy array} that passed validate_columns, in COLUMNS order: what the store's
+    insert takes without checking again (SpoolingWriter validates once, the store sends).
+    Treat it as read-only; a changed array is no longer validated."""
+
+
+class _Bad(Exception):
+    """Inside the validator: the value at `index` of the column is wrong because `why`."""
+
+    def __init__(self, index: int | None, why: str) -> None:
+        self.index = index
+        self.why = why
+
+
+def validate_columns(
+    cols: Mapping[str, Any],
+    where: str = "insert_columns",
+    *,
+    nan_is_null: bool = True,
+) -> ValidColumns:
+    """The one validator of samples data: every column of the table, all of one length, each a
+    list, tuple or numpy array; checked a whole column at a time.
+
+    Returns {column: numpy array} in COLUMNS order, in the dtypes both backends insert: strings
+    as object arrays, integers and DateTime (unix seconds) in their unsigned/signed width,
+    floats as float64 with NaN for NULL in nullable columns, Nullable(UInt64) as an object array
+    of int | None. Values must have the column's exact Python type (bool is not an integer, a
+    str is not a number) or come in a numpy array of a fitting dtype; integers must fit the
+    column's range and floats must be finite. ``nan_is_null``: a NaN in a nullable column is
+    NULL (bulk arrays); otherwise only None is (rows: NaN from a client is a bug, not "absent").
+
+    Raises SampleError naming `where`, the row (index into the batch), the column, its type and
+    the bad value, e.g. "insert_samples row 2: column seq (UInt32) cannot hold 'three': not an
+    integer".
     """
-
-    def locate() -> None:
-        for i, r in enumerate(rows):
-            validate_row(r, where=f"{where} row {i}")
-        raise AssertionError("columnar validation failed but no row did")  # pragma: no cover
-
-    if not all(r.keys() == _NAME_SET for r in rows):
-        locate()
-    cols: dict[str, list[Any]] = {}
+    if not isinstance(cols, Mapping):
+        raise SampleError(f"{where}: expected a mapping of column -> values, got {type(cols).__name__}")
+    if cols.keys() != _NAME_SET:
+        extra = sorted(set(cols) - _NAME_SET)
+        missing = [n for n in COLUMN_NAMES if n not in cols]
+        raise SampleError(f"{where}: unknown column(s) {extra}, missing column(s) {missing}")
+    lengths = {n: len(cols[n]) for n in COLUMN_NAMES}
+    if len(set(lengths.values())) > 1:
+        raise SampleError(f"{where}: columns differ in length: {lengths}")
+    out = ValidColumns()
     for col in COLUMNS:
-        values = [r[col.name] for r in rows]
-        if not set(map(type, values)) <= _ALLOWED_TYPES[col.kind]:
-            locate()
-        if col.kind in _INT_RANGES:
-            present = values if col.kind != "nu64" else [v for v in values if v is not None]
-            lo, hi = _INT_RANGES[col.kind]
-            if present and (min(present) < lo or max(present) > hi):
-                locate()
-        elif col.kind in ("f64", "nf64"):
-            present = values if col.kind == "f64" else [v for v in values if v is not None]
-            if not all(map(math.isfinite, present)):
-                locate()
-            values = [v if v is None else float(v) for v in values]
-        cols[col.name] = values
-    return cols
+        values = cols[col.name]
+        try:
+            out[col.name] = _column(col, values, nan_is_null)
+        except _Bad as bad:
+            raise _error(where, col, values, bad, one_row=False) from None
+    return out
+
+
+def _error(where: str, col: Column, values: Any, bad: _Bad, one_row: bool) -> SampleError:
+    if bad.index is None:
+        return SampleError(f"{where}: column {col.name} ({col.ch_type}) {bad.why}")
+    at = "" if one_row else f" row {bad.index}"
+    value = values[bad.index]
+    value = value.item() if isinstance(value, np.generic) else value  # 1.5, not np.float64(1.5)
+    return SampleError(
+        f"{where}{at}: column {col.name} ({col.ch_type}) cannot hold {value!r}: {bad.why}", row=bad.index
+    )
+
+
+def _first_true(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+def _first_not(values: Sequence[Any], allowed: frozenset[type]) -> int:
+    return next(i for i, v in enumerate(values) if type(v) not in allowed)
+
+
+def _column(col: Column, values: Any, nan_is_null: bool, convert: bool = True) -> Any:
+    """One column, validated and converted (see validate_columns); raises _Bad. Without
+    `convert` (one row: numpy would cost more than the checks) it only checks."""
+    kind = col.kind
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1:
+            raise _Bad(None, f"needs a 1-dimensional array, got shape {values.shape}")
+        if values.dtype != object:
+            return _typed_array(col, values, nan_is_null)
+        values = values.tolist()  # an object array: check its items like a list's
+    allowed = _ALLOWED_TYPES[kind]
+    types = set(map(type, values))  # one C-level pass: the common all-valid case stops here
+    if not types <= allowed:
+        if kind == "nu64" and nan_is_null and float in types:
+            # NaN is NULL here too, and a whole float (an integer that went through a float
+            # array) is that integer; anything else falls to the type error below.
+            values = [
+                None if type(v) is float and v != v else int(v) if type(v) is float and v.is_integer() else v
+                for v in values
+            ]
+            return _column(col, values, nan_is_null, convert)
+        raise _Bad(_first_not(values, allowed), _WHAT.get(kind, "not an integer"))
+    if kind == "str":
+        return np.array(values, dtype=object) if convert else None
+    if kind in ("f64", "nf64"):
+        if not convert:
+            for i, v in enumerate(values):
+                try:
+                    finite = v is None or math.isfinite(v) or (nan_is_null and kind == "nf64" and v != v)
+                except OverflowError:  # an int beyond float64
+                    raise _Bad(i, "out of range of Float64") from None
+                if not finite:
+                    raise _Bad(i, "not a finite number")
+            return None
+        try:
+            arr = np.array(values, dtype=np.float64)  # None -> NaN
+        except OverflowError:  # an int beyond float64
+            i = next(i for i, v in enumerate(values) if type(v) is int and _beyond_float(v))
+            raise _Bad(i, "out of range of Float64") from None
+        return _check_floats(kind, arr, values, nan_is_null)
+    lo, hi = _INT_RANGES[kind]
+    if convert and types <= _PY_INT and kind != "nu64":  # nu64: an object array checks nothing
+        # Each kind's range is exactly its dtype's, and numpy refuses (OverflowError) a Python
+        # int outside the dtype: the conversion is the range check.
+        try:
+            return np.array(values, dtype=_DTYPES[kind])
+        except OverflowError:
+            pass
+    else:  # None or numpy integers (which numpy would wrap around silently), or one row
+        present = [v for v in values if v is not None] if _NONE in types else values
+        if not present or lo <= min(present) and max(present) <= hi:
+            return np.array(values, dtype=_DTYPES[kind]) if convert else None
+    i = next(i for i, v in enumerate(values) if v is not None and not lo <= v <= hi)
+    raise _Bad(i, f"out of range [{lo}, {hi}]")
+
+
+def _beyond_float(v: int) -> bool:
+    try:
+        float(v)
+    except OverflowError:
+        return True
+    return False
+
+
+def _check_floats(kind: str, arr: np.ndarray, values: Any, nan_is_null: bool) -> np.ndarray:
+    """Finite floats; NaN only as NULL of a nullable column (from None, or any NaN when
+    nan_is_null). `values` is the input sequence, or None for a typed numpy array."""
+    bad = ~np.isfinite(arr)
+    if not bad.any():
+        return arr
+    if kind == "nf64":
+        nan = np.isnan(arr)
+        if nan_is_null:
+            bad &= ~nan
+        elif values is not None:
+            if int(nan.sum()) == values.count(None) and not np.isinf(arr).any():
+                return arr  # every NaN came from a None (each None is a NaN): all NULLs
+            bad &= ~np.fromiter((v is None for v in values), dtype=bool, count=arr.size)
+    if bad.any():
+        raise _Bad(_first_true(bad), "not a finite number")
+    return arr
+
+
+def _typed_array(col: Column, arr: np.ndarray, nan_is_null: bool) -> np.ndarray:
+    """A numpy array of a non-object dtype: checked by dtype and vectorized range tests."""
+    kind, dk = col.kind, arr.dtype.kind
+    if kind == "str":
+        if dk != "U":
+            raise _Bad(None, f"needs strings, got dtype {arr.dtype}")
+        return arr.astype(object)
+    if kind in ("f64", "nf64"):
+        if dk not in "fiu":
+            raise _Bad(None, f"needs numbers, got dtype {arr.dtype}")
+        return _check_floats(kind, arr.astype(np.float64, copy=False), None, nan_is_null)
+    if kind == "nu64" and dk == "f":
+        # a float array of a nullable integer column (NaN = NULL): through the list path
+        return _column(col, arr.tolist(), nan_is_null)
+    if dk not in "iu":
+        raise _Bad(None, f"needs integers, got dtype {arr.dtype}")
+    lo, hi = _INT_RANGES[kind]
+    if arr.size and (int(arr.min()) < lo or int(arr.max()) > hi):
+        raise _Bad(_first_true((arr < lo) | (arr > hi)), f"out of range [{lo}, {hi}]")
+    if kind == "nu64":
+        return arr.astype(object)
+    return arr.astype(_DTYPES[kind], copy=False)
+
+
+_NAME_SET = frozenset(COLUMN_NAMES)
+
+
+def rows_to_columns(rows: Sequence[Mapping[str, Any]], where: str = "rows") -> dict[str, list[Any]]:
+    """Transpose rows (mappings of exactly the table's columns) into {column: list of values}.
+
+    C-level passes only (map of an itemgetter per column), no Python loop per value: the
+    cheapest transposition of dicts measured (bench/bench_insert.py). A row with a missing or
+    unknown column raises SampleError naming the row.
+    """
+    try:
+        if set(map(len, rows)) - {len(COLUMN_NAMES)}:
+            raise KeyError  # some row has a column too many or too few
+        # a column at a time: one C-level pass over the rows each, no row tuples in between
+        return {name: list(map(get, rows)) for name, get in _GETTERS}
+    except (KeyError, TypeError):
+        for i, r in enumerate(rows):
+            if not isinstance(r, Mapping):
+                raise SampleError(
+                    f"{where} row {i}: expected a mapping, got {type(r).__name__}", row=i
+                ) from None
+            if r.keys() != _NAME_SET:
+                extra = sorted(set(r) - _NAME_SET)
+                missing = [n for n in COLUMN_NAMES if n not in r]
+                raise SampleError(
+                    f"{where} row {i}: unknown column(s) {extra}, missing column(s) {missing}", row=i
+                ) from None
+        raise  # pragma: no cover - every row is a full mapping, so the passes above cannot fail
+
+
+def validate_rows(rows: Sequence[Mapping[str, Any]], where: str = "rows") -> ValidColumns:
+    """A batch of dict rows, validated columnar (validate_columns, NaN is never NULL): returns
+    the batch as columns ready to insert; the error names the row."""
+    return validate_columns(rows_to_columns(rows, where), where, nan_is_null=False)
+
+
+def validate_row(row: Mapping[str, Any], where: str = "row") -> dict[str, Any]:
+    """One row through the same validator; returns a copy in column order, floats as float."""
+    if not isinstance(row, Mapping):
+        raise SampleError(f"{where}: expected a mapping, got {type(row).__name__}")
+    if row.keys() != _NAME_SET:
+        extra = sorted(set(row) - _NAME_SET)
+        missing = [n for n in COLUMN_NAMES if n not in row]
+        raise SampleError(f"{where}: unknown column(s) {extra}, missing column(s) {missing}")
+    out = {}
+    for col in COLUMNS:
+        v = row[col.name]
+        try:
+            _column(col, (v,), nan_is_null=False, convert=False)  # the same checks, numpy skipped
+        except _Bad as bad:
+            raise _error(where, col, (v,), bad, one_row=True) from None
+        out[col.name] = float(v) if col.kind in _FLOAT_KINDS and v is not None else v
+    return out
+
+
+_FLOAT_KINDS = frozenset({"f64", "nf64"})
 
 
 def to_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
-    """Rows -> {column: values} in COLUMNS order (the shape every batch insert starts from)."""
+    """Rows -> {column: list of values} in COLUMNS order, unvalidated (tests, baselines)."""
     return {name: [r[name] for r in rows] for name in COLUMN_NAMES}
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import threading
 
+from samples.backends.chdb import ChdbBackend
+from samples.backends.clickhouse import ClickHouseServerBackend
 from samples.spool import SpoolingWriter
-from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore
+from samples.store import SampleStore
 
 _cache: dict[tuple[str, str, str], SampleStore] = {}
 _cache_lock = threading.Lock()

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 
 SAMPLES_TABLE = "samples"
 MIGRATIONS_TABLE = "schema_migrations"
-# What reads should select from: FINAL collapses duplicate recordings of one request.
+# FINAL collapses duplicate recordings of one request at read time: for exact reads of a few
+# rows (checks, tests). Analytics do not use it (it cost ~7 s per pass at 10M rows); they rely on
+# the dedup contract instead (SampleStore.deduplicate, analysis/readers/raw.py).
 SAMPLES_FROM = f"{SAMPLES_TABLE} FINAL"
 
 
@@ -44,8 +47,8 @@ ORDER BY version
 # Choices, each for a reason:
 # - ReplacingMergeTree(recorded_ms): "retries never duplicate rows". A batch re-inserted after an
 #   ambiguous failure (the insert landed but the reply was lost, or a spool flush that raced the
-#   first attempt) leaves physical duplicates; reads FROM samples FINAL (SAMPLES_FROM) collapse
-#   them to the latest recording, and background merges eventually remove them on disk. Plain
+#   first attempt) leaves physical duplicates; FINAL collapses them to the latest recording,
+#   SampleStore.deduplicate (OPTIMIZE ... FINAL) and background merges remove them on disk. Plain
 #   MergeTree has no block deduplication on 18.16 (only Replicated tables do), and dedup-before-
 #   insert alone is racy between workers, so we use both: the spool flush filters ids already
 #   stored (SpoolingWriter.flush), and the engine makes whatever slips through invisible.
@@ -263,6 +266,26 @@ MIGRATIONS: tuple[Migration, ...] = (
         ),
     ),
 )
+
+
+_CREATE = re.compile(r"^CREATE TABLE IF NOT EXISTS (\w+) \((.*?)\n\)", re.S)
+
+
+def declared_tables(migration: Migration) -> dict[str, list[tuple[str, str]]]:
+    """{table: [(column, ClickHouse type), ...]} of the tables a migration's CREATE TABLE
+    statements declare, in order: what SampleStore.migrate() verifies exists once the migration
+    is recorded. A statement of another shape (a future ALTER) declares nothing here."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for stmt in migration.statements:
+        m = _CREATE.match(stmt)
+        if m is None:
+            continue
+        cols = []
+        for line in m.group(2).strip().splitlines():
+            name, ch_type = line.strip().rstrip(",").split(" ", 1)
+            cols.append((name, ch_type))
+        out[m.group(1)] = cols
+    return out
 
 
 def check_sequence(migrations: tuple[Migration, ...] = MIGRATIONS) -> None:

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from samples.columns import row_key, validate_row, validate_rows
+from samples.columns import SampleError, row_key, validate_rows
 from samples.store import SampleStore, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -138,10 +138,17 @@ class Spool:
                     break
                 header = obj
                 continue
-            try:
-                rows.append(validate_row(obj, where=f"spool {name} line {i + 1}"))
-            except (ValueError, TypeError):
+            if not isinstance(obj, dict):
                 break
+            rows.append(obj)
+        # Keep the rows before the first invalid one (the validator names a bad row; the rows
+        # before it may hide another in a column checked later, so check the prefix again).
+        while rows:
+            try:
+                validate_rows(rows, f"spool {name}")
+                break
+            except SampleError as e:
+                rows = rows[: e.row or 0]
         complete = (
             header is not None
             and not name.endswith(".tmp")
@@ -176,7 +183,9 @@ class SpoolingWriter:
         self.spool = Spool(spool_dir)
 
     def write(self, rows: Sequence[Mapping[str, Any]]) -> str:
-        validate_rows(rows, "SpoolingWriter.write")  # never spool what the store would reject
+        # Validated once, here: never spool what the store would reject, and the store takes
+        # the checked columns as they are.
+        cols = validate_rows(rows, "SpoolingWriter.write")
         checked = list(rows)
         if not checked:
             return "stored"
@@ -191,7 +200,7 @@ class SpoolingWriter:
             # 2. Then this batch; a transient failure spools it (permanent errors propagate:
             # a row the store rejects would sit in the spool forever).
             try:
-                self.store.insert_samples(checked)
+                self.store.insert_columns(cols)
                 return "stored"
             except StoreUnavailable as e:
                 name = self.spool.append(checked)

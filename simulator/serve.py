@@ -6,44 +6,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import uvicorn
 
+from serving import children
+from serving.children import HOST, free_port
 from simulator.app import SimulatorApp
 from simulator.latency import Profile
 from simulator.profiles import get_profile
 
-HOST = "127.0.0.1"
 DEFAULT_MODEL = "abplat-sim"
-
-
-def _resolve_prctl():
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux/glibc: children are stopped by their handles only
-        return None
-
-
-_PRCTL = _resolve_prctl()  # resolved here, not in the child: no dlopen between fork and exec
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """preexec_fn for child servers (simulators, vLLM): the kernel sends the child SIGTERM when
-    the thread that started it dies, so a killed demo, test run or benchmark (SIGTERM, SIGKILL)
-    leaves no server behind. Start children from a long-lived thread (the main one)."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def parse_serve_pair(text: str) -> tuple[str, int]:
@@ -146,28 +122,6 @@ def start_in_thread(
     return Handle(f"{scheme}://{HOST}:{real_port}", name, model, stop)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    last = ""
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server for {url} exited with code {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError) as exc:
-            last = str(exc)
-        time.sleep(0.1)
-    raise RuntimeError(f"{url}/health not ready after {timeout_s}s ({last})")
-
-
 def start_subprocess(
     profile: str = "default",
     port: int = 0,
@@ -175,28 +129,13 @@ def start_subprocess(
     ready_s: float = 20.0,
     replicas: int = 1,
 ) -> Handle:
-    """Serve in a child process (its own core: what benchmarks need); ready when /health is."""
+    """Serve in a child process (its own core: what benchmarks need); ready when /health is.
+    The child dies with this process, whichever thread started it (serving.children)."""
     get_profile(profile)
     port = port or free_port()
     cmd = [sys.executable, "-m", "simulator", "--port", str(port), "--profile", profile]
     cmd += ["--model", model, "--replicas", str(replicas)]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent)
-    url = f"http://{HOST}:{port}"
-    try:
-        wait_healthy(url, ready_s, proc)
-    except Exception:
-        proc.kill()
-        proc.wait()
-        raise
-
-    def stop() -> None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-    return Handle(url, profile, model, stop, proc.pid)
+    child = children.start(cmd, f"http://{HOST}:{port}", ready_s=ready_s, name="simulator", env=env)
+    return Handle(child.url, profile, model, child.stop, child.pid)

@@ -28,7 +28,7 @@ import httpx
 
 from streaming.h1 import IDLE_EXPIRY_S, Exchange, H1Connection, open_connection, request_bytes
 from streaming.pacing import pacer_for
-from streaming.result import Outcome, StreamResult
+from streaming.result import Outcome, StreamCancelled, StreamResult
 from streaming.sse import SSEEvent, SSEParser
 from streaming.timing import StreamProtocolError, StreamTimer
 
@@ -53,17 +53,6 @@ class Timeouts:
             v = getattr(self, f.name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"Timeouts.{f.name}={v!r}: must be a positive number of seconds")
-
-
-class StreamCancelled(asyncio.CancelledError):
-    """Raised instead of a bare CancelledError so the caller still gets the partial record.
-
-    It is a CancelledError, so task groups and ``asyncio.timeout`` treat it as cancellation.
-    """
-
-    def __init__(self, result: StreamResult) -> None:
-        super().__init__("stream cancelled")
-        self.result = result
 
 
 def trace_ids(request_id: str) -> tuple[str, str]:

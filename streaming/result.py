@@ -1,13 +1,14 @@
 """What one streamed request measured: the record every layer agrees on.
 
-Pure: no Django, no network. The client fills it, the replay adds its context, the sample
-store writes one row from it, the dashboards read those rows back.
+Pure: no Django, no network. The client fills it; the replay turns it and the request's
+context into one samples row; the analysis reads those rows back.
 All durations are milliseconds as floats, measured on a monotonic nanosecond clock that
 starts just before the request is written. A phase that never happened is ``None``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from enum import StrEnum
 
@@ -70,3 +71,14 @@ class StreamResult:
     @property
     def ok(self) -> bool:
         return self.outcome is Outcome.OK
+
+
+class StreamCancelled(asyncio.CancelledError):
+    """Raised instead of a bare CancelledError so the caller still gets the partial record.
+
+    It is a CancelledError, so task groups and ``asyncio.timeout`` treat it as cancellation.
+    """
+
+    def __init__(self, result: StreamResult) -> None:
+        super().__init__("stream cancelled")
+        self.result = result

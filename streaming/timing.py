@@ -4,11 +4,13 @@ Pure: every method takes the nanosecond timestamp the caller read when the bytes
 tests drive it with fake times. All times are relative to ``start_ns``, read just before the
 request is written (vLLM's benchmark starts its clock at the same point).
 
-Definitions (see SERVICES.md, "How vLLM's own benchmark client defines things"):
+Definitions (see docs/services.md, "How vLLM's own benchmark client defines the latencies"):
 - ``ttft_event_ms``: first event with non-empty ``choices``, even if its text is empty (vLLM).
 - ``ttft_ms``: first event carrying non-empty text (LLMPerf, genai-perf; the SLA uses this).
 - token chunk: an event with non-empty ``choices`` other than the chat role-only event.
-- ITL: gaps between consecutive token chunks. TPOT: (last token - ttft) / (tokens - 1).
+- ITL: gaps between consecutive token chunks; their p50/p99 are exact order statistics
+  (nearest rank, stats.quantiles, the project's one convention). TPOT: (last token -
+  ttft) / (tokens - 1).
 - ``e2e_ms``: when the stream ended ([DONE] or the error that ended it).
 - output tokens from the usage event; the token-chunk count only when there is none.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from stats.quantiles import nearest_rank
 from streaming.result import Outcome, StreamResult
 from streaming.sse import DONE
 
@@ -153,21 +156,9 @@ class StreamTimer:
         if len(times) >= 2:
             gaps = sorted((b - a) / _NS_PER_MS for a, b in zip(times, times[1:]))
             r.itl_mean_ms = sum(gaps) / len(gaps)
-            r.itl_p50_ms = percentile(gaps, 50.0)
-            r.itl_p99_ms = percentile(gaps, 99.0)
+            r.itl_p50_ms = nearest_rank(gaps, 0.5)
+            r.itl_p99_ms = nearest_rank(gaps, 0.99)
             r.itl_max_ms = gaps[-1]
         if r.ttft_ms is not None and r.output_tokens >= 2 and times:
             r.tpot_ms = (self._ms(times[-1]) - r.ttft_ms) / (r.output_tokens - 1)
         return r
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default), on a sorted list."""
-    if not sorted_values:
-        raise ValueError("percentile of an empty list")
-    if not 0.0 <= q <= 100.0:
-        raise ValueError(f"percentile q={q} is outside [0, 100]")
-    pos = (len(sorted_values) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)

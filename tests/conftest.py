@@ -133,7 +133,7 @@ def chdb_dir() -> str:
 @pytest.fixture(scope="session")
 def clickhouse_server() -> str:
     """The real ClickHouse server's test URL; fails (never skips) when it is not running."""
-    from samples.store import ClickHouseServerBackend
+    from samples.backends.clickhouse import ClickHouseServerBackend
     from tests.plugin import SERVER_URL
 
     probe = ClickHouseServerBackend(SERVER_URL, tries=1)

@@ -1,7 +1,12 @@
-"""Starting, cancelling and describing replay runs (Django glue around replay)."""
+"""Starting, cancelling and describing replay runs (Django glue around replay).
+
+Imports flow one way inside workers: api, admin, commands -> runs -> tasks -> shard ->
+(replay, streaming, samples, experiments); models below all of them.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from django.conf import settings
@@ -11,9 +16,9 @@ from experiments import audit
 from experiments.models import Experiment
 from replay.arrivals import Arrival
 from replay.plan import expected_samples
-from replay.sources import LoadedSource, SourceError, load_source, thin
-from replay.users import UserPopulation
+from replay.sources import SourceError, load_requests
 from workers.models import ReplayRun, ReplayShard
+from workers.tasks import start_replay
 
 
 class ReplayError(ValueError):
@@ -55,16 +60,15 @@ def create_run(experiment: Experiment, *, source: str, source_format: str = "azu
     path = resolve_source(source)
     try:
         # A malformed source is rejected here, before anything is sent.
-        loaded = load_requests(
-            str(path), source_format, on_malformed, limit, population_seed, sample_fraction
-        )
+        loaded = load_requests(path, source_format, on_malformed=on_malformed, limit=limit,
+                               seed=population_seed, sample_fraction=sample_fraction)  # fmt: skip
     except (SourceError, ValueError) as exc:
         raise ReplayError(str(exc)) from None
     n_variants = experiment.variants.count()
     with transaction.atomic():
         run = ReplayRun.objects.create(
             experiment=experiment, source=str(path), source_format=source_format, mode=mode,
-            arrival=arrival.as_dict(), limit=limit, sample_fraction=sample_fraction,
+            arrival=dataclasses.asdict(arrival), limit=limit, sample_fraction=sample_fraction,
             concurrency=concurrency, shard_count=shard_count,
             on_malformed=on_malformed, population_seed=population_seed,
             started_by=actor if getattr(actor, "pk", None) else None,
@@ -77,25 +81,8 @@ def create_run(experiment: Experiment, *, source: str, source_format: str = "azu
         )
         audit.record(actor, experiment, "replay_started", after=describe(run))
         if enqueue:
-            from workers.tasks import start_replay
-
             transaction.on_commit(lambda: start_replay.delay(run.pk))
     return run
-
-
-def load_requests(source: str, fmt: str, on_malformed: str, limit: int | None, seed: int,
-                  sample_fraction: float) -> LoadedSource:  # fmt: skip
-    """The run's requests, exactly as every shard of it will see them."""
-    loaded = load_source(
-        source, fmt, population=UserPopulation(seed=seed), on_error=on_malformed, limit=limit
-    )
-    loaded.requests = thin(loaded.requests, sample_fraction, seed)
-    return loaded
-
-
-def run_requests(run: ReplayRun) -> LoadedSource:
-    return load_requests(run.source, run.source_format, run.on_malformed, run.limit, run.population_seed,
-                         run.sample_fraction)  # fmt: skip
 
 
 def cancel_run(run: ReplayRun, actor=None) -> bool:

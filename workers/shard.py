@@ -1,7 +1,13 @@
-"""Executing one claimed shard: build its inputs from the database, run it, keep its rows."""
+"""Executing one claimed shard: build its inputs from the database, run it, keep its rows.
+
+The lowest layer of the Celery replay (tasks -> shard): it imports replay, streaming, samples,
+experiments and the models, never runs or tasks.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 
 from django.conf import settings
@@ -13,13 +19,28 @@ from replay.arrivals import Arrival
 from replay.plan import SPLIT, Shard
 from replay.runner import ShardRunner, ShardSpec, ShardStats
 from replay.sink import BatchSink
+from replay.sources import LoadedSource, load_requests
 from samples.factory import sample_store, sample_writer
 from streaming.client import VariantClient
 from workers.models import ReplayRun, ReplayShard
-from workers.runs import run_requests
-from workers.tasks import run_coroutine
 
 log = logging.getLogger(__name__)
+
+
+def run_requests(run: ReplayRun) -> LoadedSource:
+    """The run's requests as create_run counted them (the same source, seed, limit, fraction)."""
+    return load_requests(run.source, run.source_format, on_malformed=run.on_malformed, limit=run.limit,
+                         seed=run.population_seed, sample_fraction=run.sample_fraction)  # fmt: skip
+
+
+def run_coroutine(coro):
+    """Run a coroutine to completion from a (sync) task, even inside a running loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def execute_shard(shard: ReplayShard) -> ShardStats:
@@ -102,5 +123,5 @@ def execute_shard(shard: ReplayShard) -> ShardStats:
         stats = run_coroutine(main())
     finally:
         sink.close()  # raises if rows could not be written (the task fails; nothing silent)
-    log.info("run %s shard %s: %s", run.pk, shard.index, stats.as_dict())
+    log.info("run %s shard %s: %s", run.pk, shard.index, stats.summary())
     return stats

@@ -7,12 +7,13 @@ do, so a redelivered message never does anything twice:
 - run_shard(run, i):   claims the shard (pending/running -> running, attempts + 1), asks the
                        sample store what this run already recorded, sends only the rest.
 - finish_replay(run):  once every shard has ended; waits until the run's samples are
-                       durable (spool flushed), counts them, and ends the run.
+                       durable (spool flushed), counts them, ends the run and sends
+                       samples.signals.replay_finished (the report's rollup is built by its
+                       receiver, in dashboards; the replay does not know the report).
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import logging
 import time
@@ -22,9 +23,12 @@ from django.db import close_old_connections
 from django.db.models import F, Q
 from django.utils import timezone
 
+from samples.factory import sample_store, sample_writer
 from samples.schema import SAMPLES_TABLE
+from samples.signals import replay_finished
 from samples.store import StoreUnavailable
 from workers.models import ReplayRun, ReplayShard
+from workers.shard import execute_shard
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +56,6 @@ def start_replay(run_id: int) -> None:
     autoretry_for=(StoreUnavailable,), retry_backoff=2, retry_backoff_max=60, retry_jitter=True, max_retries=10,
 )  # fmt: skip
 def run_shard(self, run_id: int, index: int) -> None:
-    from workers.shard import execute_shard
-
     now = timezone.now()
     stale = now - dt.timedelta(seconds=LEASE_S)
     claimable = Q(status=ReplayShard.Status.PENDING) | Q(status=ReplayShard.Status.RUNNING) & (
@@ -126,8 +128,6 @@ def finish_replay(self, run_id: int) -> None:
 def complete_run(run_id: int) -> bool:
     """Flush the spool, check the run's samples are durable, count them and end the run.
     Raises StoreUnavailable while the store is down; True when this call ended the run."""
-    from samples.factory import sample_store, sample_writer
-
     run = ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.FLUSHING).first()
     if run is None:
         return False
@@ -166,36 +166,17 @@ def complete_run(run_id: int) -> bool:
         finished_at=timezone.now(), error="" if status == ReplayRun.Status.DONE else run.error,
     )  # fmt: skip
     if ended:
-        build_rollup(store, run)
+        announce_finished(store, run)
     return bool(ended)
 
 
-def build_rollup(store, run: ReplayRun) -> None:
-    """The run's samples are final: sum them into the report's rollup (analysis.rollup).
-    Best effort: without it the report reads the raw samples (the same numbers, slower), and
-    `python manage.py build_rollups` builds it later."""
-    from analysis import rollup
-    from dashboards import reports as report
-
-    t = time.perf_counter()
-    try:
-        built = rollup.build_run_rollup(store, run.experiment.key, run.pk, report.slo_of(run.experiment))
-    except Exception as e:  # noqa: BLE001 - the run has ended either way; say what failed
-        log.warning("run %s: report rollup not built (%s); `manage.py build_rollups` retries", run.pk, e)
-        return
-    if built is not None:
-        log.info(
-            "run %s: report rollup of %d samples built in %.2f s", run.pk, built.rows, time.perf_counter() - t
-        )
-
-
-def run_coroutine(coro):
-    """Run a coroutine to completion from a (sync) task, even inside a running loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    import concurrent.futures
-
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
+def announce_finished(store, run: ReplayRun) -> None:
+    """The run's samples are final: tell whoever keeps derived data (the report's rollup,
+    built by dashboards.receivers). The run has ended either way, so a failing receiver is
+    logged, never raised."""
+    responses = replay_finished.send_robust(
+        sender=ReplayRun, run_id=run.pk, experiment=run.experiment.key, store=store
+    )
+    for receiver, response in responses:
+        if isinstance(response, Exception):
+            log.warning("run %s: replay_finished receiver %r failed: %s", run.pk, receiver, response)

@@ -24,6 +24,7 @@ from experiments.weights.publish import (
     current_weights,
     preview_move,
     publish_weights,
+    why_not_assigned,
 )
 from experiments.weights.router import UnknownExperiment
 
@@ -72,8 +73,12 @@ class AssignView(APIView):
         try:
             result = router.assign(key, user_id)
         except UnknownExperiment as exc:
-            code = status.HTTP_404_NOT_FOUND if router.snapshot.loaded else 503
-            return Response({"detail": str(exc)}, status=code)
+            if not router.snapshot.loaded:
+                return Response({"detail": str(exc)}, status=503)
+            why = why_not_assigned(key)
+            if why is not None:
+                return Response({"detail": why}, status=status.HTTP_409_CONFLICT)
+            return Response({"detail": str(exc)}, status=status.HTTP_404_NOT_FOUND)
         return Response(
             {
                 "experiment": result.experiment,
@@ -187,4 +192,5 @@ class WeightsView(APIView):
         body = weights_body(Experiment.objects.get(key=key))
         body.update(move)
         body["revision"] = revision
+        body["changed"] = not plan.unchanged
         return Response(body)

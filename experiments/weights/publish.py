@@ -35,6 +35,18 @@ class UnknownExperimentError(LookupError):
     pass
 
 
+def why_not_assigned(key: str) -> str | None:
+    """Why users of ``key`` cannot be assigned, when the experiment's status says it (a draft
+    has no weights yet, a concluded one had them retired); None when the status does not
+    explain it (no such experiment, or the store simply holds no weights for it)."""
+    status = Experiment.objects.filter(key=key).values_list("status", flat=True).first()
+    if status == Experiment.Status.DRAFT:
+        return f"experiment {key!r} is a draft: its weights are published when it starts"
+    if status == Experiment.Status.CONCLUDED:
+        return f"experiment {key!r} is concluded: its weights were retired and routers serve the control"
+    return None
+
+
 @dataclass(frozen=True)
 class WeightsPreview:
     experiment: Experiment
@@ -42,6 +54,18 @@ class WeightsPreview:
     current_revision: int  # 0: absent
     new: WeightsDocument
     move: MovePreview
+
+    @property
+    def unchanged(self) -> bool:
+        """The stored document already says this: same weights, salt, hash version, control.
+        Publishing it would only bump the revision and the audit log, so nothing is written."""
+        cur = self.current
+        return cur is not None and (
+            dict(cur.weights) == dict(self.new.weights)
+            and cur.salt == self.new.salt
+            and cur.hash_version == self.new.hash_version
+            and cur.control == self.new.control
+        )
 
 
 def _experiment(experiment: Experiment | str, lock: bool = False) -> Experiment:
@@ -158,10 +182,16 @@ def publish_weights(
     ``expected_revision`` is the revision the caller looked at (409 material when stale);
     None means "whatever is current", still compare-and-set between our read and our write.
     Raises UnknownExperimentError, WeightsError (nothing written), ConflictError,
-    StoreUnavailable (nothing written: the database change rolls back)."""
+    StoreUnavailable (nothing written: the database change rolls back). Weights equal to the
+    stored ones write nothing and return the stored document and revision."""
     with transaction.atomic():
         locked = _experiment(experiment, lock=True)
         plan = _prepare(locked, weights, actor, reason, expected_revision)
+        if plan.unchanged:
+            log.info(
+                "weights of %s unchanged at revision %d: nothing written", locked.key, plan.current_revision
+            )
+            return plan.current, plan.current_revision
         new = plan.new
         for variant in locked.variants.all():
             if variant.weight != new.weights[variant.key]:

@@ -12,10 +12,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from analysis import queries as q
+from analysis import definitions as q
 from analysis import report as r
 from samples import synthetic
-from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore
+from samples.backends.chdb import ChdbBackend
+from samples.backends.clickhouse import ClickHouseServerBackend
+from samples.store import SampleStore
 from tests.plugin import server_url_for
 
 SLO = q.Slo(200.0)

@@ -13,10 +13,14 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from analysis import attribution as attr
-from analysis import queries as q
+from analysis import definitions as q
 from analysis import report as r
-from analysis import stats
+from analysis.definitions import PROMPT_TOKEN_EDGES
+from analysis.segments import bucket_index, bucket_labels
+from stats.comparisons import attainment_difference, holm_adjust, quantile_difference
+from stats.paired import mcnemar_attainment, wilcoxon_paired
+from stats.proportions import wilson_interval
+from stats.quantiles import REPORT_QUANTILES, quantile_ci_ranks
 from tests.analysis.fixtures_report import (  # noqa: F401 - fixtures
     SLO,
     backend,
@@ -69,7 +73,7 @@ def test_counts_errors_and_attainment_match_raw_samples(split_report, split_data
         errors = int((c["outcome"] != "ok").sum())
         assert (entry["n"], entry["hits"], entry["errors"]) == (n, hits, errors)
         assert entry["error_rate"] == pytest.approx(errors / n)
-        ci = stats.wilson_interval(hits, n)
+        ci = wilson_interval(hits, n)
         assert entry["attainment"] == pytest.approx(ci.as_dict())
         window = split_data.latest()["sent_unix_ms"].max() - split_data.latest()["sent_unix_ms"].min()
         assert entry["goodput_rps"] == pytest.approx(hits / (window / 1000.0))
@@ -89,11 +93,11 @@ def test_percentiles_are_exact_order_statistics_with_their_ci(split_report, spli
     column = q.METRICS[metric]
     for entry in split_report["variants"]:
         arr = _ok_metric(_raw(split_data, entry["key"]), column)
-        for got, quant in zip(entry["percentiles"][metric], stats.REPORT_QUANTILES, strict=True):
+        for got, quant in zip(entry["percentiles"][metric], REPORT_QUANTILES, strict=True):
             rank = math.ceil(round(quant * arr.size, 9))
             assert got["value"] == arr[rank - 1], (entry["key"], metric, quant)
             assert got["value"] == np.quantile(arr, quant, method="inverted_cdf")
-            lo, hi = stats.quantile_ci_ranks(arr.size, quant)
+            lo, hi = quantile_ci_ranks(arr.size, quant)
             assert (got["lo"], got["hi"]) == (arr[lo - 1], arr[hi - 1])
             assert got["n"] == arr.size
 
@@ -108,19 +112,19 @@ def test_comparisons_against_control_match_scipy(split_report, split_data):
             continue
         v = _raw(split_data, entry["key"])
         vs = entry["vs_control"]
-        diff = stats.attainment_difference(
+        diff = attainment_difference(
             int(_hits(ctrl).sum()), ctrl["variant"].size, int(_hits(v).sum()), v["variant"].size
         )
         assert vs["attainment_difference"] == pytest.approx(diff.as_dict())
         holm_in[entry["key"]] = diff.p_value
         v_ttft = _ok_metric(v, "ttft_ms")
-        p99 = stats.quantile_difference(c_ttft, v_ttft, 0.99)
+        p99 = quantile_difference(c_ttft, v_ttft, 0.99)
         assert vs["p99_ttft_difference"] == pytest.approx(p99.as_dict())
         assert vs["p99_ttft_difference"]["hi"] < 0  # the variants are faster by construction
         mw = sps.mannwhitneyu(_round(v_ttft), _round(c_ttft), method="asymptotic")
         assert vs["mann_whitney_ttft"]["statistic"] == pytest.approx(mw.statistic)
         assert vs["mann_whitney_ttft"]["p_value"] == pytest.approx(mw.pvalue, abs=1e-12)
-    holm = stats.holm_adjust(holm_in)
+    holm = holm_adjust(holm_in)
     for entry in split_report["variants"][1:]:
         assert entry["vs_control"]["attainment_p_holm"] == pytest.approx(holm[entry["key"]])
 
@@ -153,8 +157,8 @@ def test_srm_flags_weights_that_do_not_match_the_traffic_and_leads_the_banners(b
 def test_segments_and_phases_match_raw_sums(split_report, split_data):
     c = split_data.latest()
     hit = _hits(c)
-    pb = attr.bucket_index(c["prompt_tokens"], attr.PROMPT_TOKEN_EDGES)
-    labels = attr.bucket_labels(attr.PROMPT_TOKEN_EDGES)
+    pb = bucket_index(c["prompt_tokens"], PROMPT_TOKEN_EDGES)
+    labels = bucket_labels(PROMPT_TOKEN_EDGES)
     for v in ("fp16", "awq"):
         segs = split_report["segments"]["prompt_tokens"]["variants"][v]
         for i, lab in enumerate(labels):
@@ -244,7 +248,7 @@ def test_mirror_mode_pairs_requests_by_seq(backend, mirror_data):
     assert (ctrl["seq"] == var["seq"]).all()
     hc, hv = _hits(ctrl), _hits(var)
     paired = rep["variants"][1]["vs_control"]["paired"]
-    expected = stats.mcnemar_attainment(
+    expected = mcnemar_attainment(
         int((hc & hv).sum()), int((hc & ~hv).sum()), int((~hc & hv).sum()), int((~hc & ~hv).sum())
     )
     want = expected.as_dict()
@@ -253,7 +257,7 @@ def test_mirror_mode_pairs_requests_by_seq(backend, mirror_data):
     both = (ctrl["outcome"] == "ok") & (var["outcome"] == "ok")
     d = _round(var["ttft_ms"][both] - ctrl["ttft_ms"][both])
     assert paired["wilcoxon_ttft"]["n_pairs"] == int(both.sum())
-    assert paired["wilcoxon_ttft"]["p_value"] == pytest.approx(stats.wilcoxon_paired(d).p_value)
+    assert paired["wilcoxon_ttft"]["p_value"] == pytest.approx(wilcoxon_paired(d).p_value)
     assert paired["wilcoxon_ttft"]["median_difference"] < 0
 
 
@@ -268,7 +272,7 @@ def test_srm_counts_users_not_requests_so_heavy_users_do_not_fire_it(backend):
     variant. Request counts are far from the weights; distinct users are not."""
     import uuid
 
-    from samples.columns import row_from
+    from replay.rows import row_from
     from streaming.result import StreamResult
 
     run_id = 900_000 + uuid.uuid4().int % 1000

@@ -14,11 +14,16 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from analysis import queries as q
+from analysis import definitions as q
 from analysis import report as r
 from analysis import rollup
+from analysis.readers.merged import report_scope
+from analysis.readers.raw import RawReader
+from analysis.readers.rollup import RollupReader
 from samples import schema, synthetic
-from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore
+from samples.backends.chdb import ChdbBackend
+from samples.backends.clickhouse import ClickHouseServerBackend
+from samples.store import SampleStore
 from tests.analysis.fixtures_report import (  # noqa: F401 - fixtures
     SLO,
     drop_stores,
@@ -112,19 +117,19 @@ def test_rollup_report_equals_raw_report(store, spec_fn, filters, source):
 
 
 def test_the_scope_names_the_runs_read_from_rollups_and_from_samples(store):
-    scope = rollup.report_scope(store, q.Filters(split_spec().experiment), SLO)
+    scope = report_scope(store, q.Filters(split_spec().experiment), SLO)
     assert set(scope.builds) == {SPLIT_RUN} and scope.live == (LIVE_RUN,)
-    assert rollup.report_scope(store, q.Filters(split_spec().experiment, run_id=LIVE_RUN), SLO) is None
+    assert report_scope(store, q.Filters(split_spec().experiment, run_id=LIVE_RUN), SLO) is None
 
 
 def test_p99_chart_from_rollup_is_within_its_1ms_bucket_and_counts_match(store):
     spec = split_spec()
     f = q.Filters(spec.experiment, run_id=SPLIT_RUN)
-    builds = rollup.report_scope(store, f, SLO).builds
+    builds = report_scope(store, f, SLO).builds
     assert list(builds) == [SPLIT_RUN]
     for bucket_s in (30, 60, 300):
-        exact = q.p99_over_time(store, f, bucket_s)
-        fast = rollup.p99_over_time(store, f, builds, bucket_s)
+        exact = RawReader(store).p99_over_time(f, bucket_s)
+        fast = RollupReader(store, builds).p99_over_time(f, bucket_s)
         assert set(exact) == set(fast)
         for v in exact:
             assert [(t, n) for t, n, _ in exact[v]] == [(t, n) for t, n, _ in fast[v]]
@@ -136,10 +141,10 @@ def test_a_time_window_or_another_slo_reads_the_raw_samples(store):
     spec = split_spec()
     start = dt.datetime.fromtimestamp(spec.start_unix_ms / 1000, dt.UTC)
     window = q.Filters(spec.experiment, since=start, until=start + dt.timedelta(minutes=10))
-    assert rollup.report_scope(store, window, SLO) is None
+    assert report_scope(store, window, SLO) is None
     assert r.build_report(store, info(spec), window)["timing"]["source"] == "samples"
     other = q.Slo(250.0)
-    assert rollup.report_scope(store, q.Filters(spec.experiment), other) is None
+    assert report_scope(store, q.Filters(spec.experiment), other) is None
     rep = r.build_report(store, info(spec, slo=other), q.Filters(spec.experiment))
     assert rep["timing"]["source"] == "samples"
 
@@ -147,7 +152,7 @@ def test_a_time_window_or_another_slo_reads_the_raw_samples(store):
 def test_srm_over_several_runs_counts_users_on_the_raw_samples(store):
     # one build per run but two runs: per-run distinct users do not add up
     builds = {1: 1, 2: 2}
-    assert rollup.srm_users(store, q.Filters("x"), builds) is None
+    assert RollupReader(store, builds).srm_users(q.Filters("x")) is None
 
 
 @pytest.mark.parametrize("kind", ["chdb", "server"])
@@ -163,11 +168,11 @@ def test_a_row_added_after_the_build_sends_the_report_back_to_the_samples(kind, 
         first = rollup.build_run_rollup(store, spec.experiment, 5, SLO)
         assert first is not None
         f = q.Filters(spec.experiment)
-        assert rollup.report_scope(store, f, SLO) is not None
+        assert report_scope(store, f, SLO) is not None
         late = synthetic.generate(dataclasses.replace(spec, n=1, seed=99))
         late.columns["request_id"] = np.array([f"{x}-late" for x in late.columns["request_id"]], dtype=object)
         synthetic.insert(store, late)
-        assert rollup.report_scope(store, f, SLO) is None
+        assert report_scope(store, f, SLO) is None
         rep = r.build_report(store, info(spec), f)
         assert rep["timing"]["source"] == "samples"
         assert sum(v["n"] for v in rep["variants"]) == 2_001
@@ -199,7 +204,7 @@ def test_a_row_added_after_the_build_sends_the_report_back_to_the_samples(kind, 
 
 def test_a_build_racing_new_samples_publishes_nothing(store, monkeypatch):
     spec = split_spec()
-    before = rollup.report_scope(store, q.Filters(spec.experiment), SLO)
+    before = report_scope(store, q.Filters(spec.experiment), SLO)
     real = rollup._signature
     calls = iter(range(10))
 
@@ -213,7 +218,7 @@ def test_a_build_racing_new_samples_publishes_nothing(store, monkeypatch):
     with pytest.raises(rollup.RollupStale, match="samples changed during the rollup build"):
         rollup.build_run_rollup(store, spec.experiment, SPLIT_RUN, SLO)
     monkeypatch.setattr(rollup, "_signature", real)
-    assert rollup.report_scope(store, q.Filters(spec.experiment), SLO) == before
+    assert report_scope(store, q.Filters(spec.experiment), SLO) == before
 
 
 def test_bad_run_id_is_refused(store):
@@ -223,7 +228,7 @@ def test_bad_run_id_is_refused(store):
 
 def test_a_build_of_another_rollup_format_is_not_used(store, monkeypatch):
     f = q.Filters(split_spec().experiment)
-    assert rollup.report_scope(store, f, SLO) is not None
-    monkeypatch.setattr(rollup, "FORMAT_VERSION", rollup.FORMAT_VERSION + 1)
-    assert rollup.build_spec(SLO).startswith(f"v{rollup.FORMAT_VERSION}|")
-    assert rollup.report_scope(store, f, SLO) is None
+    assert report_scope(store, f, SLO) is not None
+    monkeypatch.setattr(q, "FORMAT_VERSION", q.FORMAT_VERSION + 1)
+    assert q.build_spec(SLO).startswith(f"v{q.FORMAT_VERSION}|")
+    assert report_scope(store, f, SLO) is None

@@ -10,9 +10,12 @@ import time
 import pytest
 from django.core.cache import caches
 
-from analysis import queries as q
+from analysis import definitions as q
 from analysis import report as r
 from analysis import rollup
+from analysis.readers.merged import report_scope
+from analysis.readers.raw import RawReader
+from analysis.sql import SAMPLES
 from dashboards import reports
 from samples import synthetic
 
@@ -76,9 +79,11 @@ def test_deleted_samples_are_a_miss(experiment, loaded):
     synthetic.insert(loaded, _data(SECOND, 500, 2))
     f = q.Filters("ttft-opt")
     assert sum(v["n"] for v in reports.report_for(experiment, f, loaded)["variants"]) == 3500
-    loaded.execute(f"ALTER TABLE {q.SAMPLES} DELETE WHERE run_id = {SECOND}")
+    loaded.execute(f"ALTER TABLE {SAMPLES} DELETE WHERE run_id = {SECOND}")
     deadline = time.monotonic() + 20  # ALTER ... DELETE is asynchronous on the server
-    while [v[0] for v in q.data_version(loaded, "ttft-opt")] != [FIRST] and time.monotonic() < deadline:
+    while [v[0] for v in RawReader(loaded).data_version("ttft-opt")] != [
+        FIRST
+    ] and time.monotonic() < deadline:
         time.sleep(0.1)
     after = reports.report_for(experiment, f, loaded)
     assert after["timing"]["cache"] == "miss"
@@ -104,14 +109,14 @@ def test_the_one_scan_picks_the_same_rollups_as_a_scan_of_its_own(experiment, lo
     slo = reports.slo_of(experiment)
     assert rollup.build_run_rollup(loaded, "ttft-opt", FIRST, slo) is not None
     synthetic.insert(loaded, _data(SECOND, 500, 2))  # no rollup: read raw beside the build
-    version = q.data_version(loaded, "ttft-opt")
+    version = RawReader(loaded).data_version("ttft-opt")
     assert [v[:2] for v in version] == [(FIRST, 3000), (SECOND, 500)]
     for f in (
         q.Filters("ttft-opt"),
         q.Filters("ttft-opt", run_id=FIRST),
         q.Filters("ttft-opt", run_id=SECOND),
     ):
-        assert rollup.report_scope(loaded, f, slo, version) == rollup.report_scope(loaded, f, slo)
+        assert report_scope(loaded, f, slo, version) == report_scope(loaded, f, slo)
     rep = reports.report_for(experiment, q.Filters("ttft-opt"), loaded)
     assert rep["timing"]["source"] == "rollup+samples"
     raw = r.build_report(loaded, reports.experiment_info(experiment), q.Filters("ttft-opt"), use_rollup=False)

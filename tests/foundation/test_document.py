@@ -97,3 +97,41 @@ def test_all_errors_reported_at_once(document):
 def test_non_documents_rejected(raw):
     with pytest.raises(DocumentError):
         validate_document(raw)
+
+
+def test_an_empty_optional_hypothesis_is_no_hypothesis(document):
+    document["hypothesis"] = None  # what YAML gives for `hypothesis:` with nothing after it
+    assert validate_document(document)["hypothesis"] == ""
+
+
+def test_a_missing_name_is_still_required(document):
+    document["name"] = None
+    assert errors_of(document)["name"] == ["is required"]
+
+
+@pytest.mark.parametrize("where", ["top", "variant"])
+def test_a_malformed_key_says_what_is_wrong_not_that_it_is_missing(document, where):
+    target = document if where == "top" else document["variants"][1]
+    path = "key" if where == "top" else "variants[1].key"
+    target["key"] = "Bad_Key"
+    message = errors_of(document)[path][0]
+    assert "required" not in message
+    assert message.startswith("must be lowercase letters") and "'Bad_Key'" in message
+    del target["key"]
+    assert errors_of(document)[path][0].startswith("is required")
+
+
+def test_engine_args_accept_vllms_dashed_flag_names(document):
+    document["variants"][1]["engine_args"] = {"max-model-len": 4096, "--enable-chunked-prefill": True}
+    doc = validate_document(document)
+    assert doc["variants"][1]["engine_args"] == {"max_model_len": 4096, "enable_chunked_prefill": True}
+
+
+def test_engine_args_given_in_both_spellings_are_rejected(document):
+    document["variants"][1]["engine_args"] = {"max-model-len": 4096, "max_model_len": 2048}
+    assert "given twice" in errors_of(document)["variants[1].engine_args.max_model_len"][0]
+
+
+def test_engine_arg_names_with_other_characters_are_still_rejected(document):
+    document["variants"][1]["engine_args"] = {"max.model.len": 1}
+    assert "dashed flag spelling" in errors_of(document)["variants[1].engine_args.max.model.len"][0]

@@ -34,7 +34,9 @@ def manage(*args: str, **env: str) -> subprocess.CompletedProcess:
 def test_bad_environment_value_stops_start_naming_the_variable(tmp_path, name, value, says):
     result = manage("check", **{name: value, "ABPLAT_VAR": str(tmp_path)})
     assert result.returncode != 0
-    assert "ImproperlyConfigured" in result.stderr and says in result.stderr
+    # One line that names the variable, not a traceback that buries it.
+    assert result.stderr.startswith("abplat: configuration error: ") and says in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
 def test_production_needs_a_secret_key(tmp_path):

@@ -7,6 +7,7 @@ import pytest
 from replay import plan
 from replay.arrivals import Arrival
 from replay.prompts import synth_prompt
+from replay.runner import ShardStats
 
 
 def test_recorded_arrivals_scale_by_speed():
@@ -82,3 +83,11 @@ def test_synthetic_words_are_prefix_stable_exact_and_long_prompts_work():
     assert synth_words(6, 100) != a
     huge = synth_words(1, _POOL_WORDS * 2 + 7)
     assert len(huge.split()) == _POOL_WORDS * 2 + 7
+
+
+def test_shard_lag_quantiles_are_exact_order_statistics():
+    stats = ShardStats(lags_ms=[5.0, 1.0, 4.0, 2.0, 3.0], sent=5, recorded=5)
+    assert (stats.lag_quantile(0.5), stats.lag_quantile(0.99)) == (3.0, 5.0)  # ranks ceil(2.5), ceil(4.95)
+    assert ShardStats().lag_quantile(0.99) == 0.0  # nothing sent yet
+    summary = stats.summary()
+    assert (summary["lag_p50_ms"], summary["lag_p99_ms"], summary["lag_max_ms"]) == (3.0, 5.0, 5.0)

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from samples.columns import row_from
-from samples.store import ChdbBackend, ClickHouseServerBackend, SampleStore
-from streaming.result import Outcome, StreamResult
+from samples.backends.chdb import ChdbBackend
+from samples.backends.clickhouse import ClickHouseServerBackend
+from samples.store import SampleStore
 from tests.plugin import SERVER_URL, FlakyProxy, server_url_for
 
 
@@ -73,13 +73,33 @@ def flaky_server(clickhouse_server: str) -> Iterator[tuple[FlakyProxy, str]]:
     proxy.down()
 
 
-def full_result(**over: Any) -> StreamResult:
-    """A StreamResult with every field set to a non-default value."""
-    fields: dict[str, Any] = dict(
-        outcome=Outcome.STALL,
+def sample_row(seq_: int, **over: Any) -> dict[str, Any]:
+    """One valid samples row of run 7, variant awq, every column set (most to non-default
+    values, unicode and escapes in `error`); `over` replaces columns. The request id follows
+    replay.plan.request_id for split mode unless given."""
+    row: dict[str, Any] = dict(
+        experiment="ttft-opt",
+        variant="awq",
+        run_id=7,
+        seq=seq_,
+        request_id="",
+        mode="split",
+        user_id=f"user-{seq_ % 5}",
+        config_revision=42,
+        sent_at=0,
+        sent_unix_ms=1_732_900_000_123.456 + seq_ * 10,
+        scheduled_offset_ms=seq_ * 10.0,
+        schedule_lag_ms=0.75,
+        in_flight=3,
+        prompt_tokens=512,
+        prompt_tokens_estimated=0,
+        max_tokens=64,
+        worker="host-a:1234",
+        attempt=1,
+        outcome="stall",
         http_status=200,
         error="stall after 12 tokens: «Überlauf» 日本語 'quoted' \\ back\nslash",
-        new_connection=True,
+        new_connection=1,
         connect_ms=1.25,
         ttfb_ms=3.5,
         first_byte_ms=3.75,
@@ -92,58 +112,27 @@ def full_result(**over: Any) -> StreamResult:
         tpot_ms=4.1,
         e2e_ms=120.0,
         output_tokens=25,
-        prompt_tokens=512,
-        usage_reported=True,
+        usage_reported=1,
         chunks=27,
         finish_reason="length",
-        request_id="",
         traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
         trace_id="0af7651916cd43dd8448eb211c80319c",
         server_ttft_ms=19.0,
         start_ns=2**62 + 17,
         server_first_content_ns=2**62 + 19_000_017,
-    )
-    fields.update(over)
-    return StreamResult(**fields)
-
-
-def context(seq_: int, **over: Any) -> dict[str, Any]:
-    ctx: dict[str, Any] = dict(
-        experiment="ttft-opt",
-        run_id=7,
-        seq=seq_,
-        variant="awq",
-        mode="split",
-        sent_unix_ms=1_732_900_000_123.456 + seq_ * 10,
-        user_id=f"user-{seq_ % 5}",
-        config_revision=42,
-        scheduled_offset_ms=seq_ * 10.0,
-        schedule_lag_ms=0.75,
-        in_flight=3,
-        prompt_tokens=500,
-        prompt_tokens_estimated=True,
-        max_tokens=64,
-        worker="host-a:1234",
-        attempt=1,
         recorded_ms=1_732_900_001_000 + seq_,
     )
-    ctx.update(over)
-    return ctx
+    row.update(over)
+    row["request_id"] = row["request_id"] or f"r{row['run_id']}-{row['seq']}"
+    row["sent_at"] = int(row["sent_unix_ms"] // 1000)
+    return row
 
 
 @pytest.fixture
 def make_rows():
-    """make_rows(n, start=0, **context overrides) -> n sample rows of run 7, variant awq."""
+    """make_rows(n, start=0, **column overrides) -> n sample rows of run 7, variant awq."""
 
     def make(n: int, start: int = 0, **over: Any) -> list[dict[str, Any]]:
-        return [row_from(full_result(), context(i, **over)) for i in range(start, start + n)]
+        return [sample_row(i, **over) for i in range(start, start + n)]
 
     return make
-
-
-@pytest.fixture
-def build():
-    """build.result(**fields) and build.context(seq, **keys): the pieces row_from takes."""
-    import types
-
-    return types.SimpleNamespace(result=full_result, context=context)

@@ -39,10 +39,15 @@ def test_insert_columns_takes_numpy_arrays_with_nan_as_null(store, make_rows):
 @pytest.mark.parametrize(
     ("column", "value", "message"),
     [
-        ("ttft_ms", float("inf"), "column ttft_ms (Nullable(Float64)) row 2: inf is not a finite number"),
-        ("sent_unix_ms", np.nan, "column sent_unix_ms (Float64) row 2: nan is not a finite number"),
-        ("in_flight", -1, "column in_flight (UInt32) row 2: -1 is out of range"),
-        ("variant", 3, "column variant (LowCardinality(String)) row 2: 3 is not a str"),
+        # one validator, one message shape: where, row, column (type), value, reason
+        (
+            "ttft_ms",
+            float("inf"),
+            "row 2: column ttft_ms (Nullable(Float64)) cannot hold inf: not a finite number",
+        ),
+        ("sent_unix_ms", np.nan, "row 2: column sent_unix_ms (Float64) cannot hold nan: not a finite number"),
+        ("in_flight", -1, "row 2: column in_flight (UInt32) cannot hold -1: out of range"),
+        ("variant", 3, "row 2: column variant (LowCardinality(String)) cannot hold 3: not a str"),
     ],
 )
 def test_insert_columns_names_the_bad_column_and_row(store, make_rows, column, value, message):

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from samples.store import ChdbBackend, StoreError
+from samples.backends.chdb import ChdbBackend
+from samples.store import StoreError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -17,7 +18,7 @@ def test_a_second_process_gets_a_lock_error_naming_the_directory_and_the_fix(chd
     ChdbBackend(chdb_dir, "abplat_test_lock").ping()  # this process owns the directory
     code = (
         "import sys\n"
-        "from samples.store import ChdbBackend, StoreLocked\n"
+        "from samples.backends.chdb import ChdbBackend\nfrom samples.store import StoreLocked\n"
         "try:\n"
         f"    ChdbBackend({chdb_dir!r}, 'abplat_test_lock')\n"
         "except StoreLocked as e:\n"

@@ -1,22 +1,18 @@
-"""Pure: how a StreamResult and its replay context become one samples row."""
+"""Pure: the samples table's columns, the one row validator, SQL quoting.
+
+How a StreamResult becomes a row is the replay's (tests/replay/test_rows.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
+import numpy as np
 import pytest
 
-from replay import plan
 from samples import columns, schema
-from samples.columns import SampleError, request_id, row_from, validate_row
+from samples.columns import SampleError, validate_columns, validate_row, validate_rows
 from samples.sql import ParamError, bind, quote
-from streaming.result import StreamResult
-
-
-def test_every_stream_result_field_has_a_same_named_column():
-    fields = {f.name for f in dataclasses.fields(StreamResult)}
-    assert fields <= set(columns.COLUMN_NAMES)
+from tests.samples.conftest import sample_row
 
 
 def test_frozen_migration_creates_exactly_the_declared_columns():
@@ -26,81 +22,8 @@ def test_frozen_migration_creates_exactly_the_declared_columns():
     assert [(n, t) for n, t in declared] == [(c.name, c.ch_type) for c in columns.COLUMNS]
 
 
-def test_request_id_is_deterministic_and_distinct_per_run_seq_and_variant():
-    assert request_id(7, 3) == request_id(7, 3) == "r7-3"  # split: the router picks the variant
-    assert request_id(7, 3, "awq") == "r7-3-awq"  # mirror: one per variant
-    ids = {request_id(r, s, v) for r in (1, 2) for s in (1, 10, 100) for v in ("a", "b", None)}
-    assert len(ids) == 18
-    with pytest.raises(SampleError, match="variant must be a non-empty string or None"):
-        request_id(7, 3, "")
-
-
-def test_the_replay_sends_the_ids_row_from_derives(build):
-    assert plan.request_id is request_id
-    assert row_from(build.result(), build.context(3, mode="mirror"))["request_id"] == "r7-3-awq"
-
-
-def test_row_from_maps_result_and_context(build):
-    row = row_from(build.result(), build.context(3))
-    assert row["request_id"] == "r7-3"
-    assert row["sent_at"] == 1_732_900_000  # whole seconds of sent_unix_ms
-    assert row["sent_unix_ms"] == 1_732_900_000_153.456
-    assert row["outcome"] == "stall"
-    assert row["new_connection"] == 1 and row["usage_reported"] == 1
-    # the usage event's prompt count wins over the replay's estimate
-    assert (row["prompt_tokens"], row["prompt_tokens_estimated"]) == (512, 0)
-    assert set(row) == set(columns.COLUMN_NAMES)
-
-
-def test_without_usage_the_replay_prompt_count_is_kept_and_flagged_estimated(build):
-    row = row_from(build.result(usage_reported=False, prompt_tokens=0), build.context(1))
-    assert (row["prompt_tokens"], row["prompt_tokens_estimated"]) == (500, 1)
-
-
-def test_absent_timings_stay_none(build):
-    row = row_from(StreamResult(), build.context(1))
-    assert row["ttft_ms"] is None and row["connect_ms"] is None and row["e2e_ms"] is None
-
-
-@pytest.mark.parametrize(
-    ("override", "message"),
-    [
-        ({"mode": "shadow"}, "mode must be one of"),
-        ({"colour": "red"}, "unknown context key(s) ['colour']"),
-        ({"seq": -1}, "column seq (UInt32) cannot hold -1"),
-        ({"attempt": 300}, "column attempt (UInt8) cannot hold 300"),
-        ({"schedule_lag_ms": math.nan}, "column schedule_lag_ms (Float64) cannot hold nan"),
-        ({"user_id": 12}, "column user_id (String) cannot hold 12"),
-        ({"experiment": ""}, "experiment must be a non-empty string"),
-    ],
-)
-def test_bad_context_is_rejected_naming_the_field(build, override, message):
-    with pytest.raises(SampleError) as err:
-        row_from(build.result(), build.context(1, **override))
-    assert message in str(err.value)
-
-
-def test_missing_context_is_named(build):
-    ctx = build.context(1)
-    del ctx["sent_unix_ms"]
-    with pytest.raises(SampleError, match=r"missing context key\(s\) \['sent_unix_ms'\]"):
-        row_from(build.result(), ctx)
-
-
-def test_non_finite_timing_from_the_client_is_rejected(build):
-    with pytest.raises(SampleError, match="column ttft_ms"):
-        row_from(build.result(ttft_ms=math.inf), build.context(1))
-
-
-def test_request_id_sent_must_match_the_replay_id(build):
-    with pytest.raises(SampleError, match="differs from context request_id"):
-        row_from(build.result(request_id="x"), build.context(1, request_id="y"))
-    row = row_from(build.result(request_id="r7-00000001-awq"), build.context(1))
-    assert row["request_id"] == "r7-00000001-awq"
-
-
-def test_validate_row_names_unknown_and_missing_columns(build):
-    row = row_from(build.result(), build.context(1))
+def test_validate_row_names_unknown_and_missing_columns():
+    row = sample_row(1)
     row["extra"] = 1
     del row["seq"]
     with pytest.raises(SampleError, match=r"unknown column\(s\) \['extra'\], missing column\(s\) \['seq'\]"):
@@ -120,3 +43,100 @@ def test_bind_names_a_missing_parameter():
     with pytest.raises(ParamError, match="'run'"):
         bind("SELECT %(run)s", {"other": 1})
     assert bind("SELECT '100%'", None) == "SELECT '100%'"
+
+
+def test_validate_rows_returns_the_batch_as_typed_columns():
+    rows = [sample_row(i) for i in range(3)]
+    rows[1].update(ttft_ms=None, server_first_content_ns=None, run_id=2**64 - 1, config_revision=-5)
+    cols = validate_rows(rows)
+    assert list(cols) == list(columns.COLUMN_NAMES)
+    assert cols["seq"].dtype == np.uint32 and cols["run_id"].dtype == np.uint64
+    assert cols["run_id"][1] == 2**64 - 1 and cols["config_revision"][1] == -5
+    assert cols["sent_at"].dtype == np.uint32 and cols["attempt"].dtype == np.uint8
+    assert np.isnan(cols["ttft_ms"][1]) and cols["ttft_ms"][0] == 21.5  # NaN is NULL in a nullable float
+    assert cols["server_first_content_ns"].tolist() == [2**62 + 19_000_017, None, 2**62 + 19_000_017]
+    assert cols["error"].dtype == object and cols["error"][0] == rows[0]["error"]
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "message"),
+    [
+        ("seq", "three", "rows row 2: column seq (UInt32) cannot hold 'three': not an integer"),
+        ("seq", True, "rows row 2: column seq (UInt32) cannot hold True: not an integer"),
+        ("seq", 3.0, "rows row 2: column seq (UInt32) cannot hold 3.0: not an integer"),
+        (
+            "seq",
+            2**32,
+            "rows row 2: column seq (UInt32) cannot hold 4294967296: out of range [0, 4294967295]",
+        ),
+        ("config_revision", -(2**63) - 1, "column config_revision (Int64) cannot hold"),
+        ("sent_unix_ms", "1.5", "rows row 2: column sent_unix_ms (Float64) cannot hold '1.5': not a number"),
+        ("sent_unix_ms", None, "rows row 2: column sent_unix_ms (Float64) cannot hold None: not a number"),
+        ("sent_unix_ms", 10**400, "cannot hold 1000000000000000000000000000000000"),
+        (
+            "ttft_ms",
+            math.nan,
+            "rows row 2: column ttft_ms (Nullable(Float64)) cannot hold nan: not a finite number",
+        ),
+        (
+            "ttft_ms",
+            -math.inf,
+            "rows row 2: column ttft_ms (Nullable(Float64)) cannot hold -inf: not a finite",
+        ),
+        (
+            "ttft_ms",
+            False,
+            "rows row 2: column ttft_ms (Nullable(Float64)) cannot hold False: not a number or None",
+        ),
+        ("mode", None, "rows row 2: column mode (LowCardinality(String)) cannot hold None: not a str"),
+        ("server_first_content_ns", 1.5, "column server_first_content_ns (Nullable(UInt64)) cannot hold 1.5"),
+        ("server_first_content_ns", -1, "column server_first_content_ns (Nullable(UInt64)) cannot hold -1"),
+    ],
+)
+def test_the_validator_names_row_column_type_value_and_reason(column, value, message):
+    rows = [sample_row(i) for i in range(4)]
+    rows[2][column] = value
+    with pytest.raises(SampleError) as err:
+        validate_rows(rows)
+    assert message in str(err.value)
+    assert err.value.row == 2
+    one = dict(rows[2])
+    with pytest.raises(SampleError, match=f"^row: column {column} "):  # one row: the same check
+        validate_row(one)
+
+
+def test_a_row_with_a_column_too_many_or_too_few_is_named():
+    rows = [sample_row(i) for i in range(3)]
+    rows[1]["colour"] = "red"
+    with pytest.raises(
+        SampleError, match=r"^rows row 1: unknown column\(s\) \['colour'\], missing column\(s\) \[\]$"
+    ):
+        validate_rows(rows)
+    del rows[1]["colour"], rows[1]["seq"]
+    with pytest.raises(
+        SampleError, match=r"rows row 1: unknown column\(s\) \[\], missing column\(s\) \['seq'\]"
+    ):
+        validate_rows(rows)
+    with pytest.raises(SampleError, match="rows row 0: expected a mapping, got tuple"):
+        validate_rows([tuple(sample_row(0).values())])
+    assert all(len(v) == 0 for v in validate_rows([]).values())
+
+
+def test_bulk_columns_take_numpy_arrays_and_nan_as_null():
+    cols = columns.to_columns([sample_row(i) for i in range(3)])
+    cols["ttft_ms"] = np.array([1.0, np.nan, 3.0])
+    cols["server_first_content_ns"] = np.array([np.nan, 7.0, np.nan])
+    cols["seq"] = np.arange(3, dtype=np.int64)
+    cols["experiment"] = np.array(["a", "b", "c"])  # a numpy str array
+    out = validate_columns(cols)
+    assert out["server_first_content_ns"].tolist() == [None, 7, None]
+    assert out["seq"].dtype == np.uint32 and out["experiment"].tolist() == ["a", "b", "c"]
+    with pytest.raises(
+        SampleError, match=r"^rows row 1: column ttft_ms .* cannot hold nan"
+    ):  # rows: NaN is a bug
+        validate_columns(cols, "rows", nan_is_null=False)
+    cols["seq"] = np.array([0.0, 1.0, 2.0])
+    with pytest.raises(
+        SampleError, match=r"insert_columns: column seq \(UInt32\) needs integers, got dtype float64"
+    ):
+        validate_columns(cols)

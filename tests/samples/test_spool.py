@@ -11,14 +11,20 @@ from samples.store import StoreUnavailable
 
 
 def _spy_inserts(store):
+    """Record the seqs of every batch the store is asked to insert, as rows (a spool flush) or as
+    columns the writer validated already (SpoolingWriter.write)."""
     calls: list[list[int]] = []
-    real = store.insert_samples
+    real_rows, real_cols = store.insert_samples, store.insert_columns
 
-    def spy(rows):
+    def spy_rows(rows):
         calls.append([r["seq"] for r in rows])
-        return real(rows)
+        return real_rows(rows)
 
-    store.insert_samples = spy
+    def spy_cols(cols):
+        calls.append([int(s) for s in cols["seq"]])
+        return real_cols(cols)
+
+    store.insert_samples, store.insert_columns = spy_rows, spy_cols
     return calls
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from samples import columns, schema
 from samples.store import SchemaMismatch, StoreError
+from tests.samples.conftest import sample_row
 
 
 def test_migrate_applies_once_and_is_idempotent(make_store):
@@ -45,26 +46,27 @@ def test_a_migration_unknown_to_this_code_is_refused(store):
         store.migrate()
 
 
-def test_every_column_round_trips_including_none_and_unicode(store, build):
-    full = columns.row_from(build.result(), build.context(1))
-    empty = columns.row_from(
-        build.result(
-            connect_ms=None,
-            ttfb_ms=None,
-            first_byte_ms=None,
-            ttft_event_ms=None,
-            ttft_ms=None,
-            itl_mean_ms=None,
-            itl_p50_ms=None,
-            itl_p99_ms=None,
-            itl_max_ms=None,
-            tpot_ms=None,
-            e2e_ms=None,
-            server_ttft_ms=None,
-            server_first_content_ns=None,
-            error="",
-        ),
-        build.context(2, run_id=2**64 - 1, config_revision=-5, user_id="用户-ü"),
+def test_every_column_round_trips_including_none_and_unicode(store):
+    full = sample_row(1)
+    empty = sample_row(
+        2,
+        connect_ms=None,
+        ttfb_ms=None,
+        first_byte_ms=None,
+        ttft_event_ms=None,
+        ttft_ms=None,
+        itl_mean_ms=None,
+        itl_p50_ms=None,
+        itl_p99_ms=None,
+        itl_max_ms=None,
+        tpot_ms=None,
+        e2e_ms=None,
+        server_ttft_ms=None,
+        server_first_content_ns=None,
+        error="",
+        run_id=2**64 - 1,
+        config_revision=-5,
+        user_id="用户-ü",
     )
     assert store.insert_samples([full, empty]) == 2
     names = ", ".join(columns.COLUMN_NAMES)
@@ -137,7 +139,8 @@ def test_ping_answers(store):
 def test_a_closed_port_is_unavailable_with_a_hint_to_start_the_server():
     import socket
 
-    from samples.store import ClickHouseServerBackend, StoreUnavailable
+    from samples.backends.clickhouse import ClickHouseServerBackend
+    from samples.store import StoreUnavailable
 
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -152,7 +155,7 @@ def test_a_closed_port_is_unavailable_with_a_hint_to_start_the_server():
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8123/abplat", "clickhouse:///abplat"])
 def test_a_malformed_url_names_the_expected_shape(url):
-    from samples.store import ClickHouseServerBackend
+    from samples.backends.clickhouse import ClickHouseServerBackend
 
     with pytest.raises(StoreError, match="must look like clickhouse://user:password@host:port/db"):
         ClickHouseServerBackend(url)

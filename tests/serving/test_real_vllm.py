@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from simulator.serve import free_port
+from serving.children import free_port
 from streaming.client import StreamCancelled, VariantClient
 from streaming.result import Outcome
 

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import pytest
-from django.core.management import CommandError, call_command
 
 from serving.vllm_args import render_engine_args, serve_argv
 
@@ -53,16 +52,3 @@ def test_serve_argv_for_vllm_serve_and_for_the_python_module():
     assert argv == ["py", "-m", "api", "--model", "m", "--host", "h", "--port", "2", "--dtype", "float32"]
     with pytest.raises(ValueError, match="port"):
         serve_argv(["vllm", "serve"], "m", {}, host="h", port=0)
-
-
-@pytest.mark.django_db
-def test_serve_variant_dry_run_prints_the_command(experiment, capsys):
-    call_command("serve_variant", experiment.key, "awq", "--port", "8123", "--dry-run")
-    out = capsys.readouterr().out
-    assert "--port 8123" in out and "--quantization awq" in out and "--served-model-name tiny-llama" in out
-
-
-@pytest.mark.django_db
-def test_serve_variant_names_a_missing_variant(experiment):
-    with pytest.raises(CommandError, match="no variant 'nope'"):
-        call_command("serve_variant", experiment.key, "nope", "--dry-run")

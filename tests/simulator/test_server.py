@@ -1,27 +1,19 @@
-"""The simulator as a server: routes, metrics, startup handles, CLI and management command."""
+"""The simulator as a server: routes, metrics, startup handles (its CLI and management command:
+tests/serving/test_commands.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
-import signal
-import subprocess
-import sys
-import time
 import urllib.request
 
 import httpx
 import pytest
-from django.core.management import CommandError, call_command
 
-from simulator.__main__ import pairs_from_args
 from simulator.profiles import get_profile
-from simulator.serve import free_port, start_in_thread, start_subprocess, wait_healthy
+from simulator.serve import start_in_thread, start_subprocess
 from streaming.client import VariantClient
 from streaming.result import Outcome
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -130,37 +122,6 @@ def test_subprocess_handle_is_ready_when_returned_and_stops():
         h.stop()
     with pytest.raises(OSError):
         urllib.request.urlopen(h.url + "/health", timeout=2)
-
-
-def test_cli_pairs_are_validated():
-    assert pairs_from_args(8000, None, ["fp16=8001"]) == [("default", 8000), ("fp16", 8001)]
-    with pytest.raises(ValueError, match="PROFILE=PORT"):
-        pairs_from_args(None, None, ["fp16:8001"])
-    with pytest.raises(ValueError, match="unknown simulator profile"):
-        pairs_from_args(None, None, ["gpt9=8001"])
-    with pytest.raises(ValueError, match="used twice"):
-        pairs_from_args(8001, "awq", ["fp16=8001"])
-    with pytest.raises(ValueError, match="needs --port"):
-        pairs_from_args(None, "awq", [])
-
-
-def test_management_command_rejects_bad_pairs():
-    with pytest.raises(CommandError, match="PROFILE=PORT"):
-        call_command("simulator", "--serve", "fp16")
-
-
-def test_management_command_serves_several_profiles_from_one_process():
-    p1, p2 = free_port(), free_port()
-    cmd = [sys.executable, "manage.py", "simulator", "--serve", f"fp16={p1}", "--serve", f"awq-fa2={p2}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        wait_healthy(f"http://127.0.0.1:{p1}", 20, proc)
-        wait_healthy(f"http://127.0.0.1:{p2}", 20, proc)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=10)
-    assert b"profile=fp16" in out and b"profile=awq-fa2" in out
-    time.sleep(0.1)
 
 
 def test_replicas_share_the_load_so_queueing_falls():

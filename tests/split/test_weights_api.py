@@ -289,3 +289,30 @@ def test_admin_form_needs_the_change_weights_permission(running, users, weights_
 
     with pytest.raises(PermissionDenied, match="experiments.change_weights"):
         weights_admin.weights_view(admin_request(users["product"]), str(running.pk))
+
+
+def test_assign_on_a_draft_or_concluded_experiment_names_its_status(experiment, users, client_for):
+    client = client_for("analyst")
+    response = client.get("/api/experiments/ttft-opt/assign", {"user_id": "u"})
+    assert response.status_code == 409
+    assert (
+        response.json()["detail"]
+        == "experiment 'ttft-opt' is a draft: its weights are published when it starts"
+    )
+    services.transition(experiment, "start", users["product"], reason="go")
+    services.transition(experiment, "conclude", users["product"], reason="done")
+    response = client.get("/api/experiments/ttft-opt/assign", {"user_id": "u"})
+    assert response.status_code == 409 and "is concluded" in response.json()["detail"]
+    assert client.get("/api/experiments/nope/assign", {"user_id": "u"}).status_code == 404
+
+
+def test_putting_the_weights_already_stored_says_nothing_changed(running, client_for):
+    _, revision = stored()
+    body = {
+        "weights": {"fp16": 34, "awq": 33, "awq-fa2": 33},
+        "reason": "same",
+        "expected_revision": revision,
+    }
+    response = client_for("sre").put("/api/experiments/ttft-opt/weights", body, format="json")
+    assert response.status_code == 200 and response.json()["changed"] is False
+    assert response.json()["revision"] == revision == stored()[1]

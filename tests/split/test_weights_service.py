@@ -273,3 +273,26 @@ def test_assign_unknown_experiment_fails_clearly(weights_backend, db):
 def test_experiment_row_exists_for_these_tests(running):
     # guards the fixtures: the running experiment is the one the commands act on
     assert Experiment.objects.get(key="ttft-opt").status == "running"
+
+
+def test_publishing_the_weights_already_stored_writes_no_revision_and_no_audit(running, users):
+    _, r1 = stored()
+    audits = AuditEntry.objects.filter(action="set_weights").count()
+    doc, r2 = publish_weights(running, {"fp16": 34, "awq": 33, "awq-fa2": 33}, users["sre"], "same again")
+    assert r2 == r1 and stored()[1] == r1 and dict(doc.weights) == {"fp16": 34, "awq": 33, "awq-fa2": 33}
+    assert AuditEntry.objects.filter(action="set_weights").count() == audits
+    assert preview_move(running, {"fp16": 34, "awq": 33, "awq-fa2": 33}).unchanged
+    assert not preview_move(running, RAMP).unchanged
+
+
+def test_set_weights_command_says_unchanged_and_writes_nothing(running):
+    _, r1 = stored()
+    out = io.StringIO()
+    call_command("set_weights", "ttft-opt", "fp16=34", "awq=33", "awq-fa2=33", "--reason", "noop", stdout=out)
+    assert f"unchanged: already at these weights (revision {r1}), nothing written" in out.getvalue()
+    assert stored()[1] == r1
+
+
+def test_assign_command_on_a_draft_names_its_status(experiment, weights_backend):
+    with pytest.raises(CommandError, match="is a draft: its weights are published when it starts"):
+        call_command("assign", "ttft-opt", stdin=io.StringIO("u1\n"), stdout=io.StringIO())

@@ -11,8 +11,8 @@ import pytest
 from simulator.latency import Faults
 from simulator.profiles import get_profile
 from simulator.serve import start_in_thread
-from streaming.client import StreamCancelled, Timeouts, VariantClient, trace_ids
-from streaming.result import Outcome
+from streaming.client import Timeouts, VariantClient, trace_ids
+from streaming.result import Outcome, StreamCancelled
 
 MODEL = "abplat-sim"
 TRANSPORT = "h1"

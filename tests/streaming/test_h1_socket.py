@@ -15,8 +15,8 @@ import pytest
 
 from simulator.serve import DEFAULT_MODEL, build_server
 from streaming import h1
-from streaming.client import StreamCancelled, Timeouts, VariantClient
-from streaming.result import Outcome
+from streaming.client import Timeouts, VariantClient
+from streaming.result import Outcome, StreamCancelled
 
 
 @pytest.fixture(scope="module")

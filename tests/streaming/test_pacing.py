@@ -10,9 +10,9 @@ import pytest
 
 from simulator.serve import DEFAULT_MODEL
 from streaming import pacing
-from streaming.client import StreamCancelled, VariantClient
+from streaming.client import VariantClient
 from streaming.pacing import OpenPacer, pacer_for
-from streaming.result import Outcome
+from streaming.result import Outcome, StreamCancelled
 
 
 async def _burst(pacer: OpenPacer, n: int, cancel: frozenset[int] = frozenset()) -> list[tuple[int, int]]:

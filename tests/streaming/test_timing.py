@@ -4,8 +4,9 @@ import json
 
 import pytest
 
+from stats.quantiles import nearest_rank
 from streaming.result import Outcome
-from streaming.timing import StreamProtocolError, StreamTimer, percentile
+from streaming.timing import StreamProtocolError, StreamTimer
 
 MS = 1_000_000
 
@@ -40,7 +41,7 @@ def test_three_ttft_definitions_and_itl_from_fake_times():
     assert r.chunks == 4  # the role event is not a token
     assert r.output_tokens == 4 and r.usage_reported and r.prompt_tokens == 5
     assert (r.itl_mean_ms, r.itl_max_ms) == (35 / 3, 20)
-    assert r.itl_p50_ms == 10
+    assert (r.itl_p50_ms, r.itl_p99_ms) == (10, 20)  # gaps 5, 10, 20: ranks ceil(1.5), ceil(2.97)
     assert r.tpot_ms == pytest.approx((65 - 40) / 3)
     assert r.e2e_ms == 67  # [DONE], not finish()'s time
     assert r.finish_reason == "length"
@@ -88,10 +89,16 @@ def test_malformed_events_raise_a_protocol_error_naming_the_problem(data, messag
         StreamTimer(0).event(MS, data)
 
 
-def test_percentile_interpolates_like_numpy_and_rejects_bad_input():
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert percentile([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)
-    with pytest.raises(ValueError, match="empty"):
-        percentile([], 50)
-    with pytest.raises(ValueError, match="outside"):
-        percentile([1.0], 101)
+def test_itl_quantiles_are_exact_order_statistics_and_bad_input_is_rejected():
+    # The project's one quantile convention (nearest rank): x_(ceil(q * n)), never interpolated.
+    t = StreamTimer(0)
+    for i, at_ms in enumerate((10, 14, 17, 19, 20)):  # gaps 4, 3, 2, 1 ms, out of order
+        t.event(at_ms * MS, chat("abcde"[i]))
+    r = t.finish(21 * MS, Outcome.OK)
+    assert (r.itl_p50_ms, r.itl_p99_ms, r.itl_max_ms) == (2.0, 4.0, 4.0)  # interpolating: 2.5, 3.97
+    assert nearest_rank([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0
+    assert nearest_rank([1.0, 2.0, 3.0, 4.0], 0.99) == 4.0
+    with pytest.raises(ValueError, match="no values"):
+        nearest_rank([], 0.5)
+    with pytest.raises(ValueError, match="strictly between 0 and 1"):
+        nearest_rank([1.0], 1.01)

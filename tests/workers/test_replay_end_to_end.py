@@ -8,13 +8,38 @@ from unittest.mock import ANY
 import pytest
 from django.core.management import CommandError, call_command
 
-from analysis import rollup
-from analysis.queries import Filters
+from analysis.definitions import Filters
+from analysis.readers.merged import Scope, report_scope
 from dashboards import reports as report
+from dashboards.management.commands import build_rollups
 from experiments import services
+from samples.signals import replay_finished
 from workers.models import ReplayRun
 
 TRACE = "data/traces/azure_llm_2023_code.csv"
+
+
+class StillReplaying:
+    """The sample store as a replay still writing leaves it: one more sample of the run lands
+    right after the first statement of whatever runs against it."""
+
+    def __init__(self, store, run_id: int):
+        self._store, self._run_id, self._landed = store, run_id, False
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def execute(self, sql, params=None):
+        self._store.execute(sql, params)
+        if not self._landed:
+            self._landed = True
+            names = self._store.query_columns("SELECT * FROM samples LIMIT 0")
+            copy = {"seq": "seq + 10000", "request_id": "concat(request_id, '-late')"}
+            exprs = ", ".join(copy.get(n, n) for n in names)
+            self._store.execute(
+                f"INSERT INTO samples SELECT {exprs} FROM samples WHERE run_id = %(r)s ORDER BY seq LIMIT 1",
+                {"r": self._run_id},
+            )
 
 
 def replay(*args) -> str:
@@ -43,7 +68,7 @@ def test_split_replay_records_exactly_one_sample_per_request(running, sample_sto
     # the finished run's report rollup was built, and the report reads it: same numbers as raw
     exp = report.experiment_info(running)
     f = Filters("ttft-opt")
-    assert rollup.report_scope(sample_store, f, exp.slo) == rollup.Scope({run.pk: ANY})
+    assert report_scope(sample_store, f, exp.slo) == Scope({run.pk: ANY})
     fast, raw = (
         report.build_report(sample_store, exp, f),
         report.build_report(sample_store, exp, f, use_rollup=False),
@@ -54,6 +79,27 @@ def test_split_replay_records_exactly_one_sample_per_request(running, sample_sto
     ]
     assert sum(v["n"] for v in fast["variants"]) == 120
     assert fast["variants"][0]["percentiles"] == raw["variants"][0]["percentiles"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_end_of_a_run_is_announced_and_a_failing_receiver_never_fails_it(running, sample_store, caplog):
+    heard = []
+
+    def listener(sender, **kwargs):
+        heard.append((kwargs["run_id"], kwargs["experiment"], kwargs["store"] is not None))
+        raise RuntimeError("this receiver broke")
+
+    replay_finished.connect(listener, dispatch_uid="test-listener")
+    try:
+        replay("--limit", "10", "--speed", "200")
+    finally:
+        replay_finished.disconnect(dispatch_uid="test-listener")
+    run = ReplayRun.objects.get()
+    assert run.status == "done" and heard == [(run.pk, "ttft-opt", True)]
+    assert "this receiver broke" in caplog.text
+    # the report's own receiver (dashboards.receivers) still built the rollup
+    exp = report.experiment_info(running)
+    assert report_scope(sample_store, Filters("ttft-opt"), exp.slo) == Scope({run.pk: ANY})
 
 
 @pytest.mark.django_db(transaction=True)
@@ -82,20 +128,27 @@ def test_replay_refuses_a_draft_experiment(document, sample_store):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_build_rollups_rebuilds_a_finished_run_and_skips_one_still_replaying(running, sample_store):
+def test_build_rollups_rebuilds_a_finished_run_and_skips_one_still_replaying(
+    running, sample_store, monkeypatch
+):
     replay("--limit", "30", "--speed", "200")
     run = ReplayRun.objects.get()
     slo = report.slo_of(running)
     sample_store.execute("TRUNCATE TABLE rollup_builds")  # as if built before rollups existed
-    assert rollup.report_scope(sample_store, Filters("ttft-opt"), slo) is None
+    assert report_scope(sample_store, Filters("ttft-opt"), slo) is None
     out = io.StringIO()
     call_command("build_rollups", "ttft-opt", stdout=out)
     assert f"run {run.pk}: 30 samples rolled up" in out.getvalue() and "1 run(s) built" in out.getvalue()
-    assert rollup.report_scope(sample_store, Filters("ttft-opt"), slo) == rollup.Scope({run.pk: ANY})
-    ReplayRun.objects.filter(pk=run.pk).update(status=ReplayRun.Status.RUNNING)
+    assert report_scope(sample_store, Filters("ttft-opt"), slo) == Scope({run.pk: ANY})
+    # A run still replaying: one of its samples lands while the command builds it. The command
+    # reads only the sample store (nothing outside workers asks the replay's database), sees the
+    # samples move, publishes nothing of the run and goes on.
+    monkeypatch.setattr(build_rollups, "sample_store", lambda: StillReplaying(sample_store, run.pk))
     out = io.StringIO()
     call_command("build_rollups", "ttft-opt", "--run", str(run.pk), stdout=out)
-    assert f"run {run.pk}: still replaying, skipped" in out.getvalue()
+    assert f"run {run.pk}: still replaying (its samples changed during the build), skipped" in out.getvalue()
+    assert "0 run(s) built" in out.getvalue() and sample_store.count(run.pk) == 31
+    assert report_scope(sample_store, Filters("ttft-opt"), slo) is None  # the report reads raw
     call_command("build_rollups", "ttft-opt", "--run", "999999", stdout=(out := io.StringIO()))
     assert "run 999999: no samples of 'ttft-opt', nothing to build" in out.getvalue()
     with pytest.raises(CommandError, match="no experiment with key 'nope'"):

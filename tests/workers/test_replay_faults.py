@@ -36,7 +36,7 @@ def flaky_store(settings, clickhouse_server, tmp_path):
     store.migrate()
     yield proxy, store
     proxy.down()
-    from samples.store import ClickHouseServerBackend
+    from samples.backends.clickhouse import ClickHouseServerBackend
 
     ClickHouseServerBackend(direct).execute(f"DROP DATABASE IF EXISTS {database}")
     factory._cache.clear()

@@ -14,7 +14,7 @@ import pytest
 import redis
 import yaml
 
-from samples.store import ClickHouseServerBackend
+from samples.backends.clickhouse import ClickHouseServerBackend
 from simulator.serve import start_in_thread
 from tests.plugin import server_url_for
 

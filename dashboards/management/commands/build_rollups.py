@@ -1,10 +1,14 @@
 """python manage.py build_rollups KEY [--run ID ...]
 
 (Re)build the report rollups (analysis.rollup) of an experiment's runs: every run with
-samples, or the runs named. A replay builds its run's rollup when it ends; this command is for
-runs recorded before rollups existed, a build that failed (the store was down), or runs whose
+samples, or the runs named. A run's rollup is built when the replay announces its end
+(samples.signals.replay_finished, received in dashboards.receivers); this command is for runs
+recorded before rollups existed, a build that failed (the store was down), or runs whose
 samples changed after their build (the report then reads the raw samples until rebuilt).
-Runs still replaying are skipped: their samples are not final.
+
+It reads the sample store only (the report side never asks the replay's database): a run
+whose samples change while it is being built (still replaying) is skipped with nothing of it
+published, and gets its rollup when it ends.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from analysis import rollup
 from dashboards.reports import slo_of
 from experiments.models import Experiment
 from samples.factory import sample_store
-from workers.models import ReplayRun
 
 
 class Command(BaseCommand):
@@ -36,23 +39,17 @@ class Command(BaseCommand):
             raise CommandError(f"no experiment with key {opts['key']!r}") from None
         store = sample_store()
         runs = opts["run"] or list(rollup.runs_of(store, experiment.key))
-        busy = set(
-            ReplayRun.objects.filter(experiment=experiment, pk__in=runs)
-            .exclude(status__in=ReplayRun.FINAL)
-            .values_list("pk", flat=True)
-        )
         built = 0
         for run_id in runs:
-            if run_id in busy:
-                self.stdout.write(
-                    f"run {run_id}: still replaying, skipped (its rollup is built when it ends)"
-                )
-                continue
             t = time.perf_counter()
             try:
                 b = rollup.build_run_rollup(store, experiment.key, run_id, slo_of(experiment))
-            except rollup.RollupStale as e:
-                raise CommandError(str(e)) from None
+            except rollup.RollupStale:
+                self.stdout.write(
+                    f"run {run_id}: still replaying (its samples changed during the build), skipped "
+                    "(its rollup is built when it ends)"
+                )
+                continue
             if b is None:
                 self.stdout.write(f"run {run_id}: no samples of {experiment.key!r}, nothing to build")
                 continue

@@ -24,10 +24,9 @@ from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 
-from analysis.queries import QueryError
+from analysis.definitions import QueryError
 from dashboards import tables
-from dashboards.filters import filters_from_params
-from dashboards.reports import report_for
+from dashboards.reports import report_for_params
 from experiments.models import Experiment
 
 
@@ -48,13 +47,11 @@ class Command(BaseCommand):
             experiment = Experiment.objects.get(key=opts["key"])
         except Experiment.DoesNotExist:
             raise CommandError(f"no experiment with key {opts['key']!r}") from None
-        known = [v.key for v in experiment.variants.all()]
         params = {k: opts[k] or "" for k in ("since", "until")} | {"run": opts["run"] or ""}
         try:
-            filters = filters_from_params(experiment.key, params, opts["variant"], known)
+            _filters, report = report_for_params(experiment, params, opts["variant"])
         except QueryError as e:
             raise CommandError(str(e)) from None
-        report = report_for(experiment, filters)
         if opts["csv"]:
             out = Path(opts["csv"])
             out.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from experiments.weights.errors import StoreUnavailable
 from experiments.weights.process import weights_store
+from experiments.weights.publish import why_not_assigned
 from experiments.weights.router import Router, UnknownExperiment
 
 CHUNK_LINES = 4096
@@ -42,7 +43,7 @@ class Command(BaseCommand):
         except StoreUnavailable as exc:
             raise CommandError(f"weights store unavailable: {exc}") from None
         except UnknownExperiment as exc:
-            raise CommandError(str(exc)) from None
+            raise CommandError(why_not_assigned(key) or str(exc)) from None
         suffix = f"\t{first.revision}\n" if with_revision else "\n"
         chunk: list[str] = []
         skipped = 0

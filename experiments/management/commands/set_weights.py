@@ -78,6 +78,11 @@ class Command(BaseCommand):
             if options.get("dry_run"):
                 self.stdout.write("dry run: nothing written")
                 return
+            if plan.unchanged:
+                self.stdout.write(
+                    f"unchanged: already at these weights (revision {plan.current_revision}), nothing written"
+                )
+                return
             # Write exactly what was previewed: compare-and-set against the revision we showed.
             _, revision = publish_weights(key, wanted, actor, reason, expected_revision=plan.current_revision)
         except UnknownExperimentError as exc:

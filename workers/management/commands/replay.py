@@ -10,6 +10,7 @@ from experiments.models import Experiment
 from replay.arrivals import Arrival
 from workers.models import ReplayRun
 from workers.runs import ReplayError, create_run, describe
+from workers.tasks import start_replay
 
 
 class Command(BaseCommand):
@@ -62,8 +63,6 @@ class Command(BaseCommand):
         if eager:
             # Eager Celery: run in a thread of this process (it owns the embedded sample store)
             # while this thread draws the progress bar.
-            from workers.tasks import start_replay
-
             failure: list[BaseException] = []
 
             def work():

@@ -15,8 +15,8 @@ from django.core.management.base import BaseCommand, CommandError
 
 from experiments.models import Variant
 from serving import vllm as vllm_server
+from serving.children import free_port
 from serving.vllm_args import serve_argv
-from simulator.serve import free_port
 
 
 class Command(BaseCommand):

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from analysis.attribution import ADDITIVE, SHAPLEY, Cell, attribute_factors, render_attribution
-from analysis.stats import quantile_estimate
+from analysis.factors import ADDITIVE, SHAPLEY, Cell, attribute_factors, render_attribution
+from stats.quantiles import quantile_estimate
 
 BASE = {"quantization": "fp16", "attention": "sdpa"}
 LABELS = {"awq": "AWQ", "fa2": "FlashAttention-2"}

@@ -1,0 +1,181 @@
+"""What the report measures, each defined once: filters, SLOs, metrics, phases, bucket edges.
+
+Definitions shared by every reader and the report:
+- a request meets the SLA when outcome = 'ok' and every SLO holds with a strict "<"
+  (TTFT under sla_ttft_ms, and TPOT / end-to-end when the experiment sets them); a metric the
+  request never produced is a miss;
+- latency percentiles are over successful requests (outcome = 'ok') that produced the metric:
+  failures are counted once, as errors and misses, not as latencies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import math
+from typing import Any
+
+from samples.columns import MODES
+
+__all__ = [
+    "INFLIGHT_EDGES",
+    "MAX_TIME_BUCKETS",
+    "METRICS",
+    "METRIC_LABELS",
+    "MODES",
+    "MW_SCALE",
+    "PHASES",
+    "PHASE_COLUMNS",
+    "PHASE_LABELS",
+    "PHASE_ROWS",
+    "PROMPT_TOKEN_EDGES",
+    "TIME_BUCKETS_S",
+    "Filters",
+    "QueryError",
+    "Slo",
+]
+
+
+class QueryError(ValueError):
+    """A bad filter or SLO; the message names the value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Filters:
+    experiment: str
+    run_id: int | None = None
+    since: dt.datetime | None = None  # inclusive, on sent_at (UTC)
+    until: dt.datetime | None = None  # exclusive
+    variants: tuple[str, ...] = ()  # empty: all
+    # Only these runs (the report's raw part beside per-run rollups; not an analyst filter,
+    # so not in as_dict). Empty: no restriction.
+    runs: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.experiment:
+            raise QueryError("Filters.experiment must be a non-empty key")
+        for run in self.runs:
+            if isinstance(run, bool) or not isinstance(run, int) or run < 0:
+                raise QueryError(f"Filters.runs must hold non-negative integers, got {run!r}")
+        if self.run_id is not None and (
+            isinstance(self.run_id, bool) or not isinstance(self.run_id, int) or self.run_id < 0
+        ):
+            raise QueryError(f"Filters.run_id must be a non-negative integer, got {self.run_id!r}")
+        for name in ("since", "until"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, dt.datetime) or value.tzinfo is None):
+                raise QueryError(f"Filters.{name} must be a timezone-aware datetime, got {value!r}")
+        if self.since and self.until and self.since >= self.until:
+            raise QueryError(f"Filters: since ({self.since}) must be before until ({self.until})")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "experiment": self.experiment,
+            "run_id": self.run_id,
+            "since": self.since.isoformat() if self.since else None,
+            "until": self.until.isoformat() if self.until else None,
+            "variants": list(self.variants),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Slo:
+    ttft_ms: float
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            value = getattr(self, name)
+            if value is None and name != "ttft_ms":
+                continue
+            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise QueryError(f"Slo.{name} must be a positive number of ms, got {value!r}")
+
+    def limits(self) -> dict[str, float]:
+        return {
+            k: float(v)
+            for k, v in (("ttft_ms", self.ttft_ms), ("tpot_ms", self.tpot_ms), ("e2e_ms", self.e2e_ms))
+            if v is not None
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+# metric key in the report -> samples column
+METRICS: dict[str, str] = {
+    "ttft_ms": "ttft_ms",
+    "ttfb_ms": "ttfb_ms",
+    "itl_ms": "itl_mean_ms",  # per-request mean inter-token latency
+    "tpot_ms": "tpot_ms",
+    "e2e_ms": "e2e_ms",
+}
+METRIC_LABELS = {
+    "ttft_ms": "TTFT",
+    "ttfb_ms": "TTFB",
+    "itl_ms": "ITL (per-request mean)",
+    "tpot_ms": "TPOT",
+    "e2e_ms": "End-to-end",
+}
+# TTFT (and mirror differences) rounded to 0.1 ms for the rank tests' counts, half up, as
+# floor(x * 10 + 0.5) / 10: the same IEEE arithmetic everywhere, unlike round(), whose ties
+# differ between 18.16, chDB and numpy.
+MW_SCALE = 10
+
+# ---------------------------------------------------------------------------------------------
+# Phases of the TTFT of missed requests
+
+PHASES: tuple[str, ...] = (
+    "schedule_lag",
+    "connect",
+    "headers",
+    "headers_to_first_event",
+    "first_event_to_first_content",
+)
+PHASE_LABELS: dict[str, str] = {
+    "schedule_lag": "schedule lag",
+    "connect": "connect",
+    "headers": "time to headers",
+    "headers_to_first_event": "headers to first event",
+    "first_event_to_first_content": "first event to first content",
+}
+# The timestamps the phases are differences of (SQL over the samples table); the readers sum
+# them and analysis.phases.phases_from_sums differences the sums.
+PHASE_COLUMNS = {
+    "schedule_lag": "schedule_lag_ms",
+    "connect": "ifNull(connect_ms, 0)",
+    "ttfb": "assumeNotNull(ttfb_ms)",
+    "ttft_event": "assumeNotNull(ttft_event_ms)",
+    "ttft": "assumeNotNull(ttft_ms)",
+}
+# Misses with a complete TTFT timeline (a failed request without TTFT has no phases to split).
+PHASE_ROWS = "isNotNull(ttft_ms) AND isNotNull(ttfb_ms) AND isNotNull(ttft_event_ms)"
+
+# ---------------------------------------------------------------------------------------------
+# Segments
+
+# Interior cut points; bucket i holds edges[i-1] <= x < edges[i] (open at both ends).
+PROMPT_TOKEN_EDGES: tuple[float, ...] = (128, 512, 2048, 8192)
+INFLIGHT_EDGES: tuple[float, ...] = (2, 4, 8, 16, 32, 64)
+# Time buckets of the segments and the p99 chart: the smallest giving <= MAX_TIME_BUCKETS.
+TIME_BUCKETS_S = (10, 30, 60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 86400)
+MAX_TIME_BUCKETS = 120
+
+
+# ---------------------------------------------------------------------------------------------
+# The rollup tables' format (built by analysis.rollup, read by analysis.readers)
+
+GRAIN_S = 10  # every report time bucket (definitions.TIME_BUCKETS_S) is a multiple of this
+SERIES_KEY = "toInt64(floor(assumeNotNull(ttft_ms)))"  # 1 ms buckets for the p99 chart
+GRAIN_SQL = f"toUInt32(intDiv(toUInt32(sent_at), {GRAIN_S}) * {GRAIN_S})"  # the 10 s cell of a sample
+
+# Bump when what a build computes changes (a histogram key, a bucket edge, a column): builds of
+# another version are then not used, and the report reads the raw samples until rebuilt.
+FORMAT_VERSION = 2  # 2: distinct users on a 64-bit hash (sql.DISTINCT_USERS)
+
+
+def build_spec(slo: Slo) -> str:
+    """What a build depends on: the rollup format and the SLO (hits and miss phases)."""
+    limits = ";".join(f"{name}<{limit!r}" for name, limit in sorted(slo.limits().items()))
+    return f"v{FORMAT_VERSION}|{limits}"

@@ -1,0 +1,315 @@
+"""RawReader: every query of the SLA report over the samples table. Aggregation happens in
+ClickHouse; only aggregates return.
+
+No FINAL (it cost ~7 s per pass at 10M rows on 18.16). Reads rely on the dedup contract: a
+completed run holds one row per (experiment, variant, run_id, seq, request_id). Exactly-once is
+enforced at write time (a redelivered shard skips stored request ids; the spool flush filters
+stored keys), and the replay's finish step checks count() == uniqExact(variant, request_id) and
+calls SampleStore.deduplicate(run_id) (OPTIMIZE ... PARTITION p FINAL) when they differ. A run
+still in progress may transiently show a duplicate after an insert retry, until its finish step.
+
+Order statistics are exact: ClickHouse's quantileExact(level) returns the element at 0-based
+index floor(level * n) of the sorted values, so asking for level (r - 0.5) / n returns exactly
+the r-th smallest value (1-based rank r, the ranks stats.quantiles asks for). TTFT ranks
+are selected in two steps instead: the histogram of TTFT at 0.1 ms (the Mann-Whitney counts,
+needed anyway) says which 0.1 ms bucket holds each rank and its place there; a second pass sorts
+only the values of those few buckets (sql.values_at_ranks). The CDF chart comes from the same
+histogram: each point is (largest TTFT of a bucket, exact share of requests <= it), so it needs
+no ranks at all (400 quantileExact levels cost more than every other query together on 18.16).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from analysis.definitions import (
+    INFLIGHT_EDGES,
+    METRICS,
+    MODES,
+    PHASE_COLUMNS,
+    PHASE_ROWS,
+    PROMPT_TOKEN_EDGES,
+    Filters,
+    QueryError,
+    Slo,
+)
+from analysis.phases import phases_from_sums
+from analysis.readers.base import DataVersion, Summary, run_queries, summary_rows, with_phases
+from analysis.sql import (
+    DISTINCT_USERS,
+    HIST_KEYS,
+    SAMPLES,
+    Hist,
+    bucket_sql,
+    conditions,
+    from_where,
+    hit_expr,
+    metric_ok,
+    rank_level,
+    rounded_sql,
+    values_at_ranks,
+)
+
+# Metrics whose order statistics the raw reader locates through a histogram (the others ask
+# quantilesExact: a histogram per metric would cost a pass each).
+HIST_METRICS = ("ttft_ms",)
+
+
+class RawReader:
+    """The SampleReader over the samples table (analysis.readers.base)."""
+
+    source = "samples"
+    p99_note = ""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.parallel_queries = int(getattr(store, "parallel_queries", 1))
+
+    # 1. Summary per variant: counts, hits, window, metric counts, modes; phase sums of misses
+
+    def summary(self, f: Filters, slo: Slo) -> Summary:
+        """counts() and phase_sums() together (two passes, run concurrently)."""
+        got = run_queries(
+            self.parallel_queries,
+            {"counts": lambda: self.counts(f, slo), "phases": lambda: self.phase_sums(f, slo)},
+        )
+        return with_phases(got["counts"], got["phases"])
+
+    def counts(self, f: Filters, slo: Slo) -> Summary:
+        """Per variant: n, errors, hits, first/last send (unix ms), metric_n, mode counts."""
+        fw, params = from_where(f)
+        hit, hp = hit_expr(slo)
+        metric_counts = ", ".join(f"countIf({metric_ok(col)}) AS n_{key}" for key, col in METRICS.items())
+        # countIf per mode, not GROUP BY mode: a second LowCardinality key doubled the time on 18.16
+        mode_counts = ", ".join(f"countIf(mode = '{m}') AS mode_{m}" for m in MODES)
+        sql = f"""
+            SELECT variant, count() AS n, countIf(outcome != 'ok') AS errors, countIf({hit}) AS hits,
+                   min(sent_unix_ms) AS first_ms, max(sent_unix_ms) AS last_ms,
+                   {metric_counts}, {mode_counts}
+            {fw}
+            GROUP BY variant
+            ORDER BY variant
+        """
+        return summary_rows(self.store.query_columns(sql, {**params, **hp}))
+
+    def phase_sums(self, f: Filters, slo: Slo) -> dict[str, dict[str, Any]]:
+        """{variant: {"phase_n", "phase_sums": {phase: total ms}}} over misses.
+
+        Sums of the five timestamps, differenced in Python (a sum of differences is the
+        difference of sums), with the miss filter in WHERE: a fifth of the aggregates of sumIf
+        per phase.
+        """
+        hit, hp = hit_expr(slo)
+        fw, params = from_where(f, [f"NOT {hit}", PHASE_ROWS])
+        sums = ", ".join(f"sum({expr}) AS s_{name}" for name, expr in PHASE_COLUMNS.items())
+        cols = self.store.query_columns(
+            f"SELECT variant, count() AS n, {sums} {fw} GROUP BY variant", {**params, **hp}
+        )
+        out: dict[str, dict[str, Any]] = {}
+        for i, variant in enumerate(cols.get("variant", [])):
+            t = {name: float(cols[f"s_{name}"][i]) for name in PHASE_COLUMNS}
+            out[variant] = {"phase_n": int(cols["n"][i]), "phase_sums": phases_from_sums(t)}
+        return out
+
+    # 2. Histograms and exact order statistics
+
+    def histograms(
+        self, f: Filters, metrics: Sequence[str] = HIST_METRICS
+    ) -> dict[str, dict[str, tuple[list[int], list[int], list[float]]]]:
+        """{metric: histogram}; by default TTFT's only (HIST_METRICS)."""
+        jobs = {m: (lambda m=m: self.histogram(f, m)) for m in metrics}
+        return run_queries(self.parallel_queries, jobs)
+
+    def histogram(self, f: Filters, metric: str) -> dict[str, tuple[list[int], list[int], list[float]]]:
+        """{variant: (sorted keys, counts, largest value in each key)} of a metric over
+        successful requests, keyed by sql.HIST_KEYS[metric]."""
+        column = METRICS[metric]
+        fw, params = from_where(f, [metric_ok(column)])
+        sql = (
+            f"SELECT variant, {HIST_KEYS[metric]} AS k, count() AS c, max(assumeNotNull({column})) AS top "
+            f"{fw} GROUP BY variant, k ORDER BY variant, k"
+        )
+        out: dict[str, tuple[list[int], list[int], list[float]]] = {}
+        for variant, key, count, top in self.store.query(sql, params):
+            keys, counts, tops = out.setdefault(variant, ([], [], []))
+            keys.append(int(key))
+            counts.append(int(count))
+            tops.append(float(top))
+        return out
+
+    def order_statistics(
+        self,
+        f: Filters,
+        metric: str,
+        ranks: Mapping[str, Sequence[int]],
+        counts: Mapping[str, int],
+        hist: Hist | None,
+    ) -> dict[str, dict[int, float]]:
+        """Through the histogram when given (values_at_ranks), else quantilesExact at each rank."""
+        if hist is not None:
+            return self.order_statistics_from_histogram(f, metric, hist, ranks)
+        plan = {(v, metric): (counts[v], r) for v, r in ranks.items()}
+        return {v: by_rank for (v, _m), by_rank in self.order_statistics_exact(f, plan).items()}
+
+    def order_statistics_exact(
+        self, f: Filters, plan: Mapping[tuple[str, str], tuple[int, Sequence[int]]]
+    ) -> dict[tuple[str, str], dict[int, float]]:
+        """{(variant, metric): {rank: value}} for plan {(variant, metric): (n, ranks)}.
+
+        n must be the count of successful requests with that metric (summary()["metric_n"]).
+        """
+        fw, params = from_where(f)
+        selects: list[str] = []
+        keys: list[tuple[tuple[str, str], list[int]]] = []
+        for i, ((variant, metric), (n, ranks)) in enumerate(sorted(plan.items())):
+            ranks = sorted(set(int(r) for r in ranks))
+            if not ranks or n < 1:
+                continue
+            column = METRICS[metric]
+            levels = ", ".join(repr(rank_level(r, n)) for r in ranks)
+            params[f"v{i}"] = variant
+            selects.append(
+                f"quantilesExactIf({levels})(assumeNotNull({column}), "
+                f"variant = %(v{i})s AND {metric_ok(column)}) AS q{len(keys)}"
+            )
+            keys.append(((variant, metric), ranks))
+        if not selects:
+            return {}
+        row = self.store.query(f"SELECT {', '.join(selects)} {fw}", params)[0]
+        out: dict[tuple[str, str], dict[int, float]] = {}
+        for (key, ranks), values in zip(keys, row, strict=True):
+            out[key] = {r: float(v) for r, v in zip(ranks, values, strict=True)}
+        return out
+
+    def order_statistics_from_histogram(
+        self, f: Filters, metric: str, hist: Hist, ranks: Mapping[str, Sequence[int]]
+    ) -> dict[str, dict[int, float]]:
+        """{variant: {rank: exact value}} located through the metric's histogram (keys
+        sql.HIST_KEYS[metric], counts of successful requests with the metric), the values read
+        from the samples."""
+        column = METRICS[metric]
+
+        def source(all_keys: tuple[int, ...]) -> tuple[str, dict[str, Any]]:
+            fw, params = from_where(f, [metric_ok(column), f"{HIST_KEYS[metric]} IN %(tk_all)s"])
+            return fw, {**params, "tk_all": all_keys}
+
+        return values_at_ranks(self.store, source, f"assumeNotNull({column})", HIST_KEYS[metric], hist, ranks)
+
+    # 3. Segments: (variant, config revision, prompt bucket, in-flight bucket, time bucket) cells
+
+    def segment_cells(self, f: Filters, slo: Slo, bucket_s: int) -> list[dict[str, Any]]:
+        """One row per non-empty cell; the report sums them along each dimension.
+
+        Also carries the SRM counts (per config revision) and the first send time of each
+        revision, so one pass serves segments, SRM and the weight-change markers.
+        """
+        if not isinstance(bucket_s, int) or bucket_s < 1:
+            raise QueryError(f"bucket_s must be a positive integer, got {bucket_s!r}")
+        fw, params = from_where(f)
+        hit, hp = hit_expr(slo)
+        sql = f"""
+            SELECT variant, config_revision AS rev,
+                   {bucket_sql("prompt_tokens", PROMPT_TOKEN_EDGES)} AS pb,
+                   {bucket_sql("in_flight", INFLIGHT_EDGES)} AS ib,
+                   intDiv(toUInt32(sent_at), {bucket_s}) * {bucket_s} AS tb,
+                   count() AS n, countIf({hit}) AS hits, min(sent_unix_ms) AS first_ms
+            {fw}
+            GROUP BY variant, rev, pb, ib, tb
+        """
+        names = ("variant", "rev", "pb", "ib", "tb", "n", "hits", "first_ms")
+        return [dict(zip(names, r, strict=True)) for r in self.store.query(sql, {**params, **hp})]
+
+    def srm_users(self, f: Filters) -> list[dict[str, Any]]:
+        """Distinct users per (config revision, variant) in split mode: the unit the router
+        assigns, so the unit sample ratio mismatch is tested on. Requests are not independent
+        draws (a heavy user sends many, all to one variant), so request counts would flag SRM on
+        healthy traffic."""
+        fw, params = from_where(f, ["mode = 'split'"])
+        sql = f"SELECT config_revision AS rev, variant, {DISTINCT_USERS} AS users {fw} GROUP BY rev, variant"
+        return [{"rev": int(r), "variant": v, "n": int(n)} for r, v, n in self.store.query(sql, params)]
+
+    # 4. p99 TTFT per time bucket (chart)
+
+    def p99_over_time(self, f: Filters, bucket_s: int) -> dict[str, list[tuple[int, int, float]]]:
+        """{variant: [(bucket start unix s, n, p99)]}.
+
+        Chart only: quantileExact(0.99) takes rank floor(0.99 n) + 1, one rank above
+        ceil(0.99 n) when 0.99 n is an integer; the report's own p99 uses the exact ranks.
+        """
+        fw, params = from_where(f, [metric_ok("ttft_ms")])
+        sql = f"""
+            SELECT variant, intDiv(toUInt32(sent_at), {int(bucket_s)}) * {int(bucket_s)} AS tb,
+                   count() AS n, quantileExact(0.99)(assumeNotNull(ttft_ms)) AS p99
+            {fw}
+            GROUP BY variant, tb
+            ORDER BY variant, tb
+        """
+        out: dict[str, list[tuple[int, int, float]]] = {}
+        for variant, tb, n, p99 in self.store.query(sql, params):
+            out.setdefault(variant, []).append((int(tb), int(n), float(p99)))
+        return out
+
+    # 5. Mirror mode: pair control and variant by (run_id, seq)
+
+    def mirror_pairs(self, f: Filters, slo: Slo, control: str, variant: str) -> dict[str, Any]:
+        """Paired counts for McNemar and counts of rounded TTFT differences for Wilcoxon."""
+        fw, params = from_where(f, ["mode = 'mirror'"])
+        hit, hp = hit_expr(slo)
+        side = (
+            "SELECT run_id, seq, {hit} AS {p}_hit, ({ok}) AS {p}_ok, ttft_ms AS {p}_ttft "
+            "{fw} AND variant = %({p}_variant)s"
+        )
+        sql = f"""
+            SELECT c_hit, v_hit, c_ok AND v_ok AS paired,
+                   if(paired, {rounded_sql("assumeNotNull(v_ttft) - assumeNotNull(c_ttft)")}, 0) AS d,
+                   count() AS pairs
+            FROM ({side.format(hit=hit, ok=metric_ok("ttft_ms"), p="c", fw=fw)}) AS c
+            ALL INNER JOIN
+                 ({side.format(hit=hit, ok=metric_ok("ttft_ms"), p="v", fw=fw)}) AS v
+            USING (run_id, seq)
+            GROUP BY c_hit, v_hit, paired, d
+        """
+        rows = self.store.query(sql, {**params, **hp, "c_variant": control, "v_variant": variant})
+        cells = {"both_hit": 0, "control_only": 0, "variant_only": 0, "both_miss": 0}
+        diffs: dict[float, int] = {}
+        for c_hit, v_hit, paired, d, pairs in rows:
+            name = (
+                "both_hit" if c_hit and v_hit else
+                "control_only" if c_hit else "variant_only" if v_hit else "both_miss"
+            )  # fmt: skip
+            cells[name] += int(pairs)
+            if paired:
+                diffs[float(d)] = diffs.get(float(d), 0) + int(pairs)
+        return {"cells": cells, "diff_values": list(diffs), "diff_counts": list(diffs.values())}
+
+    # 6. Data version (the report cache's key)
+
+    def data_version(self, experiment: str) -> DataVersion:
+        """(run_id, rows, sum and max of recorded_ms) per run of an experiment, in run order.
+
+        It changes with every insert, delete and dedup merge (a newer recording replacing an
+        older one changes the sum), at the cost of one column scan instead of the report's
+        passes. It keys the report cache, and the same per-run (rows, sum) tells which rollups
+        are current (merged.report_scope), so a cold page scans the column once."""
+        pre, _conds, params = conditions_of(experiment)
+        rows = self.store.query(
+            f"SELECT run_id, count(), sum(recorded_ms), max(recorded_ms) FROM {SAMPLES} "
+            f"PREWHERE {pre} GROUP BY run_id ORDER BY run_id",
+            params,
+        )
+        return tuple((int(r), int(n), int(total), int(newest)) for r, n, total, newest in rows)
+
+    def signature(self, experiment: str, run_id: int | None = None) -> dict[int, tuple[int, int]]:
+        """{run_id: (rows, sum(recorded_ms))} of the samples of an experiment (or of one run)."""
+        pre, _conds, params = conditions_of(experiment, run_id)
+        rows = self.store.query(
+            f"SELECT run_id, count(), sum(recorded_ms) FROM {SAMPLES} PREWHERE {pre} GROUP BY run_id", params
+        )
+        return {int(r): (int(n), int(s)) for r, n, s in rows}
+
+
+def conditions_of(experiment: str, run_id: int | None = None) -> tuple[str, list[str], dict[str, Any]]:
+    """The PREWHERE of one experiment (or one run of it), from the one WHERE builder."""
+    pre, conds, params = conditions(Filters(experiment, run_id=run_id))
+    return " AND ".join(pre), conds, params

@@ -1,0 +1,182 @@
+"""RollupReader: the report's aggregate queries over the per-run rollup tables (built by
+analysis.rollup). A few thousand rollup rows instead of a pass over the samples; the exact order
+statistics read only the values of the histogram buckets that hold the ranks, from the table of
+every value sorted by (build, variant, metric, bucket), through its primary index.
+
+Where values must be ranked together (order statistics, the p99 chart), the rows of runs
+without a build (``live``: Filters naming those runs) are read from the samples in the same
+query (UNION ALL). A rollup cannot answer distinct users over several runs nor mirror pairs:
+merged.MergedReader, the SampleReader built on this one, reads those from the samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from analysis.definitions import (
+    GRAIN_S,
+    GRAIN_SQL,
+    METRICS,
+    MODES,
+    PHASE_COLUMNS,
+    SERIES_KEY,
+    Filters,
+    QueryError,
+)
+from analysis.readers.base import Summary, summary_rows
+from analysis.sql import HIST_KEYS, Hist, from_where, metric_ok, values_at_ranks, where
+from samples import schema
+
+
+def _check_bucket(bucket_s: int) -> None:
+    if not isinstance(bucket_s, int) or bucket_s < GRAIN_S or bucket_s % GRAIN_S:
+        raise QueryError(f"bucket_s must be a positive multiple of {GRAIN_S}, got {bucket_s!r}")
+
+
+class RollupReader:
+    """Reads the given builds ({run_id: build_id}, from merged.report_scope)."""
+
+    def __init__(self, store: Any, builds: Mapping[int, int]) -> None:
+        self.store = store
+        self.builds = dict(builds)
+
+    def summary(self, f: Filters) -> Summary:
+        """RawReader.summary from the rollup cells: the same keys per variant."""
+        cond, params = where(f, builds=self.builds)
+        metric_n = ", ".join(f"sum(n_{k}) AS n_{k}" for k in METRICS)
+        modes = ", ".join(f"sumIf(n, mode = '{m}') AS mode_{m}" for m in MODES)
+        phases = ", ".join(f"sum(s_{name}) AS s_{name}" for name in PHASE_COLUMNS)
+        cols = self.store.query_columns(
+            f"""
+            SELECT variant, sum(n) AS total, sum(errors) AS errors, sum(hits) AS hits,
+                   min(first_ms) AS first_ms, max(last_ms) AS last_ms, {metric_n}, {modes},
+                   sum(phase_n) AS phase_n, {phases}
+            FROM {schema.ROLLUP_CELLS_TABLE} WHERE {cond}
+            GROUP BY variant ORDER BY variant
+            """,
+            params,
+        )
+        return summary_rows(cols, n_column="total")
+
+    def histograms(self, f: Filters) -> dict[str, dict[str, tuple[list[int], list[int], list[float]]]]:
+        """{metric: {variant: (sorted keys, counts, largest value per key)}} for every metric."""
+        cond, params = where(f, builds=self.builds)
+        cols = self.store.query_columns(
+            f"""
+            SELECT metric, variant, k, sum(n) AS c, max(top) AS t
+            FROM {schema.ROLLUP_HIST_TABLE} WHERE {cond}
+            GROUP BY metric, variant, k ORDER BY metric, variant, k
+            """,
+            params,
+        )
+        out: dict[str, dict[str, tuple[list[int], list[int], list[float]]]] = {m: {} for m in METRICS}
+        for metric, variant, key, count, top in zip(
+            cols.get("metric", []), cols.get("variant", []), cols.get("k", []), cols.get("c", []),
+            cols.get("t", []), strict=True,
+        ):  # fmt: skip
+            keys, counts, tops = out[metric].setdefault(variant, ([], [], []))
+            keys.append(int(key))
+            counts.append(int(count))
+            tops.append(float(top))
+        return out
+
+    def order_statistics(
+        self,
+        f: Filters,
+        metric: str,
+        hist: Hist,
+        ranks: Mapping[str, Sequence[int]],
+        live: Filters | None = None,
+    ) -> dict[str, dict[int, float]]:
+        """RawReader.order_statistics_from_histogram, the values read from the sorted value
+        table: the primary index narrows the read to the granules of the buckets that hold the
+        ranks. live: the runs without a build, whose values come from the samples; hist must
+        then count both."""
+        cond, params = where(f, ["metric = %(metric)s"], builds=self.builds, experiment=False)
+        params["metric"] = metric
+
+        def source(keys: tuple[int, ...]) -> tuple[str, dict[str, Any]]:
+            sql = (
+                f"SELECT CAST(variant AS String) AS variant, v, k FROM {schema.ROLLUP_VALUES_TABLE} "
+                f"WHERE {cond} AND k IN %(keys)s"
+            )
+            bound = {**params, "keys": keys}
+            if live is not None:
+                column, key = METRICS[metric], HIST_KEYS[metric]
+                fw, raw_params = from_where(live, [metric_ok(column), f"{key} IN %(keys)s"])
+                sql += (
+                    f" UNION ALL SELECT CAST(variant AS String) AS variant, assumeNotNull({column}) AS v, "
+                    f"{key} AS k {fw}"
+                )
+                bound.update(raw_params)
+            return f"FROM ({sql})", bound
+
+        return values_at_ranks(self.store, source, "v", "k", hist, ranks)
+
+    def segment_cells(self, f: Filters, bucket_s: int) -> list[dict[str, Any]]:
+        """RawReader.segment_cells from the rollup (bucket_s a multiple of the 10 s grain)."""
+        _check_bucket(bucket_s)
+        cond, params = where(f, builds=self.builds)
+        sql = f"""
+            SELECT variant, rev, pb, ib, intDiv(tb, {bucket_s}) * {bucket_s} AS tb2,
+                   sum(n) AS n, sum(hits) AS hits, min(first_ms) AS first_ms
+            FROM {schema.ROLLUP_CELLS_TABLE} WHERE {cond}
+            GROUP BY variant, rev, pb, ib, tb2
+        """
+        names = ("variant", "rev", "pb", "ib", "tb", "n", "hits", "first_ms")
+        return [dict(zip(names, r, strict=True)) for r in self.store.query(sql, params)]
+
+    def srm_users(self, f: Filters) -> list[dict[str, Any]] | None:
+        """RawReader.srm_users from the rollup; None when the scope holds several runs (a user
+        can appear in more than one, so per-run distinct counts do not add up)."""
+        if len(self.builds) != 1:
+            return None
+        cond, params = where(f, builds=self.builds)
+        rows = self.store.query(
+            f"SELECT rev, variant, sum(users) FROM {schema.ROLLUP_USERS_TABLE} WHERE {cond} GROUP BY rev, variant",
+            params,
+        )
+        return [{"rev": int(r), "variant": v, "n": int(n)} for r, v, n in rows]
+
+    def p99_over_time(
+        self, f: Filters, bucket_s: int, live: Filters | None = None
+    ) -> dict[str, list[tuple[int, int, float]]]:
+        """RawReader.p99_over_time from the 1 ms TTFT histogram per 10 s: the same rank
+        (floor(0.99 n) + 1); the value is the largest TTFT of the 1 ms bucket holding it, so it
+        is a sample value within 1 ms of quantileExact's. Chart only, as the raw one.
+
+        The rank is found in SQL (running counts per time bucket, ARRAY JOIN, the first bucket
+        reaching the rank): one row per time bucket travels, not one per 1 ms bucket."""
+        _check_bucket(bucket_s)
+        cond, params = where(f, builds=self.builds)
+        rows = f"SELECT variant, tb, k, n, top FROM {schema.ROLLUP_SERIES_TABLE} WHERE {cond}"
+        if live is not None:  # runs without a build: their samples, one row each
+            fw, raw_params = from_where(live, [metric_ok("ttft_ms")])
+            rows += (
+                f" UNION ALL SELECT CAST(variant AS String) AS variant, {GRAIN_SQL} AS tb, {SERIES_KEY} AS k, "
+                f"toUInt64(1) AS n, assumeNotNull(ttft_ms) AS top {fw}"
+            )
+            params = {**params, **raw_params}
+        sql = f"""
+            SELECT variant, tb2, total, argMin(t, c) AS p99
+            FROM (
+                SELECT variant, tb2, sum(c) AS total, toUInt64(floor(0.99 * total)) + 1 AS rnk,
+                       arrayCumSum(arraySort((x, y) -> y, groupArray(c), groupArray(k))) AS cum,
+                       arraySort((x, y) -> y, groupArray(t), groupArray(k)) AS tops
+                FROM (
+                    SELECT variant, intDiv(tb, {bucket_s}) * {bucket_s} AS tb2, k, sum(n) AS c, max(top) AS t
+                    FROM ({rows})
+                    GROUP BY variant, tb2, k
+                )
+                GROUP BY variant, tb2
+            )
+            ARRAY JOIN cum AS c, tops AS t
+            WHERE c >= rnk
+            GROUP BY variant, tb2, total
+            ORDER BY variant, tb2
+        """
+        out: dict[str, list[tuple[int, int, float]]] = {}
+        for variant, tb, n, p99 in self.store.query(sql, params):
+            out.setdefault(variant, []).append((int(tb), int(n), float(p99)))
+        return out

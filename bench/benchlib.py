@@ -1,0 +1,29 @@
+"""What every bench shares: a failed check ends the bench with one line and exit status 1.
+
+A bench checks its preconditions (servers healthy, stores reachable) before it measures and its
+results (outcomes ok, rows stored, counts exact) after, and raises BenchFailed naming what
+failed and where: a table of failures is never printed as figures.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class BenchFailed(Exception):
+    """A precondition or a result check failed: the figures would not mean what they say."""
+
+
+def run_checked(run: Callable[..., Any], *args: Any) -> int:
+    """Run a bench; exit status 0, or 1 with `bench FAILED: ...` on stderr."""
+    try:
+        return int(run(*args) or 0)
+    except BenchFailed as exc:
+        print(f"bench FAILED: {exc}", file=sys.stderr, flush=True)
+    except Exception as exc:  # noqa: BLE001 - a crash is a failed bench too; keep its traceback
+        traceback.print_exc()
+        print(f"bench FAILED: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    return 1

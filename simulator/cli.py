@@ -1,0 +1,70 @@
+"""The simulator's command line, defined once: ``python -m simulator`` and
+``python manage.py simulator`` (serving/management/commands/simulator.py) both use it.
+
+    --port P [--profile NAME] [--serve NAME=PORT ...] [--model NAME] [--replicas N]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from simulator.profiles import DEFAULT, PROFILES
+from simulator.serve import DEFAULT_MODEL, parse_serve_pair, run_forever
+
+DESCRIPTION = (
+    "Serve the vLLM-compatible simulator on 127.0.0.1: one profile on --port, and/or "
+    "several profiles with repeated --serve NAME=PORT, all from this one process."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--profile", help=f"one of {', '.join(sorted(PROFILES))} (default {DEFAULT})")
+    parser.add_argument("--serve", action="append", default=[], metavar="NAME=PORT")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="engines behind each endpoint (least loaded first)"
+    )
+
+
+def pairs_from_args(port: int | None, profile: str | None, serve: list[str]) -> list[tuple[str, int]]:
+    pairs = [parse_serve_pair(s) for s in serve]
+    if port is not None:
+        pairs.insert(0, parse_serve_pair(f"{profile or DEFAULT}={port}"))
+    elif profile:
+        raise ValueError("--profile needs --port (or use --serve NAME=PORT)")
+    if not pairs:
+        raise ValueError("give --port P [--profile NAME] and/or --serve NAME=PORT")
+    ports = [p for _, p in pairs]
+    if len(set(ports)) != len(ports):
+        raise ValueError(f"a port is used twice: {ports}")
+    return pairs
+
+
+def validated(options: dict) -> list[tuple[str, int]]:
+    """The (profile, port) pairs to serve from parsed options; ValueError names what is wrong."""
+    pairs = pairs_from_args(options["port"], options["profile"], options["serve"])
+    if options["replicas"] < 1:
+        raise ValueError(f"--replicas must be at least 1, got {options['replicas']}")
+    return pairs
+
+
+def serve(options: dict) -> None:
+    """Serve until interrupted (Ctrl-C returns quietly); ValueError for bad options."""
+    pairs = validated(options)
+    try:
+        run_forever(pairs, options["model"], options["replicas"])
+    except KeyboardInterrupt:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m simulator", description=DESCRIPTION)
+    add_arguments(ap)
+    options = vars(ap.parse_args(argv))
+    try:
+        validated(options)
+    except ValueError as exc:
+        ap.error(str(exc))
+    serve(options)
+    return 0

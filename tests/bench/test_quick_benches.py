@@ -1,0 +1,186 @@
+"""Every bench/bench_*.py in its --quick mode, so a benchmark cannot rot unnoticed.
+
+Each bench checks its own preconditions and results and exits 1 with `bench FAILED: ...` on
+stderr when one fails; here each must exit 0 and print its tables. No timing is asserted. The
+quick benches run concurrently (each in its own ClickHouse database): they wait on schedules,
+servers and etcd restarts far more than they compute, so together they take about as long as the
+slowest. Needs the ClickHouse server and etcd (make services).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+import urllib.parse
+import uuid
+
+import pytest
+
+from tests.plugin import SERVER_URL, server_url_for
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BENCHES = sorted(p.name for p in (ROOT / "bench").glob("bench_*.py") if p.name != "bench_report_urls.py")
+ETCD = os.environ.get("ABPLAT_TEST_ETCD_ENDPOINTS", "127.0.0.1:12379")
+TIMEOUT_S = 180  # a hang guard, not a timing check
+
+pytestmark = pytest.mark.services
+
+
+def bench_env(database: str, var: pathlib.Path) -> dict[str, str]:
+    """The test services for a bench: its own fresh ClickHouse database, the test etcd, and its
+    own ABPLAT_VAR (never this test session's)."""
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "ABPLAT_VAR": str(var),
+        "ABPLAT_BENCH_CLICKHOUSE_URL": server_url_for(database),
+        "ABPLAT_TEST_ETCD_ENDPOINTS": ETCD,
+    }
+
+
+def bench_args(name: str, database: str) -> list[str]:
+    """The ClickHouse URL on each bench's own command line, where it takes one there."""
+    url = server_url_for(database)
+    return {"bench_replay.py": ["--clickhouse-url", url], "bench_insert.py": ["--url", url]}.get(name, [])
+
+
+def has_table(text: str) -> bool:
+    """A header and a row: two consecutive lines split into the same number (>= 3) of cells,
+    markdown (| a | b |) or aligned columns (two or more spaces between cells)."""
+
+    def cells(line: str) -> int:
+        line = line.strip()
+        parts = line.strip("|").split("|") if line.startswith("|") else re.split(r"\s{2,}", line)
+        return len([c for c in parts if c.strip()])
+
+    counts = [cells(line) for line in text.splitlines()]
+    return any(a == b >= 3 for a, b in zip(counts, counts[1:]))
+
+
+def drop_database(database: str) -> None:
+    from clickhouse_driver import Client
+
+    url = urllib.parse.urlsplit(SERVER_URL)
+    client = Client(
+        url.hostname, port=url.port or 9000, user=url.username or "default", password=url.password or ""
+    )
+    try:
+        client.execute(f"DROP DATABASE IF EXISTS {database}")
+    finally:
+        client.disconnect()
+
+
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory):
+    """{bench file: (returncode, stdout, stderr, seconds)}, all benches run concurrently."""
+    runs = {}
+    for name in BENCHES:
+        database = f"abplat_bench_quick_{name[6:-3]}_{uuid.uuid4().hex[:8]}"
+        env = bench_env(database, tmp_path_factory.mktemp(f"var-{name[:-3]}"))
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "bench" / name), "--quick", *bench_args(name, database)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        runs[name] = (proc, database, time.monotonic())
+    results = {}
+    try:
+        for name, (proc, _, t0) in runs.items():
+            try:
+                out, err = proc.communicate(timeout=max(1.0, t0 + TIMEOUT_S - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+                err += f"\n(killed after {TIMEOUT_S}s)"
+            results[name] = (proc.returncode, out, err, time.monotonic() - t0)
+    finally:
+        for proc, database, _ in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            drop_database(database)
+    return results
+
+
+def test_every_bench_has_a_quick_mode():
+    assert {"bench_replay.py", "bench_split.py", "bench_streaming.py"} <= set(BENCHES)
+    for name in BENCHES:
+        assert "--quick" in (ROOT / "bench" / name).read_text(), f"{name} has no --quick"
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_quick_bench_passes_its_own_checks_and_prints_its_tables(quick_runs, name):
+    code, out, err, seconds = quick_runs[name]
+    assert code == 0, f"{name} --quick exited {code} after {seconds:.0f}s:\n{out[-4000:]}\n{err[-4000:]}"
+    assert "bench FAILED" not in err
+    assert has_table(out), f"{name} printed no table:\n{out}"
+
+
+def test_quick_bench_replay_prints_every_table_with_exact_sample_counts(quick_runs):
+    code, out, err, _ = quick_runs["bench_replay.py"]
+    assert code == 0, f"bench failed ({code}):\n{out}\n{err}"
+    assert "2 cores" in out or "cores" in out.splitlines()[0]
+    assert "| run | workers | target/s |" in out
+    for label in ("| floor | 1 | 50 | 50 |", "| no network | 1 | 50 | 50 |", "| real | 1 | 50 | 50 |",
+                  "| real | 2 | 50 | 50 |", "| real, prompts prebuilt | 1 | 50 | 50 |"):  # fmt: skip
+        assert label in out, f"missing part 1 row {label!r}:\n{out}"
+    assert "highest sustained rate" in out
+    # Part 2: the trace's first 60 requests, one sample each (split) and three each (mirror),
+    # counted in the store with uniqExact and FINAL and matching the raw row count.
+    assert "| split | fast | 60 | 100x |" in out and "| 60 | 60 | 60 | 60 | yes |" in out, out
+    assert "| mirror | fast | 60 | 100x |" in out and "| 180 | 180 | 180 | 180 | yes |" in out, out
+
+
+# A broken precondition: each bench exits 1 at once, naming what failed, and prints no table.
+DEAD = [
+    ("bench_replay.py", ["--quick", "--clickhouse-url", "clickhouse://default:@127.0.0.1:1/abplat_dead"],
+     "ClickHouse server at clickhouse://127.0.0.1:1/abplat_dead is not usable"),
+    ("bench_split.py", ["--quick", "--etcd", "127.0.0.1:1"], "etcd at 127.0.0.1:1 not reachable"),
+    ("bench_streaming.py", ["--skip-sim", "--vllm-url", "http://127.0.0.1:1"],
+     "vLLM (--vllm-url) at http://127.0.0.1:1 not healthy"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, args, message", DEAD, ids=[d[0] for d in DEAD])
+def test_a_bench_whose_target_is_down_exits_1_naming_it(name, args, message, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / name), *args], cwd=ROOT, capture_output=True, text=True,
+        timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT), "ABPLAT_VAR": str(tmp_path)},
+    )  # fmt: skip
+    assert proc.returncode == 1, f"{name} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    assert f"bench FAILED: {message}" in proc.stderr, proc.stderr
+    assert "\n|" not in proc.stdout  # no table of failures
+
+
+def _bench_replay():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_replay_under_test", ROOT / "bench" / "bench_replay.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_replay_fails_on_a_simulator_that_is_down_or_requests_that_failed():
+    # The original failure: every request of a "real" row was connect_error (its simulators had
+    # died) and the bench printed the table as a result.
+    bench = _bench_replay()
+    with pytest.raises(
+        bench.BenchFailed, match=r"before the run: simulator not healthy: b \(http://127.0.0.1:1"
+    ):
+        bench.require_healthy({"b": "http://127.0.0.1:1"}, "before the run")
+    run = {"requests": 400, "expected": 400, "outcomes": {"connect_error": 400}, "count": 0, "final": 0,
+           "recorded": 400, "run_id": 7}  # fmt: skip
+    with pytest.raises(bench.BenchFailed, match="part 1, real.*outcomes connect_error=400, expected ok=400"):
+        bench.check_run(run, "part 1, real, 1 worker(s) at 100 req/s", stored=True)
+    run["outcomes"] = {"ok": 400}
+    with pytest.raises(bench.BenchFailed, match="count=0 FINAL=0 recorded=400, expected 400"):
+        bench.check_run(run, "part 1", stored=True)
+    run.update(count=400, final=400)
+    bench.check_run(run, "part 1", stored=True)

@@ -1,0 +1,171 @@
+"""Pure: how a StreamResult and its replay context become one samples row (replay.rows)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import pytest
+
+from replay import plan, rows
+from replay.plan import request_id
+from replay.rows import row_from
+from samples import columns
+from samples.columns import SampleError
+from streaming.result import Outcome, StreamResult
+
+
+def full_result(**over: Any) -> StreamResult:
+    """A StreamResult with every field set to a non-default value."""
+    fields: dict[str, Any] = dict(
+        outcome=Outcome.STALL,
+        http_status=200,
+        error="stall after 12 tokens: «Überlauf» 日本語 'quoted' \\ back\nslash",
+        new_connection=True,
+        connect_ms=1.25,
+        ttfb_ms=3.5,
+        first_byte_ms=3.75,
+        ttft_event_ms=20.125,
+        ttft_ms=21.5,
+        itl_mean_ms=4.0,
+        itl_p50_ms=3.9,
+        itl_p99_ms=12.0,
+        itl_max_ms=15.5,
+        tpot_ms=4.1,
+        e2e_ms=120.0,
+        output_tokens=25,
+        prompt_tokens=512,
+        usage_reported=True,
+        chunks=27,
+        finish_reason="length",
+        request_id="",
+        traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        trace_id="0af7651916cd43dd8448eb211c80319c",
+        server_ttft_ms=19.0,
+        start_ns=2**62 + 17,
+        server_first_content_ns=2**62 + 19_000_017,
+    )
+    fields.update(over)
+    return StreamResult(**fields)
+
+
+def context(seq_: int, **over: Any) -> dict[str, Any]:
+    ctx: dict[str, Any] = dict(
+        experiment="ttft-opt",
+        run_id=7,
+        seq=seq_,
+        variant="awq",
+        mode="split",
+        sent_unix_ms=1_732_900_000_123.456 + seq_ * 10,
+        user_id=f"user-{seq_ % 5}",
+        config_revision=42,
+        scheduled_offset_ms=seq_ * 10.0,
+        schedule_lag_ms=0.75,
+        in_flight=3,
+        prompt_tokens=500,
+        prompt_tokens_estimated=True,
+        max_tokens=64,
+        worker="host-a:1234",
+        attempt=1,
+        recorded_ms=1_732_900_001_000 + seq_,
+    )
+    ctx.update(over)
+    return ctx
+
+
+@pytest.fixture
+def build():
+    """build.result(**fields) and build.context(seq, **keys): the pieces row_from takes."""
+    import types
+
+    return types.SimpleNamespace(result=full_result, context=context)
+
+
+def test_every_stream_result_field_has_a_same_named_column():
+    fields = {f.name for f in dataclasses.fields(StreamResult)}
+    assert fields <= set(columns.COLUMN_NAMES)
+
+
+def test_request_id_is_deterministic_and_distinct_per_run_seq_and_variant():
+    assert request_id(7, 3) == request_id(7, 3) == "r7-3"  # split: the router picks the variant
+    assert request_id(7, 3, "awq") == "r7-3-awq"  # mirror: one per variant
+    ids = {request_id(r, s, v) for r in (1, 2) for s in (1, 10, 100) for v in ("a", "b", None)}
+    assert len(ids) == 18
+    with pytest.raises(ValueError, match="variant must be a non-empty string or None"):
+        request_id(7, 3, "")
+
+
+def test_the_replay_sends_the_ids_row_from_derives(build):
+    assert rows.request_id is plan.request_id is request_id
+    assert row_from(build.result(), build.context(3, mode="mirror"))["request_id"] == "r7-3-awq"
+
+
+def test_row_from_maps_result_and_context(build):
+    row = row_from(build.result(), build.context(3))
+    assert row["request_id"] == "r7-3"
+    assert row["sent_at"] == 1_732_900_000  # whole seconds of sent_unix_ms
+    assert row["sent_unix_ms"] == 1_732_900_000_153.456
+    assert row["outcome"] == "stall"
+    assert row["new_connection"] == 1 and row["usage_reported"] == 1
+    # the usage event's prompt count wins over the replay's estimate
+    assert (row["prompt_tokens"], row["prompt_tokens_estimated"]) == (512, 0)
+    assert set(row) == set(columns.COLUMN_NAMES)
+
+
+def test_without_usage_the_replay_prompt_count_is_kept_and_flagged_estimated(build):
+    row = row_from(build.result(usage_reported=False, prompt_tokens=0), build.context(1))
+    assert (row["prompt_tokens"], row["prompt_tokens_estimated"]) == (500, 1)
+
+
+def test_absent_timings_stay_none(build):
+    row = row_from(StreamResult(), build.context(1))
+    assert row["ttft_ms"] is None and row["connect_ms"] is None and row["e2e_ms"] is None
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"mode": "shadow"}, "mode must be one of"),
+        ({"colour": "red"}, "unknown context key(s) ['colour']"),
+        ({"seq": -1}, "column seq (UInt32) cannot hold -1"),
+        ({"attempt": 300}, "column attempt (UInt8) cannot hold 300"),
+        ({"schedule_lag_ms": math.nan}, "column schedule_lag_ms (Float64) cannot hold nan"),
+        ({"user_id": 12}, "column user_id (String) cannot hold 12"),
+        ({"experiment": ""}, "experiment must be a non-empty string"),
+    ],
+)
+def test_bad_context_is_rejected_naming_the_field(build, override, message):
+    with pytest.raises(SampleError) as err:
+        row_from(build.result(), build.context(1, **override))
+    assert message in str(err.value)
+
+
+def test_missing_context_is_named(build):
+    ctx = build.context(1)
+    del ctx["sent_unix_ms"]
+    with pytest.raises(SampleError, match=r"missing context key\(s\) \['sent_unix_ms'\]"):
+        row_from(build.result(), ctx)
+
+
+def test_non_finite_timing_from_the_client_is_rejected(build):
+    with pytest.raises(SampleError, match="column ttft_ms"):
+        row_from(build.result(ttft_ms=math.inf), build.context(1))
+
+
+def test_request_id_sent_must_match_the_replay_id(build):
+    with pytest.raises(SampleError, match="differs from context request_id"):
+        row_from(build.result(request_id="x"), build.context(1, request_id="y"))
+    row = row_from(build.result(request_id="r7-00000001-awq"), build.context(1))
+    assert row["request_id"] == "r7-00000001-awq"
+
+
+def test_a_row_from_row_from_is_what_the_sample_tests_store(build):
+    """tests/samples builds its rows without the replay (samples knows nothing of it): they must
+    stay the rows row_from makes from this module's result and context."""
+    from tests.samples.conftest import sample_row
+
+    assert row_from(build.result(), build.context(3)) == sample_row(3)
+    assert row_from(build.result(), build.context(4, run_id=8, variant="fp16", attempt=2)) == sample_row(
+        4, run_id=8, variant="fp16", attempt=2
+    )
