@@ -46,7 +46,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.benchlib import BenchFailed, run_checked  # noqa: E402
-
 from replay.arrivals import Arrival  # noqa: E402
 from replay.plan import MIRROR, SPLIT, Shard, expected_samples  # noqa: E402
 from replay.sources import TraceRequest, load_source  # noqa: E402

@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.benchlib import BenchFailed, run_checked  # noqa: E402
-
 from experiments.assignment import (  # noqa: E402
     allocate,
     assign,

@@ -38,7 +38,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.benchlib import BenchFailed, run_checked  # noqa: E402
-
 from serving.children import free_port  # noqa: E402
 from stats.quantiles import nearest_rank  # noqa: E402
 from streaming import h1, pacing  # noqa: E402
