@@ -14,6 +14,7 @@ from django.utils import timezone
 from experiments import audit, lifecycle
 from experiments.document import DocumentError, FieldError, validate_document
 from experiments.models import Experiment, Variant
+from experiments.signals import experiment_transitioned
 
 
 class ConflictError(Exception):
@@ -200,6 +201,10 @@ def transition(experiment: Experiment, action: str, actor=None, reason: str = ""
         before_status = experiment.status
         experiment.refresh_from_db()
         on_transition(experiment, action, actor)
+        experiment_transitioned.send(
+            sender=Experiment, experiment=experiment, action=action, before=before_status,
+            after=target, actor=actor,
+        )  # fmt: skip
         audit.record(
             actor, experiment, action, before={"status": before_status},
             after={"status": target}, reason=reason,

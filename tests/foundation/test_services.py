@@ -127,3 +127,41 @@ def test_salt_fixed_at_creation_and_distinct(document):
     services.apply_document(document)
     a2 = Experiment.objects.get(pk=a.pk)
     assert a2.salt == a.salt
+
+
+def test_every_lifecycle_move_is_announced_inside_its_transaction(experiment, users):
+    from experiments.signals import experiment_transitioned
+
+    heard = []
+
+    def listener(sender, experiment, action, before, after, actor, **kwargs):
+        heard.append((action, str(before), str(after), str(experiment.status), actor))
+
+    experiment_transitioned.connect(listener)
+    try:
+        services.transition(experiment, "start", users["product"])
+        services.transition(experiment, "pause", users["product"])
+    finally:
+        experiment_transitioned.disconnect(listener)
+    assert heard == [
+        ("start", "draft", "running", "running", users["product"]),
+        ("pause", "running", "paused", "paused", users["product"]),
+    ]
+
+
+def test_a_listener_that_fails_rolls_the_move_back(experiment, users):
+    from experiments.signals import experiment_transitioned
+
+    def refuse(**kwargs):
+        raise RuntimeError("replays could not be cancelled")
+
+    services.transition(experiment, "start", users["product"])
+    experiment_transitioned.connect(refuse)
+    try:
+        with pytest.raises(RuntimeError, match="could not be cancelled"):
+            services.transition(experiment, "conclude", users["product"])
+    finally:
+        experiment_transitioned.disconnect(refuse)
+    experiment.refresh_from_db()
+    assert experiment.status == "running"
+    assert not AuditEntry.objects.filter(experiment=experiment, action="conclude").exists()
