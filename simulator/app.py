@@ -1,7 +1,8 @@
 """The simulator's ASGI app: vLLM's OpenAI-compatible surface over the latency model.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics. A request may force a fault with the header ``x-abplat-fault: KIND`` (one of
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /tokenize, GET /v1/models,
+GET /health, GET /metrics. Prompt lengths (usage and ``/tokenize`` alike) follow the app's
+tokenizer rule (simulator/tokens.py). A request may force a fault with the header ``x-abplat-fault: KIND`` (one of
 ``Faults.KINDS``); otherwise it draws one from the profile's rates, seeded by the profile seed
 and the request's X-Request-Id, so a replayed run faults the same requests.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import random
 import time
 from typing import Any
@@ -20,6 +20,7 @@ from simulator.framing import DONE, ENGINE_ERROR, Framer, error_body
 from simulator.latency import Faults, Profile, Seq
 from simulator.metrics import Metrics
 from simulator.runtime import Engine
+from simulator.tokens import DEFAULT_TOKENIZER, check, prompt_tokens, token_ids
 
 _WORDS = (
     " the a of to and in is it that for on with as was at by be this from or an are not "
@@ -54,11 +55,18 @@ class BadRequest(Exception):
 
 
 class SimulatorApp:
-    def __init__(self, profile: Profile, model: str = "abplat-sim", replicas: int = 1) -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        model: str = "abplat-sim",
+        replicas: int = 1,
+        tokenizer: str = DEFAULT_TOKENIZER,
+    ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {replicas}")
         self.profile = profile
         self.model = model
+        self.tokenizer = check(tokenizer)
         # A deployment of N identical engines behind one endpoint, as behind a load balancer
         # that sends each request to the replica with the fewest outstanding requests.
         self.engines = [Engine(profile) for _ in range(replicas)]
@@ -84,6 +92,10 @@ class SimulatorApp:
                 return await _respond(send, 405, b'{"detail":"Method Not Allowed"}')
             api = "chat" if path == "/v1/chat/completions" else "completions"
             return await self._generate(api, scope, receive, send)
+        if path == "/tokenize":
+            if method != "POST":
+                return await _respond(send, 405, b'{"detail":"Method Not Allowed"}')
+            return await self._tokenize(receive, send)
         if method != "GET":
             return await _respond(send, 405, b'{"detail":"Method Not Allowed"}')
         if path == "/health":
@@ -115,6 +127,33 @@ class SimulatorApp:
         return min(self.engines, key=lambda e: e.running + e.waiting)
 
     # ------------------------------------------------------------------------------------
+    async def _tokenize(self, receive: Any, send: Any) -> None:
+        """vLLM's ``POST /tokenize``: {"prompt": str} or {"messages": [...]} (and an optional
+        "model") -> {"count", "max_model_len", "tokens"}; counted exactly as a generation
+        request with the same prompt reports it in ``usage.prompt_tokens``."""
+        try:
+            req = _json_object(await _read_body(receive))
+            model = req.get("model")
+            if model is not None and model != self.model:
+                raise BadRequest(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+            if "messages" in req:
+                msgs = req["messages"]
+                if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+                    raise BadRequest(
+                        400, "messages: a list of message objects is required", "BadRequestError"
+                    )
+                text = json.dumps(msgs, sort_keys=True)
+                count = prompt_tokens(self.tokenizer, messages=msgs)
+            elif isinstance(req.get("prompt"), str):
+                text = req["prompt"]
+                count = prompt_tokens(self.tokenizer, prompt=text)
+            else:
+                raise BadRequest(400, "prompt: a string (or messages) is required", "BadRequestError")
+        except BadRequest as e:
+            return await _respond(send, e.status, error_body(e.message, e.err_type, e.status, e.param))
+        body = {"count": count, "max_model_len": self.profile.max_model_len, "tokens": token_ids(text, count)}
+        return await _respond(send, 200, json.dumps(body).encode())
+
     async def _generate(self, api: str, scope: dict, receive: Any, send: Any) -> None:
         received_ns = time.perf_counter_ns()
         body = b""
@@ -140,6 +179,10 @@ class SimulatorApp:
             self.metrics.request_failed()
             msg = "simulated internal server error"
             return await _respond(send, 500, error_body(msg, "InternalServerError", 500))
+        if fault == "rate_limited":
+            self.metrics.request_failed()
+            msg = "simulated rate limit: too many requests"
+            return await _respond(send, 429, error_body(msg, "RateLimitError", 429))
         echo = [(b"x-request-id", rid.encode("latin-1"))]
         if not req["stream"]:
             return await self._complete(api, req, rng, send, echo)
@@ -157,12 +200,7 @@ class SimulatorApp:
         return self.profile.faults.draw(random.Random(f"fault:{self.profile.seed}:{rid}").random())
 
     def _parse(self, api: str, raw: bytes) -> dict[str, Any]:
-        try:
-            req = json.loads(raw)
-        except ValueError:
-            raise BadRequest(400, "request body is not valid JSON", "BadRequestError") from None
-        if not isinstance(req, dict):
-            raise BadRequest(400, "request body must be a JSON object", "BadRequestError")
+        req = _json_object(raw)
         model = req.get("model")
         if model != self.model:
             raise BadRequest(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
@@ -170,27 +208,27 @@ class SimulatorApp:
             msgs = req.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 raise BadRequest(400, "messages: a non-empty list is required", "BadRequestError")
-            prompt_tokens = 3 + sum(4 + _approx_tokens(m.get("content")) for m in msgs)
+            n_prompt = prompt_tokens(self.tokenizer, messages=msgs)
             max_tokens = req.get("max_completion_tokens", req.get("max_tokens"))
         else:
             prompt = req.get("prompt")
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                prompt_tokens = len(prompt)
-            elif isinstance(prompt, str):
-                prompt_tokens = 1 + _approx_tokens(prompt)
+            if (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)) or isinstance(
+                prompt, str
+            ):
+                n_prompt = prompt_tokens(self.tokenizer, prompt=prompt)
             else:
                 raise BadRequest(400, "prompt: a string is required", "BadRequestError")
             max_tokens = req.get("max_tokens", 16)
         limit = self.profile.max_model_len
         if max_tokens is None:
-            max_tokens = max(1, min(256, limit - prompt_tokens))
+            max_tokens = max(1, min(256, limit - n_prompt))
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise BadRequest(400, "max_tokens must be at least 1", "BadRequestError", "max_tokens")
-        if prompt_tokens + max_tokens > limit:
+        if n_prompt + max_tokens > limit:
             raise BadRequest(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+                f"{n_prompt + max_tokens} tokens ({n_prompt} in the messages, "
                 f"{max_tokens} in the completion). Please reduce the length of the messages or "
                 "completion.",
                 "BadRequestError",
@@ -198,7 +236,7 @@ class SimulatorApp:
         opts = req.get("stream_options") or {}
         return {
             "model": model,
-            "prompt_tokens": prompt_tokens,
+            "prompt_tokens": n_prompt,
             "max_tokens": max_tokens,
             "stream": bool(req.get("stream", False)),
             "usage": bool(isinstance(opts, dict) and opts.get("include_usage")),
@@ -251,6 +289,8 @@ class SimulatorApp:
                     self.metrics.request_aborted()
                     return
                 while emitted < run.ready:
+                    if emitted == 0 and fault == "slow_first_token":
+                        await asyncio.sleep(p.faults.slow_first_token_ms / 1000.0)
                     if emitted == fault_at:
                         fault_at = -1
                         if fault == "engine_error":
@@ -370,12 +410,25 @@ def rng_id(seed: int, rid: str) -> int:
     return random.Random(f"id:{seed}:{rid}").getrandbits(64)
 
 
-def _approx_tokens(text: Any) -> int:
-    if isinstance(text, list):  # content parts
-        text = " ".join(str(p.get("text", "")) for p in text if isinstance(p, dict))
-    if not isinstance(text, str):
-        return 0
-    return max(1, math.ceil(len(text.encode()) / 4))
+async def _read_body(receive: Any) -> bytes:
+    body = b""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return body
+        body += msg.get("body", b"")
+        if not msg.get("more_body"):
+            return body
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        req = json.loads(raw)
+    except ValueError:
+        raise BadRequest(400, "request body is not valid JSON", "BadRequestError") from None
+    if not isinstance(req, dict):
+        raise BadRequest(400, "request body must be a JSON object", "BadRequestError")
+    return req
 
 
 def _inside_multibyte(data: bytes) -> int:

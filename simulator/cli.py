@@ -2,6 +2,7 @@
 ``python manage.py simulator`` (serving/management/commands/simulator.py) both use it.
 
     --port P [--profile NAME] [--serve NAME=PORT ...] [--model NAME] [--replicas N]
+    [--tokenizer bytes4|small-vocab]
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 
 from simulator.profiles import DEFAULT, PROFILES
 from simulator.serve import DEFAULT_MODEL, parse_serve_pair, run_forever
+from simulator.tokens import DEFAULT_TOKENIZER, TOKENIZERS
 
 DESCRIPTION = (
     "Serve the vLLM-compatible simulator on 127.0.0.1: one profile on --port, and/or "
@@ -24,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
     parser.add_argument(
         "--replicas", type=int, default=1, help="engines behind each endpoint (least loaded first)"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        choices=TOKENIZERS,
+        default=DEFAULT_TOKENIZER,
+        help=f"prompt-length rule for usage and /tokenize (simulator/tokens.py; default {DEFAULT_TOKENIZER})",
     )
 
 
@@ -53,7 +61,7 @@ def serve(options: dict) -> None:
     """Serve until interrupted (Ctrl-C returns quietly); ValueError for bad options."""
     pairs = validated(options)
     try:
-        run_forever(pairs, options["model"], options["replicas"])
+        run_forever(pairs, options["model"], options["replicas"], options.get("tokenizer", DEFAULT_TOKENIZER))
     except KeyboardInterrupt:
         pass
 

@@ -35,6 +35,10 @@ class Faults:
     split_utf8_rate: float = 0.0  # multi-byte characters written across two writes (valid)
     slow_headers_rate: float = 0.0  # response headers held back by slow_headers_ms
     slow_headers_ms: float = 3000.0
+    # Appended kinds: the draw walks KINDS in order, so the older kinds keep their requests.
+    rate_limited_rate: float = 0.0  # HTTP 429 before any byte of the stream (a gateway's limit)
+    slow_first_token_rate: float = 0.0  # headers at once, first token held by slow_first_token_ms
+    slow_first_token_ms: float = 3000.0
 
     KINDS = (
         "http_error",
@@ -44,6 +48,8 @@ class Faults:
         "malformed",
         "split_utf8",
         "slow_headers",
+        "rate_limited",
+        "slow_first_token",
     )
 
     def __post_init__(self) -> None:
@@ -55,7 +61,7 @@ class Faults:
             total += rate
         if total > 1.0:
             raise ValueError(f"Faults: the rates add up to {total:.3f}, more than 1")
-        for name in ("stall_ms", "slow_headers_ms"):
+        for name in ("stall_ms", "slow_headers_ms", "slow_first_token_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Faults.{name}: must not be negative")
 

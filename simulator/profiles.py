@@ -3,11 +3,44 @@
 ``fp16``, ``awq`` and ``awq-fa2`` echo the design's table: mean TTFT about 142, 99 and 63 ms at
 ``model.MODERATE_LOAD`` (pinned by tests/simulator/test_model.py). AWQ mostly speeds decode
 (memory-bound), FlashAttention-2 mostly speeds prefill (attention-bound).
+
+``chaos`` is a fault drill: every fault kind at a few percent, and each slow fault lasts longer
+than the client's deadline for its phase (streaming/client.py ``Timeouts``), so a drill with the
+client's default timeouts records every server-side error class (``chaos_faults``).
 """
 
 from __future__ import annotations
 
 from simulator.latency import Faults, Profile
+from streaming.client import Timeouts
+
+# How far past the client's deadline a slow fault lasts: a timeout fires, never a late success.
+OVER_DEADLINE = 1.5
+
+
+def chaos_faults(timeouts: Timeouts | None = None, rate: float = 0.02) -> Faults:
+    """Every fault kind at ``rate`` (split_utf8 and malformed as before), with the slow kinds
+    lasting ``OVER_DEADLINE`` times the deadline of the phase they slow: a stall past
+    ``stall_s``, held headers past ``headers_s``, a held first token past ``first_token_s``.
+    Server-side outcome of each kind: http_error -> http_5xx, rate_limited -> http_4xx,
+    engine_error, stall, disconnect, malformed, slow_headers -> headers_timeout,
+    slow_first_token -> first_token_timeout (split_utf8 is valid: ok)."""
+    t = timeouts or Timeouts()
+    return Faults(
+        http_error_rate=rate,
+        engine_error_rate=rate,
+        stall_rate=rate,
+        stall_ms=OVER_DEADLINE * t.stall_s * 1000.0,
+        disconnect_rate=rate,
+        malformed_rate=rate / 2,
+        split_utf8_rate=2.5 * rate,
+        slow_headers_rate=rate,
+        slow_headers_ms=OVER_DEADLINE * t.headers_s * 1000.0,
+        rate_limited_rate=rate,
+        slow_first_token_rate=rate,
+        slow_first_token_ms=OVER_DEADLINE * t.first_token_s * 1000.0,
+    )
+
 
 DEFAULT = "default"
 
@@ -68,18 +101,8 @@ PROFILES: dict[str, Profile] = {
             decode_ms_per_seq=0.1,
             multibyte_rate=0.1,
             empty_token_rate=0.02,
-            faults=Faults(
-                http_error_rate=0.02,
-                engine_error_rate=0.02,
-                stall_rate=0.02,
-                stall_ms=1500.0,
-                disconnect_rate=0.02,
-                malformed_rate=0.01,
-                split_utf8_rate=0.05,
-                slow_headers_rate=0.02,
-                slow_headers_ms=1500.0,
-            ),
-            description="every fault at a few percent, for dashboards and alerting demos",
+            faults=chaos_faults(),
+            description="every fault at a few percent, slow ones past the client's deadlines: fault drills",
         ),
     )
 }

@@ -18,6 +18,7 @@ from serving.children import HOST, free_port
 from simulator.app import SimulatorApp
 from simulator.latency import Profile
 from simulator.profiles import get_profile
+from simulator.tokens import DEFAULT_TOKENIZER, check
 
 DEFAULT_MODEL = "abplat-sim"
 
@@ -40,9 +41,11 @@ def _bind(port: int) -> socket.socket:
     return sock
 
 
-def build_server(profile: str | Profile, model: str = DEFAULT_MODEL, replicas: int = 1) -> uvicorn.Server:
+def build_server(
+    profile: str | Profile, model: str = DEFAULT_MODEL, replicas: int = 1, tokenizer: str = DEFAULT_TOKENIZER
+) -> uvicorn.Server:
     prof = profile if isinstance(profile, Profile) else get_profile(profile)
-    app = SimulatorApp(prof, model=model, replicas=replicas)
+    app = SimulatorApp(prof, model=model, replicas=replicas, tokenizer=tokenizer)
     config = uvicorn.Config(
         app,
         http="httptools",
@@ -56,20 +59,30 @@ def build_server(profile: str | Profile, model: str = DEFAULT_MODEL, replicas: i
     return uvicorn.Server(config)
 
 
-async def serve_many(pairs: list[tuple[str, int]], model: str = DEFAULT_MODEL, replicas: int = 1) -> None:
+async def serve_many(
+    pairs: list[tuple[str, int]],
+    model: str = DEFAULT_MODEL,
+    replicas: int = 1,
+    tokenizer: str = DEFAULT_TOKENIZER,
+) -> None:
     """Serve each (profile, port) on 127.0.0.1 from this one event loop until interrupted."""
     if not pairs:
         raise ValueError("serve_many: no PROFILE=PORT pairs given")
-    servers = [(build_server(name, model, replicas), _bind(port)) for name, port in pairs]
+    servers = [(build_server(name, model, replicas, tokenizer), _bind(port)) for name, port in pairs]
     for (name, port), _ in zip(pairs, servers):
         print(f"simulator profile={name} at http://{HOST}:{port}", flush=True)
     await asyncio.gather(*(srv.serve(sockets=[sock]) for srv, sock in servers))
 
 
-def run_forever(pairs: list[tuple[str, int]], model: str = DEFAULT_MODEL, replicas: int = 1) -> None:
+def run_forever(
+    pairs: list[tuple[str, int]],
+    model: str = DEFAULT_MODEL,
+    replicas: int = 1,
+    tokenizer: str = DEFAULT_TOKENIZER,
+) -> None:
     import uvloop
 
-    uvloop.run(serve_many(pairs, model, replicas))
+    uvloop.run(serve_many(pairs, model, replicas, tokenizer))
 
 
 @dataclasses.dataclass
@@ -91,12 +104,14 @@ def start_in_thread(
     ready_s: float = 10.0,
     replicas: int = 1,
     tls: tuple[str, str] | None = None,
+    tokenizer: str = DEFAULT_TOKENIZER,
 ) -> Handle:
     """Serve in a daemon thread with its own event loop; port 0 picks a free port.
-    tls=(certfile, keyfile) serves https (HTTP/1.1) instead of plain http."""
+    tls=(certfile, keyfile) serves https (HTTP/1.1) instead of plain http. tokenizer: the
+    prompt-length rule (simulator/tokens.py)."""
+    server = build_server(profile, model, replicas, tokenizer)
     sock = _bind(port)
     real_port = sock.getsockname()[1]
-    server = build_server(profile, model, replicas)
     if tls is not None:
         server.config.ssl_certfile, server.config.ssl_keyfile = tls
     name = profile.name if isinstance(profile, Profile) else profile
@@ -128,13 +143,15 @@ def start_subprocess(
     model: str = DEFAULT_MODEL,
     ready_s: float = 20.0,
     replicas: int = 1,
+    tokenizer: str = DEFAULT_TOKENIZER,
 ) -> Handle:
     """Serve in a child process (its own core: what benchmarks need); ready when /health is.
     The child dies with this process, whichever thread started it (serving.children)."""
     get_profile(profile)
+    check(tokenizer)
     port = port or free_port()
     cmd = [sys.executable, "-m", "simulator", "--port", str(port), "--profile", profile]
-    cmd += ["--model", model, "--replicas", str(replicas)]
+    cmd += ["--model", model, "--replicas", str(replicas), "--tokenizer", tokenizer]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     child = children.start(cmd, f"http://{HOST}:{port}", ready_s=ready_s, name="simulator", env=env)

@@ -90,7 +90,7 @@ def test_metrics_use_vllm_names_and_count_tokens(sim):
 def test_same_request_id_draws_the_same_fault_and_text():
     # chaos profile: which requests fault depends only on the seed and the request id.
     chaos = get_profile("chaos")
-    quick = dataclasses.replace(chaos.faults, stall_ms=20.0, slow_headers_ms=20.0)
+    quick = dataclasses.replace(chaos.faults, stall_ms=20.0, slow_headers_ms=20.0, slow_first_token_ms=20.0)
     h = start_in_thread(dataclasses.replace(chaos, faults=quick))
     try:
 

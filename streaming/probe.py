@@ -1,0 +1,100 @@
+"""Short questions to a variant before a replay measures it: how many tokens is this prompt?
+
+vLLM serves ``POST /tokenize`` at the server root (not under /v1): ``{"model", "prompt"}`` counts
+a completions prompt with its special tokens (BOS), ``{"model", "messages"}`` counts a chat
+request through the model's chat template with the generation prompt, exactly as the
+generation routes then report in ``usage.prompt_tokens``; the answer is ``{"count", "tokens",
+"max_model_len"}``. The simulator serves the same route (simulator/tokens.py).
+
+Every call has a short timeout: a probe must never hold up a replay. A variant that has no
+``/tokenize`` (another server, a proxy that hides it) gets ``None`` from ``token_counter`` and the
+replay falls back to its estimate, flagged ``prompt_tokens_estimated``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Sequence
+
+import httpx
+
+from streaming.client import APIS, _tls_verify
+
+PROBE_TIMEOUT_S = 5.0
+PROBE_CONCURRENCY = 8  # tokenize calls in flight per variant: a probe, not a load test
+
+
+class ProbeError(RuntimeError):
+    """The variant answered a probe with something unusable (status, shape, timeout)."""
+
+
+class TokenCounter:
+    """Counts tokens of user prompts on one variant, as that variant's API will send them.
+
+    ``count(texts)`` returns one count per text: for a ``chat`` variant the text is the single
+    user message's content (the chat template's tokens included), for ``completions`` the prompt.
+    """
+
+    def __init__(self, endpoint: str, model: str, api: str, *, verify: bool | str | ssl.SSLContext = True,
+                 timeout_s: float = PROBE_TIMEOUT_S, concurrency: int = PROBE_CONCURRENCY) -> None:  # fmt: skip
+        if api not in APIS:
+            raise ValueError(f"api {api!r}: must be one of {sorted(APIS)}")
+        base = endpoint.rstrip("/")
+        base = base[:-3] if base.endswith("/v1") else base  # /tokenize lives at the server root
+        self.url, self.model, self.api = base + "/tokenize", model, api
+        self.max_model_len: int | None = None
+        self.calls = 0
+        self._slots = asyncio.Semaphore(concurrency)
+        tls = verify if isinstance(verify, ssl.SSLContext) else _tls_verify(verify)
+        self._client = httpx.AsyncClient(
+            verify=tls,
+            timeout=httpx.Timeout(timeout_s),
+            trust_env=False,
+            headers={"accept": "application/json"},
+        )
+
+    def body(self, text: str) -> dict:
+        if self.api == "chat":
+            return {"model": self.model, "messages": [{"role": "user", "content": text}]}
+        return {"model": self.model, "prompt": text}
+
+    async def count_one(self, text: str) -> int:
+        """Tokens of one prompt; ProbeError when the answer is unusable."""
+        async with self._slots:
+            self.calls += 1
+            try:
+                resp = await self._client.post(self.url, json=self.body(text))
+            except httpx.HTTPError as exc:
+                raise ProbeError(f"POST {self.url}: {type(exc).__name__}: {exc}") from None
+        if resp.status_code != 200:
+            raise ProbeError(f"POST {self.url}: HTTP {resp.status_code}: {resp.text[:200]}")
+        try:
+            data = resp.json()
+            count = data["count"]
+        except (ValueError, KeyError, TypeError):
+            raise ProbeError(f"POST {self.url}: not a tokenize answer: {resp.text[:200]}") from None
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ProbeError(f"POST {self.url}: count {count!r} is not a token count")
+        if isinstance(data.get("max_model_len"), int):
+            self.max_model_len = data["max_model_len"]
+        return count
+
+    async def count(self, texts: Sequence[str]) -> list[int]:
+        """One count per text, at most ``concurrency`` calls in flight."""
+        return list(await asyncio.gather(*(self.count_one(t) for t in texts)))
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+async def token_counter(endpoint: str, model: str, api: str, *, verify: bool | str = True,
+                        timeout_s: float = PROBE_TIMEOUT_S) -> tuple[TokenCounter | None, str]:  # fmt: skip
+    """A counter for the variant if its ``/tokenize`` answers a test prompt, else (None, why)."""
+    counter = TokenCounter(endpoint, model, api, verify=verify, timeout_s=timeout_s)
+    try:
+        await counter.count_one("hello")
+    except ProbeError as exc:
+        await counter.aclose()
+        return None, str(exc)
+    return counter, ""
