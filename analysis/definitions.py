@@ -16,6 +16,7 @@ import math
 from typing import Any
 
 from samples.columns import MODES
+from samples.schema import RUN_STATUSES
 
 __all__ = [
     "INFLIGHT_EDGES",
@@ -32,6 +33,7 @@ __all__ = [
     "TIME_BUCKETS_S",
     "Filters",
     "QueryError",
+    "RUN_STATUSES",
     "Slo",
 ]
 
@@ -47,14 +49,20 @@ class Filters:
     since: dt.datetime | None = None  # inclusive, on sent_at (UTC)
     until: dt.datetime | None = None  # exclusive
     variants: tuple[str, ...] = ()  # empty: all
-    # Only these runs (the report's raw part beside per-run rollups; not an analyst filter,
-    # so not in as_dict). Empty: no restriction.
-    runs: tuple[int, ...] = ()
+    # Only these runs (the report's choice of runs from the run catalog, and the raw part beside
+    # per-run rollups; not an analyst filter, so not in as_dict). None: no restriction; an
+    # empty tuple: no run at all.
+    runs: tuple[int, ...] | None = None
+    # Analyst filters over the run catalog (analysis.runs): which run statuses to read (empty:
+    # the default, completed runs and runs without a catalog row) and which mode (None: the mode
+    # of the latest completed run).
+    status: tuple[str, ...] = ()
+    mode: str | None = None
 
     def __post_init__(self) -> None:
         if not self.experiment:
             raise QueryError("Filters.experiment must be a non-empty key")
-        for run in self.runs:
+        for run in self.runs or ():
             if isinstance(run, bool) or not isinstance(run, int) or run < 0:
                 raise QueryError(f"Filters.runs must hold non-negative integers, got {run!r}")
         if self.run_id is not None and (
@@ -65,6 +73,11 @@ class Filters:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, dt.datetime) or value.tzinfo is None):
                 raise QueryError(f"Filters.{name} must be a timezone-aware datetime, got {value!r}")
+        bad = [x for x in self.status if x not in RUN_STATUSES]
+        if bad or len(set(self.status)) != len(self.status):
+            raise QueryError(f"status={list(self.status)}: each one of {', '.join(RUN_STATUSES)}, once")
+        if self.mode is not None and self.mode not in MODES:
+            raise QueryError(f"mode={self.mode!r} must be one of {', '.join(MODES)}")
         if self.since and self.until and self.since >= self.until:
             raise QueryError(f"Filters: since ({self.since}) must be before until ({self.until})")
 
@@ -75,6 +88,8 @@ class Filters:
             "since": self.since.isoformat() if self.since else None,
             "until": self.until.isoformat() if self.until else None,
             "variants": list(self.variants),
+            "status": list(self.status),
+            "mode": self.mode,
         }
 
 

@@ -42,6 +42,8 @@ from analysis.definitions import (
 from analysis.phases import phase_breakdown_from_sums
 from analysis.readers.base import SampleReader, run_queries
 from analysis.readers.merged import reader_for
+from analysis.readers.raw import RawReader
+from analysis.runs import select_runs
 from analysis.segments import (
     attainment_by_segment,
     bucket_labels,
@@ -103,6 +105,15 @@ def _iso(unix_s: float) -> str:
     return dt.datetime.fromtimestamp(unix_s, dt.UTC).isoformat().replace("+00:00", "Z")
 
 
+def _unix_s(iso: str) -> float:
+    return dt.datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
+def _inside(t: float, lo: float, hi: float, closed: bool) -> bool:
+    """lo <= t < hi (until is exclusive), or lo <= t <= hi for the samples' own first..last."""
+    return lo <= t <= hi if closed else lo <= t < hi
+
+
 def _ranks_for(metric: str, n: int) -> list[int]:
     ranks = set(ranks_to_fetch(n))
     if metric == "ttft_ms":
@@ -118,13 +129,16 @@ def build_report(
     use_rollup: bool = True,
     version: Sequence[tuple[int, int, int, int]] | None = None,
     reader: SampleReader | None = None,
+    catalog: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The report (docs/report-json.md), from ``reader`` or, without one, from the reader
     merged.reader_for picks over ``store``: finished runs from their rollups, runs without a
     current one (still replaying, changed since) from the raw samples beside them, everything raw
     under a time window or a changed SLO. use_rollup=False reads the raw samples even where
     finished runs have rollups (the same numbers, slower; for checking the rollups).
-    version: RawReader.data_version, when the caller has read it (saves a scan)."""
+    version: RawReader.data_version, when the caller has read it (saves a scan); catalog:
+    store.runs(experiment), likewise. Which runs are read follows analysis.runs (completed runs
+    by default, one mode); the report's "runs" key says which were read and which were not."""
     t0 = time.perf_counter()
     control = exp.control
     known = {v.key: v for v in exp.variants}
@@ -135,6 +149,19 @@ def build_report(
         # every comparison is against the control, so it is always read
         filters = dataclasses.replace(filters, variants=(control, *filters.variants))
     order = [v.key for v in exp.variants if not filters.variants or v.key in filters.variants]
+    selection = None
+    if filters.runs is None and store is not None:
+        # which runs: the run catalog under the status and mode filters (analysis.runs)
+        if version is None:
+            version = RawReader(store).data_version(filters.experiment)
+        selection = select_runs(
+            filters,
+            version,
+            store.runs(filters.experiment) if catalog is None else catalog,
+            lambda: RawReader(store).run_modes(filters.experiment),
+        )
+        if selection.runs is not None:
+            filters = dataclasses.replace(filters, runs=selection.runs)
     if reader is None:
         reader = reader_for(store, filters, exp.slo, version, use_rollup)
     par = reader.parallel_queries
@@ -172,6 +199,7 @@ def build_report(
     jobs["cells"] = lambda: reader.segment_cells(filters, exp.slo, bucket_s)
     jobs["series"] = lambda: reader.p99_over_time(filters, bucket_s)
     jobs["srm_users"] = lambda: reader.srm_users(filters)
+    jobs["failures"] = lambda: reader.failures(filters)
     mirror_with = [v for v in present if v != control] if modes.get("mirror") else []
     if control in present:
         for v in mirror_with:
@@ -206,6 +234,8 @@ def build_report(
             "verdict": sla_verdict(s["hits"], s["n"], exp.target).as_dict(),
             "percentiles": {},
             "vs_control": None,
+            # what broke: error classes of the failed requests (streaming.result.Outcome values)
+            "failures": got["failures"].get(v, {}),
         }
         if s["n"]:
             a = sla_attainment(s["n"], s["hits"], s["errors"], window_s)
@@ -248,9 +278,20 @@ def build_report(
         {"at": _iso(ms / 1000.0), "kind": "config_revision", "label": f"config revision {rev}"}
         for rev, ms in sorted(rev_first.items(), key=lambda kv: kv[1])
     ][1:]  # the first revision is the start, not a change
-    markers += [{"kind": "audit", **dict(m)} for m in exp.weight_changes]
+    # audit events inside the window only (the filtered one, else the samples' first..last)
+    lo_s = filters.since.timestamp() if filters.since else (first / 1000.0 if first is not None else None)
+    hi_s = filters.until.timestamp() if filters.until else (last / 1000.0 if last is not None else None)
+    markers += [
+        {"kind": "audit", **dict(m)}
+        for m in exp.weight_changes
+        if lo_s is not None
+        and hi_s is not None
+        and _inside(_unix_s(m["at"]), lo_s, hi_s, filters.until is None)
+    ]
 
     banners = [srm["message"]] if srm.get("flagged") else []
+    runs_info = _runs_info(selection, modes)
+    banners += selection.banners if selection else []
     if stray:
         banners.append(f"samples for variants not in the experiment were ignored: {stray}")
     return {
@@ -269,6 +310,7 @@ def build_report(
             "seconds": window_s,
         },
         "modes": modes,
+        "runs": runs_info,
         "banners": banners,
         "srm": srm,
         "variants": variants,
@@ -291,6 +333,20 @@ def build_report(
             "source": reader.source,
         },
     }
+
+
+def _runs_info(selection: Any, modes: Mapping[str, int]) -> dict[str, Any]:
+    """The report's "runs" key (docs/report-json.md): the selection's, its mode completed from
+    the samples read when the catalog did not say (one run without a catalog row)."""
+    if selection is None:  # a caller-chosen reader or run list: no catalog selection
+        return {"read": [], "not_read": [], "statuses": [], "mode": None, "mode_source": "caller",
+                "available_modes": {}, "notes": []}  # fmt: skip
+    info = dict(selection.info)
+    if info["mode"] is None and len(modes) == 1:
+        info["mode"] = next(iter(modes))
+        for r in info["read"]:
+            r["mode"] = r["mode"] or info["mode"]
+    return info
 
 
 def _compare(
@@ -347,7 +403,12 @@ def _compare(
             if not sum(c.values()):
                 continue
             pa = mcnemar_attainment(c["both_hit"], c["control_only"], c["variant_only"], c["both_miss"])
-            diffs = np.repeat(np.asarray(pairs["diff_values"]), np.asarray(pairs["diff_counts"]))
+            # explicit dtypes: with no pair where both arms succeeded the lists are empty, and
+            # np.asarray([]) is float64, which np.repeat refuses as counts (issue 16)
+            diffs = np.repeat(
+                np.asarray(pairs["diff_values"], dtype=np.float64),
+                np.asarray(pairs["diff_counts"], dtype=np.int64),
+            )
             wx = wilcoxon_paired(diffs).as_dict() if diffs.size else None
             out[v]["paired"] = {"attainment": pa.as_dict(), "wilcoxon_ttft": wx}
             if pa.difference.p_value is not None:

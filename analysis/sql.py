@@ -57,6 +57,8 @@ def conditions(
         if f.runs:
             pre.append("run_id IN %(runs)s")
             params["runs"] = tuple(f.runs)
+        elif f.runs is not None:  # no run at all (an empty IN list is not valid SQL on 18.16)
+            pre.append("run_id != run_id")
     if f.since is not None:
         conds.append("sent_at >= %(since)s")
         params["since"] = f.since

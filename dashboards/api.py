@@ -24,6 +24,16 @@ class ExperimentReport(APIView):
             OpenApiParameter("since", str, description="ISO 8601, inclusive (sent_at, UTC)"),
             OpenApiParameter("until", str, description="ISO 8601, exclusive"),
             OpenApiParameter("variant", str, many=True, description="only these variants"),
+            OpenApiParameter(
+                "status",
+                str,
+                many=True,
+                description="run catalog statuses to read (running, done, cancelled, failed, or all); "
+                "default: completed runs",
+            ),
+            OpenApiParameter(
+                "mode", str, description="split or mirror; default: the mode of the latest completed run"
+            ),
         ],
         responses={200: OpenApiTypes.OBJECT},
         description="The SLA report (stable JSON shape, docs/report-json.md).",
@@ -32,7 +42,10 @@ class ExperimentReport(APIView):
         experiment = get_object_or_404(Experiment, key=key)
         try:
             _filters, report = report_for_params(
-                experiment, request.query_params, request.query_params.getlist("variant")
+                experiment,
+                request.query_params,
+                request.query_params.getlist("variant"),
+                request.query_params.getlist("status"),
             )
         except QueryError as e:
             raise ValidationError({"filters": str(e)}) from None

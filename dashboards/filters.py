@@ -1,11 +1,12 @@
-"""Report filters from GET parameters (page, CSV and API share them): run, since, until, variant."""
+"""Report filters from GET parameters (page, CSV and API share them): run, since, until, variant,
+status (run catalog statuses, comma-separated or repeated; "all" for every one) and mode."""
 
 from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping, Sequence
 
-from analysis.definitions import Filters, QueryError
+from analysis.definitions import MODES, RUN_STATUSES, Filters, QueryError
 
 
 def _parse_time(name: str, raw: str) -> dt.datetime:
@@ -20,10 +21,25 @@ def _parse_time(name: str, raw: str) -> dt.datetime:
     return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value
 
 
+def _statuses(raw: Sequence[str]) -> tuple[str, ...]:
+    names = [x.strip() for item in raw for x in (item or "").split(",") if x.strip()]
+    if "all" in names:
+        return RUN_STATUSES
+    bad = sorted({x for x in names if x not in RUN_STATUSES})
+    if bad:
+        raise QueryError(f"status={bad} unknown: each one of {', '.join(RUN_STATUSES)}, or all")
+    return tuple(dict.fromkeys(names))
+
+
 def filters_from_params(
-    key: str, get: Mapping[str, str], variants: Sequence[str], known: Sequence[str]
+    key: str,
+    get: Mapping[str, str],
+    variants: Sequence[str],
+    known: Sequence[str],
+    statuses: Sequence[str] | None = None,
 ) -> Filters:
-    """Raise QueryError naming the bad parameter."""
+    """Raise QueryError naming the bad parameter. statuses: the repeated `status` values (a
+    QueryDict's getlist); without it, get["status"] (comma-separated)."""
     run = (get.get("run") or "").strip()
     run_id = None
     if run:
@@ -36,4 +52,8 @@ def filters_from_params(
     unknown = sorted(set(chosen) - set(known))
     if unknown:
         raise QueryError(f"variant={unknown} not in experiment {key!r} (has {list(known)})")
-    return Filters(key, run_id=run_id, since=since, until=until, variants=chosen)
+    status = _statuses(statuses if statuses is not None else [get.get("status") or ""])
+    mode = (get.get("mode") or "").strip() or None
+    if mode is not None and mode not in MODES:
+        raise QueryError(f"mode={mode!r} must be one of {', '.join(MODES)}")
+    return Filters(key, run_id=run_id, since=since, until=until, variants=chosen, status=status, mode=mode)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from analysis.definitions import Filters, Slo
+from analysis.definitions import Filters, QueryError, Slo
 from analysis.readers.raw import RawReader
 from analysis.report import SCHEMA_VERSION, ExperimentInfo, VariantInfo, build_report
 from dashboards.filters import filters_from_params
@@ -81,12 +81,19 @@ def experiment_info(experiment: Any) -> ExperimentInfo:
 CACHE_ALIAS = "default"
 CACHE_TIMEOUT_S = 600
 # bump when the report's computation changes without a SCHEMA_VERSION change
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4  # 4: the run catalog selects the runs; failures per variant
 
 
-def cache_key(store: Any, exp: ExperimentInfo, filters: Filters, version: Sequence[Sequence[int]]) -> str:
+def cache_key(
+    store: Any,
+    exp: ExperimentInfo,
+    filters: Filters,
+    version: Sequence[Sequence[int]],
+    catalog: Sequence[Mapping[str, Any]] = (),
+) -> str:
     """Everything the report depends on: the store, the experiment's settings and weights
-    history, the filters, and the experiment's data version (RawReader.data_version)."""
+    history, the filters, the experiment's data version (RawReader.data_version) and its run
+    catalog (SampleStore.runs: a run going from running to done changes the runs read)."""
     blob = json.dumps(
         {
             "format": [SCHEMA_VERSION, CACHE_FORMAT],
@@ -94,6 +101,7 @@ def cache_key(store: Any, exp: ExperimentInfo, filters: Filters, version: Sequen
             "experiment": dataclasses.asdict(exp),
             "filters": filters.as_dict(),
             "version": list(version),
+            "catalog": [[c["run_id"], c["status"], c["mode"], c["version"]] for c in catalog],
         },
         sort_keys=True,
         default=str,
@@ -114,32 +122,52 @@ def report_for(
 
         store = sample_store()
     info = experiment_info(experiment)
+    t0 = time.perf_counter()
+    version = RawReader(store).data_version(filters.experiment)
+    catalog = store.runs(filters.experiment)
+    check_run(filters, version, catalog)
     if not use_cache:
-        report = build_report(store, info, filters)
+        report = build_report(store, info, filters, version=version, catalog=catalog)
         report["timing"]["cache"] = "off"
         return report
     from django.core.cache import caches
 
     cache = caches[CACHE_ALIAS]
-    t0 = time.perf_counter()
-    version = RawReader(store).data_version(filters.experiment)
-    key = cache_key(store, info, filters, version)
+    key = cache_key(store, info, filters, version, catalog)
     cached = cache.get(key)
     if cached is not None:
         cached["timing"] = {**cached["timing"], "cache": "hit", "lookup_s": time.perf_counter() - t0}
         return cached
-    report = build_report(store, info, filters, version=version)
+    report = build_report(store, info, filters, version=version, catalog=catalog)
     report["timing"].update(cache="miss", lookup_s=time.perf_counter() - t0 - report["timing"]["query_s"])
     cache.set(key, report, CACHE_TIMEOUT_S)
     return report
 
 
+def check_run(
+    filters: Filters, version: Sequence[Sequence[int]], catalog: Sequence[Mapping[str, Any]]
+) -> None:
+    """QueryError unless the run asked for (filters.run_id) is one of this experiment's: it has
+    samples or a run catalog row (an unknown run was an empty report, which looked like data)."""
+    if filters.run_id is None:
+        return
+    runs = sorted({int(v[0]) for v in version} | {int(c["run_id"]) for c in catalog})
+    if filters.run_id not in runs:
+        shown = ", ".join(map(str, runs[-20:])) or "none yet"
+        raise QueryError(
+            f"run={filters.run_id}: unknown run of experiment {filters.experiment!r} (its runs: {shown})"
+        )
+
+
 def report_for_params(
-    experiment: Any, params: Mapping[str, str], variants: Sequence[str]
+    experiment: Any,
+    params: Mapping[str, str],
+    variants: Sequence[str],
+    statuses: Sequence[str] | None = None,
 ) -> tuple[Filters, dict[str, Any]]:
     """The filters named by request (or command line) parameters, and their report: the one
     path of the page, the CSV export, the API and sla_report. Raises QueryError naming a bad
-    parameter (dashboards.filters.filters_from_params)."""
+    parameter (dashboards.filters.filters_from_params) or an unknown run (check_run)."""
     known = [v.key for v in experiment.variants.all()]
-    filters = filters_from_params(experiment.key, params, variants, known)
+    filters = filters_from_params(experiment.key, params, variants, known, statuses)
     return filters, report_for(experiment, filters)

@@ -1,11 +1,29 @@
-"""The report's tables as rows, shared by the CSV export, the page and the sla_report command."""
+"""The report's tables as rows, shared by the CSV export, the page and the sla_report command.
+
+Every table has fixed columns (COLUMNS): a CSV always starts with its header row, even when the
+report has no row for it (an arm without samples, SRM not applicable)."""
 
 from __future__ import annotations
 
+import csv
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import IO, Any
 
-TABLES = ("variants", "percentiles", "comparisons", "segments", "phases", "attribution", "srm")
+TABLES = ("variants", "percentiles", "comparisons", "segments", "phases", "attribution", "srm", "failures")
+COLUMNS: dict[str, tuple[str, ...]] = {
+    "variants": ("variant", "control", "n", "errors", "error_rate", "hits", "attainment", "attainment_lo",
+                 "attainment_hi", "goodput_rps", "verdict", "n_needed"),
+    "percentiles": ("variant", "metric", "quantile", "n", "value_ms", "ci_lo_ms", "ci_hi_ms", "coverage", "note"),
+    "comparisons": ("variant", "attainment_diff", "attainment_diff_lo", "attainment_diff_hi", "attainment_p",
+                    "attainment_p_holm", "p99_ttft_diff_ms", "p99_ttft_diff_lo_ms", "p99_ttft_diff_hi_ms",
+                    "mann_whitney_p", "mann_whitney_p_holm", "prob_variant_slower", "paired_attainment_diff",
+                    "paired_p"),
+    "segments": ("dimension", "segment", "variant", "n", "hits", "attainment", "lo", "hi"),
+    "phases": ("variant", "missed_requests", "phase", "mean_ms", "share_of_total"),
+    "attribution": ("metric", "variant", "method", "factor", "contribution", "share", "total"),
+    "srm": ("revision", "variant", "observed", "expected", "chi2", "p_value", "flagged"),
+    "failures": ("variant", "outcome", "n", "http_status", "example"),
+}  # fmt: skip
 
 
 def _round6(x: float | None) -> float | None:
@@ -136,7 +154,28 @@ def srm(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
             }
 
 
+def failures(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
+    for e in report["variants"]:
+        for outcome, f in sorted(e.get("failures", {}).items()):
+            yield {
+                "variant": e["key"],
+                "outcome": outcome,
+                "n": f["n"],
+                "http_status": f["http_status"],
+                "example": f["example"],
+            }
+
+
 def rows(report: Mapping[str, Any], table: str) -> list[dict[str, Any]]:
     if table not in TABLES:
         raise KeyError(f"unknown table {table!r}; one of {', '.join(TABLES)}")
     return list(globals()[table](report))
+
+
+def write_csv(out: IO[str], report: Mapping[str, Any], table: str) -> int:
+    """One table as CSV into out: the header row always, then its rows; returns the row count."""
+    found = rows(report, table)
+    writer = csv.DictWriter(out, fieldnames=COLUMNS[table])
+    writer.writeheader()
+    writer.writerows(found)
+    return len(found)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import functools
 import gzip
 import json
@@ -12,7 +11,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
-from analysis.definitions import QueryError
+from analysis.definitions import MODES, RUN_STATUSES, QueryError
 from dashboards import charts, tables
 from dashboards.reports import report_for_params
 from experiments.models import Experiment
@@ -27,7 +26,9 @@ def _guard(view):
 
 def _report(request: HttpRequest, key: str):
     experiment = get_object_or_404(Experiment, key=key)
-    return experiment, *report_for_params(experiment, request.GET, request.GET.getlist("variant"))
+    return experiment, *report_for_params(
+        experiment, request.GET, request.GET.getlist("variant"), request.GET.getlist("status")
+    )
 
 
 @_guard
@@ -46,6 +47,9 @@ def experiment(request: HttpRequest, key: str) -> HttpResponse:
         "figures": charts.all_figures(report),
         "variant_rows": list(tables.variants(report)),
         "comparison_rows": list(tables.comparisons(report)),
+        "failure_rows": list(tables.failures(report)),
+        "run_statuses": RUN_STATUSES,
+        "run_modes": MODES,
         "attribution_texts": {
             metric: {v: e["text"] for v, e in report["attribution"][metric].items()}
             for metric in ("attainment", "p99_ttft_ms")
@@ -67,13 +71,9 @@ def export_csv(request: HttpRequest, key: str, table: str) -> HttpResponse:
         _, _, report = _report(request, key)
     except QueryError as e:
         return HttpResponseBadRequest(f"Bad filter: {e}", content_type="text/plain")
-    rows = tables.rows(report, table)
     response = HttpResponse(content_type="text/csv; charset=utf-8")
     response["Content-Disposition"] = f'attachment; filename="{key}-{table}.csv"'
-    if rows:
-        writer = csv.DictWriter(response, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    tables.write_csv(response, report, table)
     return response
 
 

@@ -251,6 +251,32 @@ ENGINE = MergeTree
 ORDER BY (build_id, variant, metric, k)
 """.strip()
 
+# The run catalog: one row per status change of a replay run (who writes it: the replay, through
+# SampleStore.record_run; who reads it: the SLA report, which by default reads only runs whose
+# latest status is 'done', plus runs without any catalog row, e.g. data loaded by tools).
+# - ReplacingMergeTree(version) ORDER BY (experiment, run_id): the row with the largest version is
+#   a run's current status; SampleStore.runs reads it with argMax (no FINAL needed, and exact even
+#   before a merge). record_run ranks terminal statuses above 'running', so a delayed retry of the
+#   'running' row never reopens a finished run.
+# - LowCardinality(String) names and UInt64 times work on 18.16 and chDB alike.
+RUNS_TABLE = "runs"
+RUN_STATUSES = ("running", "done", "cancelled", "failed")
+
+CREATE_RUNS = f"""
+CREATE TABLE IF NOT EXISTS {RUNS_TABLE} (
+    run_id UInt64,
+    experiment LowCardinality(String),
+    mode LowCardinality(String),
+    source LowCardinality(String),
+    status LowCardinality(String),
+    started_ms UInt64,
+    finished_ms UInt64,
+    version UInt64
+)
+ENGINE = ReplacingMergeTree(version)
+ORDER BY (experiment, run_id)
+""".strip()
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "create samples", (CREATE_SAMPLES_TABLE,)),
     Migration(
@@ -265,6 +291,7 @@ MIGRATIONS: tuple[Migration, ...] = (
             CREATE_ROLLUP_VALUES,
         ),
     ),
+    Migration(3, "run catalog", (CREATE_RUNS,)),
 )
 
 

@@ -17,6 +17,7 @@ Result shapes (what the report reads):
 - p99 over time: {variant: [(bucket start unix s, n, p99)]};
 - mirror pairs: {"cells": {both_hit, control_only, variant_only, both_miss}, "diff_values",
   "diff_counts"};
+- failures: {variant: {outcome: {"n", "http_status", "example"}}} of the requests not 'ok';
 - data version: ((run_id, rows, sum(recorded_ms), max(recorded_ms)), ...) in run order.
 """
 
@@ -67,6 +68,8 @@ class SampleReader(Protocol):
     def p99_over_time(self, f: Filters, bucket_s: int) -> dict[str, list[tuple[int, int, float]]]: ...
 
     def mirror_pairs(self, f: Filters, slo: Slo, control: str, variant: str) -> dict[str, Any]: ...
+
+    def failures(self, f: Filters) -> dict[str, dict[str, dict[str, Any]]]: ...
 
     def data_version(self, experiment: str) -> DataVersion: ...
 

@@ -49,6 +49,8 @@ def report_scope(store: Any, f: Filters, slo: Slo, version: DataVersion | None =
         live = RawReader(store).signature(f.experiment, f.run_id)
     else:
         live = {r: (n, total) for r, n, total, _ in version if f.run_id is None or r == f.run_id}
+    if f.runs is not None:  # the runs the report chose (analysis.runs)
+        live = {r: sig for r, sig in live.items() if r in f.runs}
     if not live:
         return None
     cond, params = where(Filters(f.experiment, run_id=f.run_id))
@@ -179,6 +181,10 @@ class MergedReader:
         # more than one, so they are counted over all the samples in scope
         users = None if self.scope.live else self.rollup.srm_users(f)
         return self.raw.srm_users(f) if users is None else users
+
+    def failures(self, f: Filters) -> dict[str, dict[str, dict[str, Any]]]:
+        """From the samples: a rollup keeps no error classes (the failed rows are few)."""
+        return self.raw.failures(f)
 
     def p99_over_time(self, f: Filters, bucket_s: int) -> dict[str, list[tuple[int, int, float]]]:
         return self.rollup.p99_over_time(f, bucket_s, self._live(f))

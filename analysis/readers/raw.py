@@ -229,6 +229,20 @@ class RawReader:
         sql = f"SELECT config_revision AS rev, variant, {DISTINCT_USERS} AS users {fw} GROUP BY rev, variant"
         return [{"rev": int(r), "variant": v, "n": int(n)} for r, v, n in self.store.query(sql, params)]
 
+    def failures(self, f: Filters) -> dict[str, dict[str, dict[str, Any]]]:
+        """{variant: {outcome: {"n", "http_status", "example"}}} of the failed requests (outcome
+        other than 'ok'): what broke, by error class, with one HTTP status and error message."""
+        fw, params = from_where(f, ["outcome != 'ok'"])
+        sql = f"SELECT variant, outcome, count(), any(http_status), any(error) {fw} GROUP BY variant, outcome"
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        for v, outcome, n, status, example in self.store.query(sql, params):
+            out.setdefault(v, {})[str(outcome)] = {
+                "n": int(n),
+                "http_status": int(status),
+                "example": str(example),
+            }
+        return out
+
     # 4. p99 TTFT per time bucket (chart)
 
     def p99_over_time(self, f: Filters, bucket_s: int) -> dict[str, list[tuple[int, int, float]]]:
@@ -299,6 +313,19 @@ class RawReader:
             params,
         )
         return tuple((int(r), int(n), int(total), int(newest)) for r, n, total, newest in rows)
+
+    def run_modes(self, experiment: str) -> dict[int, str]:
+        """{run_id: mode} of an experiment's runs from their samples (the mode with the most rows;
+        a run has one). For runs without a run catalog row (analysis.runs)."""
+        pre, _conds, params = conditions_of(experiment)
+        rows = self.store.query(
+            f"SELECT run_id, mode, count() FROM {SAMPLES} PREWHERE {pre} GROUP BY run_id, mode", params
+        )
+        out: dict[int, tuple[int, str]] = {}
+        for run_id, mode, n in rows:
+            if int(n) > out.get(int(run_id), (-1, ""))[0]:
+                out[int(run_id)] = (int(n), str(mode))
+        return {r: m for r, (_n, m) in out.items()}
 
     def signature(self, experiment: str, run_id: int | None = None) -> dict[int, tuple[int, int]]:
         """{run_id: (rows, sum(recorded_ms))} of the samples of an experiment (or of one run)."""

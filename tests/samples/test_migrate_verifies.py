@@ -20,15 +20,15 @@ KINDS = ("chdb", "server")
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_recorded_migration_whose_table_is_gone_is_repaired(make_store, make_rows, kind):
     store = make_store(kind)
-    assert store.migrate() == [1, 2]
+    assert store.migrate() == [1, 2, 3]
     store.execute(f"DROP TABLE {schema.SAMPLES_TABLE}")
     store.execute(f"DROP TABLE {schema.ROLLUP_HIST_TABLE}")
-    assert [m["applied"] for m in store.migration_status()] == [True, True]  # the record still says so
+    assert [m["applied"] for m in store.migration_status()] == [True, True, True]  # the record still says so
     assert store.migrate() == [1, 2]  # both re-applied: their tables were missing
     assert store.insert_samples(make_rows(3)) == 3
     assert store.count(7) == 3
     assert store.query(f"SELECT count() FROM {schema.ROLLUP_HIST_TABLE}") == [(0,)]
-    assert store.query(f"SELECT count() FROM {schema.MIGRATIONS_TABLE}") == [(2,)]  # not recorded twice
+    assert store.query(f"SELECT count() FROM {schema.MIGRATIONS_TABLE}") == [(3,)]  # not recorded twice
     assert store.migrate() == []
 
 
@@ -56,3 +56,35 @@ def test_the_check_reads_every_declared_table_and_column():
     assert declared[schema.SAMPLES_TABLE] == [(c.name, c.ch_type) for c in columns.COLUMNS]
     rollups = schema.declared_tables(schema.MIGRATIONS[1])
     assert set(rollups) == {schema.ROLLUP_BUILDS_TABLE, schema.ROLLUP_VALUES_TABLE, *schema.ROLLUP_TABLES}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_run_catalog_table_is_verified_like_the_others(make_store, kind):
+    store = make_store(kind)
+    store.migrate()
+    store.record_run(5, "exp", "split", "done")
+    store.execute(f"DROP TABLE {schema.RUNS_TABLE}")
+    assert store.migrate() == [3]  # re-created: the catalog was gone
+    assert store.runs("exp") == []
+    store.record_run(5, "exp", "split", "done")
+    assert [r["status"] for r in store.runs("exp")] == ["done"]
+    store.execute(f"DROP TABLE {schema.RUNS_TABLE}")
+    store.execute(
+        f"CREATE TABLE {schema.RUNS_TABLE} (run_id UInt32, experiment String) ENGINE = MergeTree ORDER BY run_id"
+    )
+    with pytest.raises(SchemaMismatch) as err:
+        store.migrate()
+    msg = str(err.value)
+    assert f"table {store.database}.runs" in msg and "migration 3 ('run catalog')" in msg
+    assert "run_id: UInt64 expected, UInt32 found" in msg and "missing column(s) ['mode'" in msg
+    assert "experiment: LowCardinality(String) expected, String found" in msg
+
+
+def test_the_run_catalog_declares_its_columns():
+    assert schema.declared_tables(schema.MIGRATIONS[2]) == {
+        schema.RUNS_TABLE: [
+            ("run_id", "UInt64"), ("experiment", "LowCardinality(String)"), ("mode", "LowCardinality(String)"),
+            ("source", "LowCardinality(String)"), ("status", "LowCardinality(String)"),
+            ("started_ms", "UInt64"), ("finished_ms", "UInt64"), ("version", "UInt64"),
+        ]
+    }  # fmt: skip

@@ -14,10 +14,10 @@ from tests.samples.conftest import sample_row
 def test_migrate_applies_once_and_is_idempotent(make_store):
     for kind in ("chdb", "server"):
         store = make_store(kind)
-        assert store.migrate() == [1, 2]
+        assert store.migrate() == [1, 2, 3]
         assert store.migrate() == []
-        assert store.query(f"SELECT count() FROM {schema.MIGRATIONS_TABLE}") == [(2,)]
-        assert [m["applied"] for m in store.migration_status()] == [True, True]
+        assert store.query(f"SELECT count() FROM {schema.MIGRATIONS_TABLE}") == [(3,)]
+        assert [m["applied"] for m in store.migration_status()] == [True, True, True]
 
 
 def test_migrated_table_has_exactly_the_declared_columns_and_types(store):

@@ -1,11 +1,15 @@
 """python manage.py sla_report KEY [--run ID] [--since T] [--until T] [--variant V ...]
-[--json] [--csv DIR]
+[--status S ...] [--mode split|mirror] [--json] [--csv DIR]
+
+By default the report reads completed runs of one mode (the latest completed run's); --status
+reads runs of other catalog statuses too (running, cancelled, failed, or all), labelled, and
+--mode picks the mode. An unknown --run is an error naming the experiment's runs.
 
 Default output is a readable table. --json prints the report dict, the stable shape documented
 in docs/report-json.md (the same JSON as GET /api/experiments/KEY/report):
 
     {"schema_version": 1, "experiment": {"key", "name", "control", "sla": {...}},
-     "filters": {...}, "window": {...}, "banners": [str], "srm": {...},
+     "filters": {...}, "window": {...}, "runs": {...}, "banners": [str], "srm": {...},
      "variants": [{"key", "control", "n", "errors", "error_rate", "hits",
                    "attainment": {"estimate", "lo", "hi", "conf"}, "goodput_rps",
                    "verdict": {...}, "percentiles": {metric: [{"q", "label", "n", "value",
@@ -18,7 +22,6 @@ in docs/report-json.md (the same JSON as GET /api/experiments/KEY/report):
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 
@@ -39,6 +42,14 @@ class Command(BaseCommand):
         parser.add_argument("--since", help="ISO date-time (UTC when no zone), inclusive")
         parser.add_argument("--until", help="ISO date-time (UTC when no zone), exclusive")
         parser.add_argument("--variant", action="append", default=[], help="repeatable")
+        parser.add_argument(
+            "--status",
+            action="append",
+            default=[],
+            help="run statuses to read besides the default (done): running, done, cancelled, failed, "
+            "or all; repeatable or comma-separated",
+        )
+        parser.add_argument("--mode", choices=["split", "mirror"], help="read runs of this mode")
         parser.add_argument("--json", action="store_true", help="print the report JSON")
         parser.add_argument("--csv", metavar="DIR", help="write one CSV per table into DIR")
 
@@ -47,21 +58,17 @@ class Command(BaseCommand):
             experiment = Experiment.objects.get(key=opts["key"])
         except Experiment.DoesNotExist:
             raise CommandError(f"no experiment with key {opts['key']!r}") from None
-        params = {k: opts[k] or "" for k in ("since", "until")} | {"run": opts["run"] or ""}
+        params = {k: opts[k] or "" for k in ("since", "until", "mode")} | {"run": opts["run"] or ""}
         try:
-            _filters, report = report_for_params(experiment, params, opts["variant"])
+            _filters, report = report_for_params(experiment, params, opts["variant"], opts["status"])
         except QueryError as e:
             raise CommandError(str(e)) from None
         if opts["csv"]:
             out = Path(opts["csv"])
             out.mkdir(parents=True, exist_ok=True)
             for table in tables.TABLES:
-                rows = tables.rows(report, table)
                 with open(out / f"{table}.csv", "w", newline="") as f:
-                    if rows:
-                        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-                        w.writeheader()
-                        w.writerows(rows)
+                    tables.write_csv(f, report, table)
         if opts["json"]:
             self.stdout.write(json.dumps(report, indent=2, allow_nan=False))
             return
@@ -72,13 +79,26 @@ def _f(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+SLO_LABELS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "end-to-end"))
+
+
+def slo_text(sla) -> str:
+    """Every SLO a request must meet, e.g. "TTFT < 200 ms, TPOT < 50 ms" (attainment applies
+    them all)."""
+    return ", ".join(f"{label} < {sla[k]:g} ms" for k, label in SLO_LABELS if sla.get(k) is not None)
+
+
 def render_text(report) -> str:
     exp = report["experiment"]
     sla = exp["sla"]
+    runs = report.get("runs") or {}
+    read = ", ".join(f"{r['run_id']} ({r['status']})" for r in runs.get("read", [])) or "none"
     lines = [
-        f"{exp['name']} ({exp['key']}): TTFT < {sla['ttft_ms']:g} ms for {sla['target']:.2%}"
+        f"{exp['name']} ({exp['key']}): {slo_text(sla)} for {sla['target']:.2%}"
         f" of requests; control {exp['control']}",
+        f"runs read: {read}; mode {runs.get('mode') or '-'} ({runs.get('mode_source', '-')})",
     ]
+    lines += [f"   {note}" for note in runs.get("notes", [])]
     lines += [f"!! {b}" for b in report["banners"]]
     head = f"{'variant':<14}{'n':>9}{'errors':>8}{'attainment [95% CI]':>28}{'p99 TTFT ms':>14}"
     head += f"{'Δ vs control (p Holm)':>28}  verdict"
@@ -97,6 +117,12 @@ def render_text(report) -> str:
         lines.append(
             f"{e['key']:<14}{e['n']:>9}{e['errors']:>8}{att:>28}{_f(p99, '.1f'):>14}{comp:>28}  {verdict}"
         )
+    failed = [(e["key"], o, f) for e in report["variants"] for o, f in sorted(e.get("failures", {}).items())]
+    if failed:
+        lines += ["", "Failures by error class:"]
+        lines += [
+            f"  {v:<12}{o:<20}{f['n']:>8}  HTTP {f['http_status']}  {f['example'][:80]}" for v, o, f in failed
+        ]
     lines += ["", "Percentiles (ms, [95% CI]) of successful requests:"]
     for e in report["variants"]:
         for metric, ests in e["percentiles"].items():
