@@ -37,12 +37,30 @@ class Arrival:
             problems.append(f"cv must be > 0, got {self.cv}")
         if self.mode == "closed" and self.concurrency < 1:
             problems.append(f"concurrency must be >= 1 for closed-loop arrivals, got {self.concurrency}")
+        # Options that the chosen process ignores are contradictions, never silently dropped
+        # (the defaults, rate 0, speed 1 and cv 1, mean "not given").
+        if self.rate and self.mode not in ("poisson", "gamma"):
+            problems.append(
+                f"rate applies to poisson or gamma arrivals, not {self.mode}; add --arrival poisson"
+            )
+        if self.speed != 1.0 and self.mode != "recorded":
+            problems.append(f"speed applies to recorded arrivals, not {self.mode}; use rate for {self.mode}")
+        if self.cv != 1.0 and self.mode != "gamma":
+            problems.append(
+                f"cv applies to gamma arrivals, not {self.mode} (poisson gaps have cv 1); use --arrival gamma"
+            )
         if problems:
             raise ValueError("; ".join(problems))
 
     @property
     def open_loop(self) -> bool:
         return self.mode != "closed"
+
+    def duration_s(self, recorded: list[float]) -> float | None:
+        """How long the schedule lasts (the last send offset, in seconds); None when closed-loop
+        (it lasts as long as the requests take)."""
+        offsets = self.offsets(recorded)
+        return None if offsets is None else max(offsets, default=0.0)
 
     def offsets(self, recorded: list[float]) -> list[float] | None:
         """Send offsets for requests recorded at ``recorded`` seconds; None when closed-loop."""

@@ -11,7 +11,14 @@ router), one streaming client per variant, a sink for rows and a cancel probe.
    mid-run and the sample carries the config revision. Mirror mode: every variant at once.
 4. Requests whose id is already recorded (a redelivered shard) are not sent again.
 5. Every finished request becomes exactly one row; a request cut short by cancellation is
-   recorded with outcome "cancelled", never dropped.
+   recorded with outcome "cancelled", never dropped. Once cancelled, nothing new is sent;
+   requests in flight get ``cancel_grace_s`` to finish, then are cancelled (and recorded so).
+6. What each variant is sent follows its API (replay.shapes): a mismatch the run's options do
+   not allow is refused before anything is sent. A request the client cannot even build is
+   recorded as ``client_error`` (our fault, never the server's).
+7. The assigner may raise StopReplay (e.g. the experiment's weights were retired because it
+   was concluded): the shard stops sending and ends cancelled, with that reason. Any other
+   error of a send task is re-raised after the requests in flight were recorded.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from replay import shapes
 from replay.plan import MIRROR, SPLIT, request_id
 from replay.prompts import synth_prompt
 from replay.rows import row_from
@@ -41,6 +49,10 @@ class Streamer(Protocol):
 Assigner = Callable[[str], tuple[str, int]]  # user_id -> (variant, config revision)
 
 
+class StopReplay(Exception):  # noqa: N818 (a signal to stop, not an error of the shard)
+    """Raised by an assigner when the run must stop sending (its reason is kept in the stats)."""
+
+
 @dataclasses.dataclass
 class ShardSpec:
     experiment: str
@@ -54,6 +66,10 @@ class ShardSpec:
     attempt: int = 1
     skip_ids: frozenset[str] = frozenset()
     ignore_eos: bool = True
+    # variant -> "chat" | "completions"; None: each client's own ``api`` attribute (chat if none)
+    apis: Mapping[str, str] | None = None
+    render_chat: str = "reject"  # chat messages for completions variants: reject | plain
+    wrap_prompt: bool = False  # prompt lines for chat variants: one user message when True
     worker: str = dataclasses.field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
 
     def __post_init__(self):
@@ -75,6 +91,7 @@ class ShardStats:
     outcomes: Counter = dataclasses.field(default_factory=Counter)
     lags_ms: list[float] = dataclasses.field(default_factory=list)
     cancelled: bool = False
+    stop_reason: str = ""  # why the shard stopped on its own (StopReplay), e.g. weights retired
 
     def lag_quantile(self, q: float) -> float:
         """The exact q-quantile (nearest rank, the project's one convention) of the schedule
@@ -88,6 +105,7 @@ class ShardStats:
             "recorded": self.recorded, "not_sent": self.not_sent, "outcomes": dict(self.outcomes),
             "lag_p50_ms": round(self.lag_quantile(0.5), 3), "lag_p99_ms": round(self.lag_quantile(0.99), 3),
             "lag_max_ms": round(max(self.lags_ms, default=0.0), 3), "cancelled": self.cancelled,
+            "stop_reason": self.stop_reason,
         }  # fmt: skip
 
 
@@ -96,7 +114,7 @@ class ShardRunner:
                  put_row: Callable[[dict], None], *, should_cancel: Callable[[], bool] | None = None,
                  revision: Callable[[], int] | None = None,
                  on_progress: Callable[[ShardStats], None] | None = None,
-                 progress_interval_s: float = 1.0):  # fmt: skip
+                 progress_interval_s: float = 1.0, cancel_grace_s: float = 2.0):  # fmt: skip
         if spec.mode == SPLIT and assign is None:
             raise ValueError("split mode needs an assigner (the router)")
         missing = [v for v in spec.variants if v not in clients]
@@ -107,9 +125,17 @@ class ShardRunner:
         self.revision = revision or (lambda: 0)
         self.on_progress = on_progress
         self.progress_interval_s = progress_interval_s
+        self.cancel_grace_s = cancel_grace_s
+        self.apis = dict(spec.apis) if spec.apis is not None else {
+            v: getattr(clients[v], "api", shapes.CHAT) for v in spec.variants
+        }  # fmt: skip
+        # Decided before anything is sent: every request must fit every variant's API.
+        shapes.check(spec.requests, {v: self.apis[v] for v in spec.variants},
+                     render_chat=spec.render_chat, wrap_prompt=spec.wrap_prompt)  # fmt: skip
         self.stats = ShardStats(planned=len(spec.requests))
         self._in_flight = 0
         self._cancel = asyncio.Event()
+        self._error: BaseException | None = None
 
     async def run(self) -> ShardStats:
         spec = self.spec
@@ -134,20 +160,79 @@ class ShardRunner:
                         break
                     except TimeoutError:
                         pass
-                await slots.acquire()
+                if not await self._acquire(slots):  # cancelled while waiting for a slot
+                    self.stats.not_sent += len(spec.requests) - i
+                    break
                 if spec.offsets is None:
                     planned = time.perf_counter()  # closed loop: sent when a slot frees
                 task = asyncio.create_task(self._send(req, planned, start_mono, prepared))
                 tasks.add(task)
-                task.add_done_callback(lambda t: (tasks.discard(t), slots.release()))
-            if tasks:
-                await asyncio.gather(*tasks)
+                task.add_done_callback(lambda t: self._done(t, tasks, slots))
+            await self._drain(tasks)
         finally:
             watcher.cancel()
             if self.on_progress:
                 await asyncio.to_thread(self.on_progress, self.stats)
         self.stats.cancelled = self._cancel.is_set()
+        if self._error is not None:
+            raise self._error
         return self.stats
+
+    async def _acquire(self, slots: asyncio.Semaphore) -> bool:
+        """Take a slot: True holding one, False holding none when cancelled first (a full
+        closed loop must not keep sending after a cancel just because a slot freed)."""
+        if self._cancel.is_set():
+            return False
+        if not slots.locked():
+            await slots.acquire()  # free: returns at once, no task needed on the common path
+            return True
+        acquire = asyncio.ensure_future(slots.acquire())
+        stop = asyncio.ensure_future(self._cancel.wait())
+        await asyncio.wait({acquire, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not acquire.done():
+            acquire.cancel()
+        try:
+            held = await acquire
+        except asyncio.CancelledError:
+            held = False
+        if held and self._cancel.is_set():
+            slots.release()
+            return False
+        return bool(held)
+
+    def _done(self, task: asyncio.Task, tasks: set, slots: asyncio.Semaphore) -> None:
+        """Every send task's end: free its slot and retrieve its exception (never left for the
+        loop to print as "Task exception was never retrieved")."""
+        tasks.discard(task)
+        slots.release()
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            return
+        if isinstance(exc, StopReplay):
+            self.stats.not_sent += 1  # the request whose assignment stopped the shard
+            self.stats.stop_reason = self.stats.stop_reason or str(exc)
+        elif self._error is None:
+            self._error = exc
+        self._cancel.set()
+
+    async def _drain(self, tasks: set[asyncio.Task]) -> None:
+        """Wait for the requests in flight; once cancelled, give them ``cancel_grace_s`` and then
+        cancel the rest (each is recorded with outcome "cancelled")."""
+        while tasks:
+            if not self._cancel.is_set():
+                cancelled = asyncio.ensure_future(self._cancel.wait())
+                await asyncio.wait({*tasks, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+                cancelled.cancel()
+                continue
+            _done, pending = await asyncio.wait(set(tasks), timeout=self.cancel_grace_s)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
+            return
 
     async def _watch_cancel(self) -> None:
         while True:
@@ -170,20 +255,26 @@ class ShardRunner:
         self.stats.skipped_recorded += (1 if spec.mode == SPLIT else len(spec.variants)) - len(targets)
         if not targets:
             return
-        prompt, prompt_tokens, estimated = prepared
+        payloads, prompt_tokens, estimated = prepared
         await asyncio.gather(*(
-            self._one(req, variant, rid, revision, planned, start_mono, prompt, prompt_tokens, estimated)
+            self._one(req, variant, rid, revision, planned, start_mono, payloads.get(self.apis.get(variant)),
+                      prompt_tokens, estimated)
             for variant, rid in targets
         ))  # fmt: skip
 
-    @staticmethod
-    def _prompt(req: TraceRequest) -> tuple[Any, int, bool]:
-        if req.messages is not None:
-            return list(req.messages), 0, True
-        if req.prompt is not None:
-            return req.prompt, 0, True
-        text, estimated = synth_prompt(req.seq, req.prompt_tokens)
-        return text, req.prompt_tokens, estimated
+    def _prompt(self, req: TraceRequest) -> tuple[dict[str, Any], int, bool]:
+        """What each API is sent for ``req`` ({api: payload}, replay.shapes), its prompt token
+        count when the replay knows it, and whether that count is an estimate."""
+        text, tokens, estimated = None, 0, True
+        if req.messages is None and req.prompt is None:
+            text, estimated = synth_prompt(req.seq, req.prompt_tokens)
+            tokens = req.prompt_tokens
+        spec = self.spec
+        payloads = {
+            api: shapes.payload(req, text, api, render_chat=spec.render_chat, wrap_prompt=spec.wrap_prompt)
+            for api in set(self.apis.values())
+        }
+        return payloads, tokens, estimated
 
     async def _one(self, req, variant, rid, revision, planned, start_mono, prompt, prompt_tokens, estimated):
         spec = self.spec
@@ -205,9 +296,10 @@ class ShardRunner:
         except StreamCancelled as exc:
             result = exc.result
             result.outcome = Outcome.CANCELLED
-        except Exception as exc:  # a client bug must still leave a sample, never a gap
-            result = StreamResult(outcome=Outcome.MALFORMED, error=f"client error: {type(exc).__name__}: {exc}",
-                                  request_id=rid)  # fmt: skip
+        except Exception as exc:  # our own failure must still leave a sample, never a gap
+            # Not the server's fault: its own class, kept out of the server-fault outcomes.
+            result = StreamResult(outcome=Outcome.CLIENT_ERROR,
+                                  error=f"client error: {type(exc).__name__}: {exc}", request_id=rid)  # fmt: skip
         finally:
             self._in_flight -= 1
         # The request's clock may start after the call: a new connection waits its turn in a

@@ -33,6 +33,7 @@ class TraceRequest:
     messages: tuple[dict, ...] | None = None  # chat text given by a JSONL log
     prompt: str | None = None  # completions text given by a JSONL log
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    line: int = 0  # line number in the source (1-based), for messages naming a request; 0: unknown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,15 @@ class SourceError(ValueError):
         shown = "; ".join(str(p) for p in problems[:10])
         more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
         super().__init__(f"{source}: {len(problems)} malformed line(s): {shown}{more}")
+
+
+class SourceFileError(SourceError):
+    """The source file itself cannot be read (missing, a directory, unreadable, not UTF-8):
+    not a malformed line, so the message names the path and what is wrong with it."""
+
+    def __init__(self, path: str | Path, reason: str):
+        self.source, self.problems = str(path), []
+        ValueError.__init__(self, f"{path}: cannot read: {reason}")
 
 
 @dataclasses.dataclass
@@ -112,13 +122,13 @@ def read_azure(lines: Iterable[str], *, population: UserPopulation, name: str = 
             problems.append(Problem(lineno, str(exc)))
             continue
         user = population.user_for(seq)
-        rows.append((at, seq, _azure_builder(seq, user, context, generated)))
+        rows.append((at, seq, _azure_builder(seq, user, context, generated, lineno)))
         seq += 1
     return _finish(name, "azure", rows, problems, on_error)
 
 
-def _azure_builder(seq: int, user: str, context: int, generated: int):
-    return lambda offset: TraceRequest(seq, offset, user, context, generated)
+def _azure_builder(seq: int, user: str, context: int, generated: int, line: int):
+    return lambda offset: TraceRequest(seq, offset, user, context, generated, line=line)
 
 
 def _check_on_error(on_error: str) -> None:
@@ -195,7 +205,7 @@ def read_jsonl(lines: Iterable[str], *, population: UserPopulation, name: str = 
             problems.append(Problem(lineno, str(exc)))
             continue
         req = dict(seq=seq, user_id=str(user), prompt_tokens=0, max_tokens=max_tokens,
-                   messages=messages, prompt=prompt, metadata=metadata)  # fmt: skip
+                   messages=messages, prompt=prompt, metadata=metadata, line=lineno)  # fmt: skip
         rows.append((at, seq, lambda offset, req=req: TraceRequest(offset_s=offset, **req)))
         seq += 1
     return _finish(name, "jsonl", rows, problems, on_error)
@@ -206,12 +216,19 @@ def load_source(path: str | Path, fmt: str, *, population: UserPopulation, on_er
     path = Path(path)
     if fmt not in ("azure", "jsonl"):
         raise ValueError(f"format must be azure or jsonl, got {fmt!r}")
+    # A missing or unreadable file is not a malformed line: say what is wrong with the path.
+    if not path.exists():
+        raise SourceFileError(path, "no such file (the path as this process sees it)")
+    if path.is_dir():
+        raise SourceFileError(path, "a directory, not a trace or log file")
     try:
         with path.open(encoding="utf-8", newline="") as fh:
             reader = read_azure if fmt == "azure" else read_jsonl
             loaded = reader(fh, population=population, name=str(path), on_error=on_error)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SourceError(str(path), [Problem(0, f"cannot read: {exc}")]) from None
+    except OSError as exc:
+        raise SourceFileError(path, exc.strerror or str(exc)) from None
+    except UnicodeDecodeError as exc:
+        raise SourceFileError(path, f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     if limit is not None:
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")

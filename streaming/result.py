@@ -14,7 +14,8 @@ from enum import StrEnum
 
 
 class Outcome(StrEnum):
-    """How a request ended. Every value but OK counts as a miss against the SLA."""
+    """How a request ended. Every value but OK counts as a miss against the SLA, except
+    CLIENT_ERROR, which says the replay (not the server) failed the request."""
 
     OK = "ok"
     HTTP_4XX = "http_4xx"
@@ -29,6 +30,10 @@ class Outcome(StrEnum):
     ENGINE_ERROR = "engine_error"  # vLLM's in-stream error: HTTP 200 then data: {"error": ...}
     TOTAL_TIMEOUT = "total_timeout"
     CANCELLED = "cancelled"
+    # Our own fault: the request could not be built or handed to the client (a bug or a
+    # request-shape mismatch that escaped the replay's preflight). Never the server's fault, so
+    # the report must keep it out of server-fault classes; it still leaves one sample.
+    CLIENT_ERROR = "client_error"
 
 
 @dataclasses.dataclass(slots=True)

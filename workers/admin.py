@@ -26,6 +26,19 @@ class StartReplayForm(forms.Form):
     limit = forms.IntegerField(required=False, min_value=1)
     sample_fraction = forms.FloatField(initial=1.0, min_value=0.0001, max_value=1.0)
     skip_malformed = forms.BooleanField(required=False)
+    render_chat = forms.ChoiceField(
+        choices=[("reject", "reject"), ("plain", "plain")], initial="reject", required=False,
+        help_text="chat messages for completions variants: reject, or render as plain text",
+    )  # fmt: skip
+    wrap_prompt = forms.BooleanField(
+        required=False, help_text="prompt lines to chat variants as one user message"
+    )
+    max_duration = forms.FloatField(
+        required=False, min_value=0.001, help_text="seconds; default: setting REPLAY_MAX_DURATION_S (2 h)"
+    )
+    confirm = forms.BooleanField(
+        required=False, help_text="start even if the plan exceeds the maximum duration"
+    )
 
     def clean(self):
         data = super().clean()
@@ -56,7 +69,7 @@ class ReplayShardInline(admin.TabularInline):
 def cancel_replays(modeladmin, request, queryset):
     for run in queryset:
         if cancel_run(run, actor=request.user):
-            modeladmin.message_user(request, f"run {run.pk}: cancelling", messages.SUCCESS)
+            modeladmin.message_user(request, f"run {run.pk}: {run.status}", messages.SUCCESS)
         else:
             modeladmin.message_user(request, f"run {run.pk}: already {run.status}", messages.WARNING)
 
@@ -93,7 +106,8 @@ class ReplayRunAdmin(admin.ModelAdmin):
                     d["experiment"], source=d["source"], source_format=d["source_format"], mode=d["mode"],
                     arrival=d["arrival_obj"], limit=d["limit"], concurrency=d["concurrency"],
                     on_malformed="skip" if d["skip_malformed"] else "reject",
-                    sample_fraction=d["sample_fraction"], actor=request.user,
+                    sample_fraction=d["sample_fraction"], actor=request.user, render_chat=d["render_chat"] or "reject",
+                    wrap_prompt=d["wrap_prompt"], max_duration_s=d["max_duration"], confirm=d["confirm"],
                 )  # fmt: skip
             except ReplayError as exc:
                 form.add_error(None, str(exc))

@@ -47,6 +47,19 @@ class ReplayCreateSerializer(serializers.Serializer):
     shards = serializers.IntegerField(required=False, min_value=1, max_value=256, allow_null=True)
     on_malformed = serializers.ChoiceField(choices=["reject", "skip"], default="reject")
     seed = serializers.IntegerField(default=0)
+    render_chat = serializers.ChoiceField(
+        choices=["reject", "plain"], default="reject",
+        help_text="chat messages for completions variants: reject, or render as plain text (replay/shapes.py)",
+    )  # fmt: skip
+    wrap_prompt = serializers.BooleanField(
+        default=False, help_text="prompt lines to chat variants as one user message"
+    )
+    max_duration = serializers.FloatField(
+        required=False, min_value=0.001, allow_null=True,
+        help_text="seconds; refuse a longer planned schedule (default: setting REPLAY_MAX_DURATION_S, 2 h)",
+    )  # fmt: skip
+    confirm = serializers.BooleanField(default=False, help_text="start even if the plan exceeds max_duration")
+    preflight = serializers.BooleanField(default=True, help_text="probe each variant's GET /v1/models first")
 
 
 class ReplayRunSerializer(serializers.ModelSerializer):
@@ -58,7 +71,8 @@ class ReplayRunSerializer(serializers.ModelSerializer):
         model = ReplayRun
         fields = [
             "id", "experiment", "status", "mode", "source", "source_format", "arrival", "limit", "sample_fraction",
-            "concurrency", "shard_count", "on_malformed", "population_seed", "cancel_requested",
+            "concurrency", "shard_count", "on_malformed", "render_chat", "wrap_prompt", "population_seed",
+            "cancel_requested",
             "started_by", "created_at", "started_at", "finished_at", "total_requests",
             "expected_samples", "samples_recorded", "skipped_lines", "outcomes", "error", "progress",
         ]  # fmt: skip
@@ -92,7 +106,9 @@ class ReplayListView(generics.ListAPIView):
                 arrival=Arrival(**data.get("arrival", {})), limit=data.get("limit"),
                 concurrency=data["concurrency"], shard_count=data.get("shards"),
                 on_malformed=data["on_malformed"], population_seed=data["seed"],
-                sample_fraction=data["sample"], actor=request.user,
+                sample_fraction=data["sample"], actor=request.user, render_chat=data["render_chat"],
+                wrap_prompt=data["wrap_prompt"], max_duration_s=data.get("max_duration"),
+                confirm=data["confirm"], check_variants=data["preflight"],
             )  # fmt: skip
         except ReplayError as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
@@ -107,6 +123,9 @@ class ReplayDetailView(generics.RetrieveAPIView):
 
 
 class ReplayCancelView(APIView):
+    """Cancel a run in whatever state: queued and abandoned runs (owner died) end at once,
+    running ones within about a second; 409 only for a run that had already ended."""
+
     permission_classes = [CanOperate]
 
     @extend_schema(request=None, responses=ReplayRunSerializer)

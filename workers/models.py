@@ -34,6 +34,13 @@ class ReplayRun(models.Model):
         max_length=8, default="reject", choices=[("reject", "reject"), ("skip", "skip")]
     )
     mode = models.CharField(max_length=8, choices=Mode.choices, default=Mode.SPLIT)
+    render_chat = models.CharField(
+        max_length=8, default="reject", choices=[("reject", "reject"), ("plain", "plain")],
+        help_text="chat messages for completions variants: reject the run, or render as plain text",
+    )  # fmt: skip
+    wrap_prompt = models.BooleanField(
+        default=False, help_text="prompt lines for chat variants: send each as one user message"
+    )
     arrival = models.JSONField(
         default=dict, help_text="arrival process: mode, speed, rate, cv, concurrency, seed"
     )

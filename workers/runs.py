@@ -7,22 +7,79 @@ Imports flow one way inside workers: api, admin, commands -> runs -> tasks -> sh
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
+import logging
 from pathlib import Path
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
 
 from experiments import audit
 from experiments.models import Experiment
+from replay import shapes
 from replay.arrivals import Arrival
 from replay.plan import expected_samples
 from replay.sources import SourceError, load_requests
+from samples.store import StoreUnavailable
+from workers import preflight
 from workers.models import ReplayRun, ReplayShard
-from workers.tasks import start_replay
+from workers.tasks import LEASE_S, complete_run, start_replay
+
+log = logging.getLogger(__name__)
+
+# A planned schedule longer than this is refused unless confirmed (a log stamped in epoch
+# milliseconds read as seconds would otherwise run for days). Setting: REPLAY_MAX_DURATION_S.
+DEFAULT_MAX_DURATION_S = 2 * 3600.0
 
 
 class ReplayError(ValueError):
     """A replay that cannot start; nothing was created or sent."""
+
+
+def human_duration(seconds: float) -> str:
+    """3725 -> '1 h 2 min'; 90061 -> '1 d 1 h'; 42.5 -> '42.5 s'."""
+    if seconds < 60:
+        return f"{seconds:.3g} s"
+    minutes = int(seconds // 60)
+    if minutes < 60:
+        return f"{minutes} min {int(seconds % 60)} s"
+    hours = minutes // 60
+    if hours < 24:
+        return f"{hours} h {minutes % 60} min"
+    return f"{hours // 24} d {hours % 24} h"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a replay is about to do, shown before it starts."""
+
+    requests: int
+    samples: int
+    duration_s: float | None  # None: closed loop (as long as the requests take)
+    arrival: Arrival
+
+    @property
+    def rate(self) -> float | None:
+        if self.duration_s is None:
+            return None
+        return self.requests / self.duration_s if self.duration_s > 0 else float("inf")
+
+    def __str__(self) -> str:
+        a = self.arrival
+        how = {"recorded": f"recorded arrivals x{a.speed:g}", "poisson": f"poisson at {a.rate:g}/s",
+               "gamma": f"gamma at {a.rate:g}/s, cv {a.cv:g}",
+               "closed": f"closed loop, {a.concurrency} in flight"}[a.mode]  # fmt: skip
+        if self.duration_s is None:
+            return f"plan: {self.requests} requests ({how}), {self.samples} samples expected"
+        rate = "all at once" if self.rate == float("inf") else f"{self.rate:.3g} requests/s on average"
+        return (f"plan: {self.requests} requests over {human_duration(self.duration_s)} ({how}; {rate}), "
+                f"{self.samples} samples expected")  # fmt: skip
+
+
+def max_duration_default() -> float:
+    return float(getattr(settings, "REPLAY_MAX_DURATION_S", DEFAULT_MAX_DURATION_S))
 
 
 def resolve_source(path: str) -> Path:
@@ -35,8 +92,16 @@ def resolve_source(path: str) -> Path:
 def create_run(experiment: Experiment, *, source: str, source_format: str = "azure", mode: str = "split",
                arrival: Arrival | None = None, limit: int | None = None, concurrency: int = 512,
                shard_count: int | None = None, on_malformed: str = "reject", population_seed: int = 0,
-               sample_fraction: float = 1.0, actor=None, enqueue: bool = True) -> ReplayRun:  # fmt: skip
-    """Validate everything, record the run and its shards, and queue it after commit."""
+               sample_fraction: float = 1.0, actor=None, enqueue: bool = True, render_chat: str = "reject",
+               wrap_prompt: bool = False, max_duration_s: float | None = None, confirm: bool = False,
+               check_variants: bool = True) -> ReplayRun:  # fmt: skip
+    """Validate everything, record the run and its shards, and queue it after commit.
+
+    Before anything is created: the source loads; every request fits every variant's API
+    (replay.shapes, with ``render_chat`` / ``wrap_prompt``); the planned schedule is at most
+    ``max_duration_s`` (default: the REPLAY_MAX_DURATION_S setting, 2 h) unless ``confirm``;
+    and (``check_variants``) every variant answers ``GET /v1/models`` listing its model
+    (workers.preflight). The plan is on the returned run as ``run.plan``."""
     arrival = arrival or Arrival()
     if experiment.status != Experiment.Status.RUNNING:
         raise ReplayError(
@@ -44,6 +109,8 @@ def create_run(experiment: Experiment, *, source: str, source_format: str = "azu
         )
     if mode not in ReplayRun.Mode.values:
         raise ReplayError(f"mode must be split or mirror, got {mode!r}")
+    if render_chat not in shapes.RENDERINGS:
+        raise ReplayError(f"render_chat must be one of {', '.join(shapes.RENDERINGS)}, got {render_chat!r}")
     if on_malformed not in ("reject", "skip"):
         raise ReplayError(f"on_malformed must be reject or skip, got {on_malformed!r}")
     if concurrency < 1:
@@ -64,13 +131,38 @@ def create_run(experiment: Experiment, *, source: str, source_format: str = "azu
                                seed=population_seed, sample_fraction=sample_fraction)  # fmt: skip
     except (SourceError, ValueError) as exc:
         raise ReplayError(str(exc)) from None
-    n_variants = experiment.variants.count()
+    variants = list(experiment.variants.order_by("position"))
+    try:
+        shapes.check(loaded.requests, {v.key: v.api for v in variants}, render_chat=render_chat,
+                     wrap_prompt=wrap_prompt)  # fmt: skip
+    except ValueError as exc:
+        raise ReplayError(str(exc)) from None
+    n_variants = len(variants)
+    plan = Plan(
+        requests=len(loaded.requests), samples=expected_samples(len(loaded.requests), mode, n_variants),
+        duration_s=arrival.duration_s([r.offset_s for r in loaded.requests]), arrival=arrival,
+    )  # fmt: skip
+    cap = max_duration_default() if max_duration_s is None else max_duration_s
+    if plan.duration_s is not None and plan.duration_s > cap and not confirm:
+        raise ReplayError(
+            f"{plan}: the planned duration exceeds the cap of {human_duration(cap)} "
+            f"(max_duration {cap:g} s); speed it up (--speed, --rate, --limit), raise the cap "
+            "(--max-duration), or confirm (--yes; API: confirm)"
+        )
+    if check_variants:
+        verify = settings.VARIANT_CA_BUNDLE or True
+        problems = preflight.check(
+            [preflight.Target(v.key, v.endpoint, v.model, v.http2) for v in variants], verify=verify
+        )
+        if problems:
+            raise ReplayError("preflight failed, nothing was sent: " + "; ".join(problems))
     with transaction.atomic():
         run = ReplayRun.objects.create(
             experiment=experiment, source=str(path), source_format=source_format, mode=mode,
             arrival=dataclasses.asdict(arrival), limit=limit, sample_fraction=sample_fraction,
             concurrency=concurrency, shard_count=shard_count,
             on_malformed=on_malformed, population_seed=population_seed,
+            render_chat=render_chat, wrap_prompt=wrap_prompt,
             started_by=actor if getattr(actor, "pk", None) else None,
             total_requests=len(loaded.requests), skipped_lines=len(loaded.skipped),
             expected_samples=expected_samples(len(loaded.requests), mode, n_variants),
@@ -82,12 +174,18 @@ def create_run(experiment: Experiment, *, source: str, source_format: str = "azu
         audit.record(actor, experiment, "replay_started", after=describe(run))
         if enqueue:
             transaction.on_commit(lambda: start_replay.delay(run.pk))
+    run.plan = plan
     return run
 
 
-def cancel_run(run: ReplayRun, actor=None) -> bool:
-    """Ask a run to stop: shards stop sending at their next check (about a second) and record
-    what they sent. Returns False when the run had already ended."""
+def cancel_run(run: ReplayRun, actor=None, *, end_abandoned: bool = True) -> bool:
+    """Cancel a run in whatever state it is; False when it had already ended.
+
+    Queued: cancelled at once. Running: shards stop sending at their next check (about a
+    second), record what they sent (requests in flight finish or are recorded as cancelled)
+    and the run ends cancelled. A run whose shards all lost their lease (its owner died: no
+    heartbeat for LEASE_S) is ended here, from the samples the store has (``end_abandoned``).
+    Flushing: ends cancelled once its samples are durable (now, or at flush_samples)."""
     with transaction.atomic():
         updated = (
             ReplayRun.objects.filter(pk=run.pk)
@@ -96,18 +194,84 @@ def cancel_run(run: ReplayRun, actor=None) -> bool:
         )
         if updated:
             ReplayRun.objects.filter(pk=run.pk, status=ReplayRun.Status.QUEUED).update(
-                status=ReplayRun.Status.CANCELLED
+                status=ReplayRun.Status.CANCELLED, finished_at=timezone.now()
             )
             audit.record(actor, run.experiment, "replay_cancelled", after={"run": run.pk})
+    if updated and end_abandoned:
+        try:
+            end_if_abandoned(run.pk)
+        except StoreUnavailable as exc:
+            log.warning("run %s: cancelled; its samples wait for the sample store: %s", run.pk, exc)
     run.refresh_from_db()
     return bool(updated)
+
+
+def stale_shards(run: ReplayRun, now=None) -> list[ReplayShard] | None:
+    """The run's open shards when every one of them lost its lease (no heartbeat for LEASE_S,
+    or never claimed LEASE_S after the run started); None when any is alive or none is open."""
+    now = now or timezone.now()
+    stale = now - dt.timedelta(seconds=LEASE_S)
+    open_shards = list(run.shards.filter(status__in=[ReplayShard.Status.PENDING, ReplayShard.Status.RUNNING]))
+    if not open_shards:
+        return None
+    for shard in open_shards:
+        beat = shard.heartbeat_at or run.started_at
+        if beat is None or beat >= stale:
+            return None
+    return open_shards
+
+
+def end_if_abandoned(run_id: int) -> bool:
+    """End a running run whose owner died (every open shard's lease expired): its open shards
+    fail as abandoned, and the run ends, cancelled if cancellation was asked for and failed
+    otherwise, with the exact counts of the samples the store has. Also ends a flushing run
+    whose samples are now durable. True when this call ended the run. Raises StoreUnavailable
+    (the run then waits in flushing for flush_samples)."""
+    run = ReplayRun.objects.filter(pk=run_id).first()
+    if run is None or run.is_final:
+        return False
+    if run.status == ReplayRun.Status.RUNNING:
+        abandoned = stale_shards(run)
+        if abandoned is None:
+            return False
+        reason = f"abandoned: its owner stopped sending heartbeats (lease {LEASE_S:g} s); partial"
+        ReplayShard.objects.filter(pk__in=[s.pk for s in abandoned]).exclude(
+            status__in=[ReplayShard.Status.DONE, ReplayShard.Status.FAILED]
+        ).update(status=ReplayShard.Status.FAILED, error=reason, finished_at=timezone.now())
+        claimed = ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.RUNNING).update(
+            status=ReplayRun.Status.FLUSHING, error=f"shard(s) {[s.index for s in abandoned]} {reason}"[:4000]
+        )
+        if not claimed:
+            return False
+        log.warning("run %s: %s", run_id, reason)
+    elif run.status != ReplayRun.Status.FLUSHING:
+        return False  # cancelling: its shards are alive and stopping
+    return complete_run(run_id, exact_shards=True)
+
+
+def reap_abandoned() -> list[int]:
+    """End every running run whose owner died (the periodic check, run by flush_samples).
+    Returns the ids ended; a store that is down leaves them flushing, logged. Eager Celery
+    only: with a broker, a dead worker's shard is redelivered and resumes (workers.tasks)."""
+    ended = []
+    if not settings.CELERY_TASK_ALWAYS_EAGER:
+        return ended
+    for run in ReplayRun.objects.filter(
+        Q(status=ReplayRun.Status.RUNNING) | Q(status=ReplayRun.Status.FLUSHING)
+    ):
+        try:
+            if end_if_abandoned(run.pk):
+                ended.append(run.pk)
+        except StoreUnavailable as exc:
+            log.warning("run %s: abandoned, its samples wait for the sample store: %s", run.pk, exc)
+    return ended
 
 
 def describe(run: ReplayRun) -> dict:
     return {
         "run": run.pk, "experiment": run.experiment.key, "status": run.status, "mode": run.mode,
         "source": run.source, "format": run.source_format, "arrival": run.arrival, "limit": run.limit,
-        "sample_fraction": run.sample_fraction,
+        "sample_fraction": run.sample_fraction, "render_chat": run.render_chat, "wrap_prompt": run.wrap_prompt,
         "total_requests": run.total_requests, "expected_samples": run.expected_samples,
         "samples_recorded": run.samples_recorded, "skipped_lines": run.skipped_lines,
         "outcomes": run.outcomes, "shards": run.shard_count, "error": run.error,

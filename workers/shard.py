@@ -15,13 +15,16 @@ from django.db import connections
 from django.utils import timezone
 
 from experiments.weights.process import live_router
+from experiments.weights.router import UnknownExperiment
 from replay.arrivals import Arrival
+from replay.calibration import calibrate_streamers
 from replay.plan import SPLIT, Shard
-from replay.runner import ShardRunner, ShardSpec, ShardStats
+from replay.runner import ShardRunner, ShardSpec, ShardStats, StopReplay
 from replay.sink import BatchSink
 from replay.sources import LoadedSource, load_requests
 from samples.factory import sample_store, sample_writer
 from streaming.client import VariantClient
+from streaming.probe import token_counter
 from workers.models import ReplayRun, ReplayShard
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,7 @@ def execute_shard(shard: ReplayShard) -> ShardStats:
         experiment=experiment.key, run_id=run.pk, mode=run.mode, requests=requests, offsets=offsets,
         start_at_unix=run.start_at_unix, concurrency=run.concurrency,
         variants=[v.key for v in variants], attempt=shard.attempts, skip_ids=frozenset(recorded),
+        apis={v.key: v.api for v in variants}, render_chat=run.render_chat, wrap_prompt=run.wrap_prompt,
     )  # fmt: skip
     # 3. The live router: a weight change in the store takes effect mid-run.
     router = live_router() if run.mode == SPLIT else None
@@ -78,7 +82,14 @@ def execute_shard(shard: ReplayShard) -> ShardStats:
             )
 
     def assign(user_id: str) -> tuple[str, int]:
-        a = router.assign(experiment.key, user_id)
+        try:
+            a = router.assign(experiment.key, user_id)
+        except UnknownExperiment:
+            # Its weights were retired (paused or concluded): stop sending, end cancelled.
+            raise StopReplay(
+                f"experiment {experiment.key!r} has no weights any more (paused or concluded): "
+                "stopped sending"
+            ) from None
         return a.variant, a.revision
 
     def revision() -> int:
@@ -111,6 +122,15 @@ def execute_shard(shard: ReplayShard) -> ShardStats:
         clients = {
             v.key: VariantClient(v.endpoint, v.model, v.api, http2=v.http2, verify=verify) for v in variants
         }
+        # Synthetic prompts of the trace's length on each variant's own tokenizer (/tokenize);
+        # a variant that cannot count gets today's estimate, flagged (replay/calibration.py).
+        clients, calibrated = await calibrate_streamers(
+            clients, requests, run_id=run.pk, mode=run.mode,
+            targets={v.key: (v.endpoint, v.model, v.api) for v in variants},
+            open_counter=lambda *target: token_counter(*target, verify=verify),
+        )  # fmt: skip
+        for c in calibrated:
+            log.info("run %s shard %s: prompts for %s: %s", run.pk, shard.index, c.variant, c)
         try:
             runner = ShardRunner(spec, clients, assign if router else None, sink.put,
                                  should_cancel=should_cancel, revision=revision, on_progress=on_progress)  # fmt: skip

@@ -10,6 +10,9 @@ do, so a redelivered message never does anything twice:
                        durable (spool flushed), counts them, ends the run and sends
                        samples.signals.replay_finished (the report's rollup is built by its
                        receiver, in dashboards; the replay does not know the report).
+
+The run catalog in the sample store (``record_run``: what the report reads by default) hears
+"running" when a run starts sending (best effort) and the final status when it ends.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ def start_replay(run_id: int) -> None:
     )
     if not claimed:
         return
+    run = ReplayRun.objects.select_related("experiment").get(pk=run_id)
+    record_catalog(run, "running")
     shard_ids = list(ReplayShard.objects.filter(run_id=run_id).values_list("index", flat=True))
     group(run_shard.si(run_id, index) for index in shard_ids).apply_async()
 
@@ -85,6 +90,10 @@ def run_shard(self, run_id: int, index: int) -> None:
         )
         ReplayRun.objects.filter(pk=run_id).update(error=f"shard {index}: {type(exc).__name__}: {exc}"[:4000])
     else:
+        if stats.stop_reason:
+            # The shard stopped on its own (e.g. the experiment was concluded and its weights
+            # retired): the run is cancelled, for that reason, not failed.
+            ReplayRun.objects.filter(pk=run_id).update(cancel_requested=True, error=stats.stop_reason[:4000])
         ReplayShard.objects.filter(pk=shard.pk).update(
             status=ReplayShard.Status.DONE, finished_at=timezone.now(),
             sent=stats.sent + stats.skipped_recorded, recorded=stats.recorded + stats.skipped_recorded,
@@ -125,9 +134,28 @@ def finish_replay(self, run_id: int) -> None:
         raise self.retry(exc=exc, countdown=min(60, 2 ** min(self.request.retries, 6))) from exc
 
 
-def complete_run(run_id: int) -> bool:
+def record_catalog(run: ReplayRun, status: str, *, strict: bool = False, **times) -> None:
+    """Tell the sample store's run catalog (samples.store record_run) the run's status. Best
+    effort unless ``strict``: a store that is down must not stop a run from starting (the
+    final status is written again when it ends, where a failure keeps it flushing)."""
+    started = run.started_at or run.created_at
+    times.setdefault("started_ms", int(started.timestamp() * 1000) if started else 0)
+    try:
+        sample_store().record_run(run.pk, run.experiment.key, run.mode, status, source="replay", **times)
+    except StoreUnavailable as exc:
+        if strict:
+            raise
+        log.warning(
+            "run %s: run catalog not updated (%s), retried when the run ends: %s", run.pk, status, exc
+        )
+
+
+def complete_run(run_id: int, *, exact_shards: bool = False) -> bool:
     """Flush the spool, check the run's samples are durable, count them and end the run.
-    Raises StoreUnavailable while the store is down; True when this call ended the run."""
+    Raises StoreUnavailable while the store is down; True when this call ended the run.
+
+    ``exact_shards``: set a single shard's counters to the store's count (a run whose owner
+    died: its last heartbeat may lag what was recorded)."""
     run = ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.FLUSHING).first()
     if run is None:
         return False
@@ -152,15 +180,21 @@ def complete_run(run_id: int) -> bool:
         )
     )
     failed = run.shards.filter(status=ReplayShard.Status.FAILED).exists()
-    if failed:
-        status = ReplayRun.Status.FAILED
-    elif run.cancel_requested:
+    # Asked to cancel wins over a failed shard: the run is partial either way, and a shard of a
+    # cancelled run may fail because of the cancel (its owner was interrupted); the error stays.
+    if run.cancel_requested:
         status = ReplayRun.Status.CANCELLED
+    elif failed:
+        status = ReplayRun.Status.FAILED
     elif recorded != run.expected_samples:
         status = ReplayRun.Status.FAILED
         run.error = f"expected {run.expected_samples} samples, the store has {recorded}"
     else:
         status = ReplayRun.Status.DONE
+    if exact_shards and run.shard_count == 1:
+        ReplayShard.objects.filter(run_id=run_id).update(sent=recorded, recorded=recorded)
+    # The catalog first: if the store fails here the run stays flushing and is retried.
+    record_catalog(run, str(status), strict=True, finished_ms=int(time.time() * 1000))
     ended = ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.FLUSHING).update(
         status=status, samples_recorded=recorded, outcomes={k: int(v) for k, v in outcomes.items()},
         finished_at=timezone.now(), error="" if status == ReplayRun.Status.DONE else run.error,

@@ -123,7 +123,8 @@ def test_bad_specs_rejected():
 
 def test_a_variant_the_experiment_lacks_is_recorded_with_the_reason(sims):
     stats, rows = run(spec_for(requests(4)), sims, assign=lambda u: ("ghost", 2))
-    assert stats.recorded == 4 and {r["outcome"] for r in rows} == {"malformed"}
+    # our own failure (issue 16, bug 2): client_error, never a server-fault class like malformed
+    assert stats.recorded == 4 and {r["outcome"] for r in rows} == {"client_error"}
     assert "router assigned variant 'ghost'" in rows[0]["error"]
 
 
@@ -157,3 +158,132 @@ def test_a_wait_before_the_request_clock_starts_counts_as_schedule_lag():
         assert r["schedule_lag_ms"] >= 50.0
         planned_unix_ms = spec.start_at_unix * 1000.0 + r["scheduled_offset_ms"]
         assert r["sent_unix_ms"] - planned_unix_ms >= 49.0  # the send time is when the clock started
+
+
+class _Recorder:
+    """A client that records what it was sent; ``hold`` makes each request wait that long (and
+    report a cancelled record when cancelled, as streaming.client does)."""
+
+    def __init__(self, api="chat", hold=0.0):
+        self.api, self.hold, self.sent = api, hold, []
+
+    async def stream(self, rid, prompt, max_tokens, extra=None):
+        from streaming.result import Outcome, StreamCancelled, StreamResult
+
+        self.sent.append(prompt)
+        try:
+            await asyncio.sleep(self.hold)
+        except asyncio.CancelledError:
+            raise StreamCancelled(StreamResult(outcome=Outcome.CANCELLED, request_id=rid)) from None
+        return StreamResult(outcome=Outcome.OK, request_id=rid, ttft_ms=1.0, e2e_ms=2.0)
+
+
+def run_fake(spec, clients, assign=None, **kw):
+    rows, unretrieved = [], []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unretrieved.append(ctx["message"]))
+        runner = ShardRunner(spec, clients, assign, rows.append, **kw)
+        try:
+            return await runner.run()
+        finally:
+            import gc
+
+            gc.collect()  # unretrieved task exceptions are reported when the task is collected
+            await asyncio.sleep(0)
+
+    return asyncio.run(main()), rows, unretrieved
+
+
+def test_mirror_sends_each_variant_the_shape_of_its_api():
+    from replay.shapes import render_plain
+
+    msgs = ({"role": "user", "content": "hi"},)
+    reqs = [TraceRequest(0, 0.0, "u", 0, 4, messages=msgs), TraceRequest(1, 0.0, "u", 12, 4)]
+    chat, comp = _Recorder("chat"), _Recorder("completions")
+    spec = spec_for(reqs, mode="mirror", render_chat="plain")
+    stats, rows, _ = run_fake(spec, {"a": chat, "b": comp})
+    assert stats.recorded == 4 and stats.outcomes == {"ok": 4}
+    assert chat.sent[0] == [{"role": "user", "content": "hi"}] and comp.sent[0] == render_plain(msgs)
+    assert isinstance(comp.sent[1], str) and chat.sent[1] == [{"role": "user", "content": comp.sent[1]}]
+
+
+def test_a_shape_mismatch_is_refused_before_anything_is_sent():
+    """issue 16, bug 2: chat messages to a completions variant were sent, failed in the client
+    and were recorded as malformed (a server fault); now nothing is sent."""
+    from replay.shapes import ShapeError
+
+    reqs = [TraceRequest(i, 0.0, "u", 0, 4, messages=({"role": "user", "content": "x"},), line=i + 1)
+            for i in range(3)]  # fmt: skip
+    comp = _Recorder("completions")
+    with pytest.raises(ShapeError, match=r"3 line\(s\) \(1, 2, 3\).*variant\(s\) b take completions"):
+        ShardRunner(spec_for(reqs, mode="mirror"), {"a": _Recorder(), "b": comp}, None, lambda r: None)
+    assert comp.sent == []
+
+
+def test_a_stop_from_the_router_stops_sending_and_leaves_no_unretrieved_task_exception():
+    """issue 16, bug 5: concluding mid-run made every assignment raise UnknownExperiment in its
+    own task (89 "Task exception was never retrieved") while the schedule kept sending."""
+    from replay.runner import StopReplay
+
+    reqs = requests(100, gap_s=0.01)
+    calls = []
+
+    def assign(user):
+        calls.append(user)
+        if len(calls) > 10:
+            raise StopReplay("experiment 'exp' has no weights any more")
+        return "a", 1
+
+    stats, rows, unretrieved = run_fake(spec_for(reqs, variants=["a"]), {"a": _Recorder()}, assign)
+    assert stats.cancelled and stats.stop_reason == "experiment 'exp' has no weights any more"
+    assert stats.recorded == len(rows) == 10 and stats.recorded + stats.not_sent == 100
+    assert len(calls) <= 12 and unretrieved == []
+
+
+def test_an_error_of_a_send_task_is_raised_once_after_the_rest_was_recorded():
+    reqs = requests(50, gap_s=0.005)
+
+    def assign(user):
+        if user == "user-3":
+            raise KeyError("router broke")
+        return "a", 1
+
+    rows, unretrieved = [], []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unretrieved.append(ctx["message"]))
+        runner = ShardRunner(spec_for(reqs, variants=["a"]), {"a": _Recorder(hold=0.02)}, assign, rows.append)
+        with pytest.raises(KeyError, match="router broke"):
+            await runner.run()
+        return runner.stats
+
+    stats = asyncio.run(main())
+    assert rows and len(rows) == stats.recorded < 50 and unretrieved == []
+
+
+def test_after_a_cancel_requests_in_flight_get_a_grace_then_are_recorded_cancelled():
+    """issue 16, bug 3: in-flight requests finish or are cancelled and recorded as such."""
+    reqs = requests(6, gap_s=0.0)
+    started = time.monotonic()
+    t0 = time.monotonic()
+    stats, rows, _ = run_fake(
+        spec_for(reqs, variants=["a"]), {"a": _Recorder(hold=30.0)}, lambda u: ("a", 1),
+        should_cancel=lambda: time.monotonic() - started > 0.3, progress_interval_s=0.05, cancel_grace_s=0.2,
+    )  # fmt: skip
+    assert time.monotonic() - t0 < 5.0
+    assert stats.cancelled and stats.recorded == stats.sent == 6 == len(rows)
+    assert {r["outcome"] for r in rows} == {"cancelled"}
+
+
+def test_a_full_closed_loop_stops_at_a_cancel_instead_of_sending_when_a_slot_frees():
+    reqs = requests(40)
+    spec = spec_for(reqs, variants=["a"], concurrency=2)
+    spec.offsets = None
+    started = time.monotonic()
+    stats, rows, _ = run_fake(
+        spec, {"a": _Recorder(hold=0.1)}, lambda u: ("a", 1),
+        should_cancel=lambda: time.monotonic() - started > 0.35, progress_interval_s=0.05, cancel_grace_s=5.0,
+    )  # fmt: skip
+    assert stats.cancelled and stats.recorded + stats.not_sent == 40 and stats.recorded < 20
+    assert {r["outcome"] for r in rows} == {"ok"}  # in flight within the grace: they finished

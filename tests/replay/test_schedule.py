@@ -91,3 +91,26 @@ def test_shard_lag_quantiles_are_exact_order_statistics():
     assert ShardStats().lag_quantile(0.99) == 0.0  # nothing sent yet
     summary = stats.summary()
     assert (summary["lag_p50_ms"], summary["lag_p99_ms"], summary["lag_max_ms"]) == (3.0, 5.0, 5.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [({"mode": "recorded", "rate": 10}, "rate applies to poisson or gamma arrivals, not recorded"),
+     ({"mode": "closed", "concurrency": 4, "rate": 5}, "rate applies to poisson or gamma arrivals, not closed"),
+     ({"mode": "poisson", "rate": 10, "cv": 3}, "cv applies to gamma arrivals, not poisson"),
+     ({"mode": "recorded", "cv": 2}, "cv applies to gamma arrivals, not recorded"),
+     ({"mode": "poisson", "rate": 10, "speed": 20}, "speed applies to recorded arrivals, not poisson")],
+)  # fmt: skip
+def test_contradictory_arrival_options_are_rejected_not_ignored(kwargs, says):
+    """issue 16 item 6: --rate was silently ignored without --arrival poisson|gamma, --cv with poisson."""
+    with pytest.raises(ValueError, match=says):
+        Arrival(**kwargs)
+
+
+def test_planned_duration_of_each_arrival_process():
+    recorded = [0.0, 10.0, 3600.0]
+    assert Arrival(mode="recorded", speed=2).duration_s(recorded) == 1800.0
+    poisson = Arrival(mode="poisson", rate=10, seed=3)
+    assert poisson.duration_s(recorded) == max(poisson.offsets(recorded))
+    assert Arrival(mode="closed", concurrency=2).duration_s(recorded) is None
+    assert Arrival().duration_s([]) == 0.0

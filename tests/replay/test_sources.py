@@ -130,6 +130,33 @@ def test_empty_source_is_an_error(tmp_path):
         load_source(tmp_path / "missing.csv", "azure", population=POP)
 
 
+def test_a_missing_file_says_so_with_its_path_not_line_0(tmp_path):
+    """issue 16 item 6: a missing trace read "1 malformed line(s): line 0"."""
+    missing = tmp_path / "nope" / "missing.csv"
+    with pytest.raises(SourceError) as info:
+        load_source(missing, "azure", population=POP)
+    message = str(info.value)
+    assert message == f"{missing}: cannot read: no such file (the path as this process sees it)"
+    assert "malformed" not in message and "line 0" not in message
+    with pytest.raises(SourceError, match="a directory, not a trace or log file"):
+        load_source(tmp_path, "jsonl", population=POP)
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    with pytest.raises(SourceError, match="not UTF-8 text"):
+        load_source(latin, "jsonl", population=POP)
+
+
+def test_requests_carry_their_line_numbers(tmp_path):
+    log = tmp_path / "log.jsonl"
+    log.write_text(
+        '{"timestamp": 1, "prompt": "a", "max_tokens": 2}\n\n{"timestamp": 2, "prompt": "b", "max_tokens": 2}\n'
+    )
+    assert [r.line for r in load_source(log, "jsonl", population=POP).requests] == [1, 3]
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.1,10,5\n")
+    assert [r.line for r in load_source(trace, "azure", population=POP).requests] == [2]
+
+
 def test_thinning_keeps_a_stable_share_and_the_order():
     from replay.sources import thin
 

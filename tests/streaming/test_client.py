@@ -196,7 +196,9 @@ def test_every_outcome_is_covered_by_a_test_above():
         "FIRST_TOKEN_TIMEOUT", "STALL", "DISCONNECT", "MALFORMED", "ENGINE_ERROR",
         "TOTAL_TIMEOUT", "CANCELLED",
     }  # fmt: skip
-    assert {o.name for o in Outcome} == names
+    # CLIENT_ERROR is the replay's own failure, never the client's outcome of a request it sent:
+    # tests/replay/test_runner.py covers it (a variant the experiment lacks).
+    assert {o.name for o in Outcome} == names | {"CLIENT_ERROR"}
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,12 @@ def body(**kw):
 
 
 @pytest.fixture
-def running(experiment):
+def running(experiment, sims):
+    """Running, with its variants on live simulators (the preflight probes GET /v1/models)."""
     Experiment.objects.filter(pk=experiment.pk).update(status="running")
+    for v in experiment.variants.all():
+        v.endpoint = sims[v.key].url + "/v1"
+        v.save(update_fields=["endpoint"])
     experiment.refresh_from_db()
     return experiment
 
@@ -116,3 +120,23 @@ def test_sre_starts_a_replay_from_the_admin_and_others_cannot(users, running):
     analyst.force_login(users["analyst"])
     assert analyst.get("/admin/workers/replayrun/start/").status_code == 403
     assert "Start a replay" not in analyst.get("/admin/workers/replayrun/").content.decode()
+
+
+@pytest.mark.django_db
+def test_a_plan_over_the_cap_is_a_400_naming_the_cap_unless_confirmed(client_for, running):
+    """issue 16, preflight: a schedule of days was started without a word."""
+    over = client_for("sre").post("/api/replays/", body(limit=50, max_duration=10), format="json")
+    assert over.status_code == 400 and "exceeds the cap of 10 s (max_duration 10 s)" in over.json()["detail"]
+    assert "API: confirm" in over.json()["detail"] and not ReplayRun.objects.exists()
+    ok = client_for("sre").post("/api/replays/", body(limit=50, max_duration=10, confirm=True), format="json")
+    assert ok.status_code == 201
+
+
+@pytest.mark.django_db
+def test_the_api_preflight_names_a_dead_variant(client_for, running):
+    running.variants.filter(key="awq").update(endpoint="http://127.0.0.1:9/v1")
+    response = client_for("sre").post("/api/replays/", body(), format="json")
+    assert response.status_code == 400 and "variant 'awq'" in response.json()["detail"]
+    assert "does not answer" in response.json()["detail"] and not ReplayRun.objects.exists()
+    skipped = client_for("sre").post("/api/replays/", body(preflight=False), format="json")
+    assert skipped.status_code == 201

@@ -4,7 +4,7 @@ ABPLAT_VARIANT_CA_BUNDLE, and without it every request is a certificate failure,
 import io
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 
 from experiments import services
 from simulator.serve import start_in_thread
@@ -36,9 +36,9 @@ def running_tls(db, document, tls_sims, users, monkeypatch):
     return experiment
 
 
-def _replay() -> ReplayRun:
+def _replay(*args) -> ReplayRun:
     call_command("replay", "ttft-opt", "--trace", TRACE, "--limit", "30", "--speed", "200",
-                 "--mode", "mirror", stdout=io.StringIO())  # fmt: skip
+                 "--mode", "mirror", *args, stdout=io.StringIO())  # fmt: skip
     return ReplayRun.objects.latest("pk")
 
 
@@ -55,7 +55,11 @@ def test_without_the_bundle_every_request_is_a_recorded_certificate_failure(
     running_tls, sample_store, settings
 ):
     settings.VARIANT_CA_BUNDLE = ""
-    run = _replay()
+    # The preflight refuses an untrusted certificate up front, naming the variant...
+    with pytest.raises(CommandError, match="preflight failed.*CERTIFICATE_VERIFY_FAILED"):
+        _replay()
+    # ...and a drill that skips it records every request as the certificate failure it is.
+    run = _replay("--no-preflight")
     assert run.status == "done" and run.samples_recorded == 90
     assert run.outcomes == {"connect_error": 90}
     errors = sample_store.query(

@@ -1,3 +1,4 @@
+import signal
 import sys
 import threading
 import time
@@ -9,7 +10,7 @@ from django.db import connections
 from experiments.models import Experiment
 from replay.arrivals import Arrival
 from workers.models import ReplayRun
-from workers.runs import ReplayError, create_run, describe
+from workers.runs import ReplayError, cancel_run, create_run, describe, reap_abandoned
 from workers.tasks import start_replay
 
 
@@ -26,7 +27,7 @@ class Command(BaseCommand):
         )
         parser.add_argument("--speed", type=float, default=1.0, help="recorded arrivals: time compression")
         parser.add_argument("--rate", type=float, default=0.0, help="poisson/gamma: requests per second")
-        parser.add_argument("--cv", type=float, default=1.0, help="gamma: burstiness (gap CV)")
+        parser.add_argument("--cv", type=float, help="gamma: burstiness (gap CV, default 1)")
         parser.add_argument(
             "--concurrency", type=int, default=512, help="in flight per shard (closed loop: exactly)"
         )
@@ -38,24 +39,53 @@ class Command(BaseCommand):
         )
         parser.add_argument("--seed", type=int, default=0, help="user population and arrival seed")
         parser.add_argument("--wait", action="store_true", help="wait for the end (always with eager Celery)")
+        parser.add_argument(
+            "--render-chat", choices=["reject", "plain"], default="reject",
+            help="chat `messages` for completions variants: reject the run (default), or render them "
+            "as 'role: content' blocks ending in 'assistant:' (replay/shapes.py)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--wrap-prompt", action="store_true",
+            help="send `prompt` lines to chat variants as one user message (default: reject the run)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--max-duration", type=float, metavar="SECONDS",
+            help="refuse a planned schedule longer than this (default: setting REPLAY_MAX_DURATION_S, 2 h)",
+        )  # fmt: skip
+        parser.add_argument("--yes", action="store_true", help="run even if the plan exceeds --max-duration")
+        parser.add_argument(
+            "--no-preflight", action="store_true",
+            help="skip probing each variant's GET /v1/models before the run starts",
+        )  # fmt: skip
 
     def handle(self, *args, **o):
         experiment = Experiment.objects.filter(key=o["key"]).first()
         if experiment is None:
             raise CommandError(f"no experiment with key {o['key']!r}")
         try:
-            arrival = Arrival(mode=o["arrival"], speed=o["speed"], rate=o["rate"], cv=o["cv"],
+            cv = 1.0 if o["cv"] is None else o["cv"]
+            if o["cv"] is not None and o["arrival"] != "gamma":
+                raise ReplayError(
+                    f"--cv applies to --arrival gamma, not {o['arrival']} (poisson gaps have cv 1)"
+                )
+            arrival = Arrival(mode=o["arrival"], speed=o["speed"], rate=o["rate"], cv=cv,
                               concurrency=o["concurrency"], seed=o["seed"])  # fmt: skip
             eager = settings.CELERY_TASK_ALWAYS_EAGER
+            if eager:
+                # The periodic check of eager mode: end runs whose owner process died.
+                for ended in reap_abandoned():
+                    self.stderr.write(f"run {ended}: its owner had died; ended")
             run = create_run(
                 experiment, source=o["trace"], source_format=o["format"], mode=o["mode"], arrival=arrival,
                 limit=o["limit"], concurrency=o["concurrency"], shard_count=o["shards"],
                 on_malformed="skip" if o["skip_malformed"] else "reject", population_seed=o["seed"],
-                sample_fraction=o["sample"],
+                sample_fraction=o["sample"], render_chat=o["render_chat"], wrap_prompt=o["wrap_prompt"],
+                max_duration_s=o["max_duration"], confirm=o["yes"], check_variants=not o["no_preflight"],
                 enqueue=not eager,
             )  # fmt: skip
         except (ReplayError, ValueError) as exc:
             raise CommandError(str(exc)) from None
+        self.stdout.write(str(run.plan))
         self.stdout.write(
             f"run {run.pk}: {run.total_requests} requests, {run.expected_samples} samples expected "
             f"({run.mode}, {run.shard_count} shard(s)); {run.skipped_lines} malformed line(s) skipped"
@@ -74,13 +104,15 @@ class Command(BaseCommand):
                     connections.close_all()  # this thread's own database connections
 
             worker = threading.Thread(target=work, name="abplat-replay")
-            worker.start()
-            self._follow(run, lambda: worker.is_alive())
-            worker.join()
+            with self._stop_on_signals():
+                worker.start()
+                self._follow(run, lambda: worker.is_alive())
+                worker.join()
             if failure:
                 raise CommandError(f"run {run.pk} failed: {failure[0]}")
         elif o["wait"]:
-            self._follow(run, lambda: True)
+            with self._stop_on_signals():
+                self._follow(run, lambda: True)
         else:
             self.stdout.write(f"queued; follow it with the API /api/replays/{run.pk}/ or the admin")
             return
@@ -102,7 +134,40 @@ class Command(BaseCommand):
                 "when the store is back"
             )
         if run.status != ReplayRun.Status.DONE:
-            raise CommandError(f"run {run.pk} ended {run.status}")
+            by = f" ({self._signal})" if self._signal else ""
+            raise CommandError(f"run {run.pk} ended {run.status}{by}")
+
+    _signal = ""
+
+    class _StopOnSignals:
+        """SIGINT (Ctrl-C) and SIGTERM cancel the run instead of killing the progress bar: the
+        handler only notes the signal; the follow loop cancels the run (shards stop sending,
+        requests in flight finish or are recorded as cancelled) and keeps following until the
+        run has ended, so its counters and the store agree. Main thread only (where Python
+        delivers signals)."""
+
+        def __init__(self, command):
+            self.command, self.previous = command, {}
+
+        def __enter__(self):
+            if threading.current_thread() is threading.main_thread():
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    self.previous[signum] = signal.signal(signum, self.handle)
+            return self
+
+        def handle(self, signum, frame):
+            name = signal.Signals(signum).name
+            if self.command._signal:
+                self.command.stderr.write(f"\n{name}: already cancelling; waiting for requests in flight")
+            self.command._signal = name
+
+        def __exit__(self, *exc):
+            for signum, handler in self.previous.items():
+                signal.signal(signum, handler)
+            return False
+
+    def _stop_on_signals(self):
+        return self._StopOnSignals(self)
 
     def _follow(self, run: ReplayRun, alive) -> None:
         tty = sys.stdout.isatty()
@@ -121,6 +186,12 @@ class Command(BaseCommand):
             last = line
             if run.is_final or not alive():
                 break
+            if self._signal and not run.cancel_requested:
+                self.stderr.write(
+                    f"\n{self._signal}: cancelling run {run.pk}; waiting for requests in flight"
+                )
+                cancel_run(run)
+                continue
             time.sleep(0.5)
         if tty:
             self.stdout.write("")
