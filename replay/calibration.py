@@ -76,6 +76,8 @@ class SentPrompt:
     text: str
     tokens: int
     estimated: bool
+    words: int = 0  # the text is words(seq, words) + PAD * pad: what a stored plan keeps
+    pad: int = 0
 
 
 class Calibration:
@@ -105,7 +107,7 @@ class Calibration:
     def estimate(self, seq: int, tokens: int) -> SentPrompt:
         words = self.model.words_for(tokens)
         return SentPrompt(self.words(seq, words), tokens if self.model is IDENTITY else self.model.tokens_for(words),
-                          estimated=True)  # fmt: skip
+                          estimated=True, words=words)  # fmt: skip
 
     async def prompt(self, seq: int, tokens: int) -> SentPrompt:
         """The measured prompt for request ``seq`` closest to ``tokens`` (exact when reachable)."""
@@ -117,7 +119,7 @@ class Calibration:
             (got,) = await self._measure([self.words(seq, n)])
             seen[n] = got
             if got == tokens:
-                return SentPrompt(self.words(seq, n), got, estimated=False)
+                return SentPrompt(self.words(seq, n), got, estimated=False, words=n)
             n = self._next(seen, tokens)
             if n in seen:
                 break
@@ -127,9 +129,9 @@ class Calibration:
             text = self.words(seq, w) + PAD * (tokens - seen[w])
             (got,) = await self._measure([text])
             if got == tokens:
-                return SentPrompt(text, got, estimated=False)
+                return SentPrompt(text, got, estimated=False, words=w, pad=tokens - seen[w])
         w = min(seen, key=lambda k: (abs(seen[k] - tokens), k))
-        return SentPrompt(self.words(seq, w), seen[w], estimated=False)
+        return SentPrompt(self.words(seq, w), seen[w], estimated=False, words=w)
 
     def _next(self, seen: dict[int, int], tokens: int) -> int:
         """The next word count: the secant through the two measured points nearest the wanted
@@ -203,27 +205,24 @@ class VariantCalibration:
     mean_abs_error: float  # |sent - wanted| tokens, measured or guessed
 
 
-async def calibrate_streamers(
-    clients: Mapping[str, Streamer],
+async def plan_prompts(
     requests: Sequence[Any],
-    *,
-    run_id: int,
-    mode: str,
     targets: Mapping[str, Hashable],
     open_counter: Callable[..., Awaitable[tuple[Counter | None, str]]],
-) -> tuple[dict[str, Any], list[VariantCalibration]]:
-    """Wrap each variant's client so synthetic requests (trace rows with a token count and no
-    text) carry prompts of the trace's length on that variant's tokenizer.
+) -> tuple[dict[str, dict[int, SentPrompt]], list[VariantCalibration]]:
+    """Each variant's prompt for every synthetic request (a trace row with a token count and no
+    text): of the trace's length on that variant's tokenizer. Runs once per replay, before its
+    schedule starts, so the /tokenize calls never make a send late.
 
     ``targets``: variant -> the arguments of ``open_counter`` (endpoint, model, api); variants
     with equal targets share one calibration. ``open_counter(*target)`` returns (counter, "") or
     (None, why) when the variant cannot count; its prompts are then today's estimate.
-    Requests given as text (JSONL logs) are sent as they are.
+    Requests given as text (JSONL logs) are sent as they are, so they are not in the plan.
     """
     wanted = [(r.seq, r.prompt_tokens) for r in requests
               if r.messages is None and r.prompt is None and r.prompt_tokens > 0]  # fmt: skip
     if not wanted:
-        return dict(clients), []
+        return {}, []
     books: dict[Hashable, tuple[dict[int, SentPrompt], Calibration, str]] = {}
     for target in dict.fromkeys(targets.values()):
         counter, why = await open_counter(*target)
@@ -241,15 +240,12 @@ async def calibrate_streamers(
         finally:
             if counter is not None:
                 await counter.aclose()
-    out: dict[str, Any] = {}
+    plans: dict[str, dict[int, SentPrompt]] = {}
     report = []
     want = dict(wanted)
-    for variant, client in clients.items():
-        book, calibration, why = books[targets[variant]]
-        ids = {
-            request_id(run_id, seq, variant if mode == MIRROR else None): sent for seq, sent in book.items()
-        }
-        out[variant] = CalibratedStreamer(client, ids)
+    for variant, target in targets.items():
+        book, calibration, why = books[target]
+        plans[variant] = book
         errors = [abs(sent.tokens - want[seq]) for seq, sent in book.items()]
         report.append(VariantCalibration(
             variant=variant, counted=calibration.count is not None, why_not=why, model=calibration.model,
@@ -257,4 +253,59 @@ async def calibrate_streamers(
             estimated=sum(1 for s in book.values() if s.estimated),
             mean_abs_error=sum(errors) / len(errors),
         ))  # fmt: skip
-    return out, report
+    return plans, report
+
+
+def wrap_streamers(
+    clients: Mapping[str, Streamer], plans: Mapping[str, Mapping[int, SentPrompt]], *, run_id: int, mode: str
+) -> dict[str, Any]:
+    """Each variant's client, sending its planned prompts (found by the request's id)."""
+    out: dict[str, Any] = {}
+    for variant, client in clients.items():
+        book = plans.get(variant)
+        if not book:
+            out[variant] = client
+            continue
+        ids = {
+            request_id(run_id, seq, variant if mode == MIRROR else None): sent for seq, sent in book.items()
+        }
+        out[variant] = CalibratedStreamer(client, ids)
+    return out
+
+
+async def calibrate_streamers(
+    clients: Mapping[str, Streamer],
+    requests: Sequence[Any],
+    *,
+    run_id: int,
+    mode: str,
+    targets: Mapping[str, Hashable],
+    open_counter: Callable[..., Awaitable[tuple[Counter | None, str]]],
+) -> tuple[dict[str, Any], list[VariantCalibration]]:
+    """plan_prompts, then wrap_streamers: in one process, for tools and tests."""
+    plans, report = await plan_prompts(requests, targets, open_counter)
+    if not plans:
+        return dict(clients), []
+    return wrap_streamers(clients, plans, run_id=run_id, mode=mode), report
+
+
+def plan_to_json(plans: Mapping[str, Mapping[int, SentPrompt]]) -> dict[str, dict[str, list[int]]]:
+    """A plan as JSON (stored with the run): variant -> seq -> [words, pad, tokens, estimated]."""
+    return {
+        variant: {str(seq): [s.words, s.pad, s.tokens, int(s.estimated)] for seq, s in book.items()}
+        for variant, book in plans.items()
+    }
+
+
+def plan_from_json(
+    data: Mapping[str, Mapping[str, Sequence[int]]], words: Callable[[int, int], str] = synth_words
+) -> dict[str, dict[int, SentPrompt]]:
+    """plan_to_json's inverse: the same texts, rebuilt from the pool (deterministic per seq)."""
+    plans: dict[str, dict[int, SentPrompt]] = {}
+    for variant, book in data.items():
+        out = plans[variant] = {}
+        for key, (n_words, pad, tokens, estimated) in book.items():
+            seq = int(key)
+            text = words(seq, n_words) + PAD * pad
+            out[seq] = SentPrompt(text, tokens, bool(estimated), words=n_words, pad=pad)
+    return plans

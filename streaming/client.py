@@ -120,7 +120,7 @@ class VariantClient:
         self._idle: list[H1Connection] = []
         self._conns: set[H1Connection] = set()
         self._client: httpx.AsyncClient | None = None
-        tls = _tls_verify(verify)
+        tls = tls_verify(verify)
         if self.transport == "httpx":
             self._client = self._httpx_client(base, http2, max_connections, headers, tls)
 
@@ -433,7 +433,7 @@ async def _read_some(resp: httpx.Response) -> str:
     return buf[:_ERROR_BODY_LIMIT].decode("utf-8", "replace").strip()
 
 
-def _tls_verify(verify: bool | str) -> bool | ssl.SSLContext:
+def tls_verify(verify: bool | str) -> bool | ssl.SSLContext:
     """The ``verify`` argument for httpx. True becomes a context on the system trust store:
     httpx's own default is certifi's bundle, and with ``trust_env=False`` (set so no proxy
     from the environment sits in a measurement) it would also ignore SSL_CERT_FILE. A CA

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from streaming.client import APIS, _tls_verify
+from streaming.client import APIS, tls_verify
 
 PROBE_TIMEOUT_S = 5.0
 PROBE_CONCURRENCY = 8  # tokenize calls in flight per variant: a probe, not a load test
@@ -46,7 +46,7 @@ class TokenCounter:
         self.max_model_len: int | None = None
         self.calls = 0
         self._slots = asyncio.Semaphore(concurrency)
-        tls = verify if isinstance(verify, ssl.SSLContext) else _tls_verify(verify)
+        tls = verify if isinstance(verify, ssl.SSLContext) else tls_verify(verify)
         self._client = httpx.AsyncClient(
             verify=tls,
             timeout=httpx.Timeout(timeout_s),

@@ -41,6 +41,11 @@ class ReplayRun(models.Model):
     wrap_prompt = models.BooleanField(
         default=False, help_text="prompt lines for chat variants: send each as one user message"
     )
+    prompt_plan = models.JSONField(
+        default=dict, blank=True,
+        help_text="each variant's prompt per synthetic request, calibrated on its tokenizer before the "
+        "schedule starts: variant -> seq -> [words, pad, tokens, estimated] (replay/calibration.py)",
+    )  # fmt: skip
     arrival = models.JSONField(
         default=dict, help_text="arrival process: mode, speed, rate, cv, concurrency, seed"
     )

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import httpx
 
+from streaming.client import tls_verify
+
 TIMEOUT = httpx.Timeout(3.0, connect=2.0)
 
 
@@ -36,9 +38,11 @@ def probe(target: Target, *, verify: bool | str | ssl.SSLContext = True) -> str 
     """None when the variant answers and lists its model; otherwise one line saying what is wrong."""
     url = models_url(target.endpoint)
     plain = url.startswith("http://")
+    # The replay's own trust rules (system store, or exactly the configured CA bundle).
+    tls = verify if isinstance(verify, ssl.SSLContext) else tls_verify(verify)
     try:
         # Plain-http HTTP/2 variants speak h2c with prior knowledge (as streaming.client does).
-        with httpx.Client(timeout=TIMEOUT, verify=verify, http2=target.http2,
+        with httpx.Client(timeout=TIMEOUT, verify=tls, trust_env=False, http2=target.http2,
                           http1=not (target.http2 and plain)) as client:  # fmt: skip
             response = client.get(url)
     except httpx.TimeoutException:

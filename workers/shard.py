@@ -17,7 +17,7 @@ from django.utils import timezone
 from experiments.weights.process import live_router
 from experiments.weights.router import UnknownExperiment
 from replay.arrivals import Arrival
-from replay.calibration import calibrate_streamers
+from replay.calibration import plan_from_json, plan_prompts, plan_to_json, wrap_streamers
 from replay.plan import SPLIT, Shard
 from replay.runner import ShardRunner, ShardSpec, ShardStats, StopReplay
 from replay.sink import BatchSink
@@ -44,6 +44,26 @@ def run_coroutine(coro):
         return asyncio.run(coro)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()
+
+
+def plan_run_prompts(run: ReplayRun) -> dict:
+    """The run's prompt plan (replay/calibration.py), as JSON to store on the run: each
+    variant's prompt of the trace's length on its own tokenizer (/tokenize), or today's estimate,
+    flagged, for a variant that cannot count. Called once, before the schedule starts."""
+    variants = list(run.experiment.variants.order_by("position"))
+    requests = run_requests(run).requests
+    verify = settings.VARIANT_CA_BUNDLE or True
+
+    async def plan():
+        return await plan_prompts(
+            requests, {v.key: (v.endpoint, v.model, v.api) for v in variants},
+            lambda *target: token_counter(*target, verify=verify),
+        )  # fmt: skip
+
+    plans, report = run_coroutine(plan())
+    for c in report:
+        log.info("run %s: prompts for %s: %s", run.pk, c.variant, c)
+    return plan_to_json(plans)
 
 
 def execute_shard(shard: ReplayShard) -> ShardStats:
@@ -122,15 +142,9 @@ def execute_shard(shard: ReplayShard) -> ShardStats:
         clients = {
             v.key: VariantClient(v.endpoint, v.model, v.api, http2=v.http2, verify=verify) for v in variants
         }
-        # Synthetic prompts of the trace's length on each variant's own tokenizer (/tokenize);
-        # a variant that cannot count gets today's estimate, flagged (replay/calibration.py).
-        clients, calibrated = await calibrate_streamers(
-            clients, requests, run_id=run.pk, mode=run.mode,
-            targets={v.key: (v.endpoint, v.model, v.api) for v in variants},
-            open_counter=lambda *target: token_counter(*target, verify=verify),
-        )  # fmt: skip
-        for c in calibrated:
-            log.info("run %s shard %s: prompts for %s: %s", run.pk, shard.index, c.variant, c)
+        # Synthetic prompts of the trace's length on each variant's tokenizer, planned once per
+        # run before its schedule started (plan_run_prompts): no /tokenize call on the send path.
+        clients = wrap_streamers(clients, plan_from_json(run.prompt_plan), run_id=run.pk, mode=run.mode)
         try:
             runner = ShardRunner(spec, clients, assign if router else None, sink.put,
                                  should_cancel=should_cancel, revision=revision, on_progress=on_progress)  # fmt: skip

@@ -31,7 +31,7 @@ from samples.schema import SAMPLES_TABLE
 from samples.signals import replay_finished
 from samples.store import StoreUnavailable
 from workers.models import ReplayRun, ReplayShard
-from workers.shard import execute_shard
+from workers.shard import execute_shard, plan_run_prompts
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +45,21 @@ LEASE_S = 10.0
 
 @shared_task(acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def start_replay(run_id: int) -> None:
-    claimed = ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.QUEUED).update(
-        status=ReplayRun.Status.RUNNING, started_at=timezone.now(), start_at_unix=time.time() + START_LEAD_S
+    run = (
+        ReplayRun.objects.select_related("experiment")
+        .filter(pk=run_id, status=ReplayRun.Status.QUEUED)
+        .first()
     )
+    if run is None:
+        return
+    # 1. Prompts planned before time zero, so calibration never makes a send late. A redelivered
+    # message plans again (the same plan: it is deterministic) and only one claim wins.
+    plan = plan_run_prompts(run)
+    # 2. The claim fixes time zero after the plan; a run cancelled meanwhile is not claimed.
+    claimed = ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.QUEUED).update(
+        status=ReplayRun.Status.RUNNING, started_at=timezone.now(), start_at_unix=time.time() + START_LEAD_S,
+        prompt_plan=plan,
+    )  # fmt: skip
     if not claimed:
         return
     run = ReplayRun.objects.select_related("experiment").get(pk=run_id)

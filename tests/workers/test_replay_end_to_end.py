@@ -154,3 +154,37 @@ def test_build_rollups_rebuilds_a_finished_run_and_skips_one_still_replaying(
     assert "run 999999: no samples of 'ttft-opt', nothing to build" in out.getvalue()
     with pytest.raises(CommandError, match="no experiment with key 'nope'"):
         call_command("build_rollups", "nope")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_prompts_are_planned_on_each_variants_tokenizer_before_time_zero(db, document, users, sample_store):
+    """Variants whose tokenizer is not one word a token (the simulator's small-vocab rule): the
+    run's prompt plan is made before its schedule starts and stored with it, and every sample
+    was sent at the trace's length on that tokenizer (the server's usage count says so)."""
+    from replay.sources import load_requests
+    from simulator.serve import start_in_thread
+
+    sims = {
+        v["key"]: start_in_thread("fast", model="tiny-llama", tokenizer="small-vocab")
+        for v in document["variants"]
+    }
+    try:
+        for v in document["variants"]:
+            v["endpoint"], v["api"] = sims[v["key"]].url + "/v1", "chat"
+        experiment = services.apply_document(document, actor=users["product"]).experiment
+        services.transition(experiment, "start", users["product"])
+        out = replay("--limit", "30", "--speed", "200", "--mode", "mirror")
+    finally:
+        for h in sims.values():
+            h.stop()
+    run = ReplayRun.objects.get()
+    assert run.status == "done", (run.error, out)
+    assert set(run.prompt_plan) == {"fp16", "awq", "awq-fa2"}
+    assert all(len(book) == 30 for book in run.prompt_plan.values())
+    wanted = {r.seq: r.prompt_tokens for r in load_requests(TRACE, "azure", limit=30).requests}
+    sent = sample_store.query(
+        "SELECT seq, prompt_tokens, prompt_tokens_estimated FROM samples FINAL WHERE run_id = %(r)s",
+        {"r": run.pk},
+    )
+    assert len(sent) == 90
+    assert all(tokens == wanted[seq] and not estimated for seq, tokens, estimated in sent)
