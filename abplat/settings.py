@@ -35,6 +35,8 @@ try:
     CELERY_WORKER_CONCURRENCY = env.env_int("ABPLAT_WORKER_CONCURRENCY", 2, minimum=1, maximum=256)
     LOG_LEVEL = env.env_str("ABPLAT_LOG_LEVEL", "INFO").upper()
     REPLAY_SHARDS = env.env_int("ABPLAT_REPLAY_SHARDS", 2, minimum=1, maximum=256)
+    # The longest planned replay schedule started without an explicit confirmation.
+    REPLAY_MAX_DURATION_S = env.env_int("ABPLAT_REPLAY_MAX_DURATION_S", 2 * 3600, minimum=1)
     VISIBILITY_TIMEOUT = env.env_int("ABPLAT_VISIBILITY_TIMEOUT", 40 * 60, minimum=5)
     # TLS variants: empty trusts the system store; a PEM bundle path trusts exactly its CAs.
     VARIANT_CA_BUNDLE = env.env_str("ABPLAT_VARIANT_CA_BUNDLE", "")

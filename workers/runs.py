@@ -29,9 +29,6 @@ from workers.tasks import LEASE_S, complete_run, start_replay
 
 log = logging.getLogger(__name__)
 
-# A planned schedule longer than this is refused unless confirmed (a log stamped in epoch
-# milliseconds read as seconds would otherwise run for days). Setting: REPLAY_MAX_DURATION_S.
-DEFAULT_MAX_DURATION_S = 2 * 3600.0
 
 
 class ReplayError(ValueError):
@@ -79,7 +76,7 @@ class Plan:
 
 
 def max_duration_default() -> float:
-    return float(getattr(settings, "REPLAY_MAX_DURATION_S", DEFAULT_MAX_DURATION_S))
+    return float(settings.REPLAY_MAX_DURATION_S)
 
 
 def resolve_source(path: str) -> Path:
