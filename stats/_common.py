@@ -19,8 +19,13 @@ if TYPE_CHECKING:
 DEFAULT_CONF = 0.95
 
 
-def asdict(obj: Any) -> dict[str, Any]:
-    return dataclasses.asdict(obj)
+class AsDict:
+    """The results the report serializes: ``as_dict`` is ``dataclasses.asdict``, defined once."""
+
+    __slots__ = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
 
 
 def check_conf(conf: float, where: str) -> None:

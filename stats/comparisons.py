@@ -13,7 +13,7 @@ from typing import Any, overload
 import numpy as np
 from scipy import stats as sps
 
-from stats._common import DEFAULT_CONF, asdict, check_conf, check_counts, clean_samples
+from stats._common import DEFAULT_CONF, AsDict, check_conf, check_counts, clean_samples
 from stats.proportions import wilson_interval
 from stats.quantiles import QuantileEstimate, quantile_estimate
 
@@ -22,16 +22,13 @@ _MIN_EXPECTED_FOR_Z = 5.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Difference:
+class Difference(AsDict):
     estimate: float  # variant - control
     lo: float | None
     hi: float | None
     conf: float
     p_value: float | None
     method: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def attainment_difference(
@@ -152,16 +149,13 @@ def quantile_difference(
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class RankTest:
+class RankTest(AsDict):
     statistic: float  # U of the variant
     p_value: float
     prob_variant_greater: float  # P(V > C) + 0.5 P(V = C), the common-language effect size
     n_control: int
     n_variant: int
     method: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def mann_whitney(control: np.ndarray | Sequence[float], variant: np.ndarray | Sequence[float]) -> RankTest:

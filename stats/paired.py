@@ -5,27 +5,23 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 from scipy import special
 from scipy import stats as sps
 
-from stats._common import DEFAULT_CONF, asdict, check_counts, clean_samples, z_of
+from stats._common import DEFAULT_CONF, AsDict, check_counts, clean_samples, z_of
 from stats.comparisons import Difference
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class PairedAttainment:
+class PairedAttainment(AsDict):
     n_pairs: int
     control_attainment: float
     variant_attainment: float
     difference: Difference
     discordant_variant_only: int  # variant met the SLA, control missed
     discordant_control_only: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def mcnemar_attainment(
@@ -81,16 +77,13 @@ def mcnemar_mid_p(control_only: int, variant_only: int) -> float:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class PairedRankTest:
+class PairedRankTest(AsDict):
     n_pairs: int
     n_nonzero: int
     median_difference: float  # median of variant - control per request
     statistic: float
     p_value: float
     method: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def wilcoxon_paired(

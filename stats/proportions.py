@@ -13,18 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from stats._common import DEFAULT_CONF, asdict, check_conf, check_counts, z_of
+from stats._common import DEFAULT_CONF, AsDict, check_conf, check_counts, z_of
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Interval:
+class Interval(AsDict):
     estimate: float
     lo: float
     hi: float
     conf: float
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def wilson_centre_half(p: Any, n: Any, z: float) -> tuple[Any, Any]:
@@ -68,16 +65,13 @@ def wilson_bounds(
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Attainment:
+class Attainment(AsDict):
     n: int
     hits: int
     errors: int
     error_rate: float
     attainment: Interval
     goodput_rps: float | None  # requests per second meeting every SLO; None without a window
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def sla_attainment(

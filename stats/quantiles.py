@@ -17,9 +17,9 @@ import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from stats._common import DEFAULT_CONF, asdict, check_conf, clean_samples
+from stats._common import DEFAULT_CONF, AsDict, check_conf, clean_samples
 
 if TYPE_CHECKING:
     import numpy as np
@@ -115,7 +115,7 @@ def min_n_for_quantile_ci(q: float, conf: float = DEFAULT_CONF) -> int:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class QuantilePlan:
+class QuantilePlan(AsDict):
     """Which order statistics to fetch for one quantile."""
 
     q: float
@@ -125,9 +125,6 @@ class QuantilePlan:
     hi_rank: int | None
     coverage: float | None  # exact binomial coverage of [X_(lo), X_(hi)]
     note: str  # "" or why there is no CI
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def quantile_plan(n: int, q: float, conf: float = DEFAULT_CONF) -> QuantilePlan:
@@ -159,7 +156,7 @@ def ranks_to_fetch(n: int, qs: Iterable[float] = REPORT_QUANTILES, conf: float =
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class QuantileEstimate:
+class QuantileEstimate(AsDict):
     q: float
     label: str  # "p50", "p99.9"
     n: int
@@ -168,9 +165,6 @@ class QuantileEstimate:
     hi: float | None
     coverage: float | None
     note: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def quantile_label(q: float) -> str:

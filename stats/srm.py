@@ -5,17 +5,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from scipy import stats as sps
 
-from stats._common import asdict, check_counts
+from stats._common import AsDict, check_counts
 
 SRM_ALPHA = 0.001
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class SrmPart:
+class SrmPart(AsDict):
     revision: str
     total: int
     observed: dict[str, int]
@@ -26,20 +25,14 @@ class SrmPart:
     flagged: bool
     note: str
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class SrmResult:
+class SrmResult(AsDict):
     flagged: bool
     alpha: float
     combined: SrmPart
     revisions: list[SrmPart]
     message: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _srm_part(

@@ -3,23 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from stats._common import DEFAULT_CONF, asdict, check_counts, z_of
+from stats._common import DEFAULT_CONF, AsDict, check_counts, z_of
 from stats.proportions import Interval, wilson_centre_half, wilson_interval
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Verdict:
+class Verdict(AsDict):
     verdict: str  # "meets" | "misses" | "not enough data"
     target: float
     attainment: Interval | None
     n: int
     n_needed: int | None  # total samples needed to decide, when not enough data
     message: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 MEETS, MISSES, NOT_ENOUGH = "meets", "misses", "not enough data"
