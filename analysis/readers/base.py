@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -115,6 +115,17 @@ def run_queries(parallel: int, jobs: Mapping[str, Callable[[], Any]]) -> dict[st
     pool = _executor(level)
     futures = {name: pool.submit(fn) for name, fn in jobs.items()}
     return {name: fut.result() for name, fut in futures.items()}
+
+
+def histogram_rows(rows: Iterable[Sequence[Any]]) -> dict[str, Hist]:
+    """(variant, bucket key, count, top value) rows, in key order, as {variant: Hist}."""
+    out: dict[str, Hist] = {}
+    for variant, key, count, top in rows:
+        keys, counts, tops = out.setdefault(variant, ([], [], []))
+        keys.append(int(key))
+        counts.append(int(count))
+        tops.append(float(top))
+    return out
 
 
 def summary_rows(cols: Mapping[str, Sequence[Any]], n_column: str = "n") -> Summary:

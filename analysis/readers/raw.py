@@ -35,7 +35,7 @@ from analysis.definitions import (
     Slo,
 )
 from analysis.phases import phases_from_sums
-from analysis.readers.base import DataVersion, Summary, run_queries, summary_rows, with_phases
+from analysis.readers.base import DataVersion, Summary, histogram_rows, run_queries, summary_rows, with_phases
 from analysis.sql import (
     DISTINCT_USERS,
     HIST_KEYS,
@@ -130,13 +130,7 @@ class RawReader:
             f"SELECT variant, {HIST_KEYS[metric]} AS k, count() AS c, max(assumeNotNull({column})) AS top "
             f"{fw} GROUP BY variant, k ORDER BY variant, k"
         )
-        out: dict[str, tuple[list[int], list[int], list[float]]] = {}
-        for variant, key, count, top in self.store.query(sql, params):
-            keys, counts, tops = out.setdefault(variant, ([], [], []))
-            keys.append(int(key))
-            counts.append(int(count))
-            tops.append(float(top))
-        return out
+        return histogram_rows(self.store.query(sql, params))
 
     def order_statistics(
         self,

@@ -24,7 +24,7 @@ from analysis.definitions import (
     Filters,
     QueryError,
 )
-from analysis.readers.base import Summary, summary_rows
+from analysis.readers.base import Summary, histogram_rows, summary_rows
 from analysis.sql import HIST_KEYS, Hist, from_where, metric_ok, values_at_ranks, where
 from samples import schema
 
@@ -70,16 +70,13 @@ class RollupReader:
             """,
             params,
         )
-        out: dict[str, dict[str, tuple[list[int], list[int], list[float]]]] = {m: {} for m in METRICS}
-        for metric, variant, key, count, top in zip(
+        per_metric: dict[str, list[Sequence[Any]]] = {m: [] for m in METRICS}
+        for metric, *row in zip(
             cols.get("metric", []), cols.get("variant", []), cols.get("k", []), cols.get("c", []),
             cols.get("t", []), strict=True,
         ):  # fmt: skip
-            keys, counts, tops = out[metric].setdefault(variant, ([], [], []))
-            keys.append(int(key))
-            counts.append(int(count))
-            tops.append(float(top))
-        return out
+            per_metric[metric].append(row)
+        return {m: histogram_rows(rows) for m, rows in per_metric.items()}
 
     def order_statistics(
         self,
