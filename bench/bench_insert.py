@@ -5,15 +5,21 @@
         [--rounds 3] [--url clickhouse://default:@127.0.0.1:19000/abplat_bench]
     .venv/bin/python bench/bench_insert.py --quick    # 20k rows, 1 round, the same tables (~15 s)
 
-Rows are built as the replay builds them (replay.rows.row_from); building them is not timed, nor
-is turning them into the baselines' tuples. Each method writes into a freshly migrated samples
-table (ClickHouse server database from --url; chDB in a temporary directory). Methods:
+Rows are built as the replay builds them (replay.rows.row_from: samples.columns.SampleRow, the
+values in column order); building them is not timed, nor is copying them, once, into the plain
+tuples (the same values) the baselines hand to the driver and into fresh SampleRows for the
+store, so that both sides read rows laid out alike in memory (the driver reads plain tuples by
+index; a SampleRow's by-name lookup would only slow it down). Each method starts from what a
+writer holds and writes
+into a freshly migrated samples table (ClickHouse server database from --url; chDB in a
+temporary directory). Methods:
   row-by-row     one INSERT statement per row (what a naive writer does)
-  row tuples     UNVALIDATED: clickhouse-driver's list of row tuples per INSERT (server);
-                 one VALUES literal per INSERT (chDB, which has no driver)
+  row tuples     UNVALIDATED: the row tuples handed to clickhouse-driver's insert, one list per
+                 INSERT (server); one VALUES literal per INSERT (chDB, which has no driver)
   lists          UNVALIDATED: clickhouse-driver columnar=True with Python lists (server)
-  store          SampleStore.insert_samples: the dict rows validated (samples.columns, whole
-                 columns at a time), then numpy columnar (server) / Arrow (chDB)
+  store          SampleStore.insert_samples on the SampleRows: transposed (zip), validated
+                 (samples.columns, whole columns at a time), then sent as one native block
+                 encoded from the numpy columns (server) / as Arrow (chDB)
 The batched methods run in --rounds interleaved rounds (every method once per round, in turn),
 so a load change on the machine hits them alike; each figure is the median round.
 The second table puts the validated store insert beside the unvalidated row tuples of its
@@ -46,7 +52,7 @@ DEFAULT_URL = os.environ.get(
 ROW_BY_ROW, TUPLES, LISTS, STORE = "row-by-row", "row tuples", "lists", "store"
 
 
-def make_rows(n: int) -> list[dict[str, Any]]:
+def make_rows(n: int) -> list[Any]:
     from replay.rows import row_from
     from streaming.result import Outcome, StreamResult
 
@@ -129,7 +135,7 @@ def server_methods(
     from samples.columns import COLUMN_NAMES, to_columns
 
     client = store._client()  # the raw driver, for the baselines
-    tuples = [tuple(r[c] for c in COLUMN_NAMES) for r in rows]
+    tuples = [tuple(r) for r in rows]  # SampleRow -> plain tuple: the same values, in column order
     sql = f"INSERT INTO samples ({', '.join(COLUMN_NAMES)}) VALUES"
     tuple_batches, row_batches = batches(tuples, batch), batches(rows, batch)
     list_batches = [list(to_columns(b).values()) for b in row_batches]
@@ -148,7 +154,7 @@ def chdb_methods(
     from samples.sql import quote
 
     head = f"INSERT INTO samples ({', '.join(COLUMN_NAMES)}) VALUES "
-    tuples = [tuple(r[c] for c in COLUMN_NAMES) for r in rows]
+    tuples = [tuple(r) for r in rows]
 
     def literal(ts: list[tuple]) -> str:
         return ", ".join("(" + ", ".join(quote(v) for v in t) + ")" for t in ts)
@@ -188,7 +194,7 @@ def warm(store: Any, rows: list) -> None:
 def run(args: argparse.Namespace) -> None:
     from samples.backends.chdb import ChdbBackend
     from samples.backends.clickhouse import ClickHouseServerBackend
-    from samples.columns import COLUMN_NAMES
+    from samples.columns import COLUMN_NAMES, SampleRow
     from samples.store import StoreError
 
     server = ClickHouseServerBackend(args.url, tries=1)
@@ -198,7 +204,7 @@ def run(args: argparse.Namespace) -> None:
     except StoreError as e:
         raise BenchFailed(f"precondition: ClickHouse server {server.url_safe} unreachable: {e}") from None
 
-    rows = make_rows(args.rows)
+    rows = [SampleRow(r) for r in make_rows(args.rows)]  # a fresh copy, as the tuples are
     warm(server, rows)
     results = measure("server", server, server_methods(server, rows, args.batch, args.single), args.rounds)
     server.execute("DROP TABLE IF EXISTS samples")

@@ -2,7 +2,8 @@
 
 The replay's side of the samples table: samples/ defines the columns and validates rows, and
 knows nothing of streaming or the replay; this module maps a measurement onto those columns.
-Pure: no Django, no database driver. Every value is a str, int, float or None, so the spool can
+Pure: no Django, no database driver. A row is a samples.columns.SampleRow (its values in column
+order; read by name too, row["seq"]); every value is a str, int, float or None, so the spool can
 write the row as a JSON line.
 """
 
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from replay.plan import MIRROR, request_id
-from samples.columns import BY_NAME, MODES, SampleError, validate_row
+from samples.columns import BY_NAME, MODES, SampleError, SampleRow, validate_row
 from streaming.result import Outcome, StreamResult
 
 MAX_ERROR_CHARS = 4096  # a runaway error body must not make one row megabytes long
@@ -59,8 +60,8 @@ _CONTEXT_COLUMNS = (
 )
 
 
-def row_from(result: StreamResult, context: Mapping[str, Any]) -> dict[str, Any]:
-    """One samples row (column name -> JSON-safe value) from a measurement and its replay context.
+def row_from(result: StreamResult, context: Mapping[str, Any]) -> SampleRow:
+    """One samples row (JSON-safe values in column order) from a measurement and its replay context.
 
     Required context: experiment, run_id, seq, variant, mode, sent_unix_ms. Optional: see
     OPTIONAL_CONTEXT. Unknown keys are rejected so a typo never silently drops a value.
@@ -117,4 +118,6 @@ def row_from(result: StreamResult, context: Mapping[str, Any]) -> dict[str, Any]
     row["recorded_ms"] = int(time.time() * 1000) if recorded is None else recorded
     for name in ("new_connection", "usage_reported"):
         row[name] = int(bool(row[name]))
-    return validate_row(row, where="row_from")
+    # checked here, one row, so the error names the field at its source; the batch is checked
+    # again, columnar, where it is stored
+    return SampleRow(validate_row(row, where="row_from").values())

@@ -1,7 +1,7 @@
 """A background writer: the replay's event loop hands rows over without waiting on storage.
 
-Rows are batched (by size or age) and written by one thread through ``write(rows)`` (the
-sample store's spooling writer), so a slow insert never delays a scheduled send. ``close()``
+Rows (samples.columns.SampleRow, from replay.rows.row_from) are batched (by size or age) and
+written by one thread through ``write(rows)`` (the sample store's spooling writer), so a slow insert never delays a scheduled send. ``close()``
 drains everything; a write that raises is retried a bounded number of times and then
 surfaces in ``close()`` so the shard fails loudly rather than dropping samples.
 """
@@ -11,18 +11,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 
 class BatchSink:
-    def __init__(self, write: Callable[[Sequence[Mapping[str, Any]]], object], *,
+    def __init__(self, write: Callable[[Sequence[Any]], object], *,
                  batch_size: int = 2000, max_age_s: float = 0.5, retries: int = 3):  # fmt: skip
         self._write = write
         self.batch_size, self.max_age_s, self.retries = batch_size, max_age_s, retries
-        self._rows: list[Mapping[str, Any]] = []
+        self._rows: list[Any] = []
         self._cond = threading.Condition()
         self._closing = False
         self._error: BaseException | None = None
@@ -31,7 +31,7 @@ class BatchSink:
         self._thread = threading.Thread(target=self._run, name="abplat-sample-sink", daemon=True)
         self._thread.start()
 
-    def put(self, row: Mapping[str, Any]) -> None:
+    def put(self, row: Any) -> None:
         with self._cond:
             if self._error is not None:
                 raise RuntimeError(f"sample writer failed: {self._error}") from self._error
@@ -39,7 +39,7 @@ class BatchSink:
             if len(self._rows) >= self.batch_size:
                 self._cond.notify()
 
-    def _take(self) -> list[Mapping[str, Any]]:
+    def _take(self) -> list[Any]:
         with self._cond:
             deadline = time.monotonic() + self.max_age_s
             while not self._closing and len(self._rows) < self.batch_size:

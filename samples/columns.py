@@ -1,9 +1,10 @@
 """The samples table's columns and the one validator of what goes into them.
 
 Pure: stdlib and numpy (no Django, no database driver), and nothing of the replay: the replay
-builds rows (replay.rows.row_from), this module says what a valid row is. A row is a mapping of
-every column name to a str, int, float or None (the spool writes rows as JSON lines); a batch is
-validated a whole column at a time (validate_columns) and comes out as the numpy arrays both
+builds rows (replay.rows.row_from), this module says what a valid row is. A row holds a str,
+int, float or None for every column: a SampleRow (the values in COLUMNS order, what the replay's
+writer holds and the spool writes as a JSON array) or a mapping of column name to value. A batch
+is validated a whole column at a time (validate_columns) and comes out as the numpy arrays both
 store backends insert.
 
 Types are the subset that works on ClickHouse 18.16 (CI) and chDB 4.4 alike: no DateTime64, Bool,
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -129,6 +131,10 @@ _ALLOWED_TYPES: dict[str, frozenset[type]] = {
     **{k: frozenset({int, np.int64, np.uint64}) for k in ("u8", "u16", "u32", "u64", "i64", "datetime")},
 }
 _PY_INT = frozenset({int})
+# array.array type code of each integer kind: the same width and signedness as its dtype
+_ARRAY_CODES = {"u8": "B", "u16": "H", "u32": "I", "u64": "Q", "i64": "q", "datetime": "I"}
+if array("I").itemsize != 4 or array("Q").itemsize != 8:  # pragma: no cover - C ints of this platform
+    raise ImportError("samples.columns needs 4-byte array('I') and 8-byte array('Q')")
 _WHAT = {"str": "not a str", "f64": "not a number", "nf64": "not a number or None"}
 _GETTERS = tuple((name, operator.itemgetter(name)) for name in COLUMN_NAMES)
 
@@ -238,7 +244,7 @@ def _column(col: Column, values: Any, nan_is_null: bool, convert: bool = True) -
             return _column(col, values, nan_is_null, convert)
         raise _Bad(_first_not(values, allowed), _WHAT.get(kind, "not an integer"))
     if kind == "str":
-        return np.array(values, dtype=object) if convert else None
+        return np.fromiter(values, dtype=object, count=len(values)) if convert else None
     if kind in ("f64", "nf64"):
         if not convert:
             for i, v in enumerate(values):
@@ -250,7 +256,10 @@ def _column(col: Column, values: Any, nan_is_null: bool, convert: bool = True) -
                     raise _Bad(i, "not a finite number")
             return None
         try:
-            arr = np.array(values, dtype=np.float64)  # None -> NaN
+            if _NONE in types:
+                arr = np.array(values, dtype=np.float64)  # None -> NaN
+            else:  # array.array converts about twice as fast as numpy from a list
+                arr = np.frombuffer(array("d", values), dtype=np.float64)
         except OverflowError:  # an int beyond float64
             i = next(i for i, v in enumerate(values) if type(v) is int and _beyond_float(v))
             raise _Bad(i, "out of range of Float64") from None
@@ -259,8 +268,9 @@ def _column(col: Column, values: Any, nan_is_null: bool, convert: bool = True) -
     if convert and types <= _PY_INT and kind != "nu64":  # nu64: an object array checks nothing
         # Each kind's range is exactly its dtype's, and numpy refuses (OverflowError) a Python
         # int outside the dtype: the conversion is the range check.
+        # array.array refuses the same ints (and converts faster); numpy views its buffer.
         try:
-            return np.array(values, dtype=_DTYPES[kind])
+            return np.frombuffer(array(_ARRAY_CODES[kind], values), dtype=_DTYPES[kind])
         except OverflowError:
             pass
     else:  # None or numpy integers (which numpy would wrap around silently), or one row
@@ -323,6 +333,60 @@ def _typed_array(col: Column, arr: np.ndarray, nan_is_null: bool) -> np.ndarray:
 
 
 _NAME_SET = frozenset(COLUMN_NAMES)
+
+
+_INDEX: dict[str, int] = {name: i for i, name in enumerate(COLUMN_NAMES)}
+
+
+class SampleRow(tuple):
+    """One samples row: its values in COLUMNS order. A batch of them becomes columns in one
+    C-level pass (zip(*rows)), where dict rows need a lookup per value, so this is what the
+    replay builds (replay.rows.row_from) and the spool stores (a JSON array per row).
+
+    Read a value by column name or position: row["seq"], row[3]; as_dict() gives the mapping.
+    Immutable like any tuple; SampleRow(values) does not validate (validate_samples does).
+    """
+
+    __slots__ = ()
+
+    def __getitem__(self, key: Any) -> Any:
+        if type(key) is str:
+            return tuple.__getitem__(self, _INDEX[key])
+        return tuple.__getitem__(self, key)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(zip(COLUMN_NAMES, self, strict=True))
+
+    @classmethod
+    def of(cls, row: Mapping[str, Any] | Sequence[Any]) -> SampleRow:
+        """`row` as a SampleRow: a mapping is read in column order (KeyError if one is missing),
+        a sequence is taken as the values in COLUMNS order."""
+        if isinstance(row, cls):
+            return row
+        if isinstance(row, Mapping):
+            return cls(row[name] for name in COLUMN_NAMES)
+        return cls(row)
+
+
+_TUPLE_ROWS = frozenset({SampleRow, tuple})
+
+
+def validate_samples(rows: Sequence[Any], where: str = "rows") -> ValidColumns:
+    """A batch of rows, validated columnar (validate_columns, NaN is never NULL); returns the
+    batch as columns ready to insert, and the error names the row.
+
+    Rows are SampleRows (or plain tuples of the values in COLUMNS order), transposed at C speed,
+    or mappings of every column (validate_rows). One batch holds one kind.
+    """
+    types = set(map(type, rows))
+    if not types or not types <= _TUPLE_ROWS:
+        return validate_rows(rows, where)
+    if set(map(len, rows)) != {len(COLUMN_NAMES)}:
+        i = next(i for i, r in enumerate(rows) if len(r) != len(COLUMN_NAMES))
+        raise SampleError(
+            f"{where} row {i}: expected {len(COLUMN_NAMES)} values in column order, got {len(rows[i])}", row=i
+        )
+    return validate_columns(dict(zip(COLUMN_NAMES, zip(*rows), strict=True)), where, nan_is_null=False)
 
 
 def rows_to_columns(rows: Sequence[Mapping[str, Any]], where: str = "rows") -> dict[str, list[Any]]:

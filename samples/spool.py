@@ -2,7 +2,9 @@
 
 Layout of the spool directory (ABPLAT_SPOOL_DIR):
   000000000001.jsonl   one file per spooled batch, numbered in write order. Line 1 is a header
-                       {"spool": 1, "seq": n, "rows": N, "runs": [...]}, then N JSON rows.
+                       {"spool": 2, "seq": n, "rows": N, "runs": [...]}, then N rows, each a
+                       JSON array of its values in column order (samples.columns.SampleRow).
+                       Format 1 files (one JSON object per row) are still read and flushed.
   spool.lock           flock'ed by whoever writes or flushes, so several processes on one host
                        can share a directory without interleaving sequence numbers.
   quarantine/          torn files, kept for a human after whatever was readable was flushed.
@@ -30,12 +32,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from samples.columns import SampleError, row_key, validate_rows
+from samples.columns import COLUMN_NAMES, SampleError, SampleRow, row_key, validate_samples
 from samples.store import SampleStore, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
-SPOOL_FORMAT = 1
+SPOOL_FORMAT = 2  # rows as JSON arrays in column order
+_READABLE_FORMATS = (1, 2)  # 1: rows as JSON objects (written before format 2)
 _NAME = re.compile(r"^(\d{12})\.jsonl(\.tmp)?$")
 
 
@@ -86,8 +89,9 @@ class Spool:
                 seqs.append(int(m.group(1)))
         return max(seqs, default=0) + 1
 
-    def append(self, rows: Sequence[Mapping[str, Any]]) -> str:
-        """Write one batch durably (caller holds the lock); returns the file name."""
+    def append(self, rows: Sequence[SampleRow] | Sequence[Mapping[str, Any]]) -> str:
+        """Write one batch of valid rows durably (caller holds the lock); returns the file name."""
+        rows = [SampleRow.of(r) for r in rows]
         seq = self._next_seq()
         name = f"{seq:012d}.jsonl"
         tmp = os.path.join(self.dir, name + ".tmp")
@@ -114,11 +118,12 @@ class Spool:
         finally:
             os.close(fd)
 
-    def read(self, name: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]], bool]:
-        """(header, rows, complete). Stops at the first unreadable line; never raises on bad
-        content, because a torn file must still give up what it holds."""
+    def read(self, name: str) -> tuple[dict[str, Any] | None, list[Any], bool]:
+        """(header, rows, complete): rows are SampleRows (format 2) or dicts (format 1). Stops at
+        the first unreadable line; never raises on bad content, because a torn file must still
+        give up what it holds."""
         header: dict[str, Any] | None = None
-        rows: list[dict[str, Any]] = []
+        rows: list[Any] = []
         path = os.path.join(self.dir, name)
         with open(path, "rb") as f:
             data = f.read()
@@ -134,18 +139,21 @@ class Spool:
             except ValueError:
                 break
             if i == 0:
-                if not isinstance(obj, dict) or obj.get("spool") != SPOOL_FORMAT:
+                if not isinstance(obj, dict) or obj.get("spool") not in _READABLE_FORMATS:
                     break
                 header = obj
                 continue
-            if not isinstance(obj, dict):
+            if header["spool"] == 1 and isinstance(obj, dict):
+                rows.append(obj)
+            elif header["spool"] == 2 and isinstance(obj, list) and len(obj) == len(COLUMN_NAMES):
+                rows.append(SampleRow(obj))
+            else:
                 break
-            rows.append(obj)
         # Keep the rows before the first invalid one (the validator names a bad row; the rows
         # before it may hide another in a column checked later, so check the prefix again).
         while rows:
             try:
-                validate_rows(rows, f"spool {name}")
+                validate_samples(rows, f"spool {name}")
                 break
             except SampleError as e:
                 rows = rows[: e.row or 0]
@@ -182,10 +190,11 @@ class SpoolingWriter:
         self.store = store
         self.spool = Spool(spool_dir)
 
-    def write(self, rows: Sequence[Mapping[str, Any]]) -> str:
+    def write(self, rows: Sequence[SampleRow] | Sequence[Mapping[str, Any]]) -> str:
+        """Store a batch of rows (SampleRows, or mappings of every column)."""
         # Validated once, here: never spool what the store would reject, and the store takes
         # the checked columns as they are.
-        cols = validate_rows(rows, "SpoolingWriter.write")
+        cols = validate_samples(rows, "SpoolingWriter.write")
         checked = list(rows)
         if not checked:
             return "stored"

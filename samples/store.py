@@ -208,14 +208,15 @@ class SampleStore:
         return {int(v): (n, c) for v, n, c in rows}
 
     # ---- writes -------------------------------------------------------------------------
-    def insert_samples(self, rows: Sequence[Mapping[str, Any]]) -> int:
-        """Insert dict rows (replay.rows.row_from builds them) as one columnar batch; returns
-        rows inserted. Validated columnar (samples.columns.validate_rows); a bad value raises
-        InvalidSamples naming the row and column, and nothing is sent."""
+    def insert_samples(self, rows: Sequence[colmod.SampleRow] | Sequence[Mapping[str, Any]]) -> int:
+        """Insert rows as one columnar batch; returns rows inserted. Rows are SampleRows (what
+        replay.rows.row_from builds; plain tuples of the values in column order too) or
+        mappings of every column. Validated columnar (samples.columns.validate_samples); a bad
+        value raises InvalidSamples naming the row and column, and nothing is sent."""
         if not rows:
             return 0
         try:
-            cols = colmod.validate_rows(rows, "insert_samples")
+            cols = colmod.validate_samples(rows, "insert_samples")
         except colmod.SampleError as e:
             raise InvalidSamples(str(e), row=e.row) from None
         return self._insert_batch(cols)

@@ -3,17 +3,25 @@
 Many processes share one server (workers, the web process, benches); each thread of a process
 gets its own connection. Transient failures (network, server busy) are retried with backoff and
 then raised as StoreUnavailable; anything else is a permanent StoreError at once.
+
+Inserts encode the validated columns into one native block themselves (_encoder, _send_block)
+and send it through the driver's connection, query and packet handling: this leans on
+clickhouse-driver 0.2.11 internals (Client.receive_sample_block, Connection.fout), so a driver
+upgrade must run tests/samples (every column type round-trips on the server there).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import operator
 import os
+import struct
 import threading
 import time
 import urllib.parse
 import uuid
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -167,23 +175,125 @@ class ClickHouseServerBackend(SampleStore):
         return names, [tuple(_normalize_value(v) for v in r) for r in rows]
 
     def _insert_columns(self, table: str, cols: dict[str, np.ndarray]) -> None:
-        # The validated arrays go in as they are (numpy columnar is clickhouse-driver's fastest
-        # insert path, bench/bench_insert.py), but for two types the driver reads differently.
-        arrays = [_for_driver(colmod.BY_NAME[n].kind, arr) for n, arr in cols.items()]
-        sql = f"INSERT INTO {table} ({', '.join(cols)}) VALUES"
-        self._run(
-            lambda c: c.execute(sql, arrays, columnar=True, settings={"use_numpy": True}),
-            f"insert into {table}",
-        )
+        # The validated arrays are encoded here, a whole column at a time (numpy bytes, one
+        # C-level pass per string column), and the block is sent as it is: clickhouse-driver's
+        # own column writers loop in Python over every Nullable, LowCardinality and DateTime
+        # value, which cost more than the validation (bench/bench_insert.py).
+        names = list(cols)
+        sql = f"INSERT INTO {table} ({', '.join(names)}) VALUES"
+        n = len(cols[names[0]])
+        encoders = [_encoder(colmod.BY_NAME[name], cols[name]) for name in names]
+        self._run(lambda c: _send_block(c, sql, names, encoders, n), f"insert into {table}")
 
 
-def _for_driver(kind: str, arr: np.ndarray) -> np.ndarray:
-    if kind == "datetime":
-        return arr.astype("datetime64[s]")
+# ---- the native block, written by us --------------------------------------------------------
+# Formats as clickhouse-driver 0.2.11 writes them (columns/*.py), for the types in COLUMNS only:
+# fixed-width numbers little-endian; Nullable(T): one null byte per row, then T with 0 for NULL;
+# String: varint length + UTF-8 per value; LowCardinality(String): keys version 1, then the
+# dictionary (String) and one key per row (UInt8/16/32/64 by dictionary size).
+_LC_FLAGS = (1 << 9) | (1 << 10)  # has additional keys | update dictionary
+_LE_DTYPES = {
+    "u8": "<u1",
+    "u16": "<u2",
+    "u32": "<u4",
+    "u64": "<u8",
+    "i64": "<i8",
+    "datetime": "<u4",
+    "f64": "<f8",
+}
+
+
+def _encoder(col: colmod.Column, arr: np.ndarray) -> Callable[[Any], None]:
+    """A function writing one validated column (samples.columns.validate_columns' dtypes) into
+    the driver's buffered socket writer."""
+    kind = col.kind
+    if kind in _LE_DTYPES:
+        data = np.ascontiguousarray(arr, dtype=_LE_DTYPES[kind]).tobytes()
+        return lambda buf: buf.write(data)
     if kind == "nf64":
-        # The driver's numpy Nullable(Float64) takes NULL only as None (a NaN is stored as NaN).
         null = np.isnan(arr)
-        if null.any():
-            arr = arr.astype(object)
-            arr[null] = None
-    return arr
+        data = null.view(np.uint8).tobytes() + np.where(null, 0.0, arr).astype("<f8").tobytes()
+        return lambda buf: buf.write(data)
+    if kind == "nu64":  # an object array of int | None
+        items = arr.tolist()
+        nulls = items.count(None)
+        if nulls == len(items):  # all NULL (a server that reports no timestamps)
+            data = b"\x01" * len(items) + bytes(8 * len(items))
+        else:
+            null = np.zeros(len(items), dtype=np.uint8)
+            if nulls:
+                null = np.fromiter(map(operator.is_, items, repeat(None)), dtype=np.uint8, count=len(items))
+                items = [0 if v is None else v for v in items]
+            data = null.tobytes() + np.array(items, dtype="<u8").tobytes()
+        return lambda buf: buf.write(data)
+    values = arr.tolist()
+    if col.ch_type == "String":
+        return lambda buf: buf.write_strings(values, encoding="utf-8")
+    # LowCardinality(String): the distinct values (any order), one key per row
+    distinct = list(set(values))
+    size = len(distinct)
+    key_type = 0 if size <= 1 << 8 else 1 if size <= 1 << 16 else 2 if size <= 1 << 32 else 3
+    key_dtype = ("<u1", "<u2", "<u4", "<u8")[key_type]
+    if size <= 8:  # the usual few names: one vectorized comparison per name
+        keys_arr = np.zeros(len(values), dtype=key_dtype)
+        for i, v in enumerate(distinct[1:], 1):
+            keys_arr[arr == v] = i
+    else:
+        index = {v: i for i, v in enumerate(distinct)}
+        keys_arr = np.fromiter(map(index.__getitem__, values), dtype=key_dtype, count=len(values))
+    keys = keys_arr.tobytes()
+    # keys version 1, then flags with the key width, dictionary size (n >= 1: never empty)
+    head = struct.pack("<qqq", 1, _LC_FLAGS | key_type, size)
+
+    def write(buf: Any) -> None:
+        buf.write(head)
+        buf.write_strings(distinct, encoding="utf-8")
+        buf.write(struct.pack("<q", len(values)))
+        buf.write(keys)
+
+    return write
+
+
+def _send_block(
+    client: Any, sql: str, names: list[str], encoders: list[Callable[[Any], None]], n: int
+) -> None:
+    """INSERT one block of n rows: clickhouse-driver's insert flow (Client.process_insert_query,
+    Connection.send_data), with the column data written by `encoders` instead of the driver's
+    column classes. The server's sample block must name our columns with our types."""
+    from clickhouse_driver import defines
+    from clickhouse_driver.block import BlockInfo, ColumnOrientedBlock
+    from clickhouse_driver.protocol import ClientPacketTypes
+    from clickhouse_driver.varint import write_varint
+    from clickhouse_driver.writer import write_binary_str
+
+    with client.disconnect_on_error(sql, None):
+        conn = client.connection
+        if conn.compression:
+            raise StoreError("the native block writer does not compress; connect without compression")
+        conn.send_query(sql)
+        conn.send_external_tables(None)
+        sample = client.receive_sample_block()
+        want = [(name, colmod.BY_NAME[name].ch_type) for name in names]
+        got = [tuple(ct) for ct in sample.columns_with_types]
+        if got != want:
+            raise StoreError(f"insert: the server's columns {got} are not the table's {want}")
+        revision = conn.server_info.used_revision
+        out = conn.fout
+        write_varint(ClientPacketTypes.DATA, out)
+        if revision >= defines.DBMS_MIN_REVISION_WITH_TEMPORARY_TABLES:
+            write_binary_str("", out)
+        if revision >= defines.DBMS_MIN_REVISION_WITH_BLOCK_INFO:
+            BlockInfo().write(out)
+        write_varint(len(names), out)
+        write_varint(n, out)
+        for (name, ch_type), encode in zip(want, encoders, strict=True):
+            write_binary_str(name, out)
+            write_binary_str(ch_type, out)
+            if revision >= defines.DBMS_MIN_REVISION_WITH_CUSTOM_SERIALIZATION:
+                out.write(b"\x00")  # no sparse serialization
+            encode(out)
+        out.flush()
+        client.receive_profile_events()
+        conn.send_data(ColumnOrientedBlock())  # the empty block: end of data
+        client.receive_profile_events()
+        client.receive_end_of_insert_query()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from samples import columns, schema
-from samples.columns import SampleError, validate_columns, validate_row, validate_rows
+from samples.columns import SampleError, validate_columns, validate_row, validate_rows, validate_samples
 from samples.sql import ParamError, bind, quote
 from tests.samples.conftest import sample_row
 
@@ -140,3 +140,43 @@ def test_bulk_columns_take_numpy_arrays_and_nan_as_null():
         SampleError, match=r"insert_columns: column seq \(UInt32\) needs integers, got dtype float64"
     ):
         validate_columns(cols)
+
+
+def test_sample_rows_validate_like_dict_rows_and_read_by_name():
+    dicts = [sample_row(i) for i in range(3)]
+    dicts[1].update(ttft_ms=None, server_first_content_ns=None)
+    rows = [columns.SampleRow.of(r) for r in dicts]
+    assert rows[1]["seq"] == 1 and rows[1][3] == 1 and rows[1].as_dict() == dicts[1]
+    got, want = validate_samples(rows), validate_rows(dicts)
+    assert list(got) == list(want)
+    for name in columns.COLUMN_NAMES:
+        assert got[name].dtype == want[name].dtype
+        np.testing.assert_array_equal(got[name], want[name])
+    assert validate_samples([tuple(r) for r in rows]).keys() == want.keys()  # plain tuples too
+    assert validate_samples(dicts).keys() == want.keys()  # and mappings
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "message"),
+    [
+        ("seq", True, "rows row 1: column seq (UInt32) cannot hold True: not an integer"),
+        ("seq", 2**32, "rows row 1: column seq (UInt32) cannot hold 4294967296: out of range"),
+        ("sent_unix_ms", math.inf, "rows row 1: column sent_unix_ms (Float64) cannot hold inf"),
+        ("sent_unix_ms", 10**400, "rows row 1: column sent_unix_ms (Float64) cannot hold 1000"),
+        ("ttft_ms", math.nan, "rows row 1: column ttft_ms (Nullable(Float64)) cannot hold nan"),
+        ("mode", 3, "rows row 1: column mode (LowCardinality(String)) cannot hold 3: not a str"),
+    ],
+)
+def test_a_bad_sample_row_is_named(column, value, message):
+    rows = [columns.SampleRow.of(sample_row(i)) for i in range(3)]
+    rows[1] = columns.SampleRow.of(dict(rows[1].as_dict(), **{column: value}))
+    with pytest.raises(SampleError) as err:
+        validate_samples(rows)
+    assert message in str(err.value) and err.value.row == 1
+
+
+def test_a_sample_row_of_the_wrong_length_is_named():
+    rows = [tuple(sample_row(i).values()) for i in range(3)]
+    rows[2] = rows[2][:-1]
+    with pytest.raises(SampleError, match=r"^rows row 2: expected 43 values in column order, got 42$"):
+        validate_samples(rows)

@@ -118,3 +118,25 @@ def test_rows_the_store_would_reject_are_refused_not_spooled(store, make_rows, t
 def test_flush_of_an_empty_spool_does_nothing(store, tmp_path):
     report = SpoolingWriter(store, str(tmp_path / "spool")).flush()
     assert (report.files, report.inserted) == (0, 0)
+
+
+def test_the_spool_writes_rows_as_arrays_and_still_flushes_format_1_files(store, make_rows, tmp_path):
+    import json
+
+    from samples.columns import COLUMN_NAMES, SampleRow
+
+    writer = SpoolingWriter(store, str(tmp_path / "spool"))
+    name = writer.spool.append([SampleRow.of(r) for r in make_rows(3)])
+    lines = open(os.path.join(writer.spool.dir, name), encoding="utf-8").read().splitlines()
+    assert json.loads(lines[0])["spool"] == 2
+    assert json.loads(lines[1]) == [make_rows(1)[0][c] for c in COLUMN_NAMES]
+    # a file an older writer left: header format 1, one JSON object per row
+    old = os.path.join(writer.spool.dir, "000000000002.jsonl")
+    with open(old, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"spool": 1, "seq": 2, "rows": 2, "runs": [7]}) + "\n")
+        for r in make_rows(2, start=3):
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    assert writer.pending(7) == 5
+    report = writer.flush()
+    assert (report.files, report.inserted, report.torn_files) == (2, 5, [])
+    assert store.recorded_request_ids(7) == {f"r7-{i}" for i in range(5)}

@@ -159,3 +159,37 @@ def test_a_malformed_url_names_the_expected_shape(url):
 
     with pytest.raises(StoreError, match="must look like clickhouse://user:password@host:port/db"):
         ClickHouseServerBackend(url)
+
+
+def test_sample_rows_round_trip_like_dict_rows_with_many_low_cardinality_names(store):
+    """What the replay hands over (SampleRows, values in column order) stores exactly what the
+    same rows as dicts store; LowCardinality columns with one, a few and over 256 distinct
+    names (wider keys) and a NULL in every nullable column among them."""
+    dicts = [
+        sample_row(i, variant=f"v{i % 300}", worker=f"w{i % 5}", ttft_ms=None if i % 4 else 1.5 + i)
+        for i in range(600)
+    ]
+    dicts[7].update(server_first_content_ns=None, e2e_ms=None)
+    assert store.insert_samples([columns.SampleRow.of(r) for r in dicts]) == 600
+    names = ", ".join(columns.COLUMN_NAMES)
+    got = store.query_columns(f"SELECT {names} FROM {schema.SAMPLES_FROM} ORDER BY seq")
+    for i, want in enumerate(dicts):
+        row = {n: got[n][i] for n in columns.COLUMN_NAMES}
+        assert row == dict(want, sent_at=dt.datetime.fromtimestamp(want["sent_at"], dt.UTC))
+
+
+def test_a_bad_sample_row_is_named_and_nothing_is_sent(store, make_rows):
+    rows = [columns.SampleRow.of(r) for r in make_rows(4)]
+    rows[2] = columns.SampleRow.of(dict(rows[2].as_dict(), seq=True))
+    with pytest.raises(ValueError, match="insert_samples row 2: column seq .* cannot hold True"):
+        store.insert_samples(rows)
+    assert store.count(7) == 0
+
+
+def test_a_batch_whose_nullable_integers_are_all_null_round_trips(store):
+    rows = [sample_row(i, server_first_content_ns=None, server_ttft_ms=None) for i in range(3)]
+    assert store.insert_samples([columns.SampleRow.of(r) for r in rows]) == 3
+    got = store.query(
+        f"SELECT server_first_content_ns, server_ttft_ms, seq FROM {schema.SAMPLES_FROM} ORDER BY seq"
+    )
+    assert got == [(None, None, 0), (None, None, 1), (None, None, 2)]
