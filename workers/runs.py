@@ -30,7 +30,6 @@ from workers.tasks import LEASE_S, complete_run, start_replay
 log = logging.getLogger(__name__)
 
 
-
 class ReplayError(ValueError):
     """A replay that cannot start; nothing was created or sent."""
 
