@@ -120,7 +120,10 @@ def run_sim(
         h1.RX_TIMESTAMPS = True
     ok = [r for r in res if r.outcome is Outcome.OK]
     where = f"{label} at {concurrency} streams on {url}"
-    if len(ok) != len(res):
+    # Our transports must get every request through. The httpx baseline does not at hundreds of
+    # streams (its pool queues them past the 30 s header deadline): that is a measured result of
+    # the baseline, shown in the table's `failed` column, as long as some of its requests got through.
+    if len(ok) != len(res) and (label != "httpx" or not ok):
         bad = next(r for r in res if r.outcome is not Outcome.OK)
         raise BenchFailed(
             f"{where}: {len(res) - len(ok)} of {len(res)} requests failed, e.g. {bad.outcome} {bad.error}"
@@ -362,12 +365,13 @@ def simulator_sections(profile: str, rx_timestamps: str = "compare") -> None:
         profile, [1, 64] if QUICK else [1, 64, 512], 32, ("httpx", *h1_rows[rx_timestamps])
     )
     print(
-        "| transport | streams | requests | p50 err | p99 err | max err | > 1 ms | client CPU us/token | tokens/s |"
+        "| transport | streams | requests ok | failed | p50 err | p99 err | max err | > 1 ms | client CPU us/token "
+        "| tokens/s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['transport']} | {r['c']} | {r['n']} | {r['err_p50']:.3f} | {r['err_p99']:.3f} | "
+            f"| {r['transport']} | {r['c']} | {r['n']} | {r['failed']} | {r['err_p50']:.3f} | {r['err_p99']:.3f} | "
             f"{r['err_max']:.3f} | {r['over_1ms']} | {r['cpu_us_per_token']:.1f} | {r['tokens_per_s']:.0f} |"
         )
 
