@@ -2,17 +2,16 @@
 mid-run (samples spool, then flush in order without duplicates)."""
 
 import io
-import threading
 import time
 import urllib.parse
 import uuid
 
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import connections
 
 from samples import factory
 from tests.plugin import FlakyProxy, server_url_for
+from tests.workers.background import replay_in_thread, wait_for
 from workers.models import ReplayRun
 
 TRACE = "data/traces/azure_llm_2023_code.csv"
@@ -40,29 +39,6 @@ def flaky_store(settings, clickhouse_server, tmp_path):
 
     ClickHouseServerBackend(direct).execute(f"DROP DATABASE IF EXISTS {database}")
     factory._cache.clear()
-
-
-def replay_in_thread(*args):
-    out, errors = io.StringIO(), []
-
-    def work():
-        try:
-            call_command("replay", "ttft-opt", "--trace", TRACE, *args, stdout=out)
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            connections.close_all()  # this thread's connections, before the test database goes
-
-    thread = threading.Thread(target=work)
-    thread.start()
-    return thread, out, errors
-
-
-def wait_for(predicate, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
 
 
 def recorded_samples(store, run_id):

@@ -4,15 +4,14 @@ whose owner died, the run catalog, the preflight and contradictory options."""
 import datetime as dt
 import io
 import json
-import threading
 import time
 
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import connections
 from django.utils import timezone
 
 from experiments import services
+from tests.workers.background import replay_in_thread, wait_for
 from workers.models import ReplayRun, ReplayShard
 from workers.runs import cancel_run
 from workers.tasks import LEASE_S
@@ -66,29 +65,6 @@ def test_prompt_lines_go_to_chat_variants_only_when_asked(running, sample_store,
     assert not ReplayRun.objects.exists()
     replay("--format", "jsonl", "--wrap-prompt", trace=log)
     assert ReplayRun.objects.get().outcomes == {"ok": 5}
-
-
-def replay_in_thread(*args):
-    out, errors = io.StringIO(), []
-
-    def work():
-        try:
-            call_command("replay", "ttft-opt", "--trace", TRACE, *args, stdout=out)
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=work)
-    thread.start()
-    return thread, out, errors
-
-
-def wait_for(predicate, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 @pytest.mark.django_db(transaction=True)
