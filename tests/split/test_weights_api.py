@@ -291,7 +291,9 @@ def test_admin_form_needs_the_change_weights_permission(running, users, weights_
         weights_admin.weights_view(admin_request(users["product"]), str(running.pk))
 
 
-def test_assign_on_a_draft_or_concluded_experiment_names_its_status(experiment, users, client_for):
+def test_assign_on_a_draft_or_concluded_experiment_names_its_status(
+    experiment, users, client_for, wait_until
+):
     client = client_for("analyst")
     response = client.get("/api/experiments/ttft-opt/assign", {"user_id": "u"})
     assert response.status_code == 409
@@ -301,6 +303,11 @@ def test_assign_on_a_draft_or_concluded_experiment_names_its_status(experiment, 
     )
     services.transition(experiment, "start", users["product"], reason="go")
     services.transition(experiment, "conclude", users["product"], reason="done")
+    # The router hears of the retired weights through its watch, a moment after the commit.
+    wait_until(
+        lambda: client.get("/api/experiments/ttft-opt/assign", {"user_id": "u"}).status_code != 200,
+        "the router to drop the concluded experiment's weights",
+    )
     response = client.get("/api/experiments/ttft-opt/assign", {"user_id": "u"})
     assert response.status_code == 409 and "is concluded" in response.json()["detail"]
     assert client.get("/api/experiments/nope/assign", {"user_id": "u"}).status_code == 404
