@@ -1,9 +1,13 @@
 """A replay started in a background thread, and waiting for what it does meanwhile."""
 
 import io
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
+import yaml
 from django.core.management import call_command
 from django.db import connections
 
@@ -32,3 +36,28 @@ def wait_for(predicate, timeout: float = 60.0, poll: float = 0.05) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(poll)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def manage(env: dict, *args: str, **kw) -> str:
+    """`python manage.py *args` in a subprocess with ``env``; its stdout, or a failed assertion."""
+    result = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=120, **kw)  # fmt: skip
+    assert result.returncode == 0, result.stderr + result.stdout
+    return result.stdout
+
+
+def start_demo_experiment(env: dict, tmp_path: Path, sims) -> None:
+    """In the database and sample store ``env`` names: migrate both, apply the demo experiment
+    with its variants on ``sims`` (simulator handles, in the document's order) and start it."""
+    manage(env, "migrate", "-v0")
+    manage(env, "clickhouse_migrate")
+    doc = yaml.safe_load((ROOT / "demo" / "ttft-optimizations.yaml").read_text())
+    for variant, sim in zip(doc["variants"], sims):
+        variant["endpoint"] = sim.url + "/v1"
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(doc))
+    manage(env, "apply_experiment", str(tmp_path / "exp.yaml"))
+    manage(env, "shell", "-c", "from experiments import services; from experiments.models import Experiment; "
+           "services.transition(Experiment.objects.get(), 'start')")  # fmt: skip

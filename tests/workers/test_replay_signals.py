@@ -9,17 +9,14 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
-import yaml
 
 from samples.backends.clickhouse import ClickHouseServerBackend
 from simulator.serve import start_in_thread
 from tests.plugin import server_url_for
+from tests.workers.background import ROOT, manage, start_demo_experiment
 from workers.tasks import LEASE_S
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -29,26 +26,11 @@ def env(tmp_path, clickhouse_server):
     url = server_url_for(database, clickhouse_server)
     sims = [start_in_thread("fast", model="tiny-llama") for _ in range(3)]
     env = {**base, "ABPLAT_VAR": str(tmp_path), "ABPLAT_CLICKHOUSE_URL": url, "ABPLAT_LOG_LEVEL": "WARNING"}
-    manage(env, "migrate", "-v0")
-    manage(env, "clickhouse_migrate")
-    doc = yaml.safe_load((ROOT / "demo" / "ttft-optimizations.yaml").read_text())
-    for variant, sim in zip(doc["variants"], sims):
-        variant["endpoint"] = sim.url + "/v1"
-    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(doc))
-    manage(env, "apply_experiment", str(tmp_path / "exp.yaml"))
-    manage(env, "shell", "-c", "from experiments import services; from experiments.models import Experiment; "
-           "services.transition(Experiment.objects.get(), 'start')")  # fmt: skip
+    start_demo_experiment(env, tmp_path, sims)
     yield env
     for s in sims:
         s.stop()
     ClickHouseServerBackend(url).execute(f"DROP DATABASE IF EXISTS {database}")
-
-
-def manage(env, *args):
-    result = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=120)  # fmt: skip
-    assert result.returncode == 0, result.stderr + result.stdout
-    return result.stdout
 
 
 def store_count(env) -> int:

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import redis
-import yaml
 
 from samples.backends.clickhouse import ClickHouseServerBackend
 from simulator.serve import start_in_thread
 from tests.plugin import server_url_for
+from tests.workers.background import ROOT, manage, start_demo_experiment
 
-ROOT = Path(__file__).resolve().parents[2]
 REDIS_URL = os.environ.get("ABPLAT_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
 
@@ -38,13 +37,6 @@ def env(tmp_path, clickhouse_server):
     ClickHouseServerBackend(server_url_for(database, clickhouse_server)).execute(
         f"DROP DATABASE IF EXISTS {database}"
     )
-
-
-def manage(env, *args, **kw):
-    result = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=120, **kw)  # fmt: skip
-    assert result.returncode == 0, result.stderr + result.stdout
-    return result.stdout
 
 
 def start_worker(env, log: Path) -> subprocess.Popen:
@@ -74,15 +66,7 @@ def test_killed_worker_shard_resumes_with_exactly_one_sample_per_request(env, tm
     sims = [start_in_thread("fast", model="tiny-llama") for _ in range(3)]
     workers = []
     try:
-        manage(env, "migrate", "-v0")
-        manage(env, "clickhouse_migrate")
-        doc = yaml.safe_load((ROOT / "demo" / "ttft-optimizations.yaml").read_text())
-        for variant, sim in zip(doc["variants"], sims):
-            variant["endpoint"] = sim.url + "/v1"
-        (tmp_path / "exp.yaml").write_text(yaml.safe_dump(doc))
-        manage(env, "apply_experiment", str(tmp_path / "exp.yaml"))
-        manage(env, "shell", "-c", "from experiments import services; from experiments.models import Experiment; "
-               "services.transition(Experiment.objects.get(), 'start')")  # fmt: skip
+        start_demo_experiment(env, tmp_path, sims)
         log = tmp_path / "worker.log"
         workers.append(start_worker(env, log))
         manage(env, "replay", "ttft-optimizations", "--trace", "data/traces/azure_llm_2023_code.csv",
