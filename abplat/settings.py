@@ -40,6 +40,42 @@ try:
     VISIBILITY_TIMEOUT = env.env_int("ABPLAT_VISIBILITY_TIMEOUT", 40 * 60, minimum=5)
     # TLS variants: empty trusts the system store; a PEM bundle path trusts exactly its CAs.
     VARIANT_CA_BUNDLE = env.env_str("ABPLAT_VARIANT_CA_BUNDLE", "")
+    # ---- hardening (issue 11); README "Security" says what each one guards ----
+    # Uploaded traces live here, named by content hash; the API and admin read traces from here only.
+    TRACE_DIR = Path(env.env_str("ABPLAT_TRACE_DIR", str(VAR_DIR / "traces"))).resolve()
+    TRACE_MAX_BYTES = env.env_int("ABPLAT_TRACE_MAX_BYTES", 512 * 1024 * 1024, minimum=1024)
+    TRACE_MAX_LINE_BYTES = env.env_int("ABPLAT_TRACE_MAX_LINE_BYTES", 1024 * 1024, minimum=256)
+    # Where variants may point: host names and CIDRs (checked at validation and at connect time).
+    VARIANT_ALLOWED_HOSTS = env.env_list(
+        "ABPLAT_VARIANT_ALLOWED_HOSTS", ["localhost", "127.0.0.0/8", "::1/128"]
+    )
+    # Named variant credentials (auth: {secret: NAME}): one file per name in this directory.
+    VARIANT_SECRETS_DIR = env.env_str("ABPLAT_VARIANT_SECRETS_DIR", "")
+    # Caps on one replay request.
+    REPLAY_MAX_REQUESTS = env.env_int("ABPLAT_REPLAY_MAX_REQUESTS", 5_000_000, minimum=1)
+    REPLAY_MAX_CONCURRENCY = env.env_int("ABPLAT_REPLAY_MAX_CONCURRENCY", 4096, minimum=1)
+    REPLAY_MAX_SPEED = env.env_int("ABPLAT_REPLAY_MAX_SPEED", 1000, minimum=1)
+    # A shard task covers one window of the schedule at most this long (well inside the task
+    # time limits below); windows join without a gap (workers/windows.py).
+    REPLAY_WINDOW_S = env.env_int("ABPLAT_REPLAY_WINDOW_S", 300, minimum=1)
+    TASK_SOFT_TIME_LIMIT_S = env.env_int("ABPLAT_TASK_SOFT_TIME_LIMIT_S", 30 * 60, minimum=2)
+    # Planning a run's prompts (start_replay) is bounded by the calibration's request cap, not
+    # by the schedule: its own limit.
+    REPLAY_PLAN_TIME_LIMIT_S = env.env_int("ABPLAT_REPLAY_PLAN_TIME_LIMIT_S", 30 * 60, minimum=2)
+    # API: the largest page a list returns, throttles, and the report's ClickHouse time budget.
+    API_MAX_PAGE_SIZE = env.env_int("ABPLAT_API_MAX_PAGE_SIZE", 1000, minimum=1)
+    API_THROTTLE_USER = env.env_str("ABPLAT_API_THROTTLE_USER", "600/min")
+    API_THROTTLE_ANON = env.env_str("ABPLAT_API_THROTTLE_ANON", "30/min")
+    API_THROTTLE_ASSIGN = env.env_str("ABPLAT_API_THROTTLE_ASSIGN", "6000/min")
+    API_THROTTLE_LOGIN = env.env_str("ABPLAT_API_THROTTLE_LOGIN", "10/min")
+    API_TOKEN_TTL_S = env.env_int("ABPLAT_API_TOKEN_TTL_S", 30 * 24 * 3600, minimum=60)
+    REPORT_MAX_EXECUTION_S = env.env_int("ABPLAT_REPORT_MAX_EXECUTION_S", 60, minimum=1)
+    # etcd: TLS client certificates and user/password (all empty: plain, as in development).
+    ETCD_CA_CERT = env.env_str("ABPLAT_ETCD_CA_CERT", "")
+    ETCD_CERT = env.env_str("ABPLAT_ETCD_CERT", "")
+    ETCD_KEY = env.env_str("ABPLAT_ETCD_KEY", "")
+    ETCD_USER = env.env_str("ABPLAT_ETCD_USER", "")
+    ETCD_PASSWORD = env.env_str("ABPLAT_ETCD_PASSWORD", "")
 except env.EnvError as exc:
     raise ImproperlyConfigured(str(exc)) from None
 
@@ -51,6 +87,12 @@ if VARIANT_CA_BUNDLE and not Path(VARIANT_CA_BUNDLE).is_file():
     raise ImproperlyConfigured(
         f"Unexpected value ABPLAT_VARIANT_CA_BUNDLE={VARIANT_CA_BUNDLE!r}: no such file "
         "(the PEM bundle of the CAs that sign the variants' TLS certificates)."
+    )
+if REPLAY_WINDOW_S * 2 > TASK_SOFT_TIME_LIMIT_S:
+    raise ImproperlyConfigured(
+        f"ABPLAT_REPLAY_WINDOW_S={REPLAY_WINDOW_S} must be at most half of "
+        f"ABPLAT_TASK_SOFT_TIME_LIMIT_S={TASK_SOFT_TIME_LIMIT_S}: a shard task lasts its window, "
+        "plus the lead before it and the requests still in flight at its end."
     )
 if LOG_LEVEL not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
     raise ImproperlyConfigured(
@@ -181,8 +223,8 @@ CELERY_RESULT_SERIALIZER = "json"
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
-CELERY_TASK_SOFT_TIME_LIMIT = 30 * 60
-CELERY_TASK_TIME_LIMIT = 35 * 60
+CELERY_TASK_SOFT_TIME_LIMIT = TASK_SOFT_TIME_LIMIT_S
+CELERY_TASK_TIME_LIMIT = TASK_SOFT_TIME_LIMIT_S + max(1, TASK_SOFT_TIME_LIMIT_S // 6)
 # A task held by a worker that died comes back after this many seconds (Redis transport).
 CELERY_BROKER_TRANSPORT_OPTIONS = {
     "visibility_timeout": VISIBILITY_TIMEOUT,

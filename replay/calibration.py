@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Hashable, Mapping, Sequence
 from typing import Any, Protocol
 
 from replay.plan import MIRROR, request_id
@@ -298,14 +298,19 @@ def plan_to_json(plans: Mapping[str, Mapping[int, SentPrompt]]) -> dict[str, dic
 
 
 def plan_from_json(
-    data: Mapping[str, Mapping[str, Sequence[int]]], words: Callable[[int, int], str] = synth_words
+    data: Mapping[str, Mapping[str, Sequence[int]]],
+    words: Callable[[int, int], str] = synth_words,
+    only: Collection[int] | None = None,
 ) -> dict[str, dict[int, SentPrompt]]:
-    """plan_to_json's inverse: the same texts, rebuilt from the pool (deterministic per seq)."""
+    """plan_to_json's inverse: the same texts, rebuilt from the pool (deterministic per seq).
+    ``only``: just these seqs (a shard rebuilds its own prompts, not the whole run's)."""
     plans: dict[str, dict[int, SentPrompt]] = {}
     for variant, book in data.items():
         out = plans[variant] = {}
         for key, (n_words, pad, tokens, estimated) in book.items():
             seq = int(key)
+            if only is not None and seq not in only:
+                continue
             text = words(seq, n_words) + PAD * pad
             out[seq] = SentPrompt(text, tokens, bool(estimated), words=n_words, pad=pad)
     return plans

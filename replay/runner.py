@@ -16,7 +16,14 @@ router), one streaming client per variant, a sink for rows and a cancel probe.
 6. What each variant is sent follows its API (replay.shapes): a mismatch the run's options do
    not allow is refused before anything is sent. A request the client cannot even build is
    recorded as ``client_error`` (our fault, never the server's).
-7. The assigner may raise StopReplay (e.g. the experiment's weights were retired because it
+7. A resumed shard (attempt > 1) whose first unsent request is overdue keeps the trace's
+   spacing: the rest of its sends shift by the delay instead of all going out at once (a
+   burst it would then measure itself); their schedule lag still counts from the original
+   plan, so the samples say how late they went. ``stats.shift_s`` is the shift.
+8. ``budget_s`` (closed loop): stop starting requests after this long, finish those in flight;
+   the rest are ``stats.deferred`` for the next task of the shard (they are not sent, and are
+   not cancelled).
+9. The assigner may raise StopReplay (e.g. the experiment's weights were retired because it
    was concluded): the shard stops sending and ends cancelled, with that reason. Any other
    error of a send task is re-raised after the requests in flight were recorded.
 """
@@ -70,6 +77,8 @@ class ShardSpec:
     apis: Mapping[str, str] | None = None
     render_chat: str = "reject"  # chat messages for completions variants: reject | plain
     wrap_prompt: bool = False  # prompt lines for chat variants: one user message when True
+    budget_s: float | None = None  # closed loop: start no request after this long (see 8.)
+    overdue_tolerance_s: float = 1.0  # a resumed shard shifts its sends when later than this
     worker: str = dataclasses.field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
 
     def __post_init__(self):
@@ -88,6 +97,8 @@ class ShardStats:
     skipped_recorded: int = 0
     recorded: int = 0
     not_sent: int = 0  # cancelled before its send time
+    deferred: int = 0  # left for the shard's next task (budget_s spent)
+    shift_s: float = 0.0  # a resumed shard's sends went this much later than planned
     outcomes: Counter = dataclasses.field(default_factory=Counter)
     lags_ms: list[float] = dataclasses.field(default_factory=list)
     cancelled: bool = False
@@ -102,7 +113,8 @@ class ShardStats:
         """For the log: counts, outcomes and lag quantiles in ms (not the raw lags)."""
         return {
             "planned": self.planned, "sent": self.sent, "skipped_recorded": self.skipped_recorded,
-            "recorded": self.recorded, "not_sent": self.not_sent, "outcomes": dict(self.outcomes),
+            "recorded": self.recorded, "not_sent": self.not_sent, "deferred": self.deferred,
+            "shift_s": round(self.shift_s, 3), "outcomes": dict(self.outcomes),
             "lag_p50_ms": round(self.lag_quantile(0.5), 3), "lag_p99_ms": round(self.lag_quantile(0.99), 3),
             "lag_max_ms": round(max(self.lags_ms, default=0.0), 3), "cancelled": self.cancelled,
             "stop_reason": self.stop_reason,
@@ -143,16 +155,22 @@ class ShardRunner:
         start_mono = time.perf_counter() + (spec.start_at_unix - time.time())
         slots = asyncio.Semaphore(spec.concurrency)
         tasks: set[asyncio.Task] = set()
+        began = time.perf_counter()
+        shift = self._overdue_shift(start_mono)
+        self.stats.shift_s = shift
         watcher = asyncio.create_task(self._watch_cancel())
         try:
             for i, req in enumerate(spec.requests):
                 if self._cancel.is_set():
                     self.stats.not_sent += len(spec.requests) - i
                     break
+                if spec.budget_s is not None and time.perf_counter() - began > spec.budget_s:
+                    self.stats.deferred += len(spec.requests) - i
+                    break
                 # The prompt is built before the wait, so its cost never shows as schedule lag.
                 prepared = self._prompt(req)
                 planned = start_mono + (spec.offsets[i] if spec.offsets is not None else 0.0)
-                delay = planned - time.perf_counter()
+                delay = planned + shift - time.perf_counter()
                 if delay > 0:
                     try:
                         await asyncio.wait_for(self._cancel.wait(), timeout=delay)
@@ -177,6 +195,24 @@ class ShardRunner:
         if self._error is not None:
             raise self._error
         return self.stats
+
+    def _ids(self, req: TraceRequest) -> list[str]:
+        spec = self.spec
+        if spec.mode == SPLIT:
+            return [request_id(spec.run_id, req.seq)]
+        return [request_id(spec.run_id, req.seq, v) for v in spec.variants]
+
+    def _overdue_shift(self, start_mono: float) -> float:
+        """How much later than planned a resumed shard must send the rest to keep the trace's
+        spacing (0 on a first attempt, in closed loop, or when it is not late)."""
+        spec = self.spec
+        if spec.attempt <= 1 or spec.offsets is None:
+            return 0.0
+        for i, req in enumerate(spec.requests):
+            if not all(rid in spec.skip_ids for rid in self._ids(req)):
+                late = time.perf_counter() - (start_mono + spec.offsets[i])
+                return late if late > spec.overdue_tolerance_s else 0.0
+        return 0.0
 
     async def _acquire(self, slots: asyncio.Semaphore) -> bool:
         """Take a slot: True holding one, False holding none when cancelled first (a full

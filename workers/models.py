@@ -52,7 +52,11 @@ class ReplayRun(models.Model):
     limit = models.PositiveIntegerField(null=True, blank=True, help_text="replay only the first N requests")
     sample_fraction = models.FloatField(default=1.0, help_text="keep this share of the requests (0, 1]")
     concurrency = models.PositiveIntegerField(default=512, help_text="requests in flight per shard at most")
-    shard_count = models.PositiveSmallIntegerField(default=1)
+    shard_count = models.PositiveSmallIntegerField(default=1, help_text="slots: shards sending at once")
+    window_s = models.FloatField(
+        null=True, blank=True,
+        help_text="each shard task covers this long a window of the schedule (empty: one window)",
+    )  # fmt: skip
     population_seed = models.IntegerField(default=0)
     status = models.CharField(max_length=12, choices=Status.choices, default=Status.QUEUED)
     cancel_requested = models.BooleanField(default=False)
@@ -108,7 +112,11 @@ class ReplayShard(models.Model):
         FAILED = "failed", "Failed"
 
     run = models.ForeignKey(ReplayRun, on_delete=models.CASCADE, related_name="shards")
-    index = models.PositiveSmallIntegerField()
+    index = models.PositiveIntegerField()
+    window = models.PositiveIntegerField(default=0, help_text="the schedule window this shard sends")
+    slot = models.PositiveSmallIntegerField(default=0)
+    start_s = models.FloatField(default=0.0, help_text="its window opens this long after time zero")
+    enqueued_at = models.DateTimeField(null=True, blank=True, help_text="its task was queued")
     status = models.CharField(max_length=8, choices=Status.choices, default=Status.PENDING)
     attempts = models.PositiveSmallIntegerField(default=0)
     worker = models.CharField(max_length=200, blank=True)

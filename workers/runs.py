@@ -25,7 +25,8 @@ from replay.sources import SourceError, load_requests
 from samples.store import StoreUnavailable
 from workers import preflight
 from workers.models import ReplayRun, ReplayShard
-from workers.tasks import LEASE_S, complete_run, start_replay
+from workers.shard import shard_rows
+from workers.tasks import LEASE_S, complete_run, maybe_finish, start_replay
 
 log = logging.getLogger(__name__)
 
@@ -152,21 +153,22 @@ def create_run(experiment: Experiment, *, source: str, source_format: str = "azu
         )
         if problems:
             raise ReplayError("preflight failed, nothing was sent: " + "; ".join(problems))
+    # Bounded tasks: with a broker each shard covers one window of the schedule (a closed loop
+    # works one window's time per task); eager Celery runs the whole schedule in one call.
+    window_s = None if settings.CELERY_TASK_ALWAYS_EAGER else float(settings.REPLAY_WINDOW_S)
+    offsets = arrival.offsets([r.offset_s for r in loaded.requests])
     with transaction.atomic():
         run = ReplayRun.objects.create(
             experiment=experiment, source=str(path), source_format=source_format, mode=mode,
             arrival=dataclasses.asdict(arrival), limit=limit, sample_fraction=sample_fraction,
-            concurrency=concurrency, shard_count=shard_count,
+            concurrency=concurrency, shard_count=shard_count, window_s=window_s,
             on_malformed=on_malformed, population_seed=population_seed,
             render_chat=render_chat, wrap_prompt=wrap_prompt,
             started_by=actor if getattr(actor, "pk", None) else None,
             total_requests=len(loaded.requests), skipped_lines=len(loaded.skipped),
             expected_samples=expected_samples(len(loaded.requests), mode, n_variants),
         )  # fmt: skip
-        ReplayShard.objects.bulk_create(
-            ReplayShard(run=run, index=i, planned=len(range(i, len(loaded.requests), shard_count)))
-            for i in range(shard_count)
-        )
+        ReplayShard.objects.bulk_create(shard_rows(run, offsets, len(loaded.requests)))
         audit.record(actor, experiment, "replay_started", after=describe(run))
         if enqueue:
             transaction.on_commit(lambda: start_replay.delay(run.pk))
@@ -193,6 +195,8 @@ def cancel_run(run: ReplayRun, actor=None, *, end_abandoned: bool = True) -> boo
                 status=ReplayRun.Status.CANCELLED, finished_at=timezone.now()
             )
             audit.record(actor, run.experiment, "replay_cancelled", after={"run": run.pk})
+    if updated:
+        maybe_finish(run.pk)  # shards not started yet end now, without sending
     if updated and end_abandoned:
         try:
             end_if_abandoned(run.pk)
@@ -203,18 +207,24 @@ def cancel_run(run: ReplayRun, actor=None, *, end_abandoned: bool = True) -> boo
 
 
 def stale_shards(run: ReplayRun, now=None) -> list[ReplayShard] | None:
-    """The run's open shards when every one of them lost its lease (no heartbeat for LEASE_S,
-    or never claimed LEASE_S after the run started); None when any is alive or none is open."""
+    """The run's open shards when every one that is due lost its lease (no heartbeat for
+    LEASE_S, or never claimed LEASE_S after its window opened); None when any is alive, or
+    none is due or open. A window that has not opened yet is neither alive nor stale."""
     now = now or timezone.now()
     stale = now - dt.timedelta(seconds=LEASE_S)
     open_shards = list(run.shards.filter(status__in=[ReplayShard.Status.PENDING, ReplayShard.Status.RUNNING]))
-    if not open_shards:
-        return None
+    due = []
     for shard in open_shards:
-        beat = shard.heartbeat_at or run.started_at
-        if beat is None or beat >= stale:
+        opens = run.started_at
+        if opens is not None and run.start_at_unix is not None and shard.heartbeat_at is None:
+            opens = dt.datetime.fromtimestamp(run.start_at_unix + shard.start_s, tz=dt.UTC)
+        beat = shard.heartbeat_at or opens
+        if beat is None or beat > now:
+            continue  # not due yet
+        if beat >= stale:
             return None
-    return open_shards
+        due.append(shard)
+    return open_shards if due else None
 
 
 def end_if_abandoned(run_id: int) -> bool:

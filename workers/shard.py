@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
+import time
+from collections.abc import Callable
 
 from django.conf import settings
 from django.db import connections
@@ -18,7 +21,7 @@ from experiments.weights.process import live_router
 from experiments.weights.router import UnknownExperiment
 from replay.arrivals import Arrival
 from replay.calibration import plan_from_json, plan_prompts, plan_to_json, wrap_streamers
-from replay.plan import SPLIT, Shard
+from replay.plan import SPLIT, window_shards
 from replay.runner import ShardRunner, ShardSpec, ShardStats, StopReplay
 from replay.sink import BatchSink
 from replay.sources import LoadedSource, load_requests
@@ -30,10 +33,28 @@ from workers.models import ReplayRun, ReplayShard
 log = logging.getLogger(__name__)
 
 
+_loaded: dict[tuple, LoadedSource] = {}  # this process's last parsed source (one entry)
+
+
 def run_requests(run: ReplayRun) -> LoadedSource:
-    """The run's requests as create_run counted them (the same source, seed, limit, fraction)."""
-    return load_requests(run.source, run.source_format, on_malformed=run.on_malformed, limit=run.limit,
-                         seed=run.population_seed, sample_fraction=run.sample_fraction)  # fmt: skip
+    """The run's requests as create_run counted them (the same source, seed, limit, fraction).
+    A worker process keeps the last one parsed: a run's window tasks share it instead of each
+    parsing the trace again (keyed by the file's size and mtime too, so a changed file is read)."""
+    try:
+        stat = os.stat(run.source)
+        version = (stat.st_size, stat.st_mtime_ns)
+    except OSError:
+        version = None  # load_requests says what is wrong with it
+    key = (run.source, run.source_format, run.on_malformed, run.limit, run.population_seed,
+           run.sample_fraction, version)  # fmt: skip
+    if version is not None and key in _loaded:
+        return _loaded[key]
+    loaded = load_requests(run.source, run.source_format, on_malformed=run.on_malformed, limit=run.limit,
+                           seed=run.population_seed, sample_fraction=run.sample_fraction)  # fmt: skip
+    _loaded.clear()
+    if version is not None:
+        _loaded[key] = loaded
+    return loaded
 
 
 def run_coroutine(coro):
@@ -66,15 +87,39 @@ def plan_run_prompts(run: ReplayRun) -> dict:
     return plan_to_json(plans)
 
 
-def execute_shard(shard: ReplayShard) -> ShardStats:
+def shard_rows(run: ReplayRun, offsets: list[float] | None, total: int) -> list[ReplayShard]:
+    """The run's shards, one per (window, slot) with requests (replay.plan.window_shards), in
+    the order their windows open; not saved."""
+    return [
+        ReplayShard(
+            run=run, index=i, window=c.window, slot=c.slot, start_s=c.start_s, planned=len(c.positions)
+        )
+        for i, c in enumerate(window_shards(offsets, total, run.shard_count, run.window_s))
+    ]
+
+
+def shard_positions(run: ReplayRun, shard: ReplayShard, offsets: list[float] | None, total: int) -> tuple:
+    """Which of the run's requests this shard sends: its (window, slot) of the one schedule."""
+    for cell in window_shards(offsets, total, run.shard_count, run.window_s):
+        if (cell.window, cell.slot) == (shard.window, shard.slot):
+            return cell.positions
+    return ()
+
+
+def execute_shard(shard: ReplayShard, *, budget_s: float | None = None,
+                  handoff: Callable[[], None] | None = None, handoff_at_unix: float = 0.0) -> ShardStats:  # fmt: skip
+    """Send the shard's requests (budget_s: start none after this long). ``handoff`` is called
+    once, in a thread, at ``handoff_at_unix`` while the shard runs (it queues the next window
+    then, so its message is free for any idle worker rather than held by one until due); the
+    shard waits for it before it ends, unless the run was cancelled."""
     run = shard.run
     experiment = run.experiment
     variants = list(experiment.variants.order_by("position"))
-    # 1. The shard's requests and their send offsets on the run's one schedule.
+    # 1. The shard's requests and their send offsets on the run's one schedule: its window's,
+    # interleaved by position with the other slots so each carries an even share.
     loaded = run_requests(run)
     offsets_all = Arrival(**run.arrival).offsets([r.offset_s for r in loaded.requests])
-    # Shards interleave by position in the (thinned) schedule, so each carries an even share.
-    positions = list(Shard(shard.index, run.shard_count).seqs(len(loaded.requests)))
+    positions = shard_positions(run, shard, offsets_all, len(loaded.requests))
     requests = [loaded.requests[i] for i in positions]
     offsets = None if offsets_all is None else [offsets_all[i] for i in positions]
     # 2. What an earlier delivery of this shard already recorded (spool first, then store).
@@ -90,6 +135,7 @@ def execute_shard(shard: ReplayShard) -> ShardStats:
         start_at_unix=run.start_at_unix, concurrency=run.concurrency,
         variants=[v.key for v in variants], attempt=shard.attempts, skip_ids=frozenset(recorded),
         apis={v.key: v.api for v in variants}, render_chat=run.render_chat, wrap_prompt=run.wrap_prompt,
+        budget_s=budget_s,
     )  # fmt: skip
     # 3. The live router: a weight change in the store takes effect mid-run.
     router = live_router() if run.mode == SPLIT else None
@@ -144,18 +190,54 @@ def execute_shard(shard: ReplayShard) -> ShardStats:
         }
         # Synthetic prompts of the trace's length on each variant's tokenizer, planned once per
         # run before its schedule started (plan_run_prompts): no /tokenize call on the send path.
-        clients = wrap_streamers(clients, plan_from_json(run.prompt_plan), run_id=run.pk, mode=run.mode)
+        clients = wrap_streamers(
+            clients,
+            plan_from_json(run.prompt_plan, only={r.seq for r in requests}),
+            run_id=run.pk,
+            mode=run.mode,
+        )
         try:
+            ahead = run.start_at_unix + shard.start_s - time.time() if run.start_at_unix else 0.0
+            log.info("run %s shard %s (window %s, slot %s): %d requests, ready %.2f s %s its window opens",
+                     run.pk, shard.index, shard.window, shard.slot, len(requests), abs(ahead),
+                     "before" if ahead >= 0 else "AFTER")  # fmt: skip
             runner = ShardRunner(spec, clients, assign if router else None, sink.put,
                                  should_cancel=should_cancel, revision=revision, on_progress=on_progress)  # fmt: skip
-            return await runner.run()
+            handing = asyncio.create_task(hand_off()) if handoff is not None else None
+            try:
+                stats = await runner.run()
+            except BaseException:
+                if handing is not None:
+                    handing.cancel()
+                raise
+            if handing is not None:
+                if stats.cancelled or stats.stop_reason:
+                    handing.cancel()
+                else:
+                    await handing
+            return stats
         finally:
             for client in clients.values():
                 await client.aclose()
 
+    async def hand_off() -> None:
+        await asyncio.sleep(max(0.0, handoff_at_unix - time.time()))
+
+        def call() -> None:
+            try:
+                handoff()
+            except Exception:  # the other slots and a redelivery try again: log, never fail
+                log.exception("run %s shard %s: queueing the next window failed", run.pk, shard.index)
+            finally:
+                connections.close_all()
+
+        await asyncio.to_thread(call)
+
     try:
         stats = run_coroutine(main())
     finally:
+        closing = time.monotonic()
         sink.close()  # raises if rows could not be written (the task fails; nothing silent)
+        log.debug("run %s shard %s: rows written in %.2f s", run.pk, shard.index, time.monotonic() - closing)
     log.info("run %s shard %s: %s", run.pk, shard.index, stats.summary())
     return stats

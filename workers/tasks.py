@@ -3,9 +3,14 @@
 Each task takes primitive ids, re-reads its rows and returns quietly when there is nothing to
 do, so a redelivered message never does anything twice:
 
-- start_replay(run):   queued -> running; fans the shards out (a group, no result backend).
-- run_shard(run, i):   claims the shard (pending/running -> running, attempts + 1), asks the
-                       sample store what this run already recorded, sends only the rest.
+- start_replay(run):   queued -> running; queues the first window's shards.
+- run_shard(run, i):   claims the shard (pending/running -> running, attempts + 1), queues the
+                       next window's shards to start WINDOW_LEAD_S before that window opens,
+                       asks the sample store what this run already recorded, sends only the
+                       rest. A shard is one (window, slot) of the schedule (replay.plan), so a
+                       task lasts about one window (settings.REPLAY_WINDOW_S), well inside the
+                       Celery time limits however long the trace; a closed-loop shard works
+                       for one window's time, then queues itself again for the rest.
 - finish_replay(run):  once every shard has ended; waits until the run's samples are
                        durable (spool flushed), counts them, ends the run and sends
                        samples.signals.replay_finished (the report's rollup is built by its
@@ -22,10 +27,13 @@ import logging
 import time
 
 from celery import group, shared_task
+from celery.exceptions import SoftTimeLimitExceeded
+from django.conf import settings
 from django.db import close_old_connections
 from django.db.models import F, Q
 from django.utils import timezone
 
+from replay.arrivals import Arrival
 from samples.factory import sample_store, sample_writer
 from samples.schema import SAMPLES_TABLE
 from samples.signals import replay_finished
@@ -36,6 +44,9 @@ from workers.shard import execute_shard, plan_run_prompts
 log = logging.getLogger(__name__)
 
 START_LEAD_S = 1.0  # every shard gets this long to be picked up before time zero
+# A later window's shards are queued this long before it opens: a task that has been picked up
+# loads the trace and its plan (about a second for an hour of trace) before its first send.
+WINDOW_LEAD_S = 5.0
 # A running shard whose worker has not written a heartbeat for this long is presumed dead and
 # may be claimed by a redelivered message. Heartbeats come every second; a broker that
 # redelivers a message whose worker is alive (Redis' visibility timeout) finds a fresh
@@ -43,7 +54,10 @@ START_LEAD_S = 1.0  # every shard gets this long to be picked up before time zer
 LEASE_S = 10.0
 
 
-@shared_task(acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+@shared_task(
+    acks_late=True, reject_on_worker_lost=True, ignore_result=True,
+    soft_time_limit=settings.REPLAY_PLAN_TIME_LIMIT_S, time_limit=settings.REPLAY_PLAN_TIME_LIMIT_S + 60,
+)  # fmt: skip
 def start_replay(run_id: int) -> None:
     run = (
         ReplayRun.objects.select_related("experiment")
@@ -64,8 +78,60 @@ def start_replay(run_id: int) -> None:
         return
     run = ReplayRun.objects.select_related("experiment").get(pk=run_id)
     record_catalog(run, "running")
-    shard_ids = list(ReplayShard.objects.filter(run_id=run_id).values_list("index", flat=True))
-    group(run_shard.si(run_id, index) for index in shard_ids).apply_async()
+    first = (
+        ReplayShard.objects.filter(run_id=run_id).order_by("window").values_list("window", flat=True).first()
+    )
+    if first is not None:
+        enqueue_window(run, first)
+
+
+def window_lead_s(run: ReplayRun) -> float:
+    """How long before its window a shard task is queued: WINDOW_LEAD_S, or half a short window
+    (a task lasts lead + window + its last requests: inside the time limit, settings)."""
+    return min(WINDOW_LEAD_S, run.window_s / 2) if run.window_s else WINDOW_LEAD_S
+
+
+def enqueue_window(run: ReplayRun, window: int) -> int:
+    """Queue the shards of one window, to start WINDOW_LEAD_S before it opens. Several callers
+    may race (every shard of the window before asks for the next): each shard is claimed by
+    exactly one (enqueued_at), and only its claimer queues it. Returns how many it queued."""
+    opens_at = (run.start_at_unix or time.time()) + run.shards.filter(window=window).values_list(
+        "start_s", flat=True
+    ).first()
+    countdown = max(0.0, opens_at - window_lead_s(run) - time.time())
+    queued = []
+    for index in run.shards.filter(window=window, enqueued_at__isnull=True).values_list("index", flat=True):
+        if ReplayShard.objects.filter(run_id=run.pk, index=index, enqueued_at__isnull=True).update(
+            enqueued_at=timezone.now()
+        ):
+            queued.append(index)
+    if queued:
+        group(run_shard.si(run.pk, index) for index in queued).apply_async(countdown=countdown)
+    return len(queued)
+
+
+def next_window(run: ReplayRun, window: int) -> int | None:
+    return run.shards.filter(window__gt=window).order_by("window").values_list("window", flat=True).first()
+
+
+def enqueue_next_window(run: ReplayRun, window: int) -> None:
+    """Queue the window after ``window`` unless the run is being cancelled (maybe_finish then
+    closes the windows that never started)."""
+    nxt = next_window(run, window)
+    if nxt is not None and not ReplayRun.objects.filter(pk=run.pk, cancel_requested=True).exists():
+        enqueue_window(run, nxt)
+
+
+def handoff_plan(shard: ReplayShard) -> float | None:
+    """When the running shard should queue the next window: its lead before that window opens,
+    if that falls within this shard's own window (the shard is still running then); None when
+    there is no next window or it opens after a gap (queued with a countdown when this ends)."""
+    run = shard.run
+    nxt = next_window(run, shard.window)
+    if nxt is None or run.window_s is None or run.start_at_unix is None:
+        return None
+    at = run.start_at_unix + nxt * run.window_s - window_lead_s(run)
+    return at if at <= run.start_at_unix + (shard.window + 1) * run.window_s else None
 
 
 @shared_task(
@@ -89,8 +155,28 @@ def run_shard(self, run_id: int, index: int) -> None:
             raise self.retry(countdown=LEASE_S, max_retries=None)
         return  # done already: a redelivered message
     shard = ReplayShard.objects.select_related("run__experiment").get(run_id=run_id, index=index)
+    # The next window is queued when it is due (not with a countdown: a message with an ETA is
+    # held by the one worker that fetched it, busy or not): by this shard while it runs, or,
+    # after a gap in the schedule, when it ends. Every slot tries; each shard is queued once.
+    handoff_at = handoff_plan(shard)
+    if shard.run.cancel_requested:
+        ReplayShard.objects.filter(pk=shard.pk).update(
+            status=ReplayShard.Status.DONE, finished_at=timezone.now()
+        )
+        close_old_connections()
+        maybe_finish(run_id)
+        return
     try:
-        stats = execute_shard(shard)
+        stats = execute_shard(
+            shard, budget_s=shard_budget_s(shard.run), handoff_at_unix=handoff_at or 0.0,
+            handoff=None if handoff_at is None else lambda: enqueue_next_window(shard.run, shard.window),
+        )  # fmt: skip
+    except SoftTimeLimitExceeded:
+        # A backstop (the budget stops a shard well before): what it recorded stays, the rest
+        # resumes in a new task.
+        log.warning("run %s shard %s: soft time limit reached; the rest resumes", run_id, index)
+        requeue(shard, None)
+        return
     except StoreUnavailable:
         raise  # retried: the shard stays claimable and resumes where it stopped
     except Exception as exc:
@@ -102,6 +188,9 @@ def run_shard(self, run_id: int, index: int) -> None:
         )
         ReplayRun.objects.filter(pk=run_id).update(error=f"shard {index}: {type(exc).__name__}: {exc}"[:4000])
     else:
+        if stats.deferred and not stats.stop_reason and not stats.cancelled:
+            requeue(shard, stats)  # budget spent: the next task resumes, skipping what is recorded
+            return
         if stats.stop_reason:
             # The shard stopped on its own (e.g. the experiment was concluded and its weights
             # retired): the run is cancelled, for that reason, not failed.
@@ -115,11 +204,43 @@ def run_shard(self, run_id: int, index: int) -> None:
         )  # fmt: skip
     finally:
         close_old_connections()
+    enqueue_next_window(shard.run, shard.window)  # after a gap; a no-op once queued
     maybe_finish(run_id)
 
 
+def shard_budget_s(run: ReplayRun) -> float | None:
+    """How long one task of the run's shards may start requests (None: no bound, eager Celery).
+    A closed loop has no windows: it works one window's time per task. An open-loop shard
+    ends with its window; the budget only stops one that runs late (a slow start, an
+    overloaded worker) well inside the soft time limit."""
+    if run.window_s is None:
+        return None
+    if Arrival(**run.arrival).open_loop:
+        return 0.6 * settings.TASK_SOFT_TIME_LIMIT_S
+    return float(run.window_s)
+
+
+def requeue(shard: ReplayShard, stats) -> None:
+    """Queue the rest of a shard as a new task (budget spent): it resumes like a redelivered
+    shard, asking the store what is recorded and sending only the rest."""
+    fields = {"status": ReplayShard.Status.PENDING, "heartbeat_at": None}
+    if stats is not None:
+        fields.update(
+            sent=stats.sent + stats.skipped_recorded, recorded=stats.recorded + stats.skipped_recorded
+        )
+    ReplayShard.objects.filter(pk=shard.pk, status=ReplayShard.Status.RUNNING).update(**fields)
+    close_old_connections()
+    run_shard.apply_async((shard.run_id, shard.index))
+
+
 def maybe_finish(run_id: int) -> None:
-    """The shard that sees every shard ended moves the run on; only one can claim it."""
+    """The shard that sees every shard ended moves the run on; only one can claim it. In a
+    cancelled run, the shards that have not started end here without sending (a message that
+    still comes for one finds nothing to claim)."""
+    if ReplayRun.objects.filter(pk=run_id, cancel_requested=True).exists():
+        ReplayShard.objects.filter(run_id=run_id, status=ReplayShard.Status.PENDING).update(
+            status=ReplayShard.Status.DONE, finished_at=timezone.now()
+        )
     open_shards = ReplayShard.objects.filter(run_id=run_id).exclude(
         status__in=[ReplayShard.Status.DONE, ReplayShard.Status.FAILED]
     )

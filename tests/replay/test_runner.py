@@ -287,3 +287,34 @@ def test_a_full_closed_loop_stops_at_a_cancel_instead_of_sending_when_a_slot_fre
     )  # fmt: skip
     assert stats.cancelled and stats.recorded + stats.not_sent == 40 and stats.recorded < 20
     assert {r["outcome"] for r in rows} == {"ok"}  # in flight within the grace: they finished
+
+
+def test_a_resumed_late_shard_keeps_the_trace_spacing_and_counts_lag_from_the_plan(sims):
+    # A shard redelivered 2 s after its schedule began: half of it is recorded, the rest must
+    # not go out at once (a burst it would measure itself) but keep their 50 ms spacing.
+    reqs = requests(10, gap_s=0.05)
+    done = frozenset(request_id(9, i) for i in range(5))
+    spec = spec_for(reqs, skip_ids=done, attempt=2)
+    spec.start_at_unix = time.time() - 2.0
+    stats, rows = run(spec, sims, assign=lambda u: ("a", 1))
+    assert sorted(r["seq"] for r in rows) == [5, 6, 7, 8, 9]
+    assert stats.shift_s > 1.5
+    sent = sorted((r["seq"], r["sent_unix_ms"]) for r in rows)
+    gaps = [b[1] - a[1] for a, b in zip(sent, sent[1:])]
+    assert all(40 <= g <= 150 for g in gaps), gaps  # spaced as the trace, not all at once
+    assert all(r["schedule_lag_ms"] > 1500 for r in rows)  # and marked late against the plan
+
+
+def test_a_first_attempt_that_is_late_is_not_shifted(sims):
+    spec = spec_for(requests(4, gap_s=0.0))
+    spec.start_at_unix = time.time() - 2.0
+    stats, rows = run(spec, sims, assign=lambda u: ("a", 1))
+    assert stats.shift_s == 0.0 and len(rows) == 4
+
+
+def test_a_budget_stops_starting_requests_and_defers_the_rest(sims):
+    reqs = requests(30, gap_s=0.05)  # 1.5 s of schedule
+    stats, rows = run(spec_for(reqs, budget_s=0.5), sims, assign=lambda u: ("a", 1))
+    assert 0 < stats.recorded < 30 and stats.deferred == 30 - stats.recorded == 30 - len(rows)
+    assert stats.not_sent == 0 and not stats.cancelled
+    assert sorted(r["seq"] for r in rows) == list(range(len(rows)))  # the first ones, in order

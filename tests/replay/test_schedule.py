@@ -114,3 +114,33 @@ def test_planned_duration_of_each_arrival_process():
     assert poisson.duration_s(recorded) == max(poisson.offsets(recorded))
     assert Arrival(mode="closed", concurrency=2).duration_s(recorded) is None
     assert Arrival().duration_s([]) == 0.0
+
+
+def test_windows_cut_the_schedule_by_time_and_slot_each_request_once():
+    offsets = [0.0, 0.4, 1.0, 4.9, 5.0, 5.1, 12.0, 12.5, 29.99]
+    cut = plan.window_shards(offsets, len(offsets), 2, 5.0)
+    assert [(c.window, c.slot) for c in cut] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (5, 0)]
+    assert sorted(p for c in cut for p in c.positions) == list(range(len(offsets)))
+    for c in cut:
+        assert all(c.start_s <= offsets[p] < c.end_s for p in c.positions)
+        assert all(p % 2 == c.slot for p in c.positions)  # the same slot as without windows
+        assert list(c.positions) == sorted(c.positions)
+    # windows 3 and 4 have no request: no shard (nothing to queue, nothing to wait for)
+    assert {c.window for c in cut} == {0, 1, 2, 5}
+
+
+def test_no_windows_or_closed_loop_is_one_window_per_slot():
+    assert plan.window_shards(None, 5, 2, 5.0) == plan.window_shards([0.0] * 5, 5, 2, None)
+    one = plan.window_shards(None, 5, 2, 5.0)
+    assert [(c.window, c.slot, c.positions) for c in one] == [(0, 0, (0, 2, 4)), (0, 1, (1, 3))]
+    assert plan.window_shards([], 0, 3, 5.0) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [(([0.0], 1, 0, 5.0), "slot count"), (([0.0, 1.0], 1, 1, 5.0), "2 offsets for 1"),
+     (([0.0], 1, 1, 0.0), "window_s must be > 0")],
+)  # fmt: skip
+def test_bad_window_cuts_named(args, says):
+    with pytest.raises(ValueError, match=says):
+        plan.window_shards(*args)
