@@ -1,4 +1,5 @@
 from django import forms
+from django.conf import settings
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.shortcuts import redirect
@@ -7,16 +8,23 @@ from django.urls import path
 
 from experiments.models import Experiment
 from replay.arrivals import MODES, Arrival
+from traces.models import Trace
+from workers.api import start_in_background
 from workers.models import ReplayRun, ReplayShard
-from workers.runs import ReplayError, cancel_run, create_run
+from workers.runs import ReplayError, ReplayInputError, cancel_run, create_run
 
 
 class StartReplayForm(forms.Form):
     experiment = forms.ModelChoiceField(queryset=Experiment.objects.filter(status=Experiment.Status.RUNNING))
-    source = forms.CharField(
-        initial="data/traces/azure_llm_2023_code.csv", help_text="path the workers can read"
+    trace = forms.ModelChoiceField(
+        queryset=Trace.objects.all(), required=False, help_text="an uploaded trace (Traces: Upload a trace)"
     )
-    source_format = forms.ChoiceField(choices=ReplayRun.SourceFormat.choices, initial="azure")
+    source = forms.CharField(
+        required=False, max_length=1000, help_text="or a file name inside the trace directory (TRACE_DIR)"
+    )
+    source_format = forms.ChoiceField(
+        choices=[("", "the trace's (else azure)"), *ReplayRun.SourceFormat.choices], required=False
+    )
     mode = forms.ChoiceField(choices=ReplayRun.Mode.choices, initial="split")
     arrival = forms.ChoiceField(choices=[(m, m) for m in MODES], initial="recorded")
     speed = forms.FloatField(initial=1.0, help_text="recorded arrivals: time compression")
@@ -42,6 +50,8 @@ class StartReplayForm(forms.Form):
 
     def clean(self):
         data = super().clean()
+        if not self.errors and bool(data.get("trace")) == bool(data.get("source")):
+            raise forms.ValidationError("choose a trace, or give a file name inside the trace directory")
         if not self.errors:
             try:
                 data["arrival_obj"] = Arrival(
@@ -101,17 +111,22 @@ class ReplayRunAdmin(admin.ModelAdmin):
         form = StartReplayForm(request.POST or None)
         if request.method == "POST" and form.is_valid():
             d = form.cleaned_data
+            eager = settings.CELERY_TASK_ALWAYS_EAGER
             try:
                 run = create_run(
-                    d["experiment"], source=d["source"], source_format=d["source_format"], mode=d["mode"],
+                    d["experiment"], trace=d["trace"].sha256 if d["trace"] else None, source=d["source"] or None,
+                    source_format=d["source_format"] or None, local_paths=False, mode=d["mode"], enqueue=not eager,
                     arrival=d["arrival_obj"], limit=d["limit"], concurrency=d["concurrency"],
                     on_malformed="skip" if d["skip_malformed"] else "reject",
                     sample_fraction=d["sample_fraction"], actor=request.user, render_chat=d["render_chat"] or "reject",
                     wrap_prompt=d["wrap_prompt"], max_duration_s=d["max_duration"], confirm=d["confirm"],
                 )  # fmt: skip
             except ReplayError as exc:
-                form.add_error(None, str(exc))
+                field = exc.field if isinstance(exc, ReplayInputError) else None
+                form.add_error(field if field in form.fields else None, str(exc))
             else:
+                if eager:
+                    start_in_background(run.pk)  # not inside this request
                 self.message_user(
                     request, f"run {run.pk} started: {run.total_requests} requests", messages.SUCCESS
                 )

@@ -20,6 +20,7 @@ from experiments import services
 from experiments.loading import load_document_file
 from experiments.models import Experiment
 from simulator.serve import start_subprocess
+from traces.storage import TraceError, store_file
 from workers.models import ReplayRun
 
 DEMO_DOCUMENT = Path(settings.BASE_DIR) / "demo" / "ttft-optimizations.yaml"
@@ -35,15 +36,22 @@ class Command(BaseCommand):
         parser.add_argument("--speed", type=float, default=4.0, help="time compression of the trace")
         parser.add_argument("--replicas", type=int, default=4, help="engines per simulated deployment")
         parser.add_argument("--no-serve", action="store_true", help="stop after the SLA table")
+        parser.add_argument(
+            "--create-demo-user", action="store_true",
+            help="create the demo/demo superuser even on a configured database (ABPLAT_DATABASE_URL)",
+        )  # fmt: skip
 
     def handle(self, *args, port: int, limit: int, speed: float, replicas: int, no_serve: bool, **options):
         started = time.monotonic()
         call_command("migrate", verbosity=0)
         call_command("clickhouse_migrate", verbosity=0)
-        user_model = get_user_model()
-        demo_user = user_model.objects.filter(username="demo").first()
-        if demo_user is None:
-            demo_user = user_model.objects.create_superuser("demo", "demo@localhost", "demo")
+        demo_user = self.demo_user(options["create_demo_user"])
+        # The shipped trace in the trace directory too: the admin's "Start a replay" and the API
+        # read traces from there only (this command reads it from data/traces/, an operator's path).
+        try:
+            store_file(Path(settings.BASE_DIR) / TRACE, user=demo_user)
+        except TraceError as exc:
+            self.stderr.write(f"{TRACE} not added to the trace directory: {exc}")
 
         # 2. Simulators on the document's ports (or free ones, written back to the variants).
         doc = load_document_file(DEMO_DOCUMENT)
@@ -85,10 +93,28 @@ class Command(BaseCommand):
             for handle in sims:
                 handle.stop()
             return
+        login = "login demo / demo" if demo_user is not None else "log in as a superuser (createsuperuser)"
         self.stdout.write(
-            f"\nAdmin:     http://127.0.0.1:{port}/admin/  (login demo / demo)\n"
+            f"\nAdmin:     http://127.0.0.1:{port}/admin/  ({login})\n"
             f"Dashboard: http://127.0.0.1:{port}/dashboards/{experiment.key}/\n"
             f"API docs:  http://127.0.0.1:{port}/api/docs/\n"
             "Ctrl-C stops the server and the simulators.\n"
         )
         call_command("runserver", f"127.0.0.1:{port}", use_reloader=False)
+
+    def demo_user(self, create: bool):
+        """The demo/demo superuser: made on the embedded SQLite database only (a throwaway on
+        this machine) or with --create-demo-user; a configured database is someone's, where a
+        superuser with a published password is a way in. None when not made."""
+        user_model = get_user_model()
+        user = user_model.objects.filter(username="demo").first()
+        if user is not None:
+            return user
+        if settings.DATABASE_URL and not create:
+            self.stdout.write(
+                "not creating the demo/demo superuser: the database is the one ABPLAT_DATABASE_URL "
+                "names, not the embedded SQLite file; pass --create-demo-user to create it there "
+                "anyway, or use manage.py createsuperuser"
+            )
+            return None
+        return user_model.objects.create_superuser("demo", "demo@localhost", "demo")

@@ -19,8 +19,14 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("key", help="experiment key (must be running)")
-        parser.add_argument("--trace", required=True, help="trace or log file")
-        parser.add_argument("--format", choices=["azure", "jsonl"], default="azure")
+        parser.add_argument(
+            "--trace", required=True,
+            help="trace or log: a local file (this shell's, or the project's data/traces/...), or an uploaded "
+            "trace's name or sha256",
+        )  # fmt: skip
+        parser.add_argument(
+            "--format", choices=["azure", "jsonl"], help="default: an uploaded trace's format, else azure"
+        )
         parser.add_argument("--mode", choices=["split", "mirror"], default="split")
         parser.add_argument(
             "--arrival", choices=["recorded", "poisson", "gamma", "closed"], default="recorded"
@@ -76,7 +82,8 @@ class Command(BaseCommand):
                 for ended in reap_abandoned():
                     self.stderr.write(f"run {ended}: its owner had died; ended")
             run = create_run(
-                experiment, source=o["trace"], source_format=o["format"], mode=o["mode"], arrival=arrival,
+                experiment, source=o["trace"], local_paths=True, source_format=o["format"], mode=o["mode"],
+                arrival=arrival,
                 limit=o["limit"], concurrency=o["concurrency"], shard_count=o["shards"],
                 on_malformed="skip" if o["skip_malformed"] else "reject", population_seed=o["seed"],
                 sample_fraction=o["sample"], render_chat=o["render_chat"], wrap_prompt=o["wrap_prompt"],
