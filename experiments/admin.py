@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from django.contrib import admin, messages
+from django.contrib.admin.actions import delete_selected as django_delete_selected
 from django.core.exceptions import ValidationError
 from django.db import models
 from django.forms.models import BaseInlineFormSet
@@ -11,10 +12,21 @@ from django.utils.html import format_html
 
 from experiments import lifecycle, services
 from experiments.admin_weights import WeightsAdminMixin
+from experiments.checks import document_egress
 from experiments.document import DocumentError, validate_document
 from experiments.models import AuditEntry, Experiment, Variant
 
-VARIANT_FIELDS = ("key", "control", "weight", "endpoint", "model", "api", "http2", "factors", "engine_args")
+VARIANT_FIELDS = (
+    "key", "control", "weight", "endpoint", "model", "api", "http2", "factors", "engine_args", "auth_secret",
+)  # fmt: skip
+
+
+def variant_document(row: dict) -> dict:
+    """One inline row as the document's variant: the auth_secret column is ``auth: {secret}``."""
+    doc = {f: row.get(f) for f in VARIANT_FIELDS if f != "auth_secret"}
+    name = (row.get("auth_secret") or "").strip()
+    doc["auth"] = {"secret": name} if name else None
+    return doc
 
 
 def document_from_admin(experiment: Experiment, variant_rows: list[dict]) -> dict:
@@ -23,7 +35,7 @@ def document_from_admin(experiment: Experiment, variant_rows: list[dict]) -> dic
         "name": experiment.name,
         "hypothesis": experiment.hypothesis,
         "sla": services.sla_document(experiment),
-        "variants": [{f: row.get(f) for f in VARIANT_FIELDS} for row in variant_rows],
+        "variants": [variant_document(row) for row in variant_rows],
     }
 
 
@@ -49,11 +61,11 @@ class VariantFormSet(BaseInlineFormSet):
             rows.append(row)
         doc = document_from_admin(self.instance, rows)
         try:
-            validate_document(doc)
+            # The settings' variant allowlist, as the API and the command line apply it.
+            validated = validate_document(doc, **document_egress())
             existing = Experiment.objects.filter(pk=self.instance.pk).first()
-            if existing is not None and existing.is_locked:
-                before = services._normalized(services.export_document(existing))
-                services._check_locked_change(existing, before, services._normalized(validate_document(doc)))
+            # What apply_document checks beyond the document: engine flags, locked fields.
+            services.check_change(existing, services._normalized(validated))
         except DocumentError as exc:
             raise ValidationError([str(e) for e in exc.errors]) from None
         self.instance._abplat_document = doc
@@ -98,13 +110,44 @@ def _lifecycle_action(action: str):
     return run
 
 
+@admin.action(permissions=["delete"], description="Delete selected draft experiments (audited)")
+def delete_selected(modeladmin, request, queryset):
+    """Replaces Django's bulk delete (same name, so its confirmation page posts back here), which
+    deletes the rows in one query: no audit entry, no draft rule. Each experiment goes through
+    services.delete_experiment, like the delete page and the API."""
+    refused = [e for e in queryset if e.status != Experiment.Status.DRAFT]
+    for experiment in refused:
+        modeladmin.message_user(
+            request,
+            f"Experiment {experiment.key} is {experiment.status}: only drafts can be deleted "
+            "(conclude it instead). Nothing was deleted.",
+            messages.ERROR,
+        )
+    if refused:
+        return None
+    if not request.POST.get("post"):
+        # Django's confirmation page: what goes with each experiment, and the runs that protect one.
+        return django_delete_selected(modeladmin, request, queryset)
+    deleted = []
+    for experiment in queryset:
+        try:
+            services.delete_experiment(experiment, actor=request.user)
+        except lifecycle.TransitionError as exc:  # also ProtectedExperimentError: it has runs
+            modeladmin.message_user(request, str(exc), messages.ERROR)  # names the experiment
+        else:
+            deleted.append(experiment.key)
+    if deleted:
+        modeladmin.message_user(request, f"Deleted (audited): {', '.join(deleted)}", messages.SUCCESS)
+    return None
+
+
 @admin.register(Experiment)
 class ExperimentAdmin(WeightsAdminMixin, admin.ModelAdmin):
     list_display = ("key", "name", "status", "sla_ttft_ms", "sla_target", "owner", "updated_at", "dashboard")
     list_filter = ("status", "owner")
     search_fields = ("key", "name", "hypothesis", "variants__key", "variants__model")
     inlines = [VariantInline]
-    actions = [_lifecycle_action(a) for a in lifecycle.ACTIONS]
+    actions = [*(_lifecycle_action(a) for a in lifecycle.ACTIONS), delete_selected]
     readonly_fields = ("status", "salt", "hash_version", "owner", "created_at", "updated_at",
                        "started_at", "concluded_at", "dashboard", "weights_link")  # fmt: skip
     fieldsets = (
@@ -154,6 +197,11 @@ class ExperimentAdmin(WeightsAdminMixin, admin.ModelAdmin):
 
     def delete_model(self, request, obj):
         services.delete_experiment(obj, actor=request.user)
+
+    def delete_queryset(self, request, queryset):
+        # Never one bulk query: every deletion is audited and checked.
+        for experiment in queryset:
+            services.delete_experiment(experiment, actor=request.user)
 
 
 @admin.register(AuditEntry)

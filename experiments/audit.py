@@ -1,4 +1,12 @@
-"""Writing the append-only audit log. Call inside the transaction of the change itself."""
+"""Writing the append-only audit log. Call inside the transaction of the change itself.
+
+Actions: ``create``, ``update`` and ``delete`` of experiments (before and after in full),
+the lifecycle moves, ``set_weights`` and ``retire_weights``. Two more say that the weights
+store and the database disagreed for a moment: ``weights_rolled_back`` (a store write was
+undone after its database change failed) and ``weights_rollback_failed`` (it could not be: the
+store holds the revision named until an SRE sets the weights again); see
+experiments/weights/publish.py.
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,11 @@ line, and exports. Pure: no Django imports.
 
 ``validate_document(raw)`` returns a normalized document or raises ``DocumentError`` with every
 problem found, each naming its field path (``variants[2].weight``) and the rule it broke.
+
+Egress (streaming/egress.py): an endpoint never carries credentials (``user:key@host``); a
+variant that needs them names a secret, ``auth: {secret: NAME}``, and only the NAME is kept.
+Given the variant allowlist (``allow``, and ``resolve`` for names not on it), the endpoint's host
+must be on it; the Django glue passes the settings' (experiments/checks.py).
 """
 
 from __future__ import annotations
@@ -10,8 +15,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
+
+from streaming.egress import (
+    SECRET_NAME_RE,
+    SECRET_NAME_RULE,
+    Allowlist,
+    EgressError,
+    check_url,
+    split_url,
+)
 
 SLUG_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?$")
 FACTOR_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
@@ -23,8 +38,10 @@ MAX_SLO_MS = 3_600_000.0
 TOP_FIELDS = {"key", "name", "hypothesis", "sla", "variants"}
 SLA_FIELDS = {"ttft_ms", "tpot_ms", "e2e_ms", "target"}
 VARIANT_FIELDS = {
-    "key", "control", "weight", "endpoint", "model", "api", "http2", "factors", "engine_args",
+    "key", "control", "weight", "endpoint", "model", "api", "http2", "factors", "engine_args", "auth",
 }  # fmt: skip
+AUTH_FIELDS = {"secret"}
+Resolver = Callable[[str], Sequence[str]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +78,11 @@ class _Collector:
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    if not math.isfinite(value):
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past float's range: JSON allows 1 followed by 400 zeros
         return None
-    return float(value)
+    return number if math.isfinite(number) else None
 
 
 def _text(c: _Collector, raw: dict, field: str, *, required: bool, max_len: int) -> str:
@@ -97,8 +116,9 @@ def _slug(c: _Collector, value: Any, path: str, example: str) -> Any:
 
 
 def _unknown(c: _Collector, raw: dict, allowed: set[str], prefix: str) -> None:
-    for name in sorted(set(raw) - allowed):
-        where = f"{prefix}.{name}" if prefix else str(name)
+    for name in sorted(set(raw) - allowed, key=str):  # YAML keys may be numbers or null too
+        label = repr(name) if isinstance(name, str) and not name.strip() else str(name)
+        where = f"{prefix}.{label}" if prefix else label
         c.add(where, f"unknown field; allowed: {', '.join(sorted(allowed))}")
 
 
@@ -161,12 +181,22 @@ def _validate_scalar_map(
     return out
 
 
-def _validate_endpoint(c: _Collector, value: Any, path: str) -> str:
+def _validate_endpoint(
+    c: _Collector, value: Any, path: str, allow: Allowlist | None, resolve: Resolver | None
+) -> str:
     if not isinstance(value, str) or not value.strip():
         c.add(path, "is required: the http(s) base URL of an OpenAI-compatible server")
         return ""
     value = value.strip().rstrip("/")
-    parts = urlsplit(value)
+    try:
+        parts = urlsplit(value)
+    except ValueError:  # "http://[::1": an unclosed IPv6 bracket (not echoed: it may hold a password)
+        c.add(path, "must be a valid http(s) URL: its host does not parse")
+        return ""
+    if "@" in parts.netloc:
+        # Checked first, and the URL is never echoed back: it carries a password.
+        c.add(path, str(_egress_error(split_url, value)))
+        return ""
     try:
         port_ok = parts.port is None or 0 < parts.port < 65536
     except ValueError:
@@ -175,10 +205,43 @@ def _validate_endpoint(c: _Collector, value: Any, path: str) -> str:
         c.add(path, f"must be a valid http(s) URL, got {value!r}")
     elif parts.query or parts.fragment:
         c.add(path, "must not carry a query string or fragment")
+    elif allow is not None:
+        error = _egress_error(lambda url: check_url(url, allow, resolve), value)
+        if error is not None:
+            c.add(path, str(error))
     return value
 
 
-def _validate_variant(c: _Collector, raw: Any, i: int) -> dict:
+def _egress_error(check: Callable[[str], Any], url: str) -> EgressError | None:
+    try:
+        check(url)
+    except EgressError as exc:
+        return exc
+    return None
+
+
+def _validate_auth(c: _Collector, raw: Any, path: str) -> dict | None:
+    """``auth: {secret: NAME}``; the NAME is never echoed in an error (it may be a pasted token)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        c.add(path, "must be a mapping: {secret: NAME}, NAME a file in the operator's secrets directory")
+        return None
+    _unknown(c, raw, AUTH_FIELDS, path)
+    name = raw.get("secret")
+    if not isinstance(name, str) or not SECRET_NAME_RE.match(name):
+        c.add(
+            f"{path}.secret",
+            f"must be the name of a secret the operator configured ({SECRET_NAME_RULE}), "
+            "not a token: tokens never go in the document",
+        )
+        return None
+    return {"secret": name}
+
+
+def _validate_variant(
+    c: _Collector, raw: Any, i: int, allow: Allowlist | None = None, resolve: Resolver | None = None
+) -> dict:
     path = f"variants[{i}]"
     if not isinstance(raw, dict):
         c.add(path, "must be a mapping")
@@ -205,7 +268,7 @@ def _validate_variant(c: _Collector, raw: Any, i: int) -> dict:
         "key": key,
         "control": control,
         "weight": weight,
-        "endpoint": _validate_endpoint(c, raw.get("endpoint"), f"{path}.endpoint"),
+        "endpoint": _validate_endpoint(c, raw.get("endpoint"), f"{path}.endpoint", allow, resolve),
         "model": model.strip() if isinstance(model, str) else model,
         "api": api,
         "http2": http2,
@@ -213,11 +276,15 @@ def _validate_variant(c: _Collector, raw: Any, i: int) -> dict:
         "engine_args": _validate_scalar_map(
             c, raw.get("engine_args"), f"{path}.engine_args", names_re=FACTOR_NAME_RE, dashes=True
         ),
+        "auth": _validate_auth(c, raw.get("auth"), f"{path}.auth"),
     }
 
 
-def validate_document(raw: Any) -> dict:
-    """Check every rule and return the normalized document, or raise ``DocumentError``."""
+def validate_document(raw: Any, *, allow: Allowlist | None = None, resolve: Resolver | None = None) -> dict:
+    """Check every rule and return the normalized document, or raise ``DocumentError``.
+
+    allow: the variant allowlist endpoints must satisfy (None: not checked here). resolve: the
+    addresses of a host name, for names not on the list (None: such names are rejected)."""
     c = _Collector()
     if not isinstance(raw, dict):
         raise DocumentError([FieldError("(document)", "must be a mapping of fields")])
@@ -236,7 +303,7 @@ def validate_document(raw: Any) -> dict:
         raise DocumentError(c.errors)
     if len(variants_raw) > MAX_VARIANTS:
         c.add("variants", f"must have at most {MAX_VARIANTS} variants")
-    variants = [_validate_variant(c, v, i) for i, v in enumerate(variants_raw)]
+    variants = [_validate_variant(c, v, i, allow, resolve) for i, v in enumerate(variants_raw)]
     doc["variants"] = variants
     _check_across_variants(c, variants)
     if c.errors:

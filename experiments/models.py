@@ -81,6 +81,12 @@ class Variant(models.Model):
     http2 = models.BooleanField(default=False)
     factors = models.JSONField(default=dict, blank=True)
     engine_args = models.JSONField(default=dict, blank=True)
+    # The NAME of the variant's credential (auth: {secret: NAME}); its value lives only in the
+    # operator's ABPLAT_VARIANT_SECRETS_DIR and is read when a replay connects.
+    auth_secret = models.CharField(
+        "auth secret", max_length=64, blank=True, default="",
+        help_text="Name of a secret the operator configured; sent as 'Authorization: Bearer <value>'",
+    )  # fmt: skip
 
     class Meta:
         ordering = ["experiment", "position"]

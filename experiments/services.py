@@ -1,7 +1,21 @@
 """Changing experiments: apply a document, export one, move through the lifecycle, delete.
 
 Every change runs in one transaction with its audit entry, so a rejected change leaves
-nothing behind and an accepted one is always audited.
+nothing behind and an accepted one is always audited (before and after, in full).
+
+What may change depends on the status (issue 11):
+
+- a draft changes freely;
+- a running experiment keeps its variant set, control, factors and weights (weights move
+  through set_weights), and also what each variant measures: its endpoint, model, api, http2
+  and engine_args. Changing those mid-run would mix two configurations in one measurement, so
+  the change is refused until the experiment is paused;
+- a paused experiment may change what its variants measure, audited like every change;
+- a concluded experiment changes no more.
+
+engine_args are checked against the vLLM flags a product user may set
+(``serving.vllm_args``) when a variant is created or its engine_args change, so a bad flag is
+refused while the experiment is defined, not when an operator serves it.
 """
 
 from __future__ import annotations
@@ -9,16 +23,26 @@ from __future__ import annotations
 import dataclasses
 
 from django.db import transaction
+from django.db.models import ProtectedError, RestrictedError
 from django.utils import timezone
 
 from experiments import audit, lifecycle
+from experiments.checks import document_egress
 from experiments.document import DocumentError, FieldError, validate_document
 from experiments.models import Experiment, Variant
 from experiments.signals import experiment_transitioned
+from serving.vllm_args import RISKY, check_engine_args
+
+# What a variant measures: fixed while the experiment runs (pause it to change them).
+MEASURED_FIELDS = ("endpoint", "model", "api", "http2", "engine_args")
 
 
 class ConflictError(Exception):
     """The row changed under us (another user acted first); nothing was written."""
+
+
+class ProtectedExperimentError(lifecycle.TransitionError):
+    """The experiment has replay runs (and their samples): deleting it would orphan them."""
 
 
 @dataclasses.dataclass
@@ -57,8 +81,9 @@ def export_document(experiment: Experiment) -> dict:
                 "http2": v.http2,
                 "factors": dict(v.factors),
                 "engine_args": dict(v.engine_args),
+                "auth": {"secret": v.auth_secret} if v.auth_secret else None,  # the name only
             }
-            for v in experiment.variants.order_by("position")
+            for v in experiment.variants.all()  # Variant.Meta.ordering: by position; a list's prefetch serves it
         ],
     }
 
@@ -98,7 +123,8 @@ def diff_documents(before: dict | None, after: dict) -> list[str]:
 
 
 def _check_locked_change(experiment: Experiment, before: dict, after: dict) -> None:
-    """A running or paused experiment keeps its variant set, control, factors and weights."""
+    """A running or paused experiment keeps its variant set, control, factors and weights; a
+    running one also what its variants measure (MEASURED_FIELDS)."""
     if experiment.status == Experiment.Status.CONCLUDED:
         raise DocumentError(
             [FieldError("key", f"experiment {experiment.key!r} is concluded and cannot be changed")]
@@ -131,10 +157,55 @@ def _check_locked_change(experiment: Experiment, before: dict, after: dict) -> N
                     "with set_weights or the weights API (sre role)",
                 )
             )
+        if experiment.status == Experiment.Status.RUNNING:
+            for field in MEASURED_FIELDS:
+                if v.get(field) != was.get(field):
+                    errors.append(
+                        FieldError(
+                            f"{path}.{field}",
+                            f"cannot change variant {v['key']!r}'s {field} while experiment "
+                            f"{experiment.key!r} is running: the measurement would mix two "
+                            "configurations; pause it first",
+                        )
+                    )
     for key in old.keys() - {v["key"] for v in after["variants"]}:
         errors.append(
             FieldError("variants", f"cannot remove variant {key!r}: experiment is {experiment.status}")
         )
+    if errors:
+        raise DocumentError(errors)
+
+
+def _engine_args_errors(before: dict | None, after: dict) -> list[FieldError]:
+    """Engine flags a product user may not set, in variants that are new or whose engine_args
+    change (rows stored before the allowlist are still checked when served). Risky flags pass
+    here: serving them needs an operator's --allow-risky-engine-args."""
+    old = {v["key"]: v for v in before["variants"]} if before else {}
+    errors = []
+    for i, v in enumerate(after["variants"]):
+        was = old.get(v["key"])
+        if was is not None and was["engine_args"] == v["engine_args"]:
+            continue
+        for problem in check_engine_args(v["engine_args"], allow_risky=RISKY):
+            path = f"variants[{i}].engine_args" + (f".{problem.key}" if problem.key else "")
+            errors.append(FieldError(path, f"variant {v['key']!r}: {problem.message}"))
+    return errors
+
+
+def check_change(experiment: Experiment | None, after: dict, before: dict | None = None) -> None:
+    """The rules beyond the document's own that a change of ``experiment`` (None: a new one) to
+    the validated, normalized document ``after`` must pass; DocumentError naming every field.
+    ``before``: the experiment's current normalized document, when the caller has it."""
+    if experiment is not None and before is None:
+        before = _normalized(export_document(experiment))
+    if before == after:
+        return
+    errors = _engine_args_errors(before, after)
+    if experiment is not None and experiment.is_locked:
+        try:
+            _check_locked_change(experiment, before, after)
+        except DocumentError as exc:
+            errors += exc.errors
     if errors:
         raise DocumentError(errors)
 
@@ -150,25 +221,32 @@ def _write_variants(experiment: Experiment, doc: dict) -> None:
         row.position = position
         for field in ("weight", "endpoint", "model", "api", "http2", "factors", "engine_args"):
             setattr(row, field, v[field])
+        row.auth_secret = (v["auth"] or {}).get("secret", "")
         row.control = False
         row.save()
     control = next(v["key"] for v in doc["variants"] if v["control"])
     experiment.variants.filter(key=control).update(control=True)
 
 
-def apply_document(raw, actor=None) -> ApplyResult:
+def check_document(raw) -> dict:
+    """apply_document's checks, writing nothing: the normalized document, or DocumentError."""
+    doc = _normalized(validate_document(raw, **document_egress()))
+    check_change(Experiment.objects.filter(key=doc["key"]).first(), doc)
+    return doc
+
+
+def apply_document(raw, actor=None, reason: str = "") -> ApplyResult:
     """Create or update the experiment ``raw`` describes. Idempotent: applying the same
-    document twice changes nothing the second time."""
-    doc = _normalized(validate_document(raw))
+    document twice changes nothing the second time. ``reason`` goes to the audit entry."""
+    doc = _normalized(validate_document(raw, **document_egress()))
     with transaction.atomic():
         experiment = Experiment.objects.select_for_update().filter(key=doc["key"]).first()
         before = _normalized(export_document(experiment)) if experiment else None
         if before == doc:
             return ApplyResult(experiment, created=False, changes=[])
+        check_change(experiment, doc, before)
         if experiment is None:
             experiment = Experiment(key=doc["key"], owner=actor if getattr(actor, "pk", None) else None)
-        elif experiment.is_locked:
-            _check_locked_change(experiment, before, doc)
         experiment.name = doc["name"]
         experiment.hypothesis = doc["hypothesis"]
         experiment.sla_ttft_ms = doc["sla"]["ttft_ms"]
@@ -177,12 +255,20 @@ def apply_document(raw, actor=None) -> ApplyResult:
         experiment.sla_target = doc["sla"]["target"]
         experiment.save()
         _write_variants(experiment, doc)
-        audit.record(actor, experiment, "create" if before is None else "update", before=before, after=doc)
+        audit.record(
+            actor, experiment, "create" if before is None else "update", before=before, after=doc,
+            reason=reason,
+        )  # fmt: skip
         return ApplyResult(experiment, created=before is None, changes=diff_documents(before, doc))
 
 
 def transition(experiment: Experiment, action: str, actor=None, reason: str = "") -> Experiment:
-    """Move the experiment through its lifecycle; raises TransitionError or ConflictError."""
+    """Move the experiment through its lifecycle; raises TransitionError or ConflictError.
+    Starting publishes the weights and concluding retires them: when the move then fails (a
+    listener, the audit entry, the COMMIT), that store write is undone
+    (experiments.weights.publish)."""
+    from experiments.weights.publish import undo_store_writes_on_failure
+
     target = lifecycle.target_of(action, experiment.status)
     now = timezone.now()
     fields = {"status": target, "updated_at": now}
@@ -190,7 +276,7 @@ def transition(experiment: Experiment, action: str, actor=None, reason: str = ""
         fields["started_at"] = now
     if target == lifecycle.CONCLUDED:
         fields["concluded_at"] = now
-    with transaction.atomic():
+    with undo_store_writes_on_failure(), transaction.atomic():
         # Conditional claim: only one of two concurrent actions wins.
         claimed = Experiment.objects.filter(pk=experiment.pk, status=experiment.status).update(**fields)
         if claimed != 1:
@@ -220,12 +306,28 @@ def on_transition(experiment: Experiment, action: str, actor) -> None:
 
 
 def delete_experiment(experiment: Experiment, actor=None) -> None:
+    """Delete a draft, audited; the one path for the API, the admin's delete page and its bulk
+    action. Raises TransitionError (not a draft) or ProtectedExperimentError (it has runs)."""
     if experiment.status != Experiment.Status.DRAFT:
         raise lifecycle.TransitionError(
             f"only draft experiments can be deleted; {experiment.key!r} is {experiment.status} "
             "(conclude it instead)"
         )
-    with transaction.atomic():
-        before = export_document(experiment)
-        audit.record(actor, experiment, "delete", before=before, after=None)
-        experiment.delete()
+    try:
+        with transaction.atomic():
+            before = export_document(experiment)
+            audit.record(actor, experiment, "delete", before=before, after=None)
+            experiment.delete()
+    except (ProtectedError, RestrictedError) as exc:
+        found = exc.protected_objects if isinstance(exc, ProtectedError) else exc.restricted_objects
+        counts: dict[type, int] = {}
+        for obj in found:
+            counts[type(obj)] = counts.get(type(obj), 0) + 1
+        what = ", ".join(
+            f"{n} {m._meta.verbose_name if n == 1 else m._meta.verbose_name_plural}"
+            for m, n in counts.items()
+        )
+        raise ProtectedExperimentError(
+            f"experiment {experiment.key!r} cannot be deleted: {what} and the samples they recorded "
+            "refer to it, and are kept for the record"
+        ) from None

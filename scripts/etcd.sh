@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run a single-node etcd on loopback for abplat (tests, development, CI).
 #
-#   scripts/etcd.sh start|stop|status|restart
+#   scripts/etcd.sh start|stop|status|restart|install
 #
 # Ports: client ABPLAT_ETCD_CLIENT_PORT (default 12379), peer ABPLAT_ETCD_PEER_PORT (12380).
 # State: $ABPLAT_VAR/etcd/<client port>/{data,etcd.pid,etcd.log} (ABPLAT_VAR defaults to the
@@ -141,6 +141,7 @@ status() {
 }
 
 case "${1:-}" in
+  install) ensure_installed ;;
   start) start ;;
   stop) stop ;;
   status) status ;;
@@ -149,7 +150,7 @@ case "${1:-}" in
     start
     ;;
   *)
-    echo "usage: $0 start|stop|status|restart" >&2
+    echo "usage: $0 start|stop|status|restart|install" >&2
     exit 2
     ;;
 esac

@@ -10,7 +10,7 @@ import dataclasses
 import os
 import pathlib
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from serving import children
@@ -67,9 +67,18 @@ def start(
     host: str = "127.0.0.1",
     ready_s: float = 240.0,
     env: Mapping[str, str] | None = None,
+    allow_risky: Collection[str] = (),
 ) -> VllmServer:
-    argv = serve_argv(launcher, model, engine_args, host=host, port=port, served_model_name=served_model_name)
-    full_env = dict(os.environ)
+    """Start vLLM and wait until it answers. ``engine_args`` pass the allowlist of
+    serving.vllm_args (ValueError otherwise); ``allow_risky`` names the risky flags an operator
+    allowed."""
+    argv = serve_argv(
+        launcher, model, engine_args, host=host, port=port, served_model_name=served_model_name,
+        allow_risky=allow_risky,
+    )  # fmt: skip
+    # abplat's own settings (database, broker, etcd and store URLs with their passwords, the
+    # secret key) never reach the engine: with a risky flag allowed it runs a model's code.
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("ABPLAT_", "DJANGO_"))}
     full_env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
     full_env.update(env or {})
     log_path.parent.mkdir(parents=True, exist_ok=True)

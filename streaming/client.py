@@ -8,6 +8,13 @@ chunk arrives, before any parsing, so parse cost never leaks into the timings.
 Every phase has its own deadline (connect, response headers, first content token, stall between
 events, total), enforced by one ``asyncio.timeout`` rescheduled as the stream advances, so no
 request can hang a worker. Every way a request can end maps to a distinct ``Outcome``.
+
+Egress (``allow``, streaming/egress.py): with an allowlist, every new connection resolves the
+variant's host itself, checks every address it got, and dials only those checked addresses
+(the lean path passes them to h1; httpx gets a network backend that does the same), so the
+name is resolved once per connection and cannot be rebound between the check and the
+connect. TLS still verifies the certificate against the URL's host name (SNI), and HTTP/2
+still negotiates as before. A refused connection is our side's decision: CLIENT_ERROR.
 """
 
 from __future__ import annotations
@@ -18,14 +25,17 @@ import hashlib
 import json
 import math
 import os
+import socket
 import ssl
 import time
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import httpcore
 import httpx
 
+from streaming.egress import Allowlist, EgressError, EgressRefused, check_addresses, ip_literal, split_url
 from streaming.h1 import IDLE_EXPIRY_S, Exchange, H1Connection, open_connection, request_bytes
 from streaming.pacing import pacer_for
 from streaming.result import Outcome, StreamCancelled, StreamResult
@@ -81,6 +91,7 @@ class VariantClient:
         headers: Mapping[str, str] | None = None,
         transport: str = "auto",
         verify: bool | str = True,
+        allow: Allowlist | None = None,
     ) -> None:
         """transport: "auto" streams plain-http HTTP/1.1 variants on the lean asyncio path
         (h1.py) and HTTP/2 or TLS variants on httpx; "httpx" forces httpx (the baseline the
@@ -90,9 +101,16 @@ class VariantClient:
         (OpenSSL's default paths, so a company CA installed on the worker host is trusted, and
         SSL_CERT_FILE / SSL_CERT_DIR are honoured); a path trusts exactly the CAs in that PEM
         bundle (variants behind a private CA; ABPLAT_VARIANT_CA_BUNDLE for the replay);
-        False checks nothing and is for tests only."""
-        if not endpoint.startswith(("http://", "https://")):
-            raise ValueError(f"endpoint {endpoint!r}: must be an http:// or https:// base URL")
+        False checks nothing and is for tests only.
+
+        allow: the variant allowlist every new connection is checked against after name
+        resolution (None: no egress policy, for benchmarks and tests of the client itself).
+        headers: sent with every request (the variant's Authorization); never logged."""
+        try:
+            split_url(endpoint)  # http(s) only, and no credentials in it
+        except EgressError as exc:
+            # Not the URL itself in the message: it may carry a password.
+            raise ValueError(f"endpoint: {exc}") from None
         if api not in APIS:
             raise ValueError(f"api {api!r}: must be one of {sorted(APIS)}")
         if not model:
@@ -111,10 +129,14 @@ class VariantClient:
         if transport == "h1" and not lean_ok:
             raise ValueError("transport 'h1': only for plain http:// variants without http2")
         self.transport = "h1" if lean_ok and transport != "httpx" else "httpx"
-        self._default_headers = dict(headers or {})
+        self._default_headers = _checked_headers(headers)
         url = urllib.parse.urlsplit(base)
-        self._host_header = url.netloc
         self._host = url.hostname or ""
+        # Built from host and port, never the netloc: nothing but the host reaches Host.
+        self._host_header = (f"[{self._host}]" if ":" in self._host else self._host) + (
+            f":{url.port}" if url.port else ""
+        )
+        self._allow = allow
         self._port = url.port or (443 if url.scheme == "https" else 80)
         self._base_path = url.path.rstrip("/")
         self._idle: list[H1Connection] = []
@@ -122,7 +144,7 @@ class VariantClient:
         self._client: httpx.AsyncClient | None = None
         tls = tls_verify(verify)
         if self.transport == "httpx":
-            self._client = self._httpx_client(base, http2, max_connections, headers, tls)
+            self._client = self._httpx_client(base, http2, max_connections, self._default_headers, tls)
 
     def _httpx_client(
         self,
@@ -133,21 +155,27 @@ class VariantClient:
         verify: bool | ssl.SSLContext,
     ) -> httpx.AsyncClient:
         t = self.timeouts
+        # Plain-http HTTP/2 needs prior knowledge (h2c): disable HTTP/1.1 so httpx does not
+        # silently fall back. Over TLS, ALPN negotiates h2 with http1 still allowed.
+        http1 = not (http2 and base.startswith("http://"))
+        limits = httpx.Limits(
+            max_connections=max_connections,
+            max_keepalive_connections=max_connections,
+            keepalive_expiry=30.0,
+        )
+        transport = None
+        if self._allow is not None:
+            transport = AllowedTransport(self._allow, verify=verify, http1=http1, http2=http2, limits=limits)
         return httpx.AsyncClient(
             base_url=base,
             verify=verify,
-            # Plain-http HTTP/2 needs prior knowledge (h2c): disable HTTP/1.1 so httpx does not
-            # silently fall back. Over TLS, ALPN negotiates h2 with http1 still allowed.
-            http1=not (http2 and base.startswith("http://")),
+            http1=http1,
             http2=http2,
             # Only connect is enforced by httpx; the later phases by our own deadlines, which
             # know which phase they are in. pool=None: the pool is sized so nobody waits.
             timeout=httpx.Timeout(connect=t.connect_s, read=None, write=t.headers_s, pool=None),
-            limits=httpx.Limits(
-                max_connections=max_connections,
-                max_keepalive_connections=max_connections,
-                keepalive_expiry=30.0,
-            ),
+            limits=limits,
+            transport=transport,
             headers=dict(headers or {}),
             trust_env=False,  # never route measurements through an env-configured proxy
         )
@@ -266,7 +294,11 @@ class VariantClient:
                 budget = min(t.connect_s, t.headers_s, t.total_s)
                 try:
                     async with asyncio.timeout(budget):
-                        conn, c0, c1 = await open_connection(self._host, self._port, self._idle.append)
+                        conn, c0, c1 = await self._open_h1()
+                except EgressRefused as exc:
+                    return timer.finish(
+                        time.perf_counter_ns(), Outcome.CLIENT_ERROR, f"egress refused: {exc}"
+                    )
                 except TimeoutError:
                     return timer.finish(
                         time.perf_counter_ns(),
@@ -289,6 +321,19 @@ class VariantClient:
             ex.end(time.perf_counter_ns(), Outcome.CANCELLED, "cancelled by caller")
             assert ex.result is not None
             raise StreamCancelled(ex.result) from None
+
+    async def _open_h1(self) -> tuple[H1Connection, int, int]:
+        if self._allow is None:
+            return await open_connection(self._host, self._port, self._idle.append)
+        # Dial the checked addresses themselves, in resolution order, as open_connection would.
+        error: OSError | None = None
+        for address in await allowed_addresses(self._host, self._port, self._allow):
+            try:
+                return await open_connection(address, self._port, self._idle.append)
+            except OSError as exc:
+                error = exc
+        assert error is not None
+        raise error
 
     # the httpx path (HTTP/2, TLS, or transport="httpx") -------------------------------------
     async def _stream_httpx(
@@ -351,6 +396,8 @@ class VariantClient:
                 "stall": (Outcome.STALL, t.stall_s),
             }[state.phase]
             return timer.finish(now, outcome, f"{state.phase} timeout after {limit}s")
+        except EgressRefused as exc:
+            return timer.finish(time.perf_counter_ns(), Outcome.CLIENT_ERROR, f"egress refused: {exc}")
         except httpx.ConnectTimeout as exc:
             return timer.finish(time.perf_counter_ns(), Outcome.CONNECT_TIMEOUT, _msg(exc))
         except httpx.ConnectError as exc:
@@ -431,6 +478,161 @@ async def _read_some(resp: httpx.Response) -> str:
         if len(buf) >= _ERROR_BODY_LIMIT:
             break
     return buf[:_ERROR_BODY_LIMIT].decode("utf-8", "replace").strip()
+
+
+def _checked_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+    out = dict(headers or {})
+    for name, value in out.items():
+        if any(c in name or c in value for c in "\r\n\0"):
+            # The name only: the value may be a credential.
+            raise ValueError(f"headers[{name!r}]: name and value must not contain CR, LF or NUL")
+    return out
+
+
+# egress: resolve once, check every address, dial only those ----------------------------------
+def _unique(addresses: Sequence[str]) -> list[str]:
+    return list(dict.fromkeys(addresses))
+
+
+async def allowed_addresses(host: str, port: int, allow: Allowlist) -> list[str]:
+    """The addresses of ``host`` the allowlist lets us dial, in resolution order, or
+    EgressRefused. Resolution errors are the OSError (gaierror) of getaddrinfo."""
+    literal = ip_literal(host)
+    if literal is not None:
+        return check_addresses(host, [str(literal)], allow)
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    return check_addresses(host, _unique([info[4][0] for info in infos]), allow)
+
+
+def allowed_addresses_sync(host: str, port: int, allow: Allowlist) -> list[str]:
+    literal = ip_literal(host)
+    if literal is not None:
+        return check_addresses(host, [str(literal)], allow)
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    return check_addresses(host, _unique([info[4][0] for info in infos]), allow)
+
+
+class _AllowedBackend(httpcore.AsyncNetworkBackend):
+    """httpcore's asyncio backend, dialling only addresses the allowlist accepts. httpcore
+    hands it the URL's host; TLS is started afterwards with that host as SNI and for the
+    certificate check, so pinning the address changes nothing the server sees."""
+
+    def __init__(self, allow: Allowlist) -> None:
+        self._allow = allow
+        self._inner = httpcore.AnyIOBackend()
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        try:
+            async with asyncio.timeout(timeout):
+                addresses = await allowed_addresses(host, port, self._allow)
+        except TimeoutError:
+            raise httpcore.ConnectTimeout(f"resolving {host!r} took over {timeout}s") from None
+        except OSError as exc:
+            raise httpcore.ConnectError(_msg(exc)) from None
+        error: Exception | None = None
+        for address in addresses:
+            try:
+                return await self._inner.connect_tcp(
+                    address, port, timeout=timeout, local_address=local_address, socket_options=socket_options
+                )
+            except httpcore.ConnectError as exc:
+                error = exc
+        assert error is not None
+        raise error
+
+    async def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
+    ) -> httpcore.AsyncNetworkStream:
+        raise EgressRefused("unix sockets are not variant endpoints")
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+class _AllowedSyncBackend(httpcore.NetworkBackend):
+    """The blocking twin of _AllowedBackend (the preflight's httpx.Client)."""
+
+    def __init__(self, allow: Allowlist) -> None:
+        self._allow = allow
+        self._inner = httpcore.SyncBackend()
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        try:
+            addresses = allowed_addresses_sync(host, port, self._allow)
+        except OSError as exc:
+            raise httpcore.ConnectError(_msg(exc)) from None
+        error: Exception | None = None
+        for address in addresses:
+            try:
+                return self._inner.connect_tcp(
+                    address, port, timeout=timeout, local_address=local_address, socket_options=socket_options
+                )
+            except httpcore.ConnectError as exc:
+                error = exc
+        assert error is not None
+        raise error
+
+    def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
+    ) -> httpcore.NetworkStream:
+        raise EgressRefused("unix sockets are not variant endpoints")
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+
+# httpx's own default pool size, for the clients that do not size theirs.
+DEFAULT_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20)
+
+
+def _pool_options(verify: bool | ssl.SSLContext, http1: bool, http2: bool, limits: httpx.Limits) -> dict:
+    return {
+        "ssl_context": httpx.create_ssl_context(verify=verify, trust_env=False),
+        "max_connections": limits.max_connections,
+        "max_keepalive_connections": limits.max_keepalive_connections,
+        "keepalive_expiry": limits.keepalive_expiry,
+        "http1": http1,
+        "http2": http2,
+    }
+
+
+class AllowedTransport(httpx.AsyncHTTPTransport):
+    """httpx's transport on a pool whose connections pass the egress check. httpcore's pool
+    takes a network backend; httpx's transport does not pass one on, so the pool it built is
+    replaced by the same pool with ours (everything else, errors included, stays httpx's)."""
+
+    def __init__(self, allow: Allowlist, *, verify: bool | ssl.SSLContext, http1: bool = True,
+                 http2: bool = False, limits: httpx.Limits = DEFAULT_LIMITS) -> None:  # fmt: skip
+        super().__init__(verify=verify, http1=http1, http2=http2, limits=limits, trust_env=False)
+        self._pool = httpcore.AsyncConnectionPool(
+            **_pool_options(verify, http1, http2, limits), network_backend=_AllowedBackend(allow)
+        )
+
+
+class AllowedSyncTransport(httpx.HTTPTransport):
+    """The blocking twin of AllowedTransport."""
+
+    def __init__(self, allow: Allowlist, *, verify: bool | ssl.SSLContext, http1: bool = True,
+                 http2: bool = False, limits: httpx.Limits = DEFAULT_LIMITS) -> None:  # fmt: skip
+        super().__init__(verify=verify, http1=http1, http2=http2, limits=limits, trust_env=False)
+        self._pool = httpcore.ConnectionPool(
+            **_pool_options(verify, http1, http2, limits), network_backend=_AllowedSyncBackend(allow)
+        )
 
 
 def tls_verify(verify: bool | str) -> bool | ssl.SSLContext:

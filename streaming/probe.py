@@ -9,17 +9,22 @@ generation routes then report in ``usage.prompt_tokens``; the answer is ``{"coun
 Every call has a short timeout: a probe must never hold up a replay. A variant that has no
 ``/tokenize`` (another server, a proxy that hides it) gets ``None`` from ``token_counter`` and the
 replay falls back to its estimate, flagged ``prompt_tokens_estimated``.
+
+With ``allow`` the probe dials only addresses the variant allowlist accepts (as the variant
+client does); a refusal is a ProbeError like any other unusable answer. ``headers`` carry the
+variant's Authorization and are never part of an error message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import httpx
 
-from streaming.client import APIS, tls_verify
+from streaming.client import APIS, AllowedTransport, tls_verify
+from streaming.egress import Allowlist, EgressError, EgressRefused, split_url
 
 PROBE_TIMEOUT_S = 5.0
 PROBE_CONCURRENCY = 8  # tokenize calls in flight per variant: a probe, not a load test
@@ -37,9 +42,14 @@ class TokenCounter:
     """
 
     def __init__(self, endpoint: str, model: str, api: str, *, verify: bool | str | ssl.SSLContext = True,
-                 timeout_s: float = PROBE_TIMEOUT_S, concurrency: int = PROBE_CONCURRENCY) -> None:  # fmt: skip
+                 timeout_s: float = PROBE_TIMEOUT_S, concurrency: int = PROBE_CONCURRENCY,
+                 allow: Allowlist | None = None, headers: Mapping[str, str] | None = None) -> None:  # fmt: skip
         if api not in APIS:
             raise ValueError(f"api {api!r}: must be one of {sorted(APIS)}")
+        try:
+            split_url(endpoint)  # http(s) only, and no credentials in it
+        except EgressError as exc:
+            raise ValueError(f"endpoint: {exc}") from None
         base = endpoint.rstrip("/")
         base = base[:-3] if base.endswith("/v1") else base  # /tokenize lives at the server root
         self.url, self.model, self.api = base + "/tokenize", model, api
@@ -51,7 +61,8 @@ class TokenCounter:
             verify=tls,
             timeout=httpx.Timeout(timeout_s),
             trust_env=False,
-            headers={"accept": "application/json"},
+            transport=None if allow is None else AllowedTransport(allow, verify=tls),
+            headers={**(headers or {}), "accept": "application/json"},
         )
 
     def body(self, text: str) -> dict:
@@ -65,7 +76,7 @@ class TokenCounter:
             self.calls += 1
             try:
                 resp = await self._client.post(self.url, json=self.body(text))
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, EgressRefused) as exc:
                 raise ProbeError(f"POST {self.url}: {type(exc).__name__}: {exc}") from None
         if resp.status_code != 200:
             raise ProbeError(f"POST {self.url}: HTTP {resp.status_code}: {resp.text[:200]}")
@@ -89,9 +100,12 @@ class TokenCounter:
 
 
 async def token_counter(endpoint: str, model: str, api: str, *, verify: bool | str = True,
-                        timeout_s: float = PROBE_TIMEOUT_S) -> tuple[TokenCounter | None, str]:  # fmt: skip
+                        timeout_s: float = PROBE_TIMEOUT_S, allow: Allowlist | None = None,
+                        headers: Mapping[str, str] | None = None) -> tuple[TokenCounter | None, str]:  # fmt: skip
     """A counter for the variant if its ``/tokenize`` answers a test prompt, else (None, why)."""
-    counter = TokenCounter(endpoint, model, api, verify=verify, timeout_s=timeout_s)
+    counter = TokenCounter(
+        endpoint, model, api, verify=verify, timeout_s=timeout_s, allow=allow, headers=headers
+    )
     try:
         await counter.count_one("hello")
     except ProbeError as exc:

@@ -4,6 +4,10 @@ One ``GET {base}/v1/models`` per variant (the OpenAI-compatible model list that 
 simulator serve) with short timeouts, all variants probed at once, so a dead port or a wrong
 model name is reported in a second or two instead of as a run full of connect errors or 404s.
 Whether the requests fit each variant's API is decided offline (replay.shapes).
+
+The probe goes where the replay would: only to addresses the variant allowlist accepts, with
+the variant's named secret as its Authorization. A refused host and a secret that is not
+configured are problems named here, before anything is sent.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from collections.abc import Sequence
 
 import httpx
 
-from streaming.client import tls_verify
+from streaming.client import AllowedSyncTransport, tls_verify
+from streaming.egress import Allowlist, EgressError, EgressRefused, SecretError, split_url
+from workers import variants
 
 TIMEOUT = httpx.Timeout(3.0, connect=2.0)
 
@@ -26,6 +32,7 @@ class Target:
     endpoint: str  # the variant's OpenAI-style base URL (".../v1")
     model: str
     http2: bool = False
+    auth_secret: str = ""  # the name of the variant's secret ("": none)
 
 
 def models_url(endpoint: str) -> str:
@@ -34,17 +41,31 @@ def models_url(endpoint: str) -> str:
     return f"{base}/v1/models"
 
 
-def probe(target: Target, *, verify: bool | str | ssl.SSLContext = True) -> str | None:
-    """None when the variant answers and lists its model; otherwise one line saying what is wrong."""
+def probe(target: Target, *, verify: bool | str | ssl.SSLContext = True, allow: Allowlist | None = None,
+          secrets_dir: str | None = None) -> str | None:  # fmt: skip
+    """None when the variant answers and lists its model; otherwise one line saying what is wrong.
+
+    allow, secrets_dir: the variant allowlist and the secrets directory (None: the settings')."""
     url = models_url(target.endpoint)
     plain = url.startswith("http://")
+    allow = variants.allowlist() if allow is None else allow
+    try:
+        split_url(target.endpoint)  # http(s) only, no credentials in it
+        headers = variants.auth_headers(target.auth_secret, secrets_dir)
+    except EgressError as exc:
+        return f"variant {target.key!r}: endpoint {exc}"
+    except SecretError as exc:
+        return f"variant {target.key!r}: {exc}"
     # The replay's own trust rules (system store, or exactly the configured CA bundle).
     tls = verify if isinstance(verify, ssl.SSLContext) else tls_verify(verify)
+    http1 = not (target.http2 and plain)
     try:
         # Plain-http HTTP/2 variants speak h2c with prior knowledge (as streaming.client does).
-        with httpx.Client(timeout=TIMEOUT, verify=tls, trust_env=False, http2=target.http2,
-                          http1=not (target.http2 and plain)) as client:  # fmt: skip
+        transport = AllowedSyncTransport(allow, verify=tls, http1=http1, http2=target.http2)
+        with httpx.Client(timeout=TIMEOUT, transport=transport, trust_env=False, headers=headers) as client:
             response = client.get(url)
+    except EgressRefused as exc:
+        return f"variant {target.key!r}: {url} refused: {exc}"
     except httpx.TimeoutException:
         return f"variant {target.key!r}: {url} did not answer within {TIMEOUT.read:g} s"
     except httpx.HTTPError as exc:
@@ -60,9 +81,12 @@ def probe(target: Target, *, verify: bool | str | ssl.SSLContext = True) -> str 
     return None
 
 
-def check(targets: Sequence[Target], *, verify: bool | str = True) -> list[str]:
+def check(targets: Sequence[Target], *, verify: bool | str = True, allow: Allowlist | None = None,
+          secrets_dir: str | None = None) -> list[str]:  # fmt: skip
     """Probe every variant at once; the problems found, in variant order (empty: all good)."""
     if not targets:
         return []
+    allow = variants.allowlist() if allow is None else allow
     with concurrent.futures.ThreadPoolExecutor(min(16, len(targets))) as pool:
-        return [p for p in pool.map(lambda t: probe(t, verify=verify), targets) if p]
+        found = pool.map(lambda t: probe(t, verify=verify, allow=allow, secrets_dir=secrets_dir), targets)
+        return [p for p in found if p]

@@ -7,6 +7,7 @@ from django.urls import NoReverseMatch, reverse
 from rest_framework import serializers
 
 from experiments import lifecycle
+from experiments.checks import document_egress
 from experiments.document import APIS, DocumentError, validate_document
 from experiments.models import AuditEntry, Experiment
 from experiments.services import export_document
@@ -19,16 +20,26 @@ class SlaSerializer(serializers.Serializer):
     target = serializers.FloatField(help_text="share of requests that must meet every SLO")
 
 
+class VariantAuthSerializer(serializers.Serializer):
+    secret = serializers.CharField(
+        help_text="name of a secret the operator configured (never the token itself); "
+        "sent as 'Authorization: Bearer <value>'"
+    )
+
+
 class VariantDocumentSerializer(serializers.Serializer):
     key = serializers.SlugField()
     control = serializers.BooleanField(default=False)
     weight = serializers.IntegerField(min_value=0, max_value=100)
-    endpoint = serializers.URLField()
+    endpoint = serializers.URLField(
+        help_text="http(s) base URL on a host the variant allowlist permits; no user:password@"
+    )
     model = serializers.CharField()
     api = serializers.ChoiceField(choices=APIS, default="chat")
     http2 = serializers.BooleanField(default=False)
     factors = serializers.DictField(child=serializers.JSONField(), required=False)
     engine_args = serializers.DictField(child=serializers.JSONField(), required=False)
+    auth = VariantAuthSerializer(required=False, allow_null=True)
 
 
 class ExperimentDocumentSerializer(serializers.Serializer):
@@ -42,7 +53,7 @@ class ExperimentDocumentSerializer(serializers.Serializer):
 
     def to_internal_value(self, data):
         try:
-            return validate_document(data)
+            return validate_document(data, **document_egress())
         except DocumentError as exc:
             raise serializers.ValidationError(exc.as_dict()) from None
 
@@ -58,8 +69,8 @@ class ExperimentSerializer(serializers.Serializer):
     hash_version = serializers.IntegerField()
     created_at = serializers.DateTimeField()
     updated_at = serializers.DateTimeField()
-    started_at = serializers.DateTimeField()
-    concluded_at = serializers.DateTimeField()
+    started_at = serializers.DateTimeField(allow_null=True)  # null until started / concluded
+    concluded_at = serializers.DateTimeField(allow_null=True)
     links = serializers.SerializerMethodField()
 
     def get_document(self, obj: Experiment) -> dict:

@@ -53,6 +53,8 @@ class AssignmentSerializer(serializers.Serializer):
 class AssignView(APIView):
     permission_classes = [CanView]
     serializer_class = AssignmentSerializer
+    # Serving traffic asks this per user: its own rate (API_THROTTLE_ASSIGN), not the user rate.
+    throttle_scope = "assign"
 
     @extend_schema(
         parameters=[OpenApiParameter("user_id", str, required=True)],

@@ -67,6 +67,8 @@ FIELDS = (
 MAX_SALT = 128
 MAX_ACTOR = 150
 MAX_REASON = 2000
+# Every router expands the bucket table in memory: a stored document may not ask for more.
+MAX_BUCKETS = 1_000_000
 
 
 def validate_key(key: object, path: str = "experiment") -> list[str]:
@@ -150,6 +152,8 @@ def _decode(raw: bytes | str | Mapping[str, Any]) -> Mapping[str, Any]:
         raise WeightsError(
             f"document: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
         ) from None
+    except (ValueError, RecursionError):  # a number of over 4300 digits; nesting past the stack
+        raise WeightsError("document: not valid JSON (a number too long or nesting too deep)") from None
     if not isinstance(data, dict):
         raise WeightsError(f"document: must be a JSON object, got {type(data).__name__}")
     return data
@@ -201,7 +205,10 @@ def parse_document(raw: bytes | str | Mapping[str, Any], expected_key: str | Non
         hash_version = None
 
     allocation: Allocation | None = None
-    if "allocation" in data and hash_version is not None:
+    n_buckets = data["allocation"].get("n_buckets") if isinstance(data.get("allocation"), Mapping) else None
+    if isinstance(n_buckets, int) and n_buckets > MAX_BUCKETS:
+        errors.append(f"allocation.n_buckets: must be at most {MAX_BUCKETS}, got {n_buckets}")
+    elif "allocation" in data and hash_version is not None:
         try:
             allocation = Allocation.from_json(data["allocation"], hash_version)
         except AllocationError as exc:

@@ -35,6 +35,13 @@ class StoreUnavailable(Exception):
     """The weights store cannot be reached (etcd down, timeout); nothing was written."""
 
 
+class StoreAuthError(StoreUnavailable):
+    """etcd refused us: a wrong user or password, a role without access to the prefix, or a TLS
+    client certificate it does not accept. Retrying cannot help until the configuration
+    changes, so it is raised at once; callers that treat StoreUnavailable as "not now" still
+    do the right thing."""
+
+
 class WatchCompacted(Exception):
     """A watch asked for history the store has compacted away: reload everything."""
 

@@ -24,7 +24,14 @@ def weights_store() -> WeightsStore:
     with _lock:
         if _store is None:
             _store = store_from_config(
-                settings.ETCD_ENDPOINTS, settings.ETCD_PREFIX, str(settings.WEIGHTS_DIR)
+                settings.ETCD_ENDPOINTS,
+                settings.ETCD_PREFIX,
+                str(settings.WEIGHTS_DIR),
+                ca_cert=settings.ETCD_CA_CERT,
+                cert=settings.ETCD_CERT,
+                key=settings.ETCD_KEY,
+                user=settings.ETCD_USER,
+                password=settings.ETCD_PASSWORD,
             )
         return _store
 

@@ -1,0 +1,69 @@
+"""A replay's connections to its variants, built from Variant rows under the platform's egress
+rules (streaming/egress.py): every connection checked against ABPLAT_VARIANT_ALLOWED_HOSTS
+after name resolution, and a variant's named secret sent as its Authorization.
+
+The secret is read from ABPLAT_VARIANT_SECRETS_DIR when a client is built (so a rotated file
+takes effect at the next shard) and lives only in that client's headers: never in the
+database, a log line, an error message or the run's records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+
+from django.conf import settings
+
+from experiments.checks import variant_allowlist
+from experiments.models import Variant
+from streaming.client import VariantClient
+from streaming.egress import Allowlist, bearer, read_secret
+from streaming.probe import TokenCounter, token_counter
+
+
+def allowlist() -> Allowlist:
+    return variant_allowlist()
+
+
+def ca_verify() -> bool | str:
+    return settings.VARIANT_CA_BUNDLE or True  # True: the system trust store
+
+
+def auth_headers(secret_name: str, secrets_dir: str | None = None) -> dict[str, str]:
+    """The Authorization header for a variant's secret ({} when it names none); SecretError
+    (naming the secret, not its value) when the operator has not configured it."""
+    if not secret_name:
+        return {}
+    directory = settings.VARIANT_SECRETS_DIR if secrets_dir is None else secrets_dir
+    return bearer(read_secret(directory, secret_name))
+
+
+def client_for(variant: Variant, *, verify: bool | str | None = None) -> VariantClient:
+    """The streaming client of one variant (SecretError when its secret is not configured)."""
+    return VariantClient(
+        variant.endpoint, variant.model, variant.api, http2=variant.http2,
+        verify=ca_verify() if verify is None else verify, allow=allowlist(),
+        headers=auth_headers(variant.auth_secret),
+    )  # fmt: skip
+
+
+def counter_for(
+    variants: Sequence[Variant], *, verify: bool | str | None = None
+) -> Callable[[str, str, str], Awaitable[tuple[TokenCounter | None, str]]]:
+    """``open_counter`` for replay.calibration.plan_prompts: its targets are (endpoint, model,
+    api); a variant's secret and the allowlist go with the target's probe. A secret that is
+    not configured makes that variant's counter unavailable (the plan falls back to its
+    estimate; the preflight names the secret)."""
+    secrets = {}
+    for v in variants:
+        secrets.setdefault((v.endpoint, v.model, v.api), v.auth_secret)
+    allow = allowlist()
+    verify = ca_verify() if verify is None else verify
+
+    async def open_counter(endpoint: str, model: str, api: str) -> tuple[TokenCounter | None, str]:
+        try:
+            headers = auth_headers(secrets.get((endpoint, model, api), ""))
+        except ValueError as exc:  # SecretError
+            return None, str(exc)
+        return await token_counter(endpoint, model, api, verify=verify, allow=allow, headers=headers)
+
+    return open_counter
