@@ -12,6 +12,11 @@ export ABPLAT_TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 
 .PHONY: demo test venv services stop-services vllm browser lint check migrate serve bench clean
 
+# Development commands run with Django's debug on (and its development key) unless told
+# otherwise; settings default to debug off, which needs ABPLAT_SECRET_KEY (README "Security").
+# (pytest sets a generated key itself: tests/plugin.py.)
+demo serve migrate check bench: export ABPLAT_DEBUG ?= true
+
 demo: venv  ## set up and run the main job on the embedded defaults, then serve the admin
 	$(PY) manage.py demo
 

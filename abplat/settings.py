@@ -7,6 +7,7 @@ machine with nothing installed: SQLite, Celery eager, chDB, a local weights stor
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import dj_database_url
@@ -18,7 +19,8 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 
 try:
     VAR_DIR = Path(env.env_str("ABPLAT_VAR", str(BASE_DIR / "var"))).resolve()
-    DEBUG = env.env_bool("ABPLAT_DEBUG", True)
+    # Off unless asked for: make demo and make serve turn it on; the tests set a generated key.
+    DEBUG = env.env_bool("ABPLAT_DEBUG", False)
     SECRET_KEY = env.env_str("ABPLAT_SECRET_KEY", "")
     ALLOWED_HOSTS = env.env_list("ABPLAT_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
     DATABASE_URL = env.env_url(
@@ -94,18 +96,40 @@ if REPLAY_WINDOW_S * 2 > TASK_SOFT_TIME_LIMIT_S:
         f"ABPLAT_TASK_SOFT_TIME_LIMIT_S={TASK_SOFT_TIME_LIMIT_S}: a shard task lasts its window, "
         "plus the lead before it and the requests still in flight at its end."
     )
+if ETCD_CA_CERT or ETCD_CERT or ETCD_KEY or ETCD_USER or ETCD_PASSWORD:
+    # Pairs given together, files present, readable and PEM: a bad one stops every process
+    # here (web, workers, commands) rather than at the first etcd call.
+    from experiments.weights.factory import StoreConfigError, etcd_security
+
+    try:
+        etcd_security(ETCD_CA_CERT, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD, endpoints=ETCD_ENDPOINTS)
+    except StoreConfigError as exc:
+        raise ImproperlyConfigured(str(exc)) from None
 if LOG_LEVEL not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
     raise ImproperlyConfigured(
         f"Unexpected value ABPLAT_LOG_LEVEL={LOG_LEVEL!r}: use DEBUG, INFO, WARNING or ERROR."
     )
+# Request rates as DRF writes them (abplat.api.parse_rate reads them per request).
+_RATE_FORM = re.compile(r"^[0-9]+/(s|sec|second|m|min|minute|h|hour|d|day)$")
+for _name, _rate in (
+    ("ABPLAT_API_THROTTLE_USER", API_THROTTLE_USER),
+    ("ABPLAT_API_THROTTLE_ANON", API_THROTTLE_ANON),
+    ("ABPLAT_API_THROTTLE_ASSIGN", API_THROTTLE_ASSIGN),
+    ("ABPLAT_API_THROTTLE_LOGIN", API_THROTTLE_LOGIN),
+):
+    if not _RATE_FORM.match(_rate):
+        raise ImproperlyConfigured(
+            f"Unexpected value {_name}={_rate!r}: use N/s, N/min, N/hour or N/day (e.g. 600/min)."
+        )
 
 if not SECRET_KEY:
     if not DEBUG:
         raise ImproperlyConfigured(
-            "ABPLAT_SECRET_KEY is not set: with ABPLAT_DEBUG off a secret key of at least "
-            "50 random characters is required."
+            "ABPLAT_SECRET_KEY is not set: with ABPLAT_DEBUG off (the default) a secret key of "
+            "at least 50 random characters is required; for development set ABPLAT_DEBUG=true."
         )
-    # Development only: a fixed, clearly-marked key so sessions survive restarts.
+    # Development only (ABPLAT_DEBUG=true: make demo, make serve): a fixed, clearly-marked key
+    # so sessions survive restarts.
     SECRET_KEY = "django-insecure-abplat-development-key-never-use-in-production-0123456789"
 
 INSTALLED_APPS = [
@@ -121,6 +145,7 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",
     "experiments",
     "workers",
+    "traces",
     "samples",
     "dashboards",
     "serving",
@@ -187,16 +212,35 @@ STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 LOGIN_URL = "/admin/login/"
 
+# Debug pages and error e-mails hide credentials whatever the setting is called (abplat/api.py).
+DEFAULT_EXCEPTION_REPORTER_FILTER = "abplat.api.RedactingExceptionReporterFilter"
+
+# In-process caches: the report cache (dashboards/reports.py) and, apart so report entries never
+# evict them, the request-rate counters (abplat/api.py). Per process: with several web
+# processes each counts its own callers' requests.
+CACHES = {
+    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "abplat"},
+    "throttle": {
+        "BACKEND": "django.core.cache.backends.locmem.LocMemCache",
+        "LOCATION": "abplat-throttle",
+        "OPTIONS": {"MAX_ENTRIES": 100_000},
+    },
+}
+
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        # Token first: an anonymous caller gets 401 with a WWW-Authenticate header.
-        "rest_framework.authentication.TokenAuthentication",
+        # Token first: an anonymous caller gets 401 with a WWW-Authenticate header. Tokens
+        # expire API_TOKEN_TTL_S after they were created.
+        "abplat.api.ExpiringTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
-    "PAGE_SIZE": 100,
+    # ?limit= up to API_MAX_PAGE_SIZE (a larger one is a 400); PAGE_SIZE without it.
+    "DEFAULT_PAGINATION_CLASS": "abplat.api.CappedLimitOffsetPagination",
+    "PAGE_SIZE": min(100, API_MAX_PAGE_SIZE),
+    # API_THROTTLE_USER / _ANON, or the view's own scope (the assign endpoint: API_THROTTLE_ASSIGN).
+    "DEFAULT_THROTTLE_CLASSES": ["abplat.api.ApiThrottle"],
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "abplat API",
@@ -208,6 +252,8 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # One name for the trace formats (a trace's, a run's source): the same two choices.
+    "ENUM_NAME_OVERRIDES": {"TraceFormatEnum": "traces.models.Trace.Format"},
 }
 
 # Celery: eager in-process by default; a broker URL switches to real workers.

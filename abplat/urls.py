@@ -2,13 +2,17 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from abplat.api import limit_login
 from abplat.health import healthz
 
 urlpatterns = [
     path("healthz", healthz, name="healthz"),
+    # The admin's own login view, with at most API_THROTTLE_LOGIN attempts per client address.
+    path("admin/login/", limit_login(admin.site.login)),
     path("admin/", admin.site.urls),
     path("api/", include("experiments.api.urls")),
     path("api/", include("workers.api_urls")),
+    path("api/", include("traces.urls")),
     path("api/", include("dashboards.api_urls")),
     path("dashboards/", include("dashboards.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

@@ -73,6 +73,10 @@ class Filters:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, dt.datetime) or value.tzinfo is None):
                 raise QueryError(f"Filters.{name} must be a timezone-aware datetime, got {value!r}")
+            try:
+                value and value.astimezone(dt.UTC)  # readers compare UTC instants
+            except OverflowError:  # 9999-12-31T23:59-23:59 is in year 10000 in UTC
+                raise QueryError(f"{name}={value.isoformat()} is outside the calendar in UTC") from None
         bad = [x for x in self.status if x not in RUN_STATUSES]
         if bad or len(set(self.status)) != len(self.status):
             raise QueryError(f"status={list(self.status)}: each one of {', '.join(RUN_STATUSES)}, once")

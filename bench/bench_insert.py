@@ -17,9 +17,10 @@ temporary directory). Methods:
   row tuples     UNVALIDATED: the row tuples handed to clickhouse-driver's insert, one list per
                  INSERT (server); one VALUES literal per INSERT (chDB, which has no driver)
   lists          UNVALIDATED: clickhouse-driver columnar=True with Python lists (server)
-  store          SampleStore.insert_samples on the SampleRows: transposed (zip), validated
-                 (samples.columns, whole columns at a time), then sent as one native block
-                 encoded from the numpy columns (server) / as Arrow (chDB)
+  store          SampleStore.insert_samples on the SampleRows: transposed (one flat list, a
+                 slice per column), validated (samples.columns, whole columns at a time), then
+                 sent as one native block encoded from the numpy columns, rows in the table's
+                 sorting-key order (server) / as Arrow (chDB)
 The batched methods run in --rounds interleaved rounds (every method once per round, in turn),
 so a load change on the machine hits them alike; each figure is the median round.
 The second table puts the validated store insert beside the unvalidated row tuples of its

@@ -10,9 +10,10 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from analysis.definitions import QueryError
-from dashboards.reports import report_for_params
+from dashboards.reports import report_for_params, report_time_limit_s, timeout_message
 from experiments.api.permissions import CanView
 from experiments.models import Experiment
+from samples.store import QueryTimeout
 
 
 class ExperimentReport(APIView):
@@ -49,4 +50,6 @@ class ExperimentReport(APIView):
             )
         except QueryError as e:
             raise ValidationError({"filters": str(e)}) from None
+        except QueryTimeout:
+            raise ValidationError({"report": timeout_message(report_time_limit_s())}) from None
         return Response(report)

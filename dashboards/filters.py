@@ -4,9 +4,13 @@ status (run catalog statuses, comma-separated or repeated; "all" for every one) 
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Mapping, Sequence
 
 from analysis.definitions import MODES, RUN_STATUSES, Filters, QueryError
+
+_RUN_ID = re.compile(r"^[0-9]+$")
+MAX_RUN_ID = 2**63 - 1  # the largest id the database's BigAutoField (and UInt64) holds
 
 
 def _parse_time(name: str, raw: str) -> dt.datetime:
@@ -43,8 +47,11 @@ def filters_from_params(
     run = (get.get("run") or "").strip()
     run_id = None
     if run:
-        if not run.isdigit():
-            raise QueryError(f"run={run!r} must be a non-negative integer run id")
+        # ASCII digits only: str.isdigit() also accepts "²", which int() then rejects
+        # length first: int() of thousands of digits raises (and costs) before any comparison
+        if not _RUN_ID.match(run) or len(run) > len(str(MAX_RUN_ID)) or int(run) > MAX_RUN_ID:
+            shown = run if len(run) <= 40 else run[:40] + "..."
+            raise QueryError(f"run={shown!r} must be a run id: a whole number from 0 to {MAX_RUN_ID}")
         run_id = int(run)
     since = _parse_time("since", get["since"]) if (get.get("since") or "").strip() else None
     until = _parse_time("until", get["until"]) if (get.get("until") or "").strip() else None

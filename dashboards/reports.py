@@ -78,6 +78,41 @@ def experiment_info(experiment: Any) -> ExperimentInfo:
     )
 
 
+def report_time_limit_s() -> int:
+    from django.conf import settings
+
+    return int(settings.REPORT_MAX_EXECUTION_S)
+
+
+class TimeLimitedStore:
+    """A sample store whose reads stop after ``seconds`` on ClickHouse (max_execution_time;
+    samples.store.QueryTimeout past it): what the report's readers get, so one expensive
+    report cannot hold the server (or chDB's one session) for long. Everything else is the
+    wrapped store's."""
+
+    def __init__(self, store: Any, seconds: int) -> None:
+        self._store = store
+        self.time_limit_s = seconds
+        self._settings = {"max_execution_time": seconds}
+
+    def query(self, sql: str, params: Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        return self._store.query(sql, params, settings=self._settings)
+
+    def query_columns(self, sql: str, params: Mapping[str, Any] | None = None) -> dict[str, list[Any]]:
+        return self._store.query_columns(sql, params, settings=self._settings)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def timeout_message(seconds: int) -> str:
+    return (
+        f"the report took longer than {seconds} s (ABPLAT_REPORT_MAX_EXECUTION_S) on the sample "
+        "store and was stopped: narrow it (run, since/until, variant) or ask an operator to "
+        "raise the limit"
+    )
+
+
 CACHE_ALIAS = "default"
 CACHE_TIMEOUT_S = 600
 # bump when the report's computation changes without a SCHEMA_VERSION change
@@ -121,6 +156,7 @@ def report_for(
         from samples.factory import sample_store
 
         store = sample_store()
+    store = TimeLimitedStore(store, report_time_limit_s())
     info = experiment_info(experiment)
     t0 = time.perf_counter()
     version = RawReader(store).data_version(filters.experiment)

@@ -13,8 +13,9 @@ from django.views.decorators.http import require_GET
 
 from analysis.definitions import MODES, RUN_STATUSES, QueryError
 from dashboards import charts, tables
-from dashboards.reports import report_for_params
+from dashboards.reports import report_for_params, report_time_limit_s, timeout_message
 from experiments.models import Experiment
+from samples.store import QueryTimeout
 
 VIEW_PERM = "experiments.view_experiment"
 
@@ -31,12 +32,21 @@ def _report(request: HttpRequest, key: str):
     )
 
 
+def _too_slow() -> HttpResponse:
+    # 400, as for a bad filter: narrower filters are what makes this report answer.
+    return HttpResponseBadRequest(
+        f"Report too slow: {timeout_message(report_time_limit_s())}", content_type="text/plain"
+    )
+
+
 @_guard
 def experiment(request: HttpRequest, key: str) -> HttpResponse:
     try:
         exp, filters, report = _report(request, key)
     except QueryError as e:
         return HttpResponseBadRequest(f"Bad filter: {e}", content_type="text/plain")
+    except QueryTimeout:
+        return _too_slow()
     context = {
         "experiment": exp,
         "report": report,
@@ -71,6 +81,8 @@ def export_csv(request: HttpRequest, key: str, table: str) -> HttpResponse:
         _, _, report = _report(request, key)
     except QueryError as e:
         return HttpResponseBadRequest(f"Bad filter: {e}", content_type="text/plain")
+    except QueryTimeout:
+        return _too_slow()
     response = HttpResponse(content_type="text/csv; charset=utf-8")
     response["Content-Disposition"] = f'attachment; filename="{key}-{table}.csv"'
     tables.write_csv(response, report, table)

@@ -15,10 +15,12 @@ second-resolution DateTime('UTC') used for partitioning and time buckets.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import marshal
 import math
 import operator
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -192,9 +194,13 @@ def validate_columns(
     lengths = {n: len(cols[n]) for n in COLUMN_NAMES}
     if len(set(lengths.values())) > 1:
         raise SampleError(f"{where}: columns differ in length: {lengths}")
+    return _checked(((col, cols[col.name]) for col in COLUMNS), where, nan_is_null)
+
+
+def _checked(columns: Iterable[tuple[Column, Any]], where: str, nan_is_null: bool) -> ValidColumns:
+    """Each (column, values) in turn through _column; the first bad value raises SampleError."""
     out = ValidColumns()
-    for col in COLUMNS:
-        values = cols[col.name]
+    for col, values in columns:
         try:
             out[col.name] = _column(col, values, nan_is_null)
         except _Bad as bad:
@@ -231,6 +237,10 @@ def _column(col: Column, values: Any, nan_is_null: bool, convert: bool = True) -
         if values.dtype != object:
             return _typed_array(col, values, nan_is_null)
         values = values.tolist()  # an object array: check its items like a list's
+    if convert and kind in _MARSHAL_KINDS:
+        fast = _marshalled_numbers(kind, values)
+        if fast is not None:  # every value of the common exact type, ints in range
+            return _check_floats(kind, fast, values, nan_is_null) if kind in _FLOAT_KINDS else fast
     allowed = _ALLOWED_TYPES[kind]
     types = set(map(type, values))  # one C-level pass: the common all-valid case stops here
     if not types <= allowed:
@@ -241,7 +251,7 @@ def _column(col: Column, values: Any, nan_is_null: bool, convert: bool = True) -
                 None if type(v) is float and v != v else int(v) if type(v) is float and v.is_integer() else v
                 for v in values
             ]
-            return _column(col, values, nan_is_null, convert)
+            return _column(col, values, False, convert)  # no second pass: a float left is bad
         raise _Bad(_first_not(values, allowed), _WHAT.get(kind, "not an integer"))
     if kind == "str":
         return np.fromiter(values, dtype=object, count=len(values)) if convert else None
@@ -279,6 +289,95 @@ def _column(col: Column, values: Any, nan_is_null: bool, convert: bool = True) -
             return np.array(values, dtype=_DTYPES[kind]) if convert else None
     i = next(i for i, v in enumerate(values) if v is not None and not lo <= v <= hi)
     raise _Bad(i, f"out of range [{lo}, {hi}]")
+
+
+# The fast path of numeric columns: one C-level pass (marshal) checks every value's exact type
+# and serialises it, numpy reads the values back from the bytes (per 10k-value float column
+# ~0.15 ms, where set(map(type)) and then array("d") take ~0.45 ms). marshal format 2 writes a
+# list or tuple as a 5-byte head (b"[" or b"(", int32 length), then each item as a type code
+# chosen by exact type (PyFloat_CheckExact, PyLong_CheckExact, None; bool, numpy scalars and
+# subclasses get other codes or cannot be marshalled at all) and that item's bytes:
+#   b"g" + 8 bytes       a float (little-endian double)
+#   b"i" + 4 bytes       an int in [-2**31, 2**31) (little-endian int32)
+#   b"l" + int32 d + d 2-byte digits   any other int: |d| 15-bit digits, least significant
+#                        first, the sign of d is the number's
+#   b"N"                 None
+# Each code fixes the size of its item, so finding the expected code at every offset the items
+# before it lead to, with the bytes adding up exactly, is a full parse: the column holds only
+# values of those exact types. Anything else (or another format) gives None here and takes the
+# per-value path of _column, which also names the bad value.
+_M_HEAD = 5
+_M_LIST = frozenset(b"[(")
+_G, _I, _L, _N = b"gilN"
+_MARSHAL_KINDS = frozenset({"f64", "nf64", "nu64", "u8", "u16", "u32", "u64", "i64", "datetime"})
+
+
+def _marshalled_numbers(kind: str, values: Any) -> np.ndarray | None:
+    """A float or integer column converted by way of marshal (see above), or None: not every
+    value is a float (None too in a nullable float column) or, in an integer column, an int of
+    one marshal width and within the column's range."""
+    n = len(values)
+    if not n or type(values) not in (list, tuple):
+        return None
+    try:
+        data = marshal.dumps(values, 2)
+    except ValueError:  # an object marshal cannot write: not a number anyway
+        return None
+    if data[0] not in _M_LIST or int.from_bytes(data[1:5], "little") != n:
+        return None
+    u8 = np.frombuffer(data, dtype=np.uint8)
+    if kind in _FLOAT_KINDS:
+        if len(data) == _M_HEAD + 9 * n:  # floats only
+            if not (u8[_M_HEAD::9] == _G).all():
+                return None
+            return np.ndarray((n,), "<f8", data, _M_HEAD + 1, (9,)).astype(np.float64)
+        if kind == "f64":
+            return None
+        return _marshalled_nullable_floats(values, data, u8)
+    first = data[_M_HEAD]
+    if first == _I:  # ints of at most 32 bits
+        if len(data) != _M_HEAD + 5 * n or not (u8[_M_HEAD::5] == _I).all():
+            return None
+        ints = np.ndarray((n,), "<i4", data, _M_HEAD + 1, (5,))
+    elif first == _L:  # larger ints (below 2**64), all with the same number of digits
+        digits = int.from_bytes(data[_M_HEAD + 1 : _M_HEAD + 5], "little", signed=True)
+        width = 5 + 2 * digits
+        if not 1 <= digits <= 5 or len(data) != _M_HEAD + width * n:
+            return None
+        recs = u8[_M_HEAD:].reshape(n, width)
+        if not (recs[:, :5] == recs[0, :5]).all():  # every code b"l", every digit count ours
+            return None
+        ints = np.zeros(n, dtype=np.uint64)
+        for k in range(digits):
+            digit = np.ndarray((n,), "<u2", data, _M_HEAD + 5 + 2 * k, (width,))
+            if k == 4 and digit.max() >= 1 << 4:  # 2**64 or more
+                return None
+            ints |= digit.astype(np.uint64) << np.uint64(15 * k)
+    elif kind == "nu64" and len(data) == _M_HEAD + n and data.count(_N, _M_HEAD) == n:  # all NULL
+        return np.full(n, None, dtype=object)
+    else:
+        return None
+    lo, hi = _INT_RANGES[kind]
+    if int(ints.min()) < lo or int(ints.max()) > hi:
+        return None  # the per-value path names the first value out of range
+    return ints.astype(_DTYPES[kind])
+
+
+def _marshalled_nullable_floats(values: Any, data: bytes, u8: np.ndarray) -> np.ndarray | None:
+    """A Nullable(Float64) column with None in it (NaN there), read from its marshal bytes:
+    b"N" where the item is None, b"g" + 8 bytes everywhere else, or None."""
+    null = np.frombuffer(bytes([v is None for v in values]), dtype=np.bool_)
+    size = np.where(null, 1, 9)
+    ends = np.cumsum(size)
+    if len(data) != _M_HEAD + int(ends[-1]):
+        return None
+    starts = _M_HEAD + ends - size
+    if not (u8[starts] == np.where(null, _N, _G)).all():
+        return None
+    arr = np.full(len(values), np.nan)
+    present = ~null
+    arr[present] = u8[starts[present, None] + np.arange(1, 9)].view("<f8").ravel()
+    return arr
 
 
 def _beyond_float(v: int) -> bool:
@@ -339,8 +438,8 @@ _INDEX: dict[str, int] = {name: i for i, name in enumerate(COLUMN_NAMES)}
 
 
 class SampleRow(tuple):
-    """One samples row: its values in COLUMNS order. A batch of them becomes columns in one
-    C-level pass (zip(*rows)), where dict rows need a lookup per value, so this is what the
+    """One samples row: its values in COLUMNS order. A batch of them becomes columns in
+    C-level passes (validate_samples), where dict rows need a lookup per value, so this is what the
     replay builds (replay.rows.row_from) and the spool stores (a JSON array per row).
 
     Read a value by column name or position: row["seq"], row[3]; as_dict() gives the mapping.
@@ -386,7 +485,13 @@ def validate_samples(rows: Sequence[Any], where: str = "rows") -> ValidColumns:
         raise SampleError(
             f"{where} row {i}: expected {len(COLUMN_NAMES)} values in column order, got {len(rows[i])}", row=i
         )
-    return validate_columns(dict(zip(COLUMN_NAMES, zip(*rows), strict=True)), where, nan_is_null=False)
+    # Transposed in C-level steps: the values in one flat list (flat += row, row by row, as they
+    # lie in memory), then a strided slice per column, each checked (validate_columns' checks;
+    # the slices are of one length) and dropped in turn. Cheaper than zip(*rows), which reads
+    # across every row once per column: ~6 against ~7.5 ms per 10k bench rows.
+    flat = functools.reduce(operator.iconcat, rows, [])
+    width = len(COLUMN_NAMES)
+    return _checked(((col, flat[i::width]) for i, col in enumerate(COLUMNS)), where, nan_is_null=False)
 
 
 def rows_to_columns(rows: Sequence[Mapping[str, Any]], where: str = "rows") -> dict[str, list[Any]]:

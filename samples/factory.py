@@ -2,6 +2,8 @@
 
 store_from_config is pure of Django (scripts, benches, tests); sample_store/sample_writer read the
 lead's settings CLICKHOUSE_URL, CHDB_PATH and SPOOL_DIR and cache one instance per process.
+sample_writer's spool tells the hooks set by set_spool_hooks (workers records, per run and spool,
+what each host's spool holds: samples imports nothing of the apps above it).
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ import threading
 
 from samples.backends.chdb import ChdbBackend
 from samples.backends.clickhouse import ClickHouseServerBackend
-from samples.spool import SpoolingWriter
+from samples.spool import SpoolHooks, SpoolingWriter
 from samples.store import SampleStore
 
 _cache: dict[tuple[str, str, str], SampleStore] = {}
 _cache_lock = threading.Lock()
+_spool_hooks: SpoolHooks | None = None
 
 
 def store_from_config(clickhouse_url: str, chdb_path: str, database: str = "abplat") -> SampleStore:
@@ -40,7 +43,15 @@ def sample_store() -> SampleStore:
         return _cache[key]
 
 
-def sample_writer() -> SpoolingWriter:
+def set_spool_hooks(hooks: SpoolHooks | None) -> None:
+    """Who hears what this process's spools hold (workers.apps wires its database record)."""
+    global _spool_hooks
+    _spool_hooks = hooks
+
+
+def sample_writer(spool_dir: str | None = None) -> SpoolingWriter:
+    """The writer of this process: its store, and the spool in settings.SPOOL_DIR (or
+    ``spool_dir``: another host's spool, to flush it from here)."""
     from django.conf import settings
 
-    return SpoolingWriter(sample_store(), str(settings.SPOOL_DIR))
+    return SpoolingWriter(sample_store(), str(spool_dir or settings.SPOOL_DIR), hooks=_spool_hooks)

@@ -13,6 +13,9 @@ import hashlib
 import re
 
 SAMPLES_TABLE = "samples"
+# The samples table's sorting key (its ORDER BY below): inserts send rows in this order, so the
+# server finds each block already sorted and skips sorting it (bench/bench_insert.py).
+SAMPLES_SORT_KEY = ("experiment", "variant", "run_id", "seq", "request_id")
 MIGRATIONS_TABLE = "schema_migrations"
 # FINAL collapses duplicate recordings of one request at read time: for exact reads of a few
 # rows (checks, tests). Analytics do not use it (it cost ~7 s per pass at 10M rows); they rely on

@@ -2,18 +2,30 @@
 
 Layout of the spool directory (ABPLAT_SPOOL_DIR):
   000000000001.jsonl   one file per spooled batch, numbered in write order. Line 1 is a header
-                       {"spool": 2, "seq": n, "rows": N, "runs": [...]}, then N rows, each a
-                       JSON array of its values in column order (samples.columns.SampleRow).
-                       Format 1 files (one JSON object per row) are still read and flushed.
+                       {"spool": 2, "seq": n, "rows": N, "runs": [...], "counts": {run: rows}},
+                       then N rows, each a JSON array of its values in column order
+                       (samples.columns.SampleRow). Format 1 files (one JSON object per row) and
+                       headers without "counts" (older writers) are still read and flushed.
   spool.lock           flock'ed by whoever writes or flushes, so several processes on one host
                        can share a directory without interleaving sequence numbers.
+  spool.id             the spool's name, "host:directory" of where it was created: it stays with
+                       the directory, so a retired worker's spool flushed elsewhere
+                       (`manage.py flush_samples --spool-dir`) clears what was recorded for it.
   quarantine/          torn files, kept for a human after whatever was readable was flushed.
 
 Durability: a batch is written to `<seq>.jsonl.tmp`, fsync'ed, renamed, and the directory
 fsync'ed before write() returns "spooled". A crash before the rename leaves a `.tmp`; a crash
 (or a filesystem that reorders writes) can also leave a `.jsonl` shorter than its header says.
-Both are "torn": flush() inserts every complete, valid row it can read from them, moves the file
-to quarantine/ and reports it. Nothing is dropped silently.
+Both are "torn", and so is a file this code cannot read (another spool format, rows of another
+column schema, a value the validator now rejects): flush() inserts every complete, valid row it
+can read from them, moves the file to quarantine/ and counts the rows its header promised that
+it could not read, per run (FlushReport.quarantined, SpoolHooks.quarantined). Nothing is dropped
+silently.
+
+Other hosts: each worker has its own spool, which only it can flush. SpoolHooks tell whoever
+keeps the books (workers records them per run and spool in its database) what the spool holds
+per run: before a batch is spooled (so the record may run ahead of the files, never behind them)
+and after a flush landed rows; and which rows a quarantined file lost, before it is moved.
 
 No duplicates: before inserting a spooled batch, flush() drops the rows whose key is already
 stored (the insert may have landed before it "failed", or a crash may have hit between insert and
@@ -28,7 +40,9 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
+import socket
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -40,6 +54,19 @@ log = logging.getLogger(__name__)
 SPOOL_FORMAT = 2  # rows as JSON arrays in column order
 _READABLE_FORMATS = (1, 2)  # 1: rows as JSON objects (written before format 2)
 _NAME = re.compile(r"^(\d{12})\.jsonl(\.tmp)?$")
+ID_FILE = "spool.id"
+
+
+@dataclasses.dataclass(frozen=True)
+class QuarantinedFile:
+    path: str  # where it is now, under quarantine/
+    header: dict[str, Any] | None  # its first line, if that was a JSON object (any format)
+    salvaged: int  # rows read from it (and inserted, or found already stored)
+    lost: dict[int, int]  # run -> rows its header promised that could not be read
+
+    @property
+    def lost_rows(self) -> int:
+        return sum(self.lost.values())
 
 
 @dataclasses.dataclass
@@ -50,6 +77,32 @@ class FlushReport:
     torn_files: list[str] = dataclasses.field(default_factory=list)  # now in quarantine/
     salvaged: int = 0  # rows read from torn files (counted in inserted/skipped_stored too)
     remaining: int = 0  # files still spooled (the store went away again)
+    quarantined: list[QuarantinedFile] = dataclasses.field(default_factory=list)
+
+    @property
+    def lost(self) -> int:
+        """Rows that quarantined files held but this code could not read (see the files)."""
+        return sum(q.lost_rows for q in self.quarantined)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpoolHooks:
+    """Who hears what a spool holds, called with the spool's lock held (so the calls of every
+    process sharing the directory come in order). Both raise to refuse: nothing is spooled or
+    quarantined then.
+
+    pending(spool_id, {run: rows}): the spool now holds (or is about to hold) these rows per
+        run; runs not named hold none.
+    quarantined(spool_id, path, {run: rows}): the file about to move to ``path`` lost these
+        rows per run. Called again for the same path if the move did not happen: idempotent.
+    """
+
+    pending: Callable[[str, dict[int, int]], None]
+    quarantined: Callable[[str, str, dict[int, int]], None]
+
+
+def _run_counts(rows: Sequence[Any]) -> dict[int, int]:
+    return dict(Counter(int(r["run_id"]) for r in rows))
 
 
 class Spool:
@@ -61,6 +114,27 @@ class Spool:
         self.dir = os.path.abspath(directory)
         self.quarantine = os.path.join(self.dir, "quarantine")
         os.makedirs(self.quarantine, exist_ok=True)
+        self.id = self._identity()
+
+    def _identity(self) -> str:
+        """The spool's id (its spool.id file), written the first time: "host:directory"."""
+        path = os.path.join(self.dir, ID_FILE)
+        try:
+            with open(path, encoding="utf-8") as f:
+                found = f.read().strip()
+            if found:
+                return found
+        except FileNotFoundError:
+            pass
+        ident = f"{socket.gethostname()}:{self.dir}"
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(ident + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # processes starting together write the same text
+        self._fsync_dir()
+        return ident
 
     @contextmanager
     def locked(self) -> Iterator[None]:
@@ -95,11 +169,13 @@ class Spool:
         seq = self._next_seq()
         name = f"{seq:012d}.jsonl"
         tmp = os.path.join(self.dir, name + ".tmp")
+        counts = _run_counts(rows)
         header = {
             "spool": SPOOL_FORMAT,
             "seq": seq,
             "rows": len(rows),
-            "runs": sorted({int(r["run_id"]) for r in rows}),
+            "runs": sorted(counts),
+            "counts": {str(run): n for run, n in sorted(counts.items())},
         }
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(json.dumps(header) + "\n")
@@ -165,6 +241,41 @@ class Spool:
         )
         return header, rows, complete
 
+    def header(self, name: str) -> dict[str, Any] | None:
+        """A file's first line if it is a JSON object, whatever its format (what it claims to
+        hold, even where read() cannot read it)."""
+        try:
+            with open(os.path.join(self.dir, name), "rb") as f:
+                line = f.readline()
+            head = json.loads(line)
+        except (OSError, ValueError):
+            return None
+        return head if isinstance(head, dict) else None
+
+    def claimed(self, name: str) -> dict[int, int]:
+        """run -> rows a file's header says it holds ({} without a readable header: then it
+        holds nothing readable either). Headers without per-run counts (older writers) give
+        their total to each run they name: an upper bound."""
+        head = self.header(name)
+        if head is None:
+            return {}
+        try:
+            counts = head.get("counts")
+            if isinstance(counts, dict):
+                return {int(run): int(n) for run, n in counts.items() if int(n) > 0}
+            total = int(head.get("rows", 0))
+            return {int(run): total for run in head.get("runs", [])} if total > 0 else {}
+        except (TypeError, ValueError):
+            return {}
+
+    def rows_by_run(self) -> dict[int, int]:
+        """run -> rows waiting in the spool (what the headers claim: a torn file counts in full
+        until it is flushed). Reads one line per file."""
+        total: Counter[int] = Counter()
+        for name in self.pending_files():
+            total.update(self.claimed(name))
+        return dict(total)
+
     def pending_files(self) -> list[str]:
         return [name for _s, name, _t in self._entries()]
 
@@ -172,23 +283,28 @@ class Spool:
         os.unlink(os.path.join(self.dir, name))
         self._fsync_dir()
 
+    def quarantine_path(self, name: str) -> str:
+        return os.path.join(self.quarantine, name if name.endswith(".tmp") else name + ".torn")
+
     def move_to_quarantine(self, name: str) -> str:
-        target = name if name.endswith(".tmp") else name + ".torn"
-        os.replace(os.path.join(self.dir, name), os.path.join(self.quarantine, target))
+        target = self.quarantine_path(name)
+        os.replace(os.path.join(self.dir, name), target)
         self._fsync_dir()
-        return os.path.join(self.quarantine, target)
+        return target
 
 
 class SpoolingWriter:
     """Writes samples to the store, or to the spool when the store is down; never loses one.
 
     write(rows) -> "stored" | "spooled". Call flush() when the store may be back (write() also
-    tries it first, to keep samples in order), and durable(run_id) before a run reports done.
+    tries it first, to keep samples in order), and durable(run_id) before a run reports done:
+    it answers for this spool only; ``hooks`` (SpoolHooks) tell the other hosts.
     """
 
-    def __init__(self, store: SampleStore, spool_dir: str) -> None:
+    def __init__(self, store: SampleStore, spool_dir: str, hooks: SpoolHooks | None = None) -> None:
         self.store = store
         self.spool = Spool(spool_dir)
+        self.hooks = hooks
 
     def write(self, rows: Sequence[SampleRow] | Sequence[Mapping[str, Any]]) -> str:
         """Store a batch of rows (SampleRows, or mappings of every column)."""
@@ -201,33 +317,65 @@ class SpoolingWriter:
         with self.spool.locked():
             # 1. Older spooled batches go first, so the store sees samples in write order.
             if self.spool.pending_files():
+                report = FlushReport()
                 try:
-                    self._flush_locked(FlushReport())
+                    self._flush_locked(report)
                 except StoreUnavailable:
-                    self.spool.append(checked)
+                    self._append(checked)
                     return "spooled"
+                finally:
+                    if report.files:
+                        self._report_pending_quietly()
             # 2. Then this batch; a transient failure spools it (permanent errors propagate:
             # a row the store rejects would sit in the spool forever).
             try:
                 self.store.insert_columns(cols)
                 return "stored"
             except StoreUnavailable as e:
-                name = self.spool.append(checked)
+                name = self._append(checked)
                 log.warning("sample store unavailable, spooled %d rows to %s: %s", len(checked), name, e)
                 return "spooled"
 
+    def _append(self, rows: Sequence[Any]) -> str:
+        """Spool a batch (lock held), telling the hooks first: if they cannot hear it, nothing
+        is spooled and the caller sees their error, so no host ever ends a run whose samples
+        wait here uncounted."""
+        rows = [SampleRow.of(r) for r in rows]
+        if self.hooks is not None:
+            counts = Counter(self.spool.rows_by_run())
+            counts.update(_run_counts(rows))
+            self.hooks.pending(self.spool.id, dict(counts))
+        return self.spool.append(rows)
+
+    def _report_pending_quietly(self) -> None:
+        """Tell the hooks what is left after a flush (lock held). A failure only leaves the
+        record counting rows that are stored by now (a finish step waits for nothing longer
+        than the next flush, which tells them again): logged, never raised."""
+        if self.hooks is None:
+            return
+        try:
+            self.hooks.pending(self.spool.id, self.spool.rows_by_run())
+        except Exception:
+            log.exception(
+                "spool %s: recording what it holds failed; the next flush tries again", self.spool.id
+            )
+
     def flush(self) -> FlushReport:
         """Drain the spool in sequence order. Raises StoreUnavailable (with the spool intact
-        from the failing file on) if the store is still down."""
+        from the failing file on) if the store is still down. Tells the hooks what the spool
+        holds afterwards, whatever happened (the periodic flush keeps the record true)."""
         report = FlushReport()
         with self.spool.locked():
-            self._flush_locked(report)
+            try:
+                self._flush_locked(report)
+            finally:
+                self._report_pending_quietly()
         return report
 
     def _flush_locked(self, report: FlushReport) -> None:
         files = self.spool.pending_files()
         for i, name in enumerate(files):
-            header, rows, complete = self.spool.read(name)
+            _header, rows, complete = self.spool.read(name)
             try:
                 if rows:
                     stored = self.store.existing_keys(row_key(r) for r in rows)
@@ -242,17 +390,29 @@ class SpoolingWriter:
             if complete:
                 self.spool.remove(name)
             else:
+                report.quarantined.append(self._quarantine(name, rows))
                 report.salvaged += len(rows)
-                where = self.spool.move_to_quarantine(name)
-                report.torn_files.append(where)
-                log.error(
-                    "torn spool file %s (header %s): flushed %d readable rows, kept it at %s",
-                    name,
-                    header,
-                    len(rows),
-                    where,
-                )
+                report.torn_files.append(report.quarantined[-1].path)
             report.files += 1
+
+    def _quarantine(self, name: str, rows: list[Any]) -> QuarantinedFile:
+        """Move a file read() could not fully read to quarantine/, after telling the hooks the
+        rows per run its header promised and the read did not give (torn, or written by another
+        format or column schema): they are counted, never silently gone."""
+        head = self.spool.header(name)
+        read = _run_counts(rows)
+        lost = {
+            run: n - read.get(run, 0) for run, n in self.spool.claimed(name).items() if n > read.get(run, 0)
+        }
+        where = self.spool.quarantine_path(name)
+        if lost and self.hooks is not None:
+            self.hooks.quarantined(self.spool.id, where, lost)
+        self.spool.move_to_quarantine(name)
+        log.error(
+            "unreadable spool file %s (header %s): flushed %d readable rows, lost %s (run: rows), kept it at %s",
+            name, head, len(rows), lost or "nothing", where,
+        )  # fmt: skip
+        return QuarantinedFile(where, head, len(rows), lost)
 
     def pending(self, run_id: int | None = None) -> int:
         """Rows still spooled (for one run, or all). Torn files count in full: unknown is

@@ -46,6 +46,11 @@ class StoreUnavailable(StoreError):
     """Transient failure (server down, network, timeout): spool the samples and retry later."""
 
 
+class QueryTimeout(StoreError):
+    """A read ran past the max_execution_time it was given (query(settings=...)): permanent for
+    that query; ask for less (narrower filters) or allow more time."""
+
+
 class StoreLocked(StoreError):
     """chDB's data directory is owned by another process."""
 
@@ -58,6 +63,20 @@ class SchemaMismatch(StoreError):
 class InvalidSamples(StoreError, colmod.SampleError):
     """Samples the table cannot hold (samples.columns' validator said why); nothing was sent.
     Both a StoreError (permanent) and a ValueError (bad input)."""
+
+
+QuerySettings = Mapping[str, int]
+
+
+def query_settings(settings: QuerySettings | None) -> dict[str, int]:
+    """Per-query ClickHouse settings as the backends send them: plain names, whole numbers
+    (the server's max_execution_time takes whole seconds: 0.5 would mean "no limit")."""
+    out: dict[str, int] = {}
+    for name, value in (settings or {}).items():
+        if not _IDENT.match(name) or isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise StoreError(f"query setting {name}={value!r}: a plain name and a whole number >= 0")
+        out[name] = value
+    return out
 
 
 def check_ident(name: str, what: str) -> str:
@@ -358,14 +377,20 @@ class SampleStore:
         ]  # fmt: skip
 
     # ---- reads --------------------------------------------------------------------------
-    def query(self, sql: str, params: Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
+    def query(
+        self, sql: str, params: Mapping[str, Any] | None = None, *, settings: QuerySettings | None = None
+    ) -> list[tuple[Any, ...]]:
         """Rows of a SELECT. Params use %(name)s. Analytics read the samples table without FINAL
         (the dedup contract, see deduplicate); schema.SAMPLES_FROM (with FINAL) is for exact
-        reads of a few rows that may still hold duplicate recordings (checks, tests)."""
-        return self._select(bind(sql, params))[1]
+        reads of a few rows that may still hold duplicate recordings (checks, tests).
+        ``settings``: ClickHouse settings for this query only, e.g. {"max_execution_time": 60}
+        (whole seconds; past it the query stops and QueryTimeout is raised)."""
+        return self._select(bind(sql, params), settings)[1]
 
-    def query_columns(self, sql: str, params: Mapping[str, Any] | None = None) -> dict[str, list[Any]]:
-        names, rows = self._select(bind(sql, params))
+    def query_columns(
+        self, sql: str, params: Mapping[str, Any] | None = None, *, settings: QuerySettings | None = None
+    ) -> dict[str, list[Any]]:
+        names, rows = self._select(bind(sql, params), settings)
         if len(set(names)) != len(names):
             raise StoreError(f"query_columns: duplicate column names {names}; alias them")
         return {n: [r[i] for r in rows] for i, n in enumerate(names)}
@@ -483,7 +508,10 @@ class SampleStore:
     def _command(self, sql: str) -> None:
         raise NotImplementedError
 
-    def _select(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+    def _select(
+        self, sql: str, settings: QuerySettings | None = None
+    ) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """(column names, rows) of a SELECT run with ``settings`` (checked by query_settings)."""
         raise NotImplementedError
 
     def _insert_columns(self, table: str, cols: dict[str, np.ndarray]) -> None:

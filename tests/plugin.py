@@ -1,14 +1,25 @@
 """pytest plugin loaded first (pytest.ini: -p tests.plugin): a private ABPLAT_VAR per test
-session, so tests never touch the developer's var/ (SQLite file, chDB, spool, weights)."""
+session, so tests never touch the developer's var/ (SQLite file, chDB, spool, weights); the
+production settings (DEBUG off) with a secret key generated for the session."""
 
 import os
+import secrets
 import socket
 import tempfile
 import threading
 import urllib.parse
 
+import pytest
+
 if "ABPLAT_VAR" not in os.environ:
     os.environ["ABPLAT_VAR"] = tempfile.mkdtemp(prefix="abplat-test-")
+
+# Tests run as production does, DEBUG off, so they need a key: one for this session, which the
+# subprocesses they start inherit (tests.workers.background.manage passes it on explicitly).
+# Plain HTTP on loopback: no redirect to HTTPS, cookies sent without TLS.
+TEST_SECRET_KEY = os.environ.setdefault("ABPLAT_SECRET_KEY", "test-" + secrets.token_urlsafe(48))
+os.environ.setdefault("ABPLAT_SSL_REDIRECT", "false")
+os.environ.setdefault("ABPLAT_SECURE_COOKIES", "false")
 
 SERVER_URL = os.environ.get("ABPLAT_TEST_CLICKHOUSE_URL", "clickhouse://default:@127.0.0.1:19000/abplat_test")
 
@@ -86,3 +97,13 @@ class FlakyProxy:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+
+@pytest.fixture(autouse=True)
+def _fresh_request_rates():
+    """Rate counters (abplat.api) start at zero in every test: a user id reused by the next
+    test must not inherit this one's requests."""
+    yield
+    from django.core.cache import caches
+
+    caches["throttle"].clear()

@@ -1,6 +1,35 @@
+"""The workers app: stopping replays when their experiment stops, and the spool's bookkeeping.
+
+Spools (samples.spool): each worker host spools samples while the sample store is down, and only
+that host can flush them. So that a run never ends, and a shard resumed elsewhere never sends
+again, while rows of it wait in some host's spool:
+
+1. every spool tells SpoolRecord (per run and spool, in the database) what it holds, through the
+   hooks wired here (samples.factory.set_spool_hooks): before a batch is spooled, after a flush,
+   and the rows a quarantined file lost;
+2. every worker process flushes its host's spool on a timer thread (start_spool_flusher: first
+   a few seconds after it starts, so a restarted worker drains what it left, then every
+   tasks.SPOOL_FLUSH_INTERVAL_S), started by Celery's worker_process_init (prefork children,
+   solo) or worker_ready (other pools). Not Celery beat: beat sends each tick as one message that
+   one worker takes, and a spool can only be flushed by its own host;
+3. complete_run waits while any spool holds rows of the run, naming the host; a resumed shard
+   waits for other hosts' spools of its run (workers.tasks).
+
+A retired worker's spool must be flushed before its rows are lost: run
+`manage.py flush_samples --spool-dir PATH` on a host that can read its directory (copied or
+mounted, with its spool.id file); a spool whose disk is gone is given up with
+`manage.py flush_samples --forget-spool ID` (its runs then end failed, naming the rows).
+"""
+
+import functools
 import logging
+import os
+import random
+import threading
+import time
 
 from django.apps import AppConfig
+from django.db import connections
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +62,84 @@ def stop_replays(sender, *, experiment, action, actor=None, **kwargs) -> None:
         transaction.on_commit(end_later)
 
 
+def closing_thread_connections(fn):
+    """``fn``, closing this thread's database connections after it when it runs in a helper
+    thread (the replay's sample sink, the flush timer): they would outlive the thread."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if threading.current_thread() is not threading.main_thread():
+                for conn in connections.all(initialized_only=True):
+                    if not conn.in_atomic_block:
+                        conn.close()
+
+    return call
+
+
+def spool_hooks():
+    from samples.spool import SpoolHooks
+    from workers.models import SpoolRecord
+
+    return SpoolHooks(
+        pending=closing_thread_connections(SpoolRecord.sync),
+        quarantined=closing_thread_connections(SpoolRecord.record_quarantined),
+    )
+
+
+_flusher_pid: int | None = None
+FIRST_FLUSH_S = (1.0, 5.0)  # a worker process's first flush comes this long after it starts
+
+
+def start_spool_flusher(**_kwargs) -> bool:
+    """Start this process's spool flush timer (once per process). True if this call did."""
+    global _flusher_pid
+    if _flusher_pid == os.getpid():
+        return False
+    _flusher_pid = os.getpid()
+    threading.Thread(target=flush_forever, name="abplat-spool-flusher", daemon=True).start()
+    return True
+
+
+def start_spool_flusher_unless_prefork(sender=None, **_kwargs) -> None:
+    """worker_ready, in the worker's main process: with prefork its children flush (a thread in
+    the parent would be running whenever it forks a new child), with other pools it does."""
+    from celery.concurrency.prefork import TaskPool
+
+    if not isinstance(getattr(sender, "pool", None), TaskPool):
+        start_spool_flusher()
+
+
+def flush_forever() -> None:
+    from workers.tasks import SPOOL_FLUSH_INTERVAL_S, flush_spool
+
+    delay = random.uniform(*FIRST_FLUSH_S)
+    while True:
+        time.sleep(delay)
+        delay = SPOOL_FLUSH_INTERVAL_S
+        try:
+            flush_spool()
+        except Exception:  # the next tick tries again; a timer thread must not die
+            log.exception("flushing the spool failed; next try in %g s", SPOOL_FLUSH_INTERVAL_S)
+        finally:
+            connections.close_all()
+
+
 class WorkersConfig(AppConfig):
     name = "workers"
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        from celery.signals import worker_process_init, worker_ready
+
         from experiments.signals import experiment_transitioned
+        from samples.factory import set_spool_hooks
 
         experiment_transitioned.connect(stop_replays, dispatch_uid="workers.stop_replays")
+        set_spool_hooks(spool_hooks())
+        worker_process_init.connect(start_spool_flusher, dispatch_uid="workers.spool_flusher", weak=False)
+        worker_ready.connect(
+            start_spool_flusher_unless_prefork, dispatch_uid="workers.spool_flusher_ready", weak=False
+        )

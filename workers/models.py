@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from django.conf import settings
-from django.db import models
+from django.db import models, transaction
 from django.db.models import Q
 
 
@@ -93,7 +93,8 @@ class ReplayRun(models.Model):
         return self.status in self.FINAL
 
     def progress(self) -> dict:
-        shards = list(self.shards.values("sent", "recorded", "status"))
+        # .all(): a list's prefetch_related("shards") serves it (no query per run)
+        shards = [{"sent": s.sent, "recorded": s.recorded, "status": s.status} for s in self.shards.all()]
         sent = sum(s["sent"] for s in shards)
         recorded = sum(s["recorded"] for s in shards)
         return {
@@ -138,3 +139,81 @@ class ReplayShard(models.Model):
 
     def __str__(self) -> str:
         return f"run {self.run_id} shard {self.index} ({self.status})"
+
+
+class SpoolRecord(models.Model):
+    """What one worker's spool holds of a run (samples spooled while the sample store was down),
+    and the rows of it that spool files lost to quarantine. Kept current by the spool itself
+    (samples.spool.SpoolHooks, wired in workers.apps), so a step on another host can see it: a
+    run ends only when no spool holds its rows, and a resumed shard waits until the rows other
+    hosts spooled for its run are in the store (they would be sent again otherwise)."""
+
+    run = models.ForeignKey(ReplayRun, on_delete=models.CASCADE, related_name="spool_records")
+    spool = models.CharField(max_length=500, help_text="the spool's id, host:directory (its spool.id file)")
+    rows = models.PositiveIntegerField(default=0, help_text="rows of the run waiting there for the store")
+    quarantined = models.JSONField(
+        default=dict, blank=True,
+        help_text="quarantined spool file -> rows of the run it held that could not be read",
+    )  # fmt: skip
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["run", "spool"]
+        # Its index serves "which spools hold rows of run R" (complete_run, a resumed shard).
+        constraints = [models.UniqueConstraint(fields=["run", "spool"], name="spool_record_unique")]
+        # Serves "what does spool S hold" (SpoolRecord.sync, on every spool and flush).
+        indexes = [models.Index(fields=["spool"], name="spool_record_by_spool")]
+
+    def __str__(self) -> str:
+        lost = f", {self.quarantined_rows} quarantined" if self.quarantined else ""
+        return f"run {self.run_id}: {self.rows} rows spooled on {self.spool}{lost}"
+
+    @property
+    def host(self) -> str:
+        return self.spool.partition(":")[0]
+
+    @property
+    def directory(self) -> str:
+        return self.spool.partition(":")[2]
+
+    @property
+    def quarantined_rows(self) -> int:
+        return sum(self.quarantined.values())
+
+    def describe_spooled(self) -> str:
+        return f"{self.rows} samples still spooled on host {self.host} (spool directory {self.directory})"
+
+    @classmethod
+    def sync(cls, spool: str, rows_by_run: dict[int, int]) -> None:
+        """Spool ``spool`` now holds these rows per run; none of the runs it does not name.
+        Absolute, not a delta: every call repairs what an earlier failed one left wrong. Runs
+        this database does not know (a spool shared with another installation, tests) are
+        skipped. Calls for one spool come one at a time (its lock is held)."""
+        holding = {run: n for run, n in rows_by_run.items() if n > 0}
+        known = set(ReplayRun.objects.filter(pk__in=holding).values_list("pk", flat=True))
+        with transaction.atomic():
+            cls.objects.filter(spool=spool, rows__gt=0).exclude(run_id__in=known).update(rows=0)
+            for run_id in known:
+                cls.objects.update_or_create(run_id=run_id, spool=spool, defaults={"rows": holding[run_id]})
+
+    @classmethod
+    def record_quarantined(cls, spool: str, path: str, lost_by_run: dict[int, int]) -> None:
+        """A file of ``spool``, now at ``path``, lost these rows per run. Idempotent per path."""
+        for run_id in ReplayRun.objects.filter(pk__in=lost_by_run).values_list("pk", flat=True):
+            with transaction.atomic():
+                record, _ = cls.objects.select_for_update().get_or_create(run_id=run_id, spool=spool)
+                record.quarantined[path] = lost_by_run[run_id]
+                record.save(update_fields=["quarantined", "updated_at"])
+
+    @classmethod
+    def forget(cls, spool: str) -> int:
+        """A spool gone for good (its disk lost): its rows will never come. They count as lost
+        (quarantined) so its runs stop waiting and end failed, naming them. Returns the rows."""
+        lost = 0
+        with transaction.atomic():
+            for record in cls.objects.select_for_update().filter(spool=spool, rows__gt=0):
+                record.quarantined[f"{spool} (forgotten: the spool is gone)"] = record.rows
+                lost += record.rows
+                record.rows = 0
+                record.save(update_fields=["rows", "quarantined", "updated_at"])
+        return lost

@@ -23,6 +23,8 @@ from replay.arrivals import Arrival
 from replay.plan import expected_samples
 from replay.sources import SourceError, load_requests
 from samples.store import StoreUnavailable
+from traces import storage as trace_storage
+from traces.models import Trace
 from workers import preflight
 from workers.models import ReplayRun, ReplayShard
 from workers.shard import shard_rows
@@ -79,14 +81,61 @@ def max_duration_default() -> float:
     return float(settings.REPLAY_MAX_DURATION_S)
 
 
-def resolve_source(path: str) -> Path:
-    candidate = Path(path)
-    if not candidate.is_absolute() and not candidate.exists():
-        candidate = Path(settings.BASE_DIR) / path  # shipped traces: data/traces/...
-    return candidate
+class ReplayInputError(ReplayError):
+    """A replay refused for one input, named by ``field`` (the API keys its 400 with it)."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(message)
 
 
-def create_run(experiment: Experiment, *, source: str, source_format: str = "azure", mode: str = "split",
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """The file a replay reads, what messages call it, and its upload row (if uploaded)."""
+
+    path: Path
+    label: str
+    trace: Trace | None = None
+    in_trace_dir: bool = True
+
+
+def resolve_source(
+    source: str | None = None, *, trace: str | None = None, local_paths: bool = False
+) -> Source:
+    """Which file a replay reads.
+
+    The API and the admin (``local_paths`` off) read from TRACE_DIR only: ``trace`` is an
+    uploaded trace's name or sha256, ``source`` a file name inside TRACE_DIR; absolute paths,
+    '..', symlinks out of the directory and anything but regular files are refused, naming the
+    input and never a file's content (traces.storage.resolve). The replay command
+    (``local_paths``: the operator owns that shell) also reads a local path: relative to the
+    working directory, else to the project (the shipped data/traces/...), else a trace."""
+    if (source is None) == (trace is None):
+        raise ReplayInputError(
+            "trace", "give a trace (an uploaded trace's name or sha256) or a source, not both"
+        )
+    field, ref = ("trace", trace) if trace is not None else ("source", source)
+    if local_paths:
+        candidate = Path(ref)
+        if not candidate.is_absolute() and not candidate.exists():
+            candidate = Path(settings.BASE_DIR) / ref  # shipped traces: data/traces/...
+            if not candidate.exists():
+                try:
+                    path, row = trace_storage.resolve(ref, field=field)
+                except trace_storage.TraceError:
+                    pass  # the load names the missing path
+                else:
+                    return Source(path, row.name if row else ref, row)
+        return Source(candidate, str(candidate), in_trace_dir=False)
+    try:
+        path, row = trace_storage.resolve(ref, field=field)
+    except trace_storage.TraceError as exc:
+        raise ReplayInputError(field, str(exc)) from None
+    return Source(path, row.name if row else ref, row)
+
+
+def create_run(experiment: Experiment, *, source: str | None = None, trace: str | None = None,
+               source_format: str | None = None, local_paths: bool = True, mode: str = "split",
                arrival: Arrival | None = None, limit: int | None = None, concurrency: int = 512,
                shard_count: int | None = None, on_malformed: str = "reject", population_seed: int = 0,
                sample_fraction: float = 1.0, actor=None, enqueue: bool = True, render_chat: str = "reject",
@@ -94,7 +143,10 @@ def create_run(experiment: Experiment, *, source: str, source_format: str = "azu
                check_variants: bool = True) -> ReplayRun:  # fmt: skip
     """Validate everything, record the run and its shards, and queue it after commit.
 
-    Before anything is created: the source loads; every request fits every variant's API
+    Before anything is created: the source resolves (``resolve_source``: a local path only with
+    ``local_paths``, for the operator's shell and code; whatever takes a source over HTTP passes
+    ``local_paths=False``: TRACE_DIR only) and loads (streamed, stopping at ``limit``); the caps
+    hold (speed, concurrency, requests: settings REPLAY_MAX_*); every request fits every variant's API
     (replay.shapes, with ``render_chat`` / ``wrap_prompt``); the planned schedule is at most
     ``max_duration_s`` (default: the REPLAY_MAX_DURATION_S setting, 2 h) unless ``confirm``;
     and (``check_variants``) every variant answers ``GET /v1/models`` listing its model
@@ -114,6 +166,17 @@ def create_run(experiment: Experiment, *, source: str, source_format: str = "azu
         raise ReplayError(f"concurrency must be at least 1, got {concurrency}")
     if limit is not None and limit < 1:
         raise ReplayError(f"limit must be at least 1, got {limit}")
+    # Caps on one replay (issue 11, finding 7): what one sre request may make the workers do.
+    max_requests = settings.REPLAY_MAX_REQUESTS
+    for field, value, cap, name in (
+        ("speed", arrival.speed, settings.REPLAY_MAX_SPEED, "REPLAY_MAX_SPEED"),
+        ("concurrency", concurrency, settings.REPLAY_MAX_CONCURRENCY, "REPLAY_MAX_CONCURRENCY"),
+        ("arrival.concurrency", arrival.concurrency, settings.REPLAY_MAX_CONCURRENCY, "REPLAY_MAX_CONCURRENCY"),
+        ("limit", limit or 0, max_requests, "REPLAY_MAX_REQUESTS"),
+    ):  # fmt: skip
+        if value > cap:
+            got = f"{value:g}" if isinstance(value, float) else value
+            raise ReplayInputError(field, f"{field} must be at most {cap} (setting {name}), got {got}")
     if shard_count is None:
         shard_count = 1 if settings.CELERY_TASK_ALWAYS_EAGER else settings.REPLAY_SHARDS
     if not 1 <= shard_count <= 256:
@@ -121,13 +184,39 @@ def create_run(experiment: Experiment, *, source: str, source_format: str = "azu
     if settings.CELERY_TASK_ALWAYS_EAGER and shard_count > 1:
         # Eager tasks run one after another: later shards would start late and show it as lag.
         raise ReplayError("with Celery eager (no ABPLAT_BROKER_URL) a replay runs as one shard")
-    path = resolve_source(source)
+    src = resolve_source(source, trace=trace, local_paths=local_paths)
+    if src.trace is not None:
+        if source_format not in (None, src.trace.format):
+            raise ReplayInputError(
+                "format",
+                f"format {source_format} does not match trace {src.label}, which is {src.trace.format}",
+            )
+        source_format = src.trace.format
+        if limit is None and src.trace.rows > max_requests:
+            raise ReplayInputError(
+                "limit", f"trace {src.label} has {src.trace.rows} requests, over the cap of {max_requests} "
+                "(setting REPLAY_MAX_REQUESTS); give a limit",
+            )  # fmt: skip
+    source_format = source_format or ReplayRun.SourceFormat.AZURE
+    if source_format not in ReplayRun.SourceFormat.values:
+        raise ReplayInputError("format", f"format must be azure or jsonl, got {source_format!r}")
+    path = src.path
     try:
-        # A malformed source is rejected here, before anything is sent.
-        loaded = load_requests(path, source_format, on_malformed=on_malformed, limit=limit,
-                               seed=population_seed, sample_fraction=sample_fraction)  # fmt: skip
+        # A malformed source is rejected here, before anything is sent. Streamed: reading stops
+        # at the limit (or one past the request cap), a long line or (in TRACE_DIR) a big file.
+        loaded = load_requests(
+            path, source_format, on_malformed=on_malformed, limit=limit or max_requests + 1,
+            seed=population_seed, sample_fraction=sample_fraction, name=src.label,
+            max_bytes=settings.TRACE_MAX_BYTES if src.in_trace_dir else None,
+            max_line_bytes=settings.TRACE_MAX_LINE_BYTES,
+        )  # fmt: skip
     except (SourceError, ValueError) as exc:
         raise ReplayError(str(exc)) from None
+    if loaded.read > max_requests:
+        raise ReplayInputError(
+            "limit",
+            f"{src.label} has more than {max_requests} requests (setting REPLAY_MAX_REQUESTS); give a limit",
+        )
     variants = list(experiment.variants.order_by("position"))
     try:
         shapes.check(loaded.requests, {v.key: v.api for v in variants}, render_chat=render_chat,
@@ -149,7 +238,8 @@ def create_run(experiment: Experiment, *, source: str, source_format: str = "azu
     if check_variants:
         verify = settings.VARIANT_CA_BUNDLE or True
         problems = preflight.check(
-            [preflight.Target(v.key, v.endpoint, v.model, v.http2) for v in variants], verify=verify
+            [preflight.Target(v.key, v.endpoint, v.model, v.http2, v.auth_secret) for v in variants],
+            verify=verify,
         )
         if problems:
             raise ReplayError("preflight failed, nothing was sent: " + "; ".join(problems))

@@ -26,9 +26,8 @@ from replay.runner import ShardRunner, ShardSpec, ShardStats, StopReplay
 from replay.sink import BatchSink
 from replay.sources import LoadedSource, load_requests
 from samples.factory import sample_store, sample_writer
-from streaming.client import VariantClient
-from streaming.probe import token_counter
 from workers.models import ReplayRun, ReplayShard
+from workers.variants import client_for, counter_for
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +49,8 @@ def run_requests(run: ReplayRun) -> LoadedSource:
     if version is not None and key in _loaded:
         return _loaded[key]
     loaded = load_requests(run.source, run.source_format, on_malformed=run.on_malformed, limit=run.limit,
-                           seed=run.population_seed, sample_fraction=run.sample_fraction)  # fmt: skip
+                           seed=run.population_seed, sample_fraction=run.sample_fraction,
+                           max_line_bytes=settings.TRACE_MAX_LINE_BYTES)  # fmt: skip
     _loaded.clear()
     if version is not None:
         _loaded[key] = loaded
@@ -78,7 +78,7 @@ def plan_run_prompts(run: ReplayRun) -> dict:
     async def plan():
         return await plan_prompts(
             requests, {v.key: (v.endpoint, v.model, v.api) for v in variants},
-            lambda *target: token_counter(*target, verify=verify),
+            counter_for(variants, verify=verify),
         )  # fmt: skip
 
     plans, report = run_coroutine(plan())
@@ -185,9 +185,7 @@ def execute_shard(shard: ReplayShard, *, budget_s: float | None = None,
 
     async def main() -> ShardStats:
         verify = settings.VARIANT_CA_BUNDLE or True  # True: the system trust store
-        clients = {
-            v.key: VariantClient(v.endpoint, v.model, v.api, http2=v.http2, verify=verify) for v in variants
-        }
+        clients = {v.key: client_for(v, verify=verify) for v in variants}
         # Synthetic prompts of the trace's length on each variant's tokenizer, planned once per
         # run before its schedule started (plan_run_prompts): no /tokenize call on the send path.
         clients = wrap_streamers(

@@ -12,9 +12,18 @@ do, so a redelivered message never does anything twice:
                        Celery time limits however long the trace; a closed-loop shard works
                        for one window's time, then queues itself again for the rest.
 - finish_replay(run):  once every shard has ended; waits until the run's samples are
-                       durable (spool flushed), counts them, ends the run and sends
+                       durable (this host's spool flushed, and no other host's spool holding
+                       any: SpoolRecord), counts them, ends the run and sends
                        samples.signals.replay_finished (the report's rollup is built by its
                        receiver, in dashboards; the replay does not know the report).
+- flush_spool():       drains this host's spool into the store. Every worker process runs it
+                       every SPOOL_FLUSH_INTERVAL_S on a timer thread (workers.apps), because
+                       only the host that spooled samples can flush them.
+
+Bounded waiting: a shard retries a store that is down SHARD_MAX_RETRIES times, then fails; a
+run waits FINISH_MAX_RETRIES tries (about an hour) for its samples and FINISH_ERROR_RETRIES for
+any other trouble ending it (a deduplicate that fails), then ends failed, saying why. Nothing
+stays running or flushing forever because the store did not come back.
 
 The run catalog in the sample store (``record_run``: what the report reads by default) hears
 "running" when a run starts sending (best effort) and the final status when it ends.
@@ -28,6 +37,7 @@ import time
 
 from celery import group, shared_task
 from celery.exceptions import SoftTimeLimitExceeded
+from celery.utils.time import get_exponential_backoff_interval
 from django.conf import settings
 from django.db import close_old_connections
 from django.db.models import F, Q
@@ -37,8 +47,8 @@ from replay.arrivals import Arrival
 from samples.factory import sample_store, sample_writer
 from samples.schema import SAMPLES_TABLE
 from samples.signals import replay_finished
-from samples.store import StoreUnavailable
-from workers.models import ReplayRun, ReplayShard
+from samples.store import StoreError, StoreUnavailable
+from workers.models import ReplayRun, ReplayShard, SpoolRecord
 from workers.shard import execute_shard, plan_run_prompts
 
 log = logging.getLogger(__name__)
@@ -52,6 +62,20 @@ WINDOW_LEAD_S = 5.0
 # redelivers a message whose worker is alive (Redis' visibility timeout) finds a fresh
 # heartbeat and leaves the shard alone.
 LEASE_S = 10.0
+# A shard whose store calls fail (its resume asks the store what is recorded) is retried this
+# often, 2 s to 60 s apart with jitter (a few minutes in all), then fails, naming the error.
+SHARD_MAX_RETRIES = 10
+# A run waits this many tries for its samples to be durable (60 s apart at most: about an hour
+# for a store that is down or another host's spool), then ends failed; and tries this often
+# more when ending it fails otherwise (a deduplicate that leaves duplicates).
+FINISH_MAX_RETRIES = 60
+FINISH_ERROR_RETRIES = 3
+# How often every worker process flushes its host's spool (workers.apps starts the timer).
+SPOOL_FLUSH_INTERVAL_S = 30.0
+
+
+class SpooledElsewhere(StoreUnavailable):
+    """Samples of the run wait in another host's spool: only that host can flush them."""
 
 
 @shared_task(
@@ -134,11 +158,10 @@ def handoff_plan(shard: ReplayShard) -> float | None:
     return at if at <= run.start_at_unix + (shard.window + 1) * run.window_s else None
 
 
-@shared_task(
-    bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
-    autoretry_for=(StoreUnavailable,), retry_backoff=2, retry_backoff_max=60, retry_jitter=True, max_retries=10,
-)  # fmt: skip
-def run_shard(self, run_id: int, index: int) -> None:
+@shared_task(bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True, max_retries=None)
+def run_shard(self, run_id: int, index: int, store_retries: int = 0) -> None:
+    """``store_retries``: how often this shard was retried because the store (or another
+    host's spool) was not there; waits for a live lease do not count."""
     now = timezone.now()
     stale = now - dt.timedelta(seconds=LEASE_S)
     claimable = Q(status=ReplayShard.Status.PENDING) | Q(status=ReplayShard.Status.RUNNING) & (
@@ -167,6 +190,10 @@ def run_shard(self, run_id: int, index: int) -> None:
         maybe_finish(run_id)
         return
     try:
+        if shard.attempts > 1:
+            # A resume skips what the store has recorded: rows an earlier delivery spooled on
+            # another host are not there yet and would be sent again. Wait for that host's flush.
+            check_spooled_elsewhere(run_id, sample_writer().spool.id)
         stats = execute_shard(
             shard, budget_s=shard_budget_s(shard.run), handoff_at_unix=handoff_at or 0.0,
             handoff=None if handoff_at is None else lambda: enqueue_next_window(shard.run, shard.window),
@@ -177,8 +204,23 @@ def run_shard(self, run_id: int, index: int) -> None:
         log.warning("run %s shard %s: soft time limit reached; the rest resumes", run_id, index)
         requeue(shard, None)
         return
-    except StoreUnavailable:
-        raise  # retried: the shard stays claimable and resumes where it stopped
+    except StoreUnavailable as exc:
+        if store_retries < SHARD_MAX_RETRIES and not self.request.is_eager:
+            # Retried: the shard is claimable at once and resumes where it stopped. (Eager
+            # Celery has no broker to retry through: the shard fails at once.)
+            ReplayShard.objects.filter(pk=shard.pk, status=ReplayShard.Status.RUNNING).update(
+                status=ReplayShard.Status.PENDING, heartbeat_at=None
+            )
+            countdown = get_exponential_backoff_interval(2, store_retries, 60, True)
+            raise self.retry(
+                exc=exc, countdown=countdown, kwargs={"store_retries": store_retries + 1}
+            ) from exc
+        log.error("run %s shard %s: gave up after %d store retries: %s", run_id, index, store_retries, exc)
+        reason = f"the sample store stayed unavailable through {store_retries} retries: {exc}"
+        ReplayShard.objects.filter(pk=shard.pk).update(
+            status=ReplayShard.Status.FAILED, error=reason[:4000], finished_at=timezone.now()
+        )
+        ReplayRun.objects.filter(pk=run_id).update(error=f"shard {index}: {reason}"[:4000])
     except Exception as exc:
         log.exception("run %s shard %s failed", run_id, index)
         ReplayShard.objects.filter(pk=shard.pk).update(
@@ -253,8 +295,14 @@ def maybe_finish(run_id: int) -> None:
         finish_replay.delay(run_id)
 
 
-@shared_task(bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True, max_retries=None)
-def finish_replay(self, run_id: int) -> None:
+@shared_task(
+    bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
+    max_retries=FINISH_MAX_RETRIES + FINISH_ERROR_RETRIES,
+)  # fmt: skip
+def finish_replay(self, run_id: int, errors: int = 0) -> None:
+    """``errors``: how many tries failed other than for a store that is down (the bound on
+    those is FINISH_ERROR_RETRIES; on all tries FINISH_MAX_RETRIES + FINISH_ERROR_RETRIES)."""
+    countdown = min(60, 2 ** min(self.request.retries, 6))
     try:
         complete_run(run_id)
     except StoreUnavailable as exc:
@@ -264,7 +312,86 @@ def finish_replay(self, run_id: int) -> None:
             log.warning("run %s: sample store unavailable, samples stay spooled: %s", run_id, exc)
             ReplayRun.objects.filter(pk=run_id).update(error=f"waiting for the sample store: {exc}"[:4000])
             return
-        raise self.retry(exc=exc, countdown=min(60, 2 ** min(self.request.retries, 6))) from exc
+        if self.request.retries >= FINISH_MAX_RETRIES:
+            fail_run(run_id, f"its samples were not durable after {self.request.retries} tries: {exc}")
+            return
+        raise self.retry(exc=exc, countdown=countdown, kwargs={"errors": errors}) from exc
+    except Exception as exc:
+        log.exception("run %s: ending it failed (try %d)", run_id, errors + 1)
+        if self.request.is_eager or errors >= FINISH_ERROR_RETRIES:
+            fail_run(run_id, f"ending it failed after {errors + 1} tries: {type(exc).__name__}: {exc}")
+            return
+        raise self.retry(exc=exc, countdown=countdown, kwargs={"errors": errors + 1}) from exc
+
+
+def check_spooled_elsewhere(run_id: int, own_spool: str) -> None:
+    """Raise SpooledElsewhere while a spool other than ``own_spool`` holds rows of the run."""
+    held = list(SpoolRecord.objects.filter(run_id=run_id, rows__gt=0).exclude(spool=own_spool))
+    if held:
+        raise SpooledElsewhere(
+            f"run {run_id}: " + "; ".join(r.describe_spooled() for r in held) + ". That worker flushes "
+            f"them when the store answers (every {SPOOL_FLUSH_INTERVAL_S:g} s); if it is gone for good, "
+            "flush its spool directory from a host that can read it: "
+            "`manage.py flush_samples --spool-dir PATH`"
+        )
+
+
+def quarantine_note(run_id: int) -> str:
+    """What spool files lost of the run to quarantine (samples.spool), or ""."""
+    lost = [
+        (r, path, n) for r in SpoolRecord.objects.filter(run_id=run_id) for path, n in r.quarantined.items()
+    ]
+    if not lost:
+        return ""
+    total = sum(n for _r, _p, n in lost)
+    where = ", ".join(f"{n} in {path} on host {r.host}" for r, path, n in lost)
+    return f"{total} spooled samples could not be read and were quarantined ({where})"
+
+
+def fail_run(run_id: int, reason: str) -> bool:
+    """End a flushing run failed because ending it gave up (``reason``). Its samples are counted
+    if the store answers, the catalog hears it if it can; replay_finished is not sent (the
+    samples may be incomplete or hold duplicates: no rollup from them). True if this ended it."""
+    run = (
+        ReplayRun.objects.select_related("experiment")
+        .filter(pk=run_id, status=ReplayRun.Status.FLUSHING)
+        .first()
+    )
+    if run is None:
+        return False
+    fields = {}
+    try:
+        fields["samples_recorded"] = sample_store().count(run_id)
+    except StoreError:
+        pass
+    error = f"{reason} (before: {run.error})" if run.error else reason
+    log.error("run %s: ended failed: %s", run_id, error)
+    ended = ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.FLUSHING).update(
+        status=ReplayRun.Status.FAILED, finished_at=timezone.now(), error=error[:4000], **fields
+    )
+    if ended:
+        try:
+            record_catalog(run, str(ReplayRun.Status.FAILED), finished_ms=int(time.time() * 1000))
+        except StoreError as exc:  # ended regardless: the catalog may lag, logged
+            log.warning("run %s: run catalog not updated (failed): %s", run_id, exc)
+    return bool(ended)
+
+
+@shared_task(ignore_result=True)
+def flush_spool() -> int:
+    """Drain this host's spool into the store (the rows of every run in it); the spool then
+    tells SpoolRecord what it still holds. Quiet while the store is down. Returns rows inserted."""
+    try:
+        report = sample_writer().flush()
+    except StoreUnavailable as exc:
+        log.info("spool not flushed, the sample store is unavailable: %s", exc)
+        return 0
+    if report.files:
+        log.info(
+            "flushed the spool: %d samples inserted, %d already stored, %d quarantined file(s)",
+            report.inserted, report.skipped_stored, len(report.quarantined),
+        )  # fmt: skip
+    return report.inserted
 
 
 def record_catalog(run: ReplayRun, status: str, *, strict: bool = False, **times) -> None:
@@ -292,10 +419,15 @@ def complete_run(run_id: int, *, exact_shards: bool = False) -> bool:
     run = ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.FLUSHING).first()
     if run is None:
         return False
+    # 1. Durable: this host's spool flushed, and no other host's spool holding rows of it.
     writer = sample_writer()
     writer.flush()
     if not writer.durable(run_id):
-        raise StoreUnavailable(f"run {run_id}: samples still spooled")
+        raise StoreUnavailable(
+            f"run {run_id}: {writer.pending(run_id)} samples still spooled on this host ({writer.spool.id})"
+        )
+    check_spooled_elsewhere(run_id, writer.spool.id)
+    # 2. Counted, each sample once on disk too.
     store = sample_store()
     recorded = store.count(run_id)
     # Reads skip FINAL (the report's speed depends on it): a finished run must hold one row
@@ -312,6 +444,7 @@ def complete_run(run_id: int, *, exact_shards: bool = False) -> bool:
             {"run": run_id},
         )
     )
+    # 3. Its status, and why when it is not done.
     failed = run.shards.filter(status=ReplayShard.Status.FAILED).exists()
     # Asked to cancel wins over a failed shard: the run is partial either way, and a shard of a
     # cancelled run may fail because of the cancel (its owner was interrupted); the error stays.
@@ -324,6 +457,13 @@ def complete_run(run_id: int, *, exact_shards: bool = False) -> bool:
         run.error = f"expected {run.expected_samples} samples, the store has {recorded}"
     else:
         status = ReplayRun.Status.DONE
+    # Rows a spool file lost to quarantine are named whatever the status: a run that misses
+    # them cannot be done (the count says so), and the count alone would not say why.
+    lost = quarantine_note(run_id)
+    if lost and status != ReplayRun.Status.DONE:
+        run.error = f"{run.error}; {lost}" if run.error else lost
+    elif lost:
+        log.warning("run %s: %s; the store has every expected sample regardless", run_id, lost)
     if exact_shards and run.shard_count == 1:
         ReplayShard.objects.filter(run_id=run_id).update(sent=recorded, recorded=recorded)
     # The catalog first: if the store fails here the run stays flushing and is retried.

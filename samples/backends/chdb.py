@@ -20,7 +20,15 @@ from typing import Any
 import numpy as np
 
 from samples import columns as colmod
-from samples.store import SampleStore, StoreError, StoreLocked, check_ident
+from samples.store import (
+    QuerySettings,
+    QueryTimeout,
+    SampleStore,
+    StoreError,
+    StoreLocked,
+    check_ident,
+    query_settings,
+)
 
 
 class _ChdbOwner:
@@ -175,8 +183,14 @@ class ChdbBackend(SampleStore):
     def _command(self, sql: str) -> None:
         self._session_query(sql, fmt="CSV")
 
-    def _select(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
-        res = self._session_query(sql, fmt="JSONCompact")
+    def _select(
+        self, sql: str, settings: QuerySettings | None = None
+    ) -> tuple[list[str], list[tuple[Any, ...]]]:
+        chosen = query_settings(settings)
+        if chosen:
+            res = self._select_with(sql, chosen)
+        else:
+            res = self._session_query(sql, fmt="JSONCompact")
         raw = res.bytes()
         if not raw.strip():
             return [], []
@@ -186,6 +200,26 @@ class ChdbBackend(SampleStore):
         names = [m["name"] for m in meta]
         rows = [tuple(conv(v) for conv, v in zip(convs, r, strict=True)) for r in doc["data"]]
         return names, rows
+
+    def _select_with(self, sql: str, chosen: dict[str, int]) -> Any:
+        """The query with session settings set for it alone: SET before, back to DEFAULT after,
+        under the session lock (the session is shared by every thread of the process)."""
+        owner = _chdb_owner(self.path)
+        with owner.lock:
+            try:
+                for name, value in chosen.items():
+                    self._session_query(f"SET {name} = {value}", fmt="CSV", use_db=False)
+                return self._session_query(sql, fmt="JSONCompact")
+            except StoreError as e:
+                if "max_execution_time" in chosen and "TIMEOUT_EXCEEDED" in str(e):
+                    raise QueryTimeout(
+                        f"{self.describe()}: query stopped after max_execution_time = "
+                        f"{chosen['max_execution_time']} s"
+                    ) from e
+                raise
+            finally:
+                for name in chosen:
+                    self._session_query(f"SET {name} = DEFAULT", fmt="CSV", use_db=False)
 
     def _insert_columns(self, table: str, cols: dict[str, np.ndarray]) -> None:
         tbl = _to_arrow(cols)  # noqa: F841 - read by name by chDB's Python(tbl)

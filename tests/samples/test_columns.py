@@ -180,3 +180,99 @@ def test_a_sample_row_of_the_wrong_length_is_named():
     rows[2] = rows[2][:-1]
     with pytest.raises(SampleError, match=r"^rows row 2: expected 43 values in column order, got 42$"):
         validate_samples(rows)
+
+
+class _Float(float):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("column", "values"),
+    [
+        ("sent_unix_ms", [1.5, 2.0, -0.0, 1e308]),  # floats only: marshal's b"g" records
+        ("sent_unix_ms", (1.5, 2.5)),  # a tuple
+        ("sent_unix_ms", [1.5, 2, 3.0]),  # an int among floats: the per-value path
+        ("sent_unix_ms", [1.5, True]),
+        ("sent_unix_ms", [1.5, np.float64(2.0)]),
+        ("sent_unix_ms", [1.5, _Float(2.0)]),
+        ("sent_unix_ms", [1.5, math.inf]),
+        ("sent_unix_ms", [1.5, None]),
+        ("ttft_ms", [None, 1.5, None, 2.5]),  # b"N" and b"g" records
+        ("ttft_ms", [None, None, None]),
+        ("ttft_ms", [None, 1.5, math.nan]),
+        ("ttft_ms", [None, -math.inf]),
+        ("ttft_ms", [None, 1, 2.5]),
+        ("ttft_ms", [None, "1.5"]),
+        ("seq", [0, 7, 2**31 - 1]),  # b"i" records
+        ("seq", [0, 2**31, 2**32 - 1]),  # b"i" and b"l" records
+        ("seq", [2**31, 2**32 - 1]),  # b"l" records of 3 digits
+        ("seq", [0, 2**32]),
+        ("seq", [3, -1]),
+        ("seq", [1, 2.0]),
+        ("seq", [1, np.int64(2)]),
+        ("attempt", [1, 255, 256]),
+        ("sent_at", [1_732_900_000, 2**31 + 5]),
+        ("run_id", [2**45 + 1, 2**45 + 2**44]),  # b"l" records of 4 digits
+        ("run_id", [2**45, 2**44]),  # 4 and 3 digits
+        ("run_id", [2**64 - 1, 2**63]),  # 5 digits
+        ("run_id", [2**64, 2**63]),
+        ("config_revision", [2**63, 2**62]),
+        ("run_id", [np.uint64(2**63), 5]),
+        ("config_revision", [-(2**40), 2**40]),
+        ("config_revision", [-(2**63), 2**63 - 1]),
+        ("config_revision", [-(2**63) - 1]),
+        ("server_first_content_ns", [None, None]),
+        ("server_first_content_ns", [None, 5, 2**50]),
+        ("server_first_content_ns", [5, 2**50 + 1]),
+        ("server_first_content_ns", [-5, None]),
+        ("server_first_content_ns", [2.0, math.nan, 3.5]),
+    ],
+)
+def test_the_fast_path_of_numeric_columns_agrees_with_the_per_value_check(monkeypatch, column, values):
+    """Numeric columns go through marshal first (one C-level pass checks exact types); whatever
+    it lets through or refuses must come out exactly as the per-value check decides it."""
+
+    def outcome(nan_is_null: bool) -> str:
+        cols = columns.to_columns([sample_row(i) for i in range(len(values))])
+        cols[column] = values
+        try:
+            out = validate_columns(cols, "rows", nan_is_null=nan_is_null)[column]
+        except SampleError as e:
+            return f"{e} (row {e.row})"
+        return f"{out.dtype} {out.tolist()!r} {[type(v) for v in out.tolist()]}"
+
+    for nan_is_null in (False, True):
+        fast = outcome(nan_is_null)
+        with monkeypatch.context() as m:
+            m.setattr(columns, "_marshalled_numbers", lambda kind, values: None)
+            assert outcome(nan_is_null) == fast
+
+
+def test_a_float_left_in_a_bulk_nullable_integer_column_is_named():
+    cols = columns.to_columns([sample_row(i) for i in range(3)])
+    cols["server_first_content_ns"] = [2.0, math.inf, 5]  # NaN would be NULL, 2.0 is 2; inf is not
+    with pytest.raises(
+        SampleError,
+        match=r"^insert_columns row 1: column server_first_content_ns \(Nullable\(UInt64\)\) "
+        r"cannot hold inf: not an integer$",
+    ):
+        validate_columns(cols)
+
+
+def test_the_numeric_columns_of_ordinary_rows_take_the_fast_path(monkeypatch):
+    """Guards the speed of insert_samples (bench/bench_insert.py) against a change of marshal's
+    format in a new Python: every numeric column of ordinary rows is read from marshal's bytes."""
+    taken = []
+    fast = columns._marshalled_numbers
+
+    def spy(kind, values):
+        out = fast(kind, values)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(columns, "_marshalled_numbers", spy)
+    rows = [
+        sample_row(i, ttft_ms=None if i % 2 else 1.5, recorded_ms=1_764_500_000_000 + i) for i in range(4)
+    ]
+    validate_rows(rows)
+    assert len(taken) == sum(c.kind != "str" for c in columns.COLUMNS) and all(taken)

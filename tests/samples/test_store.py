@@ -193,3 +193,46 @@ def test_a_batch_whose_nullable_integers_are_all_null_round_trips(store):
         f"SELECT server_first_content_ns, server_ttft_ms, seq FROM {schema.SAMPLES_FROM} ORDER BY seq"
     )
     assert got == [(None, None, 0), (None, None, 1), (None, None, 2)]
+
+
+def test_the_sort_key_inserts_follow_is_the_tables_order_by():
+    ddl = schema.CREATE_SAMPLES_TABLE
+    assert f"ORDER BY ({', '.join(schema.SAMPLES_SORT_KEY)})" in ddl.splitlines()
+    assert schema.MIGRATIONS[0].statements == (ddl,)
+
+
+def test_rows_in_any_order_are_stored_sorted_and_equal_keys_keep_their_last_recording(store, make_rows):
+    import random
+
+    rows = [dict(r, variant=("fp16", "awq", "awq-fa2")[r["seq"] % 3]) for r in make_rows(300)]
+    random.Random(5).shuffle(rows)
+    # The same request recorded twice in one batch: the later recording (the last row) wins.
+    again = dict(rows[10], ttft_ms=999.0)
+    store.insert_samples([*rows, again])
+    got = store.query(f"SELECT variant, seq, ttft_ms FROM {schema.SAMPLES_FROM} ORDER BY variant, seq")
+    assert len(got) == 300
+    want = sorted((r["variant"], r["seq"], r["ttft_ms"]) for r in rows if r is not rows[10])
+    want = sorted([*want, (again["variant"], again["seq"], 999.0)])
+    assert got == want
+
+
+def test_the_server_block_is_sent_in_key_order_with_request_ids_ranked_only_between_ties():
+    """The ClickHouse server skips sorting a block it finds sorted: the backend sends it so.
+    The String key (request_id) is ranked only among rows equal in every key before it."""
+    from samples.backends.clickhouse import _dictionary, _sort_order
+
+    def order_of(rows):
+        cols = columns.validate_rows(rows)
+        dictionaries = {
+            name: _dictionary(arr)
+            for name, arr in cols.items()
+            if columns.BY_NAME[name].ch_type.startswith("LowCardinality(")
+        }
+        return _sort_order(cols, dictionaries, schema.SAMPLES_SORT_KEY)
+
+    keys = [(2, "b", "x"), (1, "b", "y"), (1, "a", "z"), (1, "b", "a"), (1, "b", "y")]
+    rows = [sample_row(seq, variant=variant, request_id=rid) for seq, variant, rid in keys]
+    order = order_of(rows)
+    assert order.tolist() == [2, 3, 1, 4, 0]  # (variant, seq, request_id); equal rows keep their order
+    assert order_of([rows[i] for i in order]) is None  # in order already: sent as it is
+    assert order_of([sample_row(i, request_id=f"r{9 - i}") for i in range(3)]) is None  # seq decides

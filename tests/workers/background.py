@@ -11,6 +11,8 @@ import yaml
 from django.core.management import call_command
 from django.db import connections
 
+from tests.plugin import TEST_SECRET_KEY
+
 TRACE = "data/traces/azure_llm_2023_code.csv"
 
 
@@ -42,7 +44,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def manage(env: dict, *args: str, **kw) -> str:
-    """`python manage.py *args` in a subprocess with ``env``; its stdout, or a failed assertion."""
+    """`python manage.py *args` in a subprocess with ``env``; its stdout, or a failed assertion.
+
+    ``env`` gets the session's test secret key unless it names one or turns debug on: settings
+    refuse to start with DEBUG off and no key. In place, so the worker and replay processes a
+    test starts later with the same ``env`` get it too."""
+    if "ABPLAT_SECRET_KEY" not in env and "ABPLAT_DEBUG" not in env:
+        env["ABPLAT_SECRET_KEY"] = TEST_SECRET_KEY
     result = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=120, **kw)  # fmt: skip
     assert result.returncode == 0, result.stderr + result.stdout

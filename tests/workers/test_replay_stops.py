@@ -88,6 +88,30 @@ def test_concluding_during_a_split_replay_cancels_it_cleanly(running, sample_sto
     assert {r["status"] for r in sample_store.runs("ttft-opt")} == {"cancelled"}
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("action", ["pause", "conclude"])
+def test_pausing_or_concluding_stops_a_mirror_replay(running, sample_store, users, action):
+    """issue 11, finding 5: a mirror run asks no router (every request goes to every variant),
+    so retired weights cannot stop it; the transition cancels it and its shard stops at its
+    next check instead of writing on into a paused or concluded experiment."""
+    thread, out, errors = replay_in_thread("--limit", "300", "--speed", "5", "--mode", "mirror")
+    wait_for(lambda: ReplayRun.objects.filter(shards__recorded__gt=20).exists())
+    services.transition(running, action, users["product"])
+    stopped_at = time.time()
+    thread.join(60)
+    assert not thread.is_alive()
+    run = ReplayRun.objects.get()
+    assert run.mode == "mirror" and run.status == "cancelled", (run.error, out.getvalue())
+    assert errors and "ended cancelled" in str(errors[0])
+    # Nothing sent after the shard's next check (about a second; requests in flight finish).
+    last_sent_ms = sample_store.query(
+        "SELECT max(sent_unix_ms) FROM samples WHERE run_id = %(r)s", {"r": run.pk}
+    )[0][0]
+    assert last_sent_ms / 1000 < stopped_at + 3.0
+    assert run.samples_recorded == sample_store.count(run.pk) < 3 * 300
+    assert "replay_cancelled" in set(running.audit.values_list("action", flat=True))
+
+
 def abandoned_run(experiment, store, *, samples=7, age_s=LEASE_S + 5):
     """A run as a killed `manage.py replay` leaves it: running, its shard's last heartbeat old,
     some samples in the store, counters behind them."""

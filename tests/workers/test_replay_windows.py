@@ -1,3 +1,4 @@
+# ruff: noqa: F811 - the broker fixture `env` is imported from test_worker_killed and requested by name
 """Bounded shard tasks on a real broker: a schedule several Celery time limits long replays
 through real workers on Redis, one (window, slot) task at a time, with exact counts; a run
 cancelled between windows ends without sending the windows that had not opened."""

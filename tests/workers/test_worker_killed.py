@@ -42,7 +42,7 @@ def env(tmp_path, clickhouse_server):
 def start_worker(env, log: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "abplat", "worker", "--pool", "prefork", "-c", "2",
-         "--without-gossip", "--without-mingle", "-l", "INFO", "-n", f"w{time.monotonic_ns()}@%h"],
+         "--without-gossip", "--without-mingle", "-n", f"w{time.monotonic_ns()}@%h"],
         cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
 

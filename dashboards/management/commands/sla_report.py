@@ -29,8 +29,9 @@ from django.core.management.base import BaseCommand, CommandError
 
 from analysis.definitions import QueryError
 from dashboards import tables
-from dashboards.reports import report_for_params
+from dashboards.reports import report_for_params, report_time_limit_s, timeout_message
 from experiments.models import Experiment
+from samples.store import QueryTimeout
 
 
 class Command(BaseCommand):
@@ -63,6 +64,8 @@ class Command(BaseCommand):
             _filters, report = report_for_params(experiment, params, opts["variant"], opts["status"])
         except QueryError as e:
             raise CommandError(str(e)) from None
+        except QueryTimeout:
+            raise CommandError(timeout_message(report_time_limit_s())) from None
         if opts["csv"]:
             out = Path(opts["csv"])
             out.mkdir(parents=True, exist_ok=True)
