@@ -14,6 +14,8 @@ import dataclasses
 import random
 
 MODES = ("recorded", "poisson", "gamma", "closed")
+MIN_RATE, MAX_RATE = 1e-6, 1e6  # requests/s (and the smallest speed factor)
+MIN_CV, MAX_CV = 1e-3, 1e3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,12 +31,16 @@ class Arrival:
         problems = []
         if self.mode not in MODES:
             problems.append(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.mode == "recorded" and not self.speed > 0:
-            problems.append(f"speed must be > 0, got {self.speed}")
-        if self.mode in ("poisson", "gamma") and not self.rate > 0:
-            problems.append(f"rate must be > 0 requests/s for {self.mode} arrivals, got {self.rate}")
-        if self.mode == "gamma" and not self.cv > 0:
-            problems.append(f"cv must be > 0, got {self.cv}")
+        # Bounded so the schedule's arithmetic stays finite (a gap is about 1/rate or 1/speed,
+        # the gamma shape 1/cv**2): a rate of 1e-300 or a cv of 1e300 would make it inf or NaN.
+        if self.mode == "recorded" and not self.speed >= MIN_RATE:
+            problems.append(f"speed must be at least {MIN_RATE:g}, got {self.speed}")
+        if self.mode in ("poisson", "gamma") and not MIN_RATE <= self.rate <= MAX_RATE:
+            problems.append(
+                f"rate must be {MIN_RATE:g} to {MAX_RATE:g} requests/s for {self.mode} arrivals, got {self.rate}"
+            )
+        if self.mode == "gamma" and not MIN_CV <= self.cv <= MAX_CV:
+            problems.append(f"cv must be {MIN_CV:g} to {MAX_CV:g}, got {self.cv}")
         if self.mode == "closed" and self.concurrency < 1:
             problems.append(f"concurrency must be >= 1 for closed-loop arrivals, got {self.concurrency}")
         # Options that the chosen process ignores are contradictions, never silently dropped

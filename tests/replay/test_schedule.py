@@ -34,8 +34,9 @@ def test_closed_loop_has_no_schedule():
 
 @pytest.mark.parametrize(
     "kwargs, says",
-    [({"mode": "warp"}, "mode must be"), ({"speed": 0}, "speed must be > 0"),
-     ({"mode": "poisson"}, "rate must be > 0"), ({"mode": "gamma", "rate": 1, "cv": 0}, "cv must be"),
+    [({"mode": "warp"}, "mode must be"), ({"speed": 0}, "speed must be at least 1e-06"), ({"speed": 1e-300}, "speed must be at least"),
+     ({"mode": "poisson"}, "rate must be 1e-06 to"), ({"mode": "gamma", "rate": 1, "cv": 0}, "cv must be"),
+     ({"mode": "gamma", "rate": 1, "cv": 1e300}, "cv must be 0.001 to 1000"), ({"mode": "poisson", "rate": 1e9}, "rate must be"),
      ({"mode": "closed"}, "concurrency must be")],
 )  # fmt: skip
 def test_bad_arrival_settings_named(kwargs, says):

@@ -98,7 +98,7 @@ def test_created_run_counts_requests_and_expected_samples(client_for, running, s
         (body(trace="nope.csv"), "trace", "no trace 'nope.csv'"),
         (body(trace=None), "trace", "give trace"),
         (body(source="x.csv"), "trace", "give trace"),
-        (body(arrival={"mode": "poisson"}), "arrival", "rate must be > 0"),
+        (body(arrival={"mode": "poisson"}), "arrival", "rate must be 1e-06 to"),
         (body(limit=0), "limit", "greater than or equal to 1"),
         (body(format="parquet"), "format", "not a valid choice"),
         (body(format="jsonl"), "format", f"does not match trace {TRACE}, which is azure"),
