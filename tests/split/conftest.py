@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from experiments.weights import process
 from experiments.weights.errors import StoreUnavailable
 from experiments.weights.factory import parse_endpoints
 from experiments.weights.local import LocalWeightsStore
@@ -205,3 +206,17 @@ def _wait_until(predicate: Callable[[], bool], what: str, timeout: float = 20.0)
 def wait_until() -> Callable[..., None]:
     """Poll for a condition; the bound only stops a broken test, it measures nothing."""
     return _wait_until
+
+
+@pytest.fixture(params=["local", "etcd"])
+def weights_backend(request, settings, tmp_path):
+    """Point this process's weights store at a fresh local dir or a fresh etcd prefix."""
+    if request.param == "etcd":
+        settings.ETCD_ENDPOINTS = request.getfixturevalue("etcd_endpoints")
+        settings.ETCD_PREFIX = f"/abplat-test/{uuid.uuid4().hex}/"
+    else:
+        settings.ETCD_ENDPOINTS = []
+    settings.WEIGHTS_DIR = tmp_path / "weights"
+    process.reset_for_tests()
+    yield request.param
+    process.reset_for_tests()

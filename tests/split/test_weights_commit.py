@@ -6,8 +6,6 @@ the store write and audits the undo (experiments/weights/publish.py)."""
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 from django.db import OperationalError, connections
 
@@ -20,19 +18,6 @@ from experiments.weights.publish import publish_weights
 
 START = {"fp16": 34, "awq": 33, "awq-fa2": 33}
 RAMP = {"fp16": 50, "awq": 30, "awq-fa2": 20}
-
-
-@pytest.fixture(params=["local", "etcd"])
-def weights_backend(request, settings, tmp_path):
-    if request.param == "etcd":
-        settings.ETCD_ENDPOINTS = request.getfixturevalue("etcd_endpoints")
-        settings.ETCD_PREFIX = f"/abplat-test/{uuid.uuid4().hex}/"
-    else:
-        settings.ETCD_ENDPOINTS = []
-    settings.WEIGHTS_DIR = tmp_path / "weights"
-    process.reset_for_tests()
-    yield request.param
-    process.reset_for_tests()
 
 
 @pytest.fixture

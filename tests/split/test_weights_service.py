@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import time
-import uuid
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -18,20 +17,6 @@ from experiments.weights.publish import UnknownExperimentError, preview_move, pu
 from experiments.weights.router import Router, UnknownExperiment
 
 RAMP = {"fp16": 50, "awq": 30, "awq-fa2": 20}
-
-
-@pytest.fixture(params=["local", "etcd"])
-def weights_backend(request, settings, tmp_path):
-    """Point this process's weights store at a fresh local dir or a fresh etcd prefix."""
-    if request.param == "etcd":
-        settings.ETCD_ENDPOINTS = request.getfixturevalue("etcd_endpoints")
-        settings.ETCD_PREFIX = f"/abplat-test/{uuid.uuid4().hex}/"
-    else:
-        settings.ETCD_ENDPOINTS = []
-    settings.WEIGHTS_DIR = tmp_path / "weights"
-    process.reset_for_tests()
-    yield request.param
-    process.reset_for_tests()
 
 
 @pytest.fixture
