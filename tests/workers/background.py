@@ -69,3 +69,11 @@ def start_demo_experiment(env: dict, tmp_path: Path, sims) -> None:
     manage(env, "apply_experiment", str(tmp_path / "exp.yaml"))
     manage(env, "shell", "-c", "from experiments import services; from experiments.models import Experiment; "
            "services.transition(Experiment.objects.get(), 'start')")  # fmt: skip
+
+
+def start_worker(env, log: Path, pool: str = "prefork") -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "abplat", "worker", "--pool", pool, "-c", "2",
+         "--without-gossip", "--without-mingle", "-l", "INFO", "-n", f"w{time.monotonic_ns()}@%h"],
+        cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip

@@ -1,4 +1,3 @@
-# ruff: noqa: F811 - the broker fixture `env` is imported from test_worker_killed and requested by name
 """Bounded shard tasks on a real broker: a schedule several Celery time limits long replays
 through real workers on Redis, one (window, slot) task at a time, with exact counts; a run
 cancelled between windows ends without sending the windows that had not opened."""
@@ -11,8 +10,7 @@ import pytest
 
 from samples.backends.clickhouse import ClickHouseServerBackend
 from simulator.serve import start_in_thread
-from tests.workers.background import manage, start_demo_experiment
-from tests.workers.test_worker_killed import env, start_worker  # noqa: F401 (the fixture)
+from tests.workers.background import manage, start_demo_experiment, start_worker
 
 pytestmark = [pytest.mark.services]
 
@@ -53,8 +51,8 @@ def wait_final(env, log, timeout_s: float) -> str:
 
 
 @pytest.fixture
-def windowed(env):  # noqa: F811 (the fixture imported above)
-    return {**env, "ABPLAT_TASK_SOFT_TIME_LIMIT_S": str(SOFT_LIMIT_S), "ABPLAT_REPLAY_WINDOW_S": str(WINDOW_S),
+def windowed(broker_env):
+    return {**broker_env, "ABPLAT_TASK_SOFT_TIME_LIMIT_S": str(SOFT_LIMIT_S), "ABPLAT_REPLAY_WINDOW_S": str(WINDOW_S),
             "ABPLAT_VISIBILITY_TIMEOUT": "60"}  # fmt: skip
 
 

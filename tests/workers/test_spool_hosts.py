@@ -9,14 +9,10 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
-import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
-import redis
 from celery.exceptions import Retry
 from django.core.management import call_command
 from django.utils import timezone
@@ -29,8 +25,7 @@ from samples.columns import COLUMN_NAMES
 from samples.spool import Spool
 from samples.store import StoreError, StoreUnavailable
 from streaming.result import StreamResult
-from tests.plugin import server_url_for
-from tests.workers.background import ROOT, manage
+from tests.workers.background import manage, start_worker
 from workers import tasks
 from workers.models import ReplayRun, ReplayShard, SpoolRecord
 
@@ -314,44 +309,17 @@ def test_a_spool_that_is_gone_for_good_can_be_given_up(experiment, sample_store)
     assert run.status == "failed" and "3 spooled samples could not be read" in run.error
 
 
-REDIS_URL = os.environ.get("ABPLAT_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
-
-
-@pytest.fixture
-def worker_env(tmp_path, clickhouse_server):
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_timeout=2).flushdb()
-    except redis.RedisError as exc:
-        pytest.fail(f"Redis not reachable at {REDIS_URL} ({exc}); start it (scripts/services.sh start)")
-    database = f"abplat_test_{uuid.uuid4().hex[:10]}"
-    base = {k: v for k, v in os.environ.items() if not k.startswith("ABPLAT_")}
-    yield {
-        **base, "ABPLAT_VAR": str(tmp_path), "ABPLAT_BROKER_URL": REDIS_URL,
-        "ABPLAT_CLICKHOUSE_URL": server_url_for(database, clickhouse_server), "ABPLAT_LOG_LEVEL": "INFO",
-    }  # fmt: skip
-    try:
-        ClickHouseServerBackend(server_url_for(database, clickhouse_server)).execute(
-            f"DROP DATABASE IF EXISTS {database}"
-        )
-    except StoreError:  # 18.16 refuses IF EXISTS for a database never created (a failed setup)
-        pass
-
-
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
-def test_every_worker_flushes_its_own_spool_on_its_own(worker_env, tmp_path, pool):
+def test_every_worker_flushes_its_own_spool_on_its_own(broker_env, tmp_path, pool):
     """Samples a worker spooled (here: left by its previous life) reach the store without anyone
     running flush_samples: each worker process flushes its host's spool on a timer."""
-    manage(worker_env, "migrate", "-v0")
-    manage(worker_env, "clickhouse_migrate")
+    manage(broker_env, "migrate", "-v0")
+    manage(broker_env, "clickhouse_migrate")
     spool = Spool(str(tmp_path / "spool"))  # the worker's ABPLAT_SPOOL_DIR (ABPLAT_VAR/spool)
     spool.append(rows_of(7, range(25), experiment="ttft-opt"))
     log = tmp_path / "worker.log"
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "abplat", "worker", "--pool", pool, "-c", "2",
-         "--without-gossip", "--without-mingle", "-n", f"w{time.monotonic_ns()}@%h"],
-        cwd=ROOT, env=worker_env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    store = ClickHouseServerBackend(worker_env["ABPLAT_CLICKHOUSE_URL"])
+    worker = start_worker(broker_env, log, pool)
+    store = ClickHouseServerBackend(broker_env["ABPLAT_CLICKHOUSE_URL"])
     try:
         deadline = time.monotonic() + 60
         while store.count(7) < 25:

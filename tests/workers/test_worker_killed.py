@@ -4,47 +4,11 @@ sample per request (ClickHouse server, file SQLite shared by the processes)."""
 
 import os
 import signal
-import subprocess
-import sys
 import time
-import uuid
-from pathlib import Path
-
-import pytest
-import redis
 
 from samples.backends.clickhouse import ClickHouseServerBackend
 from simulator.serve import start_in_thread
-from tests.plugin import server_url_for
-from tests.workers.background import ROOT, manage, start_demo_experiment
-
-REDIS_URL = os.environ.get("ABPLAT_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
-
-
-@pytest.fixture
-def env(tmp_path, clickhouse_server):
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_timeout=2).flushdb()
-    except redis.RedisError as exc:
-        pytest.fail(f"Redis not reachable at {REDIS_URL} ({exc}); start it (scripts/services.sh start)")
-    database = f"abplat_test_{uuid.uuid4().hex[:10]}"
-    base = {k: v for k, v in os.environ.items() if not k.startswith("ABPLAT_")}
-    yield {
-        **base, "ABPLAT_VAR": str(tmp_path), "ABPLAT_BROKER_URL": REDIS_URL,
-        "ABPLAT_CLICKHOUSE_URL": server_url_for(database, clickhouse_server),
-        "ABPLAT_VISIBILITY_TIMEOUT": "5", "ABPLAT_LOG_LEVEL": "INFO",
-    }  # fmt: skip
-    ClickHouseServerBackend(server_url_for(database, clickhouse_server)).execute(
-        f"DROP DATABASE IF EXISTS {database}"
-    )
-
-
-def start_worker(env, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "abplat", "worker", "--pool", "prefork", "-c", "2",
-         "--without-gossip", "--without-mingle", "-n", f"w{time.monotonic_ns()}@%h"],
-        cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+from tests.workers.background import manage, start_demo_experiment, start_worker
 
 
 def store_count(env) -> int:
@@ -62,7 +26,8 @@ def run_status(env) -> str:
     return out.strip().splitlines()[-1]
 
 
-def test_killed_worker_shard_resumes_with_exactly_one_sample_per_request(env, tmp_path):
+def test_killed_worker_shard_resumes_with_exactly_one_sample_per_request(broker_env, tmp_path):
+    env = broker_env
     sims = [start_in_thread("fast", model="tiny-llama") for _ in range(3)]
     workers = []
     try:
