@@ -1,6 +1,8 @@
 """A replay started in a background thread, and waiting for what it does meanwhile."""
 
 import io
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -77,3 +79,14 @@ def start_worker(env, log: Path, pool: str = "prefork") -> subprocess.Popen:
          "--without-gossip", "--without-mingle", "-l", "INFO", "-n", f"w{time.monotonic_ns()}@%h"],
         cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
+
+
+def stop_all(workers, sims) -> None:
+    """A test's teardown: each worker still running gets SIGTERM (its whole process group, a
+    warm shutdown) and 30 s; then the simulators stop."""
+    for w in workers:
+        if w.poll() is None:
+            os.killpg(w.pid, signal.SIGTERM)
+            w.wait(30)
+    for s in sims:
+        s.stop()

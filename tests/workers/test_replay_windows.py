@@ -2,15 +2,13 @@
 through real workers on Redis, one (window, slot) task at a time, with exact counts; a run
 cancelled between windows ends without sending the windows that had not opened."""
 
-import os
-import signal
 import time
 
 import pytest
 
 from samples.backends.clickhouse import ClickHouseServerBackend
 from simulator.serve import start_in_thread
-from tests.workers.background import manage, start_demo_experiment, start_worker
+from tests.workers.background import manage, start_demo_experiment, start_worker, stop_all
 
 pytestmark = [pytest.mark.services]
 
@@ -87,12 +85,7 @@ def test_schedule_several_time_limits_long_replays_window_by_window_with_exact_c
         assert lags[len(lags) // 2] < 100 and lags[int(0.99 * (len(lags) - 1))] < 1000, lags[-20:]
         assert "SoftTimeLimitExceeded" not in log.read_text()
     finally:
-        for w in workers:
-            if w.poll() is None:
-                os.killpg(w.pid, signal.SIGTERM)
-                w.wait(30)
-        for s in sims:
-            s.stop()
+        stop_all(workers, sims)
 
 
 def test_cancel_between_windows_ends_the_run_without_the_windows_not_yet_open(windowed, tmp_path):
@@ -119,9 +112,4 @@ def test_cancel_between_windows_ends_the_run_without_the_windows_not_yet_open(wi
         assert {s[2] for s in shards} == {"done"}
         assert any(s[4] == "0" for s in shards), shards  # later windows ended without sending
     finally:
-        for w in workers:
-            if w.poll() is None:
-                os.killpg(w.pid, signal.SIGTERM)
-                w.wait(30)
-        for s in sims:
-            s.stop()
+        stop_all(workers, sims)

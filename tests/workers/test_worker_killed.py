@@ -8,7 +8,7 @@ import time
 
 from samples.backends.clickhouse import ClickHouseServerBackend
 from simulator.serve import start_in_thread
-from tests.workers.background import manage, start_demo_experiment, start_worker
+from tests.workers.background import manage, start_demo_experiment, start_worker, stop_all
 
 
 def store_count(env) -> int:
@@ -56,9 +56,4 @@ def test_killed_worker_shard_resumes_with_exactly_one_sample_per_request(broker_
         attempts = dict(store.query("SELECT attempt, count() FROM samples GROUP BY attempt"))
         assert attempts.get(2, 0) > 0, attempts  # the resumed deliveries recorded the rest
     finally:
-        for w in workers:
-            if w.poll() is None:
-                os.killpg(w.pid, signal.SIGTERM)
-                w.wait(30)
-        for s in sims:
-            s.stop()
+        stop_all(workers, sims)
