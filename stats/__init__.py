@@ -8,6 +8,8 @@ Split by kind; import from the module that defines a name:
 - ``paired``: mirror mode (McNemar, Wilcoxon signed-rank);
 - ``srm``: sample ratio mismatch;
 - ``verdict``: the SLA verdict and the sample size to reach one.
+- ``sequential``: anytime-valid statistics for rollouts (confidence sequences, the sequential
+  SRM test, guardrail decisions), the ones that may be read after every batch.
 
 The API is shaped around what ClickHouse returns, so only aggregates travel to Python.
 Every result is a frozen dataclass with ``as_dict()`` giving JSON-safe values (no NaN).
