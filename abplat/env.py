@@ -86,3 +86,14 @@ def env_endpoints(name: str) -> list[tuple[str, int]]:
             )
         out.append((host, int(port)))
     return out
+
+
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices`` (case-insensitive); empty means ``default``."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value not in choices:
+        raise EnvError(f"Unexpected value {name}={raw!r}: use one of {', '.join(choices)}.")
+    return value

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 from abplat import env
+from abplat.caches import cache_settings, check_cache_url
+from abplat.proxy import parse_proxies
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -78,13 +81,107 @@ try:
     ETCD_KEY = env.env_str("ABPLAT_ETCD_KEY", "")
     ETCD_USER = env.env_str("ABPLAT_ETCD_USER", "")
     ETCD_PASSWORD = env.env_str("ABPLAT_ETCD_PASSWORD", "")
+    # ---- operations (issue 12): logs and traces (README "Logs and traces") ----
+    # text: a line for people (context as key=value); json: one object a line for a log store.
+    LOG_FORMAT = env.env_choice("ABPLAT_LOG_FORMAT", "text", ("text", "json"))
+    # Off by default: the replay exports the parent span of every request it sends (OTLP/HTTP).
+    OTEL_ENABLED = env.env_bool("ABPLAT_OTEL_ENABLED", False)
+    OTEL_ENDPOINT = env.env_url(
+        "ABPLAT_OTEL_ENDPOINT", "http://localhost:4318/v1/traces", schemes=("http", "https")
+    )
+    OTEL_SERVICE_NAME = env.env_str("ABPLAT_OTEL_SERVICE_NAME", "abplat-replay")
+    # ---- operations (issue 12): production serving and the shared cache (docs/deploy.md) ----
+    # Redis for the report cache and the API request-rate counters, shared by every web process
+    # (abplat/caches.py); empty: each process keeps its own in memory. A database of its own.
+    CACHE_URL = env.env_url("ABPLAT_CACHE_URL", "", schemes=("redis", "rediss"))
+    # Origins (https://host[:port]) whose forms may POST here, e.g. the name a TLS proxy serves.
+    CSRF_TRUSTED_ORIGINS = env.env_list("ABPLAT_CSRF_TRUSTED_ORIGINS", [])
+    # Where `collectstatic` puts the admin's and the API docs' files; WhiteNoise serves them.
+    STATIC_ROOT = Path(env.env_str("ABPLAT_STATIC_ROOT", str(VAR_DIR / "static"))).resolve()
+    # manifest: content-hashed names cached for a year (needs collectstatic); plain: as named,
+    # for tests and a quick look without collectstatic.
+    STATIC_STORAGE = env.env_choice("ABPLAT_STATIC_STORAGE", "manifest", ("manifest", "plain"))
+    # The TLS proxies in front (addresses or CIDRs): their X-Forwarded-For names the client for
+    # the per-address limits and /metrics (abplat/proxy.py). Empty: the peer is the client.
+    TRUSTED_PROXIES = env.env_list("ABPLAT_TRUSTED_PROXIES", [])
+    # ---- operations (issue 12): metrics (docs/metrics.md) ----
+    # Empty: each process keeps its own metrics (one process: make demo). A directory: every web
+    # and worker process of this machine writes its metric files there and /metrics sums them.
+    METRICS_DIR = env.env_str("ABPLAT_METRICS_DIR", "")
+    # Who may read /metrics: clients from these networks (the connection's peer address), or
+    # with a bearer token equal to the token file's content. "none": the token only.
+    METRICS_ALLOWED_CIDRS = env.env_list("ABPLAT_METRICS_ALLOWED_CIDRS", ["127.0.0.0/8", "::1/128"])
+    METRICS_TOKEN_FILE = env.env_str("ABPLAT_METRICS_TOKEN_FILE", "")
+    # A worker host without a web process: the Celery worker's main process serves its
+    # machine's metrics on this port (0: off); needs ABPLAT_METRICS_DIR.
+    WORKER_METRICS_PORT = env.env_int("ABPLAT_WORKER_METRICS_PORT", 0, minimum=0, maximum=65535)
+    WORKER_METRICS_ADDR = env.env_str("ABPLAT_WORKER_METRICS_ADDR", "127.0.0.1")
+    # ---- operations (issue 12): the sample store on a ClickHouse cluster (docs/clickhouse-cluster.md) ----
+    # A cluster of the servers' remote_servers config: migrations make every table on each of its
+    # servers plus a Distributed table over them; ABPLAT_CLICKHOUSE_URL names one of its servers.
+    # Empty: one server (or chDB), as before.
+    CLICKHOUSE_CLUSTER = env.env_str("ABPLAT_CLICKHOUSE_CLUSTER", "").strip()
+    # ---- operations (issue 12): the variants' own metrics (README "Server metrics") ----
+    # During a replay each variant's /metrics (vLLM's vllm:* series) is scraped this often, in
+    # whole seconds, into the sample store's server_metrics table (workers/server_metrics.py);
+    # 0 turns scraping off.
+    SERVER_METRICS_INTERVAL_S = env.env_int("ABPLAT_SERVER_METRICS_INTERVAL_S", 5, minimum=0, maximum=3600)
+    # ---- progressive rollouts (issue 13): the controller (README "Rollouts") ----
+    # Celery beat runs the rollout controller this often, in whole seconds; decisions of one
+    # experiment are at least 0.9 x this apart however many beat or worker processes run.
+    ROLLOUT_INTERVAL_S = env.env_int("ABPLAT_ROLLOUT_INTERVAL_S", 60, minimum=1, maximum=86400)
 except env.EnvError as exc:
     raise ImproperlyConfigured(str(exc)) from None
+
+if CLICKHOUSE_CLUSTER and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", CLICKHOUSE_CLUSTER):
+    raise ImproperlyConfigured(
+        f"Unexpected value ABPLAT_CLICKHOUSE_CLUSTER={CLICKHOUSE_CLUSTER!r}: the name of a cluster "
+        "in the ClickHouse servers' remote_servers config (letters, digits, _), or empty for one server."
+    )
+if CLICKHOUSE_CLUSTER and not CLICKHOUSE_URL:
+    raise ImproperlyConfigured(
+        f"ABPLAT_CLICKHOUSE_CLUSTER={CLICKHOUSE_CLUSTER} needs ABPLAT_CLICKHOUSE_URL: the URL of one "
+        "server of that cluster (the embedded chDB is a single process)."
+    )
+
+# Metrics (docs/metrics.md): the mode is fixed when telemetry.metrics is first imported.
+from telemetry import metrics as _metrics  # noqa: E402
+
+try:
+    _metrics.configure(METRICS_DIR)
+    METRICS_NETWORKS = _metrics.parse_networks(METRICS_ALLOWED_CIDRS, "ABPLAT_METRICS_ALLOWED_CIDRS")
+    METRICS_TOKEN = _metrics.read_token_file(METRICS_TOKEN_FILE, "ABPLAT_METRICS_TOKEN_FILE")
+except _metrics.MetricsConfigError as exc:
+    raise ImproperlyConfigured(str(exc)) from None
+if not METRICS_NETWORKS and not METRICS_TOKEN:
+    raise ImproperlyConfigured(
+        "ABPLAT_METRICS_ALLOWED_CIDRS=none and no ABPLAT_METRICS_TOKEN_FILE: nobody could read "
+        "/metrics; give networks, a token file, or both."
+    )
+if WORKER_METRICS_PORT and not METRICS_DIR:
+    raise ImproperlyConfigured(
+        f"ABPLAT_WORKER_METRICS_PORT={WORKER_METRICS_PORT} needs ABPLAT_METRICS_DIR: the worker's "
+        "pool processes write their metrics there and its main process serves them all."
+    )
+# Prometheus scrapes the web process directly, over plain HTTP (not through the TLS proxy).
+SECURE_REDIRECT_EXEMPT = [r"^metrics$"]
 
 if not ETCD_PREFIX.startswith("/") or not ETCD_PREFIX.endswith("/"):
     raise ImproperlyConfigured(
         f"Unexpected value ABPLAT_ETCD_PREFIX={ETCD_PREFIX!r}: it must start and end with '/'."
     )
+try:
+    check_cache_url(CACHE_URL, BROKER_URL)
+    TRUSTED_PROXY_NETWORKS = parse_proxies(TRUSTED_PROXIES)
+except ValueError as exc:
+    raise ImproperlyConfigured(str(exc)) from None
+for _origin in CSRF_TRUSTED_ORIGINS:
+    _parts = urlsplit(_origin)
+    if _parts.scheme not in {"http", "https"} or not _parts.hostname or _parts.path not in {"", "/"}:
+        raise ImproperlyConfigured(
+            f"Unexpected value ABPLAT_CSRF_TRUSTED_ORIGINS item {_origin!r}: use scheme://host[:port] "
+            "(e.g. https://abplat.example.com), comma-separated; *.domain is allowed as the host."
+        )
 if VARIANT_CA_BUNDLE and not Path(VARIANT_CA_BUNDLE).is_file():
     raise ImproperlyConfigured(
         f"Unexpected value ABPLAT_VARIANT_CA_BUNDLE={VARIANT_CA_BUNDLE!r}: no such file "
@@ -149,10 +246,17 @@ INSTALLED_APPS = [
     "samples",
     "dashboards",
     "serving",
+    "rollouts",
 ]
 
 MIDDLEWARE = [
+    "abplat.request_id.RequestIdMiddleware",  # first: every line of a request carries its id
+    "abplat.metrics.RequestMetricsMiddleware",  # counts and times every request by view name
+    # The client's address, not the proxy's, for every view (ABPLAT_TRUSTED_PROXIES).
+    "abplat.proxy.TrustedProxyMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    # Static files with debug off, before anything that would touch a session or the database.
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -209,23 +313,24 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
-STATIC_ROOT = VAR_DIR / "static"
+# STATIC_ROOT: ABPLAT_STATIC_ROOT above. WhiteNoise (middleware) serves it with debug off.
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {
+        "BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"
+        if STATIC_STORAGE == "manifest"
+        else "django.contrib.staticfiles.storage.StaticFilesStorage"
+    },
+}
 LOGIN_URL = "/admin/login/"
 
 # Debug pages and error e-mails hide credentials whatever the setting is called (abplat/api.py).
 DEFAULT_EXCEPTION_REPORTER_FILTER = "abplat.api.RedactingExceptionReporterFilter"
 
-# In-process caches: the report cache (dashboards/reports.py) and, apart so report entries never
-# evict them, the request-rate counters (abplat/api.py). Per process: with several web
-# processes each counts its own callers' requests.
-CACHES = {
-    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": "abplat"},
-    "throttle": {
-        "BACKEND": "django.core.cache.backends.locmem.LocMemCache",
-        "LOCATION": "abplat-throttle",
-        "OPTIONS": {"MAX_ENTRIES": 100_000},
-    },
-}
+# The report cache (dashboards/reports.py) and, apart so report entries never evict them, the
+# request-rate counters (abplat/api.py): in each process's memory, or on ABPLAT_CACHE_URL's
+# Redis, shared by every web process (abplat/caches.py).
+CACHES = cache_settings(CACHE_URL)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
@@ -295,13 +400,32 @@ if not DEBUG:
             "ABPLAT_SECRET_KEY is too weak: use at least 50 characters with at least 5 distinct ones."
         )
 
+if not OTEL_ENDPOINT:
+    raise ImproperlyConfigured(
+        "ABPLAT_OTEL_ENDPOINT is empty: give the collector's OTLP/HTTP URL "
+        "(e.g. http://localhost:4318/v1/traces), or leave it unset for that default."
+    )
+if not OTEL_SERVICE_NAME or len(OTEL_SERVICE_NAME) > 255 or not OTEL_SERVICE_NAME.isprintable():
+    raise ImproperlyConfigured(
+        f"Unexpected value ABPLAT_OTEL_SERVICE_NAME={OTEL_SERVICE_NAME!r}: use 1-255 printable characters."
+    )
+
+# Context fields (experiment, run, shard, variant, request_id, task_id: telemetry/logs.py) on
+# every line; Celery workers log through this too (abplat/celery.py).
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "formatters": {
+        "text": {"()": "telemetry.logs.TextFormatter"},
+        "json": {"()": "telemetry.logs.JsonFormatter"},
+    },
+    "filters": {"context": {"()": "telemetry.logs.ContextFilter"}},
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT, "filters": ["context"]}
+    },
     "root": {"handlers": ["console"], "level": "WARNING"},
     "loggers": {
+        "celery": {"level": LOG_LEVEL},
         "abplat": {"level": LOG_LEVEL},
         "experiments": {"level": LOG_LEVEL},
         "workers": {"level": LOG_LEVEL},

@@ -4,9 +4,12 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from abplat.api import limit_login
 from abplat.health import healthz
+from abplat.metrics import metrics_view
 
 urlpatterns = [
     path("healthz", healthz, name="healthz"),
+    # Prometheus: loopback or ABPLAT_METRICS_ALLOWED_CIDRS / a bearer token (docs/metrics.md).
+    path("metrics", metrics_view, name="metrics"),
     # The admin's own login view, with at most API_THROTTLE_LOGIN attempts per client address.
     path("admin/login/", limit_login(admin.site.login)),
     path("admin/", admin.site.urls),
@@ -15,6 +18,7 @@ urlpatterns = [
     path("api/", include("traces.urls")),
     path("api/", include("dashboards.api_urls")),
     path("dashboards/", include("dashboards.urls")),
+    path("rollouts/", include("rollouts.urls")),  # the rollout timeline (docs/rollouts.md)
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
 ]

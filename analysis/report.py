@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from analysis import factors
+from analysis import server_metrics as servermod
 from analysis.definitions import (
     INFLIGHT_EDGES,
     METRICS,
@@ -200,6 +201,8 @@ def build_report(
     jobs["series"] = lambda: reader.p99_over_time(filters, bucket_s)
     jobs["srm_users"] = lambda: reader.srm_users(filters)
     jobs["failures"] = lambda: reader.failures(filters)
+    if store is not None:  # the variants' own series, scraped during the replays read
+        jobs["server"] = lambda: servermod.read(store, filters, present, bucket_s)
     mirror_with = [v for v in present if v != control] if modes.get("mirror") else []
     if control in present:
         for v in mirror_with:
@@ -269,6 +272,7 @@ def build_report(
             phases[v] = phase_breakdown_from_sums(summ[v]["phase_sums"], summ[v]["phase_n"])
         except ValueError as e:
             phases[v] = {"n": summ[v]["phase_n"], "dropped": 0, "phases": {}, "note": str(e)}
+    server = _server(got.get("server"), by_key, present, cells, phases, bucket_s)
 
     # 6. over time, and the CDF
     rev_first: dict[int, float] = {}
@@ -316,6 +320,7 @@ def build_report(
         "variants": variants,
         "attribution": attribution_out,
         "phases": phases,
+        "server": server,
         "segments": segments,
         "mix_rate": mix_rate,
         "timeseries": {
@@ -332,6 +337,47 @@ def build_report(
             "query_s": time.perf_counter() - t0,
             "source": reader.source,
         },
+    }
+
+
+def _server(
+    read: Mapping[str, Any] | None,
+    by_key: Mapping[str, Mapping[str, Any]],
+    present: Sequence[str],
+    cells: Sequence[Mapping[str, Any]],
+    phases: dict[str, Any],
+    bucket_s: int,
+) -> dict[str, Any]:
+    """The report's "server" key (docs/report-json.md): each variant's own metrics beside its
+    client TTFT; and, in place, each variant's miss phases split by the server's queue and
+    prefill time (phases[v]["server_split"], an interval estimate: analysis.server_metrics)."""
+    if read is None:
+        return {"available": False, "note": "no sample store to read the server metrics from", "variants": {}}
+    variants: dict[str, Any] = {}
+    for v in present:
+        client = {
+            e["label"]: e["value"]
+            for e in by_key[v]["percentiles"]["ttft_ms"]
+            if e["label"] in ("p50", "p99")
+        }
+        variants[v] = servermod.variant_summary(read.get(v), client)
+        if v in phases:
+            phases[v]["server_split"] = servermod.server_split(
+                phases[v],
+                servermod.misses_by_bucket(cells, v),
+                (read.get(v) or {}).get("by_bucket", {}),
+                bucket_s,
+            )
+    return {
+        "available": any(e["scrapes"]["ok"] for e in variants.values()),
+        "note": (
+            "From each variant's /metrics (vLLM's vllm:* series), scraped during the replays read "
+            "(ABPLAT_SERVER_METRICS_INTERVAL_S): increases between scrapes, summed over the runs and "
+            "the server's engines. They count every request the server finished meanwhile, this "
+            "replay's and any other traffic's. Quantiles are interpolated inside vLLM's buckets "
+            "(bucket_ms gives the bucket); means are exact."
+        ),
+        "variants": variants,
     }
 
 

@@ -178,6 +178,56 @@ def phases(report: Mapping[str, Any]) -> dict[str, Any]:
     return _fig(fig, "Where TTFT went for requests that missed the SLA")
 
 
+SERVER_PHASE_COLORS = {"schedule_lag": "#bbbbbb", "network": "#8c564b", "server_queue": "#d62728",
+                       "server_prefill": "#1f77b4", "other": "#17becf"}  # fmt: skip
+
+
+def server_vs_client(report: Mapping[str, Any]) -> dict[str, Any]:
+    """Per variant: the client's TTFT (p50, p99: exact, from the samples) beside the server's own
+    TTFT, queue and prefill times (means: exact; from the variant's /metrics)."""
+    fig = go.Figure()
+    entries = report.get("server", {}).get("variants", {})
+    keys = list(entries)
+    bars = (
+        ("client TTFT p50", lambda e: e["client_ttft_ms"].get("p50")),
+        ("client TTFT p99", lambda e: e["client_ttft_ms"].get("p99")),
+        ("server TTFT mean", lambda e: e["ttft_ms"]["mean_ms"]),
+        ("server queue mean", lambda e: e["queue_ms"]["mean_ms"]),
+        ("server prefill mean", lambda e: e["prefill_ms"]["mean_ms"]),
+    )
+    for i, (name, get) in enumerate(bars):
+        fig.add_trace(go.Bar(x=keys, y=[get(entries[k]) for k in keys], name=name, marker_color=_color(i)))
+    fig.update_layout(barmode="group")
+    fig.update_yaxes(title="ms")
+    return _fig(fig, "Client TTFT vs the server's own TTFT, queue and prefill (vllm:* metrics)")
+
+
+def phases_server(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The miss phases split by the server's queue and prefill: an interval estimate (report
+    phases[v].server_split, basis "interval_aggregates"), not a per-request measurement."""
+    fig = go.Figure()
+    splits = {
+        v: p["server_split"]
+        for v, p in report["phases"].items()
+        if (p.get("server_split") or {}).get("available")
+    }
+    names = next((list(s["phases"]) for s in splits.values()), [])
+    for phase in names:
+        fig.add_trace(
+            go.Bar(
+                x=list(splits),
+                y=[splits[v]["phases"][phase]["mean_ms"] for v in splits],
+                name=next(iter(splits.values()))["phases"][phase]["label"],
+                marker_color=SERVER_PHASE_COLORS.get(phase, "#555555"),
+            )
+        )
+    fig.update_layout(barmode="relative")
+    fig.update_yaxes(title="mean ms per missed request")
+    return _fig(
+        fig, "Missed requests: network, server queue and prefill (interval estimate from server metrics)"
+    )
+
+
 def segment_heatmap(report: Mapping[str, Any], dim: str, title: str) -> dict[str, Any]:
     seg = report["segments"][dim]
     variants = list(seg["variants"])
@@ -235,6 +285,8 @@ def all_figures(report: Mapping[str, Any]) -> list[dict[str, Any]]:
         ("p99-time", p99_over_time(report)),
         ("attribution", attribution_waterfall(report)),
         ("phases", phases(report)),
+        ("phases-server", phases_server(report)),
+        ("server", server_vs_client(report)),
         ("seg-prompt", segment_heatmap(report, "prompt_tokens", "Attainment by prompt length")),
         ("seg-inflight", segment_heatmap(report, "in_flight", "Attainment by in-flight load")),
         ("srm", srm(report)),

@@ -8,14 +8,19 @@ import dataclasses
 import datetime as dt
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import redis
 
 from analysis.definitions import Filters, QueryError, Slo
 from analysis.readers.raw import RawReader
 from analysis.report import SCHEMA_VERSION, ExperimentInfo, VariantInfo, build_report
 from dashboards.filters import filters_from_params
+
+log = logging.getLogger(__name__)
 
 
 def weights_history(experiment: Any) -> tuple[dict[int, dict[str, float]], str, list[dict]]:
@@ -114,6 +119,9 @@ def timeout_message(seconds: int) -> str:
 
 
 CACHE_ALIAS = "default"
+# What a Redis report cache raises when it is down, unreachable or too slow (its socket
+# timeouts: abplat/caches.py); the report is then computed as if the cache missed.
+CACHE_ERRORS = (redis.RedisError, OSError)
 CACHE_TIMEOUT_S = 600
 # bump when the report's computation changes without a SCHEMA_VERSION change
 CACHE_FORMAT = 4  # 4: the run catalog selects the runs; failures per variant
@@ -170,13 +178,22 @@ def report_for(
 
     cache = caches[CACHE_ALIAS]
     key = cache_key(store, info, filters, version, catalog)
-    cached = cache.get(key)
+    try:
+        cached = cache.get(key)
+    except CACHE_ERRORS as exc:  # a shared cache (ABPLAT_CACHE_URL) that is down: compute
+        log.warning("report cache unavailable, computing the report of %s: %s", filters.experiment, exc)
+        report = build_report(store, info, filters, version=version, catalog=catalog)
+        report["timing"]["cache"] = "unavailable"
+        return report
     if cached is not None:
         cached["timing"] = {**cached["timing"], "cache": "hit", "lookup_s": time.perf_counter() - t0}
         return cached
     report = build_report(store, info, filters, version=version, catalog=catalog)
     report["timing"].update(cache="miss", lookup_s=time.perf_counter() - t0 - report["timing"]["query_s"])
-    cache.set(key, report, CACHE_TIMEOUT_S)
+    try:
+        cache.set(key, report, CACHE_TIMEOUT_S)
+    except CACHE_ERRORS as exc:
+        log.warning("report cache unavailable, the report of %s is not kept: %s", filters.experiment, exc)
     return report
 
 

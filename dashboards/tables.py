@@ -9,7 +9,8 @@ import csv
 from collections.abc import Iterable, Mapping
 from typing import IO, Any
 
-TABLES = ("variants", "percentiles", "comparisons", "segments", "phases", "attribution", "srm", "failures")
+TABLES = ("variants", "percentiles", "comparisons", "segments", "phases", "attribution", "srm", "failures",
+          "server", "server_phases")  # fmt: skip
 COLUMNS: dict[str, tuple[str, ...]] = {
     "variants": ("variant", "control", "n", "errors", "error_rate", "hits", "attainment", "attainment_lo",
                  "attainment_hi", "goodput_rps", "verdict", "n_needed"),
@@ -23,6 +24,13 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "attribution": ("metric", "variant", "method", "factor", "contribution", "share", "total"),
     "srm": ("revision", "variant", "observed", "expected", "chi2", "p_value", "flagged"),
     "failures": ("variant", "outcome", "n", "http_status", "example"),
+    # the variants' own metrics (report "server"): server quantiles are interpolated in vLLM's buckets
+    "server": ("variant", "scrapes_ok", "scrapes_failed", "requests_finished", "client_ttft_p50_ms",
+               "client_ttft_p99_ms", "server_ttft_mean_ms", "server_ttft_p50_ms", "server_ttft_p99_ms",
+               "queue_mean_ms", "queue_p50_ms", "queue_p99_ms", "prefill_mean_ms", "prefill_p50_ms",
+               "prefill_p99_ms", "running_mean", "waiting_mean", "kv_cache_usage_max", "last_error"),
+    # the miss phases split by the server's queue and prefill (an interval estimate: basis)
+    "server_phases": ("variant", "basis", "misses", "covered_misses", "phase", "mean_ms"),
 }  # fmt: skip
 
 
@@ -163,6 +171,49 @@ def failures(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
                 "n": f["n"],
                 "http_status": f["http_status"],
                 "example": f["example"],
+            }
+
+
+def _q(summary: Mapping[str, Any], label: str) -> float | None:
+    return next((q["value_ms"] for q in summary.get("quantiles", []) if q["label"] == label), None)
+
+
+def server(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
+    for v, e in report.get("server", {}).get("variants", {}).items():
+        yield {
+            "variant": v,
+            "scrapes_ok": e["scrapes"]["ok"],
+            "scrapes_failed": e["scrapes"]["failed"],
+            "requests_finished": e["requests_finished"],
+            "client_ttft_p50_ms": e["client_ttft_ms"].get("p50"),
+            "client_ttft_p99_ms": e["client_ttft_ms"].get("p99"),
+            "server_ttft_mean_ms": e["ttft_ms"]["mean_ms"],
+            "server_ttft_p50_ms": _q(e["ttft_ms"], "p50"),
+            "server_ttft_p99_ms": _q(e["ttft_ms"], "p99"),
+            "queue_mean_ms": e["queue_ms"]["mean_ms"],
+            "queue_p50_ms": _q(e["queue_ms"], "p50"),
+            "queue_p99_ms": _q(e["queue_ms"], "p99"),
+            "prefill_mean_ms": e["prefill_ms"]["mean_ms"],
+            "prefill_p50_ms": _q(e["prefill_ms"], "p50"),
+            "prefill_p99_ms": _q(e["prefill_ms"], "p99"),
+            "running_mean": e["running"]["mean"],
+            "waiting_mean": e["waiting"]["mean"],
+            "kv_cache_usage_max": e["kv_cache_usage"]["max"],
+            "last_error": e["scrapes"]["last_error"] or "",
+        }
+
+
+def server_phases(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
+    for v, p in report["phases"].items():
+        split = p.get("server_split") or {}
+        for phase, d in split.get("phases", {}).items():
+            yield {
+                "variant": v,
+                "basis": split["basis"],
+                "misses": split["misses"],
+                "covered_misses": split["covered_misses"],
+                "phase": phase,
+                "mean_ms": d["mean_ms"],
             }
 
 

@@ -58,6 +58,8 @@ def experiment(request: HttpRequest, key: str) -> HttpResponse:
         "variant_rows": list(tables.variants(report)),
         "comparison_rows": list(tables.comparisons(report)),
         "failure_rows": list(tables.failures(report)),
+        "server_rows": list(tables.server(report)),
+        "server_split_rows": list(tables.server_phases(report)),
         "run_statuses": RUN_STATUSES,
         "run_modes": MODES,
         "attribution_texts": {

@@ -19,12 +19,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+from stats.sequential.guardrails import Guardrail
 from streaming.egress import (
     SECRET_NAME_RE,
     SECRET_NAME_RULE,
     Allowlist,
     EgressError,
     check_url,
+    ip_literal,
     split_url,
 )
 
@@ -35,7 +37,7 @@ WEIGHT_TOTAL = 100  # weights are integer percentages
 MAX_VARIANTS = 26
 MAX_SLO_MS = 3_600_000.0
 
-TOP_FIELDS = {"key", "name", "hypothesis", "sla", "variants"}
+TOP_FIELDS = {"key", "name", "hypothesis", "sla", "variants", "rollout"}
 SLA_FIELDS = {"ttft_ms", "tpot_ms", "e2e_ms", "target"}
 VARIANT_FIELDS = {
     "key", "control", "weight", "endpoint", "model", "api", "http2", "factors", "engine_args", "auth",
@@ -306,6 +308,8 @@ def validate_document(raw: Any, *, allow: Allowlist | None = None, resolve: Reso
     variants = [_validate_variant(c, v, i, allow, resolve) for i, v in enumerate(variants_raw)]
     doc["variants"] = variants
     _check_across_variants(c, variants)
+    if raw.get("rollout") is not None:
+        doc["rollout"] = _validate_rollout(c, raw["rollout"], doc, allow, resolve)
     if c.errors:
         raise DocumentError(c.errors)
     return doc
@@ -338,3 +342,186 @@ def _check_across_variants(c: _Collector, variants: list[dict]) -> None:
 
 def weights_of(doc: dict) -> dict[str, int]:
     return {v["key"]: v["weight"] for v in doc["variants"]}
+
+
+# ---- rollout plan (issue 13) ----------------------------------------------------------------
+
+ROLLOUT_FIELDS = {
+    "candidate", "steps", "min_samples", "min_duration", "guardrails", "on_breach", "notify", "alpha",
+}  # fmt: skip
+ON_BREACH = ("rollback", "pause")
+SLA_TARGET = "sla_target"  # `at_least: sla_target`: the experiment's own SLA target
+# Guardrail latencies a quantile metric may name (p99_ttft_ms): columns of the samples table.
+ROLLOUT_LATENCIES = ("ttft_ms", "tpot_ms", "e2e_ms", "itl_mean_ms", "itl_p99_ms")
+MAX_STEPS = 20
+MAX_NOTIFY = 10
+MAX_DURATION_S = 7 * 24 * 3600
+DEFAULT_ROLLOUT_ALPHA = 0.05
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from "30s", "10m", "1h", "1d" or "500ms"; ValueError naming the rule."""
+    m = _DURATION_RE.match(value) if isinstance(value, str) else None
+    if m is None:
+        raise ValueError(f'must be a duration like "30s", "10m" or "1h", got {value!r}')
+    seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    if not 0 <= seconds <= MAX_DURATION_S:
+        raise ValueError(f"must be at most 7 days, got {value!r}")
+    return seconds
+
+
+def resolve_guardrail(spec: dict, sla_target: float | None) -> Guardrail:
+    """The Guardrail a document's mapping names, ``sla_target`` replaced by the experiment's
+    target (ValueError when the experiment has none)."""
+    spec = dict(spec)
+    for rule, value in spec.items():
+        if value == SLA_TARGET:
+            if sla_target is None:
+                raise ValueError(f"{rule}: sla_target needs the experiment's sla.target")
+            spec[rule] = sla_target
+    return Guardrail.from_mapping(spec, "guardrail")
+
+
+def _validate_steps(c: _Collector, raw: Any) -> list[int]:
+    if not isinstance(raw, list) or not raw:
+        c.add("rollout.steps", "is required: a list of percents of users, increasing, ending at 100")
+        return []
+    if len(raw) > MAX_STEPS:
+        c.add("rollout.steps", f"must have at most {MAX_STEPS} steps, got {len(raw)}")
+    steps: list[int] = []
+    for i, p in enumerate(raw):
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 < p <= 100:
+            c.add(f"rollout.steps[{i}]", f"must be a whole percent with 0 < p <= 100, got {p!r}")
+            return []
+        if steps and p <= steps[-1]:
+            c.add(f"rollout.steps[{i}]", f"must be larger than the step before ({steps[-1]}), got {p}")
+            return []
+        steps.append(p)
+    if steps[-1] != 100:
+        c.add("rollout.steps", f"must end at 100 (all users on the candidate), got {steps[-1]}")
+    return steps
+
+
+def _validate_notify(c: _Collector, raw: Any, allow: Allowlist | None, resolve: Resolver | None) -> list[str]:
+    """Webhook URLs: https to a public name, or a host the variant allowlist allows. Never
+    credentials in the URL (not echoed), never a private or link-local IP literal unless allowed."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        c.add("rollout.notify", "must be a list of webhook URLs")
+        return []
+    if len(raw) > MAX_NOTIFY:
+        c.add("rollout.notify", f"must have at most {MAX_NOTIFY} URLs, got {len(raw)}")
+    urls: list[str] = []
+    for i, url in enumerate(raw):
+        path = f"rollout.notify[{i}]"
+        if not isinstance(url, str) or not url.strip():
+            c.add(path, "must be a webhook URL (https, or a host on the allowlist)")
+            continue
+        url = url.strip()
+        try:
+            parts = urlsplit(url)
+            port_ok = parts.port is None or 0 < parts.port < 65536
+        except ValueError:
+            c.add(path, "must be a valid http(s) URL: its host or port does not parse")
+            continue
+        if "@" in parts.netloc:
+            c.add(path, "must not carry credentials (user:password@host); the URL is not shown")
+            continue
+        if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+            c.add(path, f"must be a valid http(s) URL, got {url!r}")
+            continue
+        allowed = None
+        if allow is not None:
+            allowed = _egress_error(lambda u: check_url(u, allow, resolve), url)
+        literal = ip_literal(parts.hostname)
+        if parts.scheme == "https" and literal is None:
+            urls.append(url)  # a public name over TLS
+        elif allow is not None and allowed is None:
+            urls.append(url)  # a host the operator allows
+        elif parts.scheme == "https":
+            c.add(
+                path,
+                f"IP address {parts.hostname} is not on the variant allowlist: webhooks go to "
+                "names over https, or to hosts the allowlist allows",
+            )
+        else:
+            c.add(
+                path,
+                f"must use https, or name a host on the variant allowlist; {parts.hostname} is not"
+                + (f" ({allowed})" if allowed is not None else " (no allowlist given)"),
+            )
+    return urls
+
+
+def _validate_rollout(
+    c: _Collector, raw: Any, doc: dict, allow: Allowlist | None, resolve: Resolver | None
+) -> dict | None:
+    """The ``rollout:`` block. Keeps ``sla_target`` symbolic (it follows the SLA when that
+    changes); each guardrail is checked with the target resolved."""
+    if not isinstance(raw, dict):
+        c.add("rollout", "must be a mapping: candidate, steps, min_samples, min_duration, guardrails")
+        return None
+    _unknown(c, raw, ROLLOUT_FIELDS, "rollout")
+    keys = [v.get("key") for v in doc["variants"]]
+    control = next((v.get("key") for v in doc["variants"] if v.get("control") is True), None)
+    candidate = raw.get("candidate")
+    if not isinstance(candidate, str) or not candidate:
+        c.add("rollout.candidate", "is required: the key of the variant being rolled out")
+    elif candidate not in keys:
+        c.add("rollout.candidate", f"must be one of the variants {keys}, got {candidate!r}")
+    elif candidate == control:
+        c.add("rollout.candidate", f"must not be the control ({control!r}): the control takes the rest")
+    elif len(doc["variants"]) != 2:
+        c.add("rollout", "a rollout moves users between the control and one candidate: use 2 variants")
+    steps = _validate_steps(c, raw.get("steps"))
+    min_samples = raw.get("min_samples")
+    if isinstance(min_samples, bool) or not isinstance(min_samples, int) or min_samples < 1:
+        c.add(
+            "rollout.min_samples", f"is required: a whole number >= 1 per step and arm, got {min_samples!r}"
+        )
+    min_duration = raw.get("min_duration")
+    try:
+        parse_duration(min_duration)
+    except ValueError as exc:
+        c.add("rollout.min_duration", str(exc))
+    alpha = raw.get("alpha", DEFAULT_ROLLOUT_ALPHA)
+    if _number(alpha) is None or not 0 < alpha < 0.5:
+        c.add("rollout.alpha", f"must be a number in (0, 0.5), got {alpha!r}")
+    guardrails: list[dict] = []
+    graw = raw.get("guardrails")
+    if not isinstance(graw, list) or not graw:
+        c.add("rollout.guardrails", "is required: a list like [{metric: attainment, at_least: sla_target}]")
+    else:
+        target = doc.get("sla", {}).get("target")
+        for i, spec in enumerate(graw):
+            path = f"rollout.guardrails[{i}]"
+            try:
+                if not isinstance(spec, dict):
+                    raise ValueError(f"must be a mapping with a metric and one rule, got {spec!r}")
+                g = resolve_guardrail(spec, target)
+            except ValueError as exc:
+                c.add(path, str(exc).removeprefix("guardrail: "))
+                continue
+            if g.quantile is not None and g.quantile[1] not in ROLLOUT_LATENCIES:
+                c.add(
+                    f"{path}.metric",
+                    f"latency must be one of {', '.join(ROLLOUT_LATENCIES)}, got {g.metric!r}",
+                )
+                continue
+            guardrails.append(dict(spec))
+    on_breach = raw.get("on_breach", "rollback")
+    if on_breach not in ON_BREACH:
+        c.add("rollout.on_breach", f"must be one of {', '.join(ON_BREACH)}, got {on_breach!r}")
+    return {
+        "candidate": candidate,
+        "steps": steps,
+        "min_samples": min_samples,
+        "min_duration": min_duration.strip() if isinstance(min_duration, str) else min_duration,
+        "guardrails": guardrails,
+        "on_breach": on_breach,
+        "notify": _validate_notify(c, raw.get("notify"), allow, resolve),
+        "alpha": float(alpha) if _number(alpha) is not None else alpha,
+    }

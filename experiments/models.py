@@ -35,6 +35,10 @@ class Experiment(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     started_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # The document's validated ``rollout:`` block (experiments.document), or None: no
+    # progressive rollout. The rollouts app's controller reads it; changes go through
+    # apply_document and are audited with the rest of the document.
+    rollout = models.JSONField(null=True, blank=True, editable=False)
     concluded_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:

@@ -65,7 +65,7 @@ def sla_document(experiment: Experiment) -> dict:
 
 def export_document(experiment: Experiment) -> dict:
     sla = sla_document(experiment)
-    return {
+    doc = {
         "key": experiment.key,
         "name": experiment.name,
         "hypothesis": experiment.hypothesis,
@@ -86,12 +86,17 @@ def export_document(experiment: Experiment) -> dict:
             for v in experiment.variants.all()  # Variant.Meta.ordering: by position; a list's prefetch serves it
         ],
     }
+    if experiment.rollout:
+        doc["rollout"] = experiment.rollout
+    return doc
 
 
 def _normalized(doc: dict) -> dict:
     """The comparable form: sla without absent optional SLOs."""
     doc = dict(doc)
     doc["sla"] = {k: v for k, v in doc["sla"].items() if v is not None}
+    if doc.get("rollout") is None:
+        doc.pop("rollout", None)
     return doc
 
 
@@ -105,6 +110,8 @@ def diff_documents(before: dict | None, after: dict) -> list[str]:
     for field in sorted(set(before["sla"]) | set(after["sla"])):
         if before["sla"].get(field) != after["sla"].get(field):
             changes.append(f"sla.{field}: {before['sla'].get(field)} -> {after['sla'].get(field)}")
+    if before.get("rollout") != after.get("rollout"):
+        changes.append(f"rollout: {before.get('rollout')!r} -> {after.get('rollout')!r}")
     old = {v["key"]: v for v in before["variants"]}
     new = {v["key"]: v for v in after["variants"]}
     for key in new.keys() - old.keys():
@@ -253,6 +260,7 @@ def apply_document(raw, actor=None, reason: str = "") -> ApplyResult:
         experiment.sla_tpot_ms = doc["sla"].get("tpot_ms")
         experiment.sla_e2e_ms = doc["sla"].get("e2e_ms")
         experiment.sla_target = doc["sla"]["target"]
+        experiment.rollout = doc.get("rollout")
         experiment.save()
         _write_variants(experiment, doc)
         audit.record(

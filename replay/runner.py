@@ -46,6 +46,7 @@ from replay.rows import row_from
 from replay.sources import TraceRequest
 from stats.quantiles import nearest_rank
 from streaming.result import Outcome, StreamCancelled, StreamResult
+from telemetry import logs
 
 
 class Streamer(Protocol):
@@ -320,6 +321,7 @@ class ShardRunner:
         sent_unix_ms = time.time() * 1000.0
         self.stats.sent += 1
         extra = {"ignore_eos": True} if spec.ignore_eos else None
+        log_fields = logs.bind(variant=variant, request_id=rid)  # what the client logs carries them
         try:
             client = self.clients.get(variant)
             if client is None:
@@ -338,6 +340,7 @@ class ShardRunner:
                                   error=f"client error: {type(exc).__name__}: {exc}", request_id=rid)  # fmt: skip
         finally:
             self._in_flight -= 1
+            logs.reset(log_fields)
         # The request's clock may start after the call: a new connection waits its turn in a
         # start burst (streaming/pacing.py). That wait is lateness against the plan too.
         waited_s = max(0.0, result.start_ns / 1e9 - sent_mono) if result.start_ns else 0.0

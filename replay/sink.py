@@ -8,6 +8,7 @@ surfaces in ``close()`` so the shard fails loudly rather than dropping samples.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -28,7 +29,10 @@ class BatchSink:
         self._error: BaseException | None = None
         self.written = 0
         self.batches = 0
-        self._thread = threading.Thread(target=self._run, name="abplat-sample-sink", daemon=True)
+        # In the creator's context: its log lines carry the shard's fields (telemetry/logs.py).
+        self._thread = threading.Thread(
+            target=contextvars.copy_context().run, args=(self._run,), name="abplat-sample-sink", daemon=True
+        )
         self._thread.start()
 
     def put(self, row: Any) -> None:

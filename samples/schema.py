@@ -280,6 +280,44 @@ ENGINE = ReplacingMergeTree(version)
 ORDER BY (experiment, run_id)
 """.strip()
 
+# ---- server metrics (issue 12): the variants' own vllm:* series, scraped during a replay ----
+# Who writes it: the replay's scraper (workers/server_metrics.py, through
+# SampleStore.insert_server_metrics), one scrape of one variant's /metrics every
+# ABPLAT_SERVER_METRICS_INTERVAL_S; who reads it: the SLA report (analysis/server_metrics.py).
+# - One row per sample of a scrape, as the server reported it: cumulative counters and histogram
+#   buckets, gauges' current values. Increments are taken at read time, between consecutive
+#   scrapes of a (run, variant, series) in time order (a value that drops is a server restart,
+#   counted from 0 as Prometheus does), so scrapes of one variant taken by successive shard
+#   tasks join without a gap and none is counted twice.
+# - metric: the family (vllm:request_queue_time_seconds); sample: the sample's own name
+#   (..._bucket, ..._sum, ..._count, ..._total, or the family's name for a gauge); labels: the
+#   sample's labels except le, as sorted JSON; le: the bucket's upper bound as the server wrote
+#   it ("+Inf"), "" for other samples. Strings, not Float64: +Inf does not survive chDB's JSON.
+# - Scrape bookkeeping under metric 'abplat:scrape': sample 'abplat:scrape_up' (1 answered and
+#   parsed, 0 failed; a failure's reason in labels as {"error": ...}) and
+#   'abplat:scrape_duration_seconds'.
+# - ReplacingMergeTree(recorded_ms), ORDER BY the whole identity of a value (a retried insert of
+#   a scrape writes the same key): readers GROUP BY that key (analysis/server_metrics.py), so
+#   duplicates never count twice, before or after a merge, without FINAL.
+SERVER_METRICS_TABLE = "server_metrics"
+CREATE_SERVER_METRICS = f"""
+CREATE TABLE IF NOT EXISTS {SERVER_METRICS_TABLE} (
+    experiment LowCardinality(String),
+    variant LowCardinality(String),
+    run_id UInt64,
+    metric LowCardinality(String),
+    sample LowCardinality(String),
+    labels String,
+    le String,
+    scraped_ms UInt64,
+    value Float64,
+    recorded_ms UInt64
+)
+ENGINE = ReplacingMergeTree(recorded_ms)
+PARTITION BY toYYYYMM(toDateTime(intDiv(scraped_ms, 1000)))
+ORDER BY (experiment, variant, run_id, metric, sample, labels, le, scraped_ms)
+""".strip()
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "create samples", (CREATE_SAMPLES_TABLE,)),
     Migration(
@@ -295,6 +333,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         ),
     ),
     Migration(3, "run catalog", (CREATE_RUNS,)),
+    Migration(4, "variants' server metrics", (CREATE_SERVER_METRICS,)),
 )
 
 

@@ -48,6 +48,7 @@ from typing import Any
 
 from samples.columns import COLUMN_NAMES, SampleError, SampleRow, row_key, validate_samples
 from samples.store import SampleStore, StoreUnavailable
+from telemetry import metrics
 
 log = logging.getLogger(__name__)
 
@@ -279,6 +280,16 @@ class Spool:
     def pending_files(self) -> list[str]:
         return [name for _s, name, _t in self._entries()]
 
+    def depth(self) -> tuple[int, int]:
+        """(rows, bytes) waiting: rows as the headers claim them (rows_by_run), bytes on disk."""
+        size = 0
+        for name in self.pending_files():
+            try:
+                size += os.path.getsize(os.path.join(self.dir, name))
+            except FileNotFoundError:
+                pass  # flushed by another process meanwhile
+        return sum(self.rows_by_run().values()), size
+
     def remove(self, name: str) -> None:
         os.unlink(os.path.join(self.dir, name))
         self._fsync_dir()
@@ -326,6 +337,7 @@ class SpoolingWriter:
                 finally:
                     if report.files:
                         self._report_pending_quietly()
+                    self._meter(report)
             # 2. Then this batch; a transient failure spools it (permanent errors propagate:
             # a row the store rejects would sit in the spool forever).
             try:
@@ -345,7 +357,20 @@ class SpoolingWriter:
             counts = Counter(self.spool.rows_by_run())
             counts.update(_run_counts(rows))
             self.hooks.pending(self.spool.id, dict(counts))
-        return self.spool.append(rows)
+        name = self.spool.append(rows)
+        metrics.SPOOL_SPOOLED_ROWS.inc(len(rows))
+        self._meter(None)
+        return name
+
+    def _meter(self, report: FlushReport | None) -> None:
+        """abplat_spool_* (telemetry/metrics.py), lock held: what a flush did, and the depth."""
+        if report is not None:
+            metrics.SPOOL_FLUSHED_ROWS.inc(report.inserted)
+            metrics.SPOOL_QUARANTINED_FILES.inc(len(report.quarantined))
+            metrics.SPOOL_QUARANTINED_ROWS.inc(report.lost)
+        rows, size = self.spool.depth()
+        metrics.SPOOL_ROWS.set(rows)
+        metrics.SPOOL_BYTES.set(size)
 
     def _report_pending_quietly(self) -> None:
         """Tell the hooks what is left after a flush (lock held). A failure only leaves the
@@ -360,19 +385,26 @@ class SpoolingWriter:
                 "spool %s: recording what it holds failed; the next flush tries again", self.spool.id
             )
 
-    def flush(self) -> FlushReport:
+    def flush(self, progress: Callable[[int, int], None] | None = None) -> FlushReport:
         """Drain the spool in sequence order. Raises StoreUnavailable (with the spool intact
         from the failing file on) if the store is still down. Tells the hooks what the spool
-        holds afterwards, whatever happened (the periodic flush keeps the record true)."""
+        holds afterwards, whatever happened (the periodic flush keeps the record true).
+        ``progress(files_done, files)`` is called after each file (flush_samples draws it)."""
         report = FlushReport()
         with self.spool.locked():
             try:
-                self._flush_locked(report)
+                self._flush_locked(report, progress)
+            except StoreUnavailable:
+                metrics.SPOOL_FLUSHES.labels("store_unavailable").inc()
+                raise
+            else:
+                metrics.SPOOL_FLUSHES.labels("ok").inc()
             finally:
                 self._report_pending_quietly()
+                self._meter(report)
         return report
 
-    def _flush_locked(self, report: FlushReport) -> None:
+    def _flush_locked(self, report: FlushReport, progress: Callable[[int, int], None] | None = None) -> None:
         files = self.spool.pending_files()
         for i, name in enumerate(files):
             _header, rows, complete = self.spool.read(name)
@@ -394,6 +426,8 @@ class SpoolingWriter:
                 report.salvaged += len(rows)
                 report.torn_files.append(report.quarantined[-1].path)
             report.files += 1
+            if progress is not None:
+                progress(i + 1, len(files))
 
     def _quarantine(self, name: str, rows: list[Any]) -> QuarantinedFile:
         """Move a file read() could not fully read to quarantine/, after telling the hooks the

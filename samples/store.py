@@ -15,6 +15,7 @@ StoreError is permanent and is raised at once.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -22,15 +23,25 @@ from typing import Any
 
 import numpy as np
 
+from samples import cluster as clustermod
 from samples import columns as colmod
 from samples import schema
 from samples.sql import bind
+from telemetry import metrics
 
 log = logging.getLogger(__name__)
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # What to run after fixing a schema by hand (the management command of this app).
 MIGRATE_COMMAND = ".venv/bin/python manage.py clickhouse_migrate"
+# What brings a store up to date: Django's migrate applies the sample store's migrations too
+# (samples/management/commands/migrate.py); clickhouse_migrate applies only those.
+MIGRATE_ALL_COMMAND = "python manage.py migrate"
+# Errors that mean "something the code expects is not in the store": unknown identifier
+# (a column), unknown table, unknown database (same codes on 18.16 and chDB), and a cluster's
+# shard without its local table (samples.backends.cluster). Only these are worth asking whether
+# the store lacks migrations (SampleStore._explained).
+_MISSING_SCHEMA = re.compile(r"Code: (47|60|81)\b|There is no table")
 
 
 # Added to the version of a terminal status in the run catalog (record_run): above any
@@ -60,6 +71,11 @@ class SchemaMismatch(StoreError):
     differs from the code's, or a table it created is missing columns or has other types."""
 
 
+class NotMigrated(StoreError):
+    """The store lacks migrations this code needs (never migrated, or migrated by older code):
+    the message names what is missing and the command that applies it."""
+
+
 class InvalidSamples(StoreError, colmod.SampleError):
     """Samples the table cannot hold (samples.columns' validator said why); nothing was sent.
     Both a StoreError (permanent) and a ValueError (bad input)."""
@@ -87,11 +103,51 @@ def check_ident(name: str, what: str) -> str:
     return name
 
 
+# server_metrics' columns in table order; recorded_ms (last) is set by insert_server_metrics.
+SERVER_METRIC_COLUMNS = (
+    "experiment", "variant", "run_id", "metric", "sample", "labels", "le", "scraped_ms", "value", "recorded_ms",
+)  # fmt: skip
+SERVER_METRICS_CHUNK = 500
+
+
+def _server_metric_tuple(i: int, row: Mapping[str, Any]) -> tuple[Any, ...]:
+    """One server_metrics row as the tuple insert_server_metrics binds, or ValueError naming the
+    row and column."""
+    if not isinstance(row, Mapping):
+        raise ValueError(f"insert_server_metrics: row {i} is not a mapping of column -> value")
+    out: list[Any] = []
+    for name in SERVER_METRIC_COLUMNS[:-1]:
+        if name not in row:
+            raise ValueError(f"insert_server_metrics: row {i} has no {name!r}")
+        v = row[name]
+        if name in ("run_id", "scraped_ms"):
+            ok = isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 64
+            rule = "a non-negative integer"
+        elif name == "value":
+            ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            v = float(v) if ok else v
+            rule = "a finite number"
+        else:
+            ok = isinstance(v, str) and (bool(v) or name in ("labels", "le"))
+            rule = "a string" if name in ("labels", "le") else "a non-empty string"
+        if not ok:
+            raise ValueError(f"insert_server_metrics: row {i} column {name!r} must be {rule}, got {v!r}")
+        out.append(v)
+    return tuple(out)
+
+
 class SampleStore:
     """Backend-independent API. Subclasses implement the three hooks at the bottom."""
 
     database: str
     backend_name: str = "?"
+    # Set on the servers of a ClickHouse cluster (samples.backends.cluster): migrations make
+    # every table as <table>_local plus a Distributed <table> over them (samples.cluster).
+    cluster: str = ""
+    # check_schema() passed (or migrate() ran) in this process: not asked again.
+    _schema_ok: bool = False
+    # What check_schema raises: the factory substitutes a subclass its callers report cleanly.
+    not_migrated_error: type[NotMigrated] = NotMigrated
     # How many queries a reader (the SLA report) may run at once through this store, one per
     # thread. 1: run them one after another (chDB serializes its session anyway).
     parallel_queries: int = 1
@@ -131,17 +187,91 @@ class SampleStore:
         for m in schema.MIGRATIONS:
             if m.version in applied:
                 continue
-            for stmt in m.statements:
+            for stmt in self._migration_statements(m):
                 self._command(stmt)
             # INSERT ... SELECT rather than inline VALUES: clickhouse-driver would wait for a
             # data block after an INSERT ... VALUES statement.
-            self.execute(
-                f"INSERT INTO {schema.MIGRATIONS_TABLE} (version, name, checksum, applied_at) "
-                "SELECT %(v)s, %(n)s, %(c)s, toDateTime(%(t)s, 'UTC')",
-                {"v": m.version, "n": m.name, "c": m.checksum, "t": int(time.time())},
+            self._command(
+                bind(
+                    f"INSERT INTO {schema.MIGRATIONS_TABLE} (version, name, checksum, applied_at) "
+                    "SELECT %(v)s, %(n)s, %(c)s, toDateTime(%(t)s, 'UTC')",
+                    {"v": m.version, "n": m.name, "c": m.checksum, "t": int(time.time())},
+                )
             )
             done.append(m.version)
+        self._schema_ok = True
         return done
+
+    def _migration_statements(self, m: schema.Migration) -> tuple[str, ...]:
+        """What this server runs for a migration: its statements, or on a cluster's server
+        their cluster form (local table + Distributed table, samples.cluster)."""
+        if not self.cluster:
+            return m.statements
+        try:
+            return clustermod.migration_statements(m, self.cluster, self.database)
+        except clustermod.ClusterSchemaError as e:
+            raise SchemaMismatch(f"{self.describe()}: migration {m.version} ({m.name!r}): {e}") from None
+
+    def check_schema(self) -> None:
+        """NotMigrated (self.not_migrated_error) unless every migration of this code is recorded
+        as applied: one query, then cached for this store object (the process's, through
+        samples.factory). Migrations recorded by newer code are fine (a rolling deploy).
+        What starts work that needs the tables asks first (workers.runs.create_run)."""
+        if self._schema_ok:
+            return
+        missing = self._missing_migrations()
+        if missing:
+            raise self.not_migrated_error(self._not_migrated_text(missing))
+        self._schema_ok = True
+
+    def _missing_migrations(self) -> str:
+        """What this store lacks of the code's migrations, for a message; "" when nothing."""
+        pending = set(self._pending_versions())
+        return ", ".join(f"{m.version:04d} {m.name!r}" for m in schema.MIGRATIONS if m.version in pending)
+
+    def _not_migrated_text(self, missing: str) -> str:
+        return (
+            f"the sample store ({self.describe()}) is not migrated: it lacks {missing}. Run "
+            f"`{MIGRATE_ALL_COMMAND}` (it applies the sample store's migrations too; "
+            "`python manage.py clickhouse_migrate` applies only those)."
+        )
+
+    def _explained(self, hook: Any, *args: Any) -> Any:
+        """hook(*args), its failure explained: when it failed for a missing table, column or
+        database (_MISSING_SCHEMA) and the store lacks migrations, NotMigrated naming the command
+        that applies them, with the raw error as its cause. Costs nothing until something fails."""
+        try:
+            return hook(*args)
+        except (StoreUnavailable, QueryTimeout, NotMigrated):
+            raise
+        except StoreError as e:
+            if not _MISSING_SCHEMA.search(str(e)):
+                raise
+            try:
+                missing = self._missing_migrations()
+            except StoreError:
+                missing = ""
+            if not missing:
+                raise
+            self._schema_ok = False
+            raise self.not_migrated_error(self._not_migrated_text(missing)) from e
+
+    def _pending_versions(self) -> list[int]:
+        """Versions of this code's migrations not recorded in the store (every one when the
+        database or its migrations table does not exist)."""
+        try:
+            _, rows = self._select(
+                bind(
+                    "SELECT count() FROM system.tables WHERE database = %(db)s AND name = %(t)s",
+                    {"db": self.database, "t": schema.MIGRATIONS_TABLE},
+                )
+            )
+            applied = self._applied() if rows and int(rows[0][0]) else {}
+        except StoreUnavailable:
+            raise
+        except StoreError:  # the database itself is missing: nothing is applied
+            applied = {}
+        return [m.version for m in schema.MIGRATIONS if m.version not in applied]
 
     def migration_status(self) -> list[dict[str, Any]]:
         """One entry per known migration: version, name, applied (bool), checksum_ok."""
@@ -169,7 +299,7 @@ class SampleStore:
         for m in schema.MIGRATIONS:
             if m.version not in applied:
                 continue
-            declared = schema.declared_tables(m)
+            declared = self._physical_tables(m)
             if any(table not in found for table in declared):
                 log.warning(
                     "%s: migration %d (%r) is recorded but table(s) %s are missing; re-running it",
@@ -178,13 +308,51 @@ class SampleStore:
                     m.name,
                     sorted(t for t in declared if t not in found),
                 )
-                for stmt in m.statements:
+                for stmt in self._migration_statements(m):
                     self._command(stmt)
                 rerun.append(m.version)
                 found = self._table_columns()
             for table, want in declared.items():
                 self._check_table(m, table, want, found.get(table, []))
+            self._check_engines(m, schema.declared_tables(m))
         return rerun
+
+    def _physical_tables(self, m: schema.Migration) -> dict[str, list[tuple[str, str]]]:
+        """{table: columns} a migration makes on this server: its declared tables, and on a
+        cluster's server each one's `_local` table as well (same columns)."""
+        declared = schema.declared_tables(m)
+        if not self.cluster:
+            return declared
+        out: dict[str, list[tuple[str, str]]] = {}
+        for table, cols in declared.items():
+            out[clustermod.local_name(table)] = cols
+            out[table] = cols
+        return out
+
+    def _check_engines(self, m: schema.Migration, declared: Mapping[str, Any]) -> None:
+        """A database migrated for one server is not a cluster's, nor the other way round: the
+        tables the code reads must be Distributed exactly when a cluster is configured."""
+        if not declared:  # a migration that only alters tables
+            return
+        _, rows = self._select(
+            bind(
+                "SELECT name, engine FROM system.tables WHERE database = %(db)s AND name IN %(t)s",
+                {"db": self.database, "t": tuple(declared)},
+            )
+        )
+        for table, engine in rows:
+            if (engine == "Distributed") != bool(self.cluster):
+                setting = (
+                    f"ABPLAT_CLICKHOUSE_CLUSTER={self.cluster} expects a Distributed table"
+                    if self.cluster
+                    else "no ABPLAT_CLICKHOUSE_CLUSTER is set, which expects the table itself"
+                )
+                raise SchemaMismatch(
+                    f"{self.describe()}: table {self.database}.{table} is a {engine} table (migration "
+                    f"{m.version}, {m.name!r}) but {setting}: this database was migrated "
+                    f"{'for one server' if self.cluster else 'for a cluster'}. Point the store at "
+                    "another database (or set the cluster setting as it was when this one was made)."
+                )
 
     def _table_columns(self) -> dict[str, list[tuple[str, str]]]:
         """{table: [(column, type), ...]} of this database, in column order."""
@@ -260,7 +428,18 @@ class SampleStore:
     def _insert_batch(self, cols: dict[str, np.ndarray]) -> int:
         n = len(next(iter(cols.values()))) if cols else 0
         if n:
-            self._insert_columns(schema.SAMPLES_TABLE, cols)
+            # abplat_store_* (telemetry/metrics.py): rows, seconds per batch, errors by kind.
+            started = time.perf_counter()
+            try:
+                self._explained(self._insert_columns, schema.SAMPLES_TABLE, cols)
+            except StoreUnavailable:
+                metrics.STORE_INSERT_ERRORS.labels(self.backend_name, "unavailable").inc()
+                raise
+            except Exception:
+                metrics.STORE_INSERT_ERRORS.labels(self.backend_name, "permanent").inc()
+                raise
+            metrics.STORE_INSERT_SECONDS.labels(self.backend_name).observe(time.perf_counter() - started)
+            metrics.STORE_INSERTED_ROWS.labels(self.backend_name).inc(n)
         return n
 
     def deduplicate(self, run_id: int | None = None) -> int:
@@ -278,11 +457,14 @@ class SampleStore:
         where = "run_id = %(run_id)s" if run_id is not None else "1"
         params = {"run_id": run_id} if run_id is not None else {}
         key = "experiment, variant, run_id, seq, request_id"
+        # OPTIMIZE merges the parts of one table on one server: on a cluster's server, its local
+        # table (the rows of one request all land on one shard, samples.cluster).
+        table = clustermod.local_name(schema.SAMPLES_TABLE) if self.cluster else schema.SAMPLES_TABLE
 
         def dup_partitions() -> dict[int, int]:
             rows = self.query(
                 f"SELECT toYYYYMM(sent_at) AS p, count() - uniqExact({key}) AS d "
-                f"FROM {schema.SAMPLES_TABLE} WHERE {where} GROUP BY p HAVING d > 0",
+                f"FROM {table} WHERE {where} GROUP BY p HAVING d > 0",
                 params,
             )
             return {int(p): int(d) for p, d in rows}
@@ -296,16 +478,14 @@ class SampleStore:
             if attempt:
                 time.sleep(0.5 * attempt)
             for p in sorted(pending):
-                self.execute(f"OPTIMIZE TABLE {schema.SAMPLES_TABLE} PARTITION {p} FINAL")
+                self.execute(f"OPTIMIZE TABLE {table} PARTITION {p} FINAL")
             pending = dup_partitions()
         if pending:
             raise StoreError(
                 f"{self.describe()}: deduplicate({run_id}) left duplicates in partitions {pending} "
                 "after OPTIMIZE FINAL (merges busy?); run it again"
             )
-        rows = self.query(
-            f"SELECT count() - uniqExact({key}) FROM {schema.SAMPLES_TABLE} WHERE {where}", params
-        )
+        rows = self.query(f"SELECT count() - uniqExact({key}) FROM {table} WHERE {where}", params)
         if int(rows[0][0]):
             raise StoreError(
                 f"{self.describe()}: deduplicate({run_id}): {rows[0][0]} duplicate recordings sit "
@@ -376,6 +556,32 @@ class SampleStore:
             for r, m, src, st, t0, t1, ver in rows
         ]  # fmt: skip
 
+    # ---- server metrics (issue 12): the variants' own series, scraped during a replay -----
+    def insert_server_metrics(self, rows: Sequence[Mapping[str, Any]]) -> int:
+        """Insert scraped series (schema.SERVER_METRICS_TABLE); returns rows inserted.
+
+        Each row maps every column but recorded_ms (set here): experiment, variant, run_id,
+        metric, sample, labels, le, scraped_ms, value. A bad value raises ValueError naming the
+        row and column, and nothing is sent. Retrying a batch after an ambiguous failure is
+        safe: the same rows have the same key, and readers collapse it (schema's comment)."""
+        if not rows:
+            return 0
+        self.check_schema()
+        checked = [_server_metric_tuple(i, row) for i, row in enumerate(rows)]
+        recorded = int(time.time() * 1000)
+        names = ", ".join(SERVER_METRIC_COLUMNS)
+        picks = ", ".join(f"tupleElement(r, {i + 1})" for i in range(len(SERVER_METRIC_COLUMNS) - 1))
+        # INSERT ... SELECT over an array literal: both backends run it as one statement, and
+        # clickhouse-driver would wait for a data block after INSERT ... VALUES. Chunked to stay
+        # well inside max_query_size (256 KiB by default).
+        for start in range(0, len(checked), SERVER_METRICS_CHUNK):
+            self.execute(
+                f"INSERT INTO {schema.SERVER_METRICS_TABLE} ({names}) "
+                f"SELECT {picks}, %(recorded)s FROM (SELECT arrayJoin(%(rows)s) AS r)",
+                {"rows": checked[start : start + SERVER_METRICS_CHUNK], "recorded": recorded},
+            )
+        return len(checked)
+
     # ---- reads --------------------------------------------------------------------------
     def query(
         self, sql: str, params: Mapping[str, Any] | None = None, *, settings: QuerySettings | None = None
@@ -384,20 +590,21 @@ class SampleStore:
         (the dedup contract, see deduplicate); schema.SAMPLES_FROM (with FINAL) is for exact
         reads of a few rows that may still hold duplicate recordings (checks, tests).
         ``settings``: ClickHouse settings for this query only, e.g. {"max_execution_time": 60}
-        (whole seconds; past it the query stops and QueryTimeout is raised)."""
-        return self._select(bind(sql, params), settings)[1]
+        (whole seconds; past it the query stops and QueryTimeout is raised).
+        A store that lacks migrations raises NotMigrated naming the command to run (_explained)."""
+        return self._explained(self._select, bind(sql, params), settings)[1]
 
     def query_columns(
         self, sql: str, params: Mapping[str, Any] | None = None, *, settings: QuerySettings | None = None
     ) -> dict[str, list[Any]]:
-        names, rows = self._select(bind(sql, params), settings)
+        names, rows = self._explained(self._select, bind(sql, params), settings)
         if len(set(names)) != len(names):
             raise StoreError(f"query_columns: duplicate column names {names}; alias them")
         return {n: [r[i] for r in rows] for i, n in enumerate(names)}
 
     def execute(self, sql: str, params: Mapping[str, Any] | None = None) -> None:
         """A statement without result rows (DDL, ALTER, OPTIMIZE)."""
-        self._command(bind(sql, params))
+        self._explained(self._command, bind(sql, params))
 
     def recorded_request_ids(
         self,
@@ -491,6 +698,7 @@ class SampleStore:
             schema.ROLLUP_VALUES_TABLE,
             *schema.ROLLUP_TABLES,
             schema.RUNS_TABLE,
+            schema.SERVER_METRICS_TABLE,
         )
         for table in tables:
             self._command(f"TRUNCATE TABLE IF EXISTS {table}")

@@ -15,8 +15,9 @@ DIR="$VAR/clickhouse"
 TCP_PORT="${ABPLAT_CH_TCP_PORT:-19000}"
 HTTP_PORT="${ABPLAT_CH_HTTP_PORT:-18123}"
 PID_FILE="$DIR/server.pid"
-SERVER=/usr/sbin/clickhouse-server
-CLIENT=/usr/bin/clickhouse-client
+# Debian's paths; ABPLAT_CLICKHOUSE_SERVER / ABPLAT_CLICKHOUSE_CLIENT for an installation elsewhere.
+SERVER="${ABPLAT_CLICKHOUSE_SERVER:-/usr/sbin/clickhouse-server}"
+CLIENT="${ABPLAT_CLICKHOUSE_CLIENT:-/usr/bin/clickhouse-client}"
 DATABASES="abplat abplat_test"
 
 log() { echo "clickhouse.sh: $*" >&2; }
@@ -25,12 +26,16 @@ ensure_installed() {
     if [[ -x "$SERVER" && -x "$CLIENT" ]]; then
         return
     fi
+    if [[ "$(id -u)" -ne 0 ]] || ! command -v apt-get >/dev/null; then
+        log "clickhouse-server is not installed ($SERVER): install Debian's clickhouse-server and" \
+            "clickhouse-client as root (apt-get install clickhouse-server clickhouse-client), or set" \
+            "ABPLAT_TEST_CLICKHOUSE_URL to a ClickHouse server you run"
+        exit 1
+    fi
     log "installing clickhouse-server and clickhouse-client from Debian (apt-get)"
-    local sudo=""
-    [[ "$(id -u)" -eq 0 ]] || sudo="sudo"
-    $sudo apt-get update -q
+    apt-get update -q
     # Debian's package does not start a service inside containers; we start our own below.
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q clickhouse-server clickhouse-client
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q clickhouse-server clickhouse-client
 }
 
 write_config() {

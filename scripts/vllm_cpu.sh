@@ -23,7 +23,15 @@ if [[ -f "$MARKER" && "$(cat "$MARKER")" == "$WANT" && -x "$VENV/bin/python" ]];
 fi
 
 PY="${ABPLAT_VLLM_PYTHON:-python3.11}"
-mkdir -p "$(dirname "$VENV")"
+if ! command -v "$PY" >/dev/null; then
+    echo "vllm_cpu.sh: $PY not found: install Python 3.11 or set ABPLAT_VLLM_PYTHON to one" >&2
+    exit 1
+fi
+if ! mkdir -p "$(dirname "$VENV")" 2>/dev/null || ! [[ -w "$(dirname "$VENV")" ]]; then
+    echo "vllm_cpu.sh: cannot write $(dirname "$VENV"): set ABPLAT_VLLM_VENV (and ABPLAT_TINY_MODEL)" \
+        "to a writable directory, or run as a user who may write there" >&2
+    exit 1
+fi
 if [[ ! -x "$VENV/bin/python" ]]; then
     "$PY" -m venv "$VENV"
 fi

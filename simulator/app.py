@@ -18,7 +18,7 @@ from typing import Any
 
 from simulator.framing import DONE, ENGINE_ERROR, Framer, error_body
 from simulator.latency import Faults, Profile, Seq
-from simulator.metrics import Metrics
+from simulator.metrics import CONTENT_TYPE, Metrics
 from simulator.runtime import Engine
 from simulator.tokens import DEFAULT_TOKENIZER, check, prompt_tokens, token_ids
 
@@ -70,7 +70,7 @@ class SimulatorApp:
         # A deployment of N identical engines behind one endpoint, as behind a load balancer
         # that sends each request to the replica with the fewest outstanding requests.
         self.engines = [Engine(profile) for _ in range(replicas)]
-        self.metrics = Metrics(model)
+        self.metrics = Metrics(model, self.engines)
         self._counter = 0
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -117,14 +117,13 @@ class SimulatorApp:
             }
             return await _respond(send, 200, json.dumps(body).encode())
         if path == "/metrics":
-            running = sum(e.running for e in self.engines)
-            text = self.metrics.render(running, sum(e.waiting for e in self.engines))
-            headers = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
-            return await _respond(send, 200, text.encode(), headers)
+            headers = [(b"content-type", CONTENT_TYPE.encode())]
+            return await _respond(send, 200, self.metrics.render(), headers)
         return await _respond(send, 404, b'{"detail":"Not Found"}')
 
-    def _least_loaded(self) -> Engine:
-        return min(self.engines, key=lambda e: e.running + e.waiting)
+    def _least_loaded(self) -> int:
+        """The index of the replica with the fewest outstanding requests."""
+        return min(range(len(self.engines)), key=lambda i: self.engines[i].running + self.engines[i].waiting)
 
     # ------------------------------------------------------------------------------------
     async def _tokenize(self, receive: Any, send: Any) -> None:
@@ -156,6 +155,8 @@ class SimulatorApp:
 
     async def _generate(self, api: str, scope: dict, receive: Any, send: Any) -> None:
         received_ns = time.perf_counter_ns()
+        # The engine's clock (its loop's): the server-side phase times of vllm:* all use it.
+        received_at = asyncio.get_running_loop().time()
         body = b""
         while True:
             msg = await receive()
@@ -185,8 +186,8 @@ class SimulatorApp:
             return await _respond(send, 429, error_body(msg, "RateLimitError", 429))
         echo = [(b"x-request-id", rid.encode("latin-1"))]
         if not req["stream"]:
-            return await self._complete(api, req, rng, send, echo)
-        await self._stream(api, req, rng, fault, received_ns, receive, send, echo)
+            return await self._complete(api, req, rng, send, echo, received_at)
+        await self._stream(api, req, rng, fault, received_ns, receive, send, echo, received_at)
 
     def _fault(self, rid: str, forced: str) -> str:
         if forced:
@@ -261,6 +262,7 @@ class SimulatorApp:
         receive: Any,
         send: Any,
         echo: list[tuple[bytes, bytes]],
+        received_at: float,
     ) -> None:
         p = self.profile
         max_tokens = req["max_tokens"]
@@ -275,8 +277,11 @@ class SimulatorApp:
         if fault == "slow_headers":
             await asyncio.sleep(p.faults.slow_headers_ms / 1000.0)
         seq = Seq(prompt_tokens=req["prompt_tokens"], max_tokens=max_tokens)
-        engine = self._least_loaded()
+        index = self._least_loaded()
+        engine = self.engines[index]
         run = engine.submit(seq)
+        loop = asyncio.get_running_loop()
+        first_token_at: float | None = None
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, engine, run))
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + echo})
         perf = time.perf_counter_ns
@@ -286,7 +291,7 @@ class SimulatorApp:
             while emitted < max_tokens:
                 await run.wait_tokens(emitted)
                 if run.gone:
-                    self.metrics.request_aborted()
+                    self.metrics.request_aborted(index)
                     return
                 while emitted < run.ready:
                     if emitted == 0 and fault == "slow_first_token":
@@ -295,19 +300,21 @@ class SimulatorApp:
                         fault_at = -1
                         if fault == "engine_error":
                             engine.abort(run)
-                            self.metrics.request_failed()
+                            self.metrics.request_failed(index)
                             await _body(send, ENGINE_ERROR + DONE, more=False)
                             return
                         if fault == "disconnect":
                             engine.abort(run)
-                            self.metrics.request_failed()
+                            self.metrics.request_failed(index)
                             raise SimulatedDisconnect()
                         if fault == "stall":
                             await asyncio.sleep(p.faults.stall_ms / 1000.0)
                         if fault == "malformed":
                             await _body(send, framer.malformed())
-                    if emitted == 0 and api == "chat":
-                        await _body(send, framer.role())
+                    if emitted == 0:
+                        first_token_at = loop.time()  # handed to the stream: the server's TTFT
+                        if api == "chat":
+                            await _body(send, framer.role())
                     emitted += 1
                     split = fault == "split_utf8" and emitted <= 4  # the first tokens
                     text = rng.choice(_MULTIBYTE[:5]) if split else self._text(rng)
@@ -322,7 +329,6 @@ class SimulatorApp:
                         await _body(send, data[cut:])
                     else:
                         await _body(send, data)
-            now = perf()
             if req["usage"]:
                 truth = {
                     "server_ttft_ms": (
@@ -335,13 +341,7 @@ class SimulatorApp:
                 }
                 await _body(send, framer.usage(req["prompt_tokens"], emitted, truth))
             await _body(send, DONE, more=False)
-            self.metrics.request_done(
-                req["prompt_tokens"],
-                emitted,
-                (first_content_ns - received_ns) / 1e9 if first_content_ns else None,
-                (now - received_ns) / 1e9,
-                max_tokens,
-            )
+            self._observe(index, seq, req, received_at, first_token_at, loop.time())
         finally:
             watcher.cancel()
             if not seq.finished:
@@ -354,11 +354,15 @@ class SimulatorApp:
         rng: random.Random,
         send: Any,
         echo: list[tuple[bytes, bytes]],
+        received_at: float,
     ) -> None:
         seq = Seq(prompt_tokens=req["prompt_tokens"], max_tokens=req["max_tokens"])
-        run = self._least_loaded().submit(seq)
+        index = self._least_loaded()
+        run = self.engines[index].submit(seq)
         while not seq.finished:
             await run.wait_tokens(run.ready)
+        now = asyncio.get_running_loop().time()
+        self._observe(index, seq, req, received_at, seq.first_token_at, now)
         text = "".join(self._text(rng) for _ in range(seq.generated))
         usage = {
             "prompt_tokens": req["prompt_tokens"],
@@ -384,6 +388,23 @@ class SimulatorApp:
             "usage": usage,
         }
         await _respond(send, 200, json.dumps(out, ensure_ascii=False).encode(), JSON_HEADERS + echo)
+
+    def _observe(
+        self, index: int, seq: Seq, req: dict[str, Any], received_at: float, first_token_at: float | None,
+        done_at: float,
+    ) -> None:  # fmt: skip
+        """A finished request's series, as vLLM records them: queue = first scheduling - arrival
+        at the engine, prefill = first token - first scheduling, decode = last token - first
+        token (all on the engine's clock, so queue + prefill <= the TTFT it served)."""
+        admitted = seq.admitted_at if seq.admitted_at is not None else seq.arrival
+        first = seq.first_token_at if seq.first_token_at is not None else admitted
+        last = seq.finished_at if seq.finished_at is not None else first
+        self.metrics.request_done(
+            index, prompt_tokens=req["prompt_tokens"], generated=seq.generated, max_tokens=req["max_tokens"],
+            ttft_s=None if first_token_at is None else first_token_at - received_at,
+            e2e_s=done_at - received_at, queue_s=admitted - seq.arrival, prefill_s=first - admitted,
+            decode_s=last - first, inference_s=last - admitted,
+        )  # fmt: skip
 
 
 async def _watch_disconnect(receive: Any, engine: Engine, run: Any) -> None:

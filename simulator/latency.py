@@ -75,6 +75,9 @@ class Faults:
         return ""
 
 
+KV_BLOCK_TOKENS = 16  # vLLM's default KV-cache block size
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Profile:
     name: str
@@ -90,6 +93,9 @@ class Profile:
     multibyte_rate: float = 0.0  # tokens that are CJK or emoji
     faults: Faults = Faults()
     description: str = ""
+    # The KV cache's size in tokens, for vllm:kv_cache_usage_perc only (blocks the running
+    # sequences hold / blocks of this size); admission is bounded by max_num_seqs, not by it.
+    kv_cache_tokens: int = 262144
 
     def __post_init__(self) -> None:
         for name in ("prefill_ms_per_token", "prefill_base_ms", "decode_base_ms"):
@@ -104,6 +110,8 @@ class Profile:
         for name in ("empty_token_rate", "multibyte_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"Profile {self.name!r}: {name} must be within [0, 1]")
+        if self.kv_cache_tokens < KV_BLOCK_TOKENS:
+            raise ValueError(f"Profile {self.name!r}: kv_cache_tokens must be at least {KV_BLOCK_TOKENS}")
 
     def step_ms(self, batch: int, prefill_tokens: int) -> float:
         ms = self.decode_base_ms + self.decode_ms_per_seq * batch
@@ -150,6 +158,14 @@ class Scheduler:
 
     def abort(self, seq: Seq) -> None:
         seq.aborted = True  # dropped from running/waiting at the next plan()
+
+    def kv_cache_usage(self) -> float:
+        """Share of the KV cache (Profile.kv_cache_tokens) the running sequences hold, in whole
+        blocks of KV_BLOCK_TOKENS, as vLLM's vllm:kv_cache_usage_perc (1 means full)."""
+        blocks = sum(
+            -(-(s.prefilled + s.generated) // KV_BLOCK_TOKENS) for s in self.running if not s.aborted
+        )
+        return min(1.0, blocks * KV_BLOCK_TOKENS / self.profile.kv_cache_tokens)
 
     def plan(self, now: float) -> Step | None:
         p = self.profile

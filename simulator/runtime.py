@@ -67,6 +67,9 @@ class Engine:
     def waiting(self) -> int:
         return len(self.sched.waiting)
 
+    def kv_cache_usage(self) -> float:
+        return self.sched.kv_cache_usage()
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:

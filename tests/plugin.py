@@ -1,4 +1,4 @@
-"""pytest plugin loaded first (pytest.ini: -p tests.plugin): a private ABPLAT_VAR per test
+"""pytest plugin loaded first (pyproject.toml: -p tests.plugin): a private ABPLAT_VAR per test
 session, so tests never touch the developer's var/ (SQLite file, chDB, spool, weights); the
 production settings (DEBUG off) with a secret key generated for the session."""
 
@@ -20,6 +20,13 @@ if "ABPLAT_VAR" not in os.environ:
 TEST_SECRET_KEY = os.environ.setdefault("ABPLAT_SECRET_KEY", "test-" + secrets.token_urlsafe(48))
 os.environ.setdefault("ABPLAT_SSL_REDIRECT", "false")
 os.environ.setdefault("ABPLAT_SECURE_COOKIES", "false")
+# Static files as named (no collectstatic before the suite): the manifest storage of production
+# is tested with a real server in tests/foundation/test_production_server.py.
+os.environ.setdefault("ABPLAT_STATIC_STORAGE", "plain")
+# WhiteNoise warns about a missing STATIC_ROOT on every request handler it starts.
+os.makedirs(
+    os.environ.get("ABPLAT_STATIC_ROOT") or os.path.join(os.environ["ABPLAT_VAR"], "static"), exist_ok=True
+)
 
 SERVER_URL = os.environ.get("ABPLAT_TEST_CLICKHOUSE_URL", "clickhouse://default:@127.0.0.1:19000/abplat_test")
 

@@ -19,6 +19,10 @@ A retired worker's spool must be flushed before its rows are lost: run
 `manage.py flush_samples --spool-dir PATH` on a host that can read its directory (copied or
 mounted, with its spool.id file); a spool whose disk is gone is given up with
 `manage.py flush_samples --forget-spool ID` (its runs then end failed, naming the rows).
+
+Metrics (telemetry/metrics.py, docs/metrics.md): a pool child about to exit removes its live
+gauges from ABPLAT_METRICS_DIR (worker_process_shutdown), and with ABPLAT_WORKER_METRICS_PORT
+the worker's main process serves the machine's metrics (worker_init, before the pool forks).
 """
 
 import functools
@@ -127,12 +131,38 @@ def flush_forever() -> None:
             connections.close_all()
 
 
+def forget_process_metrics(**_kwargs) -> None:
+    """worker_process_shutdown, in a pool child about to exit (with os._exit: no atexit): its
+    live gauges leave the metrics directory (telemetry/metrics.py)."""
+    from telemetry.metrics import mark_process_dead
+
+    mark_process_dead(os.getpid())
+
+
+def serve_worker_metrics(**_kwargs) -> None:
+    """worker_init, in the worker's main process before its pool starts: with
+    ABPLAT_WORKER_METRICS_PORT, serve this machine's metrics (every pool child's, summed through
+    ABPLAT_METRICS_DIR) for a Prometheus on another machine (docs/metrics.md)."""
+    from django.conf import settings
+
+    from telemetry.metrics import serve
+
+    if not settings.WORKER_METRICS_PORT:
+        return
+    where = f"http://{settings.WORKER_METRICS_ADDR}:{settings.WORKER_METRICS_PORT}/metrics"
+    try:
+        if serve(settings.WORKER_METRICS_PORT, settings.WORKER_METRICS_ADDR):
+            log.info("serving this machine's metrics on %s", where)
+    except OSError as exc:  # the worker still works; Prometheus will see the target down
+        log.error("cannot serve metrics on %s (ABPLAT_WORKER_METRICS_PORT/_ADDR): %s", where, exc)
+
+
 class WorkersConfig(AppConfig):
     name = "workers"
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from celery.signals import worker_process_init, worker_ready
+        from celery.signals import worker_init, worker_process_init, worker_process_shutdown, worker_ready
 
         from experiments.signals import experiment_transitioned
         from samples.factory import set_spool_hooks
@@ -143,3 +173,7 @@ class WorkersConfig(AppConfig):
         worker_ready.connect(
             start_spool_flusher_unless_prefork, dispatch_uid="workers.spool_flusher_ready", weak=False
         )
+        worker_process_shutdown.connect(
+            forget_process_metrics, dispatch_uid="workers.metrics_exit", weak=False
+        )
+        worker_init.connect(serve_worker_metrics, dispatch_uid="workers.metrics_server", weak=False)

@@ -22,7 +22,9 @@ from replay import shapes
 from replay.arrivals import Arrival
 from replay.plan import expected_samples
 from replay.sources import SourceError, load_requests
-from samples.store import StoreUnavailable
+from samples.factory import sample_store
+from samples.store import NotMigrated, StoreError, StoreUnavailable
+from telemetry.logs import context_from_args
 from traces import storage as trace_storage
 from traces.models import Trace
 from workers import preflight
@@ -235,6 +237,16 @@ def create_run(experiment: Experiment, *, source: str | None = None, trace: str 
             f"(max_duration {cap:g} s); speed it up (--speed, --rate, --limit), raise the cap "
             "(--max-duration), or confirm (--yes; API: confirm)"
         )
+    # A store without its tables would fail every shard with a raw ClickHouse error; an
+    # unreachable one is fine here (the shards spool until it is back). Asked once per process.
+    try:
+        sample_store().check_schema()
+    except NotMigrated as exc:
+        raise ReplayError(f"nothing was sent: {exc}") from None
+    except StoreUnavailable:
+        pass
+    except StoreError as exc:  # chDB locked by another process, say
+        raise ReplayError(f"nothing was sent: the sample store cannot be used: {exc}") from None
     if check_variants:
         verify = settings.VARIANT_CA_BUNDLE or True
         problems = preflight.check(
@@ -291,7 +303,12 @@ def cancel_run(run: ReplayRun, actor=None, *, end_abandoned: bool = True) -> boo
         try:
             end_if_abandoned(run.pk)
         except StoreUnavailable as exc:
-            log.warning("run %s: cancelled; its samples wait for the sample store: %s", run.pk, exc)
+            log.warning(
+                "run %s: cancelled; its samples wait for the sample store: %s",
+                run.pk,
+                exc,
+                extra={"run": run.pk},
+            )
     run.refresh_from_db()
     return bool(updated)
 
@@ -317,6 +334,7 @@ def stale_shards(run: ReplayRun, now=None) -> list[ReplayShard] | None:
     return open_shards if due else None
 
 
+@context_from_args(run="run_id")  # log fields of the call (telemetry/logs.py)
 def end_if_abandoned(run_id: int) -> bool:
     """End a running run whose owner died (every open shard's lease expired): its open shards
     fail as abandoned, and the run ends, cancelled if cancellation was asked for and failed
@@ -359,7 +377,12 @@ def reap_abandoned() -> list[int]:
             if end_if_abandoned(run.pk):
                 ended.append(run.pk)
         except StoreUnavailable as exc:
-            log.warning("run %s: abandoned, its samples wait for the sample store: %s", run.pk, exc)
+            log.warning(
+                "run %s: abandoned, its samples wait for the sample store: %s",
+                run.pk,
+                exc,
+                extra={"run": run.pk},
+            )
     return ended
 
 

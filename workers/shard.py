@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import logging
 import os
 import time
@@ -26,7 +27,12 @@ from replay.runner import ShardRunner, ShardSpec, ShardStats, StopReplay
 from replay.sink import BatchSink
 from replay.sources import LoadedSource, load_requests
 from samples.factory import sample_store, sample_writer
+from telemetry import tracing
+from telemetry.logs import log_context
+from telemetry.metrics import ReplayMeter, ShardsRunning
+from workers import server_metrics
 from workers.models import ReplayRun, ReplayShard
+from workers.spans import traced
 from workers.variants import client_for, counter_for
 
 log = logging.getLogger(__name__)
@@ -64,7 +70,8 @@ def run_coroutine(coro):
     except RuntimeError:
         return asyncio.run(coro)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
+        # The caller's log context (run, shard, ...) goes with it.
+        return pool.submit(contextvars.copy_context().run, asyncio.run, coro).result()
 
 
 def plan_run_prompts(run: ReplayRun) -> dict:
@@ -81,9 +88,11 @@ def plan_run_prompts(run: ReplayRun) -> dict:
             counter_for(variants, verify=verify),
         )  # fmt: skip
 
-    plans, report = run_coroutine(plan())
-    for c in report:
-        log.info("run %s: prompts for %s: %s", run.pk, c.variant, c)
+    with log_context(experiment=run.experiment.key, run=run.pk):
+        plans, report = run_coroutine(plan())
+        for c in report:
+            with log_context(variant=c.variant):
+                log.info("run %s: prompts for %s: %s", run.pk, c.variant, c)
     return plan_to_json(plans)
 
 
@@ -181,7 +190,15 @@ def execute_shard(shard: ReplayShard, *, budget_s: float | None = None,
         finally:
             connections.close_all()
 
-    sink = BatchSink(writer.write)
+    # abplat_replay_* as the shard goes (telemetry/metrics.py): sent, completed, lag, written.
+    meter = ReplayMeter(experiment.key)
+
+    def write(rows) -> str:
+        how = writer.write(rows)
+        meter.written(len(rows), "spool" if how == "spooled" else "store")
+        return how
+
+    sink = BatchSink(write)
 
     async def main() -> ShardStats:
         verify = settings.VARIANT_CA_BUNDLE or True  # True: the system trust store
@@ -194,16 +211,19 @@ def execute_shard(shard: ReplayShard, *, budget_s: float | None = None,
             run_id=run.pk,
             mode=run.mode,
         )
+        clients = {key: meter.wrap_client(key, client) for key, client in clients.items()}
         try:
             ahead = run.start_at_unix + shard.start_s - time.time() if run.start_at_unix else 0.0
             log.info("run %s shard %s (window %s, slot %s): %d requests, ready %.2f s %s its window opens",
                      run.pk, shard.index, shard.window, shard.slot, len(requests), abs(ahead),
                      "before" if ahead >= 0 else "AFTER")  # fmt: skip
-            runner = ShardRunner(spec, clients, assign if router else None, sink.put,
+            runner = ShardRunner(spec, clients, assign if router else None, meter.put_row(traced(sink.put)),
                                  should_cancel=should_cancel, revision=revision, on_progress=on_progress)  # fmt: skip
             handing = asyncio.create_task(hand_off()) if handoff is not None else None
             try:
-                stats = await runner.run()
+                # The variants' own /metrics, scraped meanwhile by one shard per window (issue 12).
+                async with server_metrics.scraping(scrape_plan, run, variants):
+                    stats = await runner.run()
             except BaseException:
                 if handing is not None:
                     handing.cancel()
@@ -231,11 +251,14 @@ def execute_shard(shard: ReplayShard, *, budget_s: float | None = None,
 
         await asyncio.to_thread(call)
 
+    scrape_plan = server_metrics.plan_for(shard)  # None: another shard scrapes, or it is off
     try:
-        stats = run_coroutine(main())
+        with ShardsRunning():
+            stats = run_coroutine(main())
     finally:
         closing = time.monotonic()
         sink.close()  # raises if rows could not be written (the task fails; nothing silent)
+        tracing.flush()  # the shard's request spans (ABPLAT_OTEL_ENABLED), bounded; a no-op when off
         log.debug("run %s shard %s: rows written in %.2f s", run.pk, shard.index, time.monotonic() - closing)
     log.info("run %s shard %s: %s", run.pk, shard.index, stats.summary())
     return stats

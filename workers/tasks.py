@@ -48,7 +48,11 @@ from samples.factory import sample_store, sample_writer
 from samples.schema import SAMPLES_TABLE
 from samples.signals import replay_finished
 from samples.store import StoreError, StoreUnavailable
+from telemetry.logs import bind as bind_log_fields
+from telemetry.logs import context_from_args
+from telemetry.metrics import REPLAY_SHARDS_FINISHED, REPLAY_SHARDS_REQUEUED
 from workers.models import ReplayRun, ReplayShard, SpoolRecord
+from workers.server_metrics import scrape_now
 from workers.shard import execute_shard, plan_run_prompts
 
 log = logging.getLogger(__name__)
@@ -82,6 +86,7 @@ class SpooledElsewhere(StoreUnavailable):
     acks_late=True, reject_on_worker_lost=True, ignore_result=True,
     soft_time_limit=settings.REPLAY_PLAN_TIME_LIMIT_S, time_limit=settings.REPLAY_PLAN_TIME_LIMIT_S + 60,
 )  # fmt: skip
+@context_from_args(run="run_id")  # log fields of the call (telemetry/logs.py)
 def start_replay(run_id: int) -> None:
     run = (
         ReplayRun.objects.select_related("experiment")
@@ -90,9 +95,11 @@ def start_replay(run_id: int) -> None:
     )
     if run is None:
         return
+    bind_log_fields(experiment=run.experiment.key)  # until the call ends
     # 1. Prompts planned before time zero, so calibration never makes a send late. A redelivered
     # message plans again (the same plan: it is deterministic) and only one claim wins.
     plan = plan_run_prompts(run)
+    scrape_now(run_id, "baseline")  # the variants' /metrics before any request is sent (issue 12)
     # 2. The claim fixes time zero after the plan; a run cancelled meanwhile is not claimed.
     claimed = ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.QUEUED).update(
         status=ReplayRun.Status.RUNNING, started_at=timezone.now(), start_at_unix=time.time() + START_LEAD_S,
@@ -159,6 +166,7 @@ def handoff_plan(shard: ReplayShard) -> float | None:
 
 
 @shared_task(bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True, max_retries=None)
+@context_from_args(run="run_id", shard="index")
 def run_shard(self, run_id: int, index: int, store_retries: int = 0) -> None:
     """``store_retries``: how often this shard was retried because the store (or another
     host's spool) was not there; waits for a live lease do not count."""
@@ -178,6 +186,7 @@ def run_shard(self, run_id: int, index: int, store_retries: int = 0) -> None:
             raise self.retry(countdown=LEASE_S, max_retries=None)
         return  # done already: a redelivered message
     shard = ReplayShard.objects.select_related("run__experiment").get(run_id=run_id, index=index)
+    bind_log_fields(experiment=shard.run.experiment.key)  # until the call ends
     # The next window is queued when it is due (not with a countdown: a message with an ETA is
     # held by the one worker that fetched it, busy or not): by this shard while it runs, or,
     # after a gap in the schedule, when it ends. Every slot tries; each shard is queued once.
@@ -186,6 +195,7 @@ def run_shard(self, run_id: int, index: int, store_retries: int = 0) -> None:
         ReplayShard.objects.filter(pk=shard.pk).update(
             status=ReplayShard.Status.DONE, finished_at=timezone.now()
         )
+        REPLAY_SHARDS_FINISHED.labels("done").inc()
         close_old_connections()
         maybe_finish(run_id)
         return
@@ -212,10 +222,12 @@ def run_shard(self, run_id: int, index: int, store_retries: int = 0) -> None:
                 status=ReplayShard.Status.PENDING, heartbeat_at=None
             )
             countdown = get_exponential_backoff_interval(2, store_retries, 60, True)
+            REPLAY_SHARDS_REQUEUED.labels("store_unavailable").inc()
             raise self.retry(
                 exc=exc, countdown=countdown, kwargs={"store_retries": store_retries + 1}
             ) from exc
         log.error("run %s shard %s: gave up after %d store retries: %s", run_id, index, store_retries, exc)
+        REPLAY_SHARDS_FINISHED.labels("failed").inc()
         reason = f"the sample store stayed unavailable through {store_retries} retries: {exc}"
         ReplayShard.objects.filter(pk=shard.pk).update(
             status=ReplayShard.Status.FAILED, error=reason[:4000], finished_at=timezone.now()
@@ -223,6 +235,7 @@ def run_shard(self, run_id: int, index: int, store_retries: int = 0) -> None:
         ReplayRun.objects.filter(pk=run_id).update(error=f"shard {index}: {reason}"[:4000])
     except Exception as exc:
         log.exception("run %s shard %s failed", run_id, index)
+        REPLAY_SHARDS_FINISHED.labels("failed").inc()
         ReplayShard.objects.filter(pk=shard.pk).update(
             status=ReplayShard.Status.FAILED,
             error=f"{type(exc).__name__}: {exc}"[:4000],
@@ -237,6 +250,7 @@ def run_shard(self, run_id: int, index: int, store_retries: int = 0) -> None:
             # The shard stopped on its own (e.g. the experiment was concluded and its weights
             # retired): the run is cancelled, for that reason, not failed.
             ReplayRun.objects.filter(pk=run_id).update(cancel_requested=True, error=stats.stop_reason[:4000])
+        REPLAY_SHARDS_FINISHED.labels("done").inc()
         ReplayShard.objects.filter(pk=shard.pk).update(
             status=ReplayShard.Status.DONE, finished_at=timezone.now(),
             sent=stats.sent + stats.skipped_recorded, recorded=stats.recorded + stats.skipped_recorded,
@@ -272,6 +286,7 @@ def requeue(shard: ReplayShard, stats) -> None:
         )
     ReplayShard.objects.filter(pk=shard.pk, status=ReplayShard.Status.RUNNING).update(**fields)
     close_old_connections()
+    REPLAY_SHARDS_REQUEUED.labels("soft_time_limit" if stats is None else "budget").inc()
     run_shard.apply_async((shard.run_id, shard.index))
 
 
@@ -299,10 +314,17 @@ def maybe_finish(run_id: int) -> None:
     bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
     max_retries=FINISH_MAX_RETRIES + FINISH_ERROR_RETRIES,
 )  # fmt: skip
+@context_from_args(run="run_id")
 def finish_replay(self, run_id: int, errors: int = 0) -> None:
     """``errors``: how many tries failed other than for a store that is down (the bound on
     those is FINISH_ERROR_RETRIES; on all tries FINISH_MAX_RETRIES + FINISH_ERROR_RETRIES)."""
+    bind_log_fields(  # until the call ends; no shard (an eager call may come from one)
+        experiment=ReplayRun.objects.filter(pk=run_id).values_list("experiment__key", flat=True).first(),
+        shard=None,
+    )
     countdown = min(60, 2 ** min(self.request.retries, 6))
+    if not self.request.retries and not errors:
+        scrape_now(run_id, "final")  # the variants' /metrics once more, every shard ended (issue 12)
     try:
         complete_run(run_id)
     except StoreUnavailable as exc:

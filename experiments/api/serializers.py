@@ -42,6 +42,27 @@ class VariantDocumentSerializer(serializers.Serializer):
     auth = VariantAuthSerializer(required=False, allow_null=True)
 
 
+class GuardrailSerializer(serializers.Serializer):
+    metric = serializers.CharField(help_text="attainment, error_rate, or a quantile like p99_ttft_ms")
+    at_least = serializers.JSONField(required=False, help_text="a number, or sla_target (attainment)")
+    at_most = serializers.FloatField(required=False)
+    at_least_over_control = serializers.FloatField(required=False)
+    at_most_over_control = serializers.FloatField(required=False)
+
+
+class RolloutSerializer(serializers.Serializer):
+    """A progressive rollout plan (docs/rollouts.md); the controller is rollouts/service.py."""
+
+    candidate = serializers.SlugField(help_text="the variant rolled out; the control takes the rest")
+    steps = serializers.ListField(child=serializers.IntegerField(min_value=1, max_value=100))
+    min_samples = serializers.IntegerField(min_value=1, help_text="per step and arm, before a promotion")
+    min_duration = serializers.CharField(help_text='per step: "30s", "10m", "1h"')
+    guardrails = GuardrailSerializer(many=True)
+    on_breach = serializers.ChoiceField(choices=["rollback", "pause"], default="rollback")
+    notify = serializers.ListField(child=serializers.URLField(), required=False, help_text="webhooks")
+    alpha = serializers.FloatField(required=False, help_text="error budget of the whole rollout (0.05)")
+
+
 class ExperimentDocumentSerializer(serializers.Serializer):
     """The experiment document (see README). Errors are keyed by field path."""
 
@@ -50,6 +71,7 @@ class ExperimentDocumentSerializer(serializers.Serializer):
     hypothesis = serializers.CharField(required=False, allow_blank=True)
     sla = SlaSerializer()
     variants = VariantDocumentSerializer(many=True)
+    rollout = RolloutSerializer(required=False, allow_null=True)
 
     def to_internal_value(self, data):
         try:

@@ -13,6 +13,10 @@ Each change builds a new immutable ``Snapshot`` and swaps one attribute (double 
 reader holds either the old or the new snapshot, never a mix. A document that fails validation
 (written by hand with etcdctl, say) is rejected: the previous one stays, the reason is logged,
 ``metrics["documents_rejected"]`` counts it and ``rejections`` keeps the latest reason per key.
+
+Every count of ``metrics`` is also a Prometheus counter, and the snapshot's revision, when it was
+last known to match the store and whether the watch is connected are gauges
+(telemetry/metrics.py, ``abplat_router_*``; docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from experiments.assignment import make_assigner
 from experiments.weights.document import WeightsDocument, parse_document
 from experiments.weights.errors import StoreUnavailable, WatchCompacted, WeightsError
 from experiments.weights.store import WatchEvent, WeightsStore
+from telemetry.metrics import RouterMeter, router_store_label
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +111,7 @@ class Router:
                 "snapshots_swapped",
                 "full_loads",
                 "watch_registrations",
+                "watch_reconnects",
                 "watch_errors",
                 "store_errors",
             ),
@@ -113,6 +119,7 @@ class Router:
         )
         self.connected = False
         self.last_error = ""
+        self._meter = RouterMeter(router_store_label(store))
 
     # Reading -----------------------------------------------------------------------------
 
@@ -202,10 +209,12 @@ class Router:
                 batches = self.store.watch(self._last_seen + 1, self._stop)
                 for batch in batches:
                     if not self.connected or down_since is not None:
-                        self._metrics["watch_registrations"] += 1
+                        self._count("watch_registrations")
                         self.connected = True
+                        self._meter.connected.set(1)
                         backoff = self.backoff_min
                         if down_since is not None:
+                            self._count("watch_reconnects")
                             log.warning(
                                 "weights router: watch re-registered from revision %d after %.2f s",
                                 self._last_seen + 1,
@@ -214,6 +223,7 @@ class Router:
                             down_since = None
                     if batch:
                         self._apply(batch)
+                    self._meter.synced(self._snapshot.revision)  # a live watch: in sync now
                     if time.monotonic() >= next_resync:
                         self._full_load()
                         next_resync = time.monotonic() + self.resync_interval
@@ -222,8 +232,9 @@ class Router:
                 need_load = True
             except Exception as exc:  # keep serving whatever happens; never kill the thread
                 self.connected = False
+                self._meter.connected.set(0)
                 self.last_error = f"{type(exc).__name__}: {exc}"
-                self._metrics["watch_errors"] += 1
+                self._count("watch_errors")
                 if down_since is None:
                     down_since = time.monotonic()
                     # One warning per outage; the retries that follow are logged at debug.
@@ -248,7 +259,7 @@ class Router:
         try:
             listing = self.store.list_raw()
         except StoreUnavailable as exc:
-            self._metrics["store_errors"] += 1
+            self._count("store_errors")
             self.last_error = str(exc)
             raise
         events = [WatchEvent(k, v.raw, v.revision) for k, v in listing.values.items()]
@@ -257,7 +268,8 @@ class Router:
             WatchEvent(k, None, listing.revision) for k in self._snapshot.entries if k not in listing.values
         ]
         self._apply(events, store_revision=listing.revision, full=True)
-        self._metrics["full_loads"] += 1
+        self._count("full_loads")
+        self._meter.synced(self._snapshot.revision)
         self._ready.set()
 
     def _apply(self, events: Iterable[WatchEvent], store_revision: int = 0, full: bool = False) -> None:
@@ -275,7 +287,7 @@ class Router:
                     if held is not None:
                         del entries[event.key]
                         changed = True
-                        self._metrics["changes_applied"] += 1
+                        self._count("changes_applied")
                     self._rejections.pop(event.key, None)
                     continue
                 rejected = self._rejections.get(event.key)
@@ -289,7 +301,7 @@ class Router:
                 entries[event.key] = Entry(doc, event.revision)
                 self._rejections.pop(event.key, None)
                 changed = True
-                self._metrics["changes_applied"] += 1
+                self._count("changes_applied")
             self._last_seen = last_seen
             if changed or not current.loaded or (full and last_seen != current.revision):
                 snapshot = Snapshot(MappingProxyType(entries), last_seen, loaded=True)
@@ -303,9 +315,13 @@ class Router:
             except Exception:
                 log.exception("weights router: on_swap callback failed")
 
+    def _count(self, what: str) -> None:
+        self._metrics[what] += 1
+        self._meter.count(what)
+
     def _reject(self, event: WatchEvent, reason: str, held: Entry | None) -> None:
         self._rejections[event.key] = Rejection(event.key, event.revision, reason)
-        self._metrics["documents_rejected"] += 1
+        self._count("documents_rejected")
         keeping = f"keeping revision {held.revision}" if held else "no previous document"
         log.error(
             "weights router: rejected document %r at revision %d (%s): %s",

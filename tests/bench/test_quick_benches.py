@@ -45,7 +45,8 @@ def bench_env(database: str, var: pathlib.Path) -> dict[str, str]:
 def bench_args(name: str, database: str) -> list[str]:
     """The ClickHouse URL on each bench's own command line, where it takes one there."""
     url = server_url_for(database)
-    return {"bench_replay.py": ["--clickhouse-url", url], "bench_insert.py": ["--url", url]}.get(name, [])
+    return {"bench_replay.py": ["--clickhouse-url", url], "bench_insert.py": ["--url", url],
+            "bench_observability.py": ["--clickhouse-url", url]}.get(name, [])  # fmt: skip
 
 
 def has_table(text: str) -> bool:
@@ -106,7 +107,7 @@ def quick_runs(tmp_path_factory):
 
 
 def test_every_bench_has_a_quick_mode():
-    assert {"bench_replay.py", "bench_split.py", "bench_streaming.py"} <= set(BENCHES)
+    assert {"bench_replay.py", "bench_split.py", "bench_streaming.py", "bench_sequential.py"} <= set(BENCHES)
     for name in BENCHES:
         assert "--quick" in (ROOT / "bench" / name).read_text(), f"{name} has no --quick"
 
@@ -134,11 +135,36 @@ def test_quick_bench_replay_prints_every_table_with_exact_sample_counts(quick_ru
     assert "| mirror | fast | 60 | 100x |" in out and "| 180 | 180 | 180 | 180 | yes |" in out, out
 
 
+def test_quick_bench_sequential_prints_false_rollbacks_coverage_and_time_to_detect(quick_runs):
+    # The bench fails unless the sequences keep alpha and peeked fixed-horizon tests exceed it.
+    code, out, err, _ = quick_runs["bench_sequential.py"]
+    assert code == 0, f"bench failed ({code}):\n{out}\n{err}"
+    for header in ("| guardrail (A/A at the limit) | anytime-valid (ours) | fixed-horizon, peeked | fixed / ours |",
+                   "| quantity | truth | anytime-valid (ours) | fixed-horizon, peeked | fixed / ours |",
+                   "| step | candidate req/s | rolled back (regressed) | median min |"):  # fmt: skip
+        assert header in out, f"missing table {header!r}:\n{out}"
+    for step in ("| 1% |", "| 5% |", "| 25% |", "| 50% |"):
+        assert step in out, f"no row for step {step}:\n{out}"
+
+
+def test_quick_bench_observability_prints_each_setup_side_by_side_with_its_ratio(quick_runs):
+    code, out, err, _ = quick_runs["bench_observability.py"]
+    assert code == 0, f"bench failed ({code}):\n{out}\n{err}"
+    assert "| setup | runs | CPU ms/request (median) | min - max | vs off (paired median) |" in out, out
+    assert "| 1.000 | 1.000 - 1.000 |" in out, out  # the baseline against itself
+    for label in ("off", "metrics", "metrics, dir", "metrics, dir + JSON logs"):
+        assert f"| {label} | 1 | " in out, f"missing setup {label!r}:\n{out}"
+    assert "| metrics, in-process | " in out and "| metrics, ABPLAT_METRICS_DIR | " in out, out
+    assert "| JSON logs (" in out and "target: overhead under 3%" in out, out
+
+
 # A broken precondition: each bench exits 1 at once, naming what failed, and prints no table.
 DEAD = [
     ("bench_replay.py", ["--quick", "--clickhouse-url", "clickhouse://default:@127.0.0.1:1/abplat_dead"],
      "ClickHouse server at clickhouse://127.0.0.1:1/abplat_dead is not usable"),
     ("bench_split.py", ["--quick", "--etcd", "127.0.0.1:1"], "etcd at 127.0.0.1:1 not reachable"),
+    ("bench_observability.py", ["--quick", "--clickhouse-url", "clickhouse://default:@127.0.0.1:1/abplat_dead"],
+     "ClickHouse server at clickhouse://127.0.0.1:1/abplat_dead is not usable"),
     ("bench_streaming.py", ["--skip-sim", "--vllm-url", "http://127.0.0.1:1"],
      "vLLM (--vllm-url) at http://127.0.0.1:1 not healthy"),
 ]  # fmt: skip

@@ -3,15 +3,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from samples.factory import _cache as store_cache
 from tests.analysis.fixtures_report import loaded_stores, mirror_data, server_url_for, split_data  # noqa: F401
+from tests.browser import ARTIFACTS, launch, watch_errors
 
-CHROMIUM = "/usr/bin/chromium"
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 CHARTS = ("attainment", "cdf", "percentiles", "p99-time", "attribution", "phases", "seg-prompt",
           "seg-inflight", "srm")  # fmt: skip
 
@@ -22,27 +19,14 @@ CHARTS = ("attainment", "cdf", "percentiles", "p99-time", "attribution", "phases
 def test_dashboard_renders_every_chart_in_chromium(live_server, settings, loaded_stores, users, experiment):
     from playwright.sync_api import sync_playwright
 
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} missing: install Debian chromium (make browser)", pytrace=False)
     settings.CLICKHOUSE_URL = server_url_for(loaded_stores["server"].database)
     store_cache.clear()
     errors: list[str] = []
     with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run"],
-        )  # fmt: skip
+        browser = launch(p)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.on(
-                "response",
-                lambda r: errors.append(f"HTTP {r.status} {r.url}") if r.status >= 400 else None,
-            )
-            # the admin login page has no icon link: Chromium's /favicon.ico probe would 404
-            page.route("**/favicon.ico", lambda route: route.fulfill(status=204, body=""))
+            watch_errors(page, errors)
             page.goto(f"{live_server.url}/admin/login/?next=/dashboards/ttft-opt/")
             page.fill("#id_username", "ana")
             page.fill("#id_password", "pw-ana")

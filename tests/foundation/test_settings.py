@@ -29,6 +29,11 @@ def manage(*args: str, **env: str) -> subprocess.CompletedProcess:
         ("ABPLAT_ETCD_PREFIX", "abplat", "ABPLAT_ETCD_PREFIX"),
         ("ABPLAT_WORKER_CONCURRENCY", "0", "ABPLAT_WORKER_CONCURRENCY"),
         ("ABPLAT_VARIANT_CA_BUNDLE", "/nonexistent/ca.pem", "ABPLAT_VARIANT_CA_BUNDLE"),
+        ("ABPLAT_CACHE_URL", "memcached://h:11211", "ABPLAT_CACHE_URL"),
+        ("ABPLAT_CACHE_URL", "redis://h:6379/cache", "ABPLAT_CACHE_URL"),
+        ("ABPLAT_CSRF_TRUSTED_ORIGINS", "abplat.example.com", "ABPLAT_CSRF_TRUSTED_ORIGINS item 'abplat"),
+        ("ABPLAT_TRUSTED_PROXIES", "nginx.internal", "ABPLAT_TRUSTED_PROXIES item 'nginx.internal'"),
+        ("ABPLAT_STATIC_STORAGE", "s3", "ABPLAT_STATIC_STORAGE='s3'"),
     ],
 )
 def test_bad_environment_value_stops_start_naming_the_variable(tmp_path, name, value, says):

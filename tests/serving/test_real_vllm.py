@@ -159,3 +159,93 @@ def test_calibrated_prompts_are_the_trace_length_on_real_vllm(vllm, api):
 
     results = asyncio.run(go())
     assert [r.prompt_tokens for r in results] == [t for _, t in wanted], [r.error for r in results]
+
+
+# ---- the variants' own metrics (issue 12): scraped during a replay, stored, reported -----------
+
+
+def _families(url: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_the_simulator_serves_real_vllms_names_labels_and_buckets(vllm):
+    from analysis.server_metrics import KEPT
+    from simulator.serve import start_in_thread
+
+    sim = start_in_thread("fast", model="tiny-llama")
+    try:
+        real, ours = _families(vllm.url), _families(sim.url)
+    finally:
+        sim.stop()
+    # every series abplat reads is real vLLM's (the KV gauge under this version's name)
+    wanted = sorted(KEPT - {"vllm:gpu_cache_usage_perc"})
+    assert [n for n in wanted if n not in real] == [] and [n for n in wanted if n not in ours] == []
+
+    def shape(fam) -> tuple:
+        labels = {frozenset(s.labels) - {"le"} for s in fam.samples if not s.name.endswith("_created")}
+        edges = sorted({s.labels["le"] for s in fam.samples if s.name.endswith("_bucket")}, key=float)
+        return fam.type, labels, edges
+
+    assert {n: shape(ours[n]) for n in wanted} == {n: shape(real[n]) for n in wanted}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_replay_against_real_vllm_stores_and_reports_its_queue_and_prefill(
+    vllm, document, users, sample_store, settings, tmp_path, client
+):
+    import io
+    import json
+
+    from django.core.management import call_command
+
+    from analysis import server_metrics as sm
+    from analysis.definitions import Filters
+    from dashboards import reports
+    from experiments import services
+    from simulator.serve import start_in_thread
+    from workers.models import ReplayRun
+
+    settings.SERVER_METRICS_INTERVAL_S = 1
+    sim = start_in_thread("fast", model="tiny-llama")
+    try:
+        # fp16 on real vLLM, awq on the simulator; mirror mode sends every request to both
+        document["variants"] = document["variants"][:2]
+        for v, url in zip(document["variants"], (vllm.url, sim.url), strict=True):
+            v.update(endpoint=url + "/v1", api="completions", weight=50)
+        experiment = services.apply_document(document, actor=users["product"]).experiment
+        services.transition(experiment, "start", users["product"])
+        trace = tmp_path / "prompts.jsonl"
+        trace.write_text("".join(
+            json.dumps({"timestamp": i * 0.15, "prompt": f"Tell me about the number {i}.", "max_tokens": 6}) + "\n"
+            for i in range(10)
+        ))  # fmt: skip
+        call_command("replay", "ttft-opt", "--trace", str(trace), "--format", "jsonl", "--mode", "mirror",
+                     stdout=io.StringIO())  # fmt: skip
+    finally:
+        sim.stop()
+    run = ReplayRun.objects.get()
+    assert run.status == "done" and run.outcomes == {"ok": 20}, (run.error, run.outcomes)
+
+    # stored: real vLLM's queue and prefill histograms grew by exactly the requests it served
+    got = sm.read(sample_store, Filters("ttft-opt", run_id=run.pk), ["fp16"], bucket_s=10)["fp16"]
+    for key in ("queue", "prefill", "decode", "ttft"):
+        h = got["hist"][key]
+        assert h["count"] == 10 and h["buckets"]["+Inf"] == 10 and h["sum"] >= 0, (key, h)
+    assert got["scrapes"]["failed"] == 0 and got["scrapes"]["ok"] >= 3
+
+    # reported beside the client's TTFT, and shown on the dashboard
+    rep = reports.report_for(experiment, Filters("ttft-opt"), use_cache=False)
+    server = rep["server"]["variants"]["fp16"]
+    assert server["queue_ms"]["n"] == server["prefill_ms"]["n"] == server["requests_finished"] == 10
+    assert server["prefill_ms"]["mean_ms"] > 0 and server["queue_ms"]["mean_ms"] >= 0
+    assert server["client_ttft_ms"]["p50"] is not None
+    client.force_login(users["analyst"])
+    resp = client.get("/dashboards/ttft-opt/")
+    page = resp.content.decode()
+    assert resp.status_code == 200 and 'id="server-metrics"' in page and "server prefill mean" in page
+    row = next(r for r in resp.context["server_rows"] if r["variant"] == "fp16")
+    assert row["prefill_mean_ms"] == server["prefill_ms"]["mean_ms"] and row["requests_finished"] == 10
+    assert row["client_ttft_p50_ms"] == server["client_ttft_ms"]["p50"]

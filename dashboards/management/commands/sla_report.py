@@ -17,24 +17,28 @@ in docs/report-json.md (the same JSON as GET /api/experiments/KEY/report):
      "attribution": {...}, "phases": {...}, "segments": {...}, "mix_rate": {...},
      "timeseries": {...}, "cdf": {...}, "timing": {"query_s"}}
 
---csv DIR writes one CSV per table (dashboards.tables.TABLES) into DIR.
+--csv DIR writes one CSV per table (dashboards.tables.TABLES) into DIR. With --json a refusal
+(an unknown experiment or run, a bad filter, a report past its time limit) exits 1 with
+{"error": {"message", "field", "errors"}} (experiments.cli), field naming the option.
 """
 
 from __future__ import annotations
 
-import json
+import re
 from pathlib import Path
-
-from django.core.management.base import BaseCommand, CommandError
 
 from analysis.definitions import QueryError
 from dashboards import tables
 from dashboards.reports import report_for_params, report_time_limit_s, timeout_message
+from experiments.cli import CliError, JsonCommand, add_json_argument
 from experiments.models import Experiment
 from samples.store import QueryTimeout
 
+# A QueryError that starts "run=..." is about --run (dashboards.filters words them for the URL).
+_OPTION = re.compile(r"^(run|status|variant|mode|since|until)=")
 
-class Command(BaseCommand):
+
+class Command(JsonCommand):
     help = "SLA report of an experiment: a table, --json, or --csv DIR"
 
     def add_arguments(self, parser):
@@ -51,29 +55,30 @@ class Command(BaseCommand):
             "or all; repeatable or comma-separated",
         )
         parser.add_argument("--mode", choices=["split", "mirror"], help="read runs of this mode")
-        parser.add_argument("--json", action="store_true", help="print the report JSON")
+        add_json_argument(parser)
         parser.add_argument("--csv", metavar="DIR", help="write one CSV per table into DIR")
 
     def handle(self, *args, **opts):
         try:
             experiment = Experiment.objects.get(key=opts["key"])
         except Experiment.DoesNotExist:
-            raise CommandError(f"no experiment with key {opts['key']!r}") from None
+            raise CliError(f"no experiment with key {opts['key']!r}", field="key") from None
         params = {k: opts[k] or "" for k in ("since", "until", "mode")} | {"run": opts["run"] or ""}
         try:
             _filters, report = report_for_params(experiment, params, opts["variant"], opts["status"])
         except QueryError as e:
-            raise CommandError(str(e)) from None
+            option = _OPTION.match(str(e))
+            raise CliError(str(e), field=f"--{option.group(1)}" if option else None) from None
         except QueryTimeout:
-            raise CommandError(timeout_message(report_time_limit_s())) from None
+            raise CliError(timeout_message(report_time_limit_s())) from None
         if opts["csv"]:
             out = Path(opts["csv"])
             out.mkdir(parents=True, exist_ok=True)
             for table in tables.TABLES:
                 with open(out / f"{table}.csv", "w", newline="") as f:
                     tables.write_csv(f, report, table)
-        if opts["json"]:
-            self.stdout.write(json.dumps(report, indent=2, allow_nan=False))
+        if self.json:
+            self.emit(report)
             return
         self.stdout.write(render_text(report))
 

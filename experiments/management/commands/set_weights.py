@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from django.contrib.auth import get_user_model
-from django.core.management.base import BaseCommand, CommandError
-
+from experiments.api.weights import field_errors
+from experiments.cli import CliError, JsonCommand, actor_for, add_json_argument
 from experiments.weights.errors import ConflictError, StoreUnavailable, WeightsError
 from experiments.weights.publish import (
     UnknownExperimentError,
@@ -28,7 +27,11 @@ def parse_pairs(pairs: list[str]) -> dict[str, int]:
         else:
             weights[key] = int(value)
     if errors:
-        raise CommandError("bad weights, nothing changed:\n" + "\n".join(f"  {e}" for e in errors))
+        raise CliError(
+            "bad weights, nothing changed:\n" + "\n".join(f"  {e}" for e in errors),
+            field="weights",
+            errors=[("weights", e) for e in errors],
+        )
     return weights
 
 
@@ -45,7 +48,7 @@ def describe(plan: WeightsPreview) -> list[str]:
     return lines
 
 
-class Command(BaseCommand):
+class Command(JsonCommand):
     help = (
         "Change an experiment's traffic weights (integer percents summing to 100): validates, "
         "shows how many users will move, writes the weights store and the audit log."
@@ -62,36 +65,65 @@ class Command(BaseCommand):
             help="fail with a conflict unless the stored weights are at this revision",
         )
         parser.add_argument("--dry-run", action="store_true", help="validate and preview only; write nothing")
+        add_json_argument(parser)
 
     def handle(self, *args, key, weights, reason, username=None, **options):
-        actor = None
-        if username:
-            actor = get_user_model().objects.filter(username=username).first()
-            if actor is None:
-                raise CommandError(f"--as: no user named {username!r}")
+        actor = actor_for(username)
         wanted = parse_pairs(weights)
         expected = options.get("expected_revision")
+        dry_run = bool(options.get("dry_run"))
         try:
             plan = preview_move(key, wanted, actor, reason, expected_revision=expected)
             for line in describe(plan):
-                self.stdout.write(line)
-            if options.get("dry_run"):
-                self.stdout.write("dry run: nothing written")
-                return
-            if plan.unchanged:
-                self.stdout.write(
+                self.say(line)
+            revision = plan.current_revision
+            if dry_run:
+                self.say("dry run: nothing written")
+            elif plan.unchanged:
+                self.say(
                     f"unchanged: already at these weights (revision {plan.current_revision}), nothing written"
                 )
-                return
-            # Write exactly what was previewed: compare-and-set against the revision we showed.
-            _, revision = publish_weights(key, wanted, actor, reason, expected_revision=plan.current_revision)
+            else:
+                # Write exactly what was previewed: compare-and-set against the revision we showed.
+                _, revision = publish_weights(
+                    key, wanted, actor, reason, expected_revision=plan.current_revision
+                )
+                self.say(f"written at revision {revision}")
         except UnknownExperimentError as exc:
-            raise CommandError(f"{exc}; nothing changed") from None
+            raise CliError(f"{exc}; nothing changed", field="key") from None
         except WeightsError as exc:
             lines = "\n".join(f"  {e}" for e in exc.errors)
-            raise CommandError(f"{key}: rejected, nothing changed:\n{lines}") from None
+            raise CliError(
+                f"{key}: rejected, nothing changed:\n{lines}",
+                errors=[(f, m) for f, ms in field_errors(exc).items() for m in ms],
+            ) from None
         except ConflictError as exc:
-            raise CommandError(f"conflict, nothing changed: {exc}") from None
+            raise CliError(
+                f"conflict, nothing changed: {exc}", field="--expected-revision",
+                context={"current_revision": exc.actual_revision},
+            ) from None  # fmt: skip
         except StoreUnavailable as exc:
-            raise CommandError(f"weights store unavailable, nothing changed: {exc}") from None
-        self.stdout.write(f"written at revision {revision}")
+            raise CliError(f"weights store unavailable, nothing changed: {exc}") from None
+        if self.json:
+            self.emit(result_document(plan, revision, dry_run, reason))
+
+
+def result_document(plan: WeightsPreview, revision: int, dry_run: bool, reason: str) -> dict:
+    """set_weights --json: the keys of PUT /api/experiments/KEY/weights where they mean the same."""
+    written = not dry_run and not plan.unchanged
+    return {
+        "experiment": plan.experiment.key,
+        "dry_run": dry_run,
+        "changed": written,
+        "unchanged": plan.unchanged,  # the stored weights already say this
+        "previous_revision": plan.current_revision,
+        "revision": revision,  # the stored revision now (the previous one unless written)
+        "previous_weights": dict(plan.move.before),
+        "weights": dict(plan.new.weights),
+        "reason": reason,
+        "moved_share": plan.move.moved_share,
+        "minimum_share": plan.move.minimum_share,
+        "moved_buckets": plan.move.moved_buckets,
+        "n_buckets": plan.move.n_buckets,
+        "moved": plan.move.describe(),
+    }

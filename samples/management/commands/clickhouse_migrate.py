@@ -9,14 +9,18 @@ from samples.store import StoreError
 
 
 class Command(BaseCommand):
-    help = "Apply the sample store's ClickHouse schema migrations (ClickHouse server or chDB)."
+    help = (
+        "Apply the sample store's ClickHouse schema migrations (ClickHouse server or cluster, or "
+        "chDB). `migrate` runs this too, after the Django database."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--show", action="store_true", help="list migrations and whether each is applied")
 
     def handle(self, *args: Any, show: bool = False, **options: Any) -> None:
-        store = sample_store()
+        verbosity = options.get("verbosity", 1)
         try:
+            store = sample_store()  # chDB: StoreLocked here when another process owns it
             if show:
                 for m in store.migration_status():
                     mark = "[X]" if m["applied"] else "[ ]"
@@ -26,6 +30,8 @@ class Command(BaseCommand):
             applied = store.migrate()
         except StoreError as e:
             raise CommandError(str(e)) from e
+        if verbosity < 1:
+            return
         if applied:
             for v in applied:
                 self.stdout.write(f"applied {v:04d} on {store.describe()}")

@@ -1,9 +1,15 @@
-from django.core.management.base import BaseCommand, CommandError
+"""python manage.py add_trace PATH [--name NAME] [--format azure|jsonl] [--json]
 
+--json: {"name", "created" (false: the same content was stored already), "rows", "span_s",
+"rate", "format", "size", "sha256"}; a refused file exits 1 with the error document
+(experiments.cli).
+"""
+
+from experiments.cli import CliError, JsonCommand, add_json_argument
 from traces.storage import TraceError, store_file
 
 
-class Command(BaseCommand):
+class Command(JsonCommand):
     help = "Store a local trace or log in the trace directory (as an upload would), and list it."
 
     def add_arguments(self, parser):
@@ -12,12 +18,22 @@ class Command(BaseCommand):
         parser.add_argument(
             "--format", choices=["azure", "jsonl"], help="default: recognized from the first line"
         )
+        add_json_argument(parser)
 
     def handle(self, *args, path: str, name: str | None, format: str | None, **options):
         try:
             trace, created = store_file(path, name=name, fmt=format)
-        except (TraceError, OSError) as exc:
-            raise CommandError(str(exc)) from None
+        except TraceError as exc:
+            option = {"name": "--name", "format": "--format"}.get(exc.field, "path")
+            raise CliError(str(exc), field=option) from None
+        except OSError as exc:
+            raise CliError(str(exc), field="path") from None
+        if self.json:
+            self.emit({
+                "name": trace.name, "created": created, "rows": trace.rows, "span_s": trace.span_s,
+                "rate": trace.rate, "format": trace.format, "size": trace.size, "sha256": trace.sha256,
+            })  # fmt: skip
+            return
         rate = "-" if trace.rate is None else f"{trace.rate:.3g}/s"
         said = "stored" if created else "already stored (same content)"
         self.stdout.write(

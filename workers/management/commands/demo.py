@@ -6,17 +6,23 @@
    demo experiment pointing at them; start it (this publishes its weights).
 3. Replay a slice of the real Azure code trace through the live router (split mode).
 4. Print the per-variant SLA table, then serve the admin and dashboards until Ctrl-C.
+
+--json (with --no-serve) prints one document at the end: {"experiment", "simulators":
+[{"variant", "url", "profile", "replicas"}], "replay": replay --json's document, "report":
+sla_report --json's, "seconds"}.
 """
 
+import io
+import json
 import time
 from pathlib import Path
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
-from django.core.management.base import BaseCommand
 
 from experiments import services
+from experiments.cli import CliError, JsonCommand, add_json_argument, add_progress_arguments
 from experiments.loading import load_document_file
 from experiments.models import Experiment
 from simulator.serve import start_subprocess
@@ -27,7 +33,7 @@ DEMO_DOCUMENT = Path(settings.BASE_DIR) / "demo" / "ttft-optimizations.yaml"
 TRACE = "data/traces/azure_llm_2023_code.csv"
 
 
-class Command(BaseCommand):
+class Command(JsonCommand):
     help = "Replay the demo experiment on the embedded defaults, print its SLA table, serve the admin."
 
     def add_arguments(self, parser):
@@ -40,9 +46,13 @@ class Command(BaseCommand):
             "--create-demo-user", action="store_true",
             help="create the demo/demo superuser even on a configured database (ABPLAT_DATABASE_URL)",
         )  # fmt: skip
+        add_json_argument(parser)
+        add_progress_arguments(parser)
 
     def handle(self, *args, port: int, limit: int, speed: float, replicas: int, no_serve: bool, **options):
         started = time.monotonic()
+        if self.json and not no_serve:
+            raise CliError("--json prints the demo's result and ends: add --no-serve", field="--json")
         call_command("migrate", verbosity=0)
         call_command("clickhouse_migrate", verbosity=0)
         demo_user = self.demo_user(options["create_demo_user"])
@@ -66,11 +76,15 @@ class Command(BaseCommand):
                 handle = start_subprocess(variant["key"], port=0, model=variant["model"], replicas=replicas)
             variant["endpoint"] = handle.url + "/v1"
             sims.append(handle)
-            self.stdout.write(
+            self.say(
                 f"simulator {variant['key']:8s} {handle.url} (profile {handle.profile}, {replicas} replicas)"
             )
         experiment = Experiment.objects.filter(key=doc["key"]).first()
         if experiment is not None and experiment.status == Experiment.Status.CONCLUDED:
+            for handle in sims:
+                handle.stop()
+            if self.json:
+                raise CliError(f"{doc['key']} is concluded; run `make clean` for a fresh demo", field="key")
             self.stderr.write(f"{doc['key']} is concluded; run `make clean` for a fresh demo")
             return
         result = services.apply_document(doc, actor=demo_user)
@@ -81,11 +95,42 @@ class Command(BaseCommand):
             services.transition(experiment, "resume", demo_user, reason="demo")
 
         # 3. The main job.
-        self.stdout.write(f"\nreplaying {limit} requests of {TRACE} at {speed:g}x through {experiment.key}")
-        call_command("replay", experiment.key, "--trace", TRACE, "--limit", str(limit), "--speed", str(speed))
+        self.say(f"\nreplaying {limit} requests of {TRACE} at {speed:g}x through {experiment.key}")
+        progress = {None: [], True: ["--progress"], False: ["--no-progress"]}[options.get("progress")]
+        replay_args = [
+            "replay",
+            experiment.key,
+            "--trace",
+            TRACE,
+            "--limit",
+            str(limit),
+            "--speed",
+            str(speed),
+        ]
+        if self.json:
+            out = io.StringIO()
+            call_command(*replay_args, *progress, "--json", stdout=out)
+            replayed = json.loads(out.getvalue())
+        else:
+            call_command(*replay_args, *progress)
         run = ReplayRun.objects.filter(experiment=experiment).first()
 
         # 4. The SLA table of this run.
+        if self.json:
+            out = io.StringIO()
+            call_command("sla_report", experiment.key, "--run", str(run.pk), "--json", stdout=out)
+            for handle in sims:
+                handle.stop()
+            self.emit({
+                "experiment": experiment.key,
+                "simulators": [
+                    {"variant": v["key"], "url": h.url, "profile": h.profile, "replicas": replicas}
+                    for v, h in zip(doc["variants"], sims)
+                ],
+                "replay": replayed, "report": json.loads(out.getvalue()),
+                "seconds": round(time.monotonic() - started, 1),
+            })  # fmt: skip
+            return
         self.stdout.write("")
         call_command("sla_report", experiment.key, "--run", str(run.pk))
         self.stdout.write(f"\ndemo job took {time.monotonic() - started:.0f} s")
@@ -111,7 +156,7 @@ class Command(BaseCommand):
         if user is not None:
             return user
         if settings.DATABASE_URL and not create:
-            self.stdout.write(
+            self.say(
                 "not creating the demo/demo superuser: the database is the one ABPLAT_DATABASE_URL "
                 "names, not the embedded SQLite file; pass --create-demo-user to create it there "
                 "anyway, or use manage.py createsuperuser"

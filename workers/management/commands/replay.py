@@ -1,20 +1,40 @@
+"""python manage.py replay KEY --trace T [options] [--json] [--progress|--no-progress]
+
+--json prints one document when the command ends: {"run": {...}, "plan": {...}}. ``run`` holds
+what the audit log records of a run (workers.runs.describe: run, experiment, status, mode,
+source, format, arrival, limit, sample_fraction, render_chat, wrap_prompt, total_requests,
+expected_samples, samples_recorded, skipped_lines, outcomes, shards, error) and lag_p99_ms
+(the worst shard's schedule lag p99, null before any send) and url (the API's); ``plan`` the
+planned requests, samples, duration_s (null: closed loop) and rate. A run that ends other than
+done exits 1 with {"error": {...}, "run": ..., "plan": ...}; a refused replay with the error
+alone, ``field`` naming the option. Without --wait on real workers the document is the queued
+run. Progress (samples recorded, rate, ETA) is drawn on stderr (experiments.cli).
+"""
+
 import signal
-import sys
 import threading
 import time
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
+from experiments.cli import CliError, JsonCommand, add_json_argument, add_progress_arguments
 from experiments.models import Experiment
 from replay.arrivals import Arrival
+from telemetry.logs import bind as bind_log_fields
+from telemetry.logs import log_context
 from workers.models import ReplayRun
-from workers.runs import ReplayError, cancel_run, create_run, describe, reap_abandoned
+from workers.runs import ReplayError, ReplayInputError, cancel_run, create_run, describe, reap_abandoned
 from workers.tasks import start_replay
 
+# The option behind each field a refusal names (workers.runs words them as the API does).
+OPTION_OF = {
+    "trace": "--trace", "source": "--trace", "format": "--format", "limit": "--limit", "speed": "--speed",
+    "concurrency": "--concurrency", "arrival.concurrency": "--concurrency", "sample_fraction": "--sample",
+}  # fmt: skip
 
-class Command(BaseCommand):
+
+class Command(JsonCommand):
     help = "Replay recorded traffic through an experiment's variants and record one sample per request."
 
     def add_arguments(self, parser):
@@ -63,11 +83,18 @@ class Command(BaseCommand):
             "--no-preflight", action="store_true",
             help="skip probing each variant's GET /v1/models before the run starts",
         )  # fmt: skip
+        add_json_argument(parser)
+        add_progress_arguments(parser)
+
+    def execute(self, *args, **options):
+        # Its log lines carry the experiment, and the run once created (telemetry/logs.py).
+        with log_context(experiment=options.get("key")):
+            return super().execute(*args, **options)
 
     def handle(self, *args, **o):
         experiment = Experiment.objects.filter(key=o["key"]).first()
         if experiment is None:
-            raise CommandError(f"no experiment with key {o['key']!r}")
+            raise CliError(f"no experiment with key {o['key']!r}", field="key")
         try:
             cv = 1.0 if o["cv"] is None else o["cv"]
             if o["cv"] is not None and o["arrival"] != "gamma":
@@ -90,13 +117,18 @@ class Command(BaseCommand):
                 max_duration_s=o["max_duration"], confirm=o["yes"], check_variants=not o["no_preflight"],
                 enqueue=not eager,
             )  # fmt: skip
+        except ReplayInputError as exc:
+            raise CliError(str(exc), field=OPTION_OF.get(exc.field, exc.field)) from None
         except (ReplayError, ValueError) as exc:
-            raise CommandError(str(exc)) from None
-        self.stdout.write(str(run.plan))
-        self.stdout.write(
+            raise CliError(str(exc)) from None
+        bind_log_fields(run=run.pk)  # until execute() ends
+        plan = run.plan
+        self.say(str(plan))
+        self.say(
             f"run {run.pk}: {run.total_requests} requests, {run.expected_samples} samples expected "
             f"({run.mode}, {run.shard_count} shard(s)); {run.skipped_lines} malformed line(s) skipped"
         )
+        progress = self.progress(o, unit="samples")
         if eager:
             # Eager Celery: run in a thread of this process (it owns the embedded sample store)
             # while this thread draws the progress bar.
@@ -113,36 +145,43 @@ class Command(BaseCommand):
             worker = threading.Thread(target=work, name="abplat-replay")
             with self._stop_on_signals():
                 worker.start()
-                self._follow(run, lambda: worker.is_alive())
+                self._follow(run, lambda: worker.is_alive(), progress)
                 worker.join()
             if failure:
-                raise CommandError(f"run {run.pk} failed: {failure[0]}")
+                run.refresh_from_db()
+                raise CliError(f"run {run.pk} failed: {failure[0]}", context=result_document(run, plan))
         elif o["wait"]:
             with self._stop_on_signals():
-                self._follow(run, lambda: True)
+                self._follow(run, lambda: True, progress)
         else:
-            self.stdout.write(f"queued; follow it with the API /api/replays/{run.pk}/ or the admin")
+            self.say(f"queued; follow it with the API /api/replays/{run.pk}/ or the admin")
+            if self.json:
+                run.refresh_from_db()
+                self.emit(result_document(run, plan))
             return
         run.refresh_from_db()
-        summary = describe(run)
-        self.stdout.write(
+        document = result_document(run, plan)
+        summary = document["run"]
+        self.say(
             f"\nrun {run.pk} {run.status}: {summary['samples_recorded']}/{summary['expected_samples']} samples, "
             f"outcomes {summary['outcomes']}"
         )
-        lags = [s for s in run.shards.values_list("lag_p99_ms", flat=True) if s is not None]
-        if lags:
-            self.stdout.write(f"schedule lag p99 (worst shard): {max(lags):.2f} ms")
+        if summary["lag_p99_ms"] is not None:
+            self.say(f"schedule lag p99 (worst shard): {summary['lag_p99_ms']:.2f} ms")
         if run.error:
-            self.stdout.write(f"error: {run.error}")
+            self.say(f"error: {run.error}")
         if run.status == ReplayRun.Status.FLUSHING:
-            raise CommandError(
+            raise CliError(
                 f"run {run.pk}: every request was sent and recorded, but the sample store is down: "
                 f"samples wait in the spool ({settings.SPOOL_DIR}); run `manage.py flush_samples` "
-                "when the store is back"
+                "when the store is back",
+                context=document,
             )
         if run.status != ReplayRun.Status.DONE:
             by = f" ({self._signal})" if self._signal else ""
-            raise CommandError(f"run {run.pk} ended {run.status}{by}")
+            raise CliError(f"run {run.pk} ended {run.status}{by}", context=document)
+        if self.json:
+            self.emit(document)
 
     _signal = ""
 
@@ -176,21 +215,13 @@ class Command(BaseCommand):
     def _stop_on_signals(self):
         return self._StopOnSignals(self)
 
-    def _follow(self, run: ReplayRun, alive) -> None:
-        tty = sys.stdout.isatty()
-        last = ""
+    def _follow(self, run: ReplayRun, alive, progress) -> None:
+        """Poll the run until it ends (or its eager thread does), drawing progress on stderr,
+        and cancel it once when a signal came."""
         while True:
             run.refresh_from_db()
             p = run.progress()
-            width = 30
-            filled = int(width * min(1.0, p["fraction"]))
-            line = (f"[{'#' * filled}{'.' * (width - filled)}] {p['recorded']}/{p['expected']} "
-                    f"samples, {p['sent']} sent, {run.status}")  # fmt: skip
-            if tty:
-                self.stdout.write("\r" + line, ending="")
-            elif line != last and (p["recorded"] % 500 < 50 or run.is_final):
-                self.stdout.write(line)
-            last = line
+            progress.update(p["recorded"], p["expected"], run.status, detail=f"{p['sent']} sent")
             if run.is_final or not alive():
                 break
             if self._signal and not run.cancel_requested:
@@ -200,5 +231,18 @@ class Command(BaseCommand):
                 cancel_run(run)
                 continue
             time.sleep(0.5)
-        if tty:
-            self.stdout.write("")
+        run.refresh_from_db()
+        p = run.progress()
+        progress.finish(p["recorded"], p["expected"], run.status, detail=f"{p['sent']} sent")
+
+
+def result_document(run: ReplayRun, plan) -> dict:
+    """replay --json (module docstring)."""
+    lags = [s for s in run.shards.values_list("lag_p99_ms", flat=True) if s is not None]
+    rate = plan.rate
+    return {
+        "run": {**describe(run), "lag_p99_ms": max(lags) if lags else None, "url": f"/api/replays/{run.pk}/"},
+        # rate: None for a closed loop, and for a schedule of no duration (all at once)
+        "plan": {"requests": plan.requests, "samples": plan.samples, "duration_s": plan.duration_s,
+                 "rate": rate if rate is not None and rate != float("inf") else None},
+    }  # fmt: skip

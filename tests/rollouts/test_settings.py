@@ -1,0 +1,25 @@
+"""ABPLAT_ROLLOUT_INTERVAL_S is read strictly, like every setting."""
+
+import pytest
+
+from tests.foundation.test_settings import manage
+
+
+@pytest.mark.parametrize("value", ["0", "soon", "-5"])
+def test_a_bad_rollout_interval_stops_start_naming_the_variable(tmp_path, value):
+    result = manage("check", ABPLAT_ROLLOUT_INTERVAL_S=value, ABPLAT_VAR=str(tmp_path))
+    assert result.returncode != 0
+    assert result.stderr.startswith("abplat: configuration error: ")
+    assert "ABPLAT_ROLLOUT_INTERVAL_S" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_beat_schedule_runs_the_controller_every_interval():
+    """Wiring only (the interval this process was configured with, the default 60 s);
+    tests/rollouts/test_beat.py runs real beats at another interval."""
+    from django.conf import settings
+
+    from abplat.celery import app
+
+    entry = app.conf.beat_schedule["rollouts"]
+    assert entry["task"] == "rollouts.tasks.rollout_tick"
+    assert float(entry["schedule"]) == float(settings.ROLLOUT_INTERVAL_S) == 60.0

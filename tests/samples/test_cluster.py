@@ -1,0 +1,433 @@
+"""The sample store on a two-shard ClickHouse cluster (scripts/clickhouse_cluster.sh).
+
+Migrations make every table of samples.schema on both servers as `<table>_local` plus a
+Distributed `<table>`; inserts spread over both shards by the sorting key, so a retried insert
+stays exactly once; the report read through the cluster equals the report of the same samples on
+one server. The cluster is the servers of ABPLAT_TEST_CLICKHOUSE_CLUSTER_URLS (entry first),
+named ABPLAT_TEST_CLICKHOUSE_CLUSTER in their remote_servers config.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import time
+import urllib.parse
+from collections.abc import Iterator
+
+import pytest
+from django.core.management import call_command
+
+from analysis import definitions as q
+from analysis import report as r
+from analysis import rollup
+from samples import cluster, factory, schema, synthetic
+from samples.backends.clickhouse import ClickHouseServerBackend
+from samples.backends.cluster import ClickHouseClusterBackend
+from samples.store import NotMigrated, SchemaMismatch, StoreError
+from tests.plugin import SERVER_URL, server_url_for
+
+pytestmark = pytest.mark.services
+
+CLUSTER = os.environ.get("ABPLAT_TEST_CLICKHOUSE_CLUSTER", "abplat_test_cluster")
+CLUSTER_URLS = [
+    u.strip()
+    for u in os.environ.get(
+        "ABPLAT_TEST_CLICKHOUSE_CLUSTER_URLS",
+        "clickhouse://default:@127.0.0.1:19101/abplat_test,clickhouse://default:@127.0.0.1:19102/abplat_test",
+    ).split(",")
+    if u.strip()
+]
+CLUSTER_DB = "abplat_test_h6_cluster"
+SINGLE_DB = "abplat_test_h6"
+VERSIONS = [m.version for m in schema.MIGRATIONS]
+
+
+def _drop(url: str, database: str, recreate: bool = False) -> None:
+    admin = ClickHouseServerBackend(server_url_for("default", url), tries=1)
+    try:
+        admin.execute(f"DROP DATABASE IF EXISTS {database}")
+        if recreate:  # empty, but there: it may be the suite's own (ABPLAT_TEST_CLICKHOUSE_URL)
+            admin.execute(f"CREATE DATABASE {database}")
+    finally:
+        admin.close()
+
+
+@pytest.fixture(scope="module")
+def cluster_urls() -> list[str]:
+    """The cluster's servers, checked: each answers, and the first one's system.clusters lists
+    exactly them under CLUSTER. Fails (never skips) naming the script that starts them."""
+    start = "Start it with: scripts/clickhouse_cluster.sh start (scripts/services.sh start does)"
+    ports = []
+    for url in CLUSTER_URLS:
+        probe = ClickHouseServerBackend(server_url_for("default", url), tries=1)
+        try:
+            probe.ping()
+        except StoreError as e:
+            pytest.fail(f"cluster server {url} not reachable ({e}). {start}", pytrace=False)
+        finally:
+            probe.close()
+        ports.append(urllib.parse.urlsplit(url).port)
+    entry = ClickHouseServerBackend(server_url_for("default", CLUSTER_URLS[0]), tries=1)
+    listed = entry.query(
+        "SELECT port FROM system.clusters WHERE cluster = %(c)s ORDER BY shard_num", {"c": CLUSTER}
+    )
+    entry.close()
+    if [p for (p,) in listed] != ports or len(ports) < 2:
+        pytest.fail(
+            f"{CLUSTER_URLS[0]}: cluster {CLUSTER} lists ports {[p for (p,) in listed]}, not the "
+            f"two or more servers of ABPLAT_TEST_CLICKHOUSE_CLUSTER_URLS ({ports}). {start}",
+            pytrace=False,
+        )
+    return CLUSTER_URLS
+
+
+@pytest.fixture
+def servers(cluster_urls) -> Iterator[list[ClickHouseServerBackend]]:
+    """Each server of the cluster, reached directly, on the test database (emptied first)."""
+    for url in cluster_urls:
+        _drop(url, CLUSTER_DB)
+    direct = [ClickHouseServerBackend(server_url_for(CLUSTER_DB, url)) for url in cluster_urls]
+    yield direct
+    for store in direct:
+        store.close()
+    for url in cluster_urls:
+        _drop(url, CLUSTER_DB)
+
+
+@pytest.fixture
+def cstore(servers, cluster_urls) -> Iterator[ClickHouseClusterBackend]:
+    """The sample store through the cluster (entry: the first server), not migrated yet."""
+    store = ClickHouseClusterBackend(server_url_for(CLUSTER_DB, cluster_urls[0]), CLUSTER)
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def single(clickhouse_server) -> Iterator[ClickHouseServerBackend]:
+    """One ClickHouse server (the suite's), on its own test database, not migrated yet."""
+    _drop(SERVER_URL, SINGLE_DB, recreate=True)
+    store = ClickHouseServerBackend(server_url_for(SINGLE_DB), send_receive_timeout=120)
+    yield store
+    store.close()
+    _drop(SERVER_URL, SINGLE_DB, recreate=True)
+
+
+def local_rows(servers, table: str = schema.SAMPLES_TABLE) -> list[int]:
+    return [int(s.query(f"SELECT count() FROM {cluster.local_name(table)}")[0][0]) for s in servers]
+
+
+# ---- migrations --------------------------------------------------------------------------------
+
+
+def test_migrations_make_local_and_distributed_tables_on_every_server(cstore, servers):
+    assert cstore.migrate() == VERSIONS
+    declared = {t: cols for m in schema.MIGRATIONS for t, cols in schema.declared_tables(m).items()}
+    assert set(cluster.distributed_tables()) == set(declared)  # every table, whoever added it
+    for server in servers:
+        tables = dict(
+            server.query(
+                "SELECT name, engine_full FROM system.tables WHERE database = %(db)s", {"db": CLUSTER_DB}
+            )
+        )
+        for table, cols in declared.items():
+            local = cluster.local_name(table)
+            assert tables[table].startswith(f"Distributed({CLUSTER}, {CLUSTER_DB}, {local}, sipHash64("), (
+                table
+            )
+            assert "MergeTree" in tables[local], (local, tables[local])
+            for name in (table, local):
+                got = server.query(
+                    "SELECT name, type FROM system.columns WHERE database = %(db)s AND table = %(t)s",
+                    {"db": CLUSTER_DB, "t": name},
+                )
+                assert got == cols, name
+        # the migration record is each server's own
+        assert tables[schema.MIGRATIONS_TABLE].startswith("MergeTree")
+        assert [
+            v for (v,) in server.query(f"SELECT version FROM {schema.MIGRATIONS_TABLE} ORDER BY version")
+        ] == VERSIONS
+    assert all(m["applied"] and m["checksum_ok"] for m in cstore.migration_status())
+
+
+def test_migrate_is_idempotent_and_repairs_one_server(cstore, servers):
+    assert cstore.migrate() == VERSIONS
+    assert cstore.migrate() == []
+    servers[1].execute(f"DROP TABLE {cluster.local_name(schema.SAMPLES_TABLE)}")
+    assert cstore.migrate() == [1]  # the second server's local samples table was gone
+    assert cstore.migrate() == []
+    assert local_rows(servers) == [0, 0]
+    records = [s.query(f"SELECT count() FROM {schema.MIGRATIONS_TABLE}") for s in servers]
+    assert records == [[(len(VERSIONS),)]] * len(servers)  # recorded once, not again
+
+
+def test_the_migrate_command_migrates_the_cluster(cstore, servers, settings, cluster_urls):
+    settings.CLICKHOUSE_URL = server_url_for(CLUSTER_DB, cluster_urls[0])
+    settings.CLICKHOUSE_CLUSTER = CLUSTER
+    factory._cache.clear()
+    try:
+        for expect in ("applied 0001", "no migrations to apply"):
+            out = io.StringIO()
+            call_command("clickhouse_migrate", stdout=out)
+            assert expect in out.getvalue() and f"clickhouse-cluster {CLUSTER}" in out.getvalue()
+    finally:
+        factory._cache.clear()
+    assert all(m["applied"] for m in cstore.migration_status())
+
+
+def test_a_database_is_either_a_clusters_or_one_servers(cstore, servers, cluster_urls):
+    cstore.migrate()
+    plain = ClickHouseServerBackend(server_url_for(CLUSTER_DB, cluster_urls[0]))
+    with pytest.raises(SchemaMismatch, match="is a Distributed table .* no ABPLAT_CLICKHOUSE_CLUSTER is set"):
+        plain.migrate()
+    plain.close()
+    for url in cluster_urls:
+        _drop(url, CLUSTER_DB)
+    plain = ClickHouseServerBackend(server_url_for(CLUSTER_DB, cluster_urls[0]))
+    plain.migrate()
+    plain.close()
+    with pytest.raises(
+        SchemaMismatch, match=f"ABPLAT_CLICKHOUSE_CLUSTER={CLUSTER} expects a Distributed table"
+    ):
+        ClickHouseClusterBackend(server_url_for(CLUSTER_DB, cluster_urls[0]), CLUSTER).migrate()
+
+
+def test_an_unknown_cluster_is_an_error_naming_the_known_ones(cluster_urls):
+    store = ClickHouseClusterBackend(server_url_for(CLUSTER_DB, cluster_urls[0]), "no_such_cluster")
+    with pytest.raises(
+        StoreError, match=rf"ABPLAT_CLICKHOUSE_CLUSTER=no_such_cluster: .* \(it has: {CLUSTER}\)"
+    ):
+        store.migrate()
+
+
+def test_a_server_not_migrated_fails_the_schema_check_naming_it(cstore, servers, cluster_urls):
+    cstore.migrate()
+    servers[1].execute(f"DROP TABLE {schema.MIGRATIONS_TABLE}")
+    fresh = ClickHouseClusterBackend(server_url_for(CLUSTER_DB, cluster_urls[0]), CLUSTER)
+    lacks = rf"not migrated on every server: {servers[1].url_safe} lacks 0001, 0002, 0003"
+    with pytest.raises(NotMigrated, match=lacks) as err:
+        fresh.check_schema()
+    assert "Run `python manage.py migrate`" in str(err.value)
+    # a query that meets the missing table says the same, not the shard's raw error
+    servers[1].execute(f"DROP TABLE {cluster.local_name(schema.SAMPLES_TABLE)}")
+    with pytest.raises(NotMigrated, match=lacks) as err:
+        fresh.count(1)
+    assert "There is no table abplat_test_h6_cluster.samples_local" in str(err.value.__cause__)
+    cstore.migrate()
+    fresh.check_schema()
+    assert fresh.count(1) == 0
+
+
+# ---- inserts and exactly-once ------------------------------------------------------------------
+
+
+def test_inserts_land_on_both_shards_and_a_retry_stays_exactly_once(cstore, servers, make_rows):
+    cstore.migrate()
+    rows = make_rows(200)
+    assert cstore.insert_samples(rows) == 200
+    first = local_rows(servers)
+    assert sum(first) == 200 and min(first) > 0, first  # both shards hold some
+    # read right after the insert: insert_distributed_sync, nothing waits in a queue
+    assert cstore.count(7) == 200
+    # a retry of the same batch (a lost reply), some rows recorded again later with another result
+    assert cstore.insert_samples(rows) == 200
+    later = make_rows(20, recorded_ms=1_732_900_009_000, error="recorded again")
+    cstore.insert_samples(later)
+    assert sum(local_rows(servers)) == 420
+    assert cstore.count(7) == 200  # one per request, however many copies
+    assert cstore.query(f"SELECT count() FROM {schema.SAMPLES_FROM}") == [(200,)]
+    assert cstore.query(
+        f"SELECT countIf(error = 'recorded again') FROM {schema.SAMPLES_FROM} WHERE seq < 20"
+    ) == [(20,)]  # the newest recording wins, through the Distributed table
+    # every copy of a request is on one shard: the shards' request ids are disjoint
+    ids = [set(r for (r,) in s.query("SELECT DISTINCT request_id FROM samples_local")) for s in servers]
+    assert not ids[0] & ids[1] and len(ids[0] | ids[1]) == 200
+    assert [len(i) for i in ids] == first
+    # the dedup step works shard by shard and leaves one row per request on disk
+    assert cstore.deduplicate(7) == 220
+    assert local_rows(servers) == first
+    assert cstore.recorded_request_ids(7) == {row["request_id"] for row in rows}
+
+
+def test_run_catalog_and_truncate_through_the_cluster(cstore, servers, make_rows):
+    cstore.migrate()
+    for run in range(1, 9):
+        cstore.record_run(run, "exp", "split", "running", started_ms=run)
+        cstore.record_run(run, "exp", "split", "done", started_ms=run, finished_ms=run + 1)
+    cstore.record_run(3, "exp", "split", "running", started_ms=3)  # a late retry: done stays
+    assert [(x["run_id"], x["status"], x["finished_ms"]) for x in cstore.runs("exp")] == [
+        (run, "done", run + 1) for run in range(1, 9)
+    ]
+    assert min(local_rows(servers, schema.RUNS_TABLE)) > 0
+    cstore.insert_samples(make_rows(50))
+    cstore.truncate_for_tests()  # a Distributed table ignores TRUNCATE: it runs on every shard
+    assert local_rows(servers) == [0, 0] and local_rows(servers, schema.RUNS_TABLE) == [0, 0]
+
+
+# ---- the report ----------------------------------------------------------------------------------
+
+
+def assert_same_numbers(a, b, path: str = "") -> None:
+    """Equal report JSON. Floats to 1e-12 relative: a mean sums its values in another order on
+    two shards than on one server (as it does across the threads of one server); counts, hits,
+    ranks and the exact quantiles (values of samples) are compared exactly all the same."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys differ"
+        for k in a.keys() - {"timing", "generated_at"}:
+            assert_same_numbers(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), f"{path}: {len(a)} != {len(b)} items"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_numbers(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float) and not (math.isnan(a) and math.isnan(b)):
+        assert math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-12), f"{path}: {a!r} != {b!r}"
+    else:
+        assert type(a) is type(b) and (a == b or a != a), f"{path}: {a!r} != {b!r}"
+
+
+def wait_until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def test_the_report_through_the_cluster_equals_one_servers(cstore, servers, single):
+    common = dict(variants=synthetic.demo_variants(), factor_effects=synthetic.DEMO_FACTOR_EFFECTS)
+    specs = [
+        synthetic.SyntheticSpec(
+            n=6_000, seed=6, run_id=11, config_revisions=(101, 102), duplicate_rate=0.02, duration_s=900.0,
+            **common,
+        ),
+        # mirror mode: the report pairs control and variant rows (a JOIN of two subqueries)
+        synthetic.SyntheticSpec(
+            experiment="ttft-mirror", mode="mirror", n=800, seed=7, run_id=12, duplicate_rate=0.02,
+            duration_s=300.0, **common,
+        ),
+    ]  # fmt: skip
+    datasets = [synthetic.generate(spec) for spec in specs]
+    exps = [
+        r.ExperimentInfo(
+            key=spec.experiment, name=spec.experiment, slo=q.Slo(200.0), target=0.9,
+            variants=[r.VariantInfo(v.key, v.control, v.weight, dict(v.factors)) for v in spec.variants],
+        )
+        for spec in specs
+    ]  # fmt: skip
+    reports: dict[str, list] = {}
+    for name, store in (("single", single), ("cluster", cstore)):
+        store.migrate()
+        for data in datasets:
+            synthetic.insert(store, data)
+        assert 0 <= store.deduplicate() <= sum(int(d.is_duplicate.sum()) for d in datasets)
+        for spec, exp in zip(specs, exps, strict=True):
+            store.record_run(spec.run_id, spec.experiment, spec.mode, "done")
+            raw = r.build_report(store, exp, q.Filters(spec.experiment), use_rollup=False)
+            rollup.build_run_rollup(store, spec.experiment, spec.run_id, exp.slo)
+            fast = r.build_report(store, exp, q.Filters(spec.experiment))
+            assert (raw["timing"]["source"], fast["timing"]["source"]) == ("samples", "rollup")
+            reports.setdefault(name, []).append((raw, fast))
+    expected_rows = sum(len(d.latest()["seq"]) for d in datasets)
+    assert min(local_rows(servers)) > 0 and sum(local_rows(servers)) == expected_rows
+    assert min(local_rows(servers, schema.ROLLUP_VALUES_TABLE)) > 0  # rollups are spread too
+    assert sum(v["n"] for v in reports["cluster"][0][1]["variants"]) == specs[0].n
+    for (one_raw, one_fast), (many_raw, many_fast) in zip(reports["single"], reports["cluster"], strict=True):
+        assert_same_numbers(one_raw, many_raw)
+        assert_same_numbers(one_fast, many_fast)
+    # a rebuild deletes the older build's rows on every shard (ALTER ... DELETE per local table)
+    spec, exp = specs[0], exps[0]
+    rollup.build_run_rollup(cstore, spec.experiment, spec.run_id, exp.slo)
+    wait_until(
+        lambda: (
+            rollup.rollup_rows(cstore, spec.experiment, current_only=False)
+            == rollup.rollup_rows(cstore, spec.experiment)
+        )
+    )
+    assert_same_numbers(reports["single"][0][1], r.build_report(cstore, exp, q.Filters(spec.experiment)))
+
+
+# ---- a replay ------------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_eager_replay_writes_to_both_shards_exactly_once(
+    running, servers, settings, cluster_urls, tmp_path
+):
+    from dashboards import reports
+    from workers.models import ReplayRun
+
+    settings.CLICKHOUSE_URL = server_url_for(CLUSTER_DB, cluster_urls[0])
+    settings.CLICKHOUSE_CLUSTER = CLUSTER
+    settings.SPOOL_DIR = tmp_path / "spool"
+    factory._cache.clear()
+    try:
+        call_command("migrate", verbosity=0)  # the Django database and the cluster's tables
+        out = io.StringIO()
+        call_command(
+            "replay", "ttft-opt", "--trace", "data/traces/azure_llm_2023_code.csv", "--limit", "120",
+            "--speed", "200", stdout=out,
+        )  # fmt: skip
+        run = ReplayRun.objects.get()
+        assert run.status == "done", (run.error, out.getvalue())
+        store = factory.sample_store()
+        assert run.samples_recorded == 120 == store.count(run.pk)
+        per_shard = local_rows(servers)
+        assert sum(per_shard) == 120 and min(per_shard) > 0, per_shard
+        exp = reports.experiment_info(running)
+        fast = reports.build_report(store, exp, q.Filters("ttft-opt"))
+        raw = reports.build_report(store, exp, q.Filters("ttft-opt"), use_rollup=False)
+        assert fast["timing"]["source"] == "rollup"  # built at the run's end, through the cluster
+        assert [(v["key"], v["n"], v["hits"]) for v in fast["variants"]] == [
+            (v["key"], v["n"], v["hits"]) for v in raw["variants"]
+        ]
+        assert sum(v["n"] for v in fast["variants"]) == 120
+    finally:
+        factory._cache.clear()
+
+
+# ---- the cluster form of a statement (pure) ------------------------------------------------------
+
+
+def test_every_create_becomes_a_local_table_and_a_distributed_one_sharded_by_its_sorting_key():
+    stmts = cluster.server_statements(schema.CREATE_SAMPLES_TABLE, "c1", "db")
+    assert stmts[0] == schema.CREATE_SAMPLES_TABLE.replace(
+        "CREATE TABLE IF NOT EXISTS samples (", "CREATE TABLE IF NOT EXISTS samples_local (", 1
+    )
+    assert stmts[1] == (
+        "CREATE TABLE IF NOT EXISTS samples AS samples_local ENGINE = Distributed(c1, db, samples_local, "
+        "sipHash64(experiment, variant, run_id, seq, request_id))"
+    )
+    assert cluster.sharding_key(schema.CREATE_RUNS) == "sipHash64(experiment, run_id)"
+    table = "CREATE TABLE IF NOT EXISTS t (\n    a UInt8\n)\nENGINE = MergeTree\nORDER BY "
+    assert cluster.sharding_key(table + "a") == "sipHash64(a)"
+    assert cluster.sharding_key(table + "(a, intDiv(b, 10))") == "sipHash64(a, intDiv(b, 10))"
+    assert cluster.sharding_key(table + "tuple()") == "rand()"  # no key, nothing to dedupe
+    with pytest.raises(cluster.ClusterSchemaError, match="no ORDER BY"):
+        cluster.sharding_key("CREATE TABLE IF NOT EXISTS t (\n    a UInt8\n)\nENGINE = Log")
+    assert cluster.server_statements("ALTER TABLE samples ADD COLUMN x UInt8", "c1", "db") == (
+        "ALTER TABLE samples_local ADD COLUMN x UInt8",
+        "ALTER TABLE samples ADD COLUMN x UInt8",
+    )
+    with pytest.raises(cluster.ClusterSchemaError, match="INSERT INTO samples .* has no cluster form"):
+        cluster.server_statements("INSERT INTO samples SELECT 1", "c1", "db")
+
+
+def test_what_a_distributed_table_refuses_runs_on_the_local_tables():
+    tables = cluster.distributed_tables()
+    assert cluster.per_shard_form("OPTIMIZE TABLE samples PARTITION 202411 FINAL", tables) == (
+        "OPTIMIZE TABLE samples_local PARTITION 202411 FINAL"
+    )
+    assert (
+        cluster.per_shard_form("TRUNCATE TABLE IF EXISTS runs", tables)
+        == "TRUNCATE TABLE IF EXISTS runs_local"
+    )
+    assert cluster.per_shard_form("ALTER TABLE rollup_hist DELETE WHERE run_id = 1", tables) == (
+        "ALTER TABLE rollup_hist_local DELETE WHERE run_id = 1"
+    )
+    for sql in (
+        "ALTER TABLE samples ADD COLUMN x UInt8",  # a column change: the Distributed table takes it
+        "OPTIMIZE TABLE other FINAL",  # not one of ours
+        "SELECT * FROM samples",
+        "INSERT INTO samples SELECT * FROM samples",
+    ):
+        assert cluster.per_shard_form(sql, tables) is None, sql

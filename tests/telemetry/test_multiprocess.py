@@ -1,0 +1,206 @@
+"""ABPLAT_METRICS_DIR: several processes write, one scrape adds them up; a process that dies
+(even by SIGKILL) takes its live gauges with it and leaves its counters; the setting is checked
+strictly at start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from telemetry import metrics
+from tests.telemetry.conftest import parse, total
+from tests.workers.background import ROOT
+
+# A process that records, says "ready", and waits for a line on stdin before it exits.
+WRITER = textwrap.dedent("""
+    import sys
+    if sys.argv[1] == "library-first":
+        import prometheus_client  # before abplat's module: it must still write to the directory
+    from telemetry import metrics
+    meter = metrics.ReplayMeter("mp-exp")
+    for _ in range(int(sys.argv[2])):
+        meter.sent("a")
+        meter.completed("a", "ok", 0.003)
+    metrics.REPLAY_SHARDS_RUNNING.inc()
+    metrics.SPOOL_ROWS.set(int(sys.argv[2]))
+    print("ready", flush=True)
+    sys.stdin.readline()
+""")
+SCRAPE = "from telemetry import metrics; import sys; sys.stdout.write(metrics.exposition()[0].decode())"
+
+
+def env_with(directory) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ABPLAT_", "PROMETHEUS_"))}
+    return {**env, "ABPLAT_METRICS_DIR": str(directory), "PYTHONPATH": str(ROOT)}
+
+
+def start_writer(env, mode: str, n: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, mode, str(n)], cwd=ROOT, env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    line = proc.stdout.readline()
+    assert line.strip() == "ready", proc.stderr.read()
+    return proc
+
+
+def scrape(env):
+    out = subprocess.run([sys.executable, "-c", SCRAPE], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60, check=True)  # fmt: skip
+    return parse(out.stdout)
+
+
+def test_two_processes_are_summed_and_a_dead_one_keeps_its_counts_but_not_its_gauges(tmp_path):
+    env = env_with(tmp_path / "metrics")
+    a = start_writer(env, "abplat-first", 3)
+    b = start_writer(env, "library-first", 4)
+    try:
+        both = scrape(env)
+        assert total(both, "abplat_replay_requests_sent_total", experiment="mp-exp", variant="a") == 7
+        assert total(both, "abplat_replay_requests_completed_total", outcome="ok") == 7
+        assert total(both, "abplat_replay_schedule_lag_seconds_count", experiment="mp-exp") == 7
+        assert total(both, "abplat_replay_shards_running") == 2  # livesum
+        assert total(both, "abplat_spool_rows") == 4  # livemostrecent: the last one set
+        # One is killed without any exit hook: the next scrape finds its pid gone.
+        os.kill(b.pid, signal.SIGKILL)
+        b.wait()
+        after_kill = scrape(env)
+        assert total(after_kill, "abplat_replay_shards_running") == 1
+        assert total(after_kill, "abplat_spool_rows") == 3
+        assert total(after_kill, "abplat_replay_requests_sent_total") == 7  # counters stay
+        # The other exits normally: atexit removes its live gauges itself.
+        a.communicate("bye\n", timeout=30)
+        assert a.returncode == 0
+        assert not list((tmp_path / "metrics").glob(f"gauge_live*_{a.pid}.db"))
+        after_exit = scrape(env)
+        assert total(after_exit, "abplat_replay_shards_running") == 0
+        assert total(after_exit, "abplat_replay_requests_sent_total") == 7
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_only_abplat_families_are_exposed_from_the_directory(tmp_path):
+    env = env_with(tmp_path / "metrics")
+    code = ("import prometheus_client; from telemetry import metrics; "
+            "prometheus_client.Counter('other_library_things', 'x').inc(); metrics.SPOOL_SPOOLED_ROWS.inc(2)")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, timeout=60)
+    exposed = scrape(env)
+    assert total(exposed, "abplat_spool_spooled_rows_total") == 2
+    assert all(name.startswith("abplat_") for name, _ in exposed)
+
+
+def test_gunicorn_child_exit_removes_the_workers_live_gauges(tmp_path):
+    env = env_with(tmp_path / "metrics")
+    worker = start_writer(env, "abplat-first", 1)
+    try:
+        code = ("import sys, types; from telemetry import metrics; "
+                "metrics.gunicorn_child_exit(None, types.SimpleNamespace(pid=int(sys.argv[1])))")  # fmt: skip
+        assert list((tmp_path / "metrics").glob(f"gauge_live*_{worker.pid}.db"))
+        subprocess.run(
+            [sys.executable, "-c", code, str(worker.pid)], cwd=ROOT, env=env, check=True, timeout=60
+        )
+        assert not list((tmp_path / "metrics").glob(f"gauge_live*_{worker.pid}.db"))
+        assert list((tmp_path / "metrics").glob(f"counter_{worker.pid}.db"))  # its counts stay
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def check(env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "manage.py", "check"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        (lambda d: {"ABPLAT_METRICS_DIR": str(d / "a-file")},
+         "Unexpected value ABPLAT_METRICS_DIR='{d}/a-file': {d}/a-file exists and is not a directory."),
+        (lambda d: {"ABPLAT_METRICS_DIR": str(d / "a-file" / "below")},
+         "Unexpected value ABPLAT_METRICS_DIR='{d}/a-file/below': cannot create the directory"),
+        (lambda d: {"PROMETHEUS_MULTIPROC_DIR": str(d)},
+         "PROMETHEUS_MULTIPROC_DIR='{d}' is set but ABPLAT_METRICS_DIR is not"),
+        (lambda d: {"ABPLAT_METRICS_DIR": str(d / "m"), "PROMETHEUS_MULTIPROC_DIR": str(d / "other")},
+         "ABPLAT_METRICS_DIR='{d}/m' and PROMETHEUS_MULTIPROC_DIR='{d}/other' name different directories"),
+        (lambda d: {"ABPLAT_WORKER_METRICS_PORT": "9108"}, "ABPLAT_WORKER_METRICS_PORT=9108 needs ABPLAT_METRICS_DIR"),
+        (lambda d: {"ABPLAT_WORKER_METRICS_PORT": "70000"}, "Unexpected value ABPLAT_WORKER_METRICS_PORT='70000'"),
+        (lambda d: {"ABPLAT_METRICS_ALLOWED_CIDRS": "10.0.0.0/8,lan"},
+         "Unexpected value ABPLAT_METRICS_ALLOWED_CIDRS item 'lan'"),
+        (lambda d: {"ABPLAT_METRICS_ALLOWED_CIDRS": "none"}, "nobody could read /metrics"),
+        (lambda d: {"ABPLAT_METRICS_TOKEN_FILE": str(d / "short-token")},
+         "Unexpected value ABPLAT_METRICS_TOKEN_FILE='{d}/short-token': the file must hold one token"),
+        (lambda d: {"ABPLAT_METRICS_TOKEN_FILE": str(d / "missing")},
+         "Unexpected value ABPLAT_METRICS_TOKEN_FILE='{d}/missing': cannot read it"),
+    ],
+    ids=["file", "uncreatable", "theirs-only", "two-dirs", "port-without-dir", "port-range", "cidr", "nobody",
+         "short-token", "missing-token"],
+)  # fmt: skip
+def test_a_bad_metrics_setting_stops_the_process_at_start_naming_it(tmp_path, setup, message):
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "short-token").write_text("abc\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROMETHEUS_")}
+    env.update(setup(tmp_path))
+    result = check(env)
+    assert result.returncode != 0
+    assert message.format(d=tmp_path) in result.stderr, result.stderr[-2000:]
+
+
+def test_a_good_multiprocess_setting_passes_and_creates_the_directory(tmp_path):
+    (tmp_path / "token").write_text("t" * 32 + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROMETHEUS_")}
+    env.update(ABPLAT_METRICS_DIR=str(tmp_path / "new" / "metrics"), ABPLAT_WORKER_METRICS_PORT="9108",
+               ABPLAT_METRICS_TOKEN_FILE=str(tmp_path / "token"), ABPLAT_METRICS_ALLOWED_CIDRS="none")  # fmt: skip
+    result = check(env)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "new" / "metrics").is_dir()
+
+
+def test_check_dir_refuses_a_directory_it_cannot_write(tmp_path, monkeypatch):
+    # The process runs as root in CI (permissions do not stop it): a write that fails is simulated.
+    def refuse(*_a, **_k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(metrics.tempfile, "mkstemp", refuse)
+    with pytest.raises(
+        metrics.MetricsConfigError, match=r"ABPLAT_METRICS_DIR=.*is not writable by this process"
+    ):
+        metrics.check_dir(str(tmp_path))
+
+
+def test_a_worker_host_serves_its_pool_childrens_metrics_on_its_own_port(broker_env, tmp_path):
+    """ABPLAT_WORKER_METRICS_PORT: the Celery worker's main process serves what its prefork
+    children record (each flushes the spool on its timer a few seconds after it starts); a warm
+    shutdown takes the children's live gauges with it."""
+    from tests.telemetry.conftest import free_port, wait_until
+    from tests.telemetry.conftest import scrape as scrape_url
+    from tests.workers.background import manage, start_worker, stop_all
+
+    port = free_port()
+    directory = tmp_path / "metrics"
+    env = {**broker_env, "ABPLAT_METRICS_DIR": str(directory), "ABPLAT_WORKER_METRICS_PORT": str(port)}
+    manage(env, "migrate", "-v0")
+    manage(env, "clickhouse_migrate")
+    log = tmp_path / "worker.log"
+    worker = start_worker(env, log)
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        # Both children flushed (an empty spool: result ok), summed by the main process.
+        wait_until(lambda: total(scrape_url(url), "abplat_spool_flushes_total", result="ok") >= 2, 60,
+                   "both children's first flush", [log])  # fmt: skip
+        assert total(scrape_url(url), "abplat_spool_rows") == 0
+        children = {int(p.stem.rsplit("_", 1)[1]) for p in directory.glob("gauge_live*_*.db")}
+        assert len(children) >= 2, sorted(p.name for p in directory.iterdir())
+    finally:
+        stop_all([worker], [])
+    assert worker.returncode == 0, log.read_text()[-3000:]
+    # worker_process_shutdown ran in each child: no live gauge of theirs is left.
+    assert not [
+        p.name for p in directory.glob("gauge_live*_*.db") if int(p.stem.rsplit("_", 1)[1]) in children
+    ]
+    assert list(directory.glob("counter_*.db"))  # their counts stay
