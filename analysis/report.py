@@ -31,6 +31,8 @@ import numpy as np
 
 from analysis import factors
 from analysis import server_metrics as servermod
+from analysis.anytime import NOTE as ANYTIME_NOTE
+from analysis.anytime import anytime_intervals, anytime_srm, p99_ranks
 from analysis.definitions import (
     INFLIGHT_EDGES,
     METRICS,
@@ -68,6 +70,7 @@ from stats.verdict import sla_verdict
 
 SCHEMA_VERSION = 1
 P99 = 0.99
+ALPHA = round(1.0 - DEFAULT_CONF, 12)  # the anytime-valid sequences' error rate, as the fixed-horizon CIs'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +123,7 @@ def _ranks_for(metric: str, n: int) -> list[int]:
     if metric == "ttft_ms":
         # the p99 difference needs per-arm CIs at 1 - alpha/2 (Bonferroni)
         ranks.update(ranks_to_fetch(n, (P99,), quantile_difference_conf()))
+        ranks.update(p99_ranks(n, ALPHA))  # the anytime-valid p99 sequences (analysis.anytime)
     return sorted(ranks)
 
 
@@ -260,7 +264,15 @@ def build_report(
         by_key[v]["vs_control"] = comp
 
     # 4. segments from the cells; SRM on distinct users, the unit of assignment
-    srm = _srm(exp, got["srm_users"], present, modes)
+    srm_parts = _srm_parts(exp, got["srm_users"], present)
+    srm = _srm(exp, srm_parts, modes)
+    ttft_os = {v: order_stats.get((v, "ttft_ms"), {}) for v in present}
+    anytime = {
+        "alpha": ALPHA,
+        "note": ANYTIME_NOTE,
+        "variants": anytime_intervals(summ, order, control, ttft_os, ALPHA),
+        "srm": anytime_srm(srm_parts, ALPHA) if srm.get("applicable") else {"applicable": False},
+    }
     segments = _segments(cells, present)
     mix_rate = _mix_rate(segments, control, present)
 
@@ -318,6 +330,7 @@ def build_report(
         "banners": banners,
         "srm": srm,
         "variants": variants,
+        "anytime": anytime,
         "attribution": attribution_out,
         "phases": phases,
         "server": server,
@@ -464,10 +477,26 @@ def _compare(
     return out
 
 
+def _srm_parts(
+    exp: ExperimentInfo, user_counts: Sequence[Mapping[str, Any]], present: Sequence[str]
+) -> list[tuple[str, dict[str, int], dict[str, float]]]:
+    """(config revision, distinct users per variant, that revision's weights) per revision."""
+    by_rev: dict[int, dict[str, int]] = {}
+    for c in user_counts:
+        if c["variant"] in present:
+            counts = by_rev.setdefault(int(c["rev"]), {})
+            counts[c["variant"]] = counts.get(c["variant"], 0) + int(c["n"])
+    parts = []
+    for rev, counts in sorted(by_rev.items()):
+        weights = exp.weights_by_revision.get(rev, exp.weights)
+        # only the variants being read: a variant filter must not look like missing traffic
+        parts.append((str(rev), counts, {k: float(w) for k, w in weights.items() if k in present}))
+    return parts
+
+
 def _srm(
     exp: ExperimentInfo,
-    user_counts: Sequence[Mapping[str, Any]],
-    present: Sequence[str],
+    parts: Sequence[tuple[str, dict[str, int], dict[str, float]]],
     modes: Mapping[str, int],
 ) -> dict[str, Any]:
     def not_applicable(note: str) -> dict[str, Any]:
@@ -476,18 +505,8 @@ def _srm(
 
     if modes.get("mirror") and not modes.get("split"):
         return not_applicable("mirror mode: every request goes to every variant")
-    by_rev: dict[int, dict[str, int]] = {}
-    for c in user_counts:
-        if c["variant"] in present:
-            counts = by_rev.setdefault(int(c["rev"]), {})
-            counts[c["variant"]] = counts.get(c["variant"], 0) + int(c["n"])
-    if not by_rev:
+    if not parts:
         return not_applicable("no samples")
-    parts = []
-    for rev, counts in sorted(by_rev.items()):
-        weights = exp.weights_by_revision.get(rev, exp.weights)
-        # only the variants being read: a variant filter must not look like missing traffic
-        parts.append((str(rev), counts, {k: float(w) for k, w in weights.items() if k in present}))
     try:
         res = sample_ratio_mismatch(parts)
     except ValueError as e:

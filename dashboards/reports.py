@@ -124,7 +124,7 @@ CACHE_ALIAS = "default"
 CACHE_ERRORS = (redis.RedisError, OSError)
 CACHE_TIMEOUT_S = 600
 # bump when the report's computation changes without a SCHEMA_VERSION change
-CACHE_FORMAT = 4  # 4: the run catalog selects the runs; failures per variant
+CACHE_FORMAT = 5  # 4: the run catalog selects the runs; failures per variant; 5: anytime-valid intervals
 
 
 def cache_key(

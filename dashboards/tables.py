@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from typing import IO, Any
 
 TABLES = ("variants", "percentiles", "comparisons", "segments", "phases", "attribution", "srm", "failures",
-          "server", "server_phases")  # fmt: skip
+          "server", "server_phases", "anytime")  # fmt: skip
 COLUMNS: dict[str, tuple[str, ...]] = {
     "variants": ("variant", "control", "n", "errors", "error_rate", "hits", "attainment", "attainment_lo",
                  "attainment_hi", "goodput_rps", "verdict", "n_needed"),
@@ -31,7 +31,11 @@ COLUMNS: dict[str, tuple[str, ...]] = {
                "prefill_p99_ms", "running_mean", "waiting_mean", "kv_cache_usage_max", "last_error"),
     # the miss phases split by the server's queue and prefill (an interval estimate: basis)
     "server_phases": ("variant", "basis", "misses", "covered_misses", "phase", "mean_ms"),
+    # the anytime-valid intervals (report "anytime"): the ones that may be read mid-run
+    "anytime": ("variant", "quantity", "estimate", "lo", "hi", "alpha"),
 }  # fmt: skip
+ANYTIME_QUANTITIES = ("attainment", "error_rate", "p99_ttft_ms")
+ANYTIME_DIFFERENCES = ("attainment_difference", "error_rate_difference", "p99_ttft_difference")
 
 
 def _round6(x: float | None) -> float | None:
@@ -214,6 +218,36 @@ def server_phases(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
                 "covered_misses": split["covered_misses"],
                 "phase": phase,
                 "mean_ms": d["mean_ms"],
+            }
+
+
+def interval_text(iv: Mapping[str, Any] | None, fmt: str) -> str:
+    """ "0.9876 [0.9812, 0.9921]" for the page and sla_report; an open side (a None bound) is
+    "-inf" or "inf", no estimate is "-"."""
+    if not iv or iv.get("estimate") is None:
+        return "-"
+    lo = "-inf" if iv["lo"] is None else format(iv["lo"], fmt)
+    hi = "inf" if iv["hi"] is None else format(iv["hi"], fmt)
+    return f"{format(iv['estimate'], fmt)} [{lo}, {hi}]"
+
+
+def anytime(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
+    """One row per variant and quantity (its sequence, then its difference to the control); a
+    None bound is infinite (too few samples for that side yet)."""
+    for v, e in report.get("anytime", {}).get("variants", {}).items():
+        found = [(name, e[name]) for name in ANYTIME_QUANTITIES]
+        found += [(name, (e["vs_control"] or {}).get(name)) for name in ANYTIME_DIFFERENCES]
+        for name, iv in found:
+            if iv is None:
+                continue
+            share = not name.startswith("p99")
+            yield {
+                "variant": v,
+                "quantity": name,
+                "estimate": _round6(iv["estimate"]) if share else iv["estimate"],
+                "lo": _round6(iv["lo"]) if share else iv["lo"],
+                "hi": _round6(iv["hi"]) if share else iv["hi"],
+                "alpha": iv["alpha"],
             }
 
 

@@ -32,6 +32,25 @@ def _report(request: HttpRequest, key: str):
     )
 
 
+def _anytime_rows(report) -> list[dict[str, str]]:
+    """Per variant, its anytime-valid intervals formatted for the page (report "anytime")."""
+    out = []
+    for v, e in report.get("anytime", {}).get("variants", {}).items():
+        vs = e["vs_control"] or {}
+        out.append(
+            {
+                "variant": v,
+                "attainment": tables.interval_text(e["attainment"], ".4f"),
+                "error_rate": tables.interval_text(e["error_rate"], ".4f"),
+                "p99_ttft_ms": tables.interval_text(e["p99_ttft_ms"], ".1f"),
+                "attainment_difference": tables.interval_text(vs.get("attainment_difference"), "+.4f"),
+                "error_rate_difference": tables.interval_text(vs.get("error_rate_difference"), "+.4f"),
+                "p99_ttft_difference": tables.interval_text(vs.get("p99_ttft_difference"), "+.1f"),
+            }
+        )
+    return out
+
+
 def _too_slow() -> HttpResponse:
     # 400, as for a bad filter: narrower filters are what makes this report answer.
     return HttpResponseBadRequest(
@@ -60,6 +79,7 @@ def experiment(request: HttpRequest, key: str) -> HttpResponse:
         "failure_rows": list(tables.failures(report)),
         "server_rows": list(tables.server(report)),
         "server_split_rows": list(tables.server_phases(report)),
+        "anytime_rows": _anytime_rows(report),
         "run_statuses": RUN_STATUSES,
         "run_modes": MODES,
         "attribution_texts": {

@@ -30,8 +30,6 @@ from samples import factory, synthetic
 from samples.backends.clickhouse import ClickHouseServerBackend
 from tests.plugin import server_url_for
 
-pytestmark = [pytest.mark.urls("tests.dashboards.urls_dashboards")]
-
 LATENCY = ("connect_ms", "ttfb_ms", "first_byte_ms", "ttft_event_ms", "ttft_ms", "itl_mean_ms", "itl_p50_ms",
            "itl_p99_ms", "itl_max_ms", "tpot_ms", "e2e_ms")  # fmt: skip
 # fault -> (the arm it hits, outcome, HTTP status, error message, keeps headers time)

@@ -11,7 +11,7 @@ from django.core.management import CommandError, call_command
 from samples import synthetic
 from samples.store import QueryTimeout
 
-pytestmark = [pytest.mark.urls("tests.dashboards.urls_dashboards"), pytest.mark.django_db]
+pytestmark = pytest.mark.django_db
 
 # Billions of rows: seconds of work on either backend, so a 1 s limit always stops it.
 ENDLESS = "SELECT sum(number) FROM numbers(10000000000)"

@@ -11,7 +11,7 @@ from django.core.management import CommandError, call_command
 
 from samples import synthetic
 
-pytestmark = [pytest.mark.urls("tests.dashboards.urls_dashboards"), pytest.mark.django_db]
+pytestmark = pytest.mark.django_db
 
 
 def load(store, run_id: int, mode: str, n: int, start_ms: float) -> None:

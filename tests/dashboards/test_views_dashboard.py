@@ -13,7 +13,7 @@ from django.core.management import call_command
 from samples.factory import _cache as store_cache
 from tests.analysis.fixtures_report import loaded_stores, mirror_data, server_url_for, split_data  # noqa: F401
 
-pytestmark = [pytest.mark.urls("tests.dashboards.urls_dashboards"), pytest.mark.django_db]
+pytestmark = pytest.mark.django_db
 
 ROLES_ALLOWED = ["analyst", "product", "sre", "admin"]
 
@@ -111,6 +111,47 @@ def test_sla_report_command_prints_a_table_and_writes_csv(experiment, samples_db
     assert (tmp_path / "variants.csv").read_text().startswith("variant,control,n,")
     with pytest.raises(Exception, match="no experiment with key 'nope'"):
         call_command("sla_report", "nope")
+
+
+def test_the_page_shows_the_anytime_intervals_labelled_beside_the_fixed_horizon_ones(
+    client, users, experiment, samples_db
+):
+    from dashboards.tables import interval_text
+    from experiments.models import Experiment
+
+    _login(client, users, "analyst")
+    report = client.get("/api/experiments/ttft-opt/report").json()
+    html = client.get("/dashboards/ttft-opt/").content.decode()
+    assert "Anytime-valid intervals (may be read mid-run)" in html and "<b>fixed-horizon</b>" in html
+    table = html[
+        html.index('id="anytime-intervals"') : html.index("</table>", html.index('id="anytime-intervals"'))
+    ]
+    for v, e in report["anytime"]["variants"].items():
+        row = table[table.index(f"<td>{v}</td>") :].split("</tr>")[0]
+        assert interval_text(e["attainment"], ".4f") in row
+        assert interval_text(e["p99_ttft_ms"], ".1f") in row
+        if e["vs_control"]:
+            assert interval_text(e["vs_control"]["attainment_difference"], "+.4f") in row
+    assert "Split (sequential SRM test): anytime p=" in html
+    assert "rollout timeline" not in html  # no rollout plan: no link
+    Experiment.objects.filter(key="ttft-opt").update(rollout={"candidate": "awq-fa2"})
+    html = client.get("/dashboards/ttft-opt/").content.decode()
+    assert 'href="/rollouts/ttft-opt/">rollout timeline</a>' in html
+
+
+def test_sla_report_prints_the_anytime_block_and_writes_its_csv(experiment, samples_db, tmp_path):
+    out = io.StringIO()
+    call_command("sla_report", "ttft-opt", "--csv", str(tmp_path), stdout=out)
+    text = out.getvalue()
+    assert "Anytime-valid intervals (alpha 0.05;" in text and "read them when the run is over" in text
+    assert "split (sequential SRM): anytime p=" in text
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "anytime.csv").read_text())))
+    # 3 sequences per variant, 3 differences per non-control variant
+    assert len(rows) == 3 * 3 + 2 * 3
+    assert {r["quantity"] for r in rows} >= {"attainment", "p99_ttft_difference", "error_rate_difference"}
+    for r in rows:
+        if r["quantity"] == "attainment":
+            assert float(r["lo"]) < float(r["estimate"]) < float(r["hi"])
 
 
 def test_plotly_js_is_served_once_with_a_long_lived_cache(client, users, samples_db):

@@ -30,6 +30,7 @@ from pathlib import Path
 from analysis.definitions import QueryError
 from dashboards import tables
 from dashboards.reports import report_for_params, report_time_limit_s, timeout_message
+from dashboards.tables import interval_text as iv
 from experiments.cli import CliError, JsonCommand, add_json_argument
 from experiments.models import Experiment
 from samples.store import QueryTimeout
@@ -96,6 +97,35 @@ def slo_text(sla) -> str:
     return ", ".join(f"{label} < {sla[k]:g} ms" for k, label in SLO_LABELS if sla.get(k) is not None)
 
 
+def anytime_lines(report) -> list[str]:
+    """The anytime-valid intervals, labelled as the ones that may be read mid-run."""
+    at = report.get("anytime")
+    if not at:
+        return []
+    lines = [
+        "",
+        f"Anytime-valid intervals (alpha {at['alpha']:g}; {at['note']}); the CIs above are "
+        "fixed-horizon: read them when the run is over:",
+    ]
+    for v, e in at["variants"].items():
+        vs = e["vs_control"] or {}
+        lines.append(
+            f"  {v:<12}attainment {iv(e['attainment'], '.4f')}  error rate {iv(e['error_rate'], '.4f')}"
+            f"  p99 TTFT {iv(e['p99_ttft_ms'], '.1f')}"
+        )
+        if vs:
+            lines.append(
+                f"  {'':<12}vs control: attainment {iv(vs['attainment_difference'], '+.4f')}"
+                f"  error rate {iv(vs['error_rate_difference'], '+.4f')}"
+                f"  p99 TTFT {iv(vs['p99_ttft_difference'], '+.1f')}"
+            )
+    srm = at.get("srm") or {}
+    if srm.get("applicable"):
+        verdict = srm["message"] if srm["flagged"] else "no mismatch"
+        lines.append(f"  split (sequential SRM): anytime p={srm['p_value']:.3g}: {verdict}")
+    return lines
+
+
 def render_text(report) -> str:
     exp = report["experiment"]
     sla = exp["sla"]
@@ -139,6 +169,7 @@ def render_text(report) -> str:
                 for x in ests
             )
             lines.append(f"  {e['key']:<12}{metric:<9}{cells}")
+    lines += anytime_lines(report)
     for metric in ("attainment", "p99_ttft_ms"):
         for v, entry in report["attribution"].get(metric, {}).items():
             lines.append(f"Why {v} ({metric}): {entry['text']}")
