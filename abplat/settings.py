@@ -247,6 +247,7 @@ INSTALLED_APPS = [
     "dashboards",
     "serving",
     "rollouts",
+    "capacity",
 ]
 
 MIDDLEWARE = [

@@ -119,6 +119,11 @@ class Slo:
         }
 
 
+def slo_of(experiment: Any) -> Slo:
+    """The SLOs of an experiment (anything with sla_ttft_ms, sla_tpot_ms, sla_e2e_ms)."""
+    return Slo(experiment.sla_ttft_ms, experiment.sla_tpot_ms, experiment.sla_e2e_ms)
+
+
 # ---------------------------------------------------------------------------------------------
 # Metrics
 

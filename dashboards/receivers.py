@@ -22,7 +22,7 @@ def build_rollup(sender: Any, *, run_id: int, experiment: str, store: Any, **kwa
     # Deferred: the analysis stack (numpy, scipy) loads when a run ends, not in every process
     # that starts Django (this module is imported by DashboardsConfig.ready()).
     from analysis import rollup
-    from dashboards.reports import slo_of
+    from analysis.definitions import slo_of
 
     t = time.perf_counter()
     try:

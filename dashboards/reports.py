@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from analysis.definitions import Filters, QueryError, Slo
+from analysis.definitions import Filters, QueryError, slo_of
 from analysis.readers.raw import RawReader
 from analysis.report import SCHEMA_VERSION, ExperimentInfo, VariantInfo, build_report
 from dashboards.filters import filters_from_params
@@ -61,10 +61,6 @@ def weights_history(experiment: Any) -> tuple[dict[int, dict[str, float]], str, 
         else "current variant weights (no weights history in the audit log)"
     )
     return by_rev, source, changes
-
-
-def slo_of(experiment: Any) -> Slo:
-    return Slo(experiment.sla_ttft_ms, experiment.sla_tpot_ms, experiment.sla_e2e_ms)
 
 
 def experiment_info(experiment: Any) -> ExperimentInfo:

@@ -18,6 +18,7 @@ from experiments.models import AuditEntry, Experiment, Variant
 
 VARIANT_FIELDS = (
     "key", "control", "weight", "endpoint", "model", "api", "http2", "factors", "engine_args", "auth_secret",
+    "cost",
 )  # fmt: skip
 
 

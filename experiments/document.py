@@ -40,9 +40,12 @@ MAX_SLO_MS = 3_600_000.0
 TOP_FIELDS = {"key", "name", "hypothesis", "sla", "variants", "rollout"}
 SLA_FIELDS = {"ttft_ms", "tpot_ms", "e2e_ms", "target"}
 VARIANT_FIELDS = {
-    "key", "control", "weight", "endpoint", "model", "api", "http2", "factors", "engine_args", "auth",
+    "key", "control", "weight", "endpoint", "model", "api", "http2", "factors", "engine_args", "auth", "cost",
 }  # fmt: skip
 AUTH_FIELDS = {"secret"}
+COST_FIELDS = {"per_hour", "currency"}
+CURRENCY_RE = re.compile(r"^[A-Z]{3}$")  # ISO 4217 codes: USD, EUR, JPY
+MAX_COST_PER_HOUR = 1_000_000.0
 Resolver = Callable[[str], Sequence[str]]
 
 
@@ -241,6 +244,31 @@ def _validate_auth(c: _Collector, raw: Any, path: str) -> dict | None:
     return {"secret": name}
 
 
+def _validate_cost(c: _Collector, raw: Any, path: str) -> dict | None:
+    """``cost: {per_hour: 4.20, currency: USD}``: the deployment's price per hour (its GPUs), for
+    cost per million requests and tokens at SLA capacity (capacity/)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        c.add(path, "must be a mapping: {per_hour: 4.20, currency: USD}")
+        return None
+    _unknown(c, raw, COST_FIELDS, path)
+    per_hour = raw.get("per_hour")
+    ok = not isinstance(per_hour, bool) and isinstance(per_hour, int | float) and math.isfinite(per_hour)
+    if not ok or not 0 < per_hour <= MAX_COST_PER_HOUR:
+        c.add(
+            f"{path}.per_hour", f"must be a number above 0 and at most {MAX_COST_PER_HOUR:g} (price per hour)"
+        )
+        per_hour = None
+    currency = raw.get("currency", "USD")
+    if not isinstance(currency, str) or not CURRENCY_RE.match(currency):
+        c.add(f"{path}.currency", "must be a three-letter ISO 4217 code in capitals, e.g. USD or EUR")
+        currency = None
+    if per_hour is None or currency is None:
+        return None
+    return {"per_hour": float(per_hour), "currency": currency}
+
+
 def _validate_variant(
     c: _Collector, raw: Any, i: int, allow: Allowlist | None = None, resolve: Resolver | None = None
 ) -> dict:
@@ -279,6 +307,7 @@ def _validate_variant(
             c, raw.get("engine_args"), f"{path}.engine_args", names_re=FACTOR_NAME_RE, dashes=True
         ),
         "auth": _validate_auth(c, raw.get("auth"), f"{path}.auth"),
+        "cost": _validate_cost(c, raw.get("cost"), f"{path}.cost"),
     }
 
 

@@ -91,6 +91,10 @@ class Variant(models.Model):
         "auth secret", max_length=64, blank=True, default="",
         help_text="Name of a secret the operator configured; sent as 'Authorization: Bearer <value>'",
     )  # fmt: skip
+    # The deployment's price (document ``cost: {per_hour, currency}``), for cost at SLA capacity.
+    cost = models.JSONField(
+        null=True, blank=True, help_text='price of the deployment: {"per_hour": 4.2, "currency": "USD"}'
+    )
 
     class Meta:
         ordering = ["experiment", "position"]

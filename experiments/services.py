@@ -82,6 +82,7 @@ def export_document(experiment: Experiment) -> dict:
                 "factors": dict(v.factors),
                 "engine_args": dict(v.engine_args),
                 "auth": {"secret": v.auth_secret} if v.auth_secret else None,  # the name only
+                "cost": v.cost,
             }
             for v in experiment.variants.all()  # Variant.Meta.ordering: by position; a list's prefetch serves it
         ],
@@ -226,7 +227,7 @@ def _write_variants(experiment: Experiment, doc: dict) -> None:
     for position, v in enumerate(doc["variants"]):
         row = existing.get(v["key"]) or Variant(experiment=experiment, key=v["key"])
         row.position = position
-        for field in ("weight", "endpoint", "model", "api", "http2", "factors", "engine_args"):
+        for field in ("weight", "endpoint", "model", "api", "http2", "factors", "engine_args", "cost"):
             setattr(row, field, v[field])
         row.auth_secret = (v["auth"] or {}).get("secret", "")
         row.control = False

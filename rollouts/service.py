@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 from django.db import connection, transaction
 
-from analysis.definitions import Slo
+from analysis.definitions import slo_of
 from experiments import audit
 from experiments.checks import resolve_host, variant_allowlist
 from experiments.models import Experiment, Variant
@@ -111,10 +111,6 @@ def plan_of(experiment: Experiment) -> Plan:
     if control is None:
         raise RolloutError(f"experiment {experiment.key!r} has no control variant")
     return Plan.from_document(experiment.rollout, control=control, sla_target=experiment.sla_target)
-
-
-def slo_of(experiment: Experiment) -> Slo:
-    return Slo(experiment.sla_ttft_ms, experiment.sla_tpot_ms, experiment.sla_e2e_ms)
 
 
 def _owner() -> str:

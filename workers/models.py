@@ -58,6 +58,9 @@ class ReplayRun(models.Model):
         help_text="each shard task covers this long a window of the schedule (empty: one window)",
     )  # fmt: skip
     population_seed = models.IntegerField(default=0)
+    # Mirror runs only: the variants every request goes to (keys); empty: every variant. A
+    # capacity search step loads one deployment alone (capacity/).
+    targets = models.JSONField(default=list, blank=True, help_text="mirror: only these variants (empty: all)")
     status = models.CharField(max_length=12, choices=Status.choices, default=Status.QUEUED)
     cancel_requested = models.BooleanField(default=False)
     started_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
@@ -87,6 +90,11 @@ class ReplayRun(models.Model):
 
     def __str__(self) -> str:
         return f"run {self.pk} of {self.experiment.key} ({self.status})"
+
+    def replay_variants(self) -> list:
+        """The variants this run sends to, in their order: ``targets`` when set, else all."""
+        variants = list(self.experiment.variants.order_by("position"))
+        return [v for v in variants if v.key in self.targets] if self.targets else variants
 
     @property
     def is_final(self) -> bool:

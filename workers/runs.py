@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from django.conf import settings
@@ -142,7 +143,7 @@ def create_run(experiment: Experiment, *, source: str | None = None, trace: str 
                shard_count: int | None = None, on_malformed: str = "reject", population_seed: int = 0,
                sample_fraction: float = 1.0, actor=None, enqueue: bool = True, render_chat: str = "reject",
                wrap_prompt: bool = False, max_duration_s: float | None = None, confirm: bool = False,
-               check_variants: bool = True) -> ReplayRun:  # fmt: skip
+               check_variants: bool = True, targets: Sequence[str] = ()) -> ReplayRun:  # fmt: skip
     """Validate everything, record the run and its shards, and queue it after commit.
 
     Before anything is created: the source resolves (``resolve_source``: a local path only with
@@ -152,7 +153,8 @@ def create_run(experiment: Experiment, *, source: str | None = None, trace: str 
     (replay.shapes, with ``render_chat`` / ``wrap_prompt``); the planned schedule is at most
     ``max_duration_s`` (default: the REPLAY_MAX_DURATION_S setting, 2 h) unless ``confirm``;
     and (``check_variants``) every variant answers ``GET /v1/models`` listing its model
-    (workers.preflight). The plan is on the returned run as ``run.plan``."""
+    (workers.preflight). ``targets``: in mirror mode, send only to these variants (a capacity
+    step loads one deployment alone). The plan is on the returned run as ``run.plan``."""
     arrival = arrival or Arrival()
     if experiment.status != Experiment.Status.RUNNING:
         raise ReplayError(
@@ -220,6 +222,14 @@ def create_run(experiment: Experiment, *, source: str | None = None, trace: str 
             f"{src.label} has more than {max_requests} requests (setting REPLAY_MAX_REQUESTS); give a limit",
         )
     variants = list(experiment.variants.order_by("position"))
+    targets = list(dict.fromkeys(targets))
+    if targets:
+        unknown = sorted(set(targets) - {v.key for v in variants})
+        if unknown:
+            raise ReplayInputError("targets", f"no variant {unknown} in experiment {experiment.key!r}")
+        if mode != "mirror":
+            raise ReplayInputError("targets", "targets apply to mirror runs (split mode follows the weights)")
+        variants = [v for v in variants if v.key in targets]
     try:
         shapes.check(loaded.requests, {v.key: v.api for v in variants}, render_chat=render_chat,
                      wrap_prompt=wrap_prompt)  # fmt: skip
@@ -265,7 +275,7 @@ def create_run(experiment: Experiment, *, source: str | None = None, trace: str 
             arrival=dataclasses.asdict(arrival), limit=limit, sample_fraction=sample_fraction,
             concurrency=concurrency, shard_count=shard_count, window_s=window_s,
             on_malformed=on_malformed, population_seed=population_seed,
-            render_chat=render_chat, wrap_prompt=wrap_prompt,
+            render_chat=render_chat, wrap_prompt=wrap_prompt, targets=targets,
             started_by=actor if getattr(actor, "pk", None) else None,
             total_requests=len(loaded.requests), skipped_lines=len(loaded.skipped),
             expected_samples=expected_samples(len(loaded.requests), mode, n_variants),
@@ -393,5 +403,5 @@ def describe(run: ReplayRun) -> dict:
         "sample_fraction": run.sample_fraction, "render_chat": run.render_chat, "wrap_prompt": run.wrap_prompt,
         "total_requests": run.total_requests, "expected_samples": run.expected_samples,
         "samples_recorded": run.samples_recorded, "skipped_lines": run.skipped_lines,
-        "outcomes": run.outcomes, "shards": run.shard_count, "error": run.error,
+        "outcomes": run.outcomes, "shards": run.shard_count, "error": run.error, "targets": run.targets,
     }  # fmt: skip

@@ -213,7 +213,7 @@ def scrape_now(run_id: int, what: str) -> None:
         return
     try:
         run = ReplayRun.objects.select_related("experiment").get(pk=run_id)
-        variants = list(run.experiment.variants.order_by("position"))
+        variants = run.replay_variants()
         scraper = Scraper(run, variants, every)
 
         async def once() -> None:

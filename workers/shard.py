@@ -78,7 +78,7 @@ def plan_run_prompts(run: ReplayRun) -> dict:
     """The run's prompt plan (replay/calibration.py), as JSON to store on the run: each
     variant's prompt of the trace's length on its own tokenizer (/tokenize), or today's estimate,
     flagged, for a variant that cannot count. Called once, before the schedule starts."""
-    variants = list(run.experiment.variants.order_by("position"))
+    variants = run.replay_variants()
     requests = run_requests(run).requests
     verify = settings.VARIANT_CA_BUNDLE or True
 
@@ -123,7 +123,7 @@ def execute_shard(shard: ReplayShard, *, budget_s: float | None = None,
     shard waits for it before it ends, unless the run was cancelled."""
     run = shard.run
     experiment = run.experiment
-    variants = list(experiment.variants.order_by("position"))
+    variants = run.replay_variants()
     # 1. The shard's requests and their send offsets on the run's one schedule: its window's,
     # interleaved by position with the other slots so each carries an even share.
     loaded = run_requests(run)

@@ -27,6 +27,11 @@ class VariantAuthSerializer(serializers.Serializer):
     )
 
 
+class VariantCostSerializer(serializers.Serializer):
+    per_hour = serializers.FloatField(help_text="price of the deployment per hour (its GPUs)")
+    currency = serializers.CharField(default="USD", help_text="ISO 4217 code, e.g. USD")
+
+
 class VariantDocumentSerializer(serializers.Serializer):
     key = serializers.SlugField()
     control = serializers.BooleanField(default=False)
@@ -40,6 +45,7 @@ class VariantDocumentSerializer(serializers.Serializer):
     factors = serializers.DictField(child=serializers.JSONField(), required=False)
     engine_args = serializers.DictField(child=serializers.JSONField(), required=False)
     auth = VariantAuthSerializer(required=False, allow_null=True)
+    cost = VariantCostSerializer(required=False, allow_null=True)
 
 
 class GuardrailSerializer(serializers.Serializer):

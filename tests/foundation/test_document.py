@@ -135,3 +135,45 @@ def test_engine_args_given_in_both_spellings_are_rejected(document):
 def test_engine_arg_names_with_other_characters_are_still_rejected(document):
     document["variants"][1]["engine_args"] = {"max.model.len": 1}
     assert "dashed flag spelling" in errors_of(document)["variants[1].engine_args.max.model.len"][0]
+
+
+def test_a_variant_cost_is_normalized_and_defaults_to_usd(document):
+    document["variants"][2]["cost"] = {"per_hour": 4}
+    document["variants"][1]["cost"] = {"per_hour": 2.5, "currency": "EUR"}
+    doc = validate_document(document)
+    assert doc["variants"][2]["cost"] == {"per_hour": 4.0, "currency": "USD"}
+    assert doc["variants"][1]["cost"] == {"per_hour": 2.5, "currency": "EUR"}
+    assert doc["variants"][0]["cost"] is None  # no price given: capacity without cost
+
+
+@pytest.mark.parametrize(
+    "cost, path, words",
+    [
+        ({"per_hour": 0}, "variants[0].cost.per_hour", "above 0"),
+        ({"per_hour": -1.0}, "variants[0].cost.per_hour", "above 0"),
+        ({"per_hour": float("nan")}, "variants[0].cost.per_hour", "above 0"),
+        ({"per_hour": "4.20"}, "variants[0].cost.per_hour", "number"),
+        ({"per_hour": True}, "variants[0].cost.per_hour", "number"),
+        ({"per_hour": 1e9}, "variants[0].cost.per_hour", "at most"),
+        ({"per_hour": 4.2, "currency": "usd"}, "variants[0].cost.currency", "ISO 4217"),
+        ({"per_hour": 4.2, "currency": "DOLLARS"}, "variants[0].cost.currency", "ISO 4217"),
+        ({"per_hour": 4.2, "per_day": 100}, "variants[0].cost.per_day", "unknown field"),
+        ("4.20 USD", "variants[0].cost", "mapping"),
+    ],
+)
+def test_a_bad_cost_is_named_by_its_field_path(document, cost, path, words):
+    document["variants"][0]["cost"] = cost
+    errors = errors_of(document)
+    assert path in errors and words in " ".join(errors[path]), errors
+
+
+def test_the_cost_is_stored_exported_and_applies_back_unchanged(document, db):
+    from experiments import services
+
+    document["variants"][0]["cost"] = {"per_hour": 4.2, "currency": "USD"}
+    exp = services.apply_document(document).experiment
+    exported = services.export_document(exp)
+    assert exported["variants"][0]["cost"] == {"per_hour": 4.2, "currency": "USD"}
+    assert exported["variants"][1]["cost"] is None
+    again = services.apply_document(exported)
+    assert not again.created and again.changes == []

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 
 from analysis import rollup
-from dashboards.reports import slo_of
+from analysis.definitions import slo_of
 from experiments.cli import CliError, JsonCommand, add_json_argument, add_progress_arguments
 from experiments.models import Experiment
 from samples.factory import sample_store

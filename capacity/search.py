@@ -1,0 +1,271 @@
+"""SLA capacity search, pure: the highest request rate at which a variant meets its SLA target
+with confidence, found by bracketing then bisection, each step stopped by a sequential test.
+
+No framework, no I/O: the glue (capacity/steps.py) runs each step as a replay and hands back a
+``StepResult``; ``Search`` says which rate to try next and, at the end, the ``Capacity``.
+
+The search
+1. Bracket: start at ``start_rps``; double after a step that meets the target, halve after one
+   that does not, until one rate meets and a higher one does not (or ``max_rps`` meets, or
+   ``min_rps`` does not).
+2. Bisect the bracket at its geometric middle until its upper end is within ``rel_tol`` of its
+   lower end, or ``max_steps`` steps were run.
+
+A step's verdict (``step_verdict``): the step replays at one rate and looks at its attainment
+after every batch through an anytime-valid confidence sequence (stats.sequential.means), so the
+replay stops as soon as "meets" (the sequence's lower bound is at or above the target) or
+"misses" (its upper bound is below) is clear, and far from the edge that is quick: the search
+spends its time near the edge. A step that reaches its request cap undecided is an "undecided"
+step: the search treats it as not meeting (a capacity is claimed only for rates that meet with
+confidence), so the bracket's upper end may be a rate that meets the target by a hair.
+
+Error budget: ``alpha`` is split evenly over ``max_steps`` (the union bound), so with probability
+at least 1 - alpha every verdict of the search is right at once, and the capacity it reports
+meets the target.
+
+The load generator: a step whose own schedule lag p99 exceeds ``lag_limit_ms`` measured the
+replay, not the variant; its verdict does not count, the search goes no higher, and the result
+says the generator limited it (``limited_by == "generator"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from stats._common import AsDict
+from stats.sequential.means import MeanSequence
+
+MEETS, MISSES, UNDECIDED = "meets", "misses", "undecided"
+VERDICTS = (MEETS, MISSES, UNDECIDED)
+# Why the search stopped where it did (Capacity.limited_by).
+BY_SLA, BY_GENERATOR, BY_MAX_RATE, BY_MIN_RATE, BY_STEPS = "sla", "generator", "max_rate", "min_rate", "steps"
+
+
+def step_verdict(hits: int, n: int, target: float, alpha: float) -> str:
+    """meets / misses / undecided for attainment ``hits / n`` against ``target``, anytime-valid
+    at ``alpha``: may be asked after every batch of a step."""
+    if n <= 0:
+        return UNDECIDED
+    lo, hi = MeanSequence(n=n, hits=hits, alpha=alpha).bounds()
+    if lo >= target:
+        return MEETS
+    if hi < target:
+        return MISSES
+    return UNDECIDED
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSpec:
+    target: float  # the SLA target: the share of requests that must meet every SLO
+    start_rps: float
+    max_rps: float
+    min_rps: float = 0.05
+    rel_tol: float = 0.05  # stop when the bracket's ends are within 5% of each other
+    max_steps: int = 12
+    alpha: float = 0.05  # for the whole search: alpha / max_steps per step
+    lag_limit_ms: float = 5.0  # the replay's own schedule lag p99 above which a step is void
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.target < 1.0:
+            raise ValueError(f"target must be strictly between 0 and 1, got {self.target!r}")
+        for name in ("start_rps", "max_rps", "min_rps", "rel_tol", "lag_limit_ms"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, int | float) or not (math.isfinite(x) and x > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {x!r}")
+        if not self.min_rps <= self.start_rps <= self.max_rps:
+            raise ValueError(
+                f"rates must satisfy min_rps <= start_rps <= max_rps, got {self.min_rps:g} <= "
+                f"{self.start_rps:g} <= {self.max_rps:g}"
+            )
+        if (
+            isinstance(self.max_steps, bool)
+            or not isinstance(self.max_steps, int)
+            or not 2 <= self.max_steps <= 100
+        ):
+            raise ValueError(f"max_steps must be an integer from 2 to 100, got {self.max_steps!r}")
+        if not 0.0 < self.alpha < 1.0:
+            raise ValueError(f"alpha must be strictly between 0 and 1, got {self.alpha!r}")
+
+    @property
+    def step_alpha(self) -> float:
+        return self.alpha / self.max_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult(AsDict):
+    """One step: the rate replayed and what it measured (after the warm-up it discards)."""
+
+    rate_rps: float
+    verdict: str
+    n: int
+    hits: int
+    lag_p99_ms: float | None = None
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    attainment_lo: float | None = None
+    attainment_hi: float | None = None
+    seconds: float = 0.0
+    run_id: int | None = None
+    output_tokens_mean: float | None = None
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
+
+    @property
+    def attainment(self) -> float | None:
+        return self.hits / self.n if self.n else None
+
+    def generator_limited(self, limit_ms: float) -> bool:
+        return self.lag_p99_ms is not None and self.lag_p99_ms > limit_ms
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity(AsDict):
+    """The search's answer: ``capacity_rps`` meets the target with confidence (None: not even
+    ``min_rps`` did); the true edge lies in [capacity_rps, upper_rps) (upper None: above every
+    rate tried). ``knee_rps``: the lowest rate tried whose p99 TTFT is at least twice that of
+    the lowest rate tried (None: none was)."""
+
+    capacity_rps: float | None
+    upper_rps: float | None
+    limited_by: str
+    steps: tuple[StepResult, ...]
+    knee_rps: float | None
+    message: str
+
+    def as_dict(self) -> dict[str, Any]:  # steps as dicts, in the order run
+        d = super().as_dict()
+        d["steps"] = [s.as_dict() for s in self.steps]
+        return d
+
+
+class Search:
+    """The search's state: ``next_rate()`` until it returns None, ``record()`` after each step."""
+
+    def __init__(self, spec: SearchSpec) -> None:
+        self.spec = spec
+        self.steps: list[StepResult] = []
+        self._stopped: str | None = None
+
+    # the bracket: the highest rate that met the target, the lowest that did not (or was void)
+    def _lo(self) -> float | None:
+        ok = [s.rate_rps for s in self.steps if s.verdict == MEETS and not self._void(s)]
+        return max(ok) if ok else None
+
+    def _hi(self) -> float | None:
+        bad = [s.rate_rps for s in self.steps if s.verdict != MEETS or self._void(s)]
+        return min(bad) if bad else None
+
+    def _void(self, s: StepResult) -> bool:
+        return s.generator_limited(self.spec.lag_limit_ms)
+
+    def record(self, step: StepResult) -> None:
+        self.steps.append(step)
+
+    def next_rate(self) -> float | None:
+        """The rate of the next step, or None: the search is over (``result()``)."""
+        sp = self.spec
+        if self._stopped:
+            return None
+        if len(self.steps) >= sp.max_steps:
+            self._stopped = BY_STEPS
+            return None
+        lo, hi = self._lo(), self._hi()
+        if lo is not None and hi is not None and hi <= lo:
+            # a lower rate failed where a higher one met (noise, or a void step): trust the
+            # conservative end; nothing in between is worth more steps
+            self._stopped = BY_SLA
+            return None
+        if not self.steps:
+            return sp.start_rps
+        if hi is None:  # everything tried met: go up
+            if lo >= sp.max_rps:
+                self._stopped = BY_MAX_RATE
+                return None
+            return min(sp.max_rps, lo * 2.0)
+        if lo is None:  # nothing met yet: go down
+            if hi <= sp.min_rps:
+                self._stopped = BY_MIN_RATE
+                return None
+            return max(sp.min_rps, hi / 2.0)
+        if hi <= lo * (1.0 + sp.rel_tol):
+            self._stopped = BY_SLA
+            return None
+        return math.sqrt(lo * hi)
+
+    def result(self) -> Capacity:
+        sp = self.spec
+        lo, hi = self._lo(), self._hi()
+        void = [s for s in self.steps if self._void(s)]
+        limited_by = self._stopped or BY_STEPS
+        if void and hi is not None and any(s.rate_rps == hi for s in void):
+            limited_by = BY_GENERATOR
+        knee = _knee(self.steps)
+        t = f"{sp.target:.2%}"
+        if lo is None:
+            message = f"no rate tried meets {t} with confidence (lowest tried {min_rate(self.steps):g} req/s)"
+        elif limited_by == BY_GENERATOR:
+            worst = max(s.lag_p99_ms or 0.0 for s in void)
+            message = (
+                f"meets {t} at {lo:.3g} req/s; the load generator could not go higher (its schedule "
+                f"lag p99 reached {worst:.1f} ms at {hi:.3g} req/s, over {sp.lag_limit_ms:g} ms): "
+                "add workers or shards to search above it"
+            )
+        elif hi is None:
+            message = f"meets {t} at every rate tried, up to {lo:.3g} req/s (max_rps)"
+        else:
+            message = f"meets {t} at {lo:.3g} req/s, not at {hi:.3g} req/s"
+        return Capacity(lo, hi, limited_by, tuple(self.steps), knee, message)
+
+
+def min_rate(steps: Sequence[StepResult]) -> float:
+    return min((s.rate_rps for s in steps), default=math.nan)
+
+
+def _knee(steps: Sequence[StepResult]) -> float | None:
+    have = sorted((s.rate_rps, s.ttft_p99_ms) for s in steps if s.ttft_p99_ms is not None)
+    if len(have) < 2:
+        return None
+    base = have[0][1]
+    return next((r for r, p99 in have[1:] if base > 0 and p99 >= 2.0 * base), None)
+
+
+def run_search(spec: SearchSpec, probe: Any) -> Capacity:
+    """Drive a search with ``probe(rate_rps) -> StepResult`` (the glue's replay, or a model)."""
+    search = Search(spec)
+    while (rate := search.next_rate()) is not None:
+        search.record(probe(rate))
+    return search.result()
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost(AsDict):
+    """What a variant's capacity costs: its deployment's price per hour at SLA capacity."""
+
+    per_hour: float
+    currency: str
+    per_million_requests: float | None
+    per_million_output_tokens: float | None
+    capacity_per_currency_hour: float | None  # req/s of SLA capacity per unit of price per hour
+
+
+def cost_at_capacity(
+    capacity_rps: float | None, per_hour: float, currency: str, output_tokens_mean: float | None
+) -> Cost:
+    """Price per million requests (and output tokens) when the deployment runs at capacity."""
+    if not capacity_rps:
+        return Cost(per_hour, currency, None, None, None)
+    per_request = per_hour / (capacity_rps * 3600.0)
+    per_token = per_request / output_tokens_mean if output_tokens_mean else None
+    return Cost(
+        per_hour,
+        currency,
+        per_request * 1e6,
+        None if per_token is None else per_token * 1e6,
+        capacity_rps / per_hour if per_hour > 0 else None,
+    )

@@ -1,0 +1,144 @@
+"""Search an experiment's variants for their SLA capacity, one after the other, on the same
+request sequence; price each at capacity; store the result (models.CapacitySearch)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from django.utils import timezone
+
+from analysis.definitions import slo_of
+from capacity.models import CapacitySearch
+from capacity.search import Capacity, SearchSpec, cost_at_capacity, run_search
+from capacity.steps import ARRIVALS, StepPlan, run_step
+from experiments.models import Experiment
+from replay.sources import load_requests
+from workers.runs import ReplayError, resolve_source
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    trace: str
+    source_format: str | None = None
+    variants: Sequence[str] = ()
+    arrival: str = "poisson"
+    cv: float = 1.0
+    start_rps: float | None = None  # default: max_rps / 4
+    max_rps: float = 50.0
+    min_rps: float = 0.05
+    rel_tol: float = 0.05
+    max_steps: int = 12
+    alpha: float = 0.05
+    step_requests: int = 2000
+    warmup_s: float = 5.0
+    seed: int = 0
+    lag_limit_ms: float = 5.0
+    local_paths: bool = True
+
+
+def trace_rate(trace: str, source_format: str | None, limit: int, local_paths: bool) -> float:
+    """The trace's own request rate over its first ``limit`` requests (recorded arrivals)."""
+    src = resolve_source(trace, local_paths=local_paths)
+    loaded = load_requests(
+        src.path, source_format or (src.trace.format if src.trace else "azure"), limit=limit
+    )
+    offsets = sorted(r.offset_s for r in loaded.requests)
+    if len(offsets) < 2 or offsets[-1] <= offsets[0]:
+        raise ReplayError(f"{src.label}: recorded arrivals need at least two requests at different times")
+    return (len(offsets) - 1) / (offsets[-1] - offsets[0])
+
+
+def search_experiment(
+    experiment: Experiment, opts: Options, *, actor=None, say: Callable[[str], None] = lambda _: None
+) -> CapacitySearch:
+    """Search every variant named (all by default); the stored CapacitySearch holds the result."""
+    keys = [v.key for v in experiment.variants.order_by("position")]
+    chosen = list(dict.fromkeys(opts.variants)) or keys
+    unknown = sorted(set(chosen) - set(keys))
+    if unknown:
+        raise ReplayError(
+            f"--variants: no variant {unknown} in {experiment.key!r} (it has {', '.join(keys)})"
+        )
+    if opts.arrival not in ARRIVALS:
+        raise ReplayError(f"--arrival must be one of {', '.join(ARRIVALS)}, got {opts.arrival!r}")
+    if opts.step_requests < 50:
+        raise ReplayError(f"--step-requests must be at least 50, got {opts.step_requests}")
+    if not 0 <= opts.warmup_s <= 600:
+        raise ReplayError(f"--warmup must be 0 to 600 s, got {opts.warmup_s:g}")
+    try:
+        spec = SearchSpec(
+            target=experiment.sla_target, start_rps=opts.start_rps or opts.max_rps / 4.0, max_rps=opts.max_rps,
+            min_rps=opts.min_rps, rel_tol=opts.rel_tol, max_steps=opts.max_steps, alpha=opts.alpha,
+            lag_limit_ms=opts.lag_limit_ms,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise ReplayError(str(exc)) from None
+    rate_of_trace = None
+    if opts.arrival == "recorded":
+        rate_of_trace = trace_rate(opts.trace, opts.source_format, opts.step_requests, opts.local_paths)
+    plan = StepPlan(
+        experiment=experiment, trace=opts.trace, source_format=opts.source_format,
+        slo=slo_of(experiment), target=spec.target, alpha=spec.step_alpha,
+        max_requests=opts.step_requests, arrival=opts.arrival, cv=opts.cv, seed=opts.seed,
+        warmup_s=opts.warmup_s, trace_rate=rate_of_trace, local_paths=opts.local_paths, actor=actor,
+    )  # fmt: skip
+    record = CapacitySearch.objects.create(
+        experiment=experiment, params={**dataclasses.asdict(opts), "variants": chosen,
+                                       "start_rps": spec.start_rps, "target": spec.target},
+        started_by=actor if getattr(actor, "pk", None) else None,
+    )  # fmt: skip
+    costs = {v.key: v.cost for v in experiment.variants.all()}
+    out: dict[str, Any] = {}
+    try:
+        for i, key in enumerate(chosen):
+            t0 = time.monotonic()
+            first = [i == 0]
+
+            def probe(rate: float, key: str = key, first: list = first) -> Any:
+                say(f"{key}: step at {rate:.3g} req/s ...")
+                step = run_step(plan, key, rate, first=first[0])
+                first[0] = False
+                att = "-" if step.attainment is None else f"{step.attainment:.4f}"
+                say(
+                    f"{key}: {rate:.3g} req/s {step.verdict} (attainment {att} of {step.n}, "
+                    f"lag p99 {step.lag_p99_ms if step.lag_p99_ms is not None else '-'} ms, "
+                    f"run {step.run_id}, {step.seconds:.1f} s)"
+                )
+                return step
+
+            cap = run_search(spec, probe)
+            out[key] = variant_result(cap, costs.get(key), time.monotonic() - t0)
+            say(f"{key}: {cap.message}")
+    except Exception as exc:
+        record.status, record.error, record.result = CapacitySearch.Status.FAILED, str(exc)[:2000], out
+        record.finished_at = timezone.now()
+        record.save()
+        raise
+    record.status, record.result, record.finished_at = CapacitySearch.Status.DONE, out, timezone.now()
+    record.save()
+    return record
+
+
+def variant_result(cap: Capacity, cost: dict | None, seconds: float) -> dict[str, Any]:
+    """One variant's stored result: the search's answer, the search time and cost at capacity."""
+    at = [s for s in cap.steps if s.rate_rps == cap.capacity_rps]
+    tokens = at[0].output_tokens_mean if at else None
+    priced = cost_at_capacity(cap.capacity_rps, cost["per_hour"], cost["currency"], tokens) if cost else None
+    return {**cap.as_dict(), "search_s": seconds, "cost": priced.as_dict() if priced else None}
+
+
+def ranking(result: dict[str, Any]) -> list[str]:
+    """Variants by SLA capacity per unit of price (unpriced ones after, by capacity)."""
+
+    def key(item):
+        v, r = item
+        per = (r.get("cost") or {}).get("capacity_per_currency_hour")
+        return (per is None, -(per or 0.0), -(r.get("capacity_rps") or 0.0), v)
+
+    return [v for v, _ in sorted(result.items(), key=key)]

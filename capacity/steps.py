@@ -1,0 +1,160 @@
+"""A capacity search step as a replay: one variant alone, at one rate, stopped by the sequential
+test as soon as its verdict is clear (capacity/search.py).
+
+Each step is a mirror replay run whose only target is the variant (workers.runs.create_run
+``targets``), so every step's samples are an ordinary run: the report, the dashboard and
+``sla_report --run ID`` read any step. Every variant's steps replay the same requests (the same
+trace rows, user population and arrival seed), only faster or slower: the search compares
+deployments on one request sequence.
+
+While the run replays, the step reads its samples from the store every ``look_s`` (after the
+warm-up: requests scheduled in the first ``warmup_s`` start on an empty server and say nothing
+about steady state) and cancels the run once the confidence sequence decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from django.conf import settings
+from django.db import connections
+
+from analysis.definitions import Slo
+from analysis.sql import SAMPLES, hit_expr, metric_ok
+from capacity.search import MEETS, MISSES, UNDECIDED, StepResult, step_verdict
+from experiments.models import Experiment
+from replay.arrivals import Arrival
+from samples.factory import sample_store
+from samples.store import StoreError
+from stats.sequential.means import MeanSequence
+from workers.models import ReplayRun
+from workers.runs import cancel_run, create_run
+from workers.tasks import start_replay
+
+log = logging.getLogger(__name__)
+ARRIVALS = ("poisson", "gamma", "recorded")
+QUERY_SETTINGS = {"max_execution_time": 30}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What every step of one search shares."""
+
+    experiment: Experiment
+    trace: str
+    source_format: str | None
+    slo: Slo
+    target: float
+    alpha: float  # per step (SearchSpec.step_alpha)
+    max_requests: int  # a step's cap: undecided after this many is "undecided"
+    arrival: str = "poisson"
+    cv: float = 1.0
+    seed: int = 0
+    warmup_s: float = 5.0
+    look_s: float = 1.0
+    trace_rate: float | None = None  # recorded arrivals: the trace's own rate (speed = rate / it)
+    local_paths: bool = True
+    actor: Any = None
+    shards: int | None = None
+
+    def arrival_at(self, rate: float) -> Arrival:
+        if self.arrival == "recorded":
+            if not self.trace_rate:
+                raise ValueError("recorded arrivals need the trace's own rate")
+            return Arrival(mode="recorded", speed=rate / self.trace_rate, seed=self.seed)
+        cv = self.cv if self.arrival == "gamma" else 1.0
+        return Arrival(mode=self.arrival, rate=rate, cv=cv, seed=self.seed)
+
+
+def _counts(store, run_id: int, plan: StepPlan) -> dict[str, Any]:
+    """n, hits, TTFT p50/p99 and mean output tokens of the run's samples after the warm-up."""
+    hit, hp = hit_expr(plan.slo)
+    ok = metric_ok("ttft_ms")
+    rows = store.query(
+        f"SELECT count(), countIf({hit}), quantileExactIf(0.5)(assumeNotNull(ttft_ms), {ok}), "
+        f"quantileExactIf(0.99)(assumeNotNull(ttft_ms), {ok}), avgIf(output_tokens, outcome = 'ok'), "
+        f"countIf({ok}) FROM {SAMPLES} PREWHERE run_id = %(run)s "
+        "WHERE experiment = %(experiment)s AND scheduled_offset_ms >= %(warm)s",
+        {"run": int(run_id), "experiment": plan.experiment.key, "warm": plan.warmup_s * 1000.0, **hp},
+        settings=QUERY_SETTINGS,
+    )
+    n, hits, p50, p99, out_mean, n_ok = rows[0]
+    return {
+        "n": int(n),
+        "hits": int(hits),
+        "ttft_p50_ms": float(p50) if n_ok else None,
+        "ttft_p99_ms": float(p99) if n_ok else None,
+        "output_tokens_mean": float(out_mean) if n_ok and out_mean == out_mean else None,
+    }
+
+
+def run_step(plan: StepPlan, variant: str, rate: float, *, first: bool = False,
+             on_look: Callable[[dict], None] | None = None) -> StepResult:  # fmt: skip
+    """Replay ``variant`` alone at ``rate`` until the verdict is clear or the cap is reached."""
+    t0 = time.monotonic()
+    run = create_run(
+        plan.experiment, source=plan.trace, local_paths=plan.local_paths, source_format=plan.source_format,
+        mode="mirror", targets=[variant], arrival=plan.arrival_at(rate), limit=plan.max_requests,
+        population_seed=plan.seed, actor=plan.actor, enqueue=False, confirm=True, check_variants=first,
+        shard_count=plan.shards,
+    )  # fmt: skip
+    eager = settings.CELERY_TASK_ALWAYS_EAGER
+    failure: list[BaseException] = []
+    worker = None
+    if eager:
+
+        def work():
+            try:
+                start_replay(run.pk)
+            except BaseException as exc:  # noqa: BLE001 - reported below, with the run
+                log.exception("capacity step run %s failed", run.pk)
+                failure.append(exc)
+            finally:
+                connections.close_all()
+
+        worker = threading.Thread(target=work, name=f"abplat-capacity-{run.pk}")
+        worker.start()
+    else:
+        start_replay.delay(run.pk)
+    store = sample_store()
+    verdict = UNDECIDED
+    got: dict[str, Any] = {"n": 0, "hits": 0}
+    while True:
+        run.refresh_from_db()
+        final = run.is_final or (worker is not None and not worker.is_alive())
+        try:
+            got = _counts(store, run.pk, plan)
+        except (StoreError, OSError) as exc:
+            log.warning("capacity step run %s: the sample store did not answer: %s", run.pk, exc)
+        else:
+            verdict = step_verdict(got["hits"], got["n"], plan.target, plan.alpha)
+            if on_look:
+                on_look({"run": run.pk, "rate": rate, "verdict": verdict, **got})
+            if verdict in (MEETS, MISSES) and not run.cancel_requested and not run.is_final:
+                cancel_run(run)  # decided: the rest of the schedule would only cost time
+        if final:
+            break
+        time.sleep(plan.look_s)
+    if worker is not None:
+        worker.join()
+    run.refresh_from_db()
+    if failure or run.status == ReplayRun.Status.FAILED:
+        why = failure[0] if failure else run.error
+        raise RuntimeError(f"capacity step at {rate:g} req/s (run {run.pk}) failed: {why}")
+    got = _counts(store, run.pk, plan)  # every sample is durable now
+    verdict = step_verdict(got["hits"], got["n"], plan.target, plan.alpha)
+    lo, hi = (
+        MeanSequence(n=got["n"], hits=got["hits"], alpha=plan.alpha).bounds() if got["n"] else (None, None)
+    )
+    lags = [x for x in run.shards.values_list("lag_p99_ms", flat=True) if x is not None]
+    return StepResult(
+        rate_rps=float(rate), verdict=verdict, n=got["n"], hits=got["hits"], lag_p99_ms=max(lags) if lags else None,
+        ttft_p50_ms=got["ttft_p50_ms"], ttft_p99_ms=got["ttft_p99_ms"], attainment_lo=lo, attainment_hi=hi,
+        seconds=time.monotonic() - t0, run_id=run.pk, output_tokens_mean=got["output_tokens_mean"],
+        note="" if verdict != UNDECIDED else f"undecided after {got['n']} requests (the step's cap)",
+    )  # fmt: skip

@@ -1,0 +1,183 @@
+"""The capacity search, pure: the step verdict, bracketing and bisection to the edge (against a
+step function and against the simulator's own latency model on a virtual clock), the load
+generator's limit, the ends of the rate range, the knee, and cost at capacity."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from capacity import search as s
+from simulator.latency import Profile, simulate
+from stats.sequential.means import MeanSequence
+
+
+def test_step_verdict_follows_the_confidence_sequence():
+    assert s.step_verdict(0, 0, 0.9, 0.01) == s.UNDECIDED
+    assert s.step_verdict(400, 400, 0.9, 0.01) == s.MEETS
+    assert s.step_verdict(200, 400, 0.9, 0.01) == s.MISSES
+    assert s.step_verdict(361, 400, 0.9, 0.01) == s.UNDECIDED  # 90.25%: too close to tell
+    # exactly the sequence's bounds decide
+    lo, hi = MeanSequence(n=1000, hits=950, alpha=0.01).bounds()
+    assert s.step_verdict(950, 1000, lo, 0.01) == s.MEETS
+    assert s.step_verdict(950, 1000, hi + 1e-9, 0.01) == s.MISSES
+
+
+def edge_probe(edge: float, seen: list):
+    """A variant that meets the target below ``edge`` req/s and misses above, decided at once."""
+
+    def probe(rate: float) -> s.StepResult:
+        seen.append(rate)
+        ok = rate <= edge
+        return s.StepResult(rate, s.MEETS if ok else s.MISSES, 500, 500 if ok else 100, lag_p99_ms=0.5)
+
+    return probe
+
+
+@pytest.mark.parametrize("edge", [0.3, 3.7, 12.0, 47.5])
+def test_bracketing_then_bisection_finds_the_edge_within_the_tolerance(edge):
+    seen: list[float] = []
+    spec = s.SearchSpec(target=0.99, start_rps=5.0, max_rps=100.0, min_rps=0.1, rel_tol=0.05, max_steps=20)
+    cap = s.run_search(spec, edge_probe(edge, seen))
+    assert cap.limited_by == s.BY_SLA, cap.message
+    assert cap.capacity_rps <= edge < cap.upper_rps
+    assert cap.upper_rps <= cap.capacity_rps * 1.05
+    assert len(seen) == len(set(seen)) == len(cap.steps)  # no rate tried twice
+    # bisection is geometric: each step at most halves the bracket's log-width
+    assert len(seen) <= 2 + math.ceil(math.log2(100 / 0.1)) + math.ceil(
+        math.log2(math.log(2) / math.log(1.05))
+    )
+
+
+def test_every_rate_meeting_stops_at_max_rate_and_none_meeting_at_min_rate():
+    cap = s.run_search(s.SearchSpec(0.99, 4.0, 16.0, 1.0), edge_probe(1e9, []))
+    assert (cap.capacity_rps, cap.upper_rps, cap.limited_by) == (16.0, None, s.BY_MAX_RATE)
+    assert "up to 16" in cap.message
+    cap = s.run_search(s.SearchSpec(0.99, 4.0, 16.0, 1.0), edge_probe(0.0, []))
+    assert (cap.capacity_rps, cap.upper_rps, cap.limited_by) == (None, 1.0, s.BY_MIN_RATE)
+    assert cap.message.startswith("no rate tried meets")
+
+
+def test_an_undecided_step_counts_as_not_meeting():
+    def probe(rate):
+        v = s.MEETS if rate <= 8 else (s.UNDECIDED if rate <= 12 else s.MISSES)
+        return s.StepResult(rate, v, 500, 480, lag_p99_ms=1.0)
+
+    cap = s.run_search(s.SearchSpec(0.9, 4.0, 64.0, rel_tol=0.05, max_steps=20), probe)
+    assert cap.capacity_rps <= 8 < cap.upper_rps <= 8 * 1.05
+
+
+def test_the_load_generator_caps_the_claim_and_says_so():
+    def probe(rate):  # the variant would meet up to 30 req/s, but the replay lags past 9 req/s
+        return s.StepResult(
+            rate, s.MEETS if rate <= 30 else s.MISSES, 500, 500, lag_p99_ms=1.0 if rate <= 9 else 12.0
+        )
+
+    cap = s.run_search(s.SearchSpec(0.99, 4.0, 64.0, rel_tol=0.05, max_steps=20), probe)
+    assert cap.capacity_rps <= 9 < cap.upper_rps
+    assert cap.limited_by == s.BY_GENERATOR
+    assert "load generator" in cap.message and "12.0 ms" in cap.message
+
+
+def test_the_step_budget_ends_a_search_and_keeps_what_it_found():
+    cap = s.run_search(
+        s.SearchSpec(0.99, 1.0, 1000.0, 0.001, rel_tol=0.001, max_steps=4), edge_probe(37.0, [])
+    )
+    assert len(cap.steps) == 4 and cap.limited_by == s.BY_STEPS
+    assert cap.capacity_rps == 8.0 and cap.upper_rps is None
+
+
+def test_alpha_is_split_over_the_steps():
+    assert s.SearchSpec(0.99, 1.0, 2.0, alpha=0.06, max_steps=12).step_alpha == pytest.approx(0.005)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"target": 1.0}, "target"),
+        ({"start_rps": 0.0}, "start_rps"),
+        ({"max_rps": math.inf}, "max_rps"),
+        ({"start_rps": 100.0}, "min_rps <= start_rps <= max_rps"),
+        ({"max_steps": 1}, "max_steps"),
+        ({"alpha": 0.0}, "alpha"),
+        ({"rel_tol": -0.1}, "rel_tol"),
+    ],
+)
+def test_bad_search_settings_are_named(kwargs, words):
+    base = {"target": 0.99, "start_rps": 1.0, "max_rps": 10.0}
+    with pytest.raises(ValueError, match=words.replace("<", "<").replace("(", r"\(")):
+        s.SearchSpec(**{**base, **kwargs})
+
+
+def test_the_knee_is_the_first_rate_whose_p99_doubles():
+    steps = [
+        s.StepResult(r, s.MEETS, 100, 100, ttft_p99_ms=p) for r, p in ((1, 50), (2, 60), (4, 130), (8, 900))
+    ]
+    search = s.Search(s.SearchSpec(0.9, 1.0, 8.0))
+    for st in steps:
+        search.record(st)
+    assert search.result().knee_rps == 4
+
+
+def test_cost_at_capacity():
+    c = s.cost_at_capacity(10.0, 3.6, "USD", 200.0)
+    assert c.per_million_requests == pytest.approx(3.6 / (10 * 3600) * 1e6)  # 100 USD
+    assert c.per_million_output_tokens == pytest.approx(100.0 / 200.0)
+    assert c.capacity_per_currency_hour == pytest.approx(10 / 3.6)
+    none = s.cost_at_capacity(None, 3.6, "USD", 200.0)
+    assert none.per_million_requests is None and none.capacity_per_currency_hour is None
+
+
+# --- against the simulator's latency model on a virtual clock ---------------------------------
+
+PROFILE = Profile(
+    name="capacity-model", prefill_ms_per_token=0.05, prefill_base_ms=4.0, decode_base_ms=12.0,
+    decode_ms_per_seq=1.5, max_num_seqs=8,
+)  # fmt: skip
+SLA_MS, TARGET = 200.0, 0.95
+
+
+def model_attainment(rate: float, n: int, seed: int) -> tuple[int, int, float]:
+    rng = np.random.default_rng(seed)
+    t = np.cumsum(rng.exponential(1.0 / rate, n))
+    prompts = rng.integers(200, 1200, n)
+    seqs = simulate(PROFILE, [(float(a), int(p), 16) for a, p in zip(t, prompts, strict=True)])
+    warm = t[0] + 5.0
+    ttft = np.array([(q.first_token_at - q.arrival) * 1000.0 for q in seqs if q.arrival >= warm])
+    return (
+        int((ttft < SLA_MS).sum()),
+        int(ttft.size),
+        float(np.percentile(ttft, 99)) if ttft.size else math.nan,
+    )
+
+
+def long_run_edge(lo: float, hi: float) -> float:
+    """The rate where the model's long-run attainment crosses the target (it falls with rate):
+    bisection on 2 x 20,000 requests per rate."""
+    for _ in range(10):
+        mid = (lo + hi) / 2
+        runs = [model_attainment(mid, 20_000, seed) for seed in (101, 102)]
+        if sum(h for h, _, _ in runs) / sum(n for _, n, _ in runs) >= TARGET:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def test_the_search_finds_the_latency_models_edge_within_10_percent():
+    truth = long_run_edge(3.0, 12.0)
+    assert 5.0 < truth < 9.0  # this profile's edge (a change to the model moves it)
+
+    def probe(rate):
+        hits, n, p99 = model_attainment(rate, 10_000, 7)
+        return s.StepResult(rate, s.step_verdict(hits, n, TARGET, spec.step_alpha), n, hits,
+                            lag_p99_ms=0.2, ttft_p99_ms=p99)  # fmt: skip
+
+    spec = s.SearchSpec(TARGET, start_rps=2.0, max_rps=64.0, rel_tol=0.05, max_steps=14)
+    cap = s.run_search(spec, probe)
+    assert cap.capacity_rps is not None, cap.message
+    # the claim is conservative (it meets the target with confidence), and close
+    assert truth * 0.90 <= cap.capacity_rps <= truth * 1.02, (cap.capacity_rps, truth, cap.message)
+    assert cap.knee_rps is not None
