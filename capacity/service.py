@@ -54,10 +54,8 @@ def trace_rate(trace: str, source_format: str | None, limit: int, local_paths: b
     return (len(offsets) - 1) / (offsets[-1] - offsets[0])
 
 
-def search_experiment(
-    experiment: Experiment, opts: Options, *, actor=None, say: Callable[[str], None] = lambda _: None
-) -> CapacitySearch:
-    """Search every variant named (all by default); the stored CapacitySearch holds the result."""
+def create_search(experiment: Experiment, opts: Options, *, actor=None) -> CapacitySearch:
+    """Check everything a search needs and record it (status running); nothing is sent yet."""
     keys = [v.key for v in experiment.variants.order_by("position")]
     chosen = list(dict.fromkeys(opts.variants)) or keys
     unknown = sorted(set(chosen) - set(keys))
@@ -65,20 +63,47 @@ def search_experiment(
         raise ReplayError(
             f"--variants: no variant {unknown} in {experiment.key!r} (it has {', '.join(keys)})"
         )
+    if experiment.status != Experiment.Status.RUNNING:
+        raise ReplayError(
+            f"experiment {experiment.key!r} is {experiment.status}: only running experiments replay"
+        )
     if opts.arrival not in ARRIVALS:
         raise ReplayError(f"--arrival must be one of {', '.join(ARRIVALS)}, got {opts.arrival!r}")
     if opts.step_requests < 50:
         raise ReplayError(f"--step-requests must be at least 50, got {opts.step_requests}")
     if not 0 <= opts.warmup_s <= 600:
         raise ReplayError(f"--warmup must be 0 to 600 s, got {opts.warmup_s:g}")
+    spec = search_spec(experiment, opts)
+    if opts.arrival == "recorded":  # the trace must be readable and have a rate of its own
+        trace_rate(opts.trace, opts.source_format, opts.step_requests, opts.local_paths)
+    return CapacitySearch.objects.create(
+        experiment=experiment, params={**dataclasses.asdict(opts), "variants": chosen,
+                                       "start_rps": spec.start_rps, "target": spec.target},
+        started_by=actor if getattr(actor, "pk", None) else None,
+    )  # fmt: skip
+
+
+def search_spec(experiment: Experiment, opts: Options) -> SearchSpec:
     try:
-        spec = SearchSpec(
+        return SearchSpec(
             target=experiment.sla_target, start_rps=opts.start_rps or opts.max_rps / 4.0, max_rps=opts.max_rps,
             min_rps=opts.min_rps, rel_tol=opts.rel_tol, max_steps=opts.max_steps, alpha=opts.alpha,
             lag_limit_ms=opts.lag_limit_ms,
         )  # fmt: skip
     except ValueError as exc:
         raise ReplayError(str(exc)) from None
+
+
+def options_of(record: CapacitySearch) -> Options:
+    names = {f.name for f in dataclasses.fields(Options)}
+    return Options(**{k: v for k, v in record.params.items() if k in names})
+
+
+def execute_search(record: CapacitySearch, *, say: Callable[[str], None] = lambda _: None) -> CapacitySearch:
+    """Search every variant of the record, one after the other; the record holds the result
+    (each variant's as soon as it is known) and ends done or failed."""
+    experiment, opts = record.experiment, options_of(record)
+    spec = search_spec(experiment, opts)
     rate_of_trace = None
     if opts.arrival == "recorded":
         rate_of_trace = trace_rate(opts.trace, opts.source_format, opts.step_requests, opts.local_paths)
@@ -86,17 +111,13 @@ def search_experiment(
         experiment=experiment, trace=opts.trace, source_format=opts.source_format,
         slo=slo_of(experiment), target=spec.target, alpha=spec.step_alpha,
         max_requests=opts.step_requests, arrival=opts.arrival, cv=opts.cv, seed=opts.seed,
-        warmup_s=opts.warmup_s, trace_rate=rate_of_trace, local_paths=opts.local_paths, actor=actor,
-    )  # fmt: skip
-    record = CapacitySearch.objects.create(
-        experiment=experiment, params={**dataclasses.asdict(opts), "variants": chosen,
-                                       "start_rps": spec.start_rps, "target": spec.target},
-        started_by=actor if getattr(actor, "pk", None) else None,
+        warmup_s=opts.warmup_s, trace_rate=rate_of_trace, local_paths=opts.local_paths,
+        actor=record.started_by,
     )  # fmt: skip
     costs = {v.key: v.cost for v in experiment.variants.all()}
     out: dict[str, Any] = {}
     try:
-        for i, key in enumerate(chosen):
+        for i, key in enumerate(record.params["variants"]):
             t0 = time.monotonic()
             first = [i == 0]
 
@@ -105,17 +126,18 @@ def search_experiment(
                 step = run_step(plan, key, rate, first=first[0])
                 first[0] = False
                 att = "-" if step.attainment is None else f"{step.attainment:.4f}"
+                lag = "-" if step.lag_p99_ms is None else f"{step.lag_p99_ms:.2f}"
                 say(
                     f"{key}: {rate:.3g} req/s {step.verdict} (attainment {att} of {step.n}, "
-                    f"lag p99 {step.lag_p99_ms if step.lag_p99_ms is not None else '-'} ms, "
-                    f"run {step.run_id}, {step.seconds:.1f} s)"
+                    f"lag p99 {lag} ms, run {step.run_id}, {step.seconds:.1f} s)"
                 )
                 return step
 
             cap = run_search(spec, probe)
             out[key] = variant_result(cap, costs.get(key), time.monotonic() - t0)
+            CapacitySearch.objects.filter(pk=record.pk).update(result=out)
             say(f"{key}: {cap.message}")
-    except Exception as exc:
+    except BaseException as exc:
         record.status, record.error, record.result = CapacitySearch.Status.FAILED, str(exc)[:2000], out
         record.finished_at = timezone.now()
         record.save()
@@ -123,6 +145,13 @@ def search_experiment(
     record.status, record.result, record.finished_at = CapacitySearch.Status.DONE, out, timezone.now()
     record.save()
     return record
+
+
+def search_experiment(
+    experiment: Experiment, opts: Options, *, actor=None, say: Callable[[str], None] = lambda _: None
+) -> CapacitySearch:
+    """create_search then execute_search, in this process (the command line)."""
+    return execute_search(create_search(experiment, opts, actor=actor), say=say)
 
 
 def variant_result(cap: Capacity, cost: dict | None, seconds: float) -> dict[str, Any]:

@@ -25,11 +25,11 @@ _LAYOUT = dict(
 )
 
 
-def _color(i: int) -> str:
+def series_color(i: int) -> str:
     return PALETTE[i % len(PALETTE)]
 
 
-def _fig(fig: go.Figure, title: str) -> dict[str, Any]:
+def finish_figure(fig: go.Figure, title: str) -> dict[str, Any]:
     layout = {k: v for k, v in _LAYOUT.items() if k != "height" or fig.layout.height is None}
     fig.update_layout(title=dict(text=title, x=0, font=dict(size=14)), **layout)
     return json.loads(fig.to_json())
@@ -41,13 +41,15 @@ def ttft_cdf(report: Mapping[str, Any]) -> dict[str, Any]:
     for i, (v, cdf) in enumerate(report["cdf"].items()):
         top = max(top, cdf["ttft_ms"][-1] if cdf["ttft_ms"] else 0.0)
         fig.add_trace(
-            go.Scatter(x=cdf["ttft_ms"], y=cdf["share"], mode="lines", name=v, line=dict(color=_color(i)))
+            go.Scatter(
+                x=cdf["ttft_ms"], y=cdf["share"], mode="lines", name=v, line=dict(color=series_color(i))
+            )
         )
     sla = report["experiment"]["sla"]["ttft_ms"]
     fig.add_vline(x=sla, line=dict(color="black", dash="dash"), annotation_text=f"SLA {sla:g} ms")
     fig.update_xaxes(title="TTFT (ms)", range=[0, max(top, sla) * 1.05])
     fig.update_yaxes(title="share of successful requests", range=[0, 1])
-    return _fig(fig, "TTFT CDF per variant")
+    return finish_figure(fig, "TTFT CDF per variant")
 
 
 def attainment(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -57,7 +59,7 @@ def attainment(report: Mapping[str, Any]) -> dict[str, Any]:
         go.Bar(
             x=[e["key"] for e in rows],
             y=[e["attainment"]["estimate"] for e in rows],
-            marker_color=[_color(i) for i in range(len(rows))],
+            marker_color=[series_color(i) for i in range(len(rows))],
             error_y=dict(
                 type="data",
                 symmetric=False,
@@ -73,7 +75,7 @@ def attainment(report: Mapping[str, Any]) -> dict[str, Any]:
     fig.add_hline(y=target, line=dict(color="black", dash="dash"), annotation_text=f"target {target:.1%}")
     lows = [e["attainment"]["lo"] for e in rows] + [target]
     fig.update_yaxes(title="SLA attainment", tickformat=".0%", range=[max(0, min(lows) - 0.05), 1])
-    return _fig(fig, "SLA attainment with 95% CI vs target")
+    return finish_figure(fig, "SLA attainment with 95% CI vs target")
 
 
 def percentile_table(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -96,7 +98,7 @@ def percentile_table(report: Mapping[str, Any]) -> dict[str, Any]:
         )
     )
     fig.update_layout(height=110 + 24 * len(cols[0]))
-    return _fig(fig, "Latency percentiles (exact, distribution-free 95% CI)")
+    return finish_figure(fig, "Latency percentiles (exact, distribution-free 95% CI)")
 
 
 def _fmt_est(est: Mapping[str, Any]) -> str:
@@ -117,7 +119,7 @@ def p99_over_time(report: Mapping[str, Any]) -> dict[str, Any]:
                 y=[p["p99"] for p in points],
                 mode="lines+markers",
                 name=v,
-                line=dict(color=_color(i)),
+                line=dict(color=series_color(i)),
                 marker=dict(size=4),
             )
         )
@@ -134,7 +136,7 @@ def p99_over_time(report: Mapping[str, Any]) -> dict[str, Any]:
     sla = report["experiment"]["sla"]["ttft_ms"]
     fig.add_hline(y=sla, line=dict(color="black", dash="dash"))
     fig.update_yaxes(title="p99 TTFT (ms)")
-    return _fig(fig, f"p99 TTFT per {ts['bucket_s']} s, weight / config changes marked")
+    return finish_figure(fig, f"p99 TTFT per {ts['bucket_s']} s, weight / config changes marked")
 
 
 def attribution_waterfall(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -158,7 +160,7 @@ def attribution_waterfall(report: Mapping[str, Any]) -> dict[str, Any]:
         )
     fig.update_yaxes(title="attainment vs control (pp)")
     fig.update_layout(showlegend=False)
-    return _fig(fig, "Attribution of the attainment difference by factor")
+    return finish_figure(fig, "Attribution of the attainment difference by factor")
 
 
 def phases(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -175,7 +177,7 @@ def phases(report: Mapping[str, Any]) -> dict[str, Any]:
         )
     fig.update_layout(barmode="stack")
     fig.update_yaxes(title="mean ms per missed request")
-    return _fig(fig, "Where TTFT went for requests that missed the SLA")
+    return finish_figure(fig, "Where TTFT went for requests that missed the SLA")
 
 
 SERVER_PHASE_COLORS = {"schedule_lag": "#bbbbbb", "network": "#8c564b", "server_queue": "#d62728",
@@ -196,10 +198,12 @@ def server_vs_client(report: Mapping[str, Any]) -> dict[str, Any]:
         ("server prefill mean", lambda e: e["prefill_ms"]["mean_ms"]),
     )
     for i, (name, get) in enumerate(bars):
-        fig.add_trace(go.Bar(x=keys, y=[get(entries[k]) for k in keys], name=name, marker_color=_color(i)))
+        fig.add_trace(
+            go.Bar(x=keys, y=[get(entries[k]) for k in keys], name=name, marker_color=series_color(i))
+        )
     fig.update_layout(barmode="group")
     fig.update_yaxes(title="ms")
-    return _fig(fig, "Client TTFT vs the server's own TTFT, queue and prefill (vllm:* metrics)")
+    return finish_figure(fig, "Client TTFT vs the server's own TTFT, queue and prefill (vllm:* metrics)")
 
 
 def phases_server(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -223,7 +227,7 @@ def phases_server(report: Mapping[str, Any]) -> dict[str, Any]:
         )
     fig.update_layout(barmode="relative")
     fig.update_yaxes(title="mean ms per missed request")
-    return _fig(
+    return finish_figure(
         fig, "Missed requests: network, server queue and prefill (interval estimate from server metrics)"
     )
 
@@ -256,7 +260,7 @@ def segment_heatmap(report: Mapping[str, Any], dim: str, title: str) -> dict[str
         )  # fmt: skip
     )
     fig.update_xaxes(type="category")
-    return _fig(fig, title)
+    return finish_figure(fig, title)
 
 
 def srm(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -273,7 +277,7 @@ def srm(report: Mapping[str, Any]) -> dict[str, Any]:
     else:
         fig.add_trace(go.Bar(x=["n/a"], y=[0], name=s.get("note", "not applicable")))
         title = f"Traffic split: SRM not applicable ({s.get('note', '')})"
-    return _fig(fig, title)
+    return finish_figure(fig, title)
 
 
 def all_figures(report: Mapping[str, Any]) -> list[dict[str, Any]]:

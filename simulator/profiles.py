@@ -4,7 +4,8 @@
 ``model.MODERATE_LOAD`` (pinned by tests/simulator/test_model.py). AWQ mostly speeds decode
 (memory-bound), FlashAttention-2 mostly speeds prefill (attention-bound).
 
-``chaos`` is a fault drill: every fault kind at a few percent, and each slow fault lasts longer
+``saturating`` has a known saturation point (capacity tests). ``chaos`` is a fault drill: every
+fault kind at a few percent, and each slow fault lasts longer
 than the client's deadline for its phase (streaming/client.py ``Timeouts``), so a drill with the
 client's default timeouts records every server-side error class (``chaos_faults``).
 """
@@ -92,6 +93,16 @@ PROFILES: dict[str, Profile] = {
             multibyte_rate=0.2,
             empty_token_rate=0.05,
             description="near-instant, for tests and client benchmarks",
+        ),
+        Profile(
+            name="saturating",
+            prefill_ms_per_token=0.0,
+            prefill_base_ms=0.0,
+            decode_base_ms=25.0,
+            decode_ms_per_seq=0.0,
+            max_num_seqs=1,
+            description="one request at a time, 25 ms a token: with max_tokens 2 under evenly spaced "
+            "arrivals it keeps up to exactly 20 req/s (a known saturation point for capacity tests)",
         ),
         Profile(
             name="chaos",

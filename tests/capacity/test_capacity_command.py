@@ -1,8 +1,8 @@
 """End to end: `manage.py capacity` against a simulator with a known saturation point.
 
-The deployment serves one request at a time (max_num_seqs 1) in two 25 ms steps (the first
-token, then the second and last), so under evenly spaced arrivals it keeps up exactly to
-20 req/s: below, every first token comes 25 ms after its request; above, the queue grows
+The deployment (simulator profile "saturating") serves one request at a time in two 25 ms steps
+(the first token, then the second and last), so under evenly spaced arrivals it keeps up exactly
+to 20 req/s: below, every first token comes 25 ms after its request; above, the queue grows
 without bound and TTFT with it. The search must find 20 req/s within 10%, store every step
 as a replay run the report can read, and price the capacity."""
 
@@ -10,28 +10,42 @@ from __future__ import annotations
 
 import io
 import json
+import signal
+import subprocess
+import sys
+import types
+from pathlib import Path
 
 import pytest
 from django.core.management import call_command
 
 from capacity.models import CapacitySearch
 from experiments import services
-from simulator.latency import Profile
-from simulator.serve import start_in_thread
+from serving.children import free_port, spawn, wait_healthy
 from workers.models import ReplayRun
 
-EDGE = Profile(
-    name="capacity-edge", prefill_ms_per_token=0.0, prefill_base_ms=0.0, decode_base_ms=25.0,
-    decode_ms_per_seq=0.0, max_num_seqs=1,
-)  # fmt: skip
-SATURATION_RPS = 1000.0 / (2 * 25.0)  # two steps of 25 ms per request, one at a time
+ROOT = Path(__file__).resolve().parents[2]
+
+SATURATION_RPS = 1000.0 / (2 * 25.0)  # the "saturating" profile: two 25 ms steps a request, one at a time
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def edge_sim():
-    h = start_in_thread(EDGE, model="tiny-llama")
-    yield h
-    h.stop()
+    """The simulator in a process of its own, so the replay's client in this process does not
+    slow its clock (both would share one interpreter lock)."""
+    port = free_port()
+    proc = spawn([sys.executable, "manage.py", "simulator", "--profile", "saturating", "--port", str(port),
+                  "--model", "tiny-llama"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, 30, proc)
+        yield types.SimpleNamespace(url=url)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 @pytest.fixture
@@ -46,7 +60,7 @@ def trace(tmp_path):
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("weights_backend", ["local"], indirect=True)
 def test_the_search_finds_a_known_saturation_point_within_10_percent(
-    weights_backend, ch_store, edge_sim, trace, document, users
+    weights_backend, ch_store, edge_sim, trace, document, users, client
 ):
     document["sla"] = {"ttft_ms": 200, "target": 0.95}
     document["variants"] = [
@@ -97,9 +111,29 @@ def test_the_search_finds_a_known_saturation_point_within_10_percent(
     stored = CapacitySearch.objects.get(pk=doc["search"])
     assert stored.status == "done" and stored.result["edge"]["capacity_rps"] == r["capacity_rps"]
 
+    # the capacity page and the API show the stored search
+    client.force_login(users["analyst"])
+    page = client.get(f"/capacity/{exp.key}/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert 'id="capacity-table"' in html and "<td>edge</td>" in html and r["message"] in html
+    assert 'id="chart-capacity-attainment"' in html and 'id="chart-capacity-ttft"' in html
+    assert client.get(f"/capacity/{exp.key}/?search=abc").status_code == 400
+    assert client.get(f"/capacity/{exp.key}/?search=999999").status_code == 404
+    got = client.get(f"/api/capacity/{stored.pk}/").json()
+    assert got["result"]["edge"]["capacity_rps"] == r["capacity_rps"] and got["ranking"] == ["edge"]
+    assert [x["id"] for x in client.get(f"/api/capacity/?experiment={exp.key}").json()["results"]] == [
+        stored.pk
+    ]
+    assert (
+        f'href="/capacity/{exp.key}/">SLA capacity</a>'
+        in client.get(f"/dashboards/{exp.key}/").content.decode()
+    )
+
 
 @pytest.mark.django_db
-def test_the_command_names_what_is_wrong(document, users):
+@pytest.mark.parametrize("weights_backend", ["local"], indirect=True)
+def test_the_command_names_what_is_wrong(weights_backend, document, users):
     from django.core.management.base import CommandError
 
     exp = services.apply_document(document, actor=users["product"]).experiment
@@ -109,6 +143,55 @@ def test_the_command_names_what_is_wrong(document, users):
         call_command("capacity", exp.key, "--trace", "x.csv", "--cv", "2")
     with pytest.raises(CommandError, match=r"--variants: no variant \['zzz'\]"):
         call_command("capacity", exp.key, "--trace", "x.csv", "--variants", "zzz")
+    with pytest.raises(CommandError, match="'ttft-opt' is draft: only running experiments replay"):
+        call_command("capacity", exp.key, "--trace", "x.csv")
+    services.transition(exp, "start", users["product"])
     with pytest.raises(CommandError, match="min_rps <= start_rps <= max_rps"):
         call_command("capacity", exp.key, "--trace", "x.csv", "--start-rate", "100", "--max-rate", "10")
+    with pytest.raises(CommandError, match="x.csv"):  # a trace that is not there, named
+        call_command("capacity", exp.key, "--trace", "x.csv", "--arrival", "recorded")
     assert not CapacitySearch.objects.exists()  # nothing recorded for a refused search
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("weights_backend", ["local"], indirect=True)
+def test_the_api_starts_a_search_in_the_background_and_refuses_bad_input(
+    weights_backend, ch_store, edge_sim, trace, document, users, client_for, settings, tmp_path
+):
+    import time
+
+    from traces import storage
+
+    settings.TRACE_DIR = tmp_path / "traces"
+    upload, _ = storage.store_file(trace, name="even", fmt="jsonl")
+    document["sla"] = {"ttft_ms": 200, "target": 0.95}
+    for v in document["variants"]:
+        v.update(endpoint=edge_sim.url + "/v1", api="completions")
+    exp = services.apply_document(document, actor=users["product"]).experiment
+    services.transition(exp, "start", users["product"])
+    body = {"experiment": exp.key, "trace": "even", "variants": ["fp16"], "arrival": "recorded",
+            "start_rate": 8, "max_rate": 16, "min_rate": 4, "max_steps": 2, "step_requests": 200,
+            "warmup": 1, "lag_limit": 50}  # fmt: skip
+    sre, analyst = client_for("sre"), client_for("analyst")
+    assert analyst.post("/api/capacity/", body, format="json").status_code == 403
+    for change, field in (
+        ({"experiment": "nope"}, "experiment"),
+        ({"trace": "/etc/passwd"}, "trace"),
+        ({"cv": 2.0}, "cv"),
+        ({"step_requests": 10**9}, "step_requests"),
+        ({"variants": ["zzz"]}, "detail"),
+        ({"start_rate": 100}, "detail"),
+    ):
+        resp = sre.post("/api/capacity/", {**body, **change}, format="json")
+        assert resp.status_code == 400 and field in resp.json(), (change, resp.json())
+    assert not CapacitySearch.objects.exists()
+    resp = sre.post("/api/capacity/", body, format="json")
+    assert resp.status_code == 202, resp.json()
+    url = resp["Location"]
+    deadline = time.monotonic() + 120
+    while (got := analyst.get(url).json())["status"] == "running" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert got["status"] == "done", got
+    r = got["result"]["fp16"]
+    assert [s["rate_rps"] for s in r["steps"]] == [8.0, 16.0]  # the step budget: 8 meets, then double
+    assert r["steps"][0]["verdict"] == "meets" and r["limited_by"] in ("steps", "max_rate")
