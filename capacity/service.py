@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from django.conf import settings
 from django.utils import timezone
 
 from analysis.definitions import slo_of
@@ -45,9 +46,15 @@ class Options:
 def trace_rate(trace: str, source_format: str | None, limit: int, local_paths: bool) -> float:
     """The trace's own request rate over its first ``limit`` requests (recorded arrivals)."""
     src = resolve_source(trace, local_paths=local_paths)
-    loaded = load_requests(
-        src.path, source_format or (src.trace.format if src.trace else "azure"), limit=limit
-    )
+    fmt = source_format or (src.trace.format if src.trace else "azure")
+    try:
+        loaded = load_requests(
+            src.path, fmt, limit=limit, name=src.label,
+            max_bytes=settings.TRACE_MAX_BYTES if src.in_trace_dir else None,
+            max_line_bytes=settings.TRACE_MAX_LINE_BYTES,
+        )  # fmt: skip
+    except (OSError, ValueError) as exc:  # SourceError is a ValueError: line and field named
+        raise ReplayError(str(exc)) from None
     offsets = sorted(r.offset_s for r in loaded.requests)
     if len(offsets) < 2 or offsets[-1] <= offsets[0]:
         raise ReplayError(f"{src.label}: recorded arrivals need at least two requests at different times")

@@ -119,6 +119,8 @@ def world(users, experiment, document, sample_store, settings, tmp_path, monkeyp
     settings.TRACE_DIR = tmp_path / "traces"
     # A replay the fuzzer starts is recorded, never sent (the preflight still probes loopback).
     monkeypatch.setattr("workers.api.start_in_background", lambda run_id: None)
+    # Likewise a capacity search: recorded, never run.
+    monkeypatch.setattr("capacity.tasks.start_in_background", lambda search_id: None)
     # Generated endpoints name random hosts: no lookup of them leaves the machine.
     monkeypatch.setattr(socket, "getaddrinfo", _loopback_only(socket.getaddrinfo))
     live = services.apply_document({**document, "key": "live"}, actor=users["product"]).experiment
@@ -132,6 +134,7 @@ def world(users, experiment, document, sample_store, settings, tmp_path, monkeyp
 # experiment's uploaded trace, without the preflight (its other fields generated).
 BODY_HINTS = {
     ("POST", "/api/replays/"): ({"experiment": "live", "trace": "tiny.csv", "preflight": False}, ["source"]),
+    ("POST", "/api/capacity/"): ({"experiment": "live", "trace": "tiny.csv"}, []),
 }
 
 
@@ -207,7 +210,7 @@ def test_every_operation_survives_fuzzing_as_each_role(role, users, world):
     if role is not None:
         headers["Authorization"] = f"Token {Token.objects.create(user=users[role]).key}"
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {"/api/experiments/", "/api/replays/", "/api/traces/"} <= {op.path for op in operations}
+    assert {"/api/experiments/", "/api/replays/", "/api/traces/", "/api/capacity/"} <= {op.path for op in operations}
     failures = []
     for operation in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
