@@ -21,7 +21,7 @@ DEPLOY_FILES = [
 ]
 NAME = re.compile(r"\bABPLAT_[A-Z0-9_]*[A-Z0-9]\b")
 SOURCE_DIRS = ("abplat", "dashboards", "workers", "traces", "serving", "simulator", "analysis", "replay",
-               "experiments", "samples", "streaming", "stats", "telemetry")  # fmt: skip
+               "experiments", "samples", "streaming", "stats", "telemetry", "rollouts", "capacity")  # fmt: skip
 
 
 def _read_settings() -> set[str]:
