@@ -68,8 +68,8 @@ SPLIT_BASIS = "interval_aggregates"
 SPLIT_NOTE = (
     "Server queue and prefill come from the variant's own histograms, per scrape interval, not per "
     "request: each missed request is given the mean queue and prefill time of the requests the "
-    "server finished in its time bucket (weighted by the misses there). The server observes a "
-    "request when it finishes, so a bucket's means lag its sends by about a request's duration."
+    "server finished in its time bucket and the next one (weighted by the misses there): the "
+    "server observes a request when it finishes, and a scrape after that."
 )
 
 
@@ -309,6 +309,12 @@ def variant_summary(agg: Mapping[str, Any] | None, client: Mapping[str, Any] | N
     return out
 
 
+def _pooled(*cells: Sequence[float] | None) -> tuple[float, float] | None:
+    """[sum, count] increases of adjacent buckets added up (None when none has one)."""
+    got = [c for c in cells if c]
+    return (sum(c[0] for c in got), sum(c[1] for c in got)) if got else None
+
+
 def server_split(
     phases: Mapping[str, Any], misses_by_bucket: Mapping[int, int], server_by_bucket: Mapping[int, Mapping[str, Any]],
     bucket_s: int,
@@ -324,8 +330,13 @@ def server_split(
     base = {"basis": SPLIT_BASIS, "note": SPLIT_NOTE, "bucket_s": bucket_s}
     covered, queue, prefill = 0, 0.0, 0.0
     for tb, misses in misses_by_bucket.items():
-        cell = server_by_bucket.get(tb, {})
-        q, p = cell.get("queue"), cell.get("prefill")
+        # The server counts a request when it finishes, at the scrape after that: the requests
+        # sent in bucket tb show up in its increases over tb and the bucket after (pooled).
+        here, after = server_by_bucket.get(tb, {}), server_by_bucket.get(tb + bucket_s, {})
+        q, p = (
+            _pooled(here.get("queue"), after.get("queue")),
+            _pooled(here.get("prefill"), after.get("prefill")),
+        )
         if misses <= 0 or not q or not p or q[1] <= 0 or p[1] <= 0:
             continue
         covered += misses
