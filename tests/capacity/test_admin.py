@@ -43,7 +43,9 @@ def test_sre_starts_a_search_from_the_admin_and_others_cannot(weights_backend, l
     assert not CapacitySearch.objects.exists() and started == []
     ok = client.post("/admin/capacity/capacitysearch/start/", form)
     record = CapacitySearch.objects.get()
-    assert ok.status_code == 302 and ok["Location"].endswith(f"/admin/capacity/capacitysearch/{record.pk}/change/")
+    assert ok.status_code == 302 and ok["Location"].endswith(
+        f"/admin/capacity/capacitysearch/{record.pk}/change/"
+    )
     assert started == [record.pk] and record.params["variants"] == ["awq-fa2"]
     assert record.params["trace"] == trace.sha256 and record.params["local_paths"] is False
     assert record.started_by == users["sre"]

@@ -210,7 +210,9 @@ def test_every_operation_survives_fuzzing_as_each_role(role, users, world):
     if role is not None:
         headers["Authorization"] = f"Token {Token.objects.create(user=users[role]).key}"
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {"/api/experiments/", "/api/replays/", "/api/traces/", "/api/capacity/"} <= {op.path for op in operations}
+    assert {"/api/experiments/", "/api/replays/", "/api/traces/", "/api/capacity/"} <= {
+        op.path for op in operations
+    }
     failures = []
     for operation in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
