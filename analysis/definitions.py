@@ -5,7 +5,10 @@ Definitions shared by every reader and the report:
   (TTFT under sla_ttft_ms, and TPOT / end-to-end when the experiment sets them); a metric the
   request never produced is a miss;
 - latency percentiles are over successful requests (outcome = 'ok') that produced the metric:
-  failures are counted once, as errors and misses, not as latencies.
+  failures are counted once, as errors and misses, not as latencies;
+- except ITL (``itl_ms``), which is over every inter-token gap of every successful request, as
+  vLLM's benchmark_serving pools them (GAP_METRICS): one value per gap, so a long request weighs
+  more than a short one; TPOT stays one value per request.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from samples.columns import MODES
 from samples.schema import RUN_STATUSES
 
 __all__ = [
+    "GAP_METRICS",
+    "GAP_REQUESTS",
     "INFLIGHT_EDGES",
+    "ITL_CI_NOTE",
     "MAX_TIME_BUCKETS",
     "METRICS",
     "METRIC_LABELS",
@@ -131,17 +137,37 @@ def slo_of(experiment: Any) -> Slo:
 METRICS: dict[str, str] = {
     "ttft_ms": "ttft_ms",
     "ttfb_ms": "ttfb_ms",
-    "itl_ms": "itl_mean_ms",  # per-request mean inter-token latency
+    "itl_ms": "itl_gaps_us",  # every inter-token gap (GAP_METRICS); until issue 14 the per-request mean
     "tpot_ms": "tpot_ms",
     "e2e_ms": "e2e_ms",
 }
+# Metrics whose values are the elements of an array column of microseconds, pooled over the
+# successful requests: one value per inter-token gap. Their counts (metric_n) count gaps; their
+# order statistics are located through a histogram of the gaps at the same 0.2% resolution as
+# the other metrics' (sql.HIST_KEYS), raw or rolled up, so both give the same exact values.
+GAP_METRICS: dict[str, str] = {"itl_ms": "itl_gaps_us"}
 METRIC_LABELS = {
     "ttft_ms": "TTFT",
     "ttfb_ms": "TTFB",
-    "itl_ms": "ITL (per-request mean)",
+    "itl_ms": "ITL (all gaps)",
+    "itl_mean_ms": "ITL (per-request mean)",  # the samples column, not a report metric
     "tpot_ms": "TPOT",
     "e2e_ms": "End-to-end",
 }
+# Successful requests counted beside the pooled gaps (summary "itl_requests", "itl_unrecorded"):
+# those with gaps, and those without gaps stored although they had two token chunks or more
+# (a per-request ITL exists): rows recorded before samples had itl_gaps_us. A request of one
+# token has no gap and is in neither.
+GAP_REQUESTS: dict[str, str] = {
+    "itl_requests": "outcome = 'ok' AND notEmpty(itl_gaps_us)",
+    "itl_unrecorded": "outcome = 'ok' AND empty(itl_gaps_us) AND isNotNull(itl_mean_ms)",
+}
+# On every itl_ms estimate and the report's "itl" key: what the interval assumes.
+ITL_CI_NOTE = (
+    "over every inter-token gap of every successful request; the CI treats the gaps as independent "
+    "draws, which they are not within one request (a slow request's gaps are slow together), so it is "
+    "narrower than the real uncertainty"
+)
 # TTFT (and mirror differences) rounded to 0.1 ms for the rank tests' counts, half up, as
 # floor(x * 10 + 0.5) / 10: the same IEEE arithmetic everywhere, unlike round(), whose ties
 # differ between 18.16, chDB and numpy.
@@ -196,7 +222,7 @@ GRAIN_SQL = f"toUInt32(intDiv(toUInt32(sent_at), {GRAIN_S}) * {GRAIN_S})"  # the
 
 # Bump when what a build computes changes (a histogram key, a bucket edge, a column): builds of
 # another version are then not used, and the report reads the raw samples until rebuilt.
-FORMAT_VERSION = 2  # 2: distinct users on a 64-bit hash (sql.DISTINCT_USERS)
+FORMAT_VERSION = 3  # 2: distinct users on a 64-bit hash (sql.DISTINCT_USERS); 3: itl_ms over every gap
 
 
 def build_spec(slo: Slo) -> str:

@@ -4,7 +4,10 @@ A finished run's samples no longer change (the dedup contract, see analysis.read
 everything additive the report needs from them is summed once, at the end of the run, into the
 rollup tables (samples.schema migration 2): counts, SLO hits and phase sums per cell, value
 histograms per metric and every value sorted by its bucket, a TTFT histogram per 10 s for the
-p99 chart, distinct users for SRM.
+p99 chart, distinct users for SRM. The pooled inter-token gaps (itl_ms, definitions.GAP_METRICS)
+get a histogram of gaps at the other metrics' resolution and, instead of a row per gap, each
+distinct gap value per bucket with its count (rollup_gaps): the same exact ranks as the raw
+samples give, from a table a few hundred times smaller than the gaps.
 A report then reads a few thousand rollup rows, and the exact order statistics read only the
 values of the histogram buckets that hold the ranks, from a table of every value sorted by
 (build, variant, metric, bucket), through its primary index.
@@ -24,6 +27,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from analysis.definitions import (
+    GAP_METRICS,
+    GAP_REQUESTS,
     GRAIN_SQL,
     INFLIGHT_EDGES,
     METRICS,
@@ -35,7 +40,16 @@ from analysis.definitions import (
     build_spec,
 )
 from analysis.readers.raw import RawReader
-from analysis.sql import DISTINCT_USERS, HIST_KEYS, bucket_sql, hit_expr, metric_ok
+from analysis.sql import (
+    DISTINCT_USERS,
+    GAP,
+    HIST_KEYS,
+    bucket_sql,
+    gap_table,
+    hit_expr,
+    metric_count,
+    metric_ok,
+)
 from samples import schema
 
 log = logging.getLogger(__name__)
@@ -78,11 +92,24 @@ def build_run_rollup(store: Any, experiment: str, run_id: int, slo: Slo) -> Buil
     hit, hp = hit_expr(slo)
     params.update(hp)
     miss_phase = f"NOT {hit} AND {PHASE_ROWS}"
-    metric_counts = ", ".join(f"countIf({metric_ok(col)})" for col in METRICS.values())
+    metric_counts = ", ".join(
+        [metric_count(m) for m in METRICS] + [f"countIf({cond})" for cond in GAP_REQUESTS.values()]
+    )
     phase_sums = ", ".join(f"sumIf({expr}, {miss_phase})" for expr in PHASE_COLUMNS.values())
+    # the cells' columns named: migration 5 added some after the ones before them
+    cell_columns = ", ".join(
+        "experiment run_id build_id variant mode rev pb ib tb n errors hits".split()
+        + [f"n_{m}" for m in METRICS]
+        + [f"n_{name}" for name in GAP_REQUESTS]
+        + ["first_ms", "last_ms", "phase_n"]
+        + [f"s_{name}" for name in PHASE_COLUMNS]
+    )
+    gap_scope = {
+        m: f"FROM {gap_table(m)} PREWHERE experiment = %(e)s AND run_id = %(r)s" for m in GAP_METRICS
+    }
     statements = [
         f"""
-        INSERT INTO {schema.ROLLUP_CELLS_TABLE}
+        INSERT INTO {schema.ROLLUP_CELLS_TABLE} ({cell_columns})
         SELECT {head}, toString(variant), toString(mode), config_revision,
                toUInt8({bucket_sql("prompt_tokens", PROMPT_TOKEN_EDGES)}) AS pb,
                toUInt8({bucket_sql("in_flight", INFLIGHT_EDGES)}) AS ib,
@@ -106,7 +133,26 @@ def build_run_rollup(store: Any, experiment: str, run_id: int, slo: Slo) -> Buil
         GROUP BY config_revision, variant
         """,
     ]
+    for metric in GAP_METRICS:
+        statements.append(
+            f"""
+            INSERT INTO {schema.ROLLUP_HIST_TABLE}
+            SELECT {head}, toString(variant), '{metric}', {HIST_KEYS[metric]} AS k, count(), max({GAP}) / 1000
+            {gap_scope[metric]} WHERE outcome = 'ok'
+            GROUP BY variant, k
+            """
+        )
+        statements.append(
+            f"""
+            INSERT INTO {schema.ROLLUP_GAPS_TABLE} (build_id, variant, k, v, n)
+            SELECT %(b)s, variant, {HIST_KEYS[metric]} AS k, {GAP} AS v, count()
+            {gap_scope[metric]} WHERE outcome = 'ok'
+            GROUP BY variant, k, v
+            """
+        )
     for metric, column in METRICS.items():
+        if metric in GAP_METRICS:
+            continue
         statements.append(
             f"""
             INSERT INTO {schema.ROLLUP_HIST_TABLE}
@@ -166,10 +212,8 @@ def _drop_build(store: Any, experiment: str, run_id: int, build_id: int, keep: b
         for sql in statements:
             store.execute(sql, params)
         if old:
-            store.execute(
-                f"ALTER TABLE {schema.ROLLUP_VALUES_TABLE} DELETE WHERE build_id IN %(old)s",
-                {"old": tuple(old)},
-            )
+            for table in (schema.ROLLUP_VALUES_TABLE, schema.ROLLUP_GAPS_TABLE):
+                store.execute(f"ALTER TABLE {table} DELETE WHERE build_id IN %(old)s", {"old": tuple(old)})
     except Exception as e:  # noqa: BLE001 - garbage rows are harmless; say so and go on
         log.warning("rollup of run %s: could not delete old rows: %s", run_id, e)
 
@@ -187,10 +231,9 @@ def rollup_rows(store: Any, experiment: str, current_only: bool = True) -> dict[
         )
         for t in schema.ROLLUP_TABLES
     }
-    rows = store.query(
-        f"SELECT count() FROM {schema.ROLLUP_VALUES_TABLE} WHERE build_id IN ({builds})", {"e": experiment}
-    )
-    out[schema.ROLLUP_VALUES_TABLE] = int(rows[0][0])
+    for table in (schema.ROLLUP_VALUES_TABLE, schema.ROLLUP_GAPS_TABLE):
+        rows = store.query(f"SELECT count() FROM {table} WHERE build_id IN ({builds})", {"e": experiment})
+        out[table] = int(rows[0][0])
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from analysis.definitions import METRICS, MW_SCALE, Filters, QueryError, Slo
+from analysis.definitions import GAP_METRICS, METRICS, MW_SCALE, Filters, QueryError, Slo
 from samples import schema
 
 # What analytics read: the raw table, no FINAL (the dedup contract, analysis.readers.raw).
@@ -132,13 +132,38 @@ _TTFT_KEY = f"toInt64(floor(assumeNotNull(ttft_ms) * {MW_SCALE} + 0.5))"
 LOG_STEPS = 500
 
 
-def _log_key(column: str) -> str:
-    return f"toInt64(floor(log(greatest(assumeNotNull({column}), 0.001)) * {LOG_STEPS}))"
+def _log_key(value_ms: str) -> str:
+    return f"toInt64(floor(log(greatest({value_ms}, 0.001)) * {LOG_STEPS}))"
 
+
+# One gap of a GAP_METRICS column, as the ARRAY JOIN alias of its element (microseconds), and
+# in ms: the one expression the raw reader and the rollup build share, so their keys agree.
+GAP = "gap_us"
+GAP_MS = f"({GAP} / 1000)"
 
 HIST_KEYS: dict[str, str] = {
-    metric: _TTFT_KEY if metric == "ttft_ms" else _log_key(column) for metric, column in METRICS.items()
+    metric: _TTFT_KEY
+    if metric == "ttft_ms"
+    else _log_key(GAP_MS)
+    if metric in GAP_METRICS
+    else _log_key(f"assumeNotNull({column})")
+    for metric, column in METRICS.items()
 }
+
+
+def gap_table(metric: str, table: str = SAMPLES) -> str:
+    """The samples with one row per gap of a GAP_METRICS column: ``table ARRAY JOIN column AS
+    gap_us`` (a request without gaps has no row; ARRAY JOIN runs on 18.16 and chDB alike)."""
+    return f"{table} ARRAY JOIN {GAP_METRICS[metric]} AS {GAP}"
+
+
+def metric_count(metric: str) -> str:
+    """SQL: how many values of a metric the successful requests of a group hold (summary
+    metric_n): one per request with the metric, one per gap for GAP_METRICS."""
+    column = METRICS[metric]
+    if metric in GAP_METRICS:
+        return f"sumIf(length({column}), outcome = 'ok')"
+    return f"countIf({metric_ok(column)})"
 
 
 def rank_level(rank: int, n: int) -> float:
@@ -205,3 +230,70 @@ def values_at_ranks(
     sql = f"SELECT {', '.join(outer)} FROM (SELECT {', '.join(inner)} {fw})"
     row = iter(store.query(sql, {**fparams, **params})[0])
     return {variant: {r: float(next(row)) for r in rs} for variant, rs in wanted}
+
+
+def gap_value_counts(f: Filters, metric: str, keys: tuple[int, ...]) -> tuple[str, dict[str, Any]]:
+    """SELECT variant, k, v, n: each distinct gap (microseconds) of the successful requests in
+    f whose histogram key is one of keys, with its count (sql.gap_values_at_ranks' source)."""
+    key = HIST_KEYS[metric]
+    fw, params = from_where(f, ["outcome = 'ok'", f"{key} IN %(gap_keys)s"], table=gap_table(metric))
+    sql = (
+        f"SELECT CAST(variant AS String) AS variant, {key} AS k, {GAP} AS v, count() AS n {fw} "
+        "GROUP BY variant, k, v"
+    )
+    return sql, {**params, "gap_keys": keys}
+
+
+def gap_values_at_ranks(
+    store: Any,
+    source: Callable[[tuple[int, ...]], tuple[str, dict[str, Any]]],
+    hist: Hist,
+    ranks: Mapping[str, Sequence[int]],
+) -> dict[str, dict[int, float]]:
+    """{variant: {rank: exact value in ms}} of pooled gaps (GAP_METRICS), located through their
+    histogram (keys HIST_KEYS, counts of gaps): values_at_ranks for values that repeat.
+
+    1. The histogram's running count says which bucket holds rank r and how many gaps lie in
+       lower buckets (the key is monotone in the value).
+    2. One query gives, for those buckets only, each distinct gap value (whole microseconds)
+       with its count: source(keys) -> (SELECT variant, k, v, n ..., params), rows that may
+       repeat a (variant, k, v) (a rollup part and a raw part: their counts add up).
+    3. Rank r is the first value of its bucket, in value order, whose running count reaches
+       r - (gaps in lower buckets). A bucket that holds fewer gaps than its histogram said (rows
+       arrived between the two queries) gives its largest value.
+    """
+    import numpy as np
+
+    plan: dict[str, tuple[list[int], np.ndarray, np.ndarray]] = {}
+    keys: set[int] = set()
+    for variant, rs in sorted(ranks.items()):
+        if variant not in hist or not rs:
+            continue
+        hkeys = np.asarray(hist[variant][0], dtype=np.int64)
+        cum = np.cumsum(np.asarray(hist[variant][1], dtype=np.int64))
+        rs = sorted(set(int(r) for r in rs))
+        if rs[0] < 1 or rs[-1] > int(cum[-1]):
+            raise QueryError(f"rank outside 1..{int(cum[-1])} for variant {variant!r}: {rs}")
+        idx = np.searchsorted(cum, np.asarray(rs), side="left")
+        below = np.where(idx > 0, cum[np.maximum(idx - 1, 0)], 0)
+        plan[variant] = (rs, hkeys[idx], np.asarray(rs) - below)
+        keys.update(int(k) for k in hkeys[idx])
+    if not plan:
+        return {}
+    sql, params = source(tuple(sorted(keys)))
+    cells: dict[tuple[str, int], dict[int, int]] = {}
+    for variant, k, v, n in store.query(sql, params):
+        cell = cells.setdefault((str(variant), int(k)), {})
+        cell[int(v)] = cell.get(int(v), 0) + int(n)
+    out: dict[str, dict[int, float]] = {}
+    for variant, (rs, at_keys, positions) in plan.items():
+        got: dict[int, float] = {}
+        for r, k, pos in zip(rs, at_keys.tolist(), positions.tolist(), strict=True):
+            values = sorted(cells.get((variant, k), {}).items())
+            if not values:
+                raise QueryError(f"variant {variant!r}: no gaps in histogram bucket {k} (data changed?)")
+            running = np.cumsum([n for _v, n in values])
+            i = min(int(np.searchsorted(running, pos, side="left")), len(values) - 1)
+            got[r] = values[i][0] / 1000.0
+        out[variant] = got
+    return out

@@ -69,6 +69,7 @@ def make_rows(n: int) -> list[Any]:
         itl_p50_ms=3.9,
         itl_p99_ms=9.0,
         itl_max_ms=12.0,
+        itl_gaps_us=[3_900 + 37 * (k % 7) for k in range(29)],  # chunks - 1, as a stream gives them
         tpot_ms=4.1,
         e2e_ms=130.0,
         output_tokens=28,

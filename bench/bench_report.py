@@ -4,6 +4,11 @@
     .venv/bin/python bench/bench_report.py [--sizes 1000000,10000000] [--reuse] [--live N]
     .venv/bin/python bench/bench_report.py --quick     # 20k samples, 1 repeat, the same tables
 
+Samples carry no inter-token gaps (synthetic gaps=False, as rows recorded before issue 14), so
+the figures stay comparable with earlier runs and 10M samples fit in memory (with gaps they
+would be ~1.3 billion values); --gaps adds them (~135 per successful request), and --quick
+always does. What the gaps cost: bench/bench_itl.py.
+
 Each size lives in its own database (abplat_bench_1m, abplat_bench_10m): loaded through
 SampleStore.insert_columns with 0.1% older duplicate recordings, then SampleStore.deduplicate()
 and the run's report rollup (analysis.rollup.build_run_rollup), as a finished replay does.
@@ -104,9 +109,10 @@ def main() -> None:
         help="also add a second run of N samples without a rollup (a run still replaying) and time "
         "the report over both (rollup + raw), then delete it",
     )  # fmt: skip
+    ap.add_argument("--gaps", action="store_true", help="samples with inter-token gaps (issue 14)")
     args = ap.parse_args()
     if args.quick:
-        args.sizes, args.repeat, args.live = "20000", 1, args.live or 5000
+        args.sizes, args.repeat, args.live, args.gaps = "20000", 1, args.live or 5000, True
     sys.exit(run_checked(run, args))
 
 
@@ -135,10 +141,10 @@ def run(args: argparse.Namespace) -> None:
         spec = synthetic.SyntheticSpec(
             n=size, seed=1, variants=synthetic.demo_variants(),
             factor_effects=synthetic.DEMO_FACTOR_EFFECTS, config_revisions=(1, 2),
-            duplicate_rate=0.001,
+            duplicate_rate=0.001, gaps=args.gaps,
         )  # fmt: skip
-        have = store.query("SELECT count() FROM samples")[0][0]
-        if not (args.reuse and have == size):
+        have, with_gaps = store.query("SELECT count(), countIf(notEmpty(itl_gaps_us)) FROM samples")[0]
+        if not (args.reuse and have == size and bool(with_gaps) == args.gaps):
             store.execute("TRUNCATE TABLE samples")
             t = time.perf_counter()
             data = synthetic.generate(spec)

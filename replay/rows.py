@@ -3,8 +3,8 @@
 The replay's side of the samples table: samples/ defines the columns and validates rows, and
 knows nothing of streaming or the replay; this module maps a measurement onto those columns.
 Pure: no Django, no database driver. A row is a samples.columns.SampleRow (its values in column
-order; read by name too, row["seq"]); every value is a str, int, float or None, so the spool can
-write the row as a JSON line.
+order; read by name too, row["seq"]); every value is a str, int, float, None or (itl_gaps_us) a
+list of ints, so the spool can write the row as a JSON line.
 """
 
 from __future__ import annotations

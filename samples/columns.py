@@ -2,14 +2,16 @@
 
 Pure: stdlib and numpy (no Django, no database driver), and nothing of the replay: the replay
 builds rows (replay.rows.row_from), this module says what a valid row is. A row holds a str,
-int, float or None for every column: a SampleRow (the values in COLUMNS order, what the replay's
+int, float or None for every column (a list of ints for the array column): a SampleRow (the values in COLUMNS order, what the replay's
 writer holds and the spool writes as a JSON array) or a mapping of column name to value. A batch
 is validated a whole column at a time (validate_columns) and comes out as the numpy arrays both
 store backends insert.
 
 Types are the subset that works on ClickHouse 18.16 (CI) and chDB 4.4 alike: no DateTime64, Bool,
 Map or JSON. Booleans are UInt8 0/1; exact send time is kept as Float64 unix milliseconds next to a
-second-resolution DateTime('UTC') used for partitioning and time buckets.
+second-resolution DateTime('UTC') used for partitioning and time buckets. One array column,
+itl_gaps_us (Array(UInt32)): a row holds a list of ints there, the validator returns an object
+array of uint32 arrays (one per row).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class Column:
     ch_type: str
     # kind drives conversion to Arrow/numpy and validation:
     # str, u8, u16, u32, u64, i64, f64, nf64 / nu64 (nullable float64 / uint64),
-    # datetime (unix seconds)
+    # datetime (unix seconds), au32 (Array(UInt32): a list of ints per row)
     kind: str
 
 
@@ -78,6 +80,11 @@ COLUMNS: tuple[Column, ...] = (
     _c("itl_p50_ms", "Nullable(Float64)", "nf64"),
     _c("itl_p99_ms", "Nullable(Float64)", "nf64"),
     _c("itl_max_ms", "Nullable(Float64)", "nf64"),
+    # Every inter-token gap of the request, in arrival order, microseconds rounded half up from
+    # the nanosecond clock (streaming.timing): chunks - 1 of them; [] with fewer than two token
+    # chunks, and in rows recorded before the column existed (schema migration 5). The report
+    # pools them into the ITL distribution (analysis.definitions.GAP_METRICS).
+    _c("itl_gaps_us", "Array(UInt32)", "au32"),
     _c("tpot_ms", "Nullable(Float64)", "nf64"),
     _c("e2e_ms", "Nullable(Float64)", "nf64"),
     _c("output_tokens", "UInt32", "u32"),
@@ -96,6 +103,9 @@ COLUMNS: tuple[Column, ...] = (
 
 COLUMN_NAMES: tuple[str, ...] = tuple(c.name for c in COLUMNS)
 BY_NAME: dict[str, Column] = {c.name: c for c in COLUMNS}
+# Columns added after the table was first made (samples.schema: migration 5 on), with what a
+# row written before them holds there: an older spool file's rows are read with these.
+ADDED_DEFAULTS: dict[str, Any] = {"itl_gaps_us": ()}
 
 _INT_RANGES = {
     "u8": (0, 2**8 - 1),
@@ -120,6 +130,7 @@ _DTYPES: dict[str, Any] = {
     "f64": np.float64,
     "nf64": np.float64,  # NaN is NULL
     "nu64": object,
+    "au32": object,  # an object array of uint32 arrays, one per row
 }
 _NONE = type(None)
 # Python types a value may have in a list, tuple or object array, per kind: exact types (bool is
@@ -131,13 +142,14 @@ _ALLOWED_TYPES: dict[str, frozenset[type]] = {
     "nf64": frozenset({float, int, _NONE}),
     "nu64": frozenset({int, np.int64, np.uint64, _NONE}),
     **{k: frozenset({int, np.int64, np.uint64}) for k in ("u8", "u16", "u32", "u64", "i64", "datetime")},
+    "au32": frozenset({list, tuple, np.ndarray}),
 }
 _PY_INT = frozenset({int})
 # array.array type code of each integer kind: the same width and signedness as its dtype
 _ARRAY_CODES = {"u8": "B", "u16": "H", "u32": "I", "u64": "Q", "i64": "q", "datetime": "I"}
 if array("I").itemsize != 4 or array("Q").itemsize != 8:  # pragma: no cover - C ints of this platform
     raise ImportError("samples.columns needs 4-byte array('I') and 8-byte array('Q')")
-_WHAT = {"str": "not a str", "f64": "not a number", "nf64": "not a number or None"}
+_WHAT = {"str": "not a str", "f64": "not a number", "nf64": "not a number or None", "au32": "not a list"}
 _GETTERS = tuple((name, operator.itemgetter(name)) for name in COLUMN_NAMES)
 
 
@@ -214,8 +226,10 @@ def _error(where: str, col: Column, values: Any, bad: _Bad, one_row: bool) -> Sa
     at = "" if one_row else f" row {bad.index}"
     value = values[bad.index]
     value = value.item() if isinstance(value, np.generic) else value  # 1.5, not np.float64(1.5)
+    text = repr(value.tolist() if isinstance(value, np.ndarray) else value)
+    text = text if len(text) <= 120 else text[:117] + "..."  # an array of gaps can be long
     return SampleError(
-        f"{where}{at}: column {col.name} ({col.ch_type}) cannot hold {value!r}: {bad.why}", row=bad.index
+        f"{where}{at}: column {col.name} ({col.ch_type}) cannot hold {text}: {bad.why}", row=bad.index
     )
 
 
@@ -231,6 +245,8 @@ def _column(col: Column, values: Any, nan_is_null: bool, convert: bool = True) -
     """One column, validated and converted (see validate_columns); raises _Bad. Without
     `convert` (one row: numpy would cost more than the checks) it only checks."""
     kind = col.kind
+    if kind == "au32":
+        return _arrays(values, convert)
     if isinstance(values, np.ndarray):
         if values.ndim != 1:
             raise _Bad(None, f"needs a 1-dimensional array, got shape {values.shape}")
@@ -308,6 +324,7 @@ def _column(col: Column, values: Any, nan_is_null: bool, convert: bool = True) -
 # per-value path of _column, which also names the bad value.
 _M_HEAD = 5
 _M_LIST = frozenset(b"[(")
+_M_LIST_CODES = np.frombuffer(b"[(", dtype=np.uint8)
 _G, _I, _L, _N = b"gilN"
 _MARSHAL_KINDS = frozenset({"f64", "nf64", "nu64", "u8", "u16", "u32", "u64", "i64", "datetime"})
 
@@ -431,6 +448,89 @@ def _typed_array(col: Column, arr: np.ndarray, nan_is_null: bool) -> np.ndarray:
     return arr.astype(_DTYPES[kind], copy=False)
 
 
+_U32_MAX = 2**32 - 1
+_ROW_TYPES = frozenset({list, tuple})
+# integers an array row may hold (numpy integer scalars too; never bool)
+_INT_ITEMS = frozenset(
+    {int, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64}
+)
+
+
+def _arrays(values: Any, convert: bool) -> np.ndarray | None:
+    """An Array(UInt32) column: per row a list or tuple of integers (or a 1-dimensional numpy
+    integer array), each in [0, 2**32 - 1]; bool is not an integer. Converted: an object array
+    holding one uint32 array per row. Rows of Python ints (what the replay and the spool hold)
+    are read from marshal's bytes in one pass (_marshalled_arrays); other rows one by one."""
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or values.dtype != object:
+            raise _Bad(None, f"needs a 1-dimensional object array of per-row arrays, got {values.dtype} "
+                             f"of shape {values.shape}")  # fmt: skip
+        values = values.tolist()  # its items (lists or arrays) as they are
+    types = set(map(type, values))
+    if not types <= _ALLOWED_TYPES["au32"]:
+        raise _Bad(_first_not(values, _ALLOWED_TYPES["au32"]), "not a list of integers")
+    if types <= _ROW_TYPES and values:
+        lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+        data = _marshalled_arrays(values, lengths)
+        if data is not None:
+            return _per_row(np.split(data, np.cumsum(lengths)[:-1])) if convert else None
+    parts = [_one_array(i, v) for i, v in enumerate(values)]  # names the first bad row
+    return _per_row(parts) if convert else None
+
+
+# The fast path of the array column, marshal again (see above): marshal format 2 writes a list
+# of rows as its 5-byte head, then each row as a 5-byte head (b"[" or b"(", int32 length) and its
+# items, an int in [-2**31, 2**31) as b"i" + int32. So when every item is such an int, the bytes
+# after the outer head are 5-byte records throughout, a row's head at record (row + items before
+# it), its items after it: one strided view reads every code and value at once.
+_ARRAY_RECORD = np.dtype([("code", "u1"), ("value", "<i4")])  # packed: 5 bytes
+
+
+def _marshalled_arrays(values: Sequence[Any], lengths: np.ndarray) -> np.ndarray | None:
+    """Every item of rows of Python ints in [0, 2**31), as one uint32 array (rows in order), read
+    from marshal's bytes; None when any item is something else (the per-row path says what)."""
+    n, m = len(values), int(lengths.sum())
+    try:
+        data = marshal.dumps(values, 2)
+    except ValueError:  # an object marshal cannot write: not an int anyway
+        return None
+    if len(data) != _M_HEAD + 5 * (n + m) or data[0] not in _M_LIST:
+        return None
+    records = np.ndarray((n + m,), _ARRAY_RECORD, data, _M_HEAD)
+    head = np.zeros(n + m, dtype=bool)
+    head[np.arange(n) + np.cumsum(lengths) - lengths] = True
+    codes = records["code"]
+    if not (np.isin(codes[head], _M_LIST_CODES).all() and (codes[~head] == _I).all()):
+        return None
+    items = records["value"][~head]
+    if m and int(items.min()) < 0:
+        return None
+    return items.astype(np.uint32)
+
+
+def _one_array(i: int, v: Any) -> np.ndarray:
+    """Row i of an Array(UInt32) column as a uint32 array, or _Bad saying why it cannot be."""
+    if type(v) is np.ndarray:
+        if v.ndim != 1 or (v.size and v.dtype.kind not in "iu"):
+            raise _Bad(i, f"not an array of integers (dtype {v.dtype}, shape {v.shape})")
+        items = v
+    else:
+        if not set(map(type, v)) <= _INT_ITEMS:
+            raise _Bad(i, "not a list of integers")
+        items = [int(x) for x in v]
+    if len(items) and (int(min(items)) < 0 or int(max(items)) > _U32_MAX):
+        raise _Bad(i, f"holds an integer out of range [0, {_U32_MAX}]")
+    return np.asarray(items, dtype=np.uint32) if len(items) else np.zeros(0, dtype=np.uint32)
+
+
+def _per_row(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """An object array with one array per item (np.array would stack equal-length ones)."""
+    out = np.empty(len(parts), dtype=object)
+    for i, p in enumerate(parts):
+        out[i] = p
+    return out
+
+
 _NAME_SET = frozenset(COLUMN_NAMES)
 
 
@@ -542,7 +642,10 @@ def validate_row(row: Mapping[str, Any], where: str = "row") -> dict[str, Any]:
             _column(col, (v,), nan_is_null=False, convert=False)  # the same checks, numpy skipped
         except _Bad as bad:
             raise _error(where, col, (v,), bad, one_row=True) from None
-        out[col.name] = float(v) if col.kind in _FLOAT_KINDS and v is not None else v
+        if col.kind == "au32":
+            out[col.name] = [int(x) for x in v]  # a copy, JSON-safe (the spool writes rows)
+        else:
+            out[col.name] = float(v) if col.kind in _FLOAT_KINDS and v is not None else v
     return out
 
 

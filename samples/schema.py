@@ -2,8 +2,10 @@
 
 Pure: SQL text only. A migration, once applied anywhere, is never edited: a change is a new
 version (migrate() refuses to run when an applied migration's checksum no longer matches).
-Every statement is idempotent (IF NOT EXISTS) so a migration interrupted between its statements
-and its schema_migrations record can simply be run again.
+Every statement is idempotent so a migration interrupted between its statements and its
+schema_migrations record can simply be run again: CREATE TABLE IF NOT EXISTS, and ALTER TABLE t
+ADD COLUMN c T [AFTER x], one column per statement, which the migrator runs only when t lacks c
+(18.16 has no ADD COLUMN IF NOT EXISTS; SampleStore.migrate, added_columns).
 """
 
 from __future__ import annotations
@@ -155,7 +157,10 @@ ORDER BY (experiment, run_id)
 """.strip()
 
 # One row per (variant, mode, config revision, prompt bucket, in-flight bucket, 10 s): counts,
-# SLO hits, per-metric counts, send-time range, and the phase sums of misses.
+# SLO hits, per-metric counts, send-time range, and the phase sums of misses. From migration 5
+# (rollup format 3) n_itl_ms counts inter-token gaps, not requests, and n_itl_requests /
+# n_itl_unrecorded count the successful requests with gaps / without gaps stored although they
+# had two token chunks or more (recorded before the samples' itl_gaps_us existed).
 CREATE_ROLLUP_CELLS = f"""
 CREATE TABLE IF NOT EXISTS {ROLLUP_CELLS_TABLE} (
     experiment String,
@@ -189,7 +194,8 @@ ORDER BY (experiment, run_id, build_id, variant)
 """.strip()
 
 # Per (variant, metric, key): how many successful requests fall in the key's bucket and the
-# largest value there. The key is monotone in the value (0.1 ms for TTFT, as the rank test
+# largest value there (for itl_ms, from migration 5 on: how many inter-token gaps, of every
+# successful request; their exact values are in rollup_gaps, not rollup_values). The key is monotone in the value (0.1 ms for TTFT, as the rank test
 # rounds it; relative 0.2% steps for the other metrics), so it locates any rank; the exact
 # value then comes from the few samples of that one bucket.
 CREATE_ROLLUP_HIST = f"""
@@ -318,6 +324,33 @@ PARTITION BY toYYYYMM(toDateTime(intDiv(scraped_ms, 1000)))
 ORDER BY (experiment, variant, run_id, metric, sample, labels, le, scraped_ms)
 """.strip()
 
+# ---- inter-token gaps (issue 14): the ITL distribution over every gap -------------------
+# Who writes: the replay (replay.rows.row_from, every StreamResult.itl_gaps_us) and the rollup
+# build (analysis.rollup); who reads: the SLA report's itl_ms (analysis.readers).
+# - samples.itl_gaps_us Array(UInt32): every gap of a request in microseconds; rows recorded
+#   before read as [] (no gaps), which the report counts.
+# - rollup_gaps: per (build, variant, histogram key) every distinct gap value with its count,
+#   so the exact order statistics of the pooled gaps come from the rollup as they do from the
+#   samples (a run's gaps take a few distinct microsecond values per 0.2% bucket, so this is far
+#   smaller than a row per gap would be). Carries build_id only, like rollup_values.
+ADD_ITL_GAPS = f"ALTER TABLE {SAMPLES_TABLE} ADD COLUMN itl_gaps_us Array(UInt32) AFTER itl_max_ms"
+ADD_ROLLUP_ITL_REQUESTS = f"ALTER TABLE {ROLLUP_CELLS_TABLE} ADD COLUMN n_itl_requests UInt64 AFTER n_e2e_ms"
+ADD_ROLLUP_ITL_UNRECORDED = (
+    f"ALTER TABLE {ROLLUP_CELLS_TABLE} ADD COLUMN n_itl_unrecorded UInt64 AFTER n_itl_requests"
+)
+ROLLUP_GAPS_TABLE = "rollup_gaps"
+CREATE_ROLLUP_GAPS = f"""
+CREATE TABLE IF NOT EXISTS {ROLLUP_GAPS_TABLE} (
+    build_id UInt64,
+    variant LowCardinality(String),
+    k Int64,
+    v UInt32,
+    n UInt64
+)
+ENGINE = MergeTree
+ORDER BY (build_id, variant, k, v)
+""".strip()
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "create samples", (CREATE_SAMPLES_TABLE,)),
     Migration(
@@ -334,10 +367,56 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(3, "run catalog", (CREATE_RUNS,)),
     Migration(4, "variants' server metrics", (CREATE_SERVER_METRICS,)),
+    Migration(
+        5,
+        "inter-token gaps",
+        (ADD_ITL_GAPS, ADD_ROLLUP_ITL_REQUESTS, ADD_ROLLUP_ITL_UNRECORDED, CREATE_ROLLUP_GAPS),
+    ),
 )
 
 
 _CREATE = re.compile(r"^CREATE TABLE IF NOT EXISTS (\w+) \((.*?)\n\)", re.S)
+_ADD_COLUMN = re.compile(r"^ALTER TABLE (\w+) ADD COLUMN (\w+) (.+?)(?: AFTER (\w+))?$", re.S)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AddedColumn:
+    table: str
+    name: str
+    ch_type: str
+    after: str | None
+
+
+def added_column(statement: str) -> AddedColumn | None:
+    """What an ``ALTER TABLE t ADD COLUMN c T [AFTER x]`` statement adds (None for any other
+    statement): the migrator runs it only when t lacks c, and verifies c once it is recorded."""
+    m = _ADD_COLUMN.match(statement.strip())
+    return None if m is None else AddedColumn(m.group(1), m.group(2), m.group(3).strip(), m.group(4))
+
+
+def added_columns(migration: Migration) -> dict[str, list[tuple[str, str]]]:
+    """{table: [(column, ClickHouse type), ...]} the migration's ADD COLUMN statements add."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for stmt in migration.statements:
+        add = added_column(stmt)
+        if add is not None:
+            out.setdefault(add.table, []).append((add.name, add.ch_type))
+    return out
+
+
+def table_columns(table: str, migrations: tuple[Migration, ...] | None = None) -> list[tuple[str, str]]:
+    """A table's (column, type) list, in order, after every migration (CREATE, then each ADD
+    COLUMN at its AFTER position or the end): what samples.columns.COLUMNS must equal."""
+    cols: list[tuple[str, str]] = []
+    for m in MIGRATIONS if migrations is None else migrations:
+        cols = declared_tables(m).get(table, cols)
+        for stmt in m.statements:
+            add = added_column(stmt)
+            if add is None or add.table != table:
+                continue
+            at = len(cols) if add.after is None else [n for n, _t in cols].index(add.after) + 1
+            cols.insert(at, (add.name, add.ch_type))
+    return cols
 
 
 def declared_tables(migration: Migration) -> dict[str, list[tuple[str, str]]]:

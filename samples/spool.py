@@ -2,10 +2,13 @@
 
 Layout of the spool directory (ABPLAT_SPOOL_DIR):
   000000000001.jsonl   one file per spooled batch, numbered in write order. Line 1 is a header
-                       {"spool": 2, "seq": n, "rows": N, "runs": [...], "counts": {run: rows}},
-                       then N rows, each a JSON array of its values in column order
-                       (samples.columns.SampleRow). Format 1 files (one JSON object per row) and
-                       headers without "counts" (older writers) are still read and flushed.
+                       {"spool": 3, "seq": n, "rows": N, "runs": [...], "counts": {run: rows},
+                       "columns": [name, ...]}, then N rows, each a JSON array of its values in
+                       the header's column order (samples.columns.SampleRow when that is this
+                       code's). Older files are still read and flushed: format 2 (arrays in the
+                       column order before itl_gaps_us), format 1 (one JSON object per row), and
+                       headers without "counts"; a column they lack gets its
+                       samples.columns.ADDED_DEFAULTS value ([]: no gaps recorded).
   spool.lock           flock'ed by whoever writes or flushes, so several processes on one host
                        can share a directory without interleaving sequence numbers.
   spool.id             the spool's name, "host:directory" of where it was created: it stays with
@@ -46,14 +49,16 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from samples.columns import COLUMN_NAMES, SampleError, SampleRow, row_key, validate_samples
+from samples.columns import ADDED_DEFAULTS, COLUMN_NAMES, SampleError, SampleRow, row_key, validate_samples
 from samples.store import SampleStore, StoreUnavailable
 from telemetry import metrics
 
 log = logging.getLogger(__name__)
 
-SPOOL_FORMAT = 2  # rows as JSON arrays in column order
-_READABLE_FORMATS = (1, 2)  # 1: rows as JSON objects (written before format 2)
+SPOOL_FORMAT = 3  # rows as JSON arrays in the header's column order
+_READABLE_FORMATS = (1, 2, 3)  # 1: rows as JSON objects; 2: arrays in the columns of FORMAT_2_COLUMNS
+# Format 2's columns: this code's, less those added since (samples.columns.ADDED_DEFAULTS).
+FORMAT_2_COLUMNS = tuple(n for n in COLUMN_NAMES if n not in ADDED_DEFAULTS)
 _NAME = re.compile(r"^(\d{12})\.jsonl(\.tmp)?$")
 ID_FILE = "spool.id"
 
@@ -177,6 +182,7 @@ class Spool:
             "rows": len(rows),
             "runs": sorted(counts),
             "counts": {str(run): n for run, n in sorted(counts.items())},
+            "columns": list(COLUMN_NAMES),
         }
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(json.dumps(header) + "\n")
@@ -196,11 +202,14 @@ class Spool:
             os.close(fd)
 
     def read(self, name: str) -> tuple[dict[str, Any] | None, list[Any], bool]:
-        """(header, rows, complete): rows are SampleRows (format 2) or dicts (format 1). Stops at
-        the first unreadable line; never raises on bad content, because a torn file must still
-        give up what it holds."""
+        """(header, rows, complete): rows are SampleRows in this code's column order (formats 2
+        and 3, a column the file lacks filled from ADDED_DEFAULTS) or dicts (format 1, filled
+        the same way). Stops at the first unreadable line (and reads no row of a file whose
+        columns this code cannot map); never raises on bad content, because a torn file must
+        still give up what it holds."""
         header: dict[str, Any] | None = None
         rows: list[Any] = []
+        to_row: Any = None
         path = os.path.join(self.dir, name)
         with open(path, "rb") as f:
             data = f.read()
@@ -219,13 +228,14 @@ class Spool:
                 if not isinstance(obj, dict) or obj.get("spool") not in _READABLE_FORMATS:
                     break
                 header = obj
+                to_row = _row_reader(obj)
+                if to_row is None:
+                    break
                 continue
-            if header["spool"] == 1 and isinstance(obj, dict):
-                rows.append(obj)
-            elif header["spool"] == 2 and isinstance(obj, list) and len(obj) == len(COLUMN_NAMES):
-                rows.append(SampleRow(obj))
-            else:
+            row = to_row(obj)
+            if row is None:
                 break
+            rows.append(row)
         # Keep the rows before the first invalid one (the validator names a bad row; the rows
         # before it may hide another in a column checked later, so check the prefix again).
         while rows:
@@ -302,6 +312,39 @@ class Spool:
         os.replace(os.path.join(self.dir, name), target)
         self._fsync_dir()
         return target
+
+
+def _row_reader(header: Mapping[str, Any]) -> Callable[[Any], Any] | None:
+    """How the rows of a file with this header become this code's rows (None: they cannot).
+    A row it cannot read gives None."""
+    if header["spool"] == 1:
+
+        def from_object(obj: Any) -> Any:
+            if not isinstance(obj, dict):
+                return None
+            return {**{k: v for k, v in ADDED_DEFAULTS.items() if k not in obj}, **obj}
+
+        return from_object
+    columns = FORMAT_2_COLUMNS if header["spool"] == 2 else header.get("columns")
+    if not isinstance(columns, list | tuple) or len(set(columns)) != len(columns):
+        return None
+    if list(columns) == list(COLUMN_NAMES):
+        width = len(COLUMN_NAMES)
+        return lambda obj: SampleRow(obj) if isinstance(obj, list) and len(obj) == width else None
+    # another column list: each of ours from its position there, or its default; a column of
+    # the file that this code does not know (newer code wrote it) makes the file unreadable
+    if set(columns) - set(COLUMN_NAMES) or set(COLUMN_NAMES) - set(columns) - set(ADDED_DEFAULTS):
+        return None
+    at = {n: i for i, n in enumerate(columns)}
+    picks = [(at[n], None) if n in at else (None, ADDED_DEFAULTS[n]) for n in COLUMN_NAMES]
+    width = len(columns)
+
+    def mapped(obj: Any) -> Any:
+        if not isinstance(obj, list) or len(obj) != width:
+            return None
+        return SampleRow(obj[i] if i is not None else default for i, default in picks)
+
+    return mapped
 
 
 class SpoolingWriter:

@@ -187,8 +187,7 @@ class SampleStore:
         for m in schema.MIGRATIONS:
             if m.version in applied:
                 continue
-            for stmt in self._migration_statements(m):
-                self._command(stmt)
+            self._run_migration(m)
             # INSERT ... SELECT rather than inline VALUES: clickhouse-driver would wait for a
             # data block after an INSERT ... VALUES statement.
             self._command(
@@ -201,6 +200,21 @@ class SampleStore:
             done.append(m.version)
         self._schema_ok = True
         return done
+
+    def _run_migration(self, m: schema.Migration) -> None:
+        """Run a migration's statements (their cluster form on a cluster's server). An ADD COLUMN
+        runs only when its table lacks the column: 18.16 has no ADD COLUMN IF NOT EXISTS, and a
+        migration interrupted before its record must be safe to run again."""
+        found: dict[str, list[tuple[str, str]]] | None = None
+        for stmt in self._migration_statements(m):
+            add = schema.added_column(stmt)
+            if add is not None:
+                found = self._table_columns() if found is None else found
+                if add.name in dict(found.get(add.table, [])):
+                    continue
+            self._command(stmt)
+            if stmt.lstrip().upper().startswith("CREATE"):
+                found = None  # a new table: read the columns again before the next ADD COLUMN
 
     def _migration_statements(self, m: schema.Migration) -> tuple[str, ...]:
         """What this server runs for a migration: its statements, or on a cluster's server
@@ -300,27 +314,33 @@ class SampleStore:
             if m.version not in applied:
                 continue
             declared = self._physical_tables(m)
-            if any(table not in found for table in declared):
+            added = self._physical_tables(m, schema.added_columns(m))
+            lacking = sorted(t for t in declared if t not in found) + sorted(
+                f"{t}.{c}" for t, cols in added.items() for c, _ in cols if c not in dict(found.get(t, []))
+            )
+            if lacking:
                 log.warning(
-                    "%s: migration %d (%r) is recorded but table(s) %s are missing; re-running it",
+                    "%s: migration %d (%r) is recorded but %s are missing; re-running it",
                     self.describe(),
                     m.version,
                     m.name,
-                    sorted(t for t in declared if t not in found),
+                    lacking,
                 )
-                for stmt in self._migration_statements(m):
-                    self._command(stmt)
+                self._run_migration(m)
                 rerun.append(m.version)
                 found = self._table_columns()
-            for table, want in declared.items():
+            for table, want in [*declared.items(), *added.items()]:
                 self._check_table(m, table, want, found.get(table, []))
             self._check_engines(m, schema.declared_tables(m))
         return rerun
 
-    def _physical_tables(self, m: schema.Migration) -> dict[str, list[tuple[str, str]]]:
-        """{table: columns} a migration makes on this server: its declared tables, and on a
-        cluster's server each one's `_local` table as well (same columns)."""
-        declared = schema.declared_tables(m)
+    def _physical_tables(
+        self, m: schema.Migration, declared: Mapping[str, list[tuple[str, str]]] | None = None
+    ) -> dict[str, list[tuple[str, str]]]:
+        """{table: columns} a migration makes on this server: its declared tables (or the
+        columns it adds, given as ``declared``), and on a cluster's server each one's `_local`
+        table as well (same columns)."""
+        declared = schema.declared_tables(m) if declared is None else dict(declared)
         if not self.cluster:
             return declared
         out: dict[str, list[tuple[str, str]]] = {}
@@ -696,6 +716,7 @@ class SampleStore:
             schema.SAMPLES_TABLE,
             schema.ROLLUP_BUILDS_TABLE,
             schema.ROLLUP_VALUES_TABLE,
+            schema.ROLLUP_GAPS_TABLE,
             *schema.ROLLUP_TABLES,
             schema.RUNS_TABLE,
             schema.SERVER_METRICS_TABLE,

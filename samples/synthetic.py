@@ -10,6 +10,13 @@ with a lognormal noise shared by all variants of one request in mirror mode (so 
 see correlated arms). Errors replace the measurement with a failed outcome. TTFT is split into
 the phases the client measures (connect, headers, first event, first content), so the phase
 breakdown of misses has known shares.
+
+Every successful request has output_tokens - 1 inter-token gaps (itl_gaps_us, microseconds):
+lognormal around the request's TPOT with occasional spikes (a batch stalled by another request's
+prefill), scaled so that their mean is the TPOT, as it is in a real stream; itl_mean/p50/p99/max
+are those gaps' own statistics. They come from a random stream of their own, so every other
+column is what the same seed gave before gaps existed (``gaps=False``: no gaps, as rows recorded
+before issue 14).
 """
 
 from __future__ import annotations
@@ -56,6 +63,9 @@ class SyntheticSpec:
     config_revisions: Sequence[int] = (100,)  # evenly split over the run, in time order
     duplicate_rate: float = 0.0  # extra, OLDER recordings of some requests (must be ignored)
     round_ms: int = 3  # decimals kept on latencies (keeps distinct values realistic)
+    gaps: bool = True  # inter-token gaps per successful request (False: none, as older rows)
+    gap_sigma: float = 0.3  # lognormal spread of the gaps around the request's TPOT
+    gap_spike_rate: float = 0.02  # share of gaps stretched 2-6x (prefill of another request)
 
 
 def demo_variants() -> list[VariantSpec]:
@@ -156,7 +166,16 @@ def generate(spec: SyntheticSpec) -> Synthetic:
     ttft_event = np.minimum(ttft_event, ttft)
     out_tokens = rng.integers(16, 256, n).astype(np.uint32)
     tpot = np.round(rng.lognormal(np.log(12.0), 0.2, n) * mult, spec.round_ms)
-    itl_mean = np.round(tpot * rng.uniform(0.95, 1.05, n), spec.round_ms)
+    itl_mean = np.round(tpot * rng.uniform(0.95, 1.05, n), spec.round_ms)  # drawn either way
+    itl_p50, itl_p99, itl_max = (
+        itl_mean,
+        np.round(itl_mean * 2.5, spec.round_ms),
+        np.round(itl_mean * 4.0, spec.round_ms),
+    )
+    if spec.gaps:
+        gaps, (itl_mean, itl_p50, itl_p99, itl_max) = _gaps(spec, tpot, np.where(error, 0, out_tokens))
+    else:
+        gaps = _per_row([np.zeros(0, dtype=np.uint32)] * n)
     e2e = np.round(ttft + tpot * (out_tokens - 1), spec.round_ms)
     lag = np.round(rng.exponential(0.5, n), spec.round_ms)
 
@@ -205,9 +224,10 @@ def generate(spec: SyntheticSpec) -> Synthetic:
         "ttft_event_ms": failed(ttft_event),
         "ttft_ms": failed(ttft),
         "itl_mean_ms": failed(itl_mean),
-        "itl_p50_ms": failed(itl_mean),
-        "itl_p99_ms": failed(np.round(itl_mean * 2.5, spec.round_ms)),
-        "itl_max_ms": failed(np.round(itl_mean * 4.0, spec.round_ms)),
+        "itl_p50_ms": failed(itl_p50),
+        "itl_p99_ms": failed(itl_p99),
+        "itl_max_ms": failed(itl_max),
+        "itl_gaps_us": gaps,
         "tpot_ms": failed(tpot),
         "e2e_ms": failed(e2e),
         "output_tokens": np.where(error, 0, out_tokens).astype(np.uint32),
@@ -236,6 +256,49 @@ def generate(spec: SyntheticSpec) -> Synthetic:
     missing = set(colmod.COLUMN_NAMES) ^ set(cols)
     assert not missing, f"synthetic columns out of sync with samples.columns: {missing}"
     return Synthetic(spec, {k: cols[k] for k in colmod.COLUMN_NAMES}, is_dup)
+
+
+def _gaps(
+    spec: SyntheticSpec, tpot: np.ndarray, tokens: np.ndarray
+) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """(itl_gaps_us per row, (mean, p50, p99, max) of each row's gaps in ms, NaN without gaps)
+    for rows with ``tokens`` output tokens each (0 for a failed request): tokens - 1 gaps."""
+    rng = np.random.default_rng([spec.seed, 14])  # a stream of its own (issue 14)
+    n = tokens.size
+    lengths = np.maximum(tokens.astype(np.int64) - 1, 0)
+    total = int(lengths.sum())
+    row = np.repeat(np.arange(n), lengths)
+    raw = rng.lognormal(0.0, spec.gap_sigma, total)
+    spike = rng.random(total) < spec.gap_spike_rate
+    raw = np.where(spike, raw * rng.uniform(2.0, 6.0, total), raw)
+    safe = np.maximum(lengths, 1)
+    mean_raw = np.bincount(row, weights=raw, minlength=n) / safe
+    us = np.floor(tpot[row] * raw / mean_raw[row] * 1000.0 + 0.5).astype(np.uint32)  # mean gap = TPOT
+    # each row's own statistics, as streaming.timing computes them (nearest rank, sorted per row)
+    starts = np.cumsum(lengths) - lengths
+    ordered = us[np.lexsort((us, row))].astype(np.float64) / 1000.0
+    has = lengths > 0
+    last = np.maximum(starts + lengths - 1, 0)
+
+    def at(rank: np.ndarray) -> np.ndarray:
+        return np.where(has, ordered[np.minimum(starts + rank - 1, last)] if total else np.nan, np.nan)
+
+    mean = np.where(has, np.bincount(row, weights=us, minlength=n) / safe / 1000.0, np.nan)
+    stats = (
+        np.round(mean, spec.round_ms + 3),
+        at((lengths + 1) // 2),  # ceil(0.5 n)
+        at(-(-99 * lengths // 100)),  # ceil(0.99 n), in integers
+        at(lengths),
+    )
+    return _per_row(np.split(us, starts[1:]) if n else []), stats
+
+
+def _per_row(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """An object array holding one array per row (np.array would stack equal-length ones)."""
+    out = np.empty(len(parts), dtype=object)
+    for i, part in enumerate(parts):
+        out[i] = part
+    return out
 
 
 def insert(store: Any, data: Synthetic, chunk_rows: int = 500_000) -> int:

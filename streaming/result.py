@@ -54,6 +54,9 @@ class StreamResult:
     itl_p50_ms: float | None = None
     itl_p99_ms: float | None = None
     itl_max_ms: float | None = None
+    # every gap between consecutive token chunks, in arrival order, integer microseconds
+    # (rounded half up from the nanosecond clock); [] with fewer than two token chunks
+    itl_gaps_us: list[int] = dataclasses.field(default_factory=list)
     tpot_ms: float | None = None
     e2e_ms: float | None = None
     output_tokens: int = 0

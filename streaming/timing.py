@@ -8,9 +8,10 @@ Definitions (see docs/services.md, "How vLLM's own benchmark client defines the 
 - ``ttft_event_ms``: first event with non-empty ``choices``, even if its text is empty (vLLM).
 - ``ttft_ms``: first event carrying non-empty text (LLMPerf, genai-perf; the SLA uses this).
 - token chunk: an event with non-empty ``choices`` other than the chat role-only event.
-- ITL: gaps between consecutive token chunks; their p50/p99 are exact order statistics
-  (nearest rank, stats.quantiles, the project's one convention). TPOT: (last token -
-  ttft) / (tokens - 1).
+- ITL: gaps between consecutive token chunks. ``itl_gaps_us`` keeps every one (integer
+  microseconds, in arrival order), which the report pools over requests (vLLM's
+  benchmark_serving ITL); per request, their mean and p50/p99 (exact order statistics: nearest
+  rank, stats.quantiles, the project's one convention). TPOT: (last token - ttft) / (tokens - 1).
 - ``e2e_ms``: when the stream ended ([DONE] or the error that ended it).
 - output tokens from the usage event; the token-chunk count only when there is none.
 """
@@ -154,7 +155,11 @@ class StreamTimer:
         if not r.usage_reported:
             r.output_tokens = len(times)
         if len(times) >= 2:
-            gaps = sorted((b - a) / _NS_PER_MS for a, b in zip(times, times[1:]))
+            gaps_ns = [b - a for a, b in zip(times, times[1:])]
+            # rounded half up to whole microseconds in integers (no float on the way); a gap is
+            # never negative (a clock step between two reads counts as 0)
+            r.itl_gaps_us = [max(0, (g + 500) // 1000) for g in gaps_ns]
+            gaps = sorted(g / _NS_PER_MS for g in gaps_ns)
             r.itl_mean_ms = sum(gaps) / len(gaps)
             r.itl_p50_ms = nearest_rank(gaps, 0.5)
             r.itl_p99_ms = nearest_rank(gaps, 0.99)

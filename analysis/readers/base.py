@@ -8,7 +8,8 @@ Readers get a store object (samples.store.SampleStore: ``query``, ``query_column
 
 Result shapes (what the report reads):
 - summary: {variant: {"n", "errors", "hits", "first_ms", "last_ms", "metric_n": {metric: n},
-  "modes": {mode: n}, "phase_n", "phase_sums": {phase: total ms}}};
+  "modes": {mode: n}, "phase_n", "phase_sums": {phase: total ms}, "itl_requests",
+  "itl_unrecorded"}} (metric_n of itl_ms counts gaps; definitions.GAP_REQUESTS);
 - a histogram (analysis.sql.Hist): {variant: (sorted keys, counts, largest value per key)},
   keyed by analysis.sql.HIST_KEYS[metric];
 - order statistics: {variant: {1-based rank: exact value}};
@@ -29,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from analysis.definitions import METRICS, MODES, PHASE_COLUMNS, PHASES, Filters, Slo
+from analysis.definitions import GAP_REQUESTS, METRICS, MODES, PHASE_COLUMNS, PHASES, Filters, Slo
 from analysis.phases import phases_from_sums
 from analysis.sql import Hist
 
@@ -130,7 +131,8 @@ def histogram_rows(rows: Iterable[Sequence[Any]]) -> dict[str, Hist]:
 
 def summary_rows(cols: Mapping[str, Sequence[Any]], n_column: str = "n") -> Summary:
     """{variant: summary} from the columns of a summary query (variant, n_column, errors, hits,
-    first_ms, last_ms, n_<metric>, mode_<mode>; phase_n and s_<phase> when present)."""
+    first_ms, last_ms, n_<metric>, n_<GAP_REQUESTS name>, mode_<mode>; phase_n and s_<phase> when
+    present)."""
     out: Summary = {}
     for i, variant in enumerate(cols.get("variant", [])):
         row = {name: values[i] for name, values in cols.items()}
@@ -142,6 +144,7 @@ def summary_rows(cols: Mapping[str, Sequence[Any]], n_column: str = "n") -> Summ
             "last_ms": float(row["last_ms"]),
             "metric_n": {k: int(row[f"n_{k}"]) for k in METRICS},
             "modes": {m: int(row[f"mode_{m}"]) for m in MODES},
+            **{name: int(row[f"n_{name}"]) for name in GAP_REQUESTS},
         }
         if "phase_n" in row:
             out[variant]["phase_n"] = int(row["phase_n"])

@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from analysis.definitions import METRICS, Filters, Slo, build_spec
+from analysis.definitions import GAP_REQUESTS, METRICS, Filters, Slo, build_spec
 from analysis.readers.base import DataVersion, SampleReader, Summary, run_queries, with_phases
 from analysis.readers.raw import RawReader
 from analysis.readers.rollup import RollupReader
@@ -91,7 +91,7 @@ def merge_summaries(*parts: Mapping[str, Mapping[str, Any]]) -> Summary:
                           "phase_sums": dict(s["phase_sums"])}  # fmt: skip
                 continue
             o = out[v]
-            for k in ("n", "errors", "hits", "phase_n"):
+            for k in ("n", "errors", "hits", "phase_n", *GAP_REQUESTS):
                 o[k] += s[k]
             o["first_ms"], o["last_ms"] = min(o["first_ms"], s["first_ms"]), max(o["last_ms"], s["last_ms"])
             for group in ("metric_n", "modes", "phase_sums"):

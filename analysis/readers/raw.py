@@ -16,6 +16,10 @@ needed anyway) says which 0.1 ms bucket holds each rank and its place there; a s
 only the values of those few buckets (sql.values_at_ranks). The CDF chart comes from the same
 histogram: each point is (largest TTFT of a bucket, exact share of requests <= it), so it needs
 no ranks at all (400 quantileExact levels cost more than every other query together on 18.16).
+ITL (itl_ms) pools every inter-token gap of every successful request (definitions.GAP_METRICS):
+the samples are read one row per gap (ARRAY JOIN itl_gaps_us), its histogram is of gaps, and
+its exact ranks come from the distinct gap values of the few buckets that hold them
+(sql.gap_values_at_ranks), as the rollup's do.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from analysis.definitions import (
+    GAP_METRICS,
+    GAP_REQUESTS,
     INFLIGHT_EDGES,
     METRICS,
     MODES,
@@ -38,13 +44,18 @@ from analysis.phases import phases_from_sums
 from analysis.readers.base import DataVersion, Summary, histogram_rows, run_queries, summary_rows, with_phases
 from analysis.sql import (
     DISTINCT_USERS,
+    GAP,
     HIST_KEYS,
     SAMPLES,
     Hist,
     bucket_sql,
     conditions,
     from_where,
+    gap_table,
+    gap_value_counts,
+    gap_values_at_ranks,
     hit_expr,
+    metric_count,
     metric_ok,
     rank_level,
     rounded_sql,
@@ -52,8 +63,9 @@ from analysis.sql import (
 )
 
 # Metrics whose order statistics the raw reader locates through a histogram (the others ask
-# quantilesExact: a histogram per metric would cost a pass each).
-HIST_METRICS = ("ttft_ms",)
+# quantilesExact: a histogram per metric would cost a pass each): TTFT, whose histogram the
+# rank test and the CDF need anyway, and the pooled gaps, too many values for quantilesExact.
+HIST_METRICS = ("ttft_ms", *GAP_METRICS)
 
 
 class RawReader:
@@ -77,10 +89,14 @@ class RawReader:
         return with_phases(got["counts"], got["phases"])
 
     def counts(self, f: Filters, slo: Slo) -> Summary:
-        """Per variant: n, errors, hits, first/last send (unix ms), metric_n, mode counts."""
+        """Per variant: n, errors, hits, first/last send (unix ms), metric_n, mode counts, and
+        the successful requests with and without gaps (definitions.GAP_REQUESTS)."""
         fw, params = from_where(f)
         hit, hp = hit_expr(slo)
-        metric_counts = ", ".join(f"countIf({metric_ok(col)}) AS n_{key}" for key, col in METRICS.items())
+        metric_counts = ", ".join(
+            [f"{metric_count(key)} AS n_{key}" for key in METRICS]
+            + [f"countIf({cond}) AS n_{name}" for name, cond in GAP_REQUESTS.items()]
+        )
         # countIf per mode, not GROUP BY mode: a second LowCardinality key doubled the time on 18.16
         mode_counts = ", ".join(f"countIf(mode = '{m}') AS mode_{m}" for m in MODES)
         sql = f"""
@@ -123,7 +139,14 @@ class RawReader:
 
     def histogram(self, f: Filters, metric: str) -> dict[str, tuple[list[int], list[int], list[float]]]:
         """{variant: (sorted keys, counts, largest value in each key)} of a metric over
-        successful requests, keyed by sql.HIST_KEYS[metric]."""
+        successful requests, keyed by sql.HIST_KEYS[metric] (of every gap for GAP_METRICS)."""
+        if metric in GAP_METRICS:
+            fw, params = from_where(f, ["outcome = 'ok'"], table=gap_table(metric))
+            sql = (
+                f"SELECT variant, {HIST_KEYS[metric]} AS k, count() AS c, max({GAP}) / 1000 AS top "
+                f"{fw} GROUP BY variant, k ORDER BY variant, k"
+            )
+            return histogram_rows(self.store.query(sql, params))
         column = METRICS[metric]
         fw, params = from_where(f, [metric_ok(column)])
         sql = (
@@ -140,7 +163,12 @@ class RawReader:
         counts: Mapping[str, int],
         hist: Hist | None,
     ) -> dict[str, dict[int, float]]:
-        """Through the histogram when given (values_at_ranks), else quantilesExact at each rank."""
+        """Through the histogram when given (values_at_ranks; gap_values_at_ranks for
+        GAP_METRICS, which always go through theirs), else quantilesExact at each rank."""
+        if metric in GAP_METRICS:
+            return self.gap_order_statistics(
+                f, metric, self.histogram(f, metric) if hist is None else hist, ranks
+            )
         if hist is not None:
             return self.order_statistics_from_histogram(f, metric, hist, ranks)
         plan = {(v, metric): (counts[v], r) for v, r in ranks.items()}
@@ -151,8 +179,11 @@ class RawReader:
     ) -> dict[tuple[str, str], dict[int, float]]:
         """{(variant, metric): {rank: value}} for plan {(variant, metric): (n, ranks)}.
 
-        n must be the count of successful requests with that metric (summary()["metric_n"]).
+        n must be the count of successful requests with that metric (summary()["metric_n"]);
+        a per-request metric (not GAP_METRICS).
         """
+        if any(metric in GAP_METRICS for _v, metric in plan):
+            raise QueryError(f"order_statistics_exact: {sorted(GAP_METRICS)} go through their histogram")
         fw, params = from_where(f)
         selects: list[str] = []
         keys: list[tuple[tuple[str, str], list[int]]] = []
@@ -189,6 +220,12 @@ class RawReader:
             return fw, {**params, "tk_all": all_keys}
 
         return values_at_ranks(self.store, source, f"assumeNotNull({column})", HIST_KEYS[metric], hist, ranks)
+
+    def gap_order_statistics(
+        self, f: Filters, metric: str, hist: Hist, ranks: Mapping[str, Sequence[int]]
+    ) -> dict[str, dict[int, float]]:
+        """{variant: {rank: exact gap in ms}} of a GAP_METRICS metric, through its histogram."""
+        return gap_values_at_ranks(self.store, lambda keys: gap_value_counts(f, metric, keys), hist, ranks)
 
     # 3. Segments: (variant, config revision, prompt bucket, in-flight bucket, time bucket) cells
 

@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from analysis.definitions import (
+    GAP_METRICS,
+    GAP_REQUESTS,
     GRAIN_S,
     GRAIN_SQL,
     METRICS,
@@ -25,7 +27,16 @@ from analysis.definitions import (
     QueryError,
 )
 from analysis.readers.base import Summary, histogram_rows, summary_rows
-from analysis.sql import HIST_KEYS, Hist, from_where, metric_ok, values_at_ranks, where
+from analysis.sql import (
+    HIST_KEYS,
+    Hist,
+    from_where,
+    gap_value_counts,
+    gap_values_at_ranks,
+    metric_ok,
+    values_at_ranks,
+    where,
+)
 from samples import schema
 
 
@@ -44,7 +55,7 @@ class RollupReader:
     def summary(self, f: Filters) -> Summary:
         """RawReader.summary from the rollup cells: the same keys per variant."""
         cond, params = where(f, builds=self.builds)
-        metric_n = ", ".join(f"sum(n_{k}) AS n_{k}" for k in METRICS)
+        metric_n = ", ".join(f"sum(n_{k}) AS n_{k}" for k in (*METRICS, *GAP_REQUESTS))
         modes = ", ".join(f"sumIf(n, mode = '{m}') AS mode_{m}" for m in MODES)
         phases = ", ".join(f"sum(s_{name}) AS s_{name}" for name in PHASE_COLUMNS)
         cols = self.store.query_columns(
@@ -89,7 +100,9 @@ class RollupReader:
         """RawReader.order_statistics_from_histogram, the values read from the sorted value
         table: the primary index narrows the read to the granules of the buckets that hold the
         ranks. live: the runs without a build, whose values come from the samples; hist must
-        then count both."""
+        then count both. GAP_METRICS: gap_order_statistics."""
+        if metric in GAP_METRICS:
+            return self.gap_order_statistics(f, metric, hist, ranks, live)
         cond, params = where(f, ["metric = %(metric)s"], builds=self.builds, experiment=False)
         params["metric"] = metric
 
@@ -110,6 +123,28 @@ class RollupReader:
             return f"FROM ({sql})", bound
 
         return values_at_ranks(self.store, source, "v", "k", hist, ranks)
+
+    def gap_order_statistics(
+        self, f: Filters, metric: str, hist: Hist, ranks: Mapping[str, Sequence[int]], live: Filters | None
+    ) -> dict[str, dict[int, float]]:
+        """{variant: {rank: exact gap in ms}} of a GAP_METRICS metric: the distinct gap values of
+        the buckets holding the ranks from rollup_gaps (through its primary index), the live
+        runs' from their samples (UNION ALL; their counts add up in sql.gap_values_at_ranks)."""
+        cond, params = where(f, builds=self.builds, experiment=False)
+
+        def source(keys: tuple[int, ...]) -> tuple[str, dict[str, Any]]:
+            sql = (
+                f"SELECT CAST(variant AS String) AS variant, k, v, n FROM {schema.ROLLUP_GAPS_TABLE} "
+                f"WHERE {cond} AND k IN %(gap_keys)s"
+            )
+            bound = {**params, "gap_keys": keys}
+            if live is not None:
+                raw_sql, raw_params = gap_value_counts(live, metric, keys)
+                sql += f" UNION ALL {raw_sql}"
+                bound.update(raw_params)
+            return sql, bound
+
+        return gap_values_at_ranks(self.store, source, hist, ranks)
 
     def segment_cells(self, f: Filters, bucket_s: int) -> list[dict[str, Any]]:
         """RawReader.segment_cells from the rollup (bucket_s a multiple of the 10 s grain)."""

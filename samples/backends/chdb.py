@@ -256,5 +256,12 @@ def _to_arrow(cols: dict[str, np.ndarray]) -> Any:
     out = {}
     for name, arr in cols.items():
         kind = colmod.BY_NAME[name].kind
+        if kind == "au32":  # an object array of uint32 arrays: offsets and the values, no copy per row
+            parts = arr.tolist()
+            offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+            np.cumsum(np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)), out=offsets[1:])
+            values = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
+            out[name] = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.uint32()))
+            continue
         out[name] = pa.array(arr, type=types[kind], from_pandas=kind == "nf64")
     return pa.table(out)

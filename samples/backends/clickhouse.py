@@ -294,7 +294,8 @@ def _sort_order(
 # Formats as clickhouse-driver 0.2.11 writes them (columns/*.py), for the types in COLUMNS only:
 # fixed-width numbers little-endian; Nullable(T): one null byte per row, then T with 0 for NULL;
 # String: varint length + UTF-8 per value; LowCardinality(String): keys version 1, then the
-# dictionary (String) and one key per row (UInt8/16/32/64 by dictionary size).
+# dictionary (String) and one key per row (UInt8/16/32/64 by dictionary size); Array(UInt32):
+# each row's end offset into the values (UInt64, cumulative), then every row's values.
 _LC_FLAGS = (1 << 9) | (1 << 10)  # has additional keys | update dictionary
 _LC_KEY_TYPES = {1: 0, 2: 1, 4: 2, 8: 3}  # key width in bytes -> UInt8/16/32/64 in the flags
 _LE_DTYPES = {
@@ -352,6 +353,12 @@ def _encoder(
                 null = np.fromiter(map(operator.is_, items, repeat(None)), dtype=np.uint8, count=len(items))
                 items = [0 if v is None else v for v in items]
             data = null.tobytes() + np.array(items, dtype="<u8").tobytes()
+        return lambda buf: buf.write(data)
+    if kind == "au32":  # an object array of uint32 arrays
+        parts = arr.tolist()
+        ends = np.cumsum(np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)), dtype=np.int64)
+        values = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
+        data = ends.astype("<u8").tobytes() + values.astype("<u4").tobytes()
         return lambda buf: buf.write(data)
     if col.ch_type != "String":
         raise StoreError(f"insert: no block encoding for column {col.name} ({col.ch_type})")

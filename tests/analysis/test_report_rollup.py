@@ -26,6 +26,7 @@ from samples.backends.clickhouse import ClickHouseServerBackend
 from samples.store import SampleStore
 from tests.analysis.fixtures_report import (  # noqa: F401 - fixtures
     SLO,
+    assert_same,
     drop_stores,
     info,
     load_stores,
@@ -70,26 +71,6 @@ def stores(
 @pytest.fixture(params=["chdb", "server"])
 def store(request: pytest.FixtureRequest, stores) -> SampleStore:
     return stores[request.param]
-
-
-def assert_same(a, b, path: str = "") -> None:
-    """Equal, floats to 1e-9 relative (sums of the same values in another order), except the
-    p99-over-time chart, whose rollup values are within the 1 ms bucket of the exact ones (and
-    whose note says so)."""
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {sorted(a)} != {sorted(b)}"
-        for k in a:
-            if k not in ("timing", "generated_at") and f"{path}.{k}" != ".timeseries.note":
-                assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list):
-        assert isinstance(b, list) and len(a) == len(b), f"{path}: {len(a)} != {len(b)} items"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{path}[{i}]")
-    elif isinstance(a, float) and isinstance(b, float):
-        tol = 1.0 if ".p99_ttft_ms." in path and path.endswith(".p99") else 1e-9 * max(1.0, abs(a))
-        assert (math.isnan(a) and math.isnan(b)) or abs(a - b) <= tol, f"{path}: {a} != {b}"
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 @pytest.mark.parametrize(

@@ -97,7 +97,7 @@ def test_report_api_returns_the_command_json(client_for, experiment, samples_db)
     for doc in (api, cmd):
         doc.pop("generated_at"), doc.pop("timing")
     assert api == cmd
-    assert api["schema_version"] == 1
+    assert api["schema_version"] == 2  # 2: itl_ms over every gap (issue 14)
     assert [v["key"] for v in api["variants"]] == ["fp16", "awq"]
     bad = client_for("analyst").get("/api/experiments/ttft-opt/report?run=-1")
     assert bad.status_code == 400 and "run" in bad.json()["filters"]
@@ -163,3 +163,16 @@ def test_plotly_js_is_served_once_with_a_long_lived_cache(client, users, samples
     assert resp["Content-Encoding"] == "gzip"
     assert "immutable" in resp["Cache-Control"]
     assert client.get(url.replace("plotly-", "plotly-0.0.")).status_code == 404
+
+
+def test_the_page_labels_itl_as_every_gap_and_says_what_its_ci_assumes(client, users, experiment, samples_db):
+    _login(client, users, "analyst")
+    report = client.get("/api/experiments/ttft-opt/report").json()
+    html = client.get("/dashboards/ttft-opt/").content.decode()
+    table = json.loads(html[html.index('id="percentiles"') :].split(">", 1)[1].split("</script>", 1)[0])
+    labels = table["data"][0]["cells"]["values"][1]
+    assert "ITL (all gaps)" in labels and "TPOT" in labels and "ITL (per-request mean)" not in labels
+    note = html[html.index('id="itl-note"') :].split("</div>", 1)[0]
+    assert "independent draws, which they are not within one request" in note
+    for v in report["variants"]:
+        assert f"<b>{v['key']}</b> {v['itl']['gaps']} gaps from {v['itl']['requests']} requests" in note

@@ -14,6 +14,7 @@ from replay.rows import row_from
 from samples import columns
 from samples.columns import SampleError
 from streaming.result import Outcome, StreamResult
+from tests.samples.conftest import GAPS_US
 
 
 def full_result(**over: Any) -> StreamResult:
@@ -32,6 +33,7 @@ def full_result(**over: Any) -> StreamResult:
         itl_p50_ms=3.9,
         itl_p99_ms=12.0,
         itl_max_ms=15.5,
+        itl_gaps_us=list(GAPS_US),
         tpot_ms=4.1,
         e2e_ms=120.0,
         output_tokens=25,

@@ -73,6 +73,11 @@ def flaky_server(clickhouse_server: str) -> Iterator[tuple[FlakyProxy, str]]:
     proxy.down()
 
 
+# The inter-token gaps of the row below (27 token chunks: 26 gaps, microseconds), with the
+# extremes of Array(UInt32): 0 and 2**32 - 1.
+GAPS_US = [3900, 4100, 0, 15500, 2**32 - 1, *range(3000, 3021)]
+
+
 def sample_row(seq_: int, **over: Any) -> dict[str, Any]:
     """One valid samples row of run 7, variant awq, every column set (most to non-default
     values, unicode and escapes in `error`); `over` replaces columns. The request id follows
@@ -109,6 +114,7 @@ def sample_row(seq_: int, **over: Any) -> dict[str, Any]:
         itl_p50_ms=3.9,
         itl_p99_ms=12.0,
         itl_max_ms=15.5,
+        itl_gaps_us=list(GAPS_US),
         tpot_ms=4.1,
         e2e_ms=120.0,
         output_tokens=25,

@@ -123,8 +123,10 @@ def local_rows(servers, table: str = schema.SAMPLES_TABLE) -> list[int]:
 
 def test_migrations_make_local_and_distributed_tables_on_every_server(cstore, servers):
     assert cstore.migrate() == VERSIONS
-    declared = {t: cols for m in schema.MIGRATIONS for t, cols in schema.declared_tables(m).items()}
+    declared = {t: schema.table_columns(t) for m in schema.MIGRATIONS for t in schema.declared_tables(m)}
     assert set(cluster.distributed_tables()) == set(declared)  # every table, whoever added it
+    # columns added by ALTER TABLE (migration 5), on the local and the Distributed table alike
+    assert ("itl_gaps_us", "Array(UInt32)") in declared[schema.SAMPLES_TABLE]
     for server in servers:
         tables = dict(
             server.query(
@@ -155,7 +157,12 @@ def test_migrate_is_idempotent_and_repairs_one_server(cstore, servers):
     assert cstore.migrate() == VERSIONS
     assert cstore.migrate() == []
     servers[1].execute(f"DROP TABLE {cluster.local_name(schema.SAMPLES_TABLE)}")
-    assert cstore.migrate() == [1]  # the second server's local samples table was gone
+    # the second server's local samples table was gone: re-created (1), then its column added (5)
+    assert cstore.migrate() == [1, 5]
+    assert ("itl_gaps_us", "Array(UInt32)") in servers[1].query(
+        "SELECT name, type FROM system.columns WHERE database = %(db)s AND table = 'samples_local'",
+        {"db": CLUSTER_DB},
+    )
     assert cstore.migrate() == []
     assert local_rows(servers) == [0, 0]
     records = [s.query(f"SELECT count() FROM {schema.MIGRATIONS_TABLE}") for s in servers]

@@ -12,14 +12,20 @@ import pytest
 from samples import columns, schema
 from samples.columns import SampleError, validate_columns, validate_row, validate_rows, validate_samples
 from samples.sql import ParamError, bind, quote
-from tests.samples.conftest import sample_row
+from tests.samples.conftest import GAPS_US, sample_row
 
 
 def test_frozen_migration_creates_exactly_the_declared_columns():
     ddl = schema.CREATE_SAMPLES_TABLE
     body = ddl[ddl.index("(") + 1 : ddl.index("\n)")]
     declared = [line.strip().rstrip(",").split(" ", 1) for line in body.strip().splitlines()]
-    assert [(n, t) for n, t in declared] == [(c.name, c.ch_type) for c in columns.COLUMNS]
+    added = [c.name for c in columns.COLUMNS if c.name in columns.ADDED_DEFAULTS]
+    assert [(n, t) for n, t in declared] == [
+        (c.name, c.ch_type) for c in columns.COLUMNS if c.name not in added
+    ]
+    # the migrations after it add the rest, each at its place
+    assert schema.table_columns(schema.SAMPLES_TABLE) == [(c.name, c.ch_type) for c in columns.COLUMNS]
+    assert added == ["itl_gaps_us"]
 
 
 def test_validate_row_names_unknown_and_missing_columns():
@@ -151,7 +157,10 @@ def test_sample_rows_validate_like_dict_rows_and_read_by_name():
     assert list(got) == list(want)
     for name in columns.COLUMN_NAMES:
         assert got[name].dtype == want[name].dtype
-        np.testing.assert_array_equal(got[name], want[name])
+        if columns.BY_NAME[name].kind == "au32":
+            assert [a.tolist() for a in got[name]] == [a.tolist() for a in want[name]] == [GAPS_US] * 3
+        else:
+            np.testing.assert_array_equal(got[name], want[name])
     assert validate_samples([tuple(r) for r in rows]).keys() == want.keys()  # plain tuples too
     assert validate_samples(dicts).keys() == want.keys()  # and mappings
 
@@ -178,7 +187,7 @@ def test_a_bad_sample_row_is_named(column, value, message):
 def test_a_sample_row_of_the_wrong_length_is_named():
     rows = [tuple(sample_row(i).values()) for i in range(3)]
     rows[2] = rows[2][:-1]
-    with pytest.raises(SampleError, match=r"^rows row 2: expected 43 values in column order, got 42$"):
+    with pytest.raises(SampleError, match=r"^rows row 2: expected 44 values in column order, got 43$"):
         validate_samples(rows)
 
 
@@ -275,4 +284,70 @@ def test_the_numeric_columns_of_ordinary_rows_take_the_fast_path(monkeypatch):
         sample_row(i, ttft_ms=None if i % 2 else 1.5, recorded_ms=1_764_500_000_000 + i) for i in range(4)
     ]
     validate_rows(rows)
-    assert len(taken) == sum(c.kind != "str" for c in columns.COLUMNS) and all(taken)
+    assert len(taken) == sum(c.kind not in ("str", "au32") for c in columns.COLUMNS) and all(taken)
+
+
+# ---- Array(UInt32): the inter-token gaps (issue 14) -------------------------------------------
+
+
+def test_gap_arrays_come_out_as_one_uint32_array_per_row_from_lists_tuples_and_numpy():
+    rows = [sample_row(i) for i in range(4)]
+    rows[1]["itl_gaps_us"] = []  # one token: no gaps
+    rows[2]["itl_gaps_us"] = (5, 6)
+    rows[3]["itl_gaps_us"] = np.array([7, 2**32 - 1], dtype=np.uint64)
+    got = validate_rows(rows)["itl_gaps_us"]
+    assert got.dtype == object and got.shape == (4,)
+    assert all(a.dtype == np.uint32 for a in got)
+    assert [a.tolist() for a in got] == [GAPS_US, [], [5, 6], [7, 2**32 - 1]]
+    # equal-length rows stay one array per row (np.array would stack them into a matrix)
+    same = validate_rows([sample_row(i, itl_gaps_us=[1, 2]) for i in range(3)])["itl_gaps_us"]
+    assert same.shape == (3,) and [a.tolist() for a in same] == [[1, 2]] * 3
+    # one row: a JSON-safe copy of the list
+    one = sample_row(1, itl_gaps_us=(1, 2))
+    assert columns.validate_row(one)["itl_gaps_us"] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ([1, -1], r"rows row 2: column itl_gaps_us \(Array\(UInt32\)\) cannot hold \[1, -1\]: holds an integer "
+                  r"out of range \[0, 4294967295\]"),
+        ([2**32], "holds an integer out of range"),
+        ([1, 2.5], r"cannot hold \[1, 2.5\]: not a list of integers"),
+        ([True], "not a list of integers"),
+        ("12", r"cannot hold '12': not a list of integers"),
+        (None, r"cannot hold None: not a list of integers"),
+        (12, "not a list of integers"),
+        (np.array([1.5]), r"not an array of integers \(dtype float64"),
+        (list(range(10_000, 10_100)) + [-5], r"cannot hold \[10000, 10001, .*\.\.\.: holds an integer out of range"),
+    ],
+)  # fmt: skip
+def test_a_bad_gap_array_is_named_with_its_row(value, message):
+    rows = [sample_row(i) for i in range(4)]
+    rows[2]["itl_gaps_us"] = value
+    with pytest.raises(SampleError, match=message) as e:
+        validate_rows(rows)
+    assert e.value.row == 2
+    with pytest.raises(SampleError, match="itl_gaps_us"):
+        columns.validate_row(rows[2])
+
+
+def test_a_gap_column_must_be_an_object_array_of_rows():
+    cols = {name: [v] * 3 for name, v in sample_row(1).items()}
+    cols["itl_gaps_us"] = np.array([1, 2, 3], dtype=np.uint32)  # one flat array is not per-row arrays
+    with pytest.raises(
+        SampleError, match=r"itl_gaps_us \(Array\(UInt32\)\) needs a 1-dimensional object array"
+    ):
+        validate_columns(cols)
+
+
+def test_ordinary_gap_rows_take_the_marshal_path_and_anything_else_the_checked_one():
+    rows = [[3900, 4100, 0], [], (7,), [2**31 - 1]]
+    lengths = np.array([len(r) for r in rows])
+    got = columns._marshalled_arrays(rows, lengths)
+    assert got is not None and got.dtype == np.uint32 and got.tolist() == [3900, 4100, 0, 7, 2**31 - 1]
+    for odd in ([True], [2**31], [-1], [1.0], ["1"]):  # each goes the per-row way (which names it)
+        assert columns._marshalled_arrays([[1], odd], np.array([1, len(odd)])) is None
+    assert [a.tolist() for a in validate_rows([sample_row(1, itl_gaps_us=[2**31])])["itl_gaps_us"]] == [
+        [2**31]
+    ]

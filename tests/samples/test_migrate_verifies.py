@@ -25,7 +25,8 @@ def test_a_recorded_migration_whose_table_is_gone_is_repaired(make_store, make_r
     store.execute(f"DROP TABLE {schema.SAMPLES_TABLE}")
     store.execute(f"DROP TABLE {schema.ROLLUP_HIST_TABLE}")
     assert [m["applied"] for m in store.migration_status()] == [True] * len(ALL)  # the record still says so
-    assert store.migrate() == [1, 2]  # both re-applied: their tables were missing
+    # both re-applied: their tables were missing; then 5, whose column the new samples table lacks
+    assert store.migrate() == [1, 2, 5]
     assert store.insert_samples(make_rows(3)) == 3
     assert store.count(7) == 3
     assert store.query(f"SELECT count() FROM {schema.ROLLUP_HIST_TABLE}") == [(0,)]
@@ -55,7 +56,9 @@ def test_a_recorded_table_with_other_columns_is_an_error_naming_the_fix(make_sto
 def test_the_check_reads_every_declared_table_and_column():
     declared = schema.declared_tables(schema.MIGRATIONS[0])
     assert list(declared) == [schema.SAMPLES_TABLE]
-    assert declared[schema.SAMPLES_TABLE] == [(c.name, c.ch_type) for c in columns.COLUMNS]
+    assert declared[schema.SAMPLES_TABLE] == [
+        (c.name, c.ch_type) for c in columns.COLUMNS if c.name not in columns.ADDED_DEFAULTS
+    ]
     rollups = schema.declared_tables(schema.MIGRATIONS[1])
     assert set(rollups) == {schema.ROLLUP_BUILDS_TABLE, schema.ROLLUP_VALUES_TABLE, *schema.ROLLUP_TABLES}
 
@@ -90,3 +93,71 @@ def test_the_run_catalog_declares_its_columns():
             ("started_ms", "UInt64"), ("finished_ms", "UInt64"), ("version", "UInt64"),
         ]
     }  # fmt: skip
+
+
+# ---- migration 5 (issue 14): columns added by ALTER TABLE, verified like tables ---------------
+
+
+def test_migration_5_adds_columns_and_a_table():
+    m5 = schema.MIGRATIONS[4]
+    assert schema.added_columns(m5) == {
+        schema.SAMPLES_TABLE: [("itl_gaps_us", "Array(UInt32)")],
+        schema.ROLLUP_CELLS_TABLE: [("n_itl_requests", "UInt64"), ("n_itl_unrecorded", "UInt64")],
+    }
+    assert list(schema.declared_tables(m5)) == [schema.ROLLUP_GAPS_TABLE]
+    assert schema.added_column("ALTER TABLE t DELETE WHERE 1") is None
+
+
+def _migrated_before_gaps(store, monkeypatch) -> None:
+    """The store as code before issue 14 left it: migrations 1-4, a sample without gaps."""
+    with monkeypatch.context() as m:
+        m.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:4])
+        assert store.migrate() == [1, 2, 3, 4]
+    store.execute(
+        "INSERT INTO samples (experiment, variant, run_id, seq, request_id, outcome, itl_mean_ms, chunks, "
+        "recorded_ms, sent_at) SELECT 'e', 'v', 1, 0, 'r1-0', 'ok', 4.5, 30, 1, toDateTime(1732900000, 'UTC')"
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_database_of_older_code_gets_the_gaps_and_its_rows_read_as_none(
+    make_store, make_rows, monkeypatch, kind
+):
+    store = make_store(kind)
+    _migrated_before_gaps(store, monkeypatch)
+    assert store.migrate() == [5]
+    assert store.query("SELECT itl_gaps_us, length(itl_gaps_us) FROM samples") == [([], 0)]
+    assert store.insert_samples(make_rows(2)) == 2
+    got = store.query("SELECT seq, itl_gaps_us FROM samples WHERE run_id = 7 ORDER BY seq")
+    assert got == [(0, make_rows(1)[0]["itl_gaps_us"]), (1, make_rows(1)[0]["itl_gaps_us"])]
+    assert store.migrate() == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_migration_5_interrupted_after_its_first_alter_runs_again(make_store, monkeypatch, kind):
+    # 18.16 has no ADD COLUMN IF NOT EXISTS: the migrator skips a column that is already there
+    store = make_store(kind)
+    _migrated_before_gaps(store, monkeypatch)
+    store.execute(schema.ADD_ITL_GAPS)  # ... and then the process died, before the record
+    assert store.migrate() == [5]
+    cols = dict(store.query(f"SELECT name, type FROM system.columns WHERE database = '{store.database}' "
+                            "AND table = 'rollup_cells'"))  # fmt: skip
+    assert cols["n_itl_requests"] == cols["n_itl_unrecorded"] == "UInt64"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_recorded_column_that_is_gone_is_added_again_and_one_of_another_type_is_an_error(make_store, kind):
+    store = make_store(kind)
+    store.migrate()
+    store.execute("ALTER TABLE samples DROP COLUMN itl_gaps_us")
+    assert store.migrate() == [5]
+    names = [n for (n,) in store.query(f"SELECT name FROM system.columns WHERE database = '{store.database}' "
+                                       "AND table = 'samples'")]  # fmt: skip
+    assert names == list(columns.COLUMN_NAMES)  # back at its place, after itl_max_ms
+    store.execute("ALTER TABLE samples DROP COLUMN itl_gaps_us")
+    store.execute("ALTER TABLE samples ADD COLUMN itl_gaps_us Array(Float32)")
+    with pytest.raises(SchemaMismatch) as err:
+        store.migrate()
+    msg = str(err.value)
+    assert f"table {store.database}.samples" in msg and "migration 5 ('inter-token gaps')" in msg
+    assert "itl_gaps_us: Array(UInt32) expected, Array(Float32) found" in msg

@@ -128,7 +128,8 @@ def test_the_spool_writes_rows_as_arrays_and_still_flushes_format_1_files(store,
     writer = SpoolingWriter(store, str(tmp_path / "spool"))
     name = writer.spool.append([SampleRow.of(r) for r in make_rows(3)])
     lines = open(os.path.join(writer.spool.dir, name), encoding="utf-8").read().splitlines()
-    assert json.loads(lines[0])["spool"] == 2
+    head = json.loads(lines[0])
+    assert head["spool"] == 3 and head["columns"] == list(COLUMN_NAMES)
     assert json.loads(lines[1]) == [make_rows(1)[0][c] for c in COLUMN_NAMES]
     # a file an older writer left: header format 1, one JSON object per row
     old = os.path.join(writer.spool.dir, "000000000002.jsonl")
@@ -140,3 +141,66 @@ def test_the_spool_writes_rows_as_arrays_and_still_flushes_format_1_files(store,
     report = writer.flush()
     assert (report.files, report.inserted, report.torn_files) == (2, 5, [])
     assert store.recorded_request_ids(7) == {f"r7-{i}" for i in range(5)}
+
+
+# ---- issue 14: the gaps column, and spool files written before it ------------------------------
+
+
+def _stored_gaps(store) -> dict[str, list[int]]:
+    return dict(store.query("SELECT request_id, itl_gaps_us FROM samples FINAL WHERE run_id = 7"))
+
+
+def test_gaps_round_trip_through_the_spool(store, make_rows, tmp_path):
+    from samples.columns import SampleRow
+
+    rows = make_rows(3)
+    rows[1]["itl_gaps_us"] = []
+    rows[2]["itl_gaps_us"] = [1, 2**32 - 1, 0]
+    writer = SpoolingWriter(store, str(tmp_path / "spool"))
+    writer.spool.append([SampleRow.of(r) for r in rows])
+    _header, read, complete = writer.spool.read(writer.spool.pending_files()[0])
+    assert complete and [r["itl_gaps_us"] for r in read] == [r["itl_gaps_us"] for r in rows]
+    assert writer.flush().inserted == 3
+    assert _stored_gaps(store) == {r["request_id"]: r["itl_gaps_us"] for r in rows}
+
+
+def test_spool_files_written_before_the_gaps_flush_as_rows_without_gaps(store, make_rows, tmp_path):
+    import json
+
+    from samples.columns import COLUMN_NAMES
+    from samples.spool import FORMAT_2_COLUMNS
+
+    assert len(FORMAT_2_COLUMNS) == len(COLUMN_NAMES) - 1 and "itl_gaps_us" not in FORMAT_2_COLUMNS
+    writer = SpoolingWriter(store, str(tmp_path / "spool"))
+    older = make_rows(4)
+    for r in older:
+        del r["itl_gaps_us"]  # what code before issue 14 wrote
+    with open(os.path.join(writer.spool.dir, "000000000001.jsonl"), "w", encoding="utf-8") as f:
+        f.write(json.dumps({"spool": 2, "seq": 1, "rows": 2, "runs": [7], "counts": {"7": 2}}) + "\n")
+        for r in older[:2]:
+            f.write(json.dumps([r[c] for c in FORMAT_2_COLUMNS], ensure_ascii=False) + "\n")
+    with open(os.path.join(writer.spool.dir, "000000000002.jsonl"), "w", encoding="utf-8") as f:
+        f.write(json.dumps({"spool": 1, "seq": 2, "rows": 2, "runs": [7]}) + "\n")
+        for r in older[2:]:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    assert writer.pending(7) == 4
+    report = writer.flush()
+    assert (report.files, report.inserted, report.torn_files, report.lost) == (2, 4, [], 0)
+    assert _stored_gaps(store) == {r["request_id"]: [] for r in older}
+
+
+def test_a_spool_file_of_newer_columns_is_quarantined_and_counted(store, make_rows, tmp_path):
+    import json
+
+    from samples.columns import COLUMN_NAMES
+
+    writer = SpoolingWriter(store, str(tmp_path / "spool"))
+    row = make_rows(1)[0]
+    with open(os.path.join(writer.spool.dir, "000000000001.jsonl"), "w", encoding="utf-8") as f:
+        cols = [*COLUMN_NAMES, "from_the_future"]
+        f.write(
+            json.dumps({"spool": 3, "seq": 1, "rows": 1, "runs": [7], "counts": {"7": 1}, "columns": cols})
+        )
+        f.write("\n" + json.dumps([*(row[c] for c in COLUMN_NAMES), 1]) + "\n")
+    report = writer.flush()
+    assert (report.inserted, report.lost, len(report.torn_files)) == (0, 1, 1)

@@ -102,3 +102,28 @@ def test_itl_quantiles_are_exact_order_statistics_and_bad_input_is_rejected():
         nearest_rank([], 0.5)
     with pytest.raises(ValueError, match="strictly between 0 and 1"):
         nearest_rank([1.0], 1.01)
+
+
+def test_every_gap_is_kept_in_arrival_order_in_whole_microseconds_rounded_half_up():
+    # issue 14: the report pools these over requests; the per-request statistics stay as they were
+    t = StreamTimer(0)
+    t.event(1 * MS, chat(role=True))  # the role event is not a token: no gap before the first
+    at = [10 * MS, 10 * MS + 12_499, 10 * MS + 24_999, 10 * MS + 25_000, 15 * MS, 15 * MS + 1_500]
+    for i, t_ns in enumerate(at):
+        t.event(t_ns, chat("abcdef"[i]))
+    t.event(16 * MS, usage(6))
+    r = t.finish(17 * MS, Outcome.OK)
+    # gaps in ns: 12_499, 12_500, 1, 4_975_000, 1_500 -> 12, 13 (half up), 0, 4975, 2 us
+    assert r.itl_gaps_us == [12, 13, 0, 4975, 2]
+    assert len(r.itl_gaps_us) == r.output_tokens - 1 == r.chunks - 1
+    assert r.itl_max_ms == 4.975 and r.itl_p50_ms == 0.012499  # still from the ns gaps, sorted
+
+
+def test_a_single_token_has_no_gap_and_a_clock_step_back_counts_as_zero():
+    t = StreamTimer(0)
+    t.event(5 * MS, chat("a"))
+    assert t.finish(6 * MS, Outcome.OK).itl_gaps_us == []
+    t = StreamTimer(0)
+    t.event(5 * MS, chat("a"))
+    t.event(5 * MS - 2_000, chat("b"))  # an earlier stamp than the one before (never negative)
+    assert t.finish(6 * MS, Outcome.OK).itl_gaps_us == [0]

@@ -8,12 +8,13 @@ reads runs of other catalog statuses too (running, cancelled, failed, or all), l
 Default output is a readable table. --json prints the report dict, the stable shape documented
 in docs/report-json.md (the same JSON as GET /api/experiments/KEY/report):
 
-    {"schema_version": 1, "experiment": {"key", "name", "control", "sla": {...}},
+    {"schema_version": 2, "experiment": {"key", "name", "control", "sla": {...}},
      "filters": {...}, "window": {...}, "runs": {...}, "banners": [str], "srm": {...},
      "variants": [{"key", "control", "n", "errors", "error_rate", "hits",
                    "attainment": {"estimate", "lo", "hi", "conf"}, "goodput_rps",
                    "verdict": {...}, "percentiles": {metric: [{"q", "label", "n", "value",
-                   "lo", "hi", "coverage", "note"}]}, "vs_control": {...} | null}],
+                   "lo", "hi", "coverage", "note"}]}, "itl": {"gaps", "requests",
+                   "requests_without_gaps", "unrecorded", "note"}, "vs_control": {...} | null}],
      "attribution": {...}, "phases": {...}, "segments": {...}, "mix_rate": {...},
      "timeseries": {...}, "cdf": {...}, "timing": {"query_s"}}
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from analysis.definitions import QueryError
+from analysis.definitions import METRIC_LABELS, QueryError
 from dashboards import tables
 from dashboards.reports import report_for_params, report_time_limit_s, timeout_message
 from dashboards.tables import interval_text as iv
@@ -126,6 +127,23 @@ def anytime_lines(report) -> list[str]:
     return lines
 
 
+def itl_lines(report) -> list[str]:
+    """What the pooled ITL holds per variant: gaps, requests, and the successful requests without
+    gaps (one token, or recorded before the samples kept gaps: a count, never a crash)."""
+    entries = [(e["key"], e["itl"]) for e in report["variants"] if e.get("itl")]
+    if not entries:
+        return []
+    lines = ["", f"ITL (all gaps): {entries[0][1]['note']}. TPOT stays one value per request."]
+    for v, itl in entries:
+        line = f"  {v:<12}{itl['gaps']:,} gaps from {itl['requests']:,} requests"
+        if itl["requests_without_gaps"]:
+            line += f"; {itl['requests_without_gaps']:,} successful requests without gaps"
+            if itl["unrecorded"]:
+                line += f" ({itl['unrecorded']:,} recorded before gaps were stored)"
+        lines.append(line)
+    return lines
+
+
 def render_text(report) -> str:
     exp = report["experiment"]
     sla = exp["sla"]
@@ -161,14 +179,15 @@ def render_text(report) -> str:
         lines += [
             f"  {v:<12}{o:<20}{f['n']:>8}  HTTP {f['http_status']}  {f['example'][:80]}" for v, o, f in failed
         ]
-    lines += ["", "Percentiles (ms, [95% CI]) of successful requests:"]
+    lines += ["", "Percentiles (ms, [95% CI]) of successful requests (ITL: of their inter-token gaps):"]
     for e in report["variants"]:
         for metric, ests in e["percentiles"].items():
             cells = "  ".join(
                 f"{x['label']} {_f(x['value'], '.1f')} [{_f(x['lo'], '.1f')}, {_f(x['hi'], '.1f')}]"
                 for x in ests
             )
-            lines.append(f"  {e['key']:<12}{metric:<9}{cells}")
+            lines.append(f"  {e['key']:<12}{METRIC_LABELS.get(metric, metric):<16}{cells}")
+    lines += itl_lines(report)
     lines += anytime_lines(report)
     for metric in ("attainment", "p99_ttft_ms"):
         for v, entry in report["attribution"].get(metric, {}).items():
