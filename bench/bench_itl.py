@@ -13,11 +13,12 @@ report's ITL becomes on a replay of the demo profiles.
    of the rest of the row, and per gap; the run's rollup (analysis.rollup) and its rollup_gaps
    rows against the gaps they stand for; the report's time from the raw samples and from the
    rollup, each with and without gaps.
-2. The demo: `manage.py demo --no-serve --json` (what `make demo` runs: the first --limit
-   requests of the Azure code trace at --speed through the fp16 / awq / awq-fa2 simulator
-   profiles, 4 engines each, the live router, eager Celery) into a third database; then per
-   variant, from the stored samples: the old itl_ms (the per-request mean ITL, itl_mean_ms),
-   the pooled ITL over every gap and TPOT, p50 and p99 (nearest rank), beside the report's.
+2. The demo: `manage.py demo --no-serve --json` (what `make demo` runs: --limit requests of
+   the demo's trace at --speed through the fp16 / awq / awq-fa2 simulator profiles, the live
+   router, eager Celery; its capacity search, where the demo has one, skipped) into a third
+   database; then per variant, from the stored samples of its replay run: the old itl_ms (the
+   per-request mean ITL, itl_mean_ms), the pooled ITL over every gap and TPOT, p50 and p99
+   (nearest rank), beside the report's, and the bytes of the run's gaps on disk.
 
 Checks (any failure prints `bench FAILED: <what and where>` and exits 1): the server answers;
 each table holds the samples loaded; every successful synthetic request has output_tokens - 1
@@ -75,12 +76,12 @@ def open_store(url: str):
     return store
 
 
-def column_bytes(store) -> dict[str, tuple[int, int]]:
-    """{column: (bytes on disk, uncompressed bytes)} of the samples table's active parts."""
+def column_bytes(store, table: str = "samples") -> dict[str, tuple[int, int]]:
+    """{column: (bytes on disk, uncompressed bytes)} of a table's active parts."""
     rows = store.query(
         "SELECT column, sum(column_bytes_on_disk), sum(column_data_uncompressed_bytes) FROM system.parts_columns "
-        "WHERE database = %(db)s AND table = 'samples' AND active GROUP BY column",
-        {"db": store.database},
+        "WHERE database = %(db)s AND table = %(t)s AND active GROUP BY column",
+        {"db": store.database, "t": table},
     )
     return {c: (int(disk), int(raw)) for c, disk, raw in rows}
 
@@ -220,6 +221,9 @@ def demo(args) -> dict:
         }  # fmt: skip
         cmd = [sys.executable, "manage.py", "demo", "--no-serve", "--json", "--no-progress",
                "--limit", str(args.limit), "--speed", f"{args.speed:g}"]  # fmt: skip
+        helped = subprocess.run([*cmd[:3], "--help"], cwd=ROOT, env=env, capture_output=True, text=True)
+        if "--capacity-steps" in helped.stdout:  # a demo that also searches capacity: only its replay here
+            cmd += ["--capacity-steps", "0"]
         t = time.perf_counter()
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
         wall = time.perf_counter() - t
@@ -227,17 +231,27 @@ def demo(args) -> dict:
         raise BenchFailed(f"manage.py demo exited {done.returncode}: {done.stderr.strip()[-600:]}")
     doc = json.loads(done.stdout)
     report = doc["report"]
+    run = doc["replay"]["run"]
     rows = store.query(
-        "SELECT variant, outcome, output_tokens, itl_gaps_us, itl_mean_ms, tpot_ms FROM samples FINAL"
+        "SELECT variant, outcome, output_tokens, itl_gaps_us, itl_mean_ms, tpot_ms FROM samples FINAL "
+        "WHERE run_id = %(r)s",
+        {"r": int(run["run"])},
     )
-    check(len(rows) == args.limit, f"demo: {len(rows)} samples stored for {args.limit} requests")
+    want = int(run["expected_samples"])
+    check(len(rows) == want > 0, f"demo: {len(rows)} samples stored for run {run['run']}, expected {want}")
     bad = [o for _v, o, *_ in rows if o != "ok"]
     check(not bad, f"demo: {len(bad)} requests not ok ({sorted(set(bad))})")
     for v, _o, tokens, gaps, _m, _t in rows:
         check(len(gaps) == tokens - 1, f"demo, {v}: {len(gaps)} gaps stored for {tokens} output tokens")
     pooled = {}
-    store.execute("OPTIMIZE TABLE samples FINAL")  # one part: bytes of whole parts, as in part 1
-    cols = column_bytes(store)
+    # bytes of whole parts, as in part 1, of the demo's run alone (a capacity search adds runs):
+    # its rows copied into a table of the same shape, merged into one part
+    store.execute("CREATE TABLE samples_demo_run AS samples")
+    store.execute(
+        "INSERT INTO samples_demo_run SELECT * FROM samples WHERE run_id = %(r)s", {"r": int(run["run"])}
+    )
+    store.execute("OPTIMIZE TABLE samples_demo_run FINAL")
+    cols = column_bytes(store, "samples_demo_run")
     out = {
         "wall_s": wall, "variants": [], "gap_disk": cols["itl_gaps_us"][0],
         "rest_disk": sum(d for name, (d, _) in cols.items() if name != "itl_gaps_us"),
@@ -291,7 +305,7 @@ def run(args) -> None:
               f"({s['rollup_values_bytes']:,}) | {s['build_s']:.2f} | {s['raw_s']:.2f} | {s['rollup_s']:.2f} |")  # fmt: skip
     d = demo(args)
     print(f"\nThe demo: `manage.py demo --no-serve --json --limit {args.limit} --speed {args.speed:g}` "
-          f"({d['wall_s']:.0f} s), fp16 / awq / awq-fa2 profiles, 4 engines each; every request ok, "
+          f"({d['wall_s']:.0f} s), fp16 / awq / awq-fa2 profiles; every request ok, "
           "output_tokens - 1 gaps each; ms, nearest rank, from the stored samples (= the report's)")  # fmt: skip
     print(
         "| variant | requests | gaps | per-request mean ITL p50 / p99 (old itl_ms) | ITL all gaps p50 / p99 (new itl_ms) "
@@ -301,7 +315,7 @@ def run(args) -> None:
     for e in d["variants"]:
         print(f"| {e['variant']} | {e['requests']} | {e['gaps']:,} | {e['mean_p50']:.2f} / {e['mean_p99']:.2f} | "
               f"{e['itl_p50']:.3f} / {e['itl_p99']:.3f} | {e['tpot_p50']:.2f} / {e['tpot_p99']:.2f} |")  # fmt: skip
-    print(f"\nThe demo's samples on disk (OPTIMIZE FINAL, one part of {d['samples']} rows): itl_gaps_us "
+    print(f"\nThe demo run's samples on disk (OPTIMIZE FINAL, one part of {d['samples']} rows): itl_gaps_us "
           f"{d['gap_disk'] / d['samples']:.1f} B/sample, {d['gap_disk'] / d['gaps']:.2f} B/gap "
           f"({d['gaps'] / d['samples']:.1f} gaps a request); the rest of the row {d['rest_disk'] / d['samples']:.1f} "
           "B/sample (a part this small is mostly marks and headers)")  # fmt: skip
