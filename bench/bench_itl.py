@@ -31,6 +31,7 @@ ITL and TPOT equal the ones computed here. The three databases are dropped at th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -39,7 +40,9 @@ import sys
 import tempfile
 import time
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -74,6 +77,19 @@ def open_store(url: str):
     except StoreError as exc:
         raise BenchFailed(f"ClickHouse server at {store.url_safe} is not usable: {exc}") from None
     return store
+
+
+@contextlib.contextmanager
+def scratch_store(url: str) -> Iterator[Any]:
+    """open_store(url), its database dropped afterwards whatever happened (no bench leaves one)."""
+    store = open_store(url)
+    try:
+        yield store
+    finally:
+        try:
+            store.execute(f"DROP DATABASE IF EXISTS {store.database}")
+        finally:
+            store.close()
 
 
 def column_bytes(store, table: str = "samples") -> dict[str, tuple[int, int]]:
@@ -151,57 +167,57 @@ def storage(args) -> list[dict]:
     )
     out = []
     for label, gaps in (("with gaps", True), ("without gaps (older rows)", False)):
-        store = open_store(with_database(args.clickhouse_url, "_itl" if gaps else "_itl_none"))
-        t = time.perf_counter()
-        data = synthetic.generate(dataclasses.replace(spec, gaps=gaps))
-        gen_s = time.perf_counter() - t
-        t = time.perf_counter()
-        synthetic.insert(store, data, chunk_rows=10_000)
-        ins_s = time.perf_counter() - t
-        c = data.columns
-        ok = c["outcome"] == "ok"
-        lengths = np.fromiter(map(len, c["itl_gaps_us"]), dtype=np.int64, count=c["itl_gaps_us"].size)
-        n_gaps = int(lengths.sum())
-        if gaps:
-            check(
-                (lengths[ok] == c["output_tokens"][ok].astype(np.int64) - 1).all(),
-                f"{label}: gaps != tokens - 1",
-            )
-        else:
-            check(n_gaps == 0, f"{label}: {n_gaps} gaps in a dataset without gaps")
-        store.execute("OPTIMIZE TABLE samples FINAL")
-        ((have, stored),) = store.query("SELECT count(), sum(length(itl_gaps_us)) FROM samples")
-        check(have == args.samples, f"{label}: the samples table holds {have} rows, {args.samples} loaded")
-        check(stored == n_gaps, f"{label}: {stored} gaps stored, {n_gaps} generated")
-        cols = column_bytes(store)
-        gap_disk, gap_raw = cols["itl_gaps_us"]
-        rest = sum(d for name, (d, _) in cols.items() if name != "itl_gaps_us")
-        t = time.perf_counter()
-        built = rollup.build_run_rollup(store, spec.experiment, spec.run_id, slo)
-        build_s = time.perf_counter() - t
-        check(built is not None and built.rows == args.samples, f"{label}: rollup of {built}")
-        gap_rows, gap_table = table_bytes(store, "rollup_gaps")
-        values_rows, values_table = table_bytes(store, "rollup_values")
-        ((counted,),) = store.query("SELECT sum(n) FROM rollup_gaps")
-        check(int(counted or 0) == int(lengths[ok].sum()), f"{label}: rollup_gaps counts {counted} gaps")
-        f = Filters(spec.experiment)
-        times = {}
-        reports = {}
-        for use in (False, True):
+        with scratch_store(with_database(args.clickhouse_url, "_itl" if gaps else "_itl_none")) as store:
             t = time.perf_counter()
-            reports[use] = r.build_report(store, exp, f, use_rollup=use)
-            times[use] = time.perf_counter() - t
-        pooled = stored_gaps(store)
-        for use in (False, True):
-            pooled_check(reports[use], pooled, f"{label}, {'rollup' if use else 'raw'} report")
-        out.append({
-            "label": label, "samples": args.samples, "gaps": n_gaps, "gen_s": gen_s, "insert_s": ins_s,
-            "gap_disk": gap_disk, "gap_raw": gap_raw, "rest_disk": rest, "build_s": build_s,
-            "rollup_gaps_rows": gap_rows, "rollup_gaps_bytes": gap_table, "rollup_values_rows": values_rows,
-            "rollup_values_bytes": values_table, "raw_s": times[False], "rollup_s": times[True],
-        })  # fmt: skip
-        store.execute(f"DROP DATABASE IF EXISTS {store.database}")
-        store.close()
+            data = synthetic.generate(dataclasses.replace(spec, gaps=gaps))
+            gen_s = time.perf_counter() - t
+            t = time.perf_counter()
+            synthetic.insert(store, data, chunk_rows=10_000)
+            ins_s = time.perf_counter() - t
+            c = data.columns
+            ok = c["outcome"] == "ok"
+            lengths = np.fromiter(map(len, c["itl_gaps_us"]), dtype=np.int64, count=c["itl_gaps_us"].size)
+            n_gaps = int(lengths.sum())
+            if gaps:
+                check(
+                    (lengths[ok] == c["output_tokens"][ok].astype(np.int64) - 1).all(),
+                    f"{label}: gaps != tokens - 1",
+                )
+            else:
+                check(n_gaps == 0, f"{label}: {n_gaps} gaps in a dataset without gaps")
+            store.execute("OPTIMIZE TABLE samples FINAL")
+            ((have, stored),) = store.query("SELECT count(), sum(length(itl_gaps_us)) FROM samples")
+            check(
+                have == args.samples, f"{label}: the samples table holds {have} rows, {args.samples} loaded"
+            )
+            check(stored == n_gaps, f"{label}: {stored} gaps stored, {n_gaps} generated")
+            cols = column_bytes(store)
+            gap_disk, gap_raw = cols["itl_gaps_us"]
+            rest = sum(d for name, (d, _) in cols.items() if name != "itl_gaps_us")
+            t = time.perf_counter()
+            built = rollup.build_run_rollup(store, spec.experiment, spec.run_id, slo)
+            build_s = time.perf_counter() - t
+            check(built is not None and built.rows == args.samples, f"{label}: rollup of {built}")
+            gap_rows, gap_table = table_bytes(store, "rollup_gaps")
+            values_rows, values_table = table_bytes(store, "rollup_values")
+            ((counted,),) = store.query("SELECT sum(n) FROM rollup_gaps")
+            check(int(counted or 0) == int(lengths[ok].sum()), f"{label}: rollup_gaps counts {counted} gaps")
+            f = Filters(spec.experiment)
+            times = {}
+            reports = {}
+            for use in (False, True):
+                t = time.perf_counter()
+                reports[use] = r.build_report(store, exp, f, use_rollup=use)
+                times[use] = time.perf_counter() - t
+            pooled = stored_gaps(store)
+            for use in (False, True):
+                pooled_check(reports[use], pooled, f"{label}, {'rollup' if use else 'raw'} report")
+            out.append({
+                "label": label, "samples": args.samples, "gaps": n_gaps, "gen_s": gen_s, "insert_s": ins_s,
+                "gap_disk": gap_disk, "gap_raw": gap_raw, "rest_disk": rest, "build_s": build_s,
+                "rollup_gaps_rows": gap_rows, "rollup_gaps_bytes": gap_table, "rollup_values_rows": values_rows,
+                "rollup_values_bytes": values_table, "raw_s": times[False], "rollup_s": times[True],
+            })  # fmt: skip
     return out
 
 
@@ -212,74 +228,76 @@ def demo(args) -> dict:
     from stats.quantiles import nearest_rank
 
     url = with_database(args.clickhouse_url, "_itl_demo")
-    store = open_store(url)  # a fresh database: the demo's run is the only one
-    with tempfile.TemporaryDirectory(prefix="abplat-bench-itl-") as var:
-        env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith("ABPLAT_")},
-            "ABPLAT_VAR": var, "ABPLAT_DEBUG": "true", "ABPLAT_CLICKHOUSE_URL": url,
-            "PYTHONPATH": str(ROOT),
-        }  # fmt: skip
-        cmd = [sys.executable, "manage.py", "demo", "--no-serve", "--json", "--no-progress",
-               "--limit", str(args.limit), "--speed", f"{args.speed:g}"]  # fmt: skip
-        helped = subprocess.run([*cmd[:3], "--help"], cwd=ROOT, env=env, capture_output=True, text=True)
-        if "--capacity-steps" in helped.stdout:  # a demo that also searches capacity: only its replay here
-            cmd += ["--capacity-steps", "0"]
-        t = time.perf_counter()
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
-        wall = time.perf_counter() - t
-    if done.returncode != 0:
-        raise BenchFailed(f"manage.py demo exited {done.returncode}: {done.stderr.strip()[-600:]}")
-    doc = json.loads(done.stdout)
-    report = doc["report"]
-    run = doc["replay"]["run"]
-    rows = store.query(
-        "SELECT variant, outcome, output_tokens, itl_gaps_us, itl_mean_ms, tpot_ms FROM samples FINAL "
-        "WHERE run_id = %(r)s",
-        {"r": int(run["run"])},
-    )
-    want = int(run["expected_samples"])
-    check(len(rows) == want > 0, f"demo: {len(rows)} samples stored for run {run['run']}, expected {want}")
-    bad = [o for _v, o, *_ in rows if o != "ok"]
-    check(not bad, f"demo: {len(bad)} requests not ok ({sorted(set(bad))})")
-    for v, _o, tokens, gaps, _m, _t in rows:
-        check(len(gaps) == tokens - 1, f"demo, {v}: {len(gaps)} gaps stored for {tokens} output tokens")
-    pooled = {}
-    # bytes of whole parts, as in part 1, of the demo's run alone (a capacity search adds runs):
-    # its rows copied into a table of the same shape, merged into one part
-    store.execute("CREATE TABLE samples_demo_run AS samples")
-    store.execute(
-        "INSERT INTO samples_demo_run SELECT * FROM samples WHERE run_id = %(r)s", {"r": int(run["run"])}
-    )
-    store.execute("OPTIMIZE TABLE samples_demo_run FINAL")
-    cols = column_bytes(store, "samples_demo_run")
-    out = {
-        "wall_s": wall, "variants": [], "gap_disk": cols["itl_gaps_us"][0],
-        "rest_disk": sum(d for name, (d, _) in cols.items() if name != "itl_gaps_us"),
-        "gaps": sum(len(row[3]) for row in rows), "samples": len(rows),
-    }  # fmt: skip
-    by_key = {e["key"]: e for e in report["variants"]}
-    for v in by_key:
-        mine = [row for row in rows if row[0] == v]
-        gaps = np.sort(np.concatenate([np.asarray(row[3], dtype=np.float64) for row in mine]) / 1000.0)
-        pooled[v] = gaps
-        means = sorted(row[4] for row in mine if row[4] is not None)
-        tpot = sorted(row[5] for row in mine if row[5] is not None)
-        entry = {
-            "variant": v, "requests": len(mine), "gaps": int(gaps.size),
-            "mean_p50": nearest_rank(means, 0.5), "mean_p99": nearest_rank(means, 0.99),
-            "itl_p50": nearest_rank(gaps, 0.5), "itl_p99": nearest_rank(gaps, 0.99),
-            "tpot_p50": nearest_rank(tpot, 0.5), "tpot_p99": nearest_rank(tpot, 0.99),
-        }  # fmt: skip
-        got = {e["label"]: e["value"] for e in by_key[v]["percentiles"]["tpot_ms"]}
-        check(
-            (got["p50"], got["p99"]) == (entry["tpot_p50"], entry["tpot_p99"]),
-            f"demo, {v}: report TPOT {got}",
+    with scratch_store(url) as store:  # a fresh database, dropped at the end
+        with tempfile.TemporaryDirectory(prefix="abplat-bench-itl-") as var:
+            env = {
+                **{k: v for k, v in os.environ.items() if not k.startswith("ABPLAT_")},
+                "ABPLAT_VAR": var, "ABPLAT_DEBUG": "true", "ABPLAT_CLICKHOUSE_URL": url,
+                "PYTHONPATH": str(ROOT),
+            }  # fmt: skip
+            cmd = [sys.executable, "manage.py", "demo", "--no-serve", "--json", "--no-progress",
+                   "--limit", str(args.limit), "--speed", f"{args.speed:g}"]  # fmt: skip
+            helped = subprocess.run([*cmd[:3], "--help"], cwd=ROOT, env=env, capture_output=True, text=True)
+            if "--capacity-steps" in helped.stdout:  # a demo that searches capacity too: its replay only
+                cmd += ["--capacity-steps", "0"]
+            t = time.perf_counter()
+            done = subprocess.run(
+                cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout
+            )
+            wall = time.perf_counter() - t
+        if done.returncode != 0:
+            raise BenchFailed(f"manage.py demo exited {done.returncode}: {done.stderr.strip()[-600:]}")
+        doc = json.loads(done.stdout)
+        report = doc["report"]
+        run = doc["replay"]["run"]
+        rows = store.query(
+            "SELECT variant, outcome, output_tokens, itl_gaps_us, itl_mean_ms, tpot_ms FROM samples FINAL "
+            "WHERE run_id = %(r)s",
+            {"r": int(run["run"])},
         )
-        out["variants"].append(entry)
-    pooled_check(report, pooled, "demo report")
-    store.execute(f"DROP DATABASE IF EXISTS {store.database}")
-    store.close()
-    return out
+        want = int(run["expected_samples"])
+        check(
+            len(rows) == want > 0, f"demo: {len(rows)} samples stored for run {run['run']}, expected {want}"
+        )
+        bad = [o for _v, o, *_ in rows if o != "ok"]
+        check(not bad, f"demo: {len(bad)} requests not ok ({sorted(set(bad))})")
+        for v, _o, tokens, gaps, _m, _t in rows:
+            check(len(gaps) == tokens - 1, f"demo, {v}: {len(gaps)} gaps stored for {tokens} output tokens")
+        pooled = {}
+        # bytes of whole parts, as in part 1, of the demo's run alone (a capacity search adds runs):
+        # its rows copied into a table of the same shape, merged into one part
+        store.execute("CREATE TABLE samples_demo_run AS samples")
+        store.execute(
+            "INSERT INTO samples_demo_run SELECT * FROM samples WHERE run_id = %(r)s", {"r": int(run["run"])}
+        )
+        store.execute("OPTIMIZE TABLE samples_demo_run FINAL")
+        cols = column_bytes(store, "samples_demo_run")
+        out = {
+            "wall_s": wall, "variants": [], "gap_disk": cols["itl_gaps_us"][0],
+            "rest_disk": sum(d for name, (d, _) in cols.items() if name != "itl_gaps_us"),
+            "gaps": sum(len(row[3]) for row in rows), "samples": len(rows),
+        }  # fmt: skip
+        by_key = {e["key"]: e for e in report["variants"]}
+        for v in by_key:
+            mine = [row for row in rows if row[0] == v]
+            gaps = np.sort(np.concatenate([np.asarray(row[3], dtype=np.float64) for row in mine]) / 1000.0)
+            pooled[v] = gaps
+            means = sorted(row[4] for row in mine if row[4] is not None)
+            tpot = sorted(row[5] for row in mine if row[5] is not None)
+            entry = {
+                "variant": v, "requests": len(mine), "gaps": int(gaps.size),
+                "mean_p50": nearest_rank(means, 0.5), "mean_p99": nearest_rank(means, 0.99),
+                "itl_p50": nearest_rank(gaps, 0.5), "itl_p99": nearest_rank(gaps, 0.99),
+                "tpot_p50": nearest_rank(tpot, 0.5), "tpot_p99": nearest_rank(tpot, 0.99),
+            }  # fmt: skip
+            got = {e["label"]: e["value"] for e in by_key[v]["percentiles"]["tpot_ms"]}
+            check(
+                (got["p50"], got["p99"]) == (entry["tpot_p50"], entry["tpot_p99"]),
+                f"demo, {v}: report TPOT {got}",
+            )
+            out["variants"].append(entry)
+        pooled_check(report, pooled, "demo report")
+        return out
 
 
 def run(args) -> None:
