@@ -309,7 +309,7 @@ def _page(url: str, repeat: int) -> dict[str, float]:
             Variant.objects.create(experiment=e, key=k, position=i, control=i == 0, weight=w,
                                    endpoint="http://127.0.0.1:1/v1", model="m", factors=fac)  # fmt: skip
         user = User.objects.create_superuser("bench", password="x")
-        with override_settings(CLICKHOUSE_URL=url, ROOT_URLCONF="bench.bench_report_urls"):
+        with override_settings(CLICKHOUSE_URL=url):  # the project's own URLs (abplat/urls.py)
             _cache.clear()
             c = Client()
             c.force_login(user)

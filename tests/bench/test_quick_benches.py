@@ -23,7 +23,7 @@ import pytest
 from tests.plugin import SERVER_URL, server_url_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-BENCHES = sorted(p.name for p in (ROOT / "bench").glob("bench_*.py") if p.name != "bench_report_urls.py")
+BENCHES = sorted(p.name for p in (ROOT / "bench").glob("bench_*.py"))
 ETCD = os.environ.get("ABPLAT_TEST_ETCD_ENDPOINTS", "127.0.0.1:12379")
 TIMEOUT_S = 180  # a hang guard, not a timing check
 
