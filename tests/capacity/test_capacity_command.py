@@ -164,13 +164,13 @@ def test_the_api_starts_a_search_in_the_background_and_refuses_bad_input(
 
     settings.TRACE_DIR = tmp_path / "traces"
     upload, _ = storage.store_file(trace, name="even", fmt="jsonl")
-    document["sla"] = {"ttft_ms": 200, "target": 0.95}
+    document["sla"] = {"ttft_ms": 200, "target": 0.9}
     for v in document["variants"]:
         v.update(endpoint=edge_sim.url + "/v1", api="completions")
     exp = services.apply_document(document, actor=users["product"]).experiment
     services.transition(exp, "start", users["product"])
     body = {"experiment": exp.key, "trace": "even", "variants": ["fp16"], "arrival": "recorded",
-            "start_rate": 8, "max_rate": 16, "min_rate": 4, "max_steps": 2, "step_requests": 200,
+            "start_rate": 8, "max_rate": 16, "min_rate": 4, "max_steps": 2, "step_requests": 500,
             "warmup": 1, "lag_limit": 50}  # fmt: skip
     sre, analyst = client_for("sre"), client_for("analyst")
     assert analyst.post("/api/capacity/", body, format="json").status_code == 403
