@@ -28,9 +28,9 @@ sends every request to every variant at the same moment: the same load on each a
 comparison.
 
 The load. Four engines per deployment; the first 1,100 requests of the slice at 35x (59 s, 18.6
-req/s on average per variant, in the trace's bursts): FP16 misses (about 94%), AWQ comes close
-(about 98.8%: not enough data for a verdict), AWQ + FlashAttention-2 meets the target with
-confidence (all 1,100 within 200 ms in the runs of bench/RESULTS.md).
+req/s on average per variant, in the trace's bursts): FP16 misses (93-94%), AWQ comes close
+(97.6-98.8%: "misses" or "not enough data"), AWQ + FlashAttention-2 meets the target with
+confidence (all 1,100 within 200 ms in the quiet runs of bench/RESULTS.md).
 
 The capacity search (manage.py capacity's options): the control and each variant that met the
 target, each alone under Poisson arrivals of the slice's requests (twice over), from
@@ -45,9 +45,10 @@ A caveat the figures carry: on this 2-core machine, when other work keeps it bus
 event loop stalls (the embedded store's inserts hold the interpreter for up to ~100 ms) and the
 first tokens of requests that open new connections in a burst are then measured up to ~190 ms
 late (their ``ttft_ms`` minus the simulator's own ``server_ttft_ms``; 4-6 ms at p99 on reused
-connections). With answers up to 64 tokens and five engines at the same load this happened in
-half the runs (AWQ + FlashAttention-2 at 97.0-99.9%); with answers up to 32 and four engines it
-happened in none of the runs in bench/RESULTS.md, but a busy machine can still bring it back.
+connections). With answers up to 64 tokens and five engines at the same load, AWQ +
+FlashAttention-2 missed the target in four of seven runs (97.0-99.5%); with answers up to 32
+and four engines, in none of four runs on a quiet machine, but in both runs while other work
+kept the machine busy (bench/RESULTS.md, "The demo"): the demo then warns (``BUSY_LAG_MS``).
 """
 
 from __future__ import annotations
