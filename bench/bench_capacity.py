@@ -29,8 +29,10 @@ carrying more than fp16 (the demo's claim). A slow search or a low capacity is a
 from __future__ import annotations
 
 import argparse
+import atexit
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -51,7 +53,10 @@ def setup_django(args: argparse.Namespace) -> None:
     for name in SERVICE_SETTINGS:
         os.environ.pop(name, None)
     os.environ.setdefault("ABPLAT_DEBUG", "true")
-    os.environ.setdefault("ABPLAT_VAR", tempfile.mkdtemp(prefix="abplat-bench-capacity-"))
+    if not os.environ.get("ABPLAT_VAR"):  # a fresh one of its own, gone at exit
+        var = tempfile.mkdtemp(prefix="abplat-bench-capacity-")
+        atexit.register(shutil.rmtree, var, ignore_errors=True)
+        os.environ["ABPLAT_VAR"] = var
     if args.clickhouse_url:
         os.environ["ABPLAT_CLICKHOUSE_URL"] = args.clickhouse_url
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "abplat.settings")
