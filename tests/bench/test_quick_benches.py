@@ -158,12 +158,32 @@ def test_quick_bench_observability_prints_each_setup_side_by_side_with_its_ratio
     assert "| JSON logs (" in out and "target: overhead under 3%" in out, out
 
 
+def test_quick_bench_capacity_prints_the_demo_deployments_with_their_steps_and_prices(quick_runs):
+    # The bench fails unless every step is a mirror run of its variant alone with every request
+    # ok, each capacity is the highest rate that met, and the prices follow from it.
+    from workers.demo import REPLICAS
+
+    code, out, err, _ = quick_runs["bench_capacity.py"]
+    assert code == 0, f"bench failed ({code}):\n{out}\n{err}"
+    assert (
+        "| variant | engines | capacity req/s | bracket req/s | limited by | steps | max lag p99 ms |" in out
+    ), out
+    assert "| variant | step | rate req/s | verdict | n | attainment | CI |" in out, out
+    for variant in ("fp16", "awq", "awq-fa2"):
+        assert f"| {variant} | {REPLICAS} | " in out and f"| {variant} | 1 | 64 | " in out, (
+            f"no rows for {variant}:\n{out}"
+        )
+    assert " USD | " in out  # priced by the demo document
+
+
 # A broken precondition: each bench exits 1 at once, naming what failed, and prints no table.
 DEAD = [
     ("bench_replay.py", ["--quick", "--clickhouse-url", "clickhouse://default:@127.0.0.1:1/abplat_dead"],
      "ClickHouse server at clickhouse://127.0.0.1:1/abplat_dead is not usable"),
     ("bench_split.py", ["--quick", "--etcd", "127.0.0.1:1"], "etcd at 127.0.0.1:1 not reachable"),
     ("bench_observability.py", ["--quick", "--clickhouse-url", "clickhouse://default:@127.0.0.1:1/abplat_dead"],
+     "ClickHouse server at clickhouse://127.0.0.1:1/abplat_dead is not usable"),
+    ("bench_capacity.py", ["--quick", "--clickhouse-url", "clickhouse://default:@127.0.0.1:1/abplat_dead"],
      "ClickHouse server at clickhouse://127.0.0.1:1/abplat_dead is not usable"),
     ("bench_streaming.py", ["--skip-sim", "--vllm-url", "http://127.0.0.1:1"],
      "vLLM (--vllm-url) at http://127.0.0.1:1 not healthy"),

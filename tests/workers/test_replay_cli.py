@@ -130,22 +130,35 @@ def test_flush_samples_json_counts_the_rows_it_wrote(db, sample_store, tmp_path)
     assert doc["error"]["field"] == "--spool-dir" and "not a spool directory" in doc["error"]["message"]
 
 
-def test_demo_json_prints_its_replay_and_report(tmp_path):
-    """The demo as a script would run it: one document, the replay counted whole, its report."""
+def test_demo_json_prints_its_replay_report_and_capacity(tmp_path):
+    """The demo as a script would run it: one document, the replay counted whole (every request
+    to every variant), its report, and a capacity search of the control (a tiny one here)."""
     env = own_env(tmp_path)
     code, doc, _ = command_line(env, "demo", "--json")  # it would serve forever after the document
     assert code == 1 and doc["error"]["field"] == "--json"
     code, doc, err = command_line(
-        env, "demo", "--json", "--no-serve", "--limit", "20", "--speed", "50", "--replicas", "1", "--progress"
-    )
+        env, "demo", "--json", "--no-serve", "--limit", "20", "--speed", "50", "--replicas", "1", "--progress",
+        "--capacity-steps", "2", "--capacity-requests", "50",
+    )  # fmt: skip
     assert code == 0, err[-3000:]
     assert doc["experiment"] == "ttft-optimizations"
+    assert doc["trace"]["prompt_budget"] == 384 and doc["trace"]["answer_budget"] == 32
+    assert 0 < doc["trace"]["rows"] < doc["trace"]["of"] == 8819
     assert [s["variant"] for s in doc["simulators"]] == ["fp16", "awq", "awq-fa2"]
-    assert doc["replay"]["run"]["status"] == "done"
-    assert doc["replay"]["run"]["samples_recorded"] == doc["replay"]["plan"]["samples"] == 20
+    assert doc["replay"]["run"]["status"] == "done" and doc["replay"]["run"]["mode"] == "mirror"
+    assert doc["replay"]["run"]["samples_recorded"] == doc["replay"]["plan"]["samples"] == 60
     assert doc["report"]["runs"]["read"][0]["run_id"] == doc["replay"]["run"]["run"]
-    assert sum(v["n"] for v in doc["report"]["variants"]) == 20
-    assert "20/20 samples 100%" in err and "ETA" in err
+    assert [v["n"] for v in doc["report"]["variants"]] == [20, 20, 20]
+    assert "60/60 samples 100%" in err and "ETA" in err
+    # the control is searched (and any variant that met the target: none on 20 requests)
+    capacity = doc["capacity"]
+    assert set(capacity["variants"]) == {"fp16"} and capacity["ranking"] == ["fp16"]
+    steps = capacity["variants"]["fp16"]["steps"]
+    assert [s["rate_rps"] for s in steps] == [64.0, 32.0] and all(s["run_id"] for s in steps)
+    assert capacity["variants"]["fp16"]["cost"]["per_hour"] == 4.0  # 16 USD/h for 4 engines, here 1
+    assert capacity["summary"].endswith(".") and capacity["seconds"] > 0
+    assert "fp16: step at 64 req/s ..." in err
+    assert isinstance(doc["warnings"], list)  # a sentence when the replay lagged as on a busy machine
 
 
 @pytest.mark.services

@@ -1,19 +1,31 @@
 """make demo: the main job on the embedded defaults, then the admin and dashboards.
 
-1. Migrate the database and the embedded sample store (chDB).
-2. Start three vLLM-compatible simulators (FP16, AWQ, AWQ + FlashAttention-2 profiles, each a
-   deployment of 4 engines: the trace is a whole production service's traffic) and load the
-   demo experiment pointing at them; start it (this publishes its weights).
-3. Replay a slice of the real Azure code trace through the live router (split mode).
-4. Print the per-variant SLA table, then serve the admin and dashboards until Ctrl-C.
+workers/demo.py says how the demo is calibrated and why.
 
---json (with --no-serve) prints one document at the end: {"experiment", "simulators":
-[{"variant", "url", "profile", "replicas"}], "replay": replay --json's document, "report":
-sla_report --json's, "seconds"}.
+1. Migrate the database and the embedded sample store (chDB).
+2. Cut the chat-sized slice of the shipped Azure code trace and add both files to the trace
+   directory.
+3. Start three vLLM-compatible simulators (FP16, AWQ, AWQ + FlashAttention-2 profiles, each a
+   deployment of 4 engines) and load the demo experiment pointing at them, with each
+   deployment's price per hour; start it (this publishes its weights).
+4. Replay the first requests of the slice at their recorded arrivals, sped up, to every variant
+   at once (mirror: a paired comparison on identical traffic).
+5. Print the per-variant SLA table of that run.
+6. Search the SLA capacity of the control and of each variant that met the target
+   (manage.py capacity: each deployment alone, Poisson arrivals of the same requests, two
+   steps) and print it with the price per million requests; then serve the admin and
+   dashboards until Ctrl-C.
+
+--json (with --no-serve) prints one document at the end: {"experiment", "trace": {"source",
+"path", "rows", "of", "prompt_budget", "answer_budget"}, "simulators": [{"variant", "url",
+"profile", "replicas"}], "replay": replay --json's document, "report": sla_report --json's,
+"capacity": capacity --json's plus "seconds" and "summary" (null with --capacity-steps 0),
+"warnings": [sentence] (the replay lagged as on a busy machine), "seconds"}.
 """
 
 import io
 import json
+import re
 import time
 from pathlib import Path
 
@@ -23,14 +35,16 @@ from django.core.management import call_command
 
 from experiments import services
 from experiments.cli import CliError, JsonCommand, add_json_argument, add_progress_arguments
-from experiments.loading import load_document_file
 from experiments.models import Experiment
-from simulator.serve import start_subprocess
 from traces.storage import TraceError, store_file
+from workers import demo
 from workers.models import ReplayRun
 
-DEMO_DOCUMENT = Path(settings.BASE_DIR) / "demo" / "ttft-optimizations.yaml"
-TRACE = "data/traces/azure_llm_2023_code.csv"
+TRACE = demo.TRACE
+# The capacity command's lines about each step ("fp16: step at 128 req/s ...", "fp16: 128 req/s
+# misses (...)", "fp16: meets 99.20% at 32 req/s, ..."); its own table is left out (the demo
+# prints one table for all variants).
+STEP_LINE = re.compile(r"^[\w.-]+: ")
 
 
 class Command(JsonCommand):
@@ -38,10 +52,22 @@ class Command(JsonCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--port", type=int, default=8000, help="admin and dashboards port")
-        parser.add_argument("--limit", type=int, default=1000, help="requests of the trace to replay")
-        parser.add_argument("--speed", type=float, default=4.0, help="time compression of the trace")
-        parser.add_argument("--replicas", type=int, default=4, help="engines per simulated deployment")
-        parser.add_argument("--no-serve", action="store_true", help="stop after the SLA table")
+        parser.add_argument(
+            "--limit", type=int, default=demo.LIMIT, help="requests of the slice to replay (0: all)"
+        )
+        parser.add_argument("--speed", type=float, default=demo.SPEED, help="time compression of the trace")
+        parser.add_argument(
+            "--replicas", type=int, default=demo.REPLICAS, help="engines per simulated deployment"
+        )
+        parser.add_argument("--prompt-budget", type=int, default=demo.PROMPT_BUDGET,
+                            help="replay the requests with prompts up to this many tokens (0: any)")  # fmt: skip
+        parser.add_argument("--answer-budget", type=int, default=demo.ANSWER_BUDGET,
+                            help="... and answers up to this many tokens (0: any)")  # fmt: skip
+        parser.add_argument("--capacity-steps", type=int, default=demo.CAPACITY_MAX_STEPS,
+                            help="steps per variant of the capacity search (0: no search)")  # fmt: skip
+        parser.add_argument("--capacity-requests", type=int,
+                            help=f"requests per capacity step at most (default {demo.CAPACITY_STEP_REQUESTS})")  # fmt: skip
+        parser.add_argument("--no-serve", action="store_true", help="stop after the SLA and capacity tables")
         parser.add_argument(
             "--create-demo-user", action="store_true",
             help="create the demo/demo superuser even on a configured database (ABPLAT_DATABASE_URL)",
@@ -49,103 +75,157 @@ class Command(JsonCommand):
         add_json_argument(parser)
         add_progress_arguments(parser)
 
-    def handle(self, *args, port: int, limit: int, speed: float, replicas: int, no_serve: bool, **options):
+    def handle(
+        self, *args, port: int, limit: int | None, speed: float, replicas: int, no_serve: bool, **options
+    ):
         started = time.monotonic()
         if self.json and not no_serve:
             raise CliError("--json prints the demo's result and ends: add --no-serve", field="--json")
+        steps, step_requests = options["capacity_steps"], options["capacity_requests"]
+        if steps and not 2 <= steps <= 100:
+            raise CliError(f"--capacity-steps must be 0 or 2 to 100, got {steps}", field="--capacity-steps")
+        if replicas < 1:
+            raise CliError(f"--replicas must be at least 1, got {replicas}", field="--replicas")
         call_command("migrate", verbosity=0)
         call_command("clickhouse_migrate", verbosity=0)
         demo_user = self.demo_user(options["create_demo_user"])
-        # The shipped trace in the trace directory too: the admin's "Start a replay" and the API
-        # read traces from there only (this command reads it from data/traces/, an operator's path).
+
+        # 2. The slice. Both files go to the trace directory too: the admin's "Start a replay"
+        # and the API read traces from there only (this command reads local paths).
+        source = Path(settings.BASE_DIR) / TRACE
+        prompts, answers = options["prompt_budget"], options["answer_budget"]
         try:
-            store_file(Path(settings.BASE_DIR) / TRACE, user=demo_user)
-        except TraceError as exc:
-            self.stderr.write(f"{TRACE} not added to the trace directory: {exc}")
-
-        # 2. Simulators on the document's ports (or free ones, written back to the variants).
-        doc = load_document_file(DEMO_DOCUMENT)
-        sims = []
-        for variant in doc["variants"]:
-            wanted = int(variant["endpoint"].rsplit(":", 1)[1].split("/")[0])
+            cut = demo.write_slice(source, settings.VAR_DIR / "demo", prompts or None, answers or None)
+        except ValueError as exc:
+            raise CliError(str(exc), field="--prompt-budget") from None
+        for path in (source, cut.path):
             try:
-                handle = start_subprocess(
-                    variant["key"], port=wanted, model=variant["model"], replicas=replicas
-                )
-            except (OSError, RuntimeError):
-                handle = start_subprocess(variant["key"], port=0, model=variant["model"], replicas=replicas)
-            variant["endpoint"] = handle.url + "/v1"
-            sims.append(handle)
-            self.say(
-                f"simulator {variant['key']:8s} {handle.url} (profile {handle.profile}, {replicas} replicas)"
-            )
-        experiment = Experiment.objects.filter(key=doc["key"]).first()
-        if experiment is not None and experiment.status == Experiment.Status.CONCLUDED:
-            for handle in sims:
-                handle.stop()
+                store_file(path, user=demo_user)
+            except TraceError as exc:
+                self.stderr.write(f"{path.name} not added to the trace directory: {exc}")
+
+        # 3. Simulators on the document's ports (or free ones, written back to the variants).
+        doc = demo.load_document(replicas)
+        sims = []
+        try:
+            experiment = self.deploy(doc, sims, replicas, demo_user)
+            if experiment is None:
+                stop(sims)
+                return
+            simulators = [{"variant": v["key"], "url": h.url, "profile": h.profile, "replicas": replicas}
+                          for v, h in zip(doc["variants"], sims)]  # fmt: skip
+            # 4. The main job.
+            shown = min(limit, cut.rows) if limit else cut.rows
+            which = f"the first {shown:,} of the" if shown < cut.rows else "the"
+            self.say(f"\nreplaying {which} {cut.describe()} of {TRACE}, at {speed:g}x, to every variant at once "
+                     f"(mirror: each sees the same requests) through {experiment.key}")  # fmt: skip
+            progress = {None: [], True: ["--progress"], False: ["--no-progress"]}[options.get("progress")]
+            replay_args = ["replay", experiment.key, "--trace", str(cut.path), "--mode", "mirror",
+                           "--speed", str(speed)]  # fmt: skip
+            if limit:
+                replay_args += ["--limit", str(limit)]
+            replayed = None
             if self.json:
-                raise CliError(f"{doc['key']} is concluded; run `make clean` for a fresh demo", field="key")
-            self.stderr.write(f"{doc['key']} is concluded; run `make clean` for a fresh demo")
-            return
-        result = services.apply_document(doc, actor=demo_user)
-        experiment = result.experiment
-        if experiment.status == Experiment.Status.DRAFT:
-            services.transition(experiment, "start", demo_user, reason="demo")
-        elif experiment.status == Experiment.Status.PAUSED:
-            services.transition(experiment, "resume", demo_user, reason="demo")
+                out = io.StringIO()
+                call_command(*replay_args, *progress, "--json", stdout=out)
+                replayed = json.loads(out.getvalue())
+            else:
+                call_command(*replay_args, *progress)
+            run = ReplayRun.objects.filter(experiment=experiment).first()
+            warnings = busy_warning(run)
+            for line in warnings:
+                self.stderr.write(f"warning: {line}")
 
-        # 3. The main job.
-        self.say(f"\nreplaying {limit} requests of {TRACE} at {speed:g}x through {experiment.key}")
-        progress = {None: [], True: ["--progress"], False: ["--no-progress"]}[options.get("progress")]
-        replay_args = [
-            "replay",
-            experiment.key,
-            "--trace",
-            TRACE,
-            "--limit",
-            str(limit),
-            "--speed",
-            str(speed),
-        ]
-        if self.json:
-            out = io.StringIO()
-            call_command(*replay_args, *progress, "--json", stdout=out)
-            replayed = json.loads(out.getvalue())
-        else:
-            call_command(*replay_args, *progress)
-        run = ReplayRun.objects.filter(experiment=experiment).first()
-
-        # 4. The SLA table of this run.
-        if self.json:
+            # 5. The SLA table of this run (the JSON report says which variants met the target;
+            # the table is then read from the report cache).
             out = io.StringIO()
             call_command("sla_report", experiment.key, "--run", str(run.pk), "--json", stdout=out)
-            for handle in sims:
-                handle.stop()
+            report = json.loads(out.getvalue())
+            if not self.json:
+                self.stdout.write("")
+                call_command("sla_report", experiment.key, "--run", str(run.pk))
+
+            # 6. Capacity: of the control and of every variant that met the target.
+            capacity = None
+            searched = [
+                v["key"] for v in report["variants"] if v["control"] or v["verdict"]["verdict"] == "meets"
+            ]
+            if steps and searched:
+                self.say(
+                    f"\nsearching the SLA capacity of {' and '.join(searched)} (the control and the variants that "
+                    f"met the target): each deployment alone, steady (Poisson) arrivals of the same requests, "
+                    f"from {demo.CAPACITY_MAX_RPS:g} req/s down by halves, {steps} steps at most"
+                )
+                capacity = self.capacity(experiment, cut, searched, steps, step_requests)
+                self.say("")
+                self.say(render_capacity(capacity, replicas))
+                self.say(capacity["summary"])
+        except BaseException:
+            stop(sims)
+            raise
+        seconds = round(time.monotonic() - started, 1)
+        if self.json or no_serve:
+            stop(sims)
+        if self.json:
             self.emit({
                 "experiment": experiment.key,
-                "simulators": [
-                    {"variant": v["key"], "url": h.url, "profile": h.profile, "replicas": replicas}
-                    for v, h in zip(doc["variants"], sims)
-                ],
-                "replay": replayed, "report": json.loads(out.getvalue()),
-                "seconds": round(time.monotonic() - started, 1),
+                "trace": {"source": TRACE, "path": str(cut.path), "rows": cut.rows, "of": cut.of,
+                          "prompt_budget": prompts or None, "answer_budget": answers or None},
+                "simulators": simulators, "replay": replayed, "report": report, "capacity": capacity,
+                "warnings": warnings, "seconds": seconds,
             })  # fmt: skip
             return
-        self.stdout.write("")
-        call_command("sla_report", experiment.key, "--run", str(run.pk))
-        self.stdout.write(f"\ndemo job took {time.monotonic() - started:.0f} s")
+        self.stdout.write(f"\ndemo job took {seconds:.0f} s")
         if no_serve:
-            for handle in sims:
-                handle.stop()
             return
         login = "login demo / demo" if demo_user is not None else "log in as a superuser (createsuperuser)"
         self.stdout.write(
             f"\nAdmin:     http://127.0.0.1:{port}/admin/  ({login})\n"
-            f"Dashboard: http://127.0.0.1:{port}/dashboards/{experiment.key}/\n"
+            f"Dashboard: http://127.0.0.1:{port}/dashboards/{experiment.key}/?run={run.pk}  (the replay; "
+            "each capacity step is a run of its own)\n"
+            f"Capacity:  http://127.0.0.1:{port}/capacity/{experiment.key}/\n"
             f"API docs:  http://127.0.0.1:{port}/api/docs/\n"
             "Ctrl-C stops the server and the simulators.\n"
         )
-        call_command("runserver", f"127.0.0.1:{port}", use_reloader=False)
+        try:
+            call_command("runserver", f"127.0.0.1:{port}", use_reloader=False)
+        finally:
+            stop(sims)
+
+    def deploy(self, doc: dict, sims: list, replicas: int, demo_user) -> Experiment | None:
+        """Start a simulator per variant (``sims`` gets their handles), apply the document and
+        start the experiment; None when it is concluded."""
+        sims.extend(demo.start_simulators(doc, replicas, say=self.say))
+        experiment = Experiment.objects.filter(key=doc["key"]).first()
+        if experiment is not None and experiment.status == Experiment.Status.CONCLUDED:
+            if self.json:
+                raise CliError(f"{doc['key']} is concluded; run `make clean` for a fresh demo", field="key")
+            self.stderr.write(f"{doc['key']} is concluded; run `make clean` for a fresh demo")
+            return None
+        experiment = services.apply_document(doc, actor=demo_user).experiment
+        if experiment.status == Experiment.Status.DRAFT:
+            services.transition(experiment, "start", demo_user, reason="demo")
+        elif experiment.status == Experiment.Status.PAUSED:
+            services.transition(experiment, "resume", demo_user, reason="demo")
+        return experiment
+
+    def capacity(self, experiment: Experiment, cut: demo.Slice, variants: list[str], steps: int,
+                 step_requests: int | None) -> dict:  # fmt: skip
+        """manage.py capacity of ``variants`` on the slice (twice over); its document, the
+        search's wall time and the sentence the demo ends with."""
+        t0 = time.monotonic()
+        trace = demo.repeat_slice(cut, demo.CAPACITY_PASSES)
+        step_requests = min(step_requests or demo.CAPACITY_STEP_REQUESTS, cut.rows * demo.CAPACITY_PASSES)
+        out = io.StringIO()
+        call_command(
+            "capacity", experiment.key, *demo.capacity_arguments(trace, max(step_requests, 50), steps),
+            "--variants", ",".join(variants), "--json",
+            stdout=out, stderr=_Lines(lambda line: self.stderr.write(line), STEP_LINE),
+        )  # fmt: skip
+        doc = json.loads(out.getvalue())
+        doc["seconds"] = round(time.monotonic() - t0, 1)
+        doc["summary"] = summary(doc, experiment)
+        return doc
 
     def demo_user(self, create: bool):
         """The demo/demo superuser: made on the embedded SQLite database only (a throwaway on
@@ -163,3 +243,95 @@ class Command(JsonCommand):
             )
             return None
         return user_model.objects.create_superuser("demo", "demo@localhost", "demo")
+
+
+def busy_warning(run: ReplayRun) -> list[str]:
+    """A sentence when the replay lagged its schedule the way a busy machine makes it lag."""
+    lags = [x for x in run.shards.values_list("lag_p99_ms", flat=True) if x is not None]
+    if not lags or max(lags) <= demo.BUSY_LAG_MS:
+        return []
+    return [
+        f"the replay's schedule lag p99 was {max(lags):.0f} ms (over {demo.BUSY_LAG_MS:g}): this machine was "
+        "busy with other work, its client read the trace's bursts late and measured their first tokens late, "
+        "so every variant looks worse than it is; run the demo again on a quiet machine"
+    ]
+
+
+def stop(sims: list) -> None:
+    for handle in sims:
+        handle.stop()
+    sims.clear()
+
+
+class _Lines(io.TextIOBase):
+    """A text stream that passes on the whole lines matching ``pattern`` to ``write``."""
+
+    def __init__(self, write, pattern: re.Pattern) -> None:
+        self._write, self._pattern, self._tail = write, pattern, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        *lines, self._tail = (self._tail + text).split("\n")
+        for line in lines:
+            if self._pattern.match(line):
+                self._write(line)
+        return len(text)
+
+
+def _rate(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def render_capacity(doc: dict, replicas: int) -> str:
+    """The demo's capacity table, best value first (capacity per unit of price)."""
+    head = (f"{'variant':<10}{'engines':>8}{'capacity req/s':>16}{'not met at':>12}{'limited by':>12}"
+            f"{'price/h':>10}{'per 1M requests':>17}{'per 1M out tok':>16}{'steps':>7}{'search s':>10}")  # fmt: skip
+    lines = [
+        f"SLA capacity (search {doc['search']}, {doc['seconds']:.0f} s): the highest rate each deployment "
+        f"carries alone, under steady arrivals, with {doc['target']:.2%} of requests within the SLA with "
+        "confidence; the trace's own bursts, above, are harsher",
+        head,
+        "-" * len(head),
+    ]
+    for v in doc["ranking"]:
+        r = doc["variants"][v]
+        c = r.get("cost") or {}
+        cur = c.get("currency", "")
+
+        def money(x, cur=cur):
+            return "-" if x is None else f"{x:,.2f} {cur}".strip()
+
+        lines.append(
+            f"{v:<10}{replicas:>8}{_rate(r['capacity_rps']):>16}{_rate(r['upper_rps']):>12}{r['limited_by']:>12}"
+            f"{money(c.get('per_hour')):>10}{money(c.get('per_million_requests')):>17}"
+            f"{money(c.get('per_million_output_tokens')):>16}{len(r['steps']):>7}{r['search_s']:>10.0f}"
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
+def summary(doc: dict, experiment: Experiment) -> str:
+    """The demo's last line: what the best deployment carries, against the control."""
+    variants = doc["variants"]
+    control = next((v.key for v in experiment.variants.all() if v.control), None)
+    best = next((v for v in doc["ranking"] if variants[v]["capacity_rps"]), None)
+    if best is None:
+        return "No deployment met the SLA with confidence at any rate the search tried."
+    r, cost = variants[best], variants[best].get("cost") or {}
+    at_least = "at least " if r["limited_by"] in ("max_rate", "generator") else ""
+    text = f"{best} carries {at_least}{r['capacity_rps']:.3g} req/s within the SLA"
+    if at_least:
+        text += " (the most this search sends)"
+    base = variants.get(control) if control and control != best else None
+    if base is not None and base["capacity_rps"]:
+        text += f", {at_least}{r['capacity_rps'] / base['capacity_rps']:.1f}x {control}"
+    elif base is not None:
+        lowest = min(s["rate_rps"] for s in base["steps"])
+        text += f"; {control} met it with confidence at no rate tried (down to {lowest:.3g} req/s)"
+    if cost.get("per_million_requests") is not None:
+        text += f", at {cost['per_million_requests']:,.2f} {cost['currency']} per million requests"
+        base_cost = (base or {}).get("cost") or {}
+        if base_cost.get("per_million_requests") is not None:
+            text += f" ({control}: {base_cost['per_million_requests']:,.2f})"
+    return text + "."
