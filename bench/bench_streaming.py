@@ -1,10 +1,12 @@
 """Streaming measurement benchmark (issue 4). Prints a table; copy it into bench/RESULTS.md.
 
-    .venv/bin/python bench/bench_streaming.py [--skip-vllm] [--vllm-url URL]
+    .venv/bin/python bench/bench_streaming.py [--skip-vllm] [--vllm-url URL] [--loop asyncio]
     .venv/bin/python bench/bench_streaming.py --quick   # sections 1, 1b, 2 small (~15 s), no vLLM
 
 Checks its own preconditions and results: every server healthy before it is measured, every
-request's outcome ok, every simulator stream carrying the server's first-content time. Any
+request's outcome ok, every simulator stream carrying the server's first-content time. Our client
+runs on the event loop the replay runs on (streaming/loop.py: uvloop; --loop asyncio for
+asyncio's own). Any
 failure prints `bench FAILED: <what and where>` to stderr and exits 1. Quantiles are exact order
 statistics (nearest rank, stats.quantiles).
 
@@ -41,11 +43,13 @@ from bench.benchlib import BenchFailed, run_checked  # noqa: E402
 from serving.children import free_port  # noqa: E402
 from stats.quantiles import nearest_rank  # noqa: E402
 from streaming import h1, pacing  # noqa: E402
+from streaming import loop as streaming_loop  # noqa: E402
 from streaming.client import Timeouts, VariantClient  # noqa: E402
 from streaming.result import Outcome  # noqa: E402
 
 _RUNS = iter(range(1_000_000))
 TRANSPORT = "auto"  # our client's transport in section 3 (--transport)
+LOOP = "uvloop"  # our client's event loop, as the replay's (--loop)
 # Pseudo-transports of sections 1-2: the lean h1 path stamping reads with kernel receive
 # timestamps (the default) or with the clock read only (what it did before; --rx-timestamps).
 H1_KERNEL, H1_CLOCK = "h1 kernel stamp", "h1 clock read"
@@ -115,7 +119,7 @@ def run_sim(
             return res, time.process_time() - cpu0, time.perf_counter() - wall0
 
     try:
-        res, cpu, wall = asyncio.run(go())
+        res, cpu, wall = streaming_loop.run(go(), LOOP)
     finally:
         h1.RX_TIMESTAMPS = True
     ok = [r for r in res if r.outcome is Outcome.OK]
@@ -212,7 +216,7 @@ def ours_on_vllm(
     if CLIENT_CPUS:
         os.sched_setaffinity(0, CLIENT_CPUS)  # the clients' core, as `taskset` does for vLLM's
     try:
-        res = asyncio.run(go())
+        res = streaming_loop.run(go(), LOOP)
     finally:
         os.sched_setaffinity(0, mask)
         h1.RX_TIMESTAMPS = True
@@ -328,6 +332,12 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-vllm", action="store_true", help="skip the real-vLLM comparison")
     ap.add_argument("--vllm-url", help="use this running vLLM (serving 'tiny-llama')")
     ap.add_argument("--transport", default="auto", help="our client's transport in section 3")
+    ap.add_argument(
+        "--loop",
+        choices=streaming_loop.CHOICES,
+        default="uvloop",
+        help="our client's event loop (default: the replay's, uvloop)",
+    )
     ap.add_argument("--skip-sim", action="store_true", help="only the real-vLLM comparison")
     ap.add_argument("--profile", help="simulator profile for 1 and 2 (default: default; fast with --quick)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per concurrency in section 3")
@@ -341,10 +351,11 @@ def run(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cmd = "python bench/bench_streaming.py " + " ".join(sys.argv[1:] if argv is None else argv)
     load = os.getloadavg()[0]
-    print(f"# {cmd}\n# host: {os.cpu_count()} cores, load average {load:.1f} at start")
+    print(f"# {cmd}\n# host: {os.cpu_count()} cores, load average {load:.1f} at start; our loop: {args.loop}")
 
-    global TRANSPORT, QUICK
+    global TRANSPORT, QUICK, LOOP
     TRANSPORT = args.transport
+    LOOP = args.loop
     QUICK = args.quick
     if not args.skip_sim:
         simulator_sections(args.profile or ("fast" if QUICK else "default"), args.rx_timestamps)

@@ -35,6 +35,7 @@ import dataclasses
 import os
 import socket
 import time
+import types
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -148,7 +149,11 @@ class ShardRunner:
         self.stats = ShardStats(planned=len(spec.requests))
         self._in_flight = 0
         self._cancel = asyncio.Event()
+        self._sleeper: asyncio.Future[None] | None = None  # the send loop's wait, woken by _stop
         self._error: BaseException | None = None
+        self._api_set = tuple(sorted(set(self.apis.values())))
+        # One read-only mapping for every request (the clients only read it).
+        self._extra = types.MappingProxyType({"ignore_eos": True}) if spec.ignore_eos else None
 
     async def run(self) -> ShardStats:
         spec = self.spec
@@ -172,13 +177,9 @@ class ShardRunner:
                 prepared = self._prompt(req)
                 planned = start_mono + (spec.offsets[i] if spec.offsets is not None else 0.0)
                 delay = planned + shift - time.perf_counter()
-                if delay > 0:
-                    try:
-                        await asyncio.wait_for(self._cancel.wait(), timeout=delay)
-                        self.stats.not_sent += len(spec.requests) - i
-                        break
-                    except TimeoutError:
-                        pass
+                if delay > 0 and await self._sleep(delay):  # cancelled while waiting
+                    self.stats.not_sent += len(spec.requests) - i
+                    break
                 if not await self._acquire(slots):  # cancelled while waiting for a slot
                     self.stats.not_sent += len(spec.requests) - i
                     break
@@ -196,6 +197,30 @@ class ShardRunner:
         if self._error is not None:
             raise self._error
         return self.stats
+
+    async def _sleep(self, delay: float) -> bool:
+        """Wait ``delay`` seconds, or less if the shard is cancelled meanwhile (True then).
+
+        One future and one timer handle per request, where ``asyncio.wait_for(event.wait(),
+        delay)`` cost a task, a timeout scope and a cancellation (issue 14)."""
+        if self._cancel.is_set():
+            return True
+        loop = asyncio.get_running_loop()
+        woken: asyncio.Future[None] = loop.create_future()
+        self._sleeper = woken
+        timer = loop.call_later(delay, _wake, woken)
+        try:
+            await woken
+        finally:
+            timer.cancel()
+            self._sleeper = None
+        return self._cancel.is_set()
+
+    def _stop(self) -> None:
+        """Cancel the shard: nothing new is sent (the send loop wakes from its wait at once)."""
+        self._cancel.set()
+        if self._sleeper is not None:
+            _wake(self._sleeper)
 
     def _ids(self, req: TraceRequest) -> list[str]:
         spec = self.spec
@@ -253,7 +278,7 @@ class ShardRunner:
             self.stats.stop_reason = self.stats.stop_reason or str(exc)
         elif self._error is None:
             self._error = exc
-        self._cancel.set()
+        self._stop()
 
     async def _drain(self, tasks: set[asyncio.Task]) -> None:
         """Wait for the requests in flight; once cancelled, give them ``cancel_grace_s`` and then
@@ -275,7 +300,7 @@ class ShardRunner:
         while True:
             await asyncio.sleep(self.progress_interval_s)
             if await asyncio.to_thread(self.should_cancel):
-                self._cancel.set()
+                self._stop()
             if self.on_progress:
                 await asyncio.to_thread(self.on_progress, self.stats)
 
@@ -293,6 +318,11 @@ class ShardRunner:
         if not targets:
             return
         payloads, prompt_tokens, estimated = prepared
+        if len(targets) == 1:  # split mode: no gather, so no second task per request
+            ((variant, rid),) = targets
+            await self._one(req, variant, rid, revision, planned, start_mono,
+                            payloads.get(self.apis.get(variant)), prompt_tokens, estimated)  # fmt: skip
+            return
         await asyncio.gather(*(
             self._one(req, variant, rid, revision, planned, start_mono, payloads.get(self.apis.get(variant)),
                       prompt_tokens, estimated)
@@ -309,7 +339,7 @@ class ShardRunner:
         spec = self.spec
         payloads = {
             api: shapes.payload(req, text, api, render_chat=spec.render_chat, wrap_prompt=spec.wrap_prompt)
-            for api in set(self.apis.values())
+            for api in self._api_set
         }
         return payloads, tokens, estimated
 
@@ -320,7 +350,7 @@ class ShardRunner:
         sent_mono = time.perf_counter()
         sent_unix_ms = time.time() * 1000.0
         self.stats.sent += 1
-        extra = {"ignore_eos": True} if spec.ignore_eos else None
+        extra = self._extra
         log_fields = logs.bind(variant=variant, request_id=rid)  # what the client logs carries them
         try:
             client = self.clients.get(variant)
@@ -358,3 +388,8 @@ class ShardRunner:
         self.put_row(row)
         self.stats.recorded += 1
         self.stats.outcomes[str(result.outcome)] += 1
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

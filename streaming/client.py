@@ -43,6 +43,8 @@ from streaming.sse import SSEEvent, SSEParser
 from streaming.timing import StreamProtocolError, StreamTimer
 
 APIS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+# json.dumps(body, separators=(",", ":")), without building an encoder per request
+_ENCODE_JSON = json.JSONEncoder(separators=(",", ":")).encode
 TRANSPORTS = ("auto", "h1", "httpx")
 _ERROR_BODY_LIMIT = 2048
 
@@ -222,7 +224,7 @@ class VariantClient:
             body.update(extra)
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
-        return json.dumps(body, separators=(",", ":")).encode()
+        return _ENCODE_JSON(body).encode()
 
     async def stream(
         self,

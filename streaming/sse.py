@@ -38,6 +38,11 @@ class SSEParser:
         self.closed = False
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
+        return self.feed_data(chunk, True)
+
+    def feed_data(self, chunk: bytes, full: bool = False) -> list:
+        """``feed`` for a caller that needs only each event's ``data`` (the streaming client):
+        the same parse, without building an SSEEvent per event (``full``: with them)."""
         if self.closed:
             raise ValueError("SSEParser.feed() called after finish()")
         if not chunk:
@@ -54,9 +59,22 @@ class SSEParser:
             buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         lines = buf.split(b"\n")
         self._buf = lines.pop()
-        events: list[SSEEvent] = []
+        events: list = []
         for line in lines:
-            self._line(line, events)
+            # The two lines of nearly every event inline (a token chunk is "data: {...}" and a
+            # blank line); the rest of the field rules in _line.
+            if not line:
+                if self._has_data:
+                    data = "\n".join(self._data)
+                    events.append(SSEEvent(data, self._event, self._id) if full else data)
+                self._data = []
+                self._has_data = False
+                self._event = ""
+            elif line.startswith(b"data: "):
+                self._data.append(line[6:].decode("utf-8", "replace"))
+                self._has_data = True
+            else:
+                self._line(line, events)
         return events
 
     def finish(self) -> list[SSEEvent]:

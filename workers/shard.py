@@ -27,6 +27,7 @@ from replay.runner import ShardRunner, ShardSpec, ShardStats, StopReplay
 from replay.sink import BatchSink
 from replay.sources import LoadedSource, load_requests
 from samples.factory import sample_store, sample_writer
+from streaming import loop as streaming_loop
 from telemetry import tracing
 from telemetry.logs import log_context
 from telemetry.metrics import ReplayMeter, ShardsRunning
@@ -64,14 +65,15 @@ def run_requests(run: ReplayRun) -> LoadedSource:
 
 
 def run_coroutine(coro):
-    """Run a coroutine to completion from a (sync) task, even inside a running loop."""
+    """Run a coroutine to completion from a (sync) task, even inside a running loop, on the
+    streaming loop (uvloop: streaming/loop.py)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coro)
+        return streaming_loop.run(coro)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         # The caller's log context (run, shard, ...) goes with it.
-        return pool.submit(contextvars.copy_context().run, asyncio.run, coro).result()
+        return pool.submit(contextvars.copy_context().run, streaming_loop.run, coro).result()
 
 
 def plan_run_prompts(run: ReplayRun) -> dict:

@@ -176,6 +176,20 @@ def test_quick_bench_capacity_prints_the_demo_deployments_with_their_steps_and_p
     assert " USD | " in out  # priced by the demo document
 
 
+def test_quick_bench_replay_cpu_prints_both_clients_per_round_and_their_ratio(quick_runs):
+    # The bench fails unless every request of both clients is ok and streams exactly its trace's
+    # output tokens, and our reads carry kernel receive stamps.
+    code, out, err, _ = quick_runs["bench_replay_cpu.py"]
+    assert code == 0, f"bench failed ({code}):\n{out}\n{err}"
+    assert "| round | client | requests | tokens | CPU s | CPU ms/request | CPU us/token |" in out, out
+    for client in ("abplat replay", "abplat replay, asyncio loop", "vllm bench serve"):
+        assert f"| 1 | {client} | 100 | " in out, f"no round-1 row for {client!r}:\n{out}"
+    summary = "| client | rounds | CPU ms/request, median (min - max) | CPU us/token, median (min - max) |"
+    assert summary in out, out
+    assert "abplat replay / vllm bench serve per token, paired by round: median " in out, out
+    assert "target <= 0.5: " in out, out
+
+
 # A broken precondition: each bench exits 1 at once, naming what failed, and prints no table.
 DEAD = [
     ("bench_replay.py", ["--quick", "--clickhouse-url", "clickhouse://default:@127.0.0.1:1/abplat_dead"],

@@ -318,3 +318,31 @@ def test_a_budget_stops_starting_requests_and_defers_the_rest(sims):
     assert 0 < stats.recorded < 30 and stats.deferred == 30 - stats.recorded == 30 - len(rows)
     assert stats.not_sent == 0 and not stats.cancelled
     assert sorted(r["seq"] for r in rows) == list(range(len(rows)))  # the first ones, in order
+
+
+def test_a_cancel_wakes_the_send_loop_from_a_long_wait_at_once():
+    # The send loop waits for each request's send time on one future and one timer handle
+    # (ShardRunner._sleep): a cancel must end that wait now, not when the request was due.
+    reqs = requests(3, gap_s=30.0)  # the second request is due in 30 s
+    started = time.monotonic()
+    stats, rows, unretrieved = run_fake(
+        spec_for(reqs, variants=["a"]), {"a": _Recorder()}, lambda u: ("a", 1),
+        should_cancel=lambda: time.monotonic() - started > 0.3, progress_interval_s=0.05,
+    )  # fmt: skip
+    assert time.monotonic() - started < 5.0
+    assert stats.cancelled and stats.recorded == 1 and stats.not_sent == 2
+    assert not unretrieved
+
+
+def test_every_request_gets_the_same_read_only_extra_options():
+    seen = []
+
+    class Extra(_Recorder):
+        async def stream(self, rid, prompt, max_tokens, extra=None):
+            seen.append(extra)
+            return await super().stream(rid, prompt, max_tokens, extra)
+
+    stats, _, _ = run_fake(spec_for(requests(3), variants=["a"]), {"a": Extra()}, lambda u: ("a", 1))
+    assert stats.recorded == 3 and all(dict(e) == {"ignore_eos": True} for e in seen)
+    with pytest.raises(TypeError):
+        seen[0]["ignore_eos"] = False  # shared by every request: nobody may change it

@@ -122,3 +122,26 @@ def test_any_split_of_a_valid_stream_parses_to_the_same_events(stream, cuts):
 def test_a_capture_fed_n_bytes_at_a_time_matches_the_whole(n):
     raw = (CAPTURES / "sse_chat.txt").read_bytes() + "data: 中文😀\n\n".encode()
     assert data([raw[i : i + n] for i in range(0, len(raw), n)]) == data([raw])
+
+
+def data_only(chunks: list[bytes]) -> list[str]:
+    p = SSEParser()
+    out: list[str] = []
+    for c in chunks:
+        out += p.feed_data(c)
+    return out + [e.data for e in p.finish()]
+
+
+@settings(max_examples=300, deadline=None)
+@given(streams(), st.lists(st.integers(min_value=0, max_value=10_000), max_size=20))
+def test_feed_data_gives_exactly_the_data_feed_gives_in_any_split(stream, cuts):
+    # the client's data-only parse (no SSEEvent per event) is the same parse
+    raw, expected = stream
+    points = sorted({c % (len(raw) + 1) for c in cuts})
+    chunks = [raw[a:b] for a, b in zip([0, *points], [*points, len(raw)])]
+    assert data_only(chunks) == data(chunks) == expected
+
+
+def test_feed_data_follows_the_field_rules_too():
+    raw = b"data:no-space\ndata:  two\nevent: x\nid: 7\nretry: 5\n: c\ndata\n\ndata: [DONE]\n\n"
+    assert data_only([raw]) == data([raw]) == ["no-space\n two\n", "[DONE]"]
