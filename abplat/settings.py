@@ -130,6 +130,36 @@ try:
     # Celery beat runs the rollout controller this often, in whole seconds; decisions of one
     # experiment are at least 0.9 x this apart however many beat or worker processes run.
     ROLLOUT_INTERVAL_S = env.env_int("ABPLAT_ROLLOUT_INTERVAL_S", 60, minimum=1, maximum=86400)
+    # ---- the live gateway (issue 15): README "Live traffic", gateway/config.py checks the rest ----
+    # keys: every client sends "Authorization: Bearer KEY" listed in the keys file (one
+    # "TENANT KEY" a line); none: no client auth (development and tests only).
+    GATEWAY_AUTH = env.env_choice("ABPLAT_GATEWAY_AUTH", "keys", ("keys", "none"))
+    GATEWAY_KEYS_FILE = env.env_str("ABPLAT_GATEWAY_KEYS_FILE", "")
+    # Which user: OpenAI's body field "user", else this request header, else a hash of the key.
+    GATEWAY_USER_HEADER = env.env_str("ABPLAT_GATEWAY_USER_HEADER", "").lower()
+    # Routes overriding "the request's model is the experiment key": MODEL=EXPERIMENT or
+    # /PATH-PREFIX=EXPERIMENT, comma-separated.
+    GATEWAY_ROUTES = env.env_list("ABPLAT_GATEWAY_ROUTES", [])
+    # An unknown experiment is served by this experiment's control ("": 404 model_not_found).
+    GATEWAY_DEFAULT_EXPERIMENT = env.env_str("ABPLAT_GATEWAY_DEFAULT_EXPERIMENT", "")
+    # Experiments whose variant, failing before its first byte, is retried once on the control
+    # ("*": every experiment).
+    GATEWAY_RETRY_ON_CONTROL = env.env_list("ABPLAT_GATEWAY_RETRY_ON_CONTROL", [])
+    # Client request headers passed on to the variant (lower case); all others are dropped.
+    GATEWAY_FORWARD_HEADERS = env.env_list("ABPLAT_GATEWAY_FORWARD_HEADERS", [])
+    GATEWAY_MAX_BODY_BYTES = env.env_int("ABPLAT_GATEWAY_MAX_BODY_BYTES", 4 * 1024 * 1024, minimum=1024)
+    # Per-user token bucket: requests per second (0: no limit) and the burst above it.
+    GATEWAY_USER_RATE = env.env_int("ABPLAT_GATEWAY_USER_RATE", 0, minimum=0, maximum=1_000_000)
+    GATEWAY_USER_BURST = env.env_int("ABPLAT_GATEWAY_USER_BURST", 20, minimum=1, maximum=1_000_000)
+    # Upstream deadlines, seconds: connect, response headers, gap between chunks, whole request.
+    GATEWAY_CONNECT_TIMEOUT_S = env.env_int("ABPLAT_GATEWAY_CONNECT_TIMEOUT_S", 5, minimum=1, maximum=600)
+    GATEWAY_HEADERS_TIMEOUT_S = env.env_int("ABPLAT_GATEWAY_HEADERS_TIMEOUT_S", 60, minimum=1, maximum=3600)
+    GATEWAY_STALL_TIMEOUT_S = env.env_int("ABPLAT_GATEWAY_STALL_TIMEOUT_S", 60, minimum=1, maximum=3600)
+    GATEWAY_TOTAL_TIMEOUT_S = env.env_int("ABPLAT_GATEWAY_TOTAL_TIMEOUT_S", 600, minimum=1, maximum=86400)
+    # On SIGTERM: stop accepting, let running streams finish for up to this long.
+    GATEWAY_DRAIN_S = env.env_int("ABPLAT_GATEWAY_DRAIN_S", 30, minimum=0, maximum=3600)
+    # How often the variants' endpoints, models and secrets are re-read from the database.
+    GATEWAY_VARIANTS_REFRESH_S = env.env_int("ABPLAT_GATEWAY_VARIANTS_REFRESH_S", 5, minimum=1, maximum=3600)
 except env.EnvError as exc:
     raise ImproperlyConfigured(str(exc)) from None
 
@@ -248,6 +278,7 @@ INSTALLED_APPS = [
     "serving",
     "rollouts",
     "capacity",
+    "gateway",
 ]
 
 MIDDLEWARE = [

@@ -1,0 +1,644 @@
+"""The live gateway: a raw ASGI app (uvicorn) in front of the variants.
+
+``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not, also under a
+configured path prefix), ``GET /v1/models``, ``GET /healthz``. One request:
+
+1. Check the client: API key (its tenant), body size, JSON body, every string in it
+   (gateway/routing.py), the per-user rate limit.
+2. Route: experiment, user, variant (gateway/routing.py on the process's weights router; the
+   variant's endpoint, model and secret from gateway/variants.py).
+3. Forward: the body with the variant's model name, the variant's Authorization, the request's
+   ``X-Request-Id`` and ``traceparent``; the clock starts just before the upstream send, as the
+   replay's does (streaming/client.py).
+4. If the variant fails before the first byte of its response is forwarded (no connection, no
+   headers, a 5xx) and retries are on for the experiment, once more on the control; both
+   attempts are recorded. Once a byte is forwarded, never again.
+5. Stream back every byte as it came, with ``X-Abplat-Variant``, ``X-Request-Id`` and
+   ``traceparent`` added. Each batch of reads is forwarded first and measured after
+   (streaming.sse + streaming.timing.StreamTimer on the reads' arrival stamps), so measuring
+   never delays a byte. A user who goes away cancels the upstream request.
+6. Hand the StreamResult and the gateway's own time before the send (body received ->
+   upstream request written: auth, limits, routing, body rewrite) to the recorder, which
+   never blocks. Each chunk's arrival-to-forward time is summed in ``forward_ns``.
+
+A stream keeps the variant it started on: the assignment is made once, before the send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import re
+import ssl
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, Protocol
+
+from gateway.config import GatewayConfig
+from gateway.limits import TokenBuckets
+from gateway.routing import Decision, RequestError, decide, experiment_for, split_path, user_for
+from gateway.upstream import Endpoint, Exchange, Pool, UpstreamError
+from gateway.variants import Directory, Target
+from streaming.client import trace_ids
+from streaming.egress import Allowlist
+from streaming.result import Outcome, StreamResult
+from streaming.sse import SSEParser
+from streaming.timing import StreamProtocolError, StreamTimer
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+_perf = time.perf_counter_ns
+_DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+_TRACEPARENT_RE = re.compile(r"^00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}$")
+# Response headers not passed on: hop-by-hop (RFC 9110 7.6.1) and the framing uvicorn redoes.
+_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
+                  b"proxy-authenticate", b"proxy-connection", b"x-abplat-variant", b"x-request-id",
+                  b"traceparent"})  # fmt: skip
+_PARSE_LIMIT = 1 << 20  # a non-streamed body is parsed (for usage) up to this size
+_ERROR_BODY_LIMIT = 2048
+
+
+class Recorder(Protocol):
+    def start(self) -> None: ...
+
+    def record(self, result: StreamResult, *, experiment: str, variant: str, user_id: str,
+               config_revision: int, sent_unix_ms: float, request_id: str, prompt_tokens: int,
+               max_tokens: int, gateway_ms: float, attempt: int = 1) -> None: ...  # fmt: skip
+
+    def close(self, timeout: float = 10.0) -> None: ...
+
+
+class AssignmentSource(Protocol):
+    def assign(self, experiment_key: str, user_id: str) -> Any: ...
+
+
+def _error_body(status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+                code: str | None = None) -> bytes:  # fmt: skip
+    return _DUMPS({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
+
+
+class _Cancelled(Exception):
+    """The user went away while the request was in flight."""
+
+
+class Gateway:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        router: AssignmentSource | Callable[[], AssignmentSource],
+        directory: Directory,
+        recorder: Recorder,
+        allow: Allowlist | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        refresh_variants: bool = True,
+    ) -> None:
+        """router: the weights router, or a callable that returns it (started at lifespan
+        startup, in a thread: the first load may wait for the store)."""
+        self.config = config
+        self._router_factory = router if callable(router) and not hasattr(router, "assign") else None
+        self.router: AssignmentSource | None = None if self._router_factory else router  # type: ignore[assignment]
+        self.directory = directory
+        self.recorder = recorder
+        self.allow = allow
+        self.ssl_context = ssl_context
+        self.refresh_variants = refresh_variants
+        self.buckets = TokenBuckets(config.user_rate, config.user_burst) if config.user_rate else None
+        self._pools: dict[Endpoint, Pool] = {}
+        self.counts: Counter[str] = Counter()  # reasons, outcomes, refusals
+        self.active = 0
+        # The per-chunk path: arrival from the variant -> handed to the user's socket, summed
+        # over every chunk this process forwarded (bench/bench_gateway.py reads it).
+        self.forward_ns = 0
+        self.forwarded_chunks = 0
+        self._started = False
+
+    # lifecycle ------------------------------------------------------------------------------
+    def startup(self) -> None:
+        """Blocking: router, variants, recorder (call from a thread or before serving)."""
+        if self._started:
+            return
+        if self._router_factory is not None:
+            self.router = self._router_factory()
+        if self.refresh_variants:
+            self.directory.refresh()
+            self.directory.start(self.config.variants_refresh_s)
+        self.recorder.start()
+        self._started = True
+
+    def shutdown(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+        self.directory.stop()
+        self.recorder.close()
+        self._started = False
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await asyncio.to_thread(self.startup)
+                except Exception as exc:
+                    log.exception("gateway: startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                try:
+                    await asyncio.to_thread(self.shutdown)
+                finally:
+                    await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # ASGI -------------------------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            self.active += 1
+            try:
+                await self._http(scope, receive, send)
+            finally:
+                self.active -= 1
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        method: str = scope["method"]
+        if path == "/healthz":
+            if method not in ("GET", "HEAD"):
+                return await _respond(send, 405, _error_body(405, "use GET"), allow=b"GET, HEAD")
+            return await _respond(send, 200, b'{"status":"ok"}')
+        if path == "/v1/models" or (
+            path.endswith("/v1/models") and self._is_prefix(path[: -len("/v1/models")])
+        ):
+            if method != "GET":
+                return await _respond(send, 405, _error_body(405, "use GET"), allow=b"GET")
+            return await self._models(scope, send)
+        try:
+            prefix_experiment, api_path = split_path(path, self.config.routes)
+        except RequestError as exc:
+            return await _respond(send, exc.status, _error_body(exc.status, exc.message, code=exc.code))
+        if method != "POST":
+            return await _respond(send, 405, _error_body(405, "use POST"), allow=b"POST")
+        await self._proxy(scope, receive, send, prefix_experiment, api_path)
+
+    def _is_prefix(self, prefix: str) -> bool:
+        return any(p == prefix for p, _ in self.config.routes.prefixes)
+
+    def _authenticate(self, headers: dict[bytes, bytes]) -> tuple[str, str]:
+        """(tenant, api key); RequestError 401 when keys are checked and this one is not listed."""
+        raw = headers.get(b"authorization", b"")
+        key = ""
+        if raw[:7].lower() == b"bearer ":
+            key = raw[7:].strip().decode("latin-1")
+        keys = self.config.keys
+        if keys is None:
+            return "", key
+        tenant = keys.tenant(key) if key else None
+        if tenant is None:
+            raise RequestError(
+                401, "missing or unknown API key (Authorization: Bearer KEY)", code="invalid_api_key"
+            )
+        return tenant, key
+
+    async def _models(self, scope: Scope, send: Send) -> None:
+        headers = dict(scope["headers"])
+        try:
+            self._authenticate(headers)
+        except RequestError as exc:
+            return await _respond(send, exc.status, _error_body(exc.status, exc.message, code=exc.code))
+        names = [k for k, e in self.directory.targets.items() if e.status in ("running", "paused")]
+        names += [m for m in self.config.routes.models if m not in names]
+        body = {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "abplat"} for n in names]}
+        await _respond(send, 200, _DUMPS(body).encode())
+
+    # the request path -----------------------------------------------------------------------
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send, prefix_experiment: str | None,
+                     api_path: str) -> None:  # fmt: skip
+        cfg = self.config
+        headers: dict[bytes, bytes] = {}
+        for name, value in scope["headers"]:
+            headers[name] = value  # the last of repeated headers (none of ours may repeat)
+        # 1. the client
+        try:
+            tenant, api_key = self._authenticate(headers)
+            body = await self._read_body(headers, receive)
+        except RequestError as exc:
+            self.counts[f"refused_{exc.status}"] += 1
+            return await _respond(send, exc.status, _error_body(exc.status, exc.message, code=exc.code))
+        except _Cancelled:
+            return
+        t_body = _perf()
+        try:
+            request = _parse_body(body)
+            experiment = experiment_for(request.get("model"), prefix_experiment, cfg.routes)
+            header_user = None
+            if cfg.user_header:
+                raw_user = headers.get(cfg.user_header.encode())
+                header_user = raw_user.decode("utf-8", "replace") if raw_user is not None else None
+            user_id, _source = user_for(request.get("user"), header_user, api_key or None)
+            if self.buckets is not None:
+                wait = self.buckets.take(f"{tenant}\0{user_id or ''}", time.monotonic())
+                if wait > 0:
+                    self.counts["refused_429"] += 1
+                    return await _respond(
+                        send,
+                        429,
+                        _error_body(
+                            429,
+                            "rate limit for this user exceeded",
+                            kind="rate_limit_error",
+                            code="rate_limit_exceeded",
+                        ),  # fmt: skip
+                        retry_after=str(max(1, math.ceil(wait))).encode(),
+                    )
+            # 2. the route
+            decision = decide(
+                experiment, user_id, controls=self.directory.controls, assign=self._assign,
+                default_experiment=cfg.routes.default_experiment,
+            )  # fmt: skip
+        except RequestError as exc:
+            self.counts[f"refused_{exc.status}"] += 1
+            return await _respond(
+                send, exc.status, _error_body(exc.status, exc.message, param=exc.param, code=exc.code)
+            )
+        self.counts[decision.reason.value] += 1
+        target = self.directory.target(decision.experiment, decision.variant)
+        if target is None:
+            # The router holds a variant the variants snapshot does not yet: the control now.
+            self.directory.kick()
+            self.counts["variant_not_loaded"] += 1
+            control = self.directory.controls.get(decision.experiment)
+            target = self.directory.target(decision.experiment, control) if control else None
+            if target is None:
+                return await _respond(send, 503, _error_body(503, "the experiment's variants are not loaded yet",
+                                                             kind="server_error"))  # fmt: skip
+        # Always the gateway's own id: the recorder keys samples by (run, variant, request id),
+        # so a client's id reused would collapse two samples into one.
+        request_id = "gw-" + uuid.uuid4().hex
+        traceparent, trace_id = _traceparent(headers.get(b"traceparent"), request_id)
+        max_tokens = request.get("max_tokens") or request.get("max_completion_tokens") or 0
+        forwarded = {
+            n: headers[n.encode()].decode("latin-1") for n in cfg.forward_headers if n.encode() in headers
+        }
+        accept = headers.get(b"accept", b"application/json").decode("latin-1")
+        await self._forward(
+            receive, send, api_path, request, decision, target, user_id or "", request_id, traceparent,
+            trace_id, max_tokens if isinstance(max_tokens, int) else 0, forwarded, accept, t_body,
+        )  # fmt: skip
+
+    def _assign(self, experiment: str, user_id: str) -> tuple[str, int]:
+        router = self.router
+        if router is None:
+            raise LookupError("the weights router has not started")
+        a = router.assign(experiment, user_id)  # UnknownExperiment is a LookupError
+        return a.variant, a.revision
+
+    async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise RequestError(400, "Content-Length: not a number")
+            if int(declared) > limit:
+                raise RequestError(413, f"request body over {limit} bytes", code="request_too_large")
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Cancelled()
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise RequestError(413, f"request body over {limit} bytes", code="request_too_large")
+                parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts) if len(parts) != 1 else parts[0]
+
+    def _pool(self, endpoint: Endpoint) -> Pool:
+        pool = self._pools.get(endpoint)
+        if pool is None:
+            ctx = self.ssl_context if endpoint.scheme == "https" else None
+            if endpoint.scheme == "https" and ctx is None:
+                ctx = ssl.create_default_context()
+            pool = self._pools[endpoint] = Pool(endpoint, allow=self.allow, ssl_context=ctx)
+        return pool
+
+    async def _forward(self, receive: Receive, send: Send, api_path: str, request: dict, decision: Decision,
+                       target: Target, user_id: str, request_id: str, traceparent: str, trace_id: str,
+                       max_tokens: int, forwarded: dict[str, str], accept: str, t_body: int) -> None:  # fmt: skip
+        cfg = self.config
+        plan = [target]
+        if cfg.retries(decision.experiment) and not target.control:
+            control = self.directory.target(
+                decision.experiment, self.directory.controls.get(decision.experiment, "")
+            )
+            if control is not None:
+                plan.append(control)
+        # The user going away cancels whatever this request is waiting for (upstream headers,
+        # the next chunk, a write): one task that waits for http.disconnect.
+        task = asyncio.current_task()
+        state = {"done": False, "gone": False}
+
+        def on_receive(fut: asyncio.Future) -> None:
+            if fut.cancelled() or fut.exception() is not None or state["done"]:
+                return
+            if fut.result().get("type") == "http.disconnect":
+                state["gone"] = True
+                if task is not None:
+                    task.cancel()
+
+        watcher = asyncio.ensure_future(receive())
+        watcher.add_done_callback(on_receive)
+        try:
+            for attempt, tgt in enumerate(plan, 1):
+                last = attempt == len(plan)
+                forwarded_any = await self._attempt(
+                    send, api_path, request, decision, tgt, user_id, request_id, traceparent, trace_id,
+                    max_tokens, forwarded, accept, t_body, attempt, last, state,
+                )  # fmt: skip
+                if forwarded_any:
+                    return
+                t_body = _perf()  # the retry's own time starts where the failed attempt ended
+        except asyncio.CancelledError:
+            if not state["gone"]:
+                raise
+            if task is not None:
+                task.uncancel()
+        finally:
+            state["done"] = True
+            watcher.cancel()
+
+    async def _attempt(self, send: Send, api_path: str, request: dict, decision: Decision, tgt: Target,
+                       user_id: str, request_id: str, traceparent: str, trace_id: str, max_tokens: int,
+                       forwarded: dict[str, str], accept: str, t_body: int, attempt: int, last: bool,
+                       state: dict) -> bool:  # fmt: skip
+        """One try on one variant. True: the response (or an error) went to the user; False:
+        it failed before its first byte and the next attempt may take over."""
+        cfg = self.config
+        request["model"] = tgt.model
+        content = _DUMPS(request).encode()
+        up_headers = {"content-type": "application/json", "accept": accept, "x-request-id": request_id,
+                      "traceparent": traceparent, **forwarded, **tgt.headers}  # fmt: skip
+        result = StreamResult(request_id=request_id, traceparent=traceparent, trace_id=trace_id)
+        timer = StreamTimer(0, result)
+        start = _perf()  # the clock: just before the upstream send, as the replay's
+        timer.start_ns = result.start_ns = start
+        sent_unix_ms = time.time() * 1000.0
+        # The gateway's own time before the send: from the body read (attempt 1) or from the
+        # failed attempt's end (the retry's decision).
+        gateway_ns = start - t_body
+
+        def record(res: StreamResult, gw_ns: int) -> None:
+            self.counts[f"outcome_{res.outcome.value}"] += 1
+            try:
+                self.recorder.record(
+                    res, experiment=decision.experiment, variant=tgt.key, user_id=user_id,
+                    config_revision=decision.revision, sent_unix_ms=sent_unix_ms, request_id=request_id,
+                    prompt_tokens=res.prompt_tokens, max_tokens=max_tokens, gateway_ms=gw_ns / 1e6,
+                    attempt=attempt,
+                )  # fmt: skip
+            except Exception:  # the recorder must never fail a user's request
+                log.exception("gateway: recorder failed")
+
+        ex: Exchange | None = None
+        try:
+            if tgt.error:
+                raise UpstreamError(Outcome.CLIENT_ERROR, f"variant {tgt.key}: {tgt.error}")
+            try:
+                ex = await self._pool(tgt.endpoint).send(api_path, up_headers, content, cfg.deadlines)
+            except UpstreamError as exc:
+                record(timer.finish(_perf(), exc.outcome, exc.message), gateway_ns)
+                if not last:
+                    return False
+                status = 504 if exc.outcome in (Outcome.CONNECT_TIMEOUT, Outcome.HEADERS_TIMEOUT) else 502
+                await _respond(
+                    send, status, _error_body(status, f"variant {tgt.key}: {exc.message}", kind="upstream_error"),
+                    variant=tgt.key, request_id=request_id, traceparent=traceparent,
+                )  # fmt: skip
+                return True
+            timer.headers(ex.headers_ns, ex.status)
+            if ex.connected:
+                timer.connected(ex.connect_started_ns, ex.connect_done_ns)
+            ex.arm(start + int(cfg.deadlines.total_s * 1e9))
+            if ex.status >= 500 and not last:
+                # Before the first byte: read the error, record it, let the control answer.
+                detail = await _read_some(ex)
+                res = timer.finish(_perf(), Outcome.HTTP_5XX, f"HTTP {ex.status}: {detail}")
+                record(res, gateway_ns)
+                ex.close()
+                ex = None
+                return False
+            return await self._stream(send, ex, timer, tgt, request_id, traceparent, gateway_ns, record)
+        except asyncio.CancelledError:
+            if ex is not None:
+                ex.abort()
+            if state["gone"]:
+                record(timer.finish(_perf(), Outcome.CANCELLED, "the user went away"), gateway_ns)
+            raise
+        finally:
+            if ex is not None:
+                ex.close()
+
+    async def _stream(self, send: Send, ex: Exchange, timer: StreamTimer, tgt: Target, request_id: str,
+                      traceparent: str, gateway_ns: int, record: Callable[[StreamResult, int], None]) -> bool:  # fmt: skip
+        out_headers = [(k, v) for k, v in ex.headers if k not in _HOP]
+        out_headers += [(b"x-abplat-variant", tgt.key.encode()), (b"x-request-id", request_id.encode()),
+                        (b"traceparent", traceparent.encode())]  # fmt: skip
+        ctype = next((v for k, v in ex.headers if k == b"content-type"), b"")
+        sse = ex.status == 200 and ctype.startswith(b"text/event-stream")
+        parser = SSEParser() if sse else None
+        body = bytearray()
+        ended: Outcome | None = None  # what the stream's events said: DONE -> OK, engine error
+        error = ""
+        t0 = _perf()
+        await send({"type": "http.response.start", "status": ex.status, "headers": out_headers})
+        self.forward_ns += _perf() - t0
+        message = {"type": "http.response.body", "body": b"", "more_body": True}
+        while True:
+            batch = await ex.chunks()
+            if not batch:
+                break
+            # Forward first (the per-chunk path), measure after.
+            for _, data in batch:
+                message["body"] = data
+                await send(message)
+            sent = _perf()
+            for t_ns, _ in batch:
+                self.forward_ns += sent - t_ns
+            self.forwarded_chunks += len(batch)
+            timer.body_bytes(batch[0][0])
+            if parser is not None:
+                if ended is not None:
+                    continue
+                for t_ns, data in batch:
+                    try:
+                        for data_ in parser.feed_data(data):
+                            status = timer.event(t_ns, data_)
+                            if status == StreamTimer.DONE:
+                                ended = Outcome.OK
+                            elif status == StreamTimer.ENGINE_ERROR:
+                                ended = Outcome.ENGINE_ERROR
+                            if ended is not None:
+                                break
+                    except StreamProtocolError as exc:
+                        ended, error = Outcome.MALFORMED, str(exc)
+                    if ended is not None:
+                        break
+            elif len(body) < _PARSE_LIMIT:
+                for _, data in batch:
+                    body += data
+        now = _perf()
+        if ex.error is not None and ended is None:
+            outcome, error = ex.error.outcome, ex.error.message
+        elif parser is not None:
+            if ended is None:
+                for ev in parser.finish():
+                    try:
+                        status = timer.event(now, ev.data)
+                    except StreamProtocolError as exc:
+                        ended, error = Outcome.MALFORMED, str(exc)
+                        break
+                    if status == StreamTimer.DONE:
+                        ended = Outcome.OK
+                    elif status == StreamTimer.ENGINE_ERROR:
+                        ended = Outcome.ENGINE_ERROR
+            outcome = ended if ended is not None else Outcome.DISCONNECT
+            if ended is None:
+                error = "stream ended before [DONE]"
+        elif ex.status >= 400:
+            outcome = Outcome.HTTP_4XX if ex.status < 500 else Outcome.HTTP_5XX
+            error = f"HTTP {ex.status}: " + bytes(body[:_ERROR_BODY_LIMIT]).decode("utf-8", "replace").strip()
+        else:
+            outcome, error = _whole_response(timer, bytes(body), now)
+        res = timer.finish(now, outcome, error)
+        if parser is None and outcome is Outcome.OK:
+            # Not streamed: the user's first token is the whole answer.
+            res.ttft_ms = res.ttft_event_ms = res.e2e_ms
+        state_done = {"type": "http.response.body", "body": b"", "more_body": False}
+        await send(state_done)
+        record(res, gateway_ns)
+        return True
+
+
+def _whole_response(timer: StreamTimer, body: bytes, now: int) -> tuple[Outcome, str]:
+    """A non-streamed 2xx answer: its usage and finish reason into the timer's result."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return Outcome.MALFORMED, "the response is not JSON"
+    if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
+        return Outcome.MALFORMED, "the response has no 'choices' list"
+    r = timer.r
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        try:
+            r.output_tokens = int(usage.get("completion_tokens") or 0)
+            r.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            r.usage_reported = True
+        except (TypeError, ValueError):
+            return Outcome.MALFORMED, "usage counts are not integers"
+    choices = obj["choices"]
+    if choices and isinstance(choices[0], dict) and choices[0].get("finish_reason"):
+        r.finish_reason = str(choices[0]["finish_reason"])
+    return Outcome.OK, ""
+
+
+async def _read_some(ex: Exchange) -> str:
+    buf = b""
+    while len(buf) < _ERROR_BODY_LIMIT:
+        batch = await ex.chunks()
+        if not batch:
+            break
+        buf += b"".join(d for _, d in batch)
+    return buf[:_ERROR_BODY_LIMIT].decode("utf-8", "replace").strip()
+
+
+def _parse_body(raw: bytes) -> dict:
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise RequestError(400, "body: not valid JSON") from None
+    if not isinstance(obj, dict):
+        raise RequestError(400, "body: must be a JSON object")
+    stream = obj.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise RequestError(400, "stream: must be true or false", param="stream")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = obj.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise RequestError(400, f"{name}: must be a positive integer", param=name)
+    return obj
+
+
+def _traceparent(raw: bytes | None, request_id: str) -> tuple[str, str]:
+    """The client's W3C traceparent when valid, else one derived from the request id."""
+    if raw is not None:
+        value = raw.decode("latin-1").strip().lower()
+        if _TRACEPARENT_RE.match(value):
+            return value, value[3:35]
+    trace_id, span_id = trace_ids(request_id)
+    return f"00-{trace_id}-{span_id}-01", trace_id
+
+
+async def _respond(send: Send, status: int, body: bytes, *, allow: bytes | None = None,
+                   retry_after: bytes | None = None, variant: str = "", request_id: str = "",
+                   traceparent: str = "") -> None:  # fmt: skip
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if allow:
+        headers.append((b"allow", allow))
+    if retry_after:
+        headers.append((b"retry-after", retry_after))
+    if variant:
+        headers.append((b"x-abplat-variant", variant.encode()))
+    if request_id:
+        headers.append((b"x-request-id", request_id.encode()))
+    if traceparent:
+        headers.append((b"traceparent", traceparent.encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def build_default() -> Gateway:
+    """The gateway of ``manage.py gateway`` (and of each uvicorn worker): settings, the
+    process's weights router, the variants from the database, the live recorder."""
+    import os
+    import socket
+
+    from django.conf import settings
+
+    from experiments.checks import variant_allowlist
+    from experiments.weights.process import live_router
+    from streaming.client import tls_verify
+
+    config = GatewayConfig.from_settings()
+    verify = tls_verify(settings.VARIANT_CA_BUNDLE or True)
+    ssl_context = verify if isinstance(verify, ssl.SSLContext) else None
+    worker = f"{socket.gethostname()}:{os.getpid()}"
+    return Gateway(
+        config,
+        router=live_router,
+        directory=Directory(),
+        recorder=_recorder(worker),
+        allow=variant_allowlist(),
+        ssl_context=ssl_context,
+    )
+
+
+def _recorder(worker: str) -> Recorder:
+    from gateway.recording import LiveRecorder
+
+    return LiveRecorder(worker=worker)

@@ -1,0 +1,51 @@
+"""python manage.py gateway --port P [--host H] [--workers N]: the live gateway on uvicorn."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import BaseCommand, CommandError
+
+from gateway.config import GatewayConfig
+
+
+class Command(BaseCommand):
+    help = (
+        "Serve the live gateway (OpenAI-compatible: /v1/chat/completions, /v1/completions, /v1/models) "
+        "on uvicorn; settings ABPLAT_GATEWAY_* (README, 'Live traffic')."
+    )
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("--port", type=int, required=True, help="TCP port to listen on")
+        parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+        parser.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+        parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+    def handle(self, *args, port: int, host: str, workers: int, log_level: str, **opts) -> None:
+        if not 0 <= port < 65536:
+            raise CommandError(f"--port {port}: must be in [0, 65535]")
+        if not 1 <= workers <= 256:
+            raise CommandError(f"--workers {workers}: must be in [1, 256]")
+        try:
+            GatewayConfig.from_settings()  # a bad setting stops here, naming it, before any worker
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc)) from None
+        import uvicorn
+
+        uvicorn.run(
+            "gateway.asgi:application",
+            host=host,
+            port=port,
+            workers=workers,
+            loop="uvloop",
+            http="httptools",
+            lifespan="on",
+            log_level=log_level,
+            access_log=False,
+            # the variant's own Server and Date headers pass through untouched
+            server_header=False,
+            date_header=False,
+            timeout_graceful_shutdown=settings.GATEWAY_DRAIN_S or None,
+            timeout_keep_alive=30,
+            backlog=4096,
+        )

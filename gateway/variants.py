@@ -1,0 +1,142 @@
+"""Where each variant is: endpoints, models and credentials, read from the database.
+
+The request path never touches the database: a background thread re-reads every experiment's
+variants each ``ABPLAT_GATEWAY_VARIANTS_REFRESH_S`` and swaps one immutable snapshot (as the
+weights router does). A variant's secret is read from ABPLAT_VARIANT_SECRETS_DIR at each
+refresh (a rotated file takes effect within one interval) and lives only in its headers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from django.conf import settings
+from django.db import close_old_connections
+
+from gateway.upstream import Endpoint
+from streaming.egress import bearer, read_secret
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    experiment: str
+    key: str
+    control: bool
+    endpoint: Endpoint
+    model: str
+    headers: Mapping[str, str] = field(repr=False)  # the Authorization, never logged
+    error: str = ""  # why this variant cannot be served now (its secret is missing)
+
+
+@dataclass(frozen=True, slots=True)
+class ExperimentTargets:
+    key: str
+    status: str
+    control: str
+    variants: Mapping[str, Target]
+
+
+_EMPTY: Mapping[str, ExperimentTargets] = MappingProxyType({})
+
+
+def load_targets(secrets_dir: str | None = None) -> dict[str, ExperimentTargets]:
+    """Every experiment with a control, from the database (call from a thread, not the loop)."""
+    from experiments.models import Experiment
+
+    directory = settings.VARIANT_SECRETS_DIR if secrets_dir is None else secrets_dir
+    out: dict[str, ExperimentTargets] = {}
+    for exp in Experiment.objects.prefetch_related("variants").order_by("key"):
+        variants: dict[str, Target] = {}
+        control = ""
+        for v in exp.variants.all():
+            headers: dict[str, str] = {}
+            error = ""
+            try:
+                endpoint = Endpoint.parse(v.endpoint)
+            except ValueError as exc:
+                log.error("gateway: variant %s/%s: %s", exp.key, v.key, exc)
+                continue
+            if v.auth_secret:
+                try:
+                    headers = bearer(read_secret(directory, v.auth_secret))
+                except ValueError as exc:  # SecretError: names the secret, never its value
+                    error = str(exc)
+            variants[v.key] = Target(exp.key, v.key, v.control, endpoint, v.model, headers, error)
+            if v.control:
+                control = v.key
+        if control:
+            out[exp.key] = ExperimentTargets(exp.key, exp.status, control, MappingProxyType(variants))
+    return out
+
+
+class Directory:
+    """The snapshot of targets, refreshed in the background (``start``) or by ``refresh``."""
+
+    def __init__(self, targets: Mapping[str, ExperimentTargets] | None = None) -> None:
+        self._targets: Mapping[str, ExperimentTargets] = (
+            MappingProxyType(dict(targets)) if targets else _EMPTY
+        )
+        self._controls: Mapping[str, str] = {k: e.control for k, e in self._targets.items()}
+        self._stop = threading.Event()
+        self._kick = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.loaded = targets is not None
+        self.last_error = ""
+
+    @property
+    def targets(self) -> Mapping[str, ExperimentTargets]:
+        return self._targets
+
+    @property
+    def controls(self) -> Mapping[str, str]:
+        return self._controls
+
+    def target(self, experiment: str, variant: str) -> Target | None:
+        exp = self._targets.get(experiment)
+        return exp.variants.get(variant) if exp is not None else None
+
+    def replace(self, targets: Mapping[str, ExperimentTargets]) -> None:
+        snapshot = MappingProxyType(dict(targets))
+        self._controls = {k: e.control for k, e in snapshot.items()}
+        self._targets = snapshot  # readers see the old or the new one, each whole
+        self.loaded = True
+
+    def refresh(self) -> None:
+        self.replace(load_targets())
+
+    def kick(self) -> None:
+        """Refresh soon (a router assigned a variant this snapshot does not hold yet)."""
+        self._kick.set()
+
+    def start(self, interval_s: float) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, args=(interval_s,), name="gateway-variants", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._kick.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.is_set():
+            try:
+                close_old_connections()
+                self.refresh()
+                self.last_error = ""
+            except Exception as exc:  # keep serving the last snapshot
+                if not self.last_error:
+                    log.warning("gateway: cannot read the variants (%s); serving the last snapshot", exc)
+                self.last_error = f"{type(exc).__name__}: {exc}"
+            self._kick.wait(interval_s)
+            self._kick.clear()
