@@ -27,7 +27,9 @@ from typing import Any
 
 import numpy as np
 
-MODES = ("split", "mirror")
+# split / mirror: a replay (replay.plan); live: real users' traffic measured by the gateway
+# (gateway.recording), one run per gateway process start (gateway.models.LiveRun).
+MODES = ("split", "mirror", "live")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,7 +55,7 @@ COLUMNS: tuple[Column, ...] = (
     _c("seq", "UInt32", "u32"),
     _c("request_id", "String", "str"),
     # --- replay context: how and when it was sent
-    _c("mode", "LowCardinality(String)", "str"),  # 'split' | 'mirror' (MODES), checked by row_from
+    _c("mode", "LowCardinality(String)", "str"),  # one of MODES (split, mirror, live), checked by row_from
     _c("user_id", "String", "str"),
     _c("config_revision", "Int64", "i64"),  # etcd revision of the weights the router used
     _c("sent_at", "DateTime('UTC')", "datetime"),  # explicit UTC: same partitions on any host

@@ -391,6 +391,19 @@ class SpoolingWriter:
                 log.warning("sample store unavailable, spooled %d rows to %s: %s", len(checked), name, e)
                 return "spooled"
 
+    def spill(self, rows: Sequence[SampleRow] | Sequence[Mapping[str, Any]]) -> str | None:
+        """Spool a batch without trying the store first: for a writer that knows the store is
+        down, or holds more than the store can take now (the live gateway's recorder, whose
+        queue must drain at the disk's speed while the store is slow or away). Validated as in
+        write(), counted by the hooks the same way, flushed later like any spooled batch.
+        Returns the spool file's name (None for no rows)."""
+        validate_samples(rows, "SpoolingWriter.spill")
+        checked = list(rows)
+        if not checked:
+            return None
+        with self.spool.locked():
+            return self._append(checked)
+
     def _append(self, rows: Sequence[Any]) -> str:
         """Spool a batch (lock held), telling the hooks first: if they cannot hear it, nothing
         is spooled and the caller sees their error, so no host ever ends a run whose samples

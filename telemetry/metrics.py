@@ -271,6 +271,29 @@ RUN_STATES = ("queued", "running", "flushing", "cancelling", "done", "cancelled"
 REPLAY_RUNS_NAME = "abplat_replay_runs"
 REPLAY_RUNS_HELP = "Replay runs in the database by status (read from the database at each scrape)."
 
+# ---- live gateway recording (gateway/recording.py) ---------------------------------------------
+LIVE_SAMPLES_RECORDED = _counter(
+    "abplat_live_samples_recorded_total",
+    "Live requests' samples the gateway's recorder built (each with its run's next seq).",
+    ("experiment",),
+)
+LIVE_SAMPLES_WRITTEN = _counter(
+    "abplat_live_samples_written_total",
+    "Live samples written: destination store (inserted) or spool (the store was down or slow).",
+    ("experiment", "destination"),
+)
+LIVE_SAMPLES_DROPPED = _counter(
+    "abplat_live_samples_dropped_total",
+    "Live samples lost before reaching store or spool, by reason: queue_full (the recorder's memory "
+    "queue was full), closed (recorded after close), invalid (not a valid row). 0 in normal operation.",
+    ("reason",),
+)
+LIVE_QUEUE_ROWS = _gauge(
+    "abplat_live_recorder_queue_rows",
+    "Live samples in the gateway recorders' memory, not yet written (multiprocess: summed).",
+    "livesum",
+)
+
 # ---- spool (samples/spool.py) -----------------------------------------------------------------
 SPOOL_ROWS = _gauge(
     "abplat_spool_rows", "Samples waiting in this host's spool for the store to come back.", "livemostrecent"
