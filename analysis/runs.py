@@ -5,9 +5,14 @@ The rule (docs/report-json.md, "Runs"):
 - by default a report reads runs whose catalog status is ``done`` and runs without a catalog row
   (data loaded by tools and tests, taken as complete); running, cancelled and failed runs are
   partial and are read only when asked for (``Filters.status``), and then labelled;
-- runs of different modes (split, mirror) are never mixed unless asked (``Filters.mode``): by
-  default the report reads the mode of the latest completed run (the run whose newest sample is
-  the newest) and lists the other mode's runs as available;
+- runs of different modes (split, mirror, live) are never mixed unless asked (``Filters.mode``):
+  by default the report reads the mode of the latest completed run (the run whose newest sample
+  is the newest) and lists the other modes' runs as available;
+- a live run (mode ``live``: real users' traffic recorded by the gateway, one run per gateway
+  process start) has no end to wait for: while its gateway serves it is read as it stands, like
+  a completed run, never as partial, whether it has no catalog row or one saying ``running``.
+  When live traffic is the newest, the default mode is therefore live, and the replays' runs
+  are listed as available beside it (and the other way round);
 - a run asked for by id (``Filters.run_id``) is read whatever its status or mode, labelled.
 
 Pure: the catalog, the data version and the modes per run come in as values.
@@ -25,6 +30,15 @@ DEFAULT_STATUSES = ("done",)
 # The status a run without a catalog row is given: complete (tools and tests load whole runs).
 UNCATALOGUED = "uncatalogued"
 PARTIAL = ("running", "cancelled", "failed")
+LIVE = "live"  # samples.columns.MODES: the gateway's recording of real traffic
+
+
+def _read_as(run: Mapping[str, Any]) -> str:
+    """The status a run is filtered by: a run without a catalog row, or a live run still
+    recording, counts as done."""
+    if run["status"] == UNCATALOGUED or (run["mode"] == LIVE and run["status"] == "running"):
+        return "done"
+    return str(run["status"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,18 +71,17 @@ def select_runs(
     known: dict[int, dict[str, Any]] = {}
     for run_id in sorted({*newest, *cat}):
         c = cat.get(run_id)
-        known[run_id] = {
+        run = {
             "run_id": run_id,
             "status": c["status"] if c else UNCATALOGUED,
             "mode": (c["mode"] if c else sample_modes.get(run_id)) or None,
             "samples": run_id in newest,
-            "partial": bool(c) and c["status"] in PARTIAL,
         }
+        known[run_id] = {**run, "partial": _read_as(run) in PARTIAL}
     statuses = tuple(filters.status) or DEFAULT_STATUSES
 
     def by_status(run: Mapping[str, Any]) -> bool:
-        st = "done" if run["status"] == UNCATALOGUED else run["status"]
-        return st in statuses
+        return _read_as(run) in statuses
 
     if filters.run_id is not None:
         picked = [known[filters.run_id]] if filters.run_id in known else []
@@ -81,7 +94,7 @@ def select_runs(
         if filters.mode is not None:
             mode, mode_source = filters.mode, "filter"
         else:
-            done = [r for r in eligible if r["status"] in ("done", UNCATALOGUED) and r["mode"]]
+            done = [r for r in eligible if _read_as(r) == "done" and r["mode"]]
             pool = done or [r for r in eligible if r["mode"]]
             latest = max(pool, key=lambda r: (newest.get(r["run_id"], 0), r["run_id"]), default=None)
             mode = latest["mode"] if latest else None

@@ -33,7 +33,10 @@ class ExperimentReport(APIView):
                 "default: completed runs",
             ),
             OpenApiParameter(
-                "mode", str, description="split or mirror; default: the mode of the latest completed run"
+                "mode",
+                str,
+                description="split, mirror (replays) or live (the gateway's real traffic); default: the "
+                "mode of the latest completed run",
             ),
         ],
         responses={200: OpenApiTypes.OBJECT},

@@ -51,6 +51,27 @@ def _anytime_rows(report) -> list[dict[str, str]]:
     return out
 
 
+def _sources(runs: dict) -> list[dict]:
+    """The report's runs (read or not) by source: replays (split, mirror) and live traffic (the
+    gateway's, mode live), each with the modes it has, so the page lists live beside replays."""
+    out: dict[str, dict] = {}
+    for r in [*runs.get("read", []), *runs.get("not_read", [])]:
+        mode = r.get("mode") or runs.get("mode")
+        source = out.setdefault("live" if mode == "live" else "replay", {"runs": [], "modes": []})
+        source["runs"].append({"run_id": r["run_id"], "mode": mode, "read": "reason" not in r})
+        if mode and mode not in source["modes"]:
+            source["modes"].append(mode)
+    return [
+        {
+            "name": name,
+            "runs": sorted(out[name]["runs"], key=lambda r: r["run_id"]),
+            "modes": out[name]["modes"],
+        }
+        for name in ("replay", "live")
+        if name in out
+    ]
+
+
 def _too_slow() -> HttpResponse:
     # 400, as for a bad filter: narrower filters are what makes this report answer.
     return HttpResponseBadRequest(
@@ -82,6 +103,7 @@ def experiment(request: HttpRequest, key: str) -> HttpResponse:
         "anytime_rows": _anytime_rows(report),
         "run_statuses": RUN_STATUSES,
         "run_modes": MODES,
+        "sources": _sources(report["runs"]),
         "attribution_texts": {
             metric: {v: e["text"] for v, e in report["attribution"][metric].items()}
             for metric in ("attainment", "p99_ttft_ms")

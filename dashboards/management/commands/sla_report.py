@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from analysis.definitions import METRIC_LABELS, QueryError
+from analysis.definitions import METRIC_LABELS, MODES, QueryError
 from dashboards import tables
 from dashboards.reports import report_for_params, report_time_limit_s, timeout_message
 from dashboards.tables import interval_text as iv
@@ -56,7 +56,9 @@ class Command(JsonCommand):
             help="run statuses to read besides the default (done): running, done, cancelled, failed, "
             "or all; repeatable or comma-separated",
         )
-        parser.add_argument("--mode", choices=["split", "mirror"], help="read runs of this mode")
+        parser.add_argument(
+            "--mode", choices=MODES, help="read runs of this mode (live: the gateway's real traffic)"
+        )
         add_json_argument(parser)
         parser.add_argument("--csv", metavar="DIR", help="write one CSV per table into DIR")
 
@@ -144,11 +146,21 @@ def itl_lines(report) -> list[str]:
     return lines
 
 
+def run_status(run, mode: str | None) -> str:
+    """A run as the report lists it: its catalog status, "live" for the gateway's runs."""
+    if (run.get("mode") or mode) != "live":
+        return run["status"]
+    return "live" if run["status"] == "uncatalogued" else f"live, {run['status']}"
+
+
 def render_text(report) -> str:
     exp = report["experiment"]
     sla = exp["sla"]
     runs = report.get("runs") or {}
-    read = ", ".join(f"{r['run_id']} ({r['status']})" for r in runs.get("read", [])) or "none"
+    read = (
+        ", ".join(f"{r['run_id']} ({run_status(r, runs.get('mode'))})" for r in runs.get("read", []))
+        or "none"
+    )
     lines = [
         f"{exp['name']} ({exp['key']}): {slo_text(sla)} for {sla['target']:.2%}"
         f" of requests; control {exp['control']}",
