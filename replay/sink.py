@@ -4,6 +4,13 @@ Rows (samples.columns.SampleRow, from replay.rows.row_from) are batched (by size
 written by one thread through ``write(rows)`` (the sample store's spooling writer), so a slow insert never delays a scheduled send. ``close()``
 drains everything; a write that raises is retried a bounded number of times and then
 surfaces in ``close()`` so the shard fails loudly rather than dropping samples.
+
+Rows are validated a batch at a time, columnar, by the writer (samples.columns.validate_samples
+in SpoolingWriter.write), not one by one where they are made (replay.rows.row_from checks only
+its context values). A batch the writer refuses as invalid (SampleError) is not retried: the
+sink checks its rows one at a time, writes every valid one, and fails the shard with an error
+naming each bad row's request id, seq and variant, the column and the value (put() raises it
+from then on, close() raises it after writing what it holds). No row is dropped silently.
 """
 
 from __future__ import annotations
@@ -15,7 +22,27 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from samples.columns import SampleError, validate_samples
+
 log = logging.getLogger(__name__)
+
+
+class InvalidRows(SampleError):
+    """Rows of a batch that the writer refused as invalid; the batch's other rows were written."""
+
+    def __init__(self, bad: Sequence[tuple[Any, str]], of: int) -> None:
+        def name(row: Any) -> str:
+            try:
+                return f"request {row['request_id']!r} (seq {row['seq']!r}, variant {row['variant']!r})"
+            except (KeyError, IndexError, TypeError):
+                return "a row without a request id"
+
+        shown = "; ".join(f"{name(row)}: {err}" for row, err in bad[:3])
+        more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
+        super().__init__(
+            f"{len(bad)} of {of} rows invalid, not written (the other {of - len(bad)} were): {shown}{more}"
+        )
+        self.rows = [row for row, _ in bad]
 
 
 class BatchSink:
@@ -64,11 +91,15 @@ class BatchSink:
                         self.written += len(rows)
                         self.batches += 1
                         break
+                    except SampleError as refused:  # permanent: retrying the same rows cannot help
+                        if not self._write_valid(rows, refused):
+                            return
+                        break
                     except Exception as exc:  # surfaced to the shard in close()/put()
                         log.warning("writing %d samples failed (attempt %d): %s", len(rows), attempt, exc)
                         if attempt == self.retries:
                             with self._cond:
-                                self._error = exc
+                                self._error = self._error or exc
                                 # Keep the rows: close() reports them as not written.
                                 self._rows = rows + self._rows
                             return
@@ -77,6 +108,40 @@ class BatchSink:
                 if self._closing and not self._rows:
                     return
 
+    def _write_valid(self, rows: list[Any], refused: SampleError) -> bool:
+        """The writer refused ``rows`` as invalid (``refused``): write the valid ones (with the
+        usual retries), keep the error naming the bad ones for put() and close(). False: the
+        valid rows could not be written either (the rows stay for close() to count)."""
+        good, bad = [], []
+        for row in rows:  # the writer's validator, one row at a time: every bad row, not the first
+            try:
+                validate_samples([row], "row")
+            except SampleError as err:
+                bad.append((row, str(err).split(": ", 1)[-1]))  # "column ... cannot hold ...: why"
+            else:
+                good.append(row)
+        if not bad:  # the writer refused what the validator takes: refuse the batch, say why
+            good, bad = [], [(row, str(refused)) for row in rows]
+        error = InvalidRows(bad, len(rows))
+        log.error("sample writer: %s", error)
+        with self._cond:
+            self._error = self._error or error
+        for attempt in range(1, self.retries + 1):
+            try:
+                if good:
+                    self._write(good)
+                    self.written += len(good)
+                    self.batches += 1
+                return True
+            except Exception as exc:
+                log.warning("writing %d samples failed (attempt %d): %s", len(good), attempt, exc)
+                if attempt == self.retries or isinstance(exc, SampleError):
+                    with self._cond:
+                        self._rows = good + self._rows
+                    return False
+                time.sleep(0.2 * attempt)
+        return False  # pragma: no cover - the loop returns
+
     def close(self) -> int:
         """Write everything still buffered; raise if any batch could not be written."""
         with self._cond:
@@ -84,7 +149,8 @@ class BatchSink:
             self._cond.notify()
         self._thread.join()
         if self._error is not None:
+            invalid = len(self._error.rows) if isinstance(self._error, InvalidRows) else 0
             raise RuntimeError(
-                f"sample writer failed with {len(self._rows)} rows unwritten: {self._error}"
+                f"sample writer failed with {len(self._rows) + invalid} rows unwritten: {self._error}"
             ) from self._error
         return self.written

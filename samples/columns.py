@@ -629,6 +629,50 @@ def validate_rows(rows: Sequence[Mapping[str, Any]], where: str = "rows") -> Val
     return validate_columns(rows_to_columns(rows, where), where, nan_is_null=False)
 
 
+_KINDS: dict[str, str] = {c.name: c.kind for c in COLUMNS}
+
+
+def validate_values(values: Mapping[str, Any], where: str = "row") -> None:
+    """Some columns of one row ({column: value}), checked as validate_row checks them, with its
+    messages ("row_from: column seq (UInt32) cannot hold -1: out of range [0, 4294967295]").
+
+    For a writer that checks the values it makes itself where they are made, so the error
+    names the field at its source, and leaves the rest of the row to the batch's columnar check
+    (validate_samples) where it is stored: replay.rows.row_from checks its context values here.
+    The common exact types (str, an int in range, a finite float, None where nullable) pass in
+    a few bytecodes; anything else takes validate_row's own one-value check, which says why.
+    """
+    for name, v in values.items():
+        kind = _KINDS.get(name)
+        if kind is None:
+            raise SampleError(f"{where}: unknown column {name!r}")
+        t = type(v)
+        if t is str:
+            if kind == "str":
+                continue
+        elif t is int:
+            bounds = _INT_RANGES.get(kind)
+            if bounds is not None and bounds[0] <= v <= bounds[1]:
+                continue
+        elif t is float:
+            if kind in _FLOAT_KINDS and math.isfinite(v):
+                continue
+        elif v is None and kind in _NULLABLE_KINDS:
+            continue
+        _one_value(BY_NAME[name], v, where)  # raises, naming the column, unless it is valid
+
+
+_NULLABLE_KINDS = frozenset({"nf64", "nu64"})
+
+
+def _one_value(col: Column, v: Any, where: str) -> None:
+    """One value of one row through the validator (numpy skipped); SampleError if it is bad."""
+    try:
+        _column(col, (v,), nan_is_null=False, convert=False)
+    except _Bad as bad:
+        raise _error(where, col, (v,), bad, one_row=True) from None
+
+
 def validate_row(row: Mapping[str, Any], where: str = "row") -> dict[str, Any]:
     """One row through the same validator; returns a copy in column order, floats as float."""
     if not isinstance(row, Mapping):
@@ -640,10 +684,7 @@ def validate_row(row: Mapping[str, Any], where: str = "row") -> dict[str, Any]:
     out = {}
     for col in COLUMNS:
         v = row[col.name]
-        try:
-            _column(col, (v,), nan_is_null=False, convert=False)  # the same checks, numpy skipped
-        except _Bad as bad:
-            raise _error(where, col, (v,), bad, one_row=True) from None
+        _one_value(col, v, where)  # the same checks, numpy skipped
         if col.kind == "au32":
             out[col.name] = [int(x) for x in v]  # a copy, JSON-safe (the spool writes rows)
         else:

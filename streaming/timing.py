@@ -14,11 +14,25 @@ Definitions (see docs/services.md, "How vLLM's own benchmark client defines the 
   rank, stats.quantiles, the project's one convention). TPOT: (last token - ttft) / (tokens - 1).
 - ``e2e_ms``: when the stream ended ([DONE] or the error that ended it).
 - output tokens from the usage event; the token-chunk count only when there is none.
+
+Decoding: every event that is not [DONE] is read with json.loads, except the token events of a
+stream after its first: vLLM (and the simulator) send them byte for byte alike but for the token
+text, e.g. ``{"id":"cmpl-1","object":"text_completion",...,"choices":[{"index":0,"text":"so",
+"logprobs":null,"finish_reason":null,...}]}``. The first plain token event (no role, no
+finish_reason, no usage) is decoded in full, and its bytes before and after the text's JSON
+string become the stream's template, once a probe proves it: the template with another string
+in that place decodes to the same event with only the text changed (_Template.learn). Later
+events that are that prefix, one valid JSON string and that suffix are then the same event
+with another text, which is all event() needs to know of them: a token chunk, with content or
+empty. Anything else (the role event, the last token with its finish_reason, usage, errors,
+another server's shape, bytes that only look alike) takes json.loads, so the result is exactly
+json.loads' (tests/streaming/test_timing.py compares both on vLLM's captures and hostile input).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from stats.quantiles import nearest_rank
@@ -26,6 +40,67 @@ from streaming.result import Outcome, StreamResult
 from streaming.sse import DONE
 
 _NS_PER_MS = 1_000_000.0
+_CHAT, _COMPLETION = 1, 2  # a plain token event's shape (StreamTimer._choice)
+
+
+# A JSON string token exactly as json.loads reads one (strict: no raw control character, only
+# its escapes), unrolled so that a near miss fails in linear time.
+_JSON_STRING = re.compile(r'"[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*"')
+# What the probe puts where the text was: escapes, a line separator, nothing a real token holds.
+_PROBE = '"\\u0000abplat\\"probe\\u2028"'
+_PROBE_TEXT = '\x00abplat"probe\u2028'
+
+
+class _Template:
+    """A stream's token events, known from its first plain one: ``prefix`` + a JSON string (the
+    text) + ``suffix``. Made only by learn(), which proves it."""
+
+    __slots__ = ("prefix", "suffix", "start", "end_from")
+
+    def __init__(self, prefix: str, suffix: str) -> None:
+        self.prefix, self.suffix = prefix, suffix
+        self.start = len(prefix)
+        self.end_from = len(prefix) + len(suffix)  # the text's end, counted from the data's end
+
+    def text(self, data: str) -> str | None:
+        """The raw JSON string of the text when ``data`` is this template's event, else None."""
+        if (
+            len(data) < self.end_from + 2
+            or not data.startswith(self.prefix)
+            or not data.endswith(self.suffix)
+        ):
+            return None
+        raw = data[self.start : len(data) - len(self.suffix)]
+        return raw if _JSON_STRING.fullmatch(raw) else None
+
+    @classmethod
+    def learn(cls, data: str, obj: dict, chat: bool) -> _Template | None:
+        """The template of ``data`` (decoded: ``obj``; its text at choices[0].delta.content when
+        ``chat``, else choices[0].text), or None. Proof: the bytes around the text's string,
+        with the probe's string in its place, decode to ``obj`` with only the text changed.
+        JSON is read left to right, so those bytes read the same around any string: the probe
+        shows that the string is one token and that the decoder keeps it at that place (the
+        last of duplicate keys wins, so a key seen twice still passes only if this is the one)."""
+        name = "content" if chat else "text"
+        at = data.rfind(f'"{name}"')
+        if at < 0:
+            return None
+        i = at + len(name) + 2
+        while i < len(data) and data[i] in " \t\n\r:":
+            i += 1
+        m = _JSON_STRING.match(data, i)
+        if m is None:
+            return None
+        prefix, suffix = data[:i], data[m.end() :]
+        try:
+            probed = json.loads(prefix + _PROBE + suffix)
+            holder = probed["choices"][0]["delta"] if chat else probed["choices"][0]
+            if holder[name] != _PROBE_TEXT:
+                return None
+            holder[name] = (obj["choices"][0]["delta"] if chat else obj["choices"][0])[name]
+        except (ValueError, LookupError, TypeError):
+            return None
+        return cls(prefix, suffix) if probed == obj else None
 
 
 class StreamProtocolError(ValueError):
@@ -48,6 +123,8 @@ class StreamTimer:
         self._first_content_ns: int | None = None
         self._end_ns: int | None = None
         self.done = False
+        self._template: _Template | None = None
+        self._learn = True
 
     def _ms(self, t_ns: int) -> float:
         return (t_ns - self.start_ns) / _NS_PER_MS
@@ -71,6 +148,14 @@ class StreamTimer:
 
     # 2. one SSE event's data ------------------------------------------------------------
     def event(self, t_ns: int, data: str) -> int:
+        template = self._template
+        if template is not None:
+            text = template.text(data)
+            if text is not None:  # this stream's token event again, another text (see above)
+                self._token_times.append(t_ns)
+                if text != '""' and self._first_content_ns is None:
+                    self._first_content_ns = t_ns
+                return self.MORE
         if data == DONE:
             self.done = True
             self._end_ns = t_ns
@@ -95,10 +180,15 @@ class StreamTimer:
         if usage:
             self._usage(usage, data)
         if choices:
-            self._choice(t_ns, choices[0], data)
+            plain = self._choice(t_ns, choices[0], data)
+            if plain and self._learn and not usage:
+                self._learn = False  # one try per stream: a stream that does not fit pays once
+                self._template = _Template.learn(data, obj, plain == _CHAT)
         return self.MORE
 
-    def _choice(self, t_ns: int, choice: Any, data: str) -> None:
+    def _choice(self, t_ns: int, choice: Any, data: str) -> int:
+        """One choice's token; returns _CHAT or _COMPLETION for a plain token event (no role,
+        no finish_reason: what a template may stand for), else 0."""
         if not isinstance(choice, dict):
             raise StreamProtocolError(f"choice is not an object: {data[:120]!r}")
         if self._first_event_ns is None:
@@ -121,6 +211,10 @@ class StreamTimer:
         reason = choice.get("finish_reason")
         if reason:
             self.r.finish_reason = str(reason)
+            return 0
+        if isinstance(delta, dict):
+            return 0 if "role" in delta else _CHAT
+        return _COMPLETION
 
     def _usage(self, usage: Any, data: str) -> None:
         if not isinstance(usage, dict):

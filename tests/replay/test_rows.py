@@ -151,9 +151,55 @@ def test_missing_context_is_named(build):
         row_from(build.result(), ctx)
 
 
-def test_non_finite_timing_from_the_client_is_rejected(build):
-    with pytest.raises(SampleError, match="column ttft_ms"):
-        row_from(build.result(ttft_ms=math.inf), build.context(1))
+def test_the_clients_values_are_left_to_the_batch_check_which_names_the_row(build):
+    """row_from checks the context's values; the StreamResult's are checked with the whole batch
+    where it is stored (replay.sink.BatchSink then names the request, tests/replay/test_sink.py)."""
+    bad = row_from(build.result(ttft_ms=math.inf), build.context(1))
+    with pytest.raises(
+        SampleError, match=r"rows row 1: column ttft_ms \(Nullable\(Float64\)\) cannot hold inf"
+    ):
+        columns.validate_samples([row_from(build.result(), build.context(0)), bad])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"run_id": "7"}, "row_from: column run_id (UInt64) cannot hold '7': not an integer"),
+        ({"variant": None}, "row_from: column variant (LowCardinality(String)) cannot hold None: not a str"),
+        ({"in_flight": 2**32}, "row_from: column in_flight (UInt32) cannot hold 4294967296: out of range"),
+        (
+            {"config_revision": 1.0},
+            "row_from: column config_revision (Int64) cannot hold 1.0: not an integer",
+        ),
+        ({"scheduled_offset_ms": math.inf}, "row_from: column scheduled_offset_ms (Float64) cannot hold inf"),
+        ({"worker": b"host"}, "row_from: column worker (LowCardinality(String)) cannot hold b'host'"),
+        ({"recorded_ms": -1}, "row_from: column recorded_ms (UInt64) cannot hold -1"),
+        ({"request_id": 5}, "row_from: column request_id (String) cannot hold 5"),
+        ({"max_tokens": True}, "row_from: column max_tokens (UInt32) cannot hold True: not an integer"),
+        ({"sent_unix_ms": True}, "sent_unix_ms must be a number, got True"),
+        ({"mode": "mirror", "variant": ""}, "variant must be a non-empty string or None"),
+    ],
+)
+def test_every_context_value_is_checked_where_row_from_builds_it(build, override, message):
+    with pytest.raises(SampleError) as err:
+        row_from(build.result(), build.context(1, **override))
+    assert message in str(err.value)
+
+
+def test_the_replays_prompt_count_is_checked_when_it_is_the_one_stored(build):
+    with pytest.raises(SampleError, match=r"column prompt_tokens \(UInt32\) cannot hold -5"):
+        row_from(build.result(usage_reported=False), build.context(1, prompt_tokens=-5))
+    # the server's count wins, so the replay's is not stored (nor checked)
+    assert row_from(build.result(), build.context(1, prompt_tokens=-5))["prompt_tokens"] == 512
+
+
+def test_row_from_values_are_those_validate_row_returns(build):
+    """The row is what the validator would return for it: the batch check adds nothing to fix."""
+    row = row_from(build.result(), build.context(3))
+    assert columns.validate_row(row.as_dict()) == row.as_dict()
+    assert row_from(StreamResult(), build.context(2)).as_dict() == columns.validate_row(
+        row_from(StreamResult(), build.context(2)).as_dict()
+    )
 
 
 def test_request_id_sent_must_match_the_replay_id(build):

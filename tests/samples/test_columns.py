@@ -351,3 +351,31 @@ def test_ordinary_gap_rows_take_the_marshal_path_and_anything_else_the_checked_o
     assert [a.tolist() for a in validate_rows([sample_row(1, itl_gaps_us=[2**31])])["itl_gaps_us"]] == [
         [2**31]
     ]
+
+
+_HOSTILE = [
+    "", "x", 0, 1, -1, 2**8, 2**16, 2**31, 2**32, 2**63, 2**64, -(2**63) - 1, 10**400, True, False, None,
+    0.0, -0.0, 1.5, math.inf, -math.inf, math.nan, 1e308, b"x", [1], (), [], np.int64(3), np.uint64(2**64 - 1),
+    np.float64(1.5), np.int64(-1), object(),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", [c.name for c in columns.COLUMNS])
+def test_validate_values_accepts_and_refuses_exactly_what_validate_row_does(name):
+    """Its fast path for the common exact types must never take a value the validator refuses
+    (replay.rows.row_from checks its context values with it), and refuses with the same message."""
+    base = sample_row(1)
+    for v in _HOSTILE:
+        try:
+            columns.validate_row({**base, name: v}, where="w")
+        except columns.SampleError as e:
+            with pytest.raises(columns.SampleError) as err:
+                columns.validate_values({name: v}, where="w")
+            assert str(err.value) == str(e), (name, v)
+        else:
+            columns.validate_values({name: v}, where="w")
+
+
+def test_validate_values_refuses_a_name_that_is_no_column():
+    with pytest.raises(columns.SampleError, match="w: unknown column 'colour'"):
+        columns.validate_values({"colour": "red"}, where="w")

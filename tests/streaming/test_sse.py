@@ -145,3 +145,40 @@ def test_feed_data_gives_exactly_the_data_feed_gives_in_any_split(stream, cuts):
 def test_feed_data_follows_the_field_rules_too():
     raw = b"data:no-space\ndata:  two\nevent: x\nid: 7\nretry: 5\n: c\ndata\n\ndata: [DONE]\n\n"
     assert data_only([raw]) == data([raw]) == ["no-space\n two\n", "[DONE]"]
+
+
+def events_of(chunks: list[bytes]) -> list[SSEEvent]:
+    p = SSEParser()
+    out: list[SSEEvent] = []
+    for c in chunks:
+        out += p.feed(c)
+    return out + p.finish()
+
+
+@pytest.mark.parametrize("name", ["sse_chat.txt", "sse_completion.txt", "sse_chat_engine_error.txt"])
+def test_one_event_per_read_as_the_server_writes_them_parses_as_byte_by_byte(name):
+    raw = (CAPTURES / name).read_bytes()
+    per_event = [e + b"\n\n" for e in raw.split(b"\n\n") if e]
+    assert b"".join(per_event) == raw
+    one_byte = [raw[i : i + 1] for i in range(len(raw))]
+    assert events_of(per_event) == events_of(one_byte) == events_of([raw])
+    assert data_only(per_event) == [e.data for e in events_of(one_byte)]
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [b"event: tok\n", b"data: a\n\n", b"data: b\n\n"],  # the type applies to the next event only
+        [b"id: 7\n", b"data: a\n\n", b"data: b\n\n"],  # the id persists
+        [b"data: a\n", b"data: b\n\n"],  # a data line pending: joined, not a new event
+        [b"data: a\r", b"\ndata: b\n\n"],  # a CR whose LF came in the next read
+        [b"data: a", b"data: b\n\n"],  # an unterminated line first: one line "data: adata: b"
+        [b"data: a\r\n\r\n", b"data: b\n\n", b"data:c\n\n", b"data: \xff\n\n", b"data: x\ny\n\n"],
+        [b"data: a\n\n\n", b"data: [DONE]\n\n"],
+    ],
+)
+def test_whole_event_reads_after_any_state_parse_as_byte_by_byte(chunks):
+    raw = b"".join(chunks)
+    one_byte = [raw[i : i + 1] for i in range(len(raw))]
+    assert events_of(chunks) == events_of(one_byte)
+    assert data_only(chunks) == [e.data for e in events_of(one_byte)]

@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+import dataclasses
 import json
+import pathlib
+import random
 
 import pytest
 
 from stats.quantiles import nearest_rank
+from streaming import timing
 from streaming.result import Outcome
+from streaming.sse import SSEParser
 from streaming.timing import StreamProtocolError, StreamTimer
 
 MS = 1_000_000
@@ -127,3 +132,150 @@ def test_a_single_token_has_no_gap_and_a_clock_step_back_counts_as_zero():
     t.event(5 * MS, chat("a"))
     t.event(5 * MS - 2_000, chat("b"))  # an earlier stamp than the one before (never negative)
     assert t.finish(6 * MS, Outcome.OK).itl_gaps_us == [0]
+
+
+# --- the template fast path (issue 14): exactly json.loads' result, or json.loads itself --------
+
+CAPTURES = pathlib.Path(__file__).parents[1] / "data" / "vllm-captures"
+
+
+def reference() -> StreamTimer:
+    """A timer that decodes every event with json.loads (the fast path never learns)."""
+    t = StreamTimer(0)
+    t._learn = False
+    return t
+
+
+def outcome(timer: StreamTimer, t_ns: int, data: str) -> tuple:
+    try:
+        return ("returned", timer.event(t_ns, data))
+    except StreamProtocolError as e:
+        return ("raised", str(e))
+
+
+def state(timer: StreamTimer) -> tuple:
+    return (timer._token_times, timer._first_event_ns, timer._first_content_ns, timer._end_ns, timer.done,
+            dataclasses.asdict(timer.r))  # fmt: skip
+
+
+def same_as_json_loads(events: list[str]) -> StreamTimer:
+    """Feed both timers the same events: every event's return (or error) and the final state
+    must be the same; returns the fast one."""
+    fast, ref = StreamTimer(0), reference()
+    for i, data in enumerate(events):
+        assert outcome(fast, (i + 1) * MS, data) == outcome(ref, (i + 1) * MS, data), data
+        assert state(fast) == state(ref), data
+    assert dataclasses.asdict(fast.finish(len(events) * MS, Outcome.OK)) == dataclasses.asdict(
+        ref.finish(len(events) * MS, Outcome.OK)
+    )
+    return fast
+
+
+def capture(name: str) -> list[str]:
+    p = SSEParser()
+    return [e.data for e in p.feed((CAPTURES / name).read_bytes()) + p.finish()]
+
+
+@pytest.mark.parametrize("name", ["sse_chat.txt", "sse_completion.txt", "sse_chat_engine_error.txt"])
+def test_real_vllm_streams_give_exactly_what_json_loads_gives(name, monkeypatch):
+    events = capture(name)
+    loads = []
+    real = json.loads
+    monkeypatch.setattr(timing.json, "loads", lambda s: loads.append(s) or real(s))
+    fast = same_as_json_loads(events)
+    if name == "sse_chat_engine_error.txt":
+        return
+    tokens = [e for e in events if '"finish_reason":null' in e and '"role"' not in e]
+    assert fast._template is not None
+    # decoded: the role event, the first token (and its probe), the last token, usage, on both
+    # timers; every other token event only on the reference
+    fast_loads = len(loads) - (len(events) - 1)  # the reference decodes every event but [DONE]
+    assert fast_loads == len(events) - 1 - (len(tokens) - 1) + 1
+
+
+def test_the_simulator_streams_take_the_fast_path_and_give_the_same():
+    from simulator.framing import Framer
+
+    for api in ("chat", "completions"):
+        f = Framer(api, "cmpl-1", 1795992910, "m")
+        frames = [f.role()] if api == "chat" else []
+        frames += [f.token(text) for text in ["", "a", "é", '"q"', "\\", "\n", "\u2028", "😀"]]
+        frames += [f.token("z", "length"), f.usage(7, 9, {"server_ttft_ms": 1.5, "first_content_ns": 3})]
+        p = SSEParser()
+        events = [e.data for e in p.feed(b"".join(frames) + b"data: [DONE]\n\n") + p.finish()]
+        fast = same_as_json_loads(events)
+        assert fast._template is not None, api
+
+
+def _token(text_json: str) -> str:
+    return (
+        '{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":'
+        + text_json
+        + ',"logprobs":null,"finish_reason":null,"stop_reason":null}]}'
+    )
+
+
+@pytest.mark.parametrize(
+    "middle",
+    [
+        '""', '"a"', '"\\u00e9"', '"\\ud83d\\ude00"', '"\\ud800"', '"\u2028"', '"😀"', '"\\"', '"a\\"',
+        '"\\q"', '"\\u12"', '"\\u12g4"', '"a\x01"', '"a\x7f"', '"\t"', 'null', '1', '"a" ', ' "a"', '"a","x":1',
+        '"a","text":"b"', '"a"}]},{"x":"', '"a', 'a"', '"', '"a""b"', '"\\/\\b\\f\\n\\r\\t\\\\"', "'a'",
+        '"a"\n', 'NaN', '["a"]', '{"a":1}', '"a\\\\"', '"\\\\\\""',
+    ],
+)  # fmt: skip
+def test_hostile_events_after_a_learned_template_are_exactly_json_loads(middle):
+    assert same_as_json_loads([_token('"first"'), _token(middle), _token('"last"')])._template is not None
+
+
+def test_random_texts_in_the_template_are_exactly_json_loads():
+    rng = random.Random(14)
+    alphabet = [
+        '"',
+        "\\",
+        "u",
+        "0",
+        "d",
+        "8",
+        "f",
+        "a",
+        "n",
+        "t",
+        "/",
+        "\x00",
+        "\x1f",
+        " ",
+        ",",
+        ":",
+        "}",
+        "]",
+        "é",
+    ]
+    events = [_token('"first"')]
+    for _ in range(3000):
+        events.append(_token('"' + "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 8))) + '"'))
+    fast = same_as_json_loads(events)
+    assert fast._template is not None
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        # the text is not the last key's: json.loads keeps the last of duplicate keys
+        '{"choices":[{"index":0,"text":"a","text":"b","finish_reason":null}]}',
+        '{"choices":[{"index":0,"text":"b","finish_reason":null}],"choices":[{"index":0,"text":"c"}]}',
+        # the text's key appears again later, in a value
+        '{"choices":[{"index":0,"text":"a","finish_reason":null}],"x":"\\"text\\":\\"q\\""}',
+        '{"choices":[{"index":0,"text":"a","finish_reason":null}],"x":{"text":"q"}}',
+        # no string where the text is, or NaN (never equal to itself)
+        '{"choices":[{"index":0,"text":null,"finish_reason":null}]}',
+        '{"choices":[{"index":0,"text":"a","finish_reason":null}],"n":NaN}',
+        '{"choices":[{"index":0,"delta":{"content":"a"},"text":"b"}]}',
+        '{"choices":[{"index":0,"delta":{"content":"a","content":"b"}}]}',
+        '{"choices":[{"index":0,"delta":{"content":null}}]}',
+        '{ "choices" : [ { "index" : 0 , "text" : "a" , "finish_reason" : null } ] }',
+    ],
+)
+def test_odd_first_events_learn_no_template_or_a_correct_one(first):
+    variants = [first.replace('"a"', m, 1) for m in ('""', '"zz"', '"q"', "null", '"\\u0041"', '"x\x01"')]
+    same_as_json_loads([first, *variants, first.replace('"b"', '"y"'), first])
