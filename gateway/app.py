@@ -461,46 +461,18 @@ class Gateway:
         ctype = next((v for k, v in ex.headers if k == b"content-type"), b"")
         sse = ex.status == 200 and ctype.startswith(b"text/event-stream")
         parser = SSEParser() if sse else None
-        body = bytearray()
-        ended: Outcome | None = None  # what the stream's events said: DONE -> OK, engine error
-        error = ""
         t0 = _perf()
         await send({"type": "http.response.start", "status": ex.status, "headers": out_headers})
         self.forward_ns += _perf() - t0
-        message = {"type": "http.response.body", "body": b"", "more_body": True}
-        while True:
-            batch = await ex.chunks()
-            if not batch:
-                break
-            # Forward first (the per-chunk path), measure after.
-            for _, data in batch:
-                message["body"] = data
-                await send(message)
-            sent = _perf()
-            for t_ns, _ in batch:
-                self.forward_ns += sent - t_ns
-            self.forwarded_chunks += len(batch)
-            timer.body_bytes(batch[0][0])
-            if parser is not None:
-                if ended is not None:
-                    continue
-                for t_ns, data in batch:
-                    try:
-                        for data_ in parser.feed_data(data):
-                            status = timer.event(t_ns, data_)
-                            if status == StreamTimer.DONE:
-                                ended = Outcome.OK
-                            elif status == StreamTimer.ENGINE_ERROR:
-                                ended = Outcome.ENGINE_ERROR
-                            if ended is not None:
-                                break
-                    except StreamProtocolError as exc:
-                        ended, error = Outcome.MALFORMED, str(exc)
-                    if ended is not None:
-                        break
-            elif len(body) < _PARSE_LIMIT:
-                for _, data in batch:
-                    body += data
+        fwd = _Forwarder(send, ex, timer, parser)
+        ex.set_sink(fwd)
+        await ex.finished()
+        await fwd.flushed()
+        self.forward_ns += fwd.forward_ns
+        self.forwarded_chunks += fwd.chunks
+        ended, error, body = fwd.ended, fwd.error, fwd.body
+        if fwd.send_error is not None and ex.error is None:
+            ex.fail(UpstreamError(Outcome.CANCELLED, f"writing to the user failed: {fwd.send_error}"))
         now = _perf()
         if ex.error is not None and ended is None:
             outcome, error = ex.error.outcome, ex.error.message
@@ -532,6 +504,123 @@ class Gateway:
         await send(state_done)
         record(res, gateway_ns)
         return True
+
+
+class _Forwarder:
+    """The per-chunk path: called by the upstream connection with each read as it arrives
+    (gateway/upstream.py, ``Exchange.set_sink``), inside the read callback.
+
+    1. Forward: uvicorn's ``send`` for a body chunk only awaits when the user's socket is
+       write-paused (a slow reader); otherwise it writes and returns at its first step. So the
+       coroutine is stepped here, at once; only when it does suspend is it finished in a task,
+       with reading from the variant paused and later reads joined into one write after it.
+       No task wake-up per chunk, no loop pass between a read and its forward.
+    2. Measure, after the forward: the read's arrival stamp and bytes into the SSE parser and
+       the StreamTimer (a non-streamed body is kept, up to _PARSE_LIMIT, for its usage).
+    """
+
+    __slots__ = ("send", "ex", "timer", "parser", "ended", "error", "body", "forward_ns", "chunks",
+                 "send_error", "_pending", "_backlog", "_first")  # fmt: skip
+
+    def __init__(self, send: Send, ex: Exchange, timer: StreamTimer, parser: SSEParser | None) -> None:
+        self.send = send
+        self.ex = ex
+        self.timer = timer
+        self.parser = parser
+        self.ended: Outcome | None = None  # what the events said: [DONE] -> OK, engine error, malformed
+        self.error = ""
+        self.body = bytearray()
+        self.forward_ns = 0
+        self.chunks = 0
+        self.send_error: BaseException | None = None
+        self._pending: asyncio.Task | None = None
+        self._backlog: list[bytes] = []
+        self._first = True
+
+    def __call__(self, t_ns: int, data: bytes) -> None:
+        # 1. forward
+        if self._pending is not None:
+            self._backlog.append(data)
+        elif self.send_error is None:
+            self._write(data)
+        self.forward_ns += _perf() - t_ns
+        self.chunks += 1
+        # 2. measure
+        if self._first:
+            self._first = False
+            self.timer.body_bytes(t_ns)
+        parser = self.parser
+        if parser is None:
+            if len(self.body) < _PARSE_LIMIT:
+                self.body += data
+            return
+        if self.ended is not None:
+            return
+        timer = self.timer
+        try:
+            for event in parser.feed_data(data):
+                status = timer.event(t_ns, event)
+                if status == StreamTimer.DONE:
+                    self.ended = Outcome.OK
+                    return
+                if status == StreamTimer.ENGINE_ERROR:
+                    self.ended = Outcome.ENGINE_ERROR
+                    return
+        except StreamProtocolError as exc:
+            self.ended, self.error = Outcome.MALFORMED, str(exc)
+
+    def _write(self, data: bytes) -> None:
+        coro = self.send({"type": "http.response.body", "body": data, "more_body": True})
+        try:
+            awaiting = coro.send(None)
+        except StopIteration:
+            return
+        except Exception as exc:  # uvicorn refused the message: stop forwarding, end the request
+            self.send_error = exc
+            self.ex.abort()
+            return
+        # The user's socket is write-paused: finish this send in a task, hold the variant.
+        self.ex.conn.pause()
+        self._pending = asyncio.ensure_future(_resume(coro, awaiting))
+        self._pending.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task) -> None:
+        self._pending = None
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self.send_error = exc
+            self.ex.abort()
+            return
+        if self._backlog:
+            data = b"".join(self._backlog)
+            self._backlog.clear()
+            self._write(data)
+        if self._pending is None:
+            self.ex.conn.resume()
+
+    async def flushed(self) -> None:
+        """Until every forwarded byte is handed to uvicorn (a paused send, its backlog)."""
+        while self._pending is not None:
+            try:
+                await asyncio.shield(self._pending)
+            except asyncio.CancelledError:
+                if self._pending is not None:
+                    self._pending.cancel()
+                raise
+            except Exception:
+                return
+
+
+async def _resume(coro: Any, awaiting: Any) -> None:
+    """Run a coroutine that was stepped by hand and suspended on ``awaiting``, to its end."""
+    while True:
+        await awaiting
+        try:
+            awaiting = coro.send(None)
+        except StopIteration:
+            return
 
 
 def _whole_response(timer: StreamTimer, body: bytes, now: int) -> tuple[Outcome, str]:

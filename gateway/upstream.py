@@ -28,6 +28,7 @@ import socket
 import ssl
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httptools
@@ -91,7 +92,7 @@ class Exchange:
     __slots__ = (
         "conn", "status", "headers", "keep_alive", "complete", "error", "sent_ns", "connected",
         "connect_started_ns", "connect_done_ns", "headers_ns", "_chunks", "_queued", "_waiter", "_headers_fut", "_timer",
-        "_last_ns", "_total_deadline_ns", "_stall_ns", "_paused", "_got_bytes",
+        "_last_ns", "_total_deadline_ns", "_stall_ns", "_paused", "_got_bytes", "_sink",
     )  # fmt: skip
 
     def __init__(self, conn: _Connection, deadlines: Deadlines) -> None:
@@ -116,6 +117,7 @@ class Exchange:
         self._stall_ns = int(deadlines.stall_s * 1e9)
         self._paused = False
         self._got_bytes = False
+        self._sink: Callable[[int, bytes], None] | None = None
 
     # called by the connection ---------------------------------------------------------------
     def on_status(self, status: int) -> None:
@@ -129,9 +131,13 @@ class Exchange:
             self._headers_fut.set_result(None)
 
     def on_body(self, t_ns: int, body: bytes) -> None:
+        self._last_ns = t_ns
+        sink = self._sink
+        if sink is not None:
+            sink(t_ns, body)  # straight on, inside the read callback: no task wake-up
+            return
         self._chunks.append((t_ns, body))
         self._queued += len(body)
-        self._last_ns = t_ns
         if self._queued > HIGH_WATER and not self._paused:
             self._paused = True
             self.conn.pause()
@@ -191,6 +197,26 @@ class Exchange:
             self.conn.abort()
         else:
             self._rearm()
+
+    def set_sink(self, sink: Callable[[int, bytes], None]) -> None:
+        """From now on every read goes to ``sink(t_ns, body)`` as it arrives (after what had
+        queued); ``finished()`` waits for the end. The sink must not raise."""
+        queued, self._chunks, self._queued = self._chunks, [], 0
+        for t_ns, body in queued:
+            sink(t_ns, body)
+        self._sink = sink
+        if self._paused:
+            self._paused = False
+            self.conn.resume()
+
+    async def finished(self) -> None:
+        """Until the body ended or failed (``error`` says which)."""
+        while not (self.complete or self.error is not None):
+            self._waiter = self.conn.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
 
     async def chunks(self) -> list[tuple[int, bytes]]:
         """The reads queued since the last call, waiting for one if there is none; [] at the
@@ -321,6 +347,7 @@ class _Connection(asyncio.Protocol):
         self.ex = None
         if ex.complete and ex.keep_alive and ex.error is None and not self.closed:
             self.parser = httptools.HttpResponseParser(self)
+            self.resume()  # a paused read (flow control) must not outlive its exchange
             self.idle_since = self.loop.time()
             self.pool.put_idle(self)
         else:
