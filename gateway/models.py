@@ -37,7 +37,7 @@ class LiveRun(models.Model):
 
     Counters (rows are samples), kept by the recorder's flusher thread every few seconds and
     at close, so after a crash they are as of the last heartbeat:
-      recorded   handed to LiveRecorder.record and queued (each got a seq)
+      recorded   built into a row by the recorder, each with the run's next seq
       stored     written to the sample store by the recorder
       spooled    written to the spool instead (the store was down or slow); stored later by a
                  flush (the recorder's own retry, another start's, or ``manage.py flush_samples``)
@@ -73,6 +73,10 @@ class LiveRun(models.Model):
     quarantined = models.JSONField(
         default=dict, blank=True, help_text="quarantined spool file -> rows of the run it lost"
     )
+    catalog_final = models.BooleanField(
+        default=False,
+        help_text="the sample store's run catalog has this run's final status for each of its experiments",
+    )
 
     class Meta:
         ordering = ["-started_at"]
@@ -97,6 +101,13 @@ class LiveRun(models.Model):
         return cls.objects.get(pk=int(run_id) - LIVE_RUN_ID_BASE)
 
     @property
+    def catalog_status(self) -> str:
+        """The run's status in the sample store's run catalog (samples.schema.RUN_STATUSES), what
+        the report reads: running while open; done once closed (every sample written); failed
+        when its process died (the samples still in its memory were lost)."""
+        return {self.Status.RUNNING: "running", self.Status.CLOSED: "done"}.get(self.status, "failed")
+
+    @property
     def lost(self) -> int:
         return self.dropped + sum(int(n) for n in self.quarantined.values())
 
@@ -109,7 +120,7 @@ class LiveRun(models.Model):
             "closed_at": self.closed_at.isoformat() if self.closed_at else None,
             "recorded": self.recorded, "stored": self.stored, "spooled": self.spooled,
             "dropped": self.dropped, "rejected": self.rejected, "spool_rows": self.spool_rows,
-            "lost": self.lost, "experiments": dict(self.experiments),
+            "lost": self.lost, "experiments": dict(self.experiments), "catalog_status": self.catalog_status,
         }  # fmt: skip
 
     @classmethod

@@ -33,8 +33,9 @@ Guarantees (tests/gateway/test_recording*.py):
   samples are always seq 1..K. What a SIGKILL takes is the rest, 1..K's tail still in memory: at
   most the queue plus one batch; the run's counters (as of its last heartbeat) bound it, and its
   status becomes ``abandoned`` at the next start on the host. close() loses nothing.
-- Exact counts: recorded = stored + spooled + rejected (+ rows still queued) on a live run;
-  every spooled row reaches the store exactly once when it is back.
+- Exact counts: on a run, recorded (rows built, each with a seq) = stored + spooled + rows still
+  in memory (0 after close); rejected and dropped samples never got a seq. Every spooled row
+  reaches the store exactly once when it is back.
 
 What a live row holds beyond the measurement: sent_unix_ms is when the gateway wrote the upstream
 request (the StreamResult clock's zero, as in a replay); the gateway's own overhead before it
@@ -117,6 +118,9 @@ class _Books:
     experiments: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     open: bool = True  # still taking seqs (False: rotated out at MAX_SEQ, or closed)
     saved: bool = False  # saved since it last changed
+    saved_experiments: frozenset[str] = frozenset()  # on its LiveRun row (so a later start knows them)
+    catalogued: set[str] = dataclasses.field(default_factory=set)  # told the run catalog 'running'
+    catalog_final: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -201,6 +205,7 @@ class LiveRecorder:
         if not self._started.wait(START_TIMEOUT_S):
             raise RuntimeError(f"live recorder: registering the run took over {START_TIMEOUT_S:g} s")
         if self._start_error is not None:
+            self._thread = None  # start() may be called again
             raise self._start_error
 
     def record(
@@ -298,6 +303,7 @@ class LiveRecorder:
             finally:
                 self._started.set()
             self._retry_spool()  # what an earlier process left spooled
+            self._catalog_dead()
             while True:
                 items, closing = self._take()
                 if items:
@@ -307,6 +313,7 @@ class LiveRecorder:
                     self._retry_spool()
                 if time.monotonic() - self._last_heartbeat >= self.heartbeat_s:
                     self._heartbeat()
+                    self._catalog()
                 if closing and not items and not self._held:
                     with self._cond:
                         if not self._queue:
@@ -315,6 +322,10 @@ class LiveRecorder:
             for b in self._books.values():
                 b.open = False
             self._heartbeat(closing=True)
+            assert self.writer is not None
+            if any(not self.writer.durable(run_id) for run_id in self._books):
+                self._retry_spool()  # stored now if the store is back: the catalog can say done
+            self._catalog()
         except BaseException:  # pragma: no cover - the thread must say why it stopped
             log.exception("live recorder: the flusher thread stopped; samples stay queued")
             raise
@@ -345,6 +356,7 @@ class LiveRecorder:
             spilling = self._spilling_locked()
             n = min(len(self._queue), self.batch_rows * (20 if spilling else 1))
             items = [self._queue.popleft() for _ in range(n)]
+            metrics.LIVE_QUEUE_ROWS.set(len(self._queue) + self._held_rows + n)
             self._held_rows += n  # counted until written, so record() sees the memory in use
             return items, self._closed
 
@@ -354,12 +366,20 @@ class LiveRecorder:
     def _build(self, items: Sequence[_Item]) -> None:
         """Rows of a batch, each with the next seq of the current run (a new run at max_seq)."""
         rows: list[SampleRow] = []
-        for it in items:
+        for at, it in enumerate(items):
             if self._seq >= self.max_seq:
                 if rows:
                     self._held.append(rows)
                     rows = []
-                self._rotate()
+                try:
+                    self._rotate()
+                except Exception:  # the database down: no new run_id; the rest waits in memory
+                    log.exception("live recorder: starting the next live run failed; retrying")
+                    with self._cond:
+                        self._queue.extendleft(reversed(items[at:]))
+                        self._held_rows -= len(items) - at
+                    time.sleep(min(self.retry_s, 1.0))
+                    return
             books = self._current
             assert books is not None
             self._seq += 1
@@ -438,9 +458,9 @@ class LiveRecorder:
                     log.error("live recorder: %d samples could not be written (%s); retrying in %g s",
                               len(batch), exc, self.retry_s)  # fmt: skip
                     self._store_down()
+                    time.sleep(min(self.retry_s, 1.0))  # the disk failing: no busy loop of errors
                     if not closing:
                         return
-                    time.sleep(min(self.retry_s, 1.0))
                     continue
             self._held.popleft()
             with self._cond:
@@ -496,6 +516,9 @@ class LiveRecorder:
         store is back when it succeeds; otherwise spill on for another retry_s."""
         assert self.writer is not None
         try:
+            # One try first: a store still away costs a connect timeout, not the flush's
+            # retries and backoff, while samples wait for this thread to spool them.
+            self.writer.store.ping()
             report = self.writer.flush()
         except StoreUnavailable as exc:
             log.info("live recorder: sample store still unavailable (%s); spooling", exc)
@@ -543,6 +566,7 @@ class LiveRecorder:
             try:
                 LiveRun.objects.filter(pk=books.pk).update(**fields)
                 books.saved = True
+                books.saved_experiments = frozenset(books.experiments)
             except Exception:
                 log.warning("live recorder: saving the counters of live run %s failed; next heartbeat tries again",
                             books.run_id, exc_info=True)  # fmt: skip
@@ -550,3 +574,60 @@ class LiveRecorder:
     def _held_of(self, run_id: int) -> bool:
         """Rows of the run still wait to be written (a held batch holds one run's rows)."""
         return any(int(batch[0]["run_id"]) == run_id for batch in self._held if batch)
+
+    # ---- the sample store's run catalog (what the report reads: samples.store.record_run) -----
+
+    def _catalog(self) -> None:
+        """Tell the run catalog each run's status per experiment, while the store is up:
+        'running' for an experiment once its LiveRun row names it (so a later start can finish
+        what a killed process catalogued), and the final status once a run is closed and every
+        sample of it is in the store. A failure waits for the next heartbeat."""
+        from gateway.models import LiveRun
+
+        assert self.writer is not None
+        if self._down_until:
+            return
+        store = self.writer.store
+        try:
+            for books in list(self._books.values()):
+                for experiment in sorted(books.saved_experiments - books.catalogued):
+                    store.record_run(books.run_id, experiment, MODE, "running", source=MODE,
+                                     started_ms=int(books.started_ms))  # fmt: skip
+                    books.catalogued.add(experiment)
+                if books.open or books.catalog_final or not books.saved or self._held_of(books.run_id):
+                    continue
+                if not self.writer.durable(books.run_id):
+                    continue  # spooled samples first: a run is done when its samples are stored
+                for experiment in sorted(books.saved_experiments):
+                    store.record_run(books.run_id, experiment, MODE, "done", source=MODE,
+                                     started_ms=int(books.started_ms), finished_ms=int(time.time() * 1000))  # fmt: skip
+                LiveRun.objects.filter(pk=books.pk).update(catalog_final=True)
+                books.catalog_final = True
+        except Exception as exc:
+            log.info("live recorder: the run catalog did not take a status yet (%s); next heartbeat", exc)
+
+    def _catalog_dead(self) -> None:
+        """Runs of this spool that ended before their process could tell the catalog (killed:
+        'failed'; closed while the store was down: 'done'), once their spooled samples are stored."""
+        from gateway.models import LiveRun
+
+        assert self.writer is not None
+        if self._down_until:
+            return
+        mine = {b.pk for b in self._books.values()}
+        try:
+            ended = LiveRun.objects.filter(spool=self.writer.spool.id, catalog_final=False).exclude(
+                status=LiveRun.Status.RUNNING
+            )
+            for run in ended.exclude(pk__in=mine):
+                if not self.writer.durable(run.run_id):
+                    continue
+                for experiment in sorted(run.experiments):
+                    self.writer.store.record_run(
+                        run.run_id, experiment, MODE, run.catalog_status, source=MODE,
+                        started_ms=int(run.started_at.timestamp() * 1000),
+                        finished_ms=int(run.heartbeat_at.timestamp() * 1000),
+                    )  # fmt: skip
+                LiveRun.objects.filter(pk=run.pk).update(catalog_final=True)
+        except Exception as exc:
+            log.info("live recorder: finishing the catalog of ended live runs failed (%s); next start", exc)

@@ -15,7 +15,7 @@ from samples.columns import row_key
 from samples.schema import SAMPLES_FROM
 from samples.store import StoreUnavailable
 from streaming.result import Outcome, StreamResult
-from tests.samples.conftest import make_store  # noqa: F401 - a fixture
+from tests.samples.conftest import flaky_server, make_store  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the recorder's thread has its own connection
 
@@ -72,6 +72,25 @@ def physical(store, run_id: int) -> tuple[int, int]:
     return int(n), int(keys)
 
 
+def switch_off(store, monkeypatch) -> threading.Event:
+    """While the returned event is set, the store's writes and key lookups raise
+    StoreUnavailable, as a store that went away does (tests/samples' `down`, switchable)."""
+    real = {name: getattr(store, name) for name in ("insert_columns", "insert_samples", "existing_keys")}
+    down = threading.Event()
+
+    def failing(name):
+        def call(*a, **k):
+            if down.is_set():
+                raise StoreUnavailable("the store is down (test)")
+            return real[name](*a, **k)
+
+        return call
+
+    for name in real:
+        monkeypatch.setattr(store, name, failing(name))
+    return down
+
+
 def recorder(store, tmp_path, **kw) -> LiveRecorder:
     kw.setdefault("batch_rows", 10)
     kw.setdefault("flush_ms", 20.0)
@@ -121,23 +140,13 @@ def test_each_process_start_is_a_new_run(store, tmp_path):
 
 
 def test_the_store_down_during_traffic_spools_and_flushes_later_exactly_once(
-    make_store, tmp_path, monkeypatch
-):  # noqa: F811
+    make_store,  # noqa: F811 - the fixture imported above
+    tmp_path,
+    monkeypatch,
+):
     store = make_store("server", tries=1, backoff_s=(0.01,), connect_timeout=0.5)
     store.migrate()
-    real = {name: getattr(store, name) for name in ("insert_columns", "insert_samples", "existing_keys")}
-    down = threading.Event()
-
-    def failing(name):
-        def call(*a, **k):
-            if down.is_set():
-                raise StoreUnavailable("the store is down (test)")
-            return real[name](*a, **k)
-
-        return call
-
-    for name in real:
-        monkeypatch.setattr(store, name, failing(name))
+    down = switch_off(store, monkeypatch)
     rec = recorder(store, tmp_path)
     rec.start()
     ids = [record(rec, i) for i in range(30)]
@@ -162,3 +171,171 @@ def test_row_key_is_the_experiment_variant_run_and_request_id():
         "e", "v", LIVE_RUN_ID_BASE + 1, "x",
     )  # fmt: skip
     assert SAMPLES_FROM.endswith("FINAL")
+
+
+def wait_until(predicate, what: str, limit_s: float = 60.0) -> None:
+    """Poll until predicate() (a hang fails with `what`, not a timing claim)."""
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.01)
+
+
+def test_the_recorder_s_own_retry_stores_what_it_spooled_once_the_store_is_back(store, tmp_path, monkeypatch):
+    down = switch_off(store, monkeypatch)
+    down.set()
+    rec = recorder(store, tmp_path)
+    rec.start()
+    ids = [record(rec, i) for i in range(50)]
+    wait_until(lambda: rec.counts()["spooled"] == 50, "all 50 spooled")
+    down.clear()  # back: the recorder's retry flushes the spool, new samples go to the store
+    ids += [record(rec, i) for i in range(50, 80)]
+    wait_until(lambda: len(stored(store, rec.run_id)) == 80, "every sample stored")
+    assert rec.close() is True
+    assert [r["request_id"] for r in stored(store, rec.run_id)] == ids
+    assert physical(store, rec.run_id) == (80, 80)
+    assert rec.writer.pending() == 0
+    run = LiveRun.for_run_id(rec.run_id)
+    # the 30 after the store came back went to it, or to the spool until the retry saw it back
+    assert (run.recorded, run.spooled + run.stored, run.dropped, run.spool_rows) == (80, 80, 0, 0)
+    assert run.spooled >= 50
+
+
+def test_a_hung_store_never_holds_record_and_a_full_queue_spills_then_counts_what_it_drops(
+    store, tmp_path, monkeypatch
+):
+    real_insert = store.insert_columns
+    entered, gate = threading.Event(), threading.Event()
+
+    def hanging(cols):
+        entered.set()
+        gate.wait()
+        return real_insert(cols)
+
+    monkeypatch.setattr(store, "insert_columns", hanging)
+    # batches leave only when full: the first holds exactly the first 10
+    rec = recorder(store, tmp_path, batch_rows=10, queue_rows=40, flush_ms=60_000.0)
+    rec.start()
+    ids = [record(rec, i) for i in range(10)]
+    entered.wait()  # the flusher holds those 10 in an insert that does not return
+    ids += [record(rec, i) for i in range(10, 60)]  # each returns: 30 fit in memory, 20 do not
+    assert rec.queued() == 40 and rec.counts()["dropped"] == 20
+    gate.set()
+    assert rec.close() is True
+    run = LiveRun.for_run_id(rec.run_id)
+    # the 10 went to the store; the 30 behind them were above the high-water mark: spooled
+    assert (run.recorded, run.stored, run.spooled, run.dropped) == (40, 10, 30, 20)
+    rec.writer.flush()
+    assert [r["request_id"] for r in stored(store, rec.run_id)] == ids[:40]
+    assert physical(store, rec.run_id) == (40, 40)
+
+
+def test_close_drains_every_queued_sample_and_later_ones_are_counted_not_kept(store, tmp_path):
+    rec = recorder(store, tmp_path, batch_rows=1000, flush_ms=60_000.0)  # nothing leaves until close
+    rec.start()
+    ids = [record(rec, i) for i in range(123)]
+    assert rec.close() is True
+    record(rec, 999)  # after close: counted as dropped
+    assert [r["request_id"] for r in stored(store, rec.run_id)] == ids
+    assert rec.counts()["dropped"] == 1
+
+
+def test_an_invalid_measurement_is_rejected_and_counted_and_the_rest_is_stored(store, tmp_path):
+    rec = recorder(store, tmp_path)
+    rec.start()
+    ok = [record(rec, 0), record(rec, 1)]
+    record(rec, 2, config_revision="three")  # a bug in the caller: never raised at it
+    ok.append(record(rec, 3))
+    assert rec.close() is True
+    rows = stored(store, rec.run_id)
+    assert [r["request_id"] for r in rows] == ok and [r["seq"] for r in rows] == [1, 2, 3]
+    run = LiveRun.for_run_id(rec.run_id)
+    assert (run.recorded, run.rejected, run.stored) == (3, 1, 3)
+
+
+def test_a_run_that_used_every_seq_goes_on_as_a_new_run(store, tmp_path):
+    rec = recorder(store, tmp_path, max_seq=7)
+    rec.start()
+    first = rec.run_id
+    ids = [record(rec, i) for i in range(10)]
+    assert rec.close() is True
+    second = rec.run_id
+    assert second != first
+    assert [r["request_id"] for r in stored(store, first)] == ids[:7]
+    assert [(r["seq"], r["request_id"]) for r in stored(store, second)] == [
+        (1, ids[7]),
+        (2, ids[8]),
+        (3, ids[9]),
+    ]
+    runs = {r.run_id: r for r in LiveRun.objects.all()}
+    assert runs[first].status == runs[second].status == LiveRun.Status.CLOSED
+    assert (runs[first].recorded, runs[second].recorded) == (7, 3)
+
+
+def test_the_run_catalog_says_running_while_open_and_done_once_closed(store, tmp_path):
+    rec = recorder(store, tmp_path)
+    rec.start()
+    record(rec, 0)
+    record(rec, 1, experiment="other-exp")
+    wait_until(
+        lambda: {r["experiment"] for r in stored(store, rec.run_id)} == {"ttft-opt", "other-exp"}, "stored"
+    )
+    wait_until(lambda: [r["status"] for r in store.runs("other-exp")] == ["running"], "catalogued running")
+    assert rec.close() is True
+    for experiment in ("ttft-opt", "other-exp"):
+        [run] = store.runs(experiment)
+        assert (run["run_id"], run["mode"], run["source"], run["status"]) == (
+            rec.run_id,
+            "live",
+            "live",
+            "done",
+        )
+    assert LiveRun.for_run_id(rec.run_id).catalog_final
+
+
+def test_a_run_closed_while_the_store_was_down_is_catalogued_done_by_the_next_start(
+    store, tmp_path, monkeypatch
+):
+    down = switch_off(store, monkeypatch)
+    down.set()
+    first = recorder(store, tmp_path)
+    first.start()
+    record(first, 0)
+    assert first.close() is True
+    # its sample waits in the spool: the catalog may say running, never done
+    assert [r["status"] for r in store.runs("ttft-opt")] in ([], ["running"])
+    assert not LiveRun.for_run_id(first.run_id).catalog_final
+    down.clear()
+    second = recorder(store, tmp_path)
+    second.start()  # flushes the spool, then catalogues the closed run
+    assert second.close() is True
+    assert [(r["run_id"], r["status"]) for r in store.runs("ttft-opt")] == [(first.run_id, "done")]
+    assert len(stored(store, first.run_id)) == 1
+
+
+def test_a_real_server_unreachable_mid_traffic_then_back_gets_every_sample_once(
+    make_store,  # noqa: F811 - the fixture imported above
+    flaky_server,  # noqa: F811
+    tmp_path,
+):
+    proxy, url = flaky_server
+    store = make_store("server", url=url, tries=2, backoff_s=(0.05,), connect_timeout=1.0)
+    store.migrate()
+    rec = recorder(store, tmp_path)
+    rec.start()
+    ids = [record(rec, i) for i in range(40)]
+    wait_until(lambda: rec.counts()["stored"] == 40, "the first 40 stored")
+    proxy.down()
+    ids += [record(rec, i) for i in range(40, 140)]  # each returns at once: queued
+    wait_until(lambda: rec.counts()["spooled"] == 100, "the 100 spooled")
+    proxy.up()
+    ids += [record(rec, i) for i in range(140, 160)]
+    wait_until(lambda: rec.writer.pending() == 0 and rec.counts()["stored"] + rec.counts()["spooled"] == 160,
+               "the spool flushed by the recorder's retry")  # fmt: skip
+    assert rec.close() is True
+    assert [r["request_id"] for r in stored(store, rec.run_id)] == ids
+    assert physical(store, rec.run_id) == (160, 160)
+    run = LiveRun.for_run_id(rec.run_id)
+    assert (run.recorded, run.stored + run.spooled, run.dropped, run.spool_rows) == (160, 160, 0, 0)
