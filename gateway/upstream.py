@@ -456,6 +456,9 @@ class Pool:
                     continue  # an idle connection the server had closed: once more, on a new one
                 conn.abort()
                 raise
+            except BaseException:  # cancelled (the user went away): the variant must see it too
+                ex.abort()
+                raise
             return ex
         raise AssertionError("unreachable")
 

@@ -100,7 +100,7 @@ def make_gateway():
     the variants read now (in the test's own database transaction)."""
     stops = []
 
-    def make(**overrides) -> Served:
+    def make(ssl_context=None, **overrides) -> Served:
         overrides.setdefault("keys", parse_keys(f"acme {KEY}\nbeta {OTHER_KEY}\n"))
         config = GatewayConfig(**overrides)
         directory = Directory()
@@ -108,7 +108,7 @@ def make_gateway():
         recorder = FakeRecorder()
         gateway = Gateway(
             config, router=process.live_router(), directory=directory, recorder=recorder,
-            allow=parse_allowlist(["127.0.0.0/8"]), refresh_variants=False,
+            allow=parse_allowlist(["127.0.0.0/8"]), refresh_variants=False, ssl_context=ssl_context,
         )  # fmt: skip
         url, stop = serve(gateway)
         stops.append(stop)

@@ -146,3 +146,48 @@ def test_a_user_going_away_cancels_the_upstream_request(running_with, make_gatew
     # the upstream connection was dropped, not kept for reuse
     [pool] = gw.gateway._pools.values()
     assert not pool._all and not pool._idle
+
+
+def test_a_user_going_away_before_the_headers_cancels_the_upstream_request(running_with, make_gateway):
+    running_with()
+    gw = make_gateway(forward_headers=frozenset({"x-abplat-fault"}))
+    user = user_on(process.live_router(), "ttft-opt", "fp16")
+    # slow_headers: the simulator holds its response headers for 45 s.
+    body = {"model": "ttft-opt", "messages": MESSAGES, "user": user, "max_tokens": 5, "stream": True}
+    headers = {"authorization": f"Bearer {KEY}", "x-abplat-fault": "slow_headers"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gw.url + "/v1/chat/completions", json=body, headers=headers, timeout=0.5)
+    [rec] = gw.recorder.wait_for(1)
+    assert rec["result"].outcome is Outcome.CANCELLED and rec["result"].ttfb_ms is None
+    [pool] = gw.gateway._pools.values()
+    assert not pool._all and not pool._idle
+
+
+def test_a_tls_variant_is_verified_against_the_configured_ca(running_with, make_gateway, pki):
+    from simulator.serve import start_in_thread
+    from streaming.client import tls_verify
+
+    tls_sim = start_in_thread("fast", model="tiny-llama", tls=(pki.certfile, pki.keyfile))
+    try:
+
+        def on_tls(doc):
+            doc["variants"][1]["endpoint"] = tls_sim.url + "/v1"
+
+        running_with(on_tls)
+        user = user_on(process.live_router(), "ttft-opt", "awq")
+        gw = make_gateway(ssl_context=tls_verify(pki.ca))
+        reply = gw.client().chat.completions.with_raw_response.create(
+            model="ttft-opt", messages=MESSAGES, user=user, max_tokens=3, stream=True
+        )
+        assert reply.headers["x-abplat-variant"] == "awq"
+        assert "".join(c.choices[0].delta.content or "" for c in reply.parse() if c.choices)
+        untrusting = make_gateway(ssl_context=tls_verify(pki.other_ca))
+        with pytest.raises(openai.APIStatusError) as info:
+            untrusting.client().chat.completions.create(
+                model="ttft-opt", messages=MESSAGES, user=user, max_tokens=3
+            )
+        assert info.value.status_code == 502
+        [rec] = untrusting.recorder.wait_for(1)
+        assert rec["result"].outcome is Outcome.CONNECT_ERROR and "certificate" in rec["result"].error.lower()
+    finally:
+        tls_sim.stop()

@@ -26,6 +26,11 @@ class Command(BaseCommand):
             raise CommandError(f"--port {port}: must be in [0, 65535]")
         if not 1 <= workers <= 256:
             raise CommandError(f"--workers {workers}: must be in [1, 256]")
+        if workers > 1 and not settings.CLICKHOUSE_URL:
+            raise CommandError(
+                f"--workers {workers} needs ABPLAT_CLICKHOUSE_URL: every worker records samples, and the "
+                "embedded chDB allows one process per data directory (run one worker, or a ClickHouse server)."
+            )
         try:
             GatewayConfig.from_settings()  # a bad setting stops here, naming it, before any worker
         except ImproperlyConfigured as exc:
