@@ -200,6 +200,8 @@ class LiveRecorder:
             self.writer = SpoolingWriter(
                 store, str(self._spool_dir or settings.SPOOL_DIR), hooks=live_spool_hooks()
             )
+        self._started.clear()
+        self._start_error = None
         self._thread = threading.Thread(target=self._run, name="abplat-live-recorder", daemon=True)
         self._thread.start()
         if not self._started.wait(START_TIMEOUT_S):
@@ -259,7 +261,7 @@ class LiveRecorder:
         if self._thread is None:
             return not self._queue
         self._thread.join(timeout)
-        if self._thread.is_alive():
+        if self._thread.is_alive() and not self._drained.is_set():
             log.error(
                 "live recorder: %d samples not written yet after %g s; still trying", self.queued(), timeout
             )
@@ -322,8 +324,7 @@ class LiveRecorder:
             for b in self._books.values():
                 b.open = False
             self._heartbeat(closing=True)
-            assert self.writer is not None
-            if any(not self.writer.durable(run_id) for run_id in self._books):
+            if any(not self._stored(run_id) for run_id in self._books):
                 self._retry_spool()  # stored now if the store is back: the catalog can say done
             self._catalog()
         except BaseException:  # pragma: no cover - the thread must say why it stopped
@@ -571,6 +572,12 @@ class LiveRecorder:
                 log.warning("live recorder: saving the counters of live run %s failed; next heartbeat tries again",
                             books.run_id, exc_info=True)  # fmt: skip
 
+    def _stored(self, run_id: int) -> bool:
+        """No sample of the run waits in the spool (its files' headers say; a torn file counts
+        in full), so all it wrote is in the store."""
+        assert self.writer is not None
+        return self.writer.spool.rows_by_run().get(run_id, 0) == 0
+
     def _held_of(self, run_id: int) -> bool:
         """Rows of the run still wait to be written (a held batch holds one run's rows)."""
         return any(int(batch[0]["run_id"]) == run_id for batch in self._held if batch)
@@ -596,7 +603,7 @@ class LiveRecorder:
                     books.catalogued.add(experiment)
                 if books.open or books.catalog_final or not books.saved or self._held_of(books.run_id):
                     continue
-                if not self.writer.durable(books.run_id):
+                if not self._stored(books.run_id):
                     continue  # spooled samples first: a run is done when its samples are stored
                 for experiment in sorted(books.saved_experiments):
                     store.record_run(books.run_id, experiment, MODE, "done", source=MODE,
@@ -620,7 +627,7 @@ class LiveRecorder:
                 status=LiveRun.Status.RUNNING
             )
             for run in ended.exclude(pk__in=mine):
-                if not self.writer.durable(run.run_id):
+                if not self._stored(run.run_id):
                     continue
                 for experiment in sorted(run.experiments):
                     self.writer.store.record_run(

@@ -339,3 +339,28 @@ def test_a_real_server_unreachable_mid_traffic_then_back_gets_every_sample_once(
     assert physical(store, rec.run_id) == (160, 160)
     run = LiveRun.for_run_id(rec.run_id)
     assert (run.recorded, run.stored + run.spooled, run.dropped, run.spool_rows) == (160, 160, 0, 0)
+
+
+def test_the_spool_books_of_live_and_replay_runs_never_take_each_other_s_rows(tmp_path):
+    from workers.models import SpoolRecord
+
+    run = LiveRun.register("host-a:/spool", "gw:1")
+    other = LiveRun.register("host-b:/spool", "gw:2")
+    LiveRun.objects.filter(pk=other.pk).update(spool_rows=4)
+    # a spool holding rows of replay run 7 and of the live run: each book takes only its own
+    LiveRun.sync_spool("host-a:/spool", {7: 3, run.run_id: 5})
+    SpoolRecord.sync("host-a:/spool", {7: 3, run.run_id: 5})
+    assert LiveRun.objects.get(pk=run.pk).spool_rows == 5
+    assert not SpoolRecord.objects.exists()  # no replay run 7 here, and a live run_id is none of its
+    assert LiveRun.objects.get(pk=other.pk).spool_rows == 4  # another spool's book is untouched
+    LiveRun.sync_spool("host-a:/spool", {})
+    assert LiveRun.objects.get(pk=run.pk).spool_rows == 0
+    LiveRun.record_quarantined("host-a:/spool", "/spool/quarantine/x.torn", {run.run_id: 2, 7: 1})
+    assert LiveRun.objects.get(pk=run.pk).lost == 2
+
+
+def test_the_admin_lists_live_runs_read_only(admin_client):
+    run = LiveRun.register("host-a:/spool", "gw:1")
+    page = admin_client.get("/admin/gateway/liverun/")
+    assert page.status_code == 200 and str(run.run_id) in page.content.decode()
+    assert admin_client.get("/admin/gateway/liverun/add/").status_code == 403
