@@ -15,8 +15,10 @@ A step's verdict (``step_verdict``): the step replays at one rate and looks at i
 after every batch through an anytime-valid confidence sequence (stats.sequential.means), so the
 replay stops as soon as "meets" (the sequence's lower bound is at or above the target) or
 "misses" (its upper bound is below) is clear, and far from the edge that is quick: the search
-spends its time near the edge. A step that reaches its request cap undecided is an "undecided"
-step: the search treats it as not meeting (a capacity is claimed only for rates that meet with
+spends its time near the edge. A step that can no longer say "meets" before its request cap,
+even if every request left met the SLA (``can_still_meet``), stops then as "undecided" too: near
+the edge that saves running the cap out. A step that reaches its request cap undecided is an
+"undecided" step: the search treats it as not meeting (a capacity is claimed only for rates that meet with
 confidence), so the bracket's upper end may be a rate that meets the target by a hair.
 
 Error budget: ``alpha`` is split evenly over ``max_steps`` (the union bound), so with probability
@@ -55,6 +57,14 @@ def step_verdict(hits: int, n: int, target: float, alpha: float) -> str:
     if hi < target:
         return MISSES
     return UNDECIDED
+
+
+def can_still_meet(hits: int, n: int, left: int, target: float, alpha: float) -> bool:
+    """Whether a step that judged ``hits`` of ``n`` could still say "meets" before its cap, were
+    every one of the ``left`` requests it has yet to judge to meet the SLA. When not, the step
+    can only end "misses" or "undecided", which the search treats alike (not meeting): it may
+    stop at once (futility), and no claim of the search becomes weaker by it."""
+    return step_verdict(hits + max(left, 0), n + max(left, 0), target, alpha) == MEETS
 
 
 @dataclasses.dataclass(frozen=True)

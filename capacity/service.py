@@ -31,6 +31,8 @@ class Options:
     arrival: str = "poisson"
     cv: float = 1.0
     start_rps: float | None = None  # default: max_rps / 4
+    # a first rate per variant (others start at start_rps): e.g. from a replay that just ran
+    start_rps_by: dict[str, float] = dataclasses.field(default_factory=dict)
     max_rps: float = 50.0
     min_rps: float = 0.05
     rel_tol: float = 0.05
@@ -76,11 +78,16 @@ def create_search(experiment: Experiment, opts: Options, *, actor=None) -> Capac
         )
     if opts.arrival not in ARRIVALS:
         raise ReplayError(f"--arrival must be one of {', '.join(ARRIVALS)}, got {opts.arrival!r}")
+    unknown = sorted(set(opts.start_rps_by) - set(chosen))
+    if unknown:
+        raise ReplayError(f"--start-rates: {unknown} not searched here (searching {', '.join(chosen)})")
     if opts.step_requests < 50:
         raise ReplayError(f"--step-requests must be at least 50, got {opts.step_requests}")
     if not 0 <= opts.warmup_s <= 600:
         raise ReplayError(f"--warmup must be 0 to 600 s, got {opts.warmup_s:g}")
     spec = search_spec(experiment, opts)
+    for key in opts.start_rps_by:
+        variant_spec(spec, opts, key)
     if opts.arrival == "recorded":  # the trace must be readable and have a rate of its own
         trace_rate(opts.trace, opts.source_format, opts.step_requests, opts.local_paths)
     return CapacitySearch.objects.create(
@@ -99,6 +106,16 @@ def search_spec(experiment: Experiment, opts: Options) -> SearchSpec:
         )  # fmt: skip
     except ValueError as exc:
         raise ReplayError(str(exc)) from None
+
+
+def variant_spec(spec: SearchSpec, opts: Options, key: str) -> SearchSpec:
+    """The search of one variant: ``spec`` from the variant's own first rate, if it has one."""
+    if key not in opts.start_rps_by:
+        return spec
+    try:
+        return dataclasses.replace(spec, start_rps=float(opts.start_rps_by[key]))
+    except (TypeError, ValueError) as exc:
+        raise ReplayError(f"--start-rates {key}: {exc}") from None
 
 
 def options_of(record: CapacitySearch) -> Options:
@@ -140,7 +157,7 @@ def execute_search(record: CapacitySearch, *, say: Callable[[str], None] = lambd
                 )
                 return step
 
-            cap = run_search(spec, probe)
+            cap = run_search(variant_spec(spec, opts, key), probe)
             out[key] = variant_result(cap, costs.get(key), time.monotonic() - t0)
             CapacitySearch.objects.filter(pk=record.pk).update(result=out)
             say(f"{key}: {cap.message}")

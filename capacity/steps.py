@@ -9,7 +9,17 @@ deployments on one request sequence.
 
 While the run replays, the step reads its samples from the store every ``look_s`` (after the
 warm-up: requests scheduled in the first ``warmup_s`` start on an empty server and say nothing
-about steady state) and cancels the run once the confidence sequence decides.
+about steady state) and cancels the run once the confidence sequence decides, or once it can no
+longer say "meets" before its cap (capacity.search.can_still_meet).
+
+Which requests a look judges (``_counts``): the longest run of the schedule, in planned send
+order, whose every request has its final row in the store, stopping before the first one that
+has none yet (in flight, or finished but not yet written) or that the step's own stop cancelled.
+Fast requests finish first and slow ones (the misses) are the ones still in flight at a look, so
+counting whatever has arrived would lean toward hits; a prefix of the schedule is a fixed
+sequence observed in order, which is what the anytime-valid sequence is valid for. A request
+cancelled by the step's stop was cut short by the search, not by the deployment: it is never
+judged (the prefix ends before it), while errors and timeouts are misses like any other.
 """
 
 from __future__ import annotations
@@ -25,15 +35,17 @@ from django.conf import settings
 from django.db import connections
 
 from analysis.definitions import Slo
-from analysis.sql import SAMPLES, hit_expr, metric_ok
-from capacity.search import MEETS, MISSES, UNDECIDED, StepResult, step_verdict
+from analysis.sql import SAMPLES, hit_expr
+from capacity.search import MEETS, MISSES, UNDECIDED, StepResult, can_still_meet, step_verdict
 from experiments.models import Experiment
 from replay.arrivals import Arrival
 from samples.factory import sample_store
 from samples.store import StoreError
+from stats.quantiles import nearest_rank
 from stats.sequential.means import MeanSequence
 from workers.models import ReplayRun
 from workers.runs import cancel_run, create_run
+from workers.shard import run_requests
 from workers.tasks import start_replay
 
 log = logging.getLogger(__name__)
@@ -71,25 +83,46 @@ class StepPlan:
         return Arrival(mode=self.arrival, rate=rate, cv=cv, seed=self.seed)
 
 
-def _counts(store, run_id: int, plan: StepPlan) -> dict[str, Any]:
-    """n, hits, TTFT p50/p99 and mean output tokens of the run's samples after the warm-up."""
+def judged_order(run: ReplayRun, warmup_s: float) -> list[int]:
+    """The seqs of the run's requests a step judges (sent at or after the warm-up), in planned
+    send order: the run's own schedule, as its shards compute it (workers.shard)."""
+    loaded = run_requests(run)
+    offsets = Arrival(**run.arrival).offsets([r.offset_s for r in loaded.requests])
+    if offsets is None:  # closed loop: sent in the trace's order
+        return [r.seq for r in loaded.requests]
+    planned = sorted(zip(offsets, (r.seq for r in loaded.requests), strict=True))
+    return [seq for offset, seq in planned if offset >= warmup_s]
+
+
+def _counts(store, plan: StepPlan, run_id: int, variant: str, order: list[int]) -> dict[str, Any]:
+    """n, hits, TTFT p50/p99 and mean output tokens of the settled prefix of ``order`` (the
+    module docstring); ``left``: the judged requests after it (not yet known, or never)."""
     hit, hp = hit_expr(plan.slo)
-    ok = metric_ok("ttft_ms")
     rows = store.query(
-        f"SELECT count(), countIf({hit}), quantileExactIf(0.5)(assumeNotNull(ttft_ms), {ok}), "
-        f"quantileExactIf(0.99)(assumeNotNull(ttft_ms), {ok}), avgIf(output_tokens, outcome = 'ok'), "
-        f"countIf({ok}) FROM {SAMPLES} PREWHERE run_id = %(run)s "
-        "WHERE experiment = %(experiment)s AND scheduled_offset_ms >= %(warm)s",
-        {"run": int(run_id), "experiment": plan.experiment.key, "warm": plan.warmup_s * 1000.0, **hp},
+        f"SELECT seq, outcome, {hit}, ttft_ms, output_tokens, recorded_ms FROM {SAMPLES} "
+        "PREWHERE run_id = %(run)s WHERE experiment = %(experiment)s AND variant = %(variant)s",
+        {"run": int(run_id), "experiment": plan.experiment.key, "variant": variant, **hp},
         settings=QUERY_SETTINGS,
     )
-    n, hits, p50, p99, out_mean, n_ok = rows[0]
+    latest: dict[int, tuple] = {}  # a redelivered request may have two rows: the latest wins
+    for row in rows:
+        if row[0] not in latest or row[5] > latest[row[0]][5]:
+            latest[row[0]] = row
+    judged = []
+    for seq in order:
+        row = latest.get(seq)
+        if row is None or row[1] == "cancelled":
+            break
+        judged.append(row)
+    ttft = sorted(r[3] for r in judged if r[1] == "ok" and r[3] is not None)
+    tokens = [r[4] for r in judged if r[1] == "ok"]
     return {
-        "n": int(n),
-        "hits": int(hits),
-        "ttft_p50_ms": float(p50) if n_ok else None,
-        "ttft_p99_ms": float(p99) if n_ok else None,
-        "output_tokens_mean": float(out_mean) if n_ok and out_mean == out_mean else None,
+        "n": len(judged),
+        "hits": sum(1 for r in judged if r[2]),
+        "left": len(order) - len(judged),
+        "ttft_p50_ms": float(nearest_rank(ttft, 0.5)) if ttft else None,
+        "ttft_p99_ms": float(nearest_rank(ttft, 0.99)) if ttft else None,
+        "output_tokens_mean": sum(tokens) / len(tokens) if tokens else None,
     }
 
 
@@ -103,6 +136,7 @@ def run_step(plan: StepPlan, variant: str, rate: float, *, first: bool = False,
         population_seed=plan.seed, actor=plan.actor, enqueue=False, confirm=True, check_variants=first,
         shard_count=plan.shards,
     )  # fmt: skip
+    order = judged_order(run, plan.warmup_s)  # before the replay starts: its shard reuses the parse
     eager = settings.CELERY_TASK_ALWAYS_EAGER
     failure: list[BaseException] = []
     worker = None
@@ -123,19 +157,23 @@ def run_step(plan: StepPlan, variant: str, rate: float, *, first: bool = False,
         start_replay.delay(run.pk)
     store = sample_store()
     verdict = UNDECIDED
+    futile = False
     got: dict[str, Any] = {"n": 0, "hits": 0}
     while True:
         run.refresh_from_db()
         final = run.is_final or (worker is not None and not worker.is_alive())
         try:
-            got = _counts(store, run.pk, plan)
+            got = _counts(store, plan, run.pk, variant, order)
         except (StoreError, OSError) as exc:
             log.warning("capacity step run %s: the sample store did not answer: %s", run.pk, exc)
         else:
             verdict = step_verdict(got["hits"], got["n"], plan.target, plan.alpha)
+            if verdict == UNDECIDED and not can_still_meet(got["hits"], got["n"], got["left"], plan.target,
+                                                           plan.alpha):  # fmt: skip
+                futile = True
             if on_look:
                 on_look({"run": run.pk, "rate": rate, "verdict": verdict, **got})
-            if verdict in (MEETS, MISSES) and not run.cancel_requested and not run.is_final:
+            if (verdict in (MEETS, MISSES) or futile) and not run.cancel_requested and not run.is_final:
                 cancel_run(run)  # decided: the rest of the schedule would only cost time
         if final:
             break
@@ -146,7 +184,7 @@ def run_step(plan: StepPlan, variant: str, rate: float, *, first: bool = False,
     if failure or run.status == ReplayRun.Status.FAILED:
         why = failure[0] if failure else run.error
         raise RuntimeError(f"capacity step at {rate:g} req/s (run {run.pk}) failed: {why}")
-    got = _counts(store, run.pk, plan)  # every sample is durable now
+    got = _counts(store, plan, run.pk, variant, order)  # every sample is durable now
     verdict = step_verdict(got["hits"], got["n"], plan.target, plan.alpha)
     lo, hi = (
         MeanSequence(n=got["n"], hits=got["hits"], alpha=plan.alpha).bounds() if got["n"] else (None, None)
@@ -156,5 +194,12 @@ def run_step(plan: StepPlan, variant: str, rate: float, *, first: bool = False,
         rate_rps=float(rate), verdict=verdict, n=got["n"], hits=got["hits"], lag_p99_ms=max(lags) if lags else None,
         ttft_p50_ms=got["ttft_p50_ms"], ttft_p99_ms=got["ttft_p99_ms"], attainment_lo=lo, attainment_hi=hi,
         seconds=time.monotonic() - t0, run_id=run.pk, output_tokens_mean=got["output_tokens_mean"],
-        note="" if verdict != UNDECIDED else f"undecided after {got['n']} requests (the step's cap)",
+        note="" if verdict != UNDECIDED else _undecided(got, futile),
     )  # fmt: skip
+
+
+def _undecided(got: dict[str, Any], futile: bool) -> str:
+    if futile:
+        return (f"undecided after {got['n']} requests: {got['n'] - got['hits']} missed, so it could no longer "
+                "meet the target before the step's cap")  # fmt: skip
+    return f"undecided after {got['n']} requests (the step's cap)"

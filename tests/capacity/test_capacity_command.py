@@ -148,6 +148,12 @@ def test_the_command_names_what_is_wrong(weights_backend, document, users):
     services.transition(exp, "start", users["product"])
     with pytest.raises(CommandError, match="min_rps <= start_rps <= max_rps"):
         call_command("capacity", exp.key, "--trace", "x.csv", "--start-rate", "100", "--max-rate", "10")
+    with pytest.raises(CommandError, match=r"--start-rates: \['zzz'\] not searched here"):
+        call_command("capacity", exp.key, "--trace", "x.csv", "--start-rates", "zzz=4")
+    with pytest.raises(CommandError, match=r"--start-rates fp16: .*min_rps <= start_rps <= max_rps"):
+        call_command("capacity", exp.key, "--trace", "x.csv", "--start-rates", "fp16=100", "--max-rate", "10")
+    with pytest.raises(CommandError, match="expected VARIANT=RATE, got 'fp16'"):
+        call_command("capacity", exp.key, "--trace", "x.csv", "--start-rates", "fp16")
     with pytest.raises(CommandError, match="x.csv"):  # a trace that is not there, named
         call_command("capacity", exp.key, "--trace", "x.csv", "--arrival", "recorded")
     assert not CapacitySearch.objects.exists()  # nothing recorded for a refused search

@@ -1,5 +1,5 @@
 """python manage.py capacity KEY --trace FILE [--variants a,b] [--arrival poisson|gamma|recorded]
-[--max-rate R] [--start-rate R] [--min-rate R] [--tolerance 0.05] [--max-steps 12]
+[--max-rate R] [--start-rate R] [--start-rates a=R,b=R] [--min-rate R] [--tolerance 0.05] [--max-steps 12]
 [--step-requests 2000] [--warmup 5] [--seed 0] [--alpha 0.05] [--lag-limit 5] [--json]
 
 Per variant, the highest request rate at which attainment meets the experiment's SLA target
@@ -16,6 +16,8 @@ per unit of price (variants' ``cost``), or with --json one document:
 
 from __future__ import annotations
 
+import argparse
+
 from capacity.service import Options, ranking, search_experiment
 from experiments.cli import CliError, JsonCommand, actor_for, add_json_argument
 from experiments.models import Experiment
@@ -24,6 +26,20 @@ from workers.runs import ReplayError
 
 def _variants(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _start_rates(text: str) -> dict[str, float]:
+    """'fp16=32,awq-fa2=128' -> {"fp16": 32.0, "awq-fa2": 128.0}."""
+    out = {}
+    for part in _variants(text):
+        key, eq, rate = part.partition("=")
+        try:
+            out[key.strip()] = float(rate)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected VARIANT=RATE, got {part!r}") from None
+        if not eq or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected VARIANT=RATE, got {part!r}")
+    return out
 
 
 class Command(JsonCommand):
@@ -45,6 +61,8 @@ class Command(JsonCommand):
         parser.add_argument("--cv", type=float, default=1.0, help="gamma: burstiness (gap CV)")
         parser.add_argument("--max-rate", type=float, default=50.0, help="highest rate to try (req/s)")
         parser.add_argument("--start-rate", type=float, help="first rate to try (default: max-rate / 4)")
+        parser.add_argument("--start-rates", type=_start_rates, default={},
+                            help="a first rate per variant, VARIANT=RATE,... (others: --start-rate)")  # fmt: skip
         parser.add_argument("--min-rate", type=float, default=0.05, help="lowest rate to try (req/s)")
         parser.add_argument("--tolerance", type=float, default=0.05,
                             help="stop when the bracket's ends are this close (relative)")  # fmt: skip
@@ -66,7 +84,7 @@ class Command(JsonCommand):
             raise CliError(f"--cv applies to --arrival gamma, not {o['arrival']}", field="--cv")
         opts = Options(
             trace=o["trace"], source_format=o["format"], variants=o["variants"], arrival=o["arrival"],
-            cv=o["cv"], start_rps=o["start_rate"], max_rps=o["max_rate"], min_rps=o["min_rate"],
+            cv=o["cv"], start_rps=o["start_rate"], start_rps_by=o["start_rates"], max_rps=o["max_rate"], min_rps=o["min_rate"],
             rel_tol=o["tolerance"], max_steps=o["max_steps"], alpha=o["alpha"],
             step_requests=o["step_requests"], warmup_s=o["warmup"], seed=o["seed"], lag_limit_ms=o["lag_limit"],
         )  # fmt: skip
