@@ -57,7 +57,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from replay.rows import row_from
 from samples.columns import SampleError, SampleRow
@@ -77,6 +77,9 @@ QUEUE_ROWS = 200_000
 RETRY_S = 5.0
 HEARTBEAT_S = 5.0
 START_TIMEOUT_S = 30.0
+# Rows built between two explicit GIL releases on the flusher thread (~20 us each): without them a
+# CPU-bound batch holds the GIL up to sys.getswitchinterval() (5 ms) while a request waits.
+YIELD_EVERY = 32
 
 
 def live_spool_hooks() -> SpoolHooks:
@@ -123,8 +126,10 @@ class _Books:
     catalog_final: bool = False
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Item:
+class _Item(NamedTuple):
+    """One record() call. record() queues a plain tuple of these fields (the cheapest thing to
+    build on the request path); the flusher reads it as an _Item."""
+
     result: StreamResult
     experiment: str
     variant: str
@@ -164,7 +169,7 @@ class LiveRecorder:
         self.high_water = max(batch_rows, queue_rows // 2)
         self.retry_s, self.heartbeat_s, self.max_seq = retry_s, heartbeat_s, max_seq
         self.writer: SpoolingWriter | None = None
-        self._queue: collections.deque[_Item] = collections.deque()
+        self._queue: collections.deque[tuple] = collections.deque()  # _Item fields, in order
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
         self._dropped_full = 0  # record() found the queue full (under _cond)
@@ -234,8 +239,8 @@ class LiveRecorder:
         sample, under the control's variant key). A bad value is counted as rejected when the
         row is built on the flusher thread, never raised here."""
         try:
-            item = _Item(result, experiment, variant, user_id, config_revision, sent_unix_ms, request_id,
-                         prompt_tokens, max_tokens, gateway_ms, attempt)  # fmt: skip
+            item = (result, experiment, variant, user_id, config_revision, sent_unix_ms, request_id,
+                    prompt_tokens, max_tokens, gateway_ms, attempt)  # fmt: skip
             with self._cond:
                 if self._closed:
                     self._dropped_closed += 1
@@ -344,7 +349,7 @@ class LiveRecorder:
         log.info("live recorder: recording as live run %s (%s)", run.run_id, self.worker)
         return books
 
-    def _take(self) -> tuple[list[_Item], bool]:
+    def _take(self) -> tuple[list[tuple], bool]:
         """The next batch (waits up to flush_ms for batch_rows), and whether close() was called.
         While the store is away or the queue is deep, batches are larger (fewer fsyncs)."""
         with self._cond:
@@ -364,10 +369,11 @@ class LiveRecorder:
     def _spilling_locked(self) -> bool:
         return time.monotonic() < self._down_until or len(self._queue) + self._held_rows >= self.high_water
 
-    def _build(self, items: Sequence[_Item]) -> None:
+    def _build(self, items: Sequence[tuple]) -> None:
         """Rows of a batch, each with the next seq of the current run (a new run at max_seq)."""
         rows: list[SampleRow] = []
-        for at, it in enumerate(items):
+        for at, raw in enumerate(items):
+            it = _Item._make(raw)
             if self._seq >= self.max_seq:
                 if rows:
                     self._held.append(rows)
@@ -381,6 +387,8 @@ class LiveRecorder:
                         self._held_rows -= len(items) - at
                     time.sleep(min(self.retry_s, 1.0))
                     return
+            if at and at % YIELD_EVERY == 0:
+                time.sleep(0)  # let the event loop have the GIL: it serves requests meanwhile
             books = self._current
             assert books is not None
             self._seq += 1
