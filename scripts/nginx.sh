@@ -89,7 +89,11 @@ http {
         server $upstream;
         keepalive 1024;
         keepalive_requests 1000000;
-        keepalive_timeout 75s;
+        # Below the upstream's own idle timeout (vLLM's uvicorn closes idle connections after
+        # 5 s): nginx must drop an idle connection before the server does, or a POST sent on a
+        # connection the server just closed is a 502 (nginx never retries a non-idempotent one).
+        # Our clients keep theirs 4 s too (streaming/h1.py IDLE_EXPIRY_S).
+        keepalive_timeout 4s;
     }
 
     server {
