@@ -44,8 +44,10 @@ class LiveRun(models.Model):
       dropped    lost without reaching either: the memory queue was full (the disk could not
                  keep up), or record() was called after close(); 0 in normal operation
       rejected   could not become a valid row (replay.rows.row_from refused the measurement)
-    spool_rows: rows of this run waiting in its spool now (the spool's hooks keep it; as of the
-    last flush any process on the host did through this app's hooks).
+    spool_rows: rows of this run waiting in its spool now: told by the spool's hooks when a
+    recorder spools or flushes, and re-read from the spool at every heartbeat of a recorder on
+    it (a flush by `manage.py flush_samples` or a replay worker goes through hooks that skip live
+    runs). With no gateway running on the spool it stays as last seen.
     """
 
     class Status(models.TextChoices):

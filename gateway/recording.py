@@ -563,8 +563,8 @@ class LiveRecorder:
             self._current.saved = self._current.saved and not (full or after)
         now = timezone.now()
         for books in list(self._books.values()):
-            if books.saved and not closing:
-                continue
+            if books.saved and not closing and books is not self._current:
+                continue  # the current run's heartbeat_at moves on even when it is idle
             fields: dict[str, Any] = {
                 "recorded": books.recorded, "stored": books.stored, "spooled": books.spooled,
                 "dropped": books.dropped, "rejected": books.rejected,
@@ -579,6 +579,15 @@ class LiveRecorder:
             except Exception:
                 log.warning("live recorder: saving the counters of live run %s failed; next heartbeat tries again",
                             books.run_id, exc_info=True)  # fmt: skip
+        # What the spool holds, again: another process may have flushed it (`manage.py
+        # flush_samples`, a replay worker sharing the directory) through hooks that skip live
+        # runs. Read without the spool's lock (a flush may hold it for long): a batch being
+        # spooled right now shows at the next heartbeat.
+        assert self.writer is not None
+        try:
+            LiveRun.sync_spool(self.writer.spool.id, self.writer.spool.rows_by_run())
+        except Exception:
+            log.warning("live recorder: updating the spool's books failed; next heartbeat", exc_info=True)
 
     def _stored(self, run_id: int) -> bool:
         """No sample of the run waits in the spool (its files' headers say; a torn file counts

@@ -364,3 +364,21 @@ def test_the_admin_lists_live_runs_read_only(admin_client):
     page = admin_client.get("/admin/gateway/liverun/")
     assert page.status_code == 200 and str(run.run_id) in page.content.decode()
     assert admin_client.get("/admin/gateway/liverun/add/").status_code == 403
+
+
+def test_the_spool_s_books_follow_a_flush_by_another_process(store, tmp_path, monkeypatch):
+    from samples.spool import SpoolingWriter
+
+    down = switch_off(store, monkeypatch)
+    down.set()
+    rec = recorder(store, tmp_path, retry_s=3600.0)  # its own retry stays out of the way
+    rec.start()
+    for i in range(30):
+        record(rec, i)
+    wait_until(lambda: LiveRun.for_run_id(rec.run_id).spool_rows == 30, "the books count the 30 spooled")
+    down.clear()
+    # `manage.py flush_samples` in another process: its hooks are the replay's, not the live runs'
+    SpoolingWriter(store, str(tmp_path / "spool")).flush()
+    wait_until(lambda: LiveRun.for_run_id(rec.run_id).spool_rows == 0, "the recorder's heartbeat saw it")
+    assert rec.close() is True
+    assert physical(store, rec.run_id) == (30, 30)
