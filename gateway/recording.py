@@ -77,6 +77,7 @@ QUEUE_ROWS = 200_000
 RETRY_S = 5.0
 HEARTBEAT_S = 5.0
 START_TIMEOUT_S = 30.0
+FLUSH_BUDGET_S = 1.0  # a spool flush at most this long at a time (then new samples are spooled)
 # Rows built between two explicit GIL releases on the flusher thread (~20 us each): without them a
 # CPU-bound batch holds the GIL up to sys.getswitchinterval() (5 ms) while a request waits.
 YIELD_EVERY = 32
@@ -126,6 +127,10 @@ class _Books:
     catalog_final: bool = False
 
 
+class _FlushBudget(Exception):
+    """A spool flush used its time: the rest waits for the next one."""
+
+
 class _Item(NamedTuple):
     """One record() call. record() queues a plain tuple of these fields (the cheapest thing to
     build on the request path); the flusher reads it as an _Item."""
@@ -160,6 +165,7 @@ class LiveRecorder:
         retry_s: float = RETRY_S,
         heartbeat_s: float = HEARTBEAT_S,
         max_seq: int = MAX_SEQ,
+        flush_budget_s: float = FLUSH_BUDGET_S,
     ) -> None:
         if batch_rows < 1 or queue_rows < batch_rows or flush_ms <= 0 or max_seq < 1:
             raise ValueError("LiveRecorder: need batch_rows >= 1, queue_rows >= batch_rows, flush_ms > 0")
@@ -168,6 +174,7 @@ class LiveRecorder:
         self.batch_rows, self.flush_s, self.queue_rows = batch_rows, flush_ms / 1000.0, queue_rows
         self.high_water = max(batch_rows, queue_rows // 2)
         self.retry_s, self.heartbeat_s, self.max_seq = retry_s, heartbeat_s, max_seq
+        self.flush_budget_s = flush_budget_s
         self.writer: SpoolingWriter | None = None
         self._queue: collections.deque[tuple] = collections.deque()  # _Item fields, in order
         self._cond = threading.Condition(threading.Lock())
@@ -181,6 +188,7 @@ class LiveRecorder:
         self._seq = 0
         self._down_until = 0.0  # monotonic: until then, spill without trying the store
         self._close_by = float("inf")  # monotonic: from then on, close() spills what is left
+        self._draining = False  # the store is back, the spool not flushed yet: spill, flush on
         self._last_heartbeat = 0.0
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
@@ -316,7 +324,7 @@ class LiveRecorder:
                 if items:
                     self._build(items)
                 self._write_held(closing)
-                if self._down_until and time.monotonic() >= self._down_until:
+                if self._draining or (self._down_until and time.monotonic() >= self._down_until):
                     self._retry_spool()
                 if time.monotonic() - self._last_heartbeat >= self.heartbeat_s:
                     self._heartbeat()
@@ -367,7 +375,11 @@ class LiveRecorder:
             return items, self._closed
 
     def _spilling_locked(self) -> bool:
-        return time.monotonic() < self._down_until or len(self._queue) + self._held_rows >= self.high_water
+        return (
+            self._draining
+            or time.monotonic() < self._down_until
+            or len(self._queue) + self._held_rows >= self.high_water
+        )
 
     def _build(self, items: Sequence[tuple]) -> None:
         """Rows of a batch, each with the next seq of the current run (a new run at max_seq)."""
@@ -522,21 +534,42 @@ class LiveRecorder:
 
     def _retry_spool(self) -> None:
         """Flush the spool (this process's earlier batches, and an earlier process's): the
-        store is back when it succeeds; otherwise spill on for another retry_s."""
+        store is back when it succeeds; otherwise spill on for another retry_s.
+
+        A flush takes at most flush_budget_s (and stops early when the queue passes its
+        high-water mark), a whole file at a time: after a long outage the spool can take minutes
+        to flush, and this thread must keep spooling the samples that arrive meanwhile. Until a
+        flush empties it, new batches are spilled (write() would flush the whole spool first)
+        and the next loop flushes on."""
         assert self.writer is not None
+        deadline = time.monotonic() + self.flush_budget_s
+
+        def budget(done: int, files: int) -> None:
+            # called after each file is inserted and removed (SpoolingWriter.flush): stopping
+            # here leaves the rest of the spool as it was, for the next call
+            if done < files and (time.monotonic() >= deadline or self.queued() >= self.high_water):
+                raise _FlushBudget
+
         try:
             # One try first: a store still away costs a connect timeout, not the flush's
             # retries and backoff, while samples wait for this thread to spool them.
             self.writer.store.ping()
-            report = self.writer.flush()
+            report = self.writer.flush(progress=budget)
+        except _FlushBudget:
+            self._draining = True
+            self._down_until = 0.0
+            return
         except StoreUnavailable as exc:
             log.info("live recorder: sample store still unavailable (%s); spooling", exc)
+            self._draining = False
             self._store_down()
             return
         except Exception:
             log.exception("live recorder: flushing the spool failed")
+            self._draining = False
             self._store_down()
             return
+        self._draining = False
         self._down_until = 0.0
         if report.inserted or report.skipped_stored:
             log.info("live recorder: flushed %d spooled samples (%d already stored)",

@@ -382,3 +382,23 @@ def test_the_spool_s_books_follow_a_flush_by_another_process(store, tmp_path, mo
     wait_until(lambda: LiveRun.for_run_id(rec.run_id).spool_rows == 0, "the recorder's heartbeat saw it")
     assert rec.close() is True
     assert physical(store, rec.run_id) == (30, 30)
+
+
+def test_a_long_spool_is_flushed_a_file_at_a_time_while_new_samples_keep_coming(store, tmp_path, monkeypatch):
+    down = switch_off(store, monkeypatch)
+    down.set()
+    # flush_budget_s=0: every flush stops after one file, so draining takes many loops
+    rec = recorder(store, tmp_path, batch_rows=5, queue_rows=1000, flush_budget_s=0.0)
+    rec.start()
+    ids = []
+    for i in range(12):
+        ids.append(record(rec, i))
+        wait_until(lambda n=i + 1: rec.counts()["spooled"] == n, "spooled one by one")  # a file each
+    assert len(rec.writer.spool.pending_files()) == 12
+    down.clear()
+    ids += [record(rec, i) for i in range(12, 40)]  # while the spool drains
+    wait_until(lambda: rec.writer.spool.pending_files() == [] and len(stored(store, rec.run_id)) == 40,
+               "the spool drained and every sample stored")  # fmt: skip
+    assert rec.close() is True
+    assert [r["request_id"] for r in stored(store, rec.run_id)] == ids
+    assert physical(store, rec.run_id) == (40, 40)
