@@ -14,11 +14,16 @@ traffic feeds it as a replay's does. One LiveRecorder per gateway process:
    its seq (a per-run counter, in queue order), builds rows with row_from and writes them
    through samples.spool.SpoolingWriter: to the store, or to the durable spool when the store
    is down. After a failed store write it spools straight away (SpoolingWriter.spill, no store
-   call) for ``retry_s``, then tries a flush of the spool (the recorder's own retry); while the
-   queue is above its high-water mark (the store is slow) it spills too, so the queue drains at
-   the local disk's speed whatever the store does. A full queue (the disk cannot keep up) drops
-   and counts the row: ``dropped`` on the run and ``abplat_live_samples_dropped_total``.
-4. ``close()`` drains the queue (store or spool) and closes the run.
+   call) for ``retry_s``, then tries a flush of the spool (the recorder's own retry: a ping,
+   then at most ``flush_budget_s`` of flushing at a time, spilling on until the spool is
+   empty); while the queue is above its high-water mark (the store is slow) it spills too, so
+   the queue drains at the local disk's speed whatever the store does. A full queue (the disk
+   cannot keep up, or the spool's lock is held by a long flush in another process) drops and
+   counts the row: ``dropped`` on the run and ``abplat_live_samples_dropped_total``.
+4. ``close()`` drains the queue (store or spool) and closes the run; the run catalog
+   (SampleStore.record_run, mode and source ``live``) says running while it is open, done once
+   closed with every sample stored, failed for a process that died (catalogued by the next
+   start on the spool).
 
 Every database call happens on the flusher thread (Django refuses the ORM inside an event loop).
 
