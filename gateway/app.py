@@ -27,6 +27,7 @@ A stream keeps the variant it started on: the assignment is made once, before th
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import math
@@ -132,6 +133,11 @@ class Gateway:
             self.directory.refresh()
             self.directory.start(self.config.variants_refresh_s)
         self.recorder.start()
+        # Everything loaded so far (Django, the router, the variants) lives as long as the
+        # process: take it out of the cyclic collector's view, or each full collection walks
+        # the whole heap on the event loop (pauses of tens of ms in the middle of streams).
+        gc.collect()
+        gc.freeze()
         self._started = True
 
     def shutdown(self) -> None:
@@ -419,12 +425,19 @@ class Gateway:
             if tgt.error:
                 raise UpstreamError(Outcome.CLIENT_ERROR, f"variant {tgt.key}: {tgt.error}")
             try:
-                ex = await self._pool(tgt.endpoint).send(api_path, up_headers, content, cfg.deadlines)
+                fwd = _Forwarder(send, timer, [(b"x-abplat-variant", tgt.key.encode()),
+                                               (b"x-request-id", request_id.encode()),
+                                               (b"traceparent", traceparent.encode())], take_5xx=last,
+                                 state=state)  # fmt: skip
+                ex = await self._pool(tgt.endpoint).send(
+                    api_path, up_headers, content, cfg.deadlines, fwd.on_head
+                )
             except UpstreamError as exc:
                 record(timer.finish(_perf(), exc.outcome, exc.message), gateway_ns)
                 if not last:
                     return False
                 status = 504 if exc.outcome in (Outcome.CONNECT_TIMEOUT, Outcome.HEADERS_TIMEOUT) else 502
+                state["done"] = True
                 await _respond(
                     send, status, _error_body(status, f"variant {tgt.key}: {exc.message}", kind="upstream_error"),
                     variant=tgt.key, request_id=request_id, traceparent=traceparent,
@@ -434,7 +447,7 @@ class Gateway:
             if ex.connected:
                 timer.connected(ex.connect_started_ns, ex.connect_done_ns)
             ex.arm(start + int(cfg.deadlines.total_s * 1e9))
-            if ex.status >= 500 and not last:
+            if not fwd.started and ex.status >= 500 and not last:
                 # Before the first byte: read the error, record it, let the control answer.
                 detail = await _read_some(ex)
                 res = timer.finish(_perf(), Outcome.HTTP_5XX, f"HTTP {ex.status}: {detail}")
@@ -442,7 +455,9 @@ class Gateway:
                 ex.close()
                 ex = None
                 return False
-            return await self._stream(send, ex, timer, tgt, request_id, traceparent, gateway_ns, record)
+            if not fwd.started:
+                fwd.on_head(ex, force=True)
+            return await self._stream(send, ex, timer, fwd, gateway_ns, record)
         except asyncio.CancelledError:
             if ex is not None:
                 ex.abort()
@@ -453,24 +468,15 @@ class Gateway:
             if ex is not None:
                 ex.close()
 
-    async def _stream(self, send: Send, ex: Exchange, timer: StreamTimer, tgt: Target, request_id: str,
-                      traceparent: str, gateway_ns: int, record: Callable[[StreamResult, int], None]) -> bool:  # fmt: skip
-        out_headers = [(k, v) for k, v in ex.headers if k not in _HOP]
-        out_headers += [(b"x-abplat-variant", tgt.key.encode()), (b"x-request-id", request_id.encode()),
-                        (b"traceparent", traceparent.encode())]  # fmt: skip
-        ctype = next((v for k, v in ex.headers if k == b"content-type"), b"")
-        sse = ex.status == 200 and ctype.startswith(b"text/event-stream")
-        parser = SSEParser() if sse else None
-        t0 = _perf()
-        await send({"type": "http.response.start", "status": ex.status, "headers": out_headers})
-        self.forward_ns += _perf() - t0
-        fwd = _Forwarder(send, ex, timer, parser)
-        ex.set_sink(fwd)
+    async def _stream(self, send: Send, ex: Exchange, timer: StreamTimer, fwd: _Forwarder, gateway_ns: int,
+                      record: Callable[[StreamResult, int], None]) -> bool:  # fmt: skip
+        """The response is under way (the forwarder started it in the read callback): wait for
+        its end, then finish the measurement and hand it to the recorder."""
         await ex.finished()
         await fwd.flushed()
         self.forward_ns += fwd.forward_ns
         self.forwarded_chunks += fwd.chunks
-        ended, error, body = fwd.ended, fwd.error, fwd.body
+        parser, ended, error, body = fwd.parser, fwd.ended, fwd.error, fwd.body
         if fwd.send_error is not None and ex.error is None:
             ex.fail(UpstreamError(Outcome.CANCELLED, f"writing to the user failed: {fwd.send_error}"))
         now = _perf()
@@ -500,52 +506,98 @@ class Gateway:
         if parser is None and outcome is Outcome.OK:
             # Not streamed: the user's first token is the whole answer.
             res.ttft_ms = res.ttft_event_ms = res.e2e_ms
-        state_done = {"type": "http.response.body", "body": b"", "more_body": False}
-        await send(state_done)
+        if fwd.send_error is None and not fwd.closed:
+            fwd.state["done"] = True  # the disconnect that uvicorn reports next is the response's end
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         record(res, gateway_ns)
         return True
 
 
 class _Forwarder:
-    """The per-chunk path: called by the upstream connection with each read as it arrives
-    (gateway/upstream.py, ``Exchange.set_sink``), inside the read callback.
+    """The per-chunk path, run inside the upstream connection's read callback
+    (gateway/upstream.py: ``Exchange.on_head``, ``Exchange.set_sink``), so no byte waits for
+    the request's task to wake up:
 
-    1. Forward: uvicorn's ``send`` for a body chunk only awaits when the user's socket is
+    1. The variant's headers complete: the response starts at once with them (hop-by-hop ones
+       dropped, ours added), unless it is a 5xx that the control may still answer.
+    2. Each read: forwarded first. uvicorn's ``send`` only awaits when the user's socket is
        write-paused (a slow reader); otherwise it writes and returns at its first step. So the
        coroutine is stepped here, at once; only when it does suspend is it finished in a task,
        with reading from the variant paused and later reads joined into one write after it.
-       No task wake-up per chunk, no loop pass between a read and its forward.
-    2. Measure, after the forward: the read's arrival stamp and bytes into the SSE parser and
-       the StreamTimer (a non-streamed body is kept, up to _PARSE_LIMIT, for its usage).
+    3. Then measured: the read's arrival stamp and bytes into the SSE parser and the
+       StreamTimer (a non-streamed body is kept, up to _PARSE_LIMIT, for its usage).
     """
 
-    __slots__ = ("send", "ex", "timer", "parser", "ended", "error", "body", "forward_ns", "chunks",
-                 "send_error", "_pending", "_backlog", "_first")  # fmt: skip
+    __slots__ = ("send", "timer", "added", "take_5xx", "ex", "parser", "started", "ended", "error", "body",
+                 "forward_ns", "chunks", "send_error", "closed", "_pending", "_backlog", "_first",
+                 "_close_after", "state")  # fmt: skip
 
-    def __init__(self, send: Send, ex: Exchange, timer: StreamTimer, parser: SSEParser | None) -> None:
+    def __init__(self, send: Send, timer: StreamTimer, added: list[tuple[bytes, bytes]], *, take_5xx: bool,
+                 state: dict) -> None:  # fmt: skip
         self.send = send
-        self.ex = ex
+        self.state = state  # the request's: "done" tells the disconnect watcher the end is ours
         self.timer = timer
-        self.parser = parser
+        self.added = added
+        self.take_5xx = take_5xx
+        self.ex: Exchange | None = None
+        self.parser: SSEParser | None = None
+        self.started = False
         self.ended: Outcome | None = None  # what the events said: [DONE] -> OK, engine error, malformed
         self.error = ""
         self.body = bytearray()
         self.forward_ns = 0
         self.chunks = 0
         self.send_error: BaseException | None = None
+        self.closed = False  # the response's last message is handed to uvicorn
         self._pending: asyncio.Task | None = None
         self._backlog: list[bytes] = []
         self._first = True
+        self._close_after = False
+
+    def on_head(self, ex: Exchange, force: bool = False) -> None:
+        if self.started or (ex.status >= 500 and not self.take_5xx and not force):
+            return
+        t0 = _perf()
+        self.ex = ex
+        self.started = True
+        try:
+            headers = [(k, v) for k, v in ex.headers if k not in _HOP]
+            headers += self.added
+            ctype = next((v for k, v in ex.headers if k == b"content-type"), b"")
+            if ex.status == 200 and ctype.startswith(b"text/event-stream"):
+                self.parser = SSEParser()
+            self._step({"type": "http.response.start", "status": ex.status, "headers": headers})
+        except Exception as exc:  # never into the protocol callback
+            self.send_error = exc
+            ex.abort()
+            return
+        ex.set_sink(self)
+        ex.on_end = self.end
+        self.forward_ns += _perf() - t0
+
+    def end(self) -> None:
+        """The variant's body is complete: end the user's response now (the client may reuse
+        its connection at once), not when the request's task wakes up."""
+        if self.send_error is not None or self.closed:
+            return
+        if self._pending is not None:
+            self._close_after = True
+            return
+        self.closed = True
+        # uvicorn answers the watcher's receive() with http.disconnect once the response is
+        # complete: that one is not the user going away.
+        self.state["done"] = True
+        self._step({"type": "http.response.body", "body": b"", "more_body": False})
 
     def __call__(self, t_ns: int, data: bytes) -> None:
-        # 1. forward
+        # 2. forward
         if self._pending is not None:
             self._backlog.append(data)
         elif self.send_error is None:
-            self._write(data)
+            self._step({"type": "http.response.body", "body": data, "more_body": True})
         self.forward_ns += _perf() - t_ns
         self.chunks += 1
-        # 2. measure
+        # 3. measure
         if self._first:
             self._first = False
             self.timer.body_bytes(t_ns)
@@ -569,17 +621,19 @@ class _Forwarder:
         except StreamProtocolError as exc:
             self.ended, self.error = Outcome.MALFORMED, str(exc)
 
-    def _write(self, data: bytes) -> None:
-        coro = self.send({"type": "http.response.body", "body": data, "more_body": True})
+    def _step(self, message: dict) -> None:
+        coro = self.send(message)
         try:
             awaiting = coro.send(None)
         except StopIteration:
             return
         except Exception as exc:  # uvicorn refused the message: stop forwarding, end the request
             self.send_error = exc
+            assert self.ex is not None
             self.ex.abort()
             return
         # The user's socket is write-paused: finish this send in a task, hold the variant.
+        assert self.ex is not None
         self.ex.conn.pause()
         self._pending = asyncio.ensure_future(_resume(coro, awaiting))
         self._pending.add_done_callback(self._sent)
@@ -589,6 +643,7 @@ class _Forwarder:
         if task.cancelled():
             return
         exc = task.exception()
+        assert self.ex is not None
         if exc is not None:
             self.send_error = exc
             self.ex.abort()
@@ -596,7 +651,10 @@ class _Forwarder:
         if self._backlog:
             data = b"".join(self._backlog)
             self._backlog.clear()
-            self._write(data)
+            self._step({"type": "http.response.body", "body": data, "more_body": True})
+        if self._pending is None and self._close_after:
+            self._close_after = False
+            self.end()
         if self._pending is None:
             self.ex.conn.resume()
 

@@ -92,7 +92,7 @@ class Exchange:
     __slots__ = (
         "conn", "status", "headers", "keep_alive", "complete", "error", "sent_ns", "connected",
         "connect_started_ns", "connect_done_ns", "headers_ns", "_chunks", "_queued", "_waiter", "_headers_fut", "_timer",
-        "_last_ns", "_total_deadline_ns", "_stall_ns", "_paused", "_got_bytes", "_sink",
+        "_last_ns", "_total_deadline_ns", "_stall_ns", "_paused", "_got_bytes", "_sink", "on_head", "on_end",
     )  # fmt: skip
 
     def __init__(self, conn: _Connection, deadlines: Deadlines) -> None:
@@ -118,6 +118,11 @@ class Exchange:
         self._paused = False
         self._got_bytes = False
         self._sink: Callable[[int, bytes], None] | None = None
+        # Called in the read callback when the headers are complete (before any body byte is
+        # handed on), so the response can start without waiting for the request's task.
+        self.on_head: Callable[[Exchange], None] | None = None
+        # Called in the read callback when the body is complete (after its last on_body).
+        self.on_end: Callable[[], None] | None = None
 
     # called by the connection ---------------------------------------------------------------
     def on_status(self, status: int) -> None:
@@ -127,6 +132,8 @@ class Exchange:
         self.headers = headers
         self.keep_alive = keep_alive
         self.headers_ns = t_ns
+        if self.on_head is not None:
+            self.on_head(self)
         if not self._headers_fut.done():
             self._headers_fut.set_result(None)
 
@@ -145,6 +152,8 @@ class Exchange:
 
     def on_complete(self) -> None:
         self.complete = True
+        if self.on_end is not None:
+            self.on_end()
         self._wake()
 
     def on_bytes(self) -> None:
@@ -424,8 +433,16 @@ class Pool:
                 Outcome.CONNECT_ERROR, f"cannot connect to {ep.host_header}: {exc.strerror or exc}"
             ) from None
 
-    async def send(self, path: str, headers: dict[str, str], body: bytes, deadlines: Deadlines) -> Exchange:
-        """Write one POST and wait for its response headers; UpstreamError if none came."""
+    async def send(
+        self,
+        path: str,
+        headers: dict[str, str],
+        body: bytes,
+        deadlines: Deadlines,
+        on_head: Callable[[Exchange], None] | None = None,
+    ) -> Exchange:
+        """Write one POST and wait for its response headers; UpstreamError if none came.
+        ``on_head``: see Exchange.on_head (it must not raise)."""
         loop = asyncio.get_running_loop()
         request = request_bytes(self.endpoint.host_header, self.endpoint.base_path + path, headers, body)
         for attempt in (1, 2):
@@ -439,6 +456,7 @@ class Pool:
             ex = Exchange(conn, deadlines)
             ex.connected = not reused
             ex.connect_started_ns, ex.connect_done_ns = c0, c1
+            ex.on_head = on_head
             conn.ex = ex
             ex.sent_ns = _perf()
             assert conn.transport is not None
