@@ -2,7 +2,7 @@
 report's ITL becomes on a replay of the demo profiles.
 
     scripts/clickhouse.sh start
-    .venv/bin/python bench/bench_itl.py [--samples 100000] [--limit 1000 --speed 4]
+    .venv/bin/python bench/bench_itl.py [--samples 100000] [--limit 1100 --speed 35]
     .venv/bin/python bench/bench_itl.py --quick     # 5k samples, a 60-request replay at 20x
 
 1. Storage: --samples synthetic samples (samples.synthetic, the demo's three arms; output tokens
@@ -14,9 +14,9 @@ report's ITL becomes on a replay of the demo profiles.
    rows against the gaps they stand for; the report's time from the raw samples and from the
    rollup, each with and without gaps.
 2. The demo: `manage.py demo --no-serve --json` (what `make demo` runs: --limit requests of
-   the demo's trace at --speed through the fp16 / awq / awq-fa2 simulator profiles, the live
-   router, eager Celery; its capacity search, where the demo has one, skipped) into a third
-   database; then per variant, from the stored samples of its replay run: the old itl_ms (the
+   the demo's chat-sized slice of the code trace at --speed, by default the demo's own 1,100 at
+   35x (workers/demo.py LIMIT, SPEED), to the fp16 / awq / awq-fa2 simulator profiles at once
+   (mirror), eager Celery; its capacity search skipped) into a third database; then per variant, from the stored samples of its replay run: the old itl_ms (the
    per-request mean ITL, itl_mean_ms), the pooled ITL over every gap and TPOT, p50 and p99
    (nearest rank), beside the report's, and the bytes of the run's gaps on disk.
 
@@ -49,6 +49,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.benchlib import BenchFailed, run_checked  # noqa: E402
 
+# The demo's own load (workers/demo.py LIMIT and SPEED; tests/bench checks they agree).
+DEMO_LIMIT, DEMO_SPEED = 1100, 35.0
 DEFAULT_URL = os.environ.get(
     "ABPLAT_BENCH_CLICKHOUSE_URL", "clickhouse://default:@127.0.0.1:19000/abplat_bench"
 )
@@ -221,6 +223,10 @@ def storage(args) -> list[dict]:
     return out
 
 
+def demo_options(args) -> list[str]:
+    return ["--limit", str(args.limit), "--speed", f"{args.speed:g}"]
+
+
 def demo(args) -> dict:
     """`manage.py demo --no-serve --json` into its own database; per variant the old and new ITL."""
     import numpy as np
@@ -235,8 +241,15 @@ def demo(args) -> dict:
                 "ABPLAT_VAR": var, "ABPLAT_DEBUG": "true", "ABPLAT_CLICKHOUSE_URL": url,
                 "PYTHONPATH": str(ROOT),
             }  # fmt: skip
-            cmd = [sys.executable, "manage.py", "demo", "--no-serve", "--json", "--no-progress",
-                   "--limit", str(args.limit), "--speed", f"{args.speed:g}"]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "manage.py",
+                "demo",
+                "--no-serve",
+                "--json",
+                "--no-progress",
+                *demo_options(args),
+            ]
             helped = subprocess.run([*cmd[:3], "--help"], cwd=ROOT, env=env, capture_output=True, text=True)
             if "--capacity-steps" in helped.stdout:  # a demo that searches capacity too: its replay only
                 cmd += ["--capacity-steps", "0"]
@@ -322,7 +335,7 @@ def run(args) -> None:
               f"{s['rollup_gaps_rows']:,} ({s['rollup_gaps_bytes']:,}) | {s['rollup_values_rows']:,} "
               f"({s['rollup_values_bytes']:,}) | {s['build_s']:.2f} | {s['raw_s']:.2f} | {s['rollup_s']:.2f} |")  # fmt: skip
     d = demo(args)
-    print(f"\nThe demo: `manage.py demo --no-serve --json --limit {args.limit} --speed {args.speed:g}` "
+    print(f"\nThe demo: `manage.py demo --no-serve --json {shlex.join(demo_options(args))}` "
           f"({d['wall_s']:.0f} s), fp16 / awq / awq-fa2 profiles; every request ok, "
           "output_tokens - 1 gaps each; ms, nearest rank, from the stored samples (= the report's)")  # fmt: skip
     print(
@@ -343,8 +356,8 @@ def run(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, default=100_000, help="synthetic samples for the storage part")
-    ap.add_argument("--limit", type=int, default=1000, help="demo: requests of the trace to replay")
-    ap.add_argument("--speed", type=float, default=4.0, help="demo: time compression of the trace")
+    ap.add_argument("--limit", type=int, default=DEMO_LIMIT, help="demo: requests of its slice to replay")
+    ap.add_argument("--speed", type=float, default=DEMO_SPEED, help="demo: time compression of the slice")
     ap.add_argument("--timeout", type=float, default=900.0, help="demo: seconds before it counts as hung")
     ap.add_argument("--clickhouse-url", default=DEFAULT_URL, help=f"default {DEFAULT_URL}")
     ap.add_argument("--quick", action="store_true", help="smoke run: 5k samples, a 60-request demo at 20x")

@@ -13,12 +13,9 @@ instead: prompts up to 384 tokens and answers up to 32 (1,463 of the trace's 8,8
 with their real sizes and arrival times, in order). There the target is a fair question and
 load decides it.
 
-Answers up to 32 tokens, for two reasons. The replay's one process reads every streamed token,
-and in the trace's bursts at 35x a few hundred streams are in flight: with longer answers it
-falls behind there and measures first tokens late (the caveat below). And a capacity step stops
-its replay once its verdict is clear; a request still streaming two seconds later is recorded
-``cancelled``, which the step's final count takes for a miss (capacity/steps.py), so short
-answers keep a step that met the target from being undone by its own stop.
+Answers up to 32 tokens: the replay's one process reads every streamed token, and in the
+trace's bursts at 35x a few hundred streams are in flight: with longer answers it falls behind
+there and measures first tokens late (the caveat below).
 
 Mirror, not split. The trace has no users; the replay draws them from a skewed population where
 one user sends 16% of the requests, so a 33% split gives a variant between 20% and 49% of the
@@ -33,13 +30,15 @@ req/s on average per variant, in the trace's bursts): FP16 misses (93-94%), AWQ 
 confidence (all 1,100 within 200 ms in the quiet runs of bench/RESULTS.md).
 
 The capacity search (manage.py capacity's options): the control and each variant that met the
-target, each alone under Poisson arrivals of the slice's requests (twice over), from
-``CAPACITY_MAX_RPS`` down by halves, two steps at most: FP16 does not meet at 64 req/s and
-usually meets at 32 (when it does not, the demo says it met at no rate tried), AWQ +
-FlashAttention-2 meets at 64, the most the search sends. At 99.2% a step needs
-about 1,400 requests after its warm-up to say "meets" with confidence (one far above a
-variant's capacity says "misses" in a few hundred), so the search's time is mostly its meeting
-steps, 1,400 / rate seconds each: about two minutes here.
+target, each alone under Poisson arrivals of the slice's requests (twice over), two steps each.
+Each starts where the main replay points (``start_rate``): a variant that met the target there
+starts at ``CAPACITY_MAX_RPS`` (128 req/s), the most the search sends, and meets there; the
+control, which missed, starts at half of it, where a step sees it miss within a few hundred
+requests (it can no longer meet before its cap, capacity.search.can_still_meet), then halves
+to 32, where it meets. At 99.2% a meeting step needs about 1,360 judged requests with no miss
+(1,720 with one, 2,020 with two), so the search's time is its meeting steps, 1,360 / rate
+seconds each plus about 8 s of a step's own setup and stop: fp16's at 32 req/s is most of it,
+and no start rate or stopping rule takes a confident "meets" at 32 req/s below 43 s.
 
 A caveat the figures carry: on this 2-core machine, when other work keeps it busy, the replay's
 event loop stalls (the embedded store's inserts hold the interpreter for up to ~100 ms) and the
@@ -76,9 +75,10 @@ LIMIT = 1100  # requests of the slice the demo replays (its first 59 s at 35x)
 # says so (its verdicts then understate every variant, see the caveat above).
 BUSY_LAG_MS = 200.0
 
-# The capacity search. The highest rate: about what the demo's one process (replay, embedded
-# sample store, simulators beside it) sends on 2 cores with its schedule lag p99 at 10-50 ms.
-CAPACITY_MAX_RPS = 64.0
+# The capacity search. The highest rate: what the demo's one process (replay, embedded sample
+# store, simulators beside it) sends on 2 cores with its schedule lag p99 under 10 ms
+# (bench/RESULTS.md, "SLA capacity of the demo profiles": 7-9 ms at 128-181 req/s).
+CAPACITY_MAX_RPS = 128.0
 CAPACITY_MIN_RPS = 4.0
 CAPACITY_MAX_STEPS = 2
 CAPACITY_TOLERANCE = 1.0  # stop when the bracket is within a factor of two
@@ -215,12 +215,22 @@ def start_simulators(
     return sims
 
 
+def start_rate(met: bool) -> float:
+    """A searched deployment's first rate, from the main replay that just ran: one that met the
+    target under the trace's bursts starts at the top; one that did not (the control), at half
+    of it, so that a miss there is quick and the halving lands on its edge."""
+    return CAPACITY_MAX_RPS if met else CAPACITY_MAX_RPS / 2.0
+
+
 def capacity_arguments(
-    trace: Path, step_requests: int = CAPACITY_STEP_REQUESTS, max_steps: int = CAPACITY_MAX_STEPS
-) -> list[str]:
+    trace: Path, step_requests: int = CAPACITY_STEP_REQUESTS, max_steps: int = CAPACITY_MAX_STEPS,
+    start_rates: dict[str, float] | None = None,
+) -> list[str]:  # fmt: skip
     """`manage.py capacity KEY ...`'s options for the demo's search of ``trace``."""
+    starts = ",".join(f"{k}={r:g}" for k, r in (start_rates or {}).items())
     return [
         "--trace", str(trace), "--arrival", "poisson", "--start-rate", f"{CAPACITY_MAX_RPS:g}",
+        *(["--start-rates", starts] if starts else []),
         "--max-rate", f"{CAPACITY_MAX_RPS:g}", "--min-rate", f"{CAPACITY_MIN_RPS:g}",
         "--max-steps", str(max_steps), "--tolerance", f"{CAPACITY_TOLERANCE:g}",
         "--step-requests", str(step_requests), "--warmup", f"{CAPACITY_WARMUP_S:g}",

@@ -13,7 +13,7 @@ workers/demo.py says how the demo is calibrated and why.
 5. Print the per-variant SLA table of that run.
 6. Search the SLA capacity of the control and of each variant that met the target
    (manage.py capacity: each deployment alone, Poisson arrivals of the same requests, two
-   steps) and print it with the price per million requests; then serve the admin and
+   steps, each starting where the replay's verdict points: demo.start_rate) and print it with the price per million requests; then serve the admin and
    dashboards until Ctrl-C.
 
 --json (with --no-serve) prints one document at the end: {"experiment", "trace": {"source",
@@ -147,16 +147,23 @@ class Command(JsonCommand):
 
             # 6. Capacity: of the control and of every variant that met the target.
             capacity = None
-            searched = [
-                v["key"] for v in report["variants"] if v["control"] or v["verdict"]["verdict"] == "meets"
-            ]
+            starts = {
+                v["key"]: demo.start_rate(v["verdict"]["verdict"] == "meets")
+                for v in report["variants"]
+                if v["control"] or v["verdict"]["verdict"] == "meets"
+            }
+            searched = list(starts)
             if steps and searched:
+                firsts = ", ".join(
+                    f"{k} from {r:g} req/s ({'met' if r >= demo.CAPACITY_MAX_RPS else 'missed'} the target above)"
+                    for k, r in starts.items()
+                )
                 self.say(
                     f"\nsearching the SLA capacity of {' and '.join(searched)} (the control and the variants that "
                     f"met the target): each deployment alone, steady (Poisson) arrivals of the same requests, "
-                    f"from {demo.CAPACITY_MAX_RPS:g} req/s down by halves, {steps} steps at most"
+                    f"{firsts}, then halving or doubling up to {demo.CAPACITY_MAX_RPS:g} req/s, {steps} steps at most"
                 )
-                capacity = self.capacity(experiment, cut, searched, steps, step_requests)
+                capacity = self.capacity(experiment, cut, starts, steps, step_requests)
                 self.say("")
                 self.say(render_capacity(capacity, replicas))
                 self.say(capacity["summary"])
@@ -209,7 +216,7 @@ class Command(JsonCommand):
             services.transition(experiment, "resume", demo_user, reason="demo")
         return experiment
 
-    def capacity(self, experiment: Experiment, cut: demo.Slice, variants: list[str], steps: int,
+    def capacity(self, experiment: Experiment, cut: demo.Slice, starts: dict[str, float], steps: int,
                  step_requests: int | None) -> dict:  # fmt: skip
         """manage.py capacity of ``variants`` on the slice (twice over); its document, the
         search's wall time and the sentence the demo ends with."""
@@ -218,8 +225,8 @@ class Command(JsonCommand):
         step_requests = min(step_requests or demo.CAPACITY_STEP_REQUESTS, cut.rows * demo.CAPACITY_PASSES)
         out = io.StringIO()
         call_command(
-            "capacity", experiment.key, *demo.capacity_arguments(trace, max(step_requests, 50), steps),
-            "--variants", ",".join(variants), "--json",
+            "capacity", experiment.key, *demo.capacity_arguments(trace, max(step_requests, 50), steps, starts),
+            "--variants", ",".join(starts), "--json",
             stdout=out, stderr=_Lines(lambda line: self.stderr.write(line), STEP_LINE),
         )  # fmt: skip
         doc = json.loads(out.getvalue())
