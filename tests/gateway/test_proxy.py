@@ -34,6 +34,8 @@ def test_streaming_chat_goes_to_the_users_variant_and_is_measured(running_with, 
     assert text
     [rec] = gw.recorder.wait_for(1)
     assert rec["variant"] == "awq" and rec["experiment"] == "ttft-opt" and rec["user_id"] == user
+    # no usage event asked for: the gateway's estimate, 4 bytes a token of "Tell me about the sea"
+    assert not rec["result"].usage_reported and rec["prompt_tokens"] == 6
     assert rec["attempt"] == 1 and rec["request_id"] == raw.headers["x-request-id"]
     assert rec["config_revision"] == router.assign("ttft-opt", user).revision
     result = rec["result"]
