@@ -19,7 +19,7 @@ traffic feeds it as a replay's does. One LiveRecorder per gateway process:
    empty); while the queue is above its high-water mark (the store is slow) it spills too, so
    the queue drains at the local disk's speed whatever the store does. A full queue (the disk
    cannot keep up, or the spool's lock is held by a long flush in another process) drops and
-   counts the row: ``dropped`` on the run and ``abplat_live_samples_dropped_total``.
+   counts the row: ``dropped`` on the run and ``abplat_live_dropped_samples_total``.
 4. ``close()`` drains the queue (store or spool) and closes the run; the run catalog
    (SampleStore.record_run, mode and source ``live``) says running while it is open, done once
    closed with every sample stored, failed for a process that died (catalogued by the next

@@ -273,17 +273,17 @@ REPLAY_RUNS_HELP = "Replay runs in the database by status (read from the databas
 
 # ---- live gateway recording (gateway/recording.py) ---------------------------------------------
 LIVE_SAMPLES_RECORDED = _counter(
-    "abplat_live_samples_recorded_total",
+    "abplat_live_recorded_samples_total",
     "Live requests' samples the gateway's recorder built (each with its run's next seq).",
     ("experiment",),
 )
 LIVE_SAMPLES_WRITTEN = _counter(
-    "abplat_live_samples_written_total",
+    "abplat_live_written_samples_total",
     "Live samples written: destination store (inserted) or spool (the store was down or slow).",
     ("experiment", "destination"),
 )
 LIVE_SAMPLES_DROPPED = _counter(
-    "abplat_live_samples_dropped_total",
+    "abplat_live_dropped_samples_total",
     "Live samples lost before reaching store or spool, by reason: queue_full (the recorder's memory "
     "queue was full), closed (recorded after close), invalid (not a valid row). 0 in normal operation.",
     ("reason",),
