@@ -67,7 +67,7 @@ from collections.abc import Callable
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.benchlib import BenchFailed, run_checked  # noqa: E402
+from bench.benchlib import BenchFailed, require_healthy, run_checked  # noqa: E402
 
 DIRECT, GATEWAY, NGINX = "direct", "gateway", "nginx"
 SIM_MODEL, VLLM_MODEL = "abplat-sim", "tiny-llama"
@@ -120,17 +120,6 @@ def require_clickhouse(url: str) -> None:
         socket.create_connection((u.hostname or "127.0.0.1", u.port or 9000), timeout=5).close()
     except OSError as exc:
         raise BenchFailed(f"ClickHouse server at {where} is not usable ({exc})") from None
-
-
-def require_healthy(url: str, what: str, path: str = "/health") -> None:
-    try:
-        with urllib.request.urlopen(url + path, timeout=5) as r:
-            if r.status == 200:
-                return
-            problem = f"HTTP {r.status}"
-    except OSError as exc:
-        problem = str(exc)
-    raise BenchFailed(f"{what} at {url} not healthy: {problem}")
 
 
 def wait_ready(url: str, proc: subprocess.Popen, what: str, log: pathlib.Path, ready_s: float,

@@ -61,7 +61,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.benchlib import BenchFailed, run_checked  # noqa: E402
+from bench.benchlib import BenchFailed, require_healthy, run_checked  # noqa: E402
 
 TRACE = ROOT / "data" / "traces" / "azure_llm_2023_code.csv"
 EXPERIMENT = "bench-replay-cpu"
@@ -281,19 +281,6 @@ def run_theirs(venv: pathlib.Path, tokenizer: str, url: str, model: str, data: p
 # ---------------------------------------------------------------------------------------------
 # Parent: the target, rounds, tables.
 # ---------------------------------------------------------------------------------------------
-
-
-def require_healthy(url: str, what: str) -> None:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=5) as r:
-            if r.status == 200:
-                return
-            problem = f"HTTP {r.status}"
-    except OSError as exc:
-        problem = str(exc)
-    raise BenchFailed(f"{what} at {url} not healthy: {problem}")
 
 
 def vllm_install() -> tuple[pathlib.Path, pathlib.Path]:

@@ -39,7 +39,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.benchlib import BenchFailed, run_checked  # noqa: E402
+from bench.benchlib import BenchFailed, require_healthy, run_checked  # noqa: E402
 from serving.children import free_port  # noqa: E402
 from stats.quantiles import nearest_rank  # noqa: E402
 from streaming import h1, pacing  # noqa: E402
@@ -67,19 +67,6 @@ def start_simulator(profile: str):
         return start_subprocess(profile)
     except RuntimeError as exc:
         raise BenchFailed(f"the `{profile}` simulator did not start: {exc}") from None
-
-
-def require_healthy(url: str, what: str) -> None:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=5) as r:
-            if r.status == 200:
-                return
-            problem = f"HTTP {r.status}"
-    except OSError as exc:
-        problem = str(exc)
-    raise BenchFailed(f"{what} at {url} not healthy: {problem}")
 
 
 async def closed_loop(client: VariantClient, concurrency: int, n: int, max_tokens: int, prompts):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -27,3 +28,15 @@ def run_checked(run: Callable[..., Any], *args: Any) -> int:
         traceback.print_exc()
         print(f"bench FAILED: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
     return 1
+
+
+def require_healthy(url: str, what: str, path: str = "/health") -> None:
+    """Raise BenchFailed unless GET url+path answers 200 within 5 s."""
+    try:
+        with urllib.request.urlopen(url + path, timeout=5) as r:
+            if r.status == 200:
+                return
+            problem = f"HTTP {r.status}"
+    except OSError as exc:
+        problem = str(exc)
+    raise BenchFailed(f"{what} at {url} not healthy: {problem}")
