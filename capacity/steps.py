@@ -36,13 +36,12 @@ from django.db import connections
 
 from analysis.definitions import Slo
 from analysis.sql import SAMPLES, hit_expr
-from capacity.search import MEETS, MISSES, UNDECIDED, StepResult, can_still_meet, step_verdict
+from capacity.search import MEETS, MISSES, UNDECIDED, StepResult, can_still_meet, step_sequence, step_verdict
 from experiments.models import Experiment
 from replay.arrivals import Arrival
 from samples.factory import sample_store
 from samples.store import StoreError
 from stats.quantiles import nearest_rank
-from stats.sequential.means import MeanSequence
 from workers.models import ReplayRun
 from workers.runs import cancel_run, create_run
 from workers.shard import run_requests
@@ -187,7 +186,7 @@ def run_step(plan: StepPlan, variant: str, rate: float, *, first: bool = False,
     got = _counts(store, plan, run.pk, variant, order)  # every sample is durable now
     verdict = step_verdict(got["hits"], got["n"], plan.target, plan.alpha)
     lo, hi = (
-        MeanSequence(n=got["n"], hits=got["hits"], alpha=plan.alpha).bounds() if got["n"] else (None, None)
+        step_sequence(got["hits"], got["n"], plan.target, plan.alpha).bounds() if got["n"] else (None, None)
     )
     lags = [x for x in run.shards.values_list("lag_p99_ms", flat=True) if x is not None]
     return StepResult(

@@ -19,10 +19,64 @@ def test_step_verdict_follows_the_confidence_sequence():
     assert s.step_verdict(400, 400, 0.9, 0.01) == s.MEETS
     assert s.step_verdict(200, 400, 0.9, 0.01) == s.MISSES
     assert s.step_verdict(361, 400, 0.9, 0.01) == s.UNDECIDED  # 90.25%: too close to tell
-    # exactly the sequence's bounds decide
-    lo, hi = MeanSequence(n=1000, hits=950, alpha=0.01).bounds()
-    assert s.step_verdict(950, 1000, lo, 0.01) == s.MEETS
-    assert s.step_verdict(950, 1000, hi + 1e-9, 0.01) == s.MISSES
+    # exactly the step's sequence (at each target its own) decides, bound for bound
+    seen = set()
+    for target in np.linspace(0.90, 0.99, 37):
+        lo, hi = s.step_sequence(950, 1000, target, 0.01).bounds()
+        want = s.MEETS if lo >= target else s.MISSES if hi < target else s.UNDECIDED
+        assert s.step_verdict(950, 1000, target, 0.01) == want
+        seen.add(want)
+    assert seen == {s.MEETS, s.MISSES, s.UNDECIDED}
+    with pytest.raises(ValueError, match="strictly between 0 and 1"):
+        s.step_sequence(1, 1, 1.0, 0.01)
+
+
+def _first_meets(misses: int, target: float, alpha: float, judge) -> int:
+    n = misses
+    while judge(n - misses, n, target, alpha) != s.MEETS:
+        n += 1
+    return n
+
+
+def test_the_step_sequence_centred_on_the_target_decides_in_about_half_the_requests():
+    # 99.2% of first tokens under the SLO, alpha 0.025 for the step: the requests a step needs
+    # to say "meets" with 0, 1, 2 misses, against the same sequence with the uniform prior
+    def uniform(hits, n, target, alpha):
+        lo, _ = MeanSequence(n=n, hits=hits, alpha=alpha).bounds()
+        return s.MEETS if lo >= target else s.UNDECIDED
+
+    tuned = [_first_meets(m, 0.992, 0.025, s.step_verdict) for m in (0, 1, 2)]
+    flat = [_first_meets(m, 0.992, 0.025, uniform) for m in (0, 1, 2)]
+    assert tuned == [663, 998, 1275]
+    assert flat == [1358, 1714, 2015]
+    # and "misses" at 97% attainment comes sooner too
+    first_miss = next(n for n in range(100, 2000, 10) if s.step_verdict(round(n * 0.97), n, 0.992, 0.025) == s.MISSES)
+    first_miss_flat = next(
+        n for n in range(100, 2000, 10) if MeanSequence(n=n, hits=round(n * 0.97), alpha=0.025).bounds()[1] < 0.992
+    )
+    assert first_miss < first_miss_flat
+
+
+@pytest.mark.parametrize("target", [0.9, 0.992])
+def test_the_step_sequence_is_valid_at_the_target_under_continuous_looks(target):
+    # A variant whose attainment is exactly the target, looked at after every 20 requests up to
+    # 3,000: the share of steps that ever say "meets" (a false capacity claim) stays under alpha,
+    # as Ville's inequality promises for any prior fixed before the data. A fixed-horizon 95%
+    # bound looked at as often claims it far more often (the check that this test can fail).
+    from scipy import stats as sps
+
+    from stats.sequential.means import mean_cs_bounds
+
+    alpha, steps, looks = 0.05, 4000, np.arange(20, 3001, 20)
+    rng = np.random.default_rng(14)
+    hits = rng.random((steps, looks[-1])) < target
+    cum = np.cumsum(hits, axis=1)[:, looks - 1]
+    w = s.STEP_PRIOR_WEIGHT
+    lo, _ = mean_cs_bounds(cum, np.broadcast_to(looks, cum.shape), alpha, (target * w, (1 - target) * w))
+    false_meets = (lo >= target).any(axis=1).mean()
+    assert false_meets <= alpha
+    fixed_lo = sps.beta.ppf(alpha, cum, np.broadcast_to(looks, cum.shape) - cum + 1)  # Clopper-Pearson
+    assert (fixed_lo >= target).any(axis=1).mean() > 2 * alpha
 
 
 def edge_probe(edge: float, seen: list):
