@@ -14,9 +14,8 @@ The search
 A step's verdict (``step_verdict``): the step replays at one rate and looks at its attainment
 after every batch through an anytime-valid confidence sequence (stats.sequential.means, its
 mixture centred on the target: ``step_sequence``), so the replay stops as soon as "meets" (the
-sequence's lower bound is at or above the target) or
-"misses" (its upper bound is below) is clear, and far from the edge that is quick: the search
-spends its time near the edge. A step that can no longer say "meets" before its request cap,
+sequence's lower bound is at or above the target) or "misses" (its upper bound is below) is
+clear, and far from the edge that is quick: the search spends its time near the edge. A step that can no longer say "meets" before its request cap,
 even if every request left met the SLA (``can_still_meet``), stops then as "undecided" too: near
 the edge that saves running the cap out. A step that reaches its request cap undecided is an
 "undecided" step: the search treats it as not meeting (a capacity is claimed only for rates that meet with

@@ -7,16 +7,54 @@ HTTP/1.1 path reads its sockets itself (streaming/h1.py, ``loop.add_reader``), s
 stamps and the start-burst pacing (streaming/pacing.py: uvloop runs the callbacks that are ready
 at the start of a pass, as asyncio does) work the same on both loops. ``name="asyncio"`` keeps
 asyncio's loop (the benchmarks compare both).
+
+While a replay loop runs, the process's GIL switch interval is 0.5 ms instead of Python's 5 ms
+(``short_switch_interval``). The loop shares its process with threads that hold the interpreter
+in stretches: the sample sink validating and inserting a batch (replay/sink.py), a capacity
+step's looks at the store (capacity/steps.py), the command that waits for the run. At 5 ms each
+time the loop wants the interpreter back it may wait a whole interval, and under a few hundred
+streams those waits pile up into the schedule lag: the demo's capacity steps lagged 8-163 ms at
+p99 at 64-128 req/s, 4.5-7.3 ms with the shorter interval on the same quiet machine
+(bench/RESULTS.md, "The demo").
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+import contextlib
+import sys
+import threading
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 CHOICES = ("uvloop", "asyncio")
+SWITCH_INTERVAL_S = 0.0005
+
+_switch_lock = threading.Lock()
+_switch_users = 0
+_switch_before = 0.0
+
+
+@contextlib.contextmanager
+def short_switch_interval(interval_s: float = SWITCH_INTERVAL_S) -> Iterator[None]:
+    """The process's GIL switch interval at most ``interval_s`` while any caller is inside
+    (loops may run in several threads at once); the interval before is restored when the last
+    one leaves."""
+    global _switch_users, _switch_before
+    with _switch_lock:
+        if _switch_users == 0:
+            _switch_before = sys.getswitchinterval()
+            if _switch_before > interval_s:
+                sys.setswitchinterval(interval_s)
+        _switch_users += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_users -= 1
+            if _switch_users == 0:
+                sys.setswitchinterval(_switch_before)
 
 
 def loop_factory(name: str = "uvloop") -> Callable[[], asyncio.AbstractEventLoop]:
@@ -33,6 +71,7 @@ def loop_factory(name: str = "uvloop") -> Callable[[], asyncio.AbstractEventLoop
 
 
 def run(coro: Coroutine[Any, Any, T], name: str = "uvloop") -> T:
-    """``asyncio.run(coro)`` on the streaming loop (``loop_factory``)."""
-    with asyncio.Runner(loop_factory=loop_factory(name)) as runner:
+    """``asyncio.run(coro)`` on the streaming loop (``loop_factory``), with the short GIL switch
+    interval while it runs."""
+    with short_switch_interval(), asyncio.Runner(loop_factory=loop_factory(name)) as runner:
         return runner.run(coro)

@@ -50,9 +50,13 @@ def test_the_step_sequence_centred_on_the_target_decides_in_about_half_the_reque
     assert tuned == [663, 998, 1275]
     assert flat == [1358, 1714, 2015]
     # and "misses" at 97% attainment comes sooner too
-    first_miss = next(n for n in range(100, 2000, 10) if s.step_verdict(round(n * 0.97), n, 0.992, 0.025) == s.MISSES)
+    first_miss = next(
+        n for n in range(100, 2000, 10) if s.step_verdict(round(n * 0.97), n, 0.992, 0.025) == s.MISSES
+    )
     first_miss_flat = next(
-        n for n in range(100, 2000, 10) if MeanSequence(n=n, hits=round(n * 0.97), alpha=0.025).bounds()[1] < 0.992
+        n
+        for n in range(100, 2000, 10)
+        if MeanSequence(n=n, hits=round(n * 0.97), alpha=0.025).bounds()[1] < 0.992
     )
     assert first_miss < first_miss_flat
 

@@ -27,3 +27,42 @@ def test_asyncio_keeps_asyncios_own_loop():
 def test_an_unknown_loop_is_refused_with_the_choices_named():
     with pytest.raises(ValueError, match=r"event loop 'trio': use one of uvloop, asyncio"):
         loop.loop_factory("trio")
+
+
+def test_a_replay_loop_runs_with_the_short_switch_interval_and_restores_it():
+    import sys
+    import threading
+
+    before = sys.getswitchinterval()
+    seen = []
+
+    async def probe():
+        seen.append(sys.getswitchinterval())
+
+    loop.run(probe())
+    assert seen == [pytest.approx(loop.SWITCH_INTERVAL_S)] and sys.getswitchinterval() == before
+
+    # two loops in two threads at once: the interval stays short until the last one ends
+    inside, release = threading.Event(), threading.Event()
+
+    async def hold():
+        inside.set()
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+
+    t = threading.Thread(target=loop.run, args=(hold(),))
+    t.start()
+    assert inside.wait(10)
+    loop.run(probe())  # ends while the other still runs
+    assert sys.getswitchinterval() == pytest.approx(loop.SWITCH_INTERVAL_S)
+    release.set()
+    t.join(10)
+    assert sys.getswitchinterval() == before
+    # an interval already shorter is left alone
+    sys.setswitchinterval(0.0001)
+    try:
+        seen.clear()
+        loop.run(probe())
+        assert seen == [pytest.approx(0.0001)]
+    finally:
+        sys.setswitchinterval(before)

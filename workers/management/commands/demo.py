@@ -147,20 +147,16 @@ class Command(JsonCommand):
 
             # 6. Capacity: of the control and of every variant that met the target.
             capacity = None
-            starts = {
-                v["key"]: demo.start_rate(v["verdict"]["verdict"] == "meets")
-                for v in report["variants"]
-                if v["control"] or v["verdict"]["verdict"] == "meets"
-            }
+            starts = demo.capacity_candidates(report["variants"], report["experiment"]["sla"]["target"])
             searched = list(starts)
             if steps and searched:
-                firsts = ", ".join(
-                    f"{k} from {r:g} req/s ({'met' if r >= demo.CAPACITY_MAX_RPS else 'missed'} the target above)"
-                    for k, r in starts.items()
-                )
+                verdicts = {v["key"]: v["verdict"]["verdict"] for v in report["variants"]}
+                firsts = ", ".join(f"{k} from {r:g} req/s ({verdicts[k]} above)" for k, r in starts.items())
+                met = any(verdicts[k] == "meets" for k in searched)
+                which = "the variants that met the target" if met else "the variant closest to the target"
                 self.say(
-                    f"\nsearching the SLA capacity of {' and '.join(searched)} (the control and the variants that "
-                    f"met the target): each deployment alone, steady (Poisson) arrivals of the same requests, "
+                    f"\nsearching the SLA capacity of {' and '.join(searched)} (the control and {which}): "
+                    f"each deployment alone, steady (Poisson) arrivals of the same requests, "
                     f"{firsts}, then halving or doubling up to {demo.CAPACITY_MAX_RPS:g} req/s, {steps} steps at most"
                 )
                 capacity = self.capacity(experiment, cut, starts, steps, step_requests)
@@ -319,26 +315,6 @@ def render_capacity(doc: dict, replicas: int) -> str:
 
 
 def summary(doc: dict, experiment: Experiment) -> str:
-    """The demo's last line: what the best deployment carries, against the control."""
-    variants = doc["variants"]
+    """The demo's last line (workers.demo.capacity_summary) for this experiment's control."""
     control = next((v.key for v in experiment.variants.all() if v.control), None)
-    best = next((v for v in doc["ranking"] if variants[v]["capacity_rps"]), None)
-    if best is None:
-        return "No deployment met the SLA with confidence at any rate the search tried."
-    r, cost = variants[best], variants[best].get("cost") or {}
-    at_least = "at least " if r["limited_by"] in ("max_rate", "generator") else ""
-    text = f"{best} carries {at_least}{r['capacity_rps']:.3g} req/s within the SLA"
-    if at_least:
-        text += " (the most this search sends)"
-    base = variants.get(control) if control and control != best else None
-    if base is not None and base["capacity_rps"]:
-        text += f", {at_least}{r['capacity_rps'] / base['capacity_rps']:.1f}x {control}"
-    elif base is not None:
-        lowest = min(s["rate_rps"] for s in base["steps"])
-        text += f"; {control} met it with confidence at no rate tried (down to {lowest:.3g} req/s)"
-    if cost.get("per_million_requests") is not None:
-        text += f", at {cost['per_million_requests']:,.2f} {cost['currency']} per million requests"
-        base_cost = (base or {}).get("cost") or {}
-        if base_cost.get("per_million_requests") is not None:
-            text += f" ({control}: {base_cost['per_million_requests']:,.2f})"
-    return text + "."
+    return demo.capacity_summary(doc, control)
