@@ -289,7 +289,8 @@ def capacity_summary(doc: dict, control: str | None) -> str:
     base = variants.get(control) if control and control != best else None
     if base is not None and base["capacity_rps"]:
         lo = r["capacity_rps"] / base["upper_rps"] if base.get("upper_rps") else None
-        hi = r["upper_rps"] / base["capacity_rps"] if r.get("upper_rps") else None
+        # a generator-capped search's upper end is a rate it could not judge, not one it missed
+        hi = r["upper_rps"] / base["capacity_rps"] if r.get("upper_rps") and not open_top else None
         where = f"{control} meets it at {base['capacity_rps']:.3g}" + (
             f", not at {base['upper_rps']:.3g} req/s" if base.get("upper_rps") else " req/s"
         )
