@@ -30,15 +30,17 @@ req/s on average per variant, in the trace's bursts): FP16 misses (93-94%), AWQ 
 confidence (all 1,100 within 200 ms in the quiet runs of bench/RESULTS.md).
 
 The capacity search (manage.py capacity's options): the control and each variant that met the
-target, each alone under Poisson arrivals of the slice's requests (twice over), two steps each.
-Each starts where the main replay points (``start_rate``): a variant that met the target there
-starts at ``CAPACITY_MAX_RPS`` (128 req/s), the most the search sends, and meets there; the
-control, which missed, starts at half of it, where a step sees it miss within a few hundred
-requests (it can no longer meet before its cap, capacity.search.can_still_meet), then halves
-to 32, where it meets. At 99.2% a meeting step needs about 1,360 judged requests with no miss
-(1,720 with one, 2,020 with two), so the search's time is its meeting steps, 1,360 / rate
-seconds each plus about 8 s of a step's own setup and stop: fp16's at 32 req/s is most of it,
-and no start rate or stopping rule takes a confident "meets" at 32 req/s below 43 s.
+target (or, when none did, the one closest to it: ``capacity_candidates``), each alone under
+Poisson arrivals of the slice's requests (twice over), two steps each. Each starts where the main
+replay points (``start_rate``): a variant that met the target there starts at
+``CAPACITY_MAX_RPS`` (128 req/s), the most the search sends, and meets there; the control, which
+missed, starts at half of it, where a step sees it miss within a few hundred requests (it can no
+longer meet before its cap, capacity.search.can_still_meet), then halves to 32, where it meets.
+At 99.2% a meeting step needs about 663 judged requests with no miss (998 with one, 1,275 with
+two: the step's sequence is centred on the target, capacity.search.step_sequence), so the
+search's time is its meeting steps, 663 / rate seconds and more each, plus a step's own setup
+(its prompt plan: the counts are kept between steps, streaming.probe.CountCache) and stop:
+fp16's step at 32 req/s is most of it, 21 s at the least.
 
 A caveat the figures carry: on this 2-core machine, when other work keeps it busy, the replay's
 event loop stalls (the embedded store's inserts hold the interpreter for up to ~100 ms) and the
@@ -83,10 +85,11 @@ CAPACITY_MIN_RPS = 4.0
 CAPACITY_MAX_STEPS = 2
 CAPACITY_TOLERANCE = 1.0  # stop when the bracket is within a factor of two
 CAPACITY_WARMUP_S = 1.0
-# Requests per step at most, from the slice twice over: enough for a verdict after the warm-up
-# even at the highest rate and with a miss (about 1,700 at 99.2% and two steps).
+# Requests per step at most, from the slice twice over: enough for a verdict with two misses
+# (1,275 judged at 99.2% and two steps) after the warm-up at the highest rate (128 requests); a
+# step that misses more often stops as soon as it no longer can (the control's first step).
 CAPACITY_PASSES = 2
-CAPACITY_STEP_REQUESTS = 2000
+CAPACITY_STEP_REQUESTS = 1450
 # The search's default (5 ms) is for a worker of its own; here the replay shares 2 cores with the
 # embedded store and three simulators, and lags 10-50 ms at p99. A step that lagged more than
 # 100 ms still does not count.

@@ -80,3 +80,46 @@ def test_probe_counts_on_the_variants_api_and_says_why_not():
     assert max_len == 8192
     assert missing is None and "HTTP 404" in why_model
     assert dead is None and "ConnectError" in why_dead
+
+
+def test_counts_are_kept_per_url_model_and_api_for_their_ttl(sim):
+    from streaming import probe
+
+    probe.COUNTS.clear()
+    text = synth_words(11, 50)
+
+    async def count(model, api, *texts):
+        counter, why = await token_counter(sim.url + "/v1", model, api)
+        assert counter is not None, why
+        try:
+            got = [await counter.count_one(t) for t in texts]
+            return got, counter.calls
+        finally:
+            await counter.aclose()
+
+    first, calls = asyncio.run(count("abplat-sim", "completions", text, text))
+    assert first[0] == first[1] == 1 + text_tokens(text, sim.tokenizer)
+    assert calls == 2  # the liveness probe, then the text once: the second count is kept
+    again, calls = asyncio.run(count("abplat-sim", "completions", text))
+    assert again == first[:1] and calls == 1  # another counter, the same process: only the probe
+    chat, calls = asyncio.run(count("abplat-sim", "chat", text))
+    assert calls == 2 and chat[0] == prompt_tokens(
+        sim.tokenizer, messages=[{"role": "user", "content": text}]
+    )
+    # past the TTL the server is asked again
+    now = [0.0]
+    cache = probe.CountCache(ttl_s=10.0, clock=lambda: now[0])
+    key = cache.key("u", "m", "completions", text)
+    cache.put(key, 7, 2048)
+    assert cache.get(key) == (7, 2048)
+    now[0] = 10.5
+    assert cache.get(key) is None and (cache.hits, cache.misses) == (1, 1)
+    # the least recently used goes first past the bound
+    small = probe.CountCache(entries=2)
+    keys = [small.key("u", "m", "chat", f"t{i}") for i in range(3)]
+    small.put(keys[0], 1, None)
+    small.put(keys[1], 2, None)
+    assert small.get(keys[0]) == (1, None)
+    small.put(keys[2], 3, None)
+    assert small.get(keys[1]) is None and small.get(keys[0]) == (1, None) and small.get(keys[2]) == (3, None)
+    probe.COUNTS.clear()
