@@ -283,7 +283,7 @@ def capacity_summary(doc: dict, control: str | None) -> str:
     if best is None:
         return "No deployment met the SLA with confidence at any rate the search tried."
     r, cost = variants[best], variants[best].get("cost") or {}
-    open_top = r["limited_by"] in ("max_rate", "generator")
+    open_top = _missed_at(r) is None
     text = f"{best} carries {'at least ' if open_top else ''}{r['capacity_rps']:.3g} req/s within the SLA"
     if r["limited_by"] == "max_rate":
         text += " (the most this search sends)"
@@ -291,12 +291,14 @@ def capacity_summary(doc: dict, control: str | None) -> str:
         text += " (the most the load generator sent within its lag limit)"
     base = variants.get(control) if control and control != best else None
     if base is not None and base["capacity_rps"]:
-        lo = r["capacity_rps"] / base["upper_rps"] if base.get("upper_rps") else None
-        # a generator-capped search's upper end is a rate it could not judge, not one it missed
-        hi = r["upper_rps"] / base["capacity_rps"] if r.get("upper_rps") and not open_top else None
+        base_upper = _missed_at(base)
+        lo = r["capacity_rps"] / base_upper if base_upper else None
+        hi = r["upper_rps"] / base["capacity_rps"] if _missed_at(r) else None
         where = f"{control} meets it at {base['capacity_rps']:.3g}" + (
-            f", not at {base['upper_rps']:.3g} req/s" if base.get("upper_rps") else " req/s"
+            f", not at {base_upper:.3g} req/s" if base_upper else " req/s"
         )
+        if base["limited_by"] == "generator":
+            where += f"; at {base['upper_rps']:.3g} the load generator lagged too much to judge"
         if lo is not None and hi is not None:
             text += f", {lo:.1f}x to {hi:.1f}x {control} ({where})"
         elif lo is not None:
@@ -314,3 +316,12 @@ def capacity_summary(doc: dict, control: str | None) -> str:
         if base_cost.get("per_million_requests") is not None:
             text += f" ({control}: {base_cost['per_million_requests']:,.2f})"
     return text + "."
+
+
+def _missed_at(result: dict) -> float | None:
+    """The rate a search's variant did not meet the target at, its capacity's upper end: none
+    when it met at the most the search sends, or when the rate above was one the load
+    generator lagged too much to judge (a rate not judged is not one it missed)."""
+    if result["limited_by"] in ("max_rate", "generator"):
+        return None
+    return result.get("upper_rps")

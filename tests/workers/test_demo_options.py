@@ -92,3 +92,14 @@ def test_a_capacity_the_load_generator_capped_says_so():
         "awq-fa2 carries at least 64 req/s within the SLA (the most the load generator sent within its lag limit), "
         "at least 1.0x fp16"
     )
+
+
+def test_a_control_whose_step_above_was_not_judged_has_no_upper_end():
+    # fp16 met at 32; at 64 the replay lagged past its limit, so 64 says nothing about fp16
+    doc = {"ranking": ["awq-fa2", "fp16"], "variants": {
+        "awq-fa2": _searched(128.0, None, "max_rate"), "fp16": _searched(32.0, 64.0, "generator")}}  # fmt: skip
+    line = demo.capacity_summary(doc, "fp16")
+    assert line == (
+        "awq-fa2 carries at least 128 req/s within the SLA (the most this search sends) (fp16 meets it at 32 "
+        "req/s; at 64 the load generator lagged too much to judge)."
+    )
