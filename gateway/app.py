@@ -49,6 +49,7 @@ from streaming.egress import Allowlist
 from streaming.result import Outcome, StreamResult
 from streaming.sse import SSEParser
 from streaming.timing import StreamProtocolError, StreamTimer
+from telemetry.metrics import GatewayMeter
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class Gateway:
         self._pools: dict[Endpoint, Pool] = {}
         self.counts: Counter[str] = Counter()  # reasons, outcomes, refusals
         self.active = 0
+        self.meter = GatewayMeter()  # the same events as Prometheus metrics (docs/metrics.md)
         # The per-chunk path: arrival from the variant -> handed to the user's socket, summed
         # over every chunk this process forwarded (bench/bench_gateway.py reads it).
         self.forward_ns = 0
@@ -171,10 +173,12 @@ class Gateway:
         kind = scope["type"]
         if kind == "http":
             self.active += 1
+            self.meter.entered()
             try:
                 await self._http(scope, receive, send)
             finally:
                 self.active -= 1
+                self.meter.left()
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 
@@ -196,6 +200,7 @@ class Gateway:
         except RequestError as exc:
             return await _respond(send, exc.status, _error_body(exc.status, exc.message, code=exc.code))
         if method != "POST":
+            self.meter.refused(405)
             return await _respond(send, 405, _error_body(405, "use POST"), allow=b"POST")
         await self._proxy(scope, receive, send, prefix_experiment, api_path)
 
@@ -242,6 +247,7 @@ class Gateway:
             body = await self._read_body(headers, receive)
         except RequestError as exc:
             self.counts[f"refused_{exc.status}"] += 1
+            self.meter.refused(exc.status)
             return await _respond(send, exc.status, _error_body(exc.status, exc.message, code=exc.code))
         except _Cancelled:
             return
@@ -258,6 +264,7 @@ class Gateway:
                 wait = self.buckets.take(f"{tenant}\0{user_id or ''}", time.monotonic())
                 if wait > 0:
                     self.counts["refused_429"] += 1
+                    self.meter.refused(429)
                     return await _respond(
                         send,
                         429,
@@ -276,10 +283,13 @@ class Gateway:
             )  # fmt: skip
         except RequestError as exc:
             self.counts[f"refused_{exc.status}"] += 1
+            self.meter.refused(exc.status)
             return await _respond(
                 send, exc.status, _error_body(exc.status, exc.message, param=exc.param, code=exc.code)
             )
         self.counts[decision.reason.value] += 1
+        # decision.experiment, not the client's model name: an experiment the database knows.
+        self.meter.routed(decision.experiment, decision.reason.value)
         target = self.directory.target(decision.experiment, decision.variant)
         if target is None:
             # The router holds a variant the variants snapshot does not yet: the control now.
@@ -288,6 +298,7 @@ class Gateway:
             control = self.directory.controls.get(decision.experiment)
             target = self.directory.target(decision.experiment, control) if control else None
             if target is None:
+                self.meter.refused(503, routed=True)
                 return await _respond(send, 503, _error_body(503, "the experiment's variants are not loaded yet",
                                                              kind="server_error"))  # fmt: skip
         # Always the gateway's own id: the recorder keys samples by (run, variant, request id),
@@ -410,6 +421,7 @@ class Gateway:
 
         def record(res: StreamResult, gw_ns: int) -> None:
             self.counts[f"outcome_{res.outcome.value}"] += 1
+            self.meter.upstream(decision.experiment, tgt.key, res.outcome.value)
             try:
                 self.recorder.record(
                     res, experiment=decision.experiment, variant=tgt.key, user_id=user_id,

@@ -30,7 +30,8 @@ processes stay in the directory so totals never go down; empty it only when ever
 process on the machine is stopped (docs/metrics.md, "Multiprocess mode").
 
 Labels are bounded: experiment keys, variant keys, outcomes, view names, status classes,
-backends. Never run, request or user ids.
+backends, the gateway's routing reasons and refusal statuses. Never run, request or user ids,
+and never a client's string (a model name that matches no experiment).
 
 Imports prometheus_client only: no Django, no project code (the bottom layer, .importlinter).
 """
@@ -294,6 +295,34 @@ LIVE_QUEUE_ROWS = _gauge(
     "livesum",
 )
 
+# ---- live gateway requests (gateway/app.py) ----------------------------------------------------
+# Labels: experiment and variant keys the gateway decided (the database's), never the client's
+# model name; route is gateway.routing.Reason's value or "refused"; status is the gateway's own.
+GATEWAY_REQUESTS = _counter(
+    "abplat_gateway_requests_total",
+    "Requests to the gateway's API paths, once each, by the experiment that served them and how they "
+    'were routed (assigned, unassigned, not_running, default), or route refused with experiment "" '
+    "when the gateway answered before a route was decided.",
+    ("experiment", "route"),
+)
+GATEWAY_REFUSED = _counter(
+    "abplat_gateway_refused_requests_total",
+    "Requests to the gateway's API paths that the gateway answered itself with an error, by HTTP status "
+    "(400, 401, 404, 405, 413, 429, 503).",
+    ("status",),
+)
+GATEWAY_UPSTREAM = _counter(
+    "abplat_gateway_upstream_requests_total",
+    "Requests the gateway sent to a variant, by the outcome recorded for each (ok, http_5xx, "
+    "connect_error, cancelled, ...); a retry on the control is one more.",
+    ("experiment", "variant", "outcome"),
+)
+GATEWAY_IN_FLIGHT = _gauge(
+    "abplat_gateway_requests_in_flight",
+    "HTTP requests the gateway processes are answering now (multiprocess: summed).",
+    "livesum",
+)
+
 # ---- spool (samples/spool.py) -----------------------------------------------------------------
 SPOOL_ROWS = _gauge(
     "abplat_spool_rows", "Samples waiting in this host's spool for the store to come back.", "livemostrecent"
@@ -474,6 +503,69 @@ class RouterMeter:
     def synced(self, revision: int) -> None:
         self.revision.set(revision)
         self.last_sync.set(time.time())
+
+
+class GatewayMeter:
+    """One gateway's request metrics. The hot path of a latency-sensitive proxy: children are
+    cached per label tuple (an update is a dict lookup and an increment), and no update ever
+    raises (a metrics failure, e.g. a full disk under ABPLAT_METRICS_DIR, must not fail a
+    user's request; the first one is logged)."""
+
+    def __init__(self) -> None:
+        self._requests: dict[tuple[str, str], Any] = {}
+        self._refused: dict[int, Any] = {}
+        self._upstream: dict[tuple[str, str, str], Any] = {}
+        self._failed = False
+
+    def routed(self, experiment: str, route: str) -> None:
+        try:
+            key = (experiment, route)
+            child = self._requests.get(key)
+            if child is None:
+                child = self._requests[key] = GATEWAY_REQUESTS.labels(experiment, route)
+            child.inc()
+        except Exception as exc:  # noqa: BLE001 - never into the request path
+            self._failure(exc)
+
+    def refused(self, status: int, *, routed: bool = False) -> None:
+        """A request the gateway answered itself; ``routed``: it was already counted by its route
+        (the variants not loaded yet), else it counts as route refused."""
+        if not routed:
+            self.routed("", "refused")
+        try:
+            child = self._refused.get(status)
+            if child is None:
+                child = self._refused[status] = GATEWAY_REFUSED.labels(str(status))
+            child.inc()
+        except Exception as exc:  # noqa: BLE001 - never into the request path
+            self._failure(exc)
+
+    def upstream(self, experiment: str, variant: str, outcome: str) -> None:
+        try:
+            key = (experiment, variant, outcome)
+            child = self._upstream.get(key)
+            if child is None:
+                child = self._upstream[key] = GATEWAY_UPSTREAM.labels(experiment, variant, outcome)
+            child.inc()
+        except Exception as exc:  # noqa: BLE001 - never into the request path
+            self._failure(exc)
+
+    def entered(self) -> None:
+        try:
+            GATEWAY_IN_FLIGHT.inc()
+        except Exception as exc:  # noqa: BLE001 - never into the request path
+            self._failure(exc)
+
+    def left(self) -> None:
+        try:
+            GATEWAY_IN_FLIGHT.dec()
+        except Exception as exc:  # noqa: BLE001 - never into the request path
+            self._failure(exc)
+
+    def _failure(self, exc: Exception) -> None:
+        if not self._failed:
+            self._failed = True
+            log.warning("metrics: a gateway metric update failed (later ones are not logged): %r", exc)
 
 
 # ---- who may read /metrics (abplat/metrics.py) --------------------------------------------------
