@@ -27,6 +27,7 @@ A stream keeps the variant it started on: the assignment is made once, before th
 from __future__ import annotations
 
 import asyncio
+import atexit
 import gc
 import json
 import logging
@@ -135,6 +136,11 @@ class Gateway:
             self.directory.refresh()
             self.directory.start(self.config.variants_refresh_s)
         self.recorder.start()
+        # uvicorn skips the lifespan shutdown when it is forced out (a second SIGINT during the
+        # drain: "CTRL+C to force quit"); the samples in the recorder's memory would go with the
+        # process and its live run would stay open. A second SIGTERM does not force it (uvicorn
+        # 0.54 forces on SIGINT only; with --workers the master sends each worker one SIGTERM).
+        atexit.register(self._close_at_exit)
         # Everything loaded so far (Django, the router, the variants) lives as long as the
         # process: take it out of the cyclic collector's view, or each full collection walks
         # the whole heap on the event loop (pauses of tens of ms in the middle of streams).
@@ -143,11 +149,22 @@ class Gateway:
         self._started = True
 
     def shutdown(self) -> None:
+        atexit.unregister(self._close_at_exit)
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
         self.directory.stop()
         self.recorder.close()
+        self._started = False
+
+    def _close_at_exit(self) -> None:
+        if not self._started:
+            return
+        log.warning("gateway: exiting without the lifespan shutdown (forced); closing the recorder")
+        try:
+            self.recorder.close()  # writes what it holds (store, else spool) and closes the live run
+        except Exception:
+            log.exception("gateway: closing the recorder at exit failed")
         self._started = False
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:

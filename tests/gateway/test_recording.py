@@ -4,18 +4,32 @@ drains. Every test runs on chDB and on the real ClickHouse server."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
+import httpx
+import openai
 import pytest
 
+from experiments import services
 from gateway.models import LIVE_RUN_ID_BASE, LiveRun, live_runs
 from gateway.recording import LiveRecorder
 from samples.columns import row_key
 from samples.schema import SAMPLES_FROM
 from samples.store import StoreUnavailable
+from simulator.serve import start_in_thread
 from streaming.result import Outcome, StreamResult
+from tests.gateway.conftest import KEY
+from tests.gateway.test_command import database_url, free_port
 from tests.samples.conftest import flaky_server, make_store  # noqa: F401 - fixtures
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the recorder's thread has its own connection
 
@@ -402,3 +416,94 @@ def test_a_long_spool_is_flushed_a_file_at_a_time_while_new_samples_keep_coming(
     assert rec.close() is True
     assert [r["request_id"] for r in stored(store, rec.run_id)] == ids
     assert physical(store, rec.run_id) == (40, 40)
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("sample_store", ["server"], indirect=True)
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_second_signal_during_the_drain_still_closes_the_recorder(
+    signame, etcd_weights, settings, sample_store, document, users, tmp_path
+):
+    """A signal twice while a stream drains. SIGINT: uvicorn's force quit ("CTRL+C to force
+    quit") cuts the stream and skips the lifespan shutdown, where the gateway closes its
+    recorder: the exit hook closes it instead, so what it holds is written and its live run is
+    closed, not left running for the next start to mark abandoned. SIGTERM: uvicorn (0.54) does
+    not force on it; the stream ends whole and the lifespan shutdown closes the recorder."""
+    sim = start_in_thread("default", model="tiny-llama")  # ~15 ms a token: a stream lasts seconds
+    child = None
+    try:
+        for v in document["variants"]:
+            v["endpoint"], v["api"] = sim.url + "/v1", "chat"
+        experiment = services.apply_document(document, actor=users["product"]).experiment
+        services.transition(experiment, "start", users["product"])
+        keys = tmp_path / "keys"
+        keys.write_text(f"acme {KEY}\n")
+        port = free_port()
+        env = {
+            **os.environ,
+            "ABPLAT_DEBUG": "true",
+            "ABPLAT_VAR": str(tmp_path / "var"),
+            "ABPLAT_DATABASE_URL": database_url(),
+            "ABPLAT_CLICKHOUSE_URL": settings.CLICKHOUSE_URL,
+            "ABPLAT_SPOOL_DIR": str(tmp_path / "spool"),
+            "ABPLAT_ETCD_ENDPOINTS": ",".join(f"{h}:{p}" for h, p in settings.ETCD_ENDPOINTS),
+            "ABPLAT_ETCD_PREFIX": settings.ETCD_PREFIX,
+            "ABPLAT_GATEWAY_KEYS_FILE": str(keys),
+            "ABPLAT_GATEWAY_DRAIN_S": "30",
+        }
+        child = subprocess.Popen(
+            [sys.executable, "manage.py", "gateway", "--port", str(port)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if child.poll() is not None or time.monotonic() > deadline:
+                out = child.stdout.read().decode() if child.poll() is not None else ""
+                pytest.fail(f"the gateway did not come up (exit {child.poll()}):\n{out}")
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        stream = client.chat.completions.create(
+            model="ttft-opt", messages=[{"role": "user", "content": "Tell me a long story"}], user="u-2",
+            max_tokens=400, stream=True,
+        )  # fmt: skip
+        chunks = iter(stream)
+        next(chunks)  # the stream is under way: the drain will wait for it
+        reply = client.chat.completions.with_raw_response.create(
+            model="ttft-opt", messages=[{"role": "user", "content": "Hi"}], user="u-1", max_tokens=2
+        )
+        done_id = reply.headers["x-request-id"]
+        sig = getattr(signal, signame)
+        child.send_signal(sig)
+        time.sleep(0.3)  # uvicorn is draining: waiting for the stream
+        child.send_signal(sig)
+        got, cut = 0, False
+        try:
+            for chunk in chunks:
+                got += bool(chunk.choices and chunk.choices[0].delta.content)
+        except (openai.APIError, httpx.HTTPError):
+            cut = True
+        out = child.communicate(timeout=60)[0].decode()
+        if signame == "SIGINT":
+            assert cut and got < 400, "the stream ended whole: the second SIGINT came after the drain"
+        else:
+            assert not cut and got == 400, (cut, got)  # every token (the first event read above is the role)
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
+        sim.stop()
+    [run] = LiveRun.objects.all()
+    assert run.status == LiveRun.Status.CLOSED, out[-3000:]
+    assert run.recorded == run.stored + run.spooled >= 1 and run.dropped == 0
+    stored_ids = {
+        rid for (rid,) in sample_store.query(f"SELECT request_id FROM {SAMPLES_FROM} WHERE mode = 'live'")
+    }
+    assert done_id in stored_ids
+    # who closed it: the exit hook only when uvicorn skipped the lifespan shutdown
+    assert ("closing the recorder" in out) is (signame == "SIGINT"), out[-3000:]
