@@ -436,7 +436,12 @@ class Gateway:
         # failed attempt's end (the retry's decision).
         gateway_ns = start - t_body
 
+        recorded = [False]  # one sample per attempt, whatever ends it
+
         def record(res: StreamResult, gw_ns: int) -> None:
+            if recorded[0]:
+                return
+            recorded[0] = True
             self.counts[f"outcome_{res.outcome.value}"] += 1
             self.meter.upstream(decision.experiment, tgt.key, res.outcome.value)
             try:
@@ -491,8 +496,10 @@ class Gateway:
         except asyncio.CancelledError:
             if ex is not None:
                 ex.abort()
-            if state["gone"]:
-                record(timer.finish(_perf(), Outcome.CANCELLED, "the user went away"), gateway_ns)
+            # The user going away, or the gateway's own stop cutting a stream its drain did not
+            # wait out (uvicorn cancels it): either way a user saw this request end unanswered.
+            why = "the user went away" if state["gone"] else "the gateway stopped before the response ended"
+            record(timer.finish(_perf(), Outcome.CANCELLED, why), gateway_ns)
             raise
         finally:
             if ex is not None:

@@ -191,3 +191,65 @@ def test_a_tls_variant_is_verified_against_the_configured_ca(running_with, make_
         assert rec["result"].outcome is Outcome.CONNECT_ERROR and "certificate" in rec["result"].error.lower()
     finally:
         tls_sim.stop()
+
+
+def test_a_stream_cut_by_the_gateways_own_stop_is_recorded_once(running_with, db):
+    # uvicorn cancels the requests its graceful shutdown did not wait out: the task is cancelled
+    # while the user is still there. The attempt is recorded once, as cancelled, saying why.
+    import asyncio
+    import json
+
+    from gateway.app import Gateway
+    from gateway.config import GatewayConfig
+    from gateway.limits import parse_keys
+    from gateway.variants import Directory
+    from streaming.egress import parse_allowlist
+    from tests.gateway.conftest import KEY, FakeRecorder
+
+    running_with()
+    directory = Directory()
+    directory.refresh()
+    recorder = FakeRecorder()
+    gateway = Gateway(
+        GatewayConfig(keys=parse_keys(f"acme {KEY}\n"), forward_headers=frozenset({"x-abplat-fault"})),
+        router=process.live_router(), directory=directory, recorder=recorder,
+        allow=parse_allowlist(["127.0.0.0/8"]), refresh_variants=False,
+    )  # fmt: skip
+    user = user_on(process.live_router(), "ttft-opt", "fp16")
+    body = json.dumps({"model": "ttft-opt", "messages": MESSAGES, "user": user, "max_tokens": 50,
+                       "stream": True}).encode()  # fmt: skip
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": [
+        (b"authorization", f"Bearer {KEY}".encode()), (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()), (b"x-abplat-fault", b"stall")]}  # fmt: skip
+
+    async def go():
+        sent, first_body = [], asyncio.Event()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await asyncio.Event().wait()  # the user stays: no disconnect ever comes
+
+        async def send(message):
+            sent.append(message)
+            if message["type"] == "http.response.body" and message.get("body"):
+                first_body.set()
+
+        task = asyncio.ensure_future(gateway(scope, receive, send))
+        await asyncio.wait_for(first_body.wait(), 10)  # a token or more, then the stream stalls
+        task.cancel()  # what uvicorn does once its drain timeout is over
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return sent
+
+    gateway.startup()
+    try:
+        sent = asyncio.run(go())
+    finally:
+        gateway.shutdown()
+    assert sent[0]["status"] == 200
+    [rec] = recorder.records
+    assert rec["result"].outcome is Outcome.CANCELLED
+    assert rec["result"].error == "the gateway stopped before the response ended"
+    assert rec["result"].first_byte_ms is not None
