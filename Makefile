@@ -18,6 +18,9 @@ export ABPLAT_TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 # otherwise; settings default to debug off, which needs ABPLAT_SECRET_KEY (README "Security").
 # (pytest sets a generated key itself: tests/plugin.py.)
 demo serve migrate check bench: export ABPLAT_DEBUG ?= true
+# The demo tells its story on the terminal: its workers' INFO lines (each shard's plan, every
+# scrape) would bury it. ABPLAT_LOG_LEVEL=INFO make demo shows them.
+demo: export ABPLAT_LOG_LEVEL ?= WARNING
 
 demo: venv  ## set up and run the main job on the embedded defaults, then serve the admin
 	$(PY) manage.py demo

@@ -91,6 +91,18 @@ class ReplayRun(models.Model):
     def __str__(self) -> str:
         return f"run {self.pk} of {self.experiment.key} ({self.status})"
 
+    def refresh_from_db(self, using=None, fields=None, **kwargs) -> None:
+        """As Django's, except that a refresh of every field leaves the prompt plan out: it is
+        loaded again only when read. A run's plan holds every variant's prompt for every request
+        (megabytes for a long replay), and the commands that follow a run refresh it twice a
+        second in the process whose event loop is replaying: decoding the plan held the
+        interpreter ~100 ms a time, the loop stalled and first tokens were stamped late (the
+        demo's main replay, bench/RESULTS.md "The demo")."""
+        if fields is None:
+            fields = [f.attname for f in self._meta.concrete_fields if f.attname != "prompt_plan"]
+            self.__dict__.pop("prompt_plan", None)  # deferred: read afresh from the row when used
+        super().refresh_from_db(using=using, fields=fields, **kwargs)
+
     def replay_variants(self) -> list:
         """The variants this run sends to, in their order: ``targets`` when set, else all."""
         variants = list(self.experiment.variants.order_by("position"))
