@@ -25,9 +25,9 @@ sends every request to every variant at the same moment: the same load on each a
 comparison.
 
 The load. Four engines per deployment; the first 1,100 requests of the slice at 35x (59 s, 18.6
-req/s on average per variant, in the trace's bursts): FP16 misses (93-94%), AWQ comes close
+req/s on average per variant, in the trace's bursts): FP16 misses (92-94%), AWQ comes close
 (97.6-98.8%: "misses" or "not enough data"), AWQ + FlashAttention-2 meets the target with
-confidence (all 1,100 within 200 ms in the quiet runs of bench/RESULTS.md).
+confidence (99.8-100% of 1,100 within 200 ms in the quiet runs of bench/RESULTS.md).
 
 The capacity search (manage.py capacity's options): the control and each variant that met the
 target (or, when none did, the one closest to it: ``capacity_candidates``), each alone under
@@ -42,14 +42,14 @@ search's time is its meeting steps, 663 / rate seconds and more each, plus a ste
 (its prompt plan: the counts are kept between steps, streaming.probe.CountCache) and stop:
 fp16's step at 32 req/s is most of it, 21 s at the least.
 
-A caveat the figures carry: on this 2-core machine, when other work keeps it busy, the replay's
-event loop stalls (the embedded store's inserts hold the interpreter for up to ~100 ms) and the
-first tokens of requests that open new connections in a burst are then measured up to ~190 ms
-late (their ``ttft_ms`` minus the simulator's own ``server_ttft_ms``; 4-6 ms at p99 on reused
-connections). With answers up to 64 tokens and five engines at the same load, AWQ +
-FlashAttention-2 missed the target in four of seven runs (97.0-99.5%); with answers up to 32
-and four engines, in none of four runs on a quiet machine, but in both runs while other work
-kept the machine busy (bench/RESULTS.md, "The demo"): the demo then warns (``BUSY_LAG_MS``).
+A caveat the figures carry: anything that holds the interpreter in the replaying process stalls
+the replay's event loop, and the first tokens of a burst are then measured late (their
+``ttft_ms`` minus the simulator's own ``server_ttft_ms``: up to ~190 ms, against 4-6 ms at p99
+otherwise), which reads as misses. Until ee58fd1 the command following the run did that itself
+(each refresh of the run decoded its prompt plan: replay lag p99 140-290 ms on a quiet machine,
+and AWQ + FlashAttention-2 "not enough data" in half the runs); since, the lag is 35-62 ms quiet
+and it meets. On a machine busy with other work the same happens for want of a core: the demo
+then warns (``BUSY_LAG_MS``). bench/RESULTS.md, "The demo", has the runs.
 """
 
 from __future__ import annotations
