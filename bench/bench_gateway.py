@@ -75,7 +75,8 @@ EXPERIMENT = "bench-gateway"  # the gateway's experiment key: the client's `mode
 EXPERIMENT_BYTES = "bench-gateway-bytes"  # the same gateway's experiment on the fixed upstream
 OUTPUT_TOKENS = 32
 TARGET_P99_MS, TARGET_STREAMS, TARGET_VS_NGINX = 1.0, 64, 2.0
-GATEWAY_WORKERS = 1  # --gateway-workers: the gateway's uvicorn workers and nginx's (more need a ClickHouse server)
+# --gateway-workers: the gateway's uvicorn workers and nginx's (more than one needs a ClickHouse server)
+GATEWAY_WORKERS = 1
 CAPTURES = ROOT / "tests" / "data" / "vllm-captures"
 # Headers the gateway adds to every response (issue 15); nginx adds none of its own but
 # replaces Server and Date, as every proxy does.

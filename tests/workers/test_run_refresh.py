@@ -18,7 +18,9 @@ def test_a_refresh_reloads_the_state_but_not_the_plan_which_is_read_afresh_when_
     assert run.prompt_plan == {}
     plan = {"fp16": {str(seq): [300, 0, 307, False] for seq in range(2000)}}
     # what the replay task does while the command follows the run
-    ReplayRun.objects.filter(pk=run.pk).update(prompt_plan=plan, status=ReplayRun.Status.RUNNING, samples_recorded=5)
+    ReplayRun.objects.filter(pk=run.pk).update(
+        prompt_plan=plan, status=ReplayRun.Status.RUNNING, samples_recorded=5
+    )
 
     with CaptureQueriesContext(connection) as queries:
         run.refresh_from_db()
