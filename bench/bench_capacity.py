@@ -63,6 +63,11 @@ def setup_django(args: argparse.Namespace) -> None:
     import django
 
     django.setup()
+    from experiments.weights import process
+
+    # atexit runs last-registered first: the weights router stops before its directory goes
+    # (it would print a traceback from its watch thread otherwise)
+    atexit.register(process.reset_for_tests)
 
 
 def migrate(args: argparse.Namespace) -> None:
