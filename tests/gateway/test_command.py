@@ -42,6 +42,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_gateway_command(settings, tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    """`manage.py gateway` in a child process on this test's database, sample store and etcd,
+    the key file holding KEY, a 30 s drain; (the child, its URL) once /healthz answers."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"acme {KEY}\n")
+    port = free_port()
+    env = {
+        **os.environ,
+        "ABPLAT_DEBUG": "true",
+        "ABPLAT_VAR": str(tmp_path / "var"),
+        "ABPLAT_DATABASE_URL": database_url(),
+        "ABPLAT_CLICKHOUSE_URL": settings.CLICKHOUSE_URL,
+        "ABPLAT_SPOOL_DIR": str(tmp_path / "spool"),
+        "ABPLAT_ETCD_ENDPOINTS": ",".join(f"{h}:{p}" for h, p in settings.ETCD_ENDPOINTS),
+        "ABPLAT_ETCD_PREFIX": settings.ETCD_PREFIX,
+        "ABPLAT_GATEWAY_KEYS_FILE": str(keys),
+        "ABPLAT_GATEWAY_DRAIN_S": "30",
+    }
+    child = subprocess.Popen(
+        [sys.executable, "manage.py", "gateway", "--port", str(port)], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return child, url
+        except httpx.HTTPError:
+            pass
+        if child.poll() is not None or time.monotonic() > deadline:
+            out = child.stdout.read().decode() if child.poll() is not None else ""
+            child.kill()
+            pytest.fail(f"the gateway did not come up (exit {child.poll()}):\n{out}")
+        time.sleep(0.1)
+
+
 @pytest.fixture
 def slow_sim():
     from simulator.serve import start_in_thread
@@ -63,38 +100,8 @@ def test_the_gateway_command_serves_records_and_drains_on_sigterm(
     actor = User.objects.get(username="pat")
     experiment = services.apply_document(document, actor=actor).experiment
     services.transition(experiment, "start", actor)
-    keys = tmp_path / "keys"
-    keys.write_text(f"acme {KEY}\n")
-    port = free_port()
-    env = {
-        **os.environ,
-        "ABPLAT_DEBUG": "true",
-        "ABPLAT_VAR": str(tmp_path / "var"),
-        "ABPLAT_DATABASE_URL": database_url(),
-        "ABPLAT_CLICKHOUSE_URL": settings.CLICKHOUSE_URL,
-        "ABPLAT_SPOOL_DIR": str(tmp_path / "spool"),
-        "ABPLAT_ETCD_ENDPOINTS": ",".join(f"{h}:{p}" for h, p in settings.ETCD_ENDPOINTS),
-        "ABPLAT_ETCD_PREFIX": settings.ETCD_PREFIX,
-        "ABPLAT_GATEWAY_KEYS_FILE": str(keys),
-        "ABPLAT_GATEWAY_DRAIN_S": "30",
-    }
-    child = subprocess.Popen(
-        [sys.executable, "manage.py", "gateway", "--port", str(port)], cwd=ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    child, url = start_gateway_command(settings, tmp_path)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if child.poll() is not None or time.monotonic() > deadline:
-                out = child.stdout.read().decode() if child.poll() is not None else ""
-                pytest.fail(f"the gateway did not come up (exit {child.poll()}):\n{out}")
-            time.sleep(0.1)
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         reply = client.chat.completions.create(model="ttft-opt", messages=MESSAGES, user="u-1", max_tokens=4)
         assert reply.choices[0].message.content

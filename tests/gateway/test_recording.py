@@ -4,13 +4,9 @@ drains. Every test runs on chDB and on the real ClickHouse server."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,10 +22,8 @@ from samples.store import StoreUnavailable
 from simulator.serve import start_in_thread
 from streaming.result import Outcome, StreamResult
 from tests.gateway.conftest import KEY
-from tests.gateway.test_command import database_url, free_port
+from tests.gateway.test_command import start_gateway_command
 from tests.samples.conftest import flaky_server, make_store  # noqa: F401 - fixtures
-
-ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the recorder's thread has its own connection
 
@@ -436,37 +430,7 @@ def test_a_second_signal_during_the_drain_still_closes_the_recorder(
             v["endpoint"], v["api"] = sim.url + "/v1", "chat"
         experiment = services.apply_document(document, actor=users["product"]).experiment
         services.transition(experiment, "start", users["product"])
-        keys = tmp_path / "keys"
-        keys.write_text(f"acme {KEY}\n")
-        port = free_port()
-        env = {
-            **os.environ,
-            "ABPLAT_DEBUG": "true",
-            "ABPLAT_VAR": str(tmp_path / "var"),
-            "ABPLAT_DATABASE_URL": database_url(),
-            "ABPLAT_CLICKHOUSE_URL": settings.CLICKHOUSE_URL,
-            "ABPLAT_SPOOL_DIR": str(tmp_path / "spool"),
-            "ABPLAT_ETCD_ENDPOINTS": ",".join(f"{h}:{p}" for h, p in settings.ETCD_ENDPOINTS),
-            "ABPLAT_ETCD_PREFIX": settings.ETCD_PREFIX,
-            "ABPLAT_GATEWAY_KEYS_FILE": str(keys),
-            "ABPLAT_GATEWAY_DRAIN_S": "30",
-        }
-        child = subprocess.Popen(
-            [sys.executable, "manage.py", "gateway", "--port", str(port)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if child.poll() is not None or time.monotonic() > deadline:
-                out = child.stdout.read().decode() if child.poll() is not None else ""
-                pytest.fail(f"the gateway did not come up (exit {child.poll()}):\n{out}")
-            time.sleep(0.1)
+        child, url = start_gateway_command(settings, tmp_path)
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         stream = client.chat.completions.create(
             model="ttft-opt", messages=[{"role": "user", "content": "Tell me a long story"}], user="u-2",
