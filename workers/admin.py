@@ -91,6 +91,17 @@ class ReplayRunAdmin(admin.ModelAdmin):
     list_filter = ("status", "mode", "experiment")
     search_fields = ("experiment__key", "source")
     inlines = [ReplayShardInline]
+    # The plan (megabytes for a long replay) is summarised, not rendered.
+    exclude = ("prompt_plan",)
+    readonly_fields = ("prompt_plan_summary",)
+
+    @admin.display(description="prompt plan")
+    def prompt_plan_summary(self, obj: ReplayRun) -> str:
+        plan = obj.prompt_plan if obj.pk else {}
+        if not plan:
+            return "none (not calibrated yet, or the variants need no calibration)"
+        return "; ".join(f"{variant}: {len(book):,} prompts" for variant, book in sorted(plan.items()))
+
     actions = [cancel_replays]
 
     def has_operate_permission(self, request):

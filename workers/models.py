@@ -5,6 +5,16 @@ from django.db import models, transaction
 from django.db.models import Q
 
 
+class ReplayRunManager(models.Manager):
+    """Runs with their prompt plan deferred: every variant's prompt for every request, megabytes
+    for a long replay, which the API's run lists, the admin and the dashboards' run pickers never
+    show. Reading ``run.prompt_plan`` loads it (one query; the shard that replays does), and
+    ``save()`` of a run loaded here writes only the fields it loaded, never a plan it did not read."""
+
+    def get_queryset(self) -> models.QuerySet:
+        return super().get_queryset().defer("prompt_plan")
+
+
 class ReplayRun(models.Model):
     """One replay of recorded traffic through an experiment's variants."""
 
@@ -74,6 +84,8 @@ class ReplayRun(models.Model):
     skipped_lines = models.PositiveIntegerField(default=0)
     outcomes = models.JSONField(default=dict, blank=True)
     error = models.TextField(blank=True)
+
+    objects = ReplayRunManager()
 
     class Meta:
         ordering = ["-created_at"]

@@ -36,3 +36,35 @@ def test_a_refresh_reloads_the_state_but_not_the_plan_which_is_read_afresh_when_
     ReplayRun.objects.filter(pk=run.pk).update(prompt_plan={"awq": {}})
     run.refresh_from_db(fields=["prompt_plan"])
     assert run.prompt_plan == {"awq": {}}
+
+
+@pytest.mark.django_db
+def test_every_query_of_runs_leaves_the_plan_out_and_a_save_never_writes_a_plan_it_did_not_read(experiment):
+    plan = {"fp16": {str(seq): [300, 0, 307, False] for seq in range(50)}}
+    created = ReplayRun.objects.create(
+        experiment=experiment, source="t.csv", total_requests=2, prompt_plan=plan
+    )
+    with CaptureQueriesContext(connection) as queries:
+        listed = list(ReplayRun.objects.select_related("experiment").filter(experiment=experiment))
+        got = ReplayRun.objects.get(pk=created.pk)
+    assert [r.pk for r in listed] == [created.pk]
+    assert all("prompt_plan" not in q["sql"] for q in queries.captured_queries)
+    # the replay task writes a fresh plan after this copy was loaded; saving the copy keeps it
+    newer = {"awq": {"0": [1, 0, 1, False]}}
+    ReplayRun.objects.filter(pk=created.pk).update(prompt_plan=newer)
+    got.status = ReplayRun.Status.RUNNING
+    got.save()
+    again = ReplayRun.objects.get(pk=created.pk)
+    assert again.status == ReplayRun.Status.RUNNING and again.prompt_plan == newer
+
+
+@pytest.mark.django_db
+def test_the_admin_summarises_the_plan_instead_of_rendering_it(experiment, users, client):
+    plan = {"fp16": {str(seq): [300, 0, 307, False] for seq in range(1200)}, "awq": {"0": [3, 0, 3, False]}}
+    run = ReplayRun.objects.create(experiment=experiment, source="t.csv", total_requests=2, prompt_plan=plan)
+    client.force_login(users["admin"])
+    page = client.get(f"/admin/workers/replayrun/{run.pk}/change/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "awq: 1 prompts; fp16: 1,200 prompts" in html
+    assert "[300, 0, 307, false]" not in html
