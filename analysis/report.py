@@ -528,9 +528,11 @@ def _srm(
         return {"applicable": False, "flagged": False, "message": "", "note": note,
                 "weights_source": exp.weights_source}  # fmt: skip
 
-    if modes.get("mirror") and not modes.get("split"):
+    if modes.get("mirror") and not (modes.get("split") or modes.get("live")):
         return not_applicable("mirror mode: every request goes to every variant")
     if not parts:
+        if modes.get("live"):
+            return not_applicable("no live request was assigned by the router (no user, or no weights)")
         return not_applicable("no samples")
     try:
         res = sample_ratio_mismatch(parts)

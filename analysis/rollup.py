@@ -44,6 +44,7 @@ from analysis.sql import (
     DISTINCT_USERS,
     GAP,
     HIST_KEYS,
+    SRM_SAMPLES,
     bucket_sql,
     gap_table,
     hit_expr,
@@ -129,7 +130,7 @@ def build_run_rollup(store: Any, experiment: str, run_id: int, slo: Slo) -> Buil
         f"""
         INSERT INTO {schema.ROLLUP_USERS_TABLE}
         SELECT {head}, config_revision, toString(variant), {DISTINCT_USERS}
-        {scope} WHERE mode = 'split'
+        {scope} WHERE {SRM_SAMPLES}
         GROUP BY config_revision, variant
         """,
     ]

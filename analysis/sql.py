@@ -122,6 +122,14 @@ def bucket_sql(column: str, edges: Sequence[float]) -> str:
 # (0.99 vs 2.76 s), and a collision (probability ~3e-6 at 10^7 users) changes a count by one.
 DISTINCT_USERS = "uniqExact(cityHash64(user_id))"
 
+# The samples whose variant the router chose, the ones sample ratio mismatch is tested on: every
+# sample of a split replay, and of live traffic (the gateway) the first attempt of a request the
+# router assigned. Live requests without a user, and those for an experiment without weights or
+# an unknown one, go to the control by rule and are recorded with config revision 0; a retry on
+# the control after the variant failed (attempt 2) is the gateway's choice, not the router's.
+# Counting either would make a healthy split look mismatched towards the control.
+SRM_SAMPLES = "(mode = 'split' OR (mode = 'live' AND config_revision > 0 AND attempt = 1 AND user_id != ''))"
+
 # integer bucket of the rounded TTFT: compared as integers (a float literal in SQL might parse
 # one ulp away from the computed value on 18.16)
 _TTFT_KEY = f"toInt64(floor(assumeNotNull(ttft_ms) * {MW_SCALE} + 0.5))"

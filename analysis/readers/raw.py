@@ -47,6 +47,7 @@ from analysis.sql import (
     GAP,
     HIST_KEYS,
     SAMPLES,
+    SRM_SAMPLES,
     Hist,
     bucket_sql,
     conditions,
@@ -252,11 +253,12 @@ class RawReader:
         return [dict(zip(names, r, strict=True)) for r in self.store.query(sql, {**params, **hp})]
 
     def srm_users(self, f: Filters) -> list[dict[str, Any]]:
-        """Distinct users per (config revision, variant) in split mode: the unit the router
-        assigns, so the unit sample ratio mismatch is tested on. Requests are not independent
-        draws (a heavy user sends many, all to one variant), so request counts would flag SRM on
-        healthy traffic."""
-        fw, params = from_where(f, ["mode = 'split'"])
+        """Distinct users per (config revision, variant) of the samples the router assigned
+        (sql.SRM_SAMPLES: split replays, live traffic's assigned first attempts): the unit the
+        router assigns, so the unit sample ratio mismatch is tested on. Requests are not
+        independent draws (a heavy user sends many, all to one variant), so request counts would
+        flag SRM on healthy traffic."""
+        fw, params = from_where(f, [SRM_SAMPLES])
         sql = f"SELECT config_revision AS rev, variant, {DISTINCT_USERS} AS users {fw} GROUP BY rev, variant"
         return [{"rev": int(r), "variant": v, "n": int(n)} for r, v, n in self.store.query(sql, params)]
 

@@ -116,3 +116,64 @@ def test_select_runs_alone_places_live_runs_by_their_samples_mode():
     assert picked.info["available_modes"] == {"split": [1]} and picked.banners == []
     asked = select_runs(q.Filters(EXP, run_id=LIVE_RUN), version, catalog, lambda: {LIVE_RUN: "live"})
     assert asked.mode == "live" and asked.info["mode_source"] == "the run asked for"
+
+
+def not_chosen_by_the_router(run_id: int, n: int, seq_from: int, *, start_ms: float) -> dict:
+    """n live requests on the control that the router did not assign: a third without a user
+    (revision 0), a third for an experiment without weights (revision 0), a third retried on
+    the control after their variant failed (attempt 2, the user's revision kept)."""
+    c = cols(run_id, "live", n, start_ms=start_ms)
+    k = len(c["mode"])
+    c["variant"] = np.full(k, "fp16", dtype=object)
+    c["seq"] = c["seq"] + seq_from
+    c["request_id"] = np.array([f"gw-extra-{i}" for i in range(k)], dtype=object)
+    part = np.arange(k) % 3
+    c["user_id"] = np.where(part == 0, "", c["user_id"]).astype(object)
+    c["config_revision"] = np.where(part == 2, c["config_revision"], 0).astype(np.uint32)
+    c["attempt"] = np.where(part == 2, 2, 1).astype(np.uint8)
+    return c
+
+
+def test_live_traffic_is_tested_for_sample_ratio_mismatch_on_the_routers_assignments_only(store):
+    assigned = cols(LIVE_RUN, "live", 3000, start_ms=T0)
+    store.insert_columns(assigned)
+    # 1,500 more on the control, none of them the router's choice: counted, served, not tested
+    store.insert_columns(not_chosen_by_the_router(LIVE_RUN, 1500, 10**6, start_ms=T0))
+    rep = r.build_report(store, info(), q.Filters(EXP, mode="live"))
+    assert rep["modes"] == {"live": 4500}
+    srm = rep["srm"]
+    assert srm["applicable"] and not srm["flagged"], srm
+    users = {v: int(np.sum(assigned["variant"] == v)) for v in ("fp16", "awq", "awq-fa2")}
+    [part] = srm["revisions"]
+    assert {v: part["observed"][v] for v in users} == users  # one user per assigned request
+    assert rep["anytime"]["srm"]["applicable"] and rep["banners"] == []
+
+
+def test_a_live_split_that_does_not_match_the_weights_is_flagged(store):
+    c = cols(LIVE_RUN, "live", 3000, start_ms=T0)
+    keep = (c["variant"] != "awq") | (np.arange(len(c["variant"])) % 2 == 0)  # half of awq's users lost
+    store.insert_columns({k: v[keep] for k, v in c.items()})
+    rep = r.build_report(store, info(), q.Filters(EXP, mode="live"))
+    assert rep["srm"]["flagged"] and rep["banners"][0] == rep["srm"]["message"]
+
+
+def test_live_traffic_the_router_never_assigned_has_no_srm_and_says_why(store):
+    c = not_chosen_by_the_router(LIVE_RUN, 600, 0, start_ms=T0)
+    c["attempt"] = np.ones(len(c["attempt"]), dtype=np.uint8)
+    c["config_revision"] = np.zeros(len(c["config_revision"]), dtype=np.uint32)
+    store.insert_columns(c)
+    srm = r.build_report(store, info(), q.Filters(EXP, mode="live"))["srm"]
+    assert not srm["applicable"] and "no live request was assigned by the router" in srm["note"]
+
+
+def test_a_rolled_up_live_run_counts_the_same_assigned_users_as_its_samples(store):
+    from analysis import rollup
+
+    store.insert_columns(cols(LIVE_RUN, "live", 1500, start_ms=T0))
+    store.insert_columns(not_chosen_by_the_router(LIVE_RUN, 900, 10**6, start_ms=T0))
+    store.record_run(LIVE_RUN, EXP, "live", "done", source="live")
+    assert rollup.build_run_rollup(store, EXP, LIVE_RUN, info().slo) is not None
+    f = q.Filters(EXP, mode="live")
+    fast, raw = r.build_report(store, info(), f), r.build_report(store, info(), f, use_rollup=False)
+    assert fast["timing"]["source"] == "rollup" and raw["timing"]["source"] == "samples"
+    assert fast["srm"]["applicable"] and fast["srm"]["revisions"] == raw["srm"]["revisions"]
