@@ -129,6 +129,10 @@ DISTINCT_USERS = "uniqExact(cityHash64(user_id))"
 # the control after the variant failed (attempt 2) is the gateway's choice, not the router's.
 # Counting either would make a healthy split look mismatched towards the control.
 SRM_SAMPLES = "(mode = 'split' OR (mode = 'live' AND config_revision > 0 AND attempt = 1 AND user_id != ''))"
+# DISTINCT_USERS of those alone, in a query that reads every sample (a rollout step's reading,
+# rollouts/readings.py: a live retry on the control carries the step's revision; counted, it
+# would tilt the SRM test just when the candidate fails).
+ASSIGNED_USERS = f"uniqExactIf(cityHash64(user_id), {SRM_SAMPLES})"
 
 # integer bucket of the rounded TTFT: compared as integers (a float literal in SQL might parse
 # one ulp away from the computed value on 18.16)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from analysis.definitions import Slo
-from analysis.sql import DISTINCT_USERS, SAMPLES, hit_expr, metric_ok
+from analysis.sql import ASSIGNED_USERS, SAMPLES, hit_expr, metric_ok
 from experiments.document import ROLLOUT_LATENCIES
 from rollouts.controller import Plan, StepReading
 from samples.store import StoreError
@@ -36,7 +36,7 @@ def read_step(store: Any, experiment: str, revision: int, plan: Plan, slo: Slo) 
     try:
         cols = store.query_columns(
             f"SELECT variant, count() AS n, countIf(outcome != 'ok') AS errors, countIf({hit}) AS hits, "
-            f"{DISTINCT_USERS} AS users {_where()} GROUP BY variant",
+            f"{ASSIGNED_USERS} AS users {_where()} GROUP BY variant",
             {**params, **hp},
             settings=QUERY_SETTINGS,
         )
