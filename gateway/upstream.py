@@ -247,11 +247,15 @@ class Exchange:
         return out
 
     def close(self) -> None:
-        """Done with the response: the connection goes back to the pool if it is reusable."""
+        """Done with the response: the connection goes back to the pool if it is reusable.
+        The callbacks are dropped: they are the forwarder's, which holds this exchange, and a
+        cycle left behind per request is work for the cyclic collector, whose passes pause the
+        event loop (bench/RESULTS.md, "Gateway overhead")."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self.conn.release(self)
+        self._sink = self.on_head = self.on_end = None
 
     def abort(self) -> None:
         """The user went away or the request is abandoned: drop the connection."""

@@ -140,3 +140,37 @@ def test_sticky_assignment_per_user_matches_manage_py_assign(running_with, make_
             got.setdefault(user, set()).add(raw.headers["x-abplat-variant"])
     assert {u: v.pop() for u, v in got.items() if len(v) == 1} == expected
     assert len(set(expected.values())) == 3  # every variant served someone
+
+
+def test_a_finished_request_leaves_no_reference_cycle_of_the_gateways_behind(running_with, make_gateway):
+    """Per-request cycles are left for the cyclic collector, whose passes pause the event loop
+    under load (bench/RESULTS.md, "Gateway overhead"): a finished request's exchange and
+    forwarder must be freed by reference counting alone."""
+    import gc
+
+    from gateway.app import _Forwarder
+    from gateway.upstream import Exchange
+
+    running_with()
+    gw = make_gateway()
+    client = gw.client()
+    client.chat.completions.create(model="ttft-opt", messages=MESSAGES, user="warm", max_tokens=4)  # warm
+    gw.recorder.wait_for(1)
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for i in range(6):
+            list(client.chat.completions.create(model="ttft-opt", messages=MESSAGES, stream=True,
+                                                user=f"u{i}", max_tokens=8))  # fmt: skip
+            client.completions.create(model="ttft-opt", prompt="Once upon", user=f"u{i}", max_tokens=4)
+        assert len(gw.recorder.wait_for(13)) == 13
+        gc.collect()
+        left = [type(o).__name__ for o in gc.garbage if isinstance(o, (Exchange, _Forwarder))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if was_enabled:
+            gc.enable()
+    assert left == []
