@@ -342,13 +342,16 @@ def run_level(
             wall0 = time.perf_counter()
             res: list = []
             ramp: list = []
-            items = list(range(n))
+            # Each stream its own share of the requests (round robin), so every stream has its
+            # ramp request and the measured count is n - concurrency whatever the scheduling: a
+            # shared list let a stream started late on a loaded machine find nothing left.
+            shares = [list(range(k, n, concurrency))[::-1] for k in range(concurrency)]
             # Staggered over one request's length: a closed loop started at once stays in
             # lockstep (equal lengths), every wave a burst; staggered, `concurrency` streams are
             # in flight at every moment at every phase. Each stream's first request (the ramp)
             # is checked and its CPU counted, but it is not in the quantiles.
             delay = e2e_s / concurrency
-            await asyncio.gather(*(stream_loop(k, items, delay, res, ramp) for k in range(concurrency)))
+            await asyncio.gather(*(stream_loop(k, shares[k], delay, res, ramp) for k in range(concurrency)))
             wall = time.perf_counter() - wall0
             cpu = tree_cpu_s(path.pid) - cpu0 if path.pid else 0.0
             others = (tree_cpu_s(upstream_pid) - up0 if upstream_pid else 0.0, time.process_time() - me0)
