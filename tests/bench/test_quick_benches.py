@@ -47,7 +47,7 @@ def bench_args(name: str, database: str) -> list[str]:
     url = server_url_for(database)
     return {"bench_replay.py": ["--clickhouse-url", url], "bench_insert.py": ["--url", url],
             "bench_observability.py": ["--clickhouse-url", url],
-            "bench_gateway.py": ["--clickhouse-url", url]}.get(name, [])  # fmt: skip
+            "bench_gateway.py": ["--clickhouse-url", url, "--floor"]}.get(name, [])  # fmt: skip
 
 
 def has_table(text: str) -> bool:
@@ -199,7 +199,8 @@ def test_quick_bench_gateway_prints_every_path_side_by_side_with_its_bytes_and_r
     assert code == 0, f"bench failed ({code}):\n{out}\n{err}"
     assert "| path | request | status | body bytes | same bytes as direct | headers added |" in out, out
     for api in ("/v1/chat/completions", "/v1/completions"):
-        assert f"| gateway | {api} | 200 | " in out and f"| nginx | {api} | 200 | " in out, out
+        for path in ("gateway", "nginx", "relay"):
+            assert re.search(rf"\| {path} \| {api} \| 200 \| \d+ \| yes \| ", out), f"{path} {api}:\n{out}"
     assert "| gateway | /v1/chat/completions | 429 | " in out, out  # the upstream's error, passed through
     assert "| yes | traceparent, x-abplat-variant, x-request-id |" in out, out
     header = ("| streams | path | requests | TTFT p50 ms | TTFT p99 ms | hop p50 ms | hop p99 ms | "
@@ -207,9 +208,10 @@ def test_quick_bench_gateway_prints_every_path_side_by_side_with_its_bytes_and_r
     assert header in out, out
     for streams in (1, 64):
         assert f"| {streams} | direct | " in out and "| (baseline) | (baseline) | - |" in out, out
-        for path in ("gateway", "nginx"):
+        for path in ("gateway", "nginx", "relay"):  # relay: the bare Python hop (--floor)
             assert f"| {streams} | {path} | {streams + 20} | " in out, f"no {path} row at {streams}:\n{out}"
     assert "target (simulator `fast` (its own process)): p99 added TTFT under 1 ms at 64 streams" in out, out
+    assert "the bare Python relay (simulator `fast` (its own process)) at 64 streams: added TTFT " in out, out
     assert re.search(r"gateway's recording \(.*\): (\d+) samples for \1 requests, .* dropped 0, rejected 0; "
                      r"its run closed", out), out  # fmt: skip
 
