@@ -456,6 +456,7 @@ class Gateway:
                 log.exception("gateway: recorder failed")
 
         ex: Exchange | None = None
+        fwd: _Forwarder | None = None
         try:
             if tgt.error:
                 raise UpstreamError(Outcome.CLIENT_ERROR, f"variant {tgt.key}: {tgt.error}")
@@ -499,6 +500,8 @@ class Gateway:
             # The user going away, or the gateway's own stop cutting a stream its drain did not
             # wait out (uvicorn cancels it): either way a user saw this request end unanswered.
             why = "the user went away" if state["gone"] else "the gateway stopped before the response ended"
+            if fwd is not None:
+                fwd.measure()
             record(timer.finish(_perf(), Outcome.CANCELLED, why), gateway_ns)
             raise
         finally:
@@ -511,6 +514,7 @@ class Gateway:
         its end, then finish the measurement and hand it to the recorder."""
         await ex.finished()
         await fwd.flushed()
+        fwd.measure()  # the reads whose measuring the loop has not reached yet
         self.forward_ns += fwd.forward_ns
         self.forwarded_chunks += fwd.chunks
         parser, ended, error, body = fwd.parser, fwd.ended, fwd.error, fwd.body
@@ -561,13 +565,18 @@ class _Forwarder:
        write-paused (a slow reader); otherwise it writes and returns at its first step. So the
        coroutine is stepped here, at once; only when it does suspend is it finished in a task,
        with reading from the variant paused and later reads joined into one write after it.
-    3. Then measured: the read's arrival stamp and bytes into the SSE parser and the
-       StreamTimer (a non-streamed body is kept, up to _PARSE_LIMIT, for its usage).
+    3. Then measured, after every read of this loop pass is forwarded: the read's arrival
+       stamp (taken in data_received, so the figures are the same) and its bytes are kept, and
+       one ``call_soon`` per pass feeds them to the SSE parser and the StreamTimer (a
+       non-streamed body is kept, up to _PARSE_LIMIT, for its usage). An engine emits a token
+       for every running request in one step, so reads come in bursts of one per stream: the
+       last stream's bytes wait for the burst's forwarding only, not for its measuring too.
+       ``measure()`` catches up at once; whoever reads the figures calls it first.
     """
 
     __slots__ = ("send", "timer", "added", "take_5xx", "ex", "parser", "started", "ended", "error", "body",
                  "forward_ns", "chunks", "send_error", "closed", "_pending", "_backlog", "_first",
-                 "_close_after", "state")  # fmt: skip
+                 "_close_after", "state", "_unmeasured", "_measure_due")  # fmt: skip
 
     def __init__(self, send: Send, timer: StreamTimer, added: list[tuple[bytes, bytes]], *, take_5xx: bool,
                  state: dict) -> None:  # fmt: skip
@@ -590,6 +599,8 @@ class _Forwarder:
         self._backlog: list[bytes] = []
         self._first = True
         self._close_after = False
+        self._unmeasured: list[tuple[int, bytes]] = []  # reads forwarded, not yet measured
+        self._measure_due: asyncio.Handle | None = None
 
     def on_head(self, ex: Exchange, force: bool = False) -> None:
         if self.started or (ex.status >= 500 and not self.take_5xx and not force):
@@ -634,7 +645,22 @@ class _Forwarder:
             self._step({"type": "http.response.body", "body": data, "more_body": True})
         self.forward_ns += _perf() - t_ns
         self.chunks += 1
-        # 3. measure
+        # 3. measure, once this loop pass has forwarded every read it has
+        self._unmeasured.append((t_ns, data))
+        if self._measure_due is None:
+            assert self.ex is not None
+            self._measure_due = self.ex.conn.loop.call_soon(self.measure)
+
+    def measure(self) -> None:
+        """Every read forwarded so far into the parser and the timer, in arrival order."""
+        if self._measure_due is not None:
+            self._measure_due.cancel()
+            self._measure_due = None
+        reads, self._unmeasured = self._unmeasured, []
+        for t_ns, data in reads:
+            self._measure(t_ns, data)
+
+    def _measure(self, t_ns: int, data: bytes) -> None:
         if self._first:
             self._first = False
             self.timer.body_bytes(t_ns)
