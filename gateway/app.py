@@ -571,7 +571,9 @@ class _Forwarder:
        non-streamed body is kept, up to _PARSE_LIMIT, for its usage). An engine emits a token
        for every running request in one step, so reads come in bursts of one per stream: the
        last stream's bytes wait for the burst's forwarding only, not for its measuring too.
-       ``measure()`` catches up at once; whoever reads the figures calls it first.
+       ``measure()`` catches up at once; whoever reads the figures calls it first. Once the
+       first content is measured, the exchange defers this stream's reads to the end of the
+       pass (gateway/upstream.py, point 4): other streams' first tokens go out before them.
     """
 
     __slots__ = ("send", "timer", "added", "take_5xx", "ex", "parser", "started", "ended", "error", "body",
@@ -659,6 +661,9 @@ class _Forwarder:
         reads, self._unmeasured = self._unmeasured, []
         for t_ns, data in reads:
             self._measure(t_ns, data)
+        ex = self.ex
+        if ex is not None and not ex.defer_reads and self.timer.first_content_seen:
+            ex.defer_reads = True  # the user has the first token: its next reads may wait their turn
 
     def _measure(self, t_ns: int, data: bytes) -> None:
         if self._first:

@@ -11,10 +11,16 @@ connection is an asyncio Protocol with httptools (C) for the framing, as in stre
    lazily re-armed TimerHandle per exchange covers the stall deadline (gap between reads) and
    the total one, instead of a timeout rescheduled per chunk.
 3. Flow control: past ``HIGH_WATER`` queued bytes (a slow user) reading from the variant pauses.
-4. Egress (streaming/egress.py, as streaming/client.py applies it): with an allowlist, every new
+4. First tokens first: an engine emits a token for every running request in one step, so reads
+   come in bursts, one per stream. A stream whose first content has gone out marks its exchange
+   ``defer_reads``; its reads are then stamped on arrival and parsed and forwarded after the
+   loop pass's other reads (one ``call_soon`` per connection per pass, in arrival order), so a
+   stream's first token, the TTFT of the SLA, waits for the other first tokens of the burst
+   only. The others' bytes go out in the same pass; the figures keep the arrival stamps.
+5. Egress (streaming/egress.py, as streaming/client.py applies it): with an allowlist, every new
    connection resolves the host itself, checks every address and dials only checked ones; TLS
    still verifies the certificate against the URL's host (SNI).
-5. Keep-alive: idle connections are reused for ``IDLE_EXPIRY_S``; a reused one that closes
+6. Keep-alive: idle connections are reused for ``IDLE_EXPIRY_S``; a reused one that closes
    before any byte of the response is retried once on a new connection (the server had closed
    it idle: it never saw the request).
 
@@ -93,6 +99,7 @@ class Exchange:
         "conn", "status", "headers", "keep_alive", "complete", "error", "sent_ns", "connected",
         "connect_started_ns", "connect_done_ns", "headers_ns", "_chunks", "_queued", "_waiter", "_headers_fut", "_timer",
         "_last_ns", "_total_deadline_ns", "_stall_ns", "_paused", "_got_bytes", "_sink", "on_head", "on_end",
+        "defer_reads",
     )  # fmt: skip
 
     def __init__(self, conn: _Connection, deadlines: Deadlines) -> None:
@@ -123,6 +130,9 @@ class Exchange:
         self.on_head: Callable[[Exchange], None] | None = None
         # Called in the read callback when the body is complete (after its last on_body).
         self.on_end: Callable[[], None] | None = None
+        # Set by the gateway once this stream's first content went out: its reads may wait for
+        # the end of the loop pass (point 4 above).
+        self.defer_reads = False
 
     # called by the connection ---------------------------------------------------------------
     def on_status(self, status: int) -> None:
@@ -267,7 +277,8 @@ class Exchange:
 
 
 class _Connection(asyncio.Protocol):
-    __slots__ = ("loop", "pool", "transport", "parser", "ex", "closed", "idle_since", "_headers", "_t")
+    __slots__ = ("loop", "pool", "transport", "parser", "ex", "closed", "idle_since", "_headers", "_t",
+                 "_deferred", "_feed_due")  # fmt: skip
 
     def __init__(self, loop: asyncio.AbstractEventLoop, pool: Pool) -> None:
         self.loop = loop
@@ -279,6 +290,8 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._headers: list[tuple[bytes, bytes]] = []
         self._t = 0
+        self._deferred: list[tuple[int, bytes]] = []  # reads stamped, not yet parsed (point 4)
+        self._feed_due: asyncio.Handle | None = None
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -292,12 +305,32 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         t = _perf()  # first: the arrival time of these bytes
-        self._t = t
         ex = self.ex
         if ex is None:  # bytes on an idle connection: the server is not following HTTP
             self.abort()
             return
         ex.on_bytes()
+        if ex.defer_reads or self._deferred:  # after the pass's other reads, never out of order
+            self._deferred.append((t, data))
+            if self._feed_due is None:
+                self._feed_due = self.loop.call_soon(self.feed_deferred)
+            return
+        self._feed(ex, t, data)
+
+    def feed_deferred(self) -> None:
+        """The reads held back (point 4), in arrival order, each with its arrival stamp."""
+        if self._feed_due is not None:
+            self._feed_due.cancel()
+            self._feed_due = None
+        reads, self._deferred = self._deferred, []
+        for t, data in reads:
+            ex = self.ex
+            if ex is None or self.closed:  # released or aborted meanwhile: nothing to deliver to
+                return
+            self._feed(ex, t, data)
+
+    def _feed(self, ex: Exchange, t: int, data: bytes) -> None:
+        self._t = t
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -308,6 +341,8 @@ class _Connection(asyncio.Protocol):
             self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._deferred and not self.closed:
+            self.feed_deferred()  # what came before the close: maybe the response's end
         self.closed = True
         ex = self.ex
         if ex is not None and not ex.complete:

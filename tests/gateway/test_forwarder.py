@@ -31,6 +31,7 @@ class _Conn:
 class _Exchange:
     status = 200
     headers = [(b"content-type", b"text/event-stream")]
+    defer_reads = False
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.conn = _Conn(loop)
@@ -85,5 +86,21 @@ def test_measure_catches_up_at_once_and_the_loop_does_not_measure_a_read_twice()
         await asyncio.sleep(0)  # the pass's own call must not feed the same reads again
         r = timer.finish(9 * MS, Outcome.OK)
         assert (r.ttft_ms, r.e2e_ms, r.chunks, r.itl_gaps_us) == (2.0, 3.0, 2, [1000])
+
+    asyncio.run(run())
+
+
+def test_once_its_first_content_is_measured_a_stream_lets_its_reads_wait_for_the_pass():
+    async def run() -> None:
+        fwd, _timer = _stream(asyncio.get_running_loop(), [])
+        ex = fwd.ex
+        role = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+        fwd(1 * MS, role)
+        fwd.measure()
+        assert not ex.defer_reads  # no content yet: its first token must not wait
+        fwd(2 * MS, _event("a"))
+        assert not ex.defer_reads  # measured at the pass's end, not in the read
+        await asyncio.sleep(0)
+        assert ex.defer_reads
 
     asyncio.run(run())
