@@ -14,9 +14,10 @@ connection is an asyncio Protocol with httptools (C) for the framing, as in stre
 4. First tokens first: an engine emits a token for every running request in one step, so reads
    come in bursts, one per stream. A stream whose first content has gone out marks its exchange
    ``defer_reads``; its reads are then stamped on arrival and parsed and forwarded after the
-   loop pass's other reads (one ``call_soon`` per connection per pass, in arrival order), so a
-   stream's first token, the TTFT of the SLA, waits for the other first tokens of the burst
-   only. The others' bytes go out in the same pass; the figures keep the arrival stamps.
+   loop pass's other reads and after the request tasks the pass woke (a ``call_soon`` that
+   re-queues itself once, per connection, in arrival order), so a stream's first token and a
+   new user's request, the TTFT of the SLA, wait for the other first tokens of the burst only.
+   The others' bytes go out one pass later; the figures keep the arrival stamps.
 5. Egress (streaming/egress.py, as streaming/client.py applies it): with an allowlist, every new
    connection resolves the host itself, checks every address and dials only checked ones; TLS
    still verifies the certificate against the URL's host (SNI).
@@ -313,9 +314,14 @@ class _Connection(asyncio.Protocol):
         if ex.defer_reads or self._deferred:  # after the pass's other reads, never out of order
             self._deferred.append((t, data))
             if self._feed_due is None:
-                self._feed_due = self.loop.call_soon(self.feed_deferred)
+                self._feed_due = self.loop.call_soon(self._feed_after_tasks)
             return
         self._feed(ex, t, data)
+
+    def _feed_after_tasks(self) -> None:
+        # Once more to the back of the queue: the request tasks this pass woke (a new user's
+        # request, written upstream in its first step) run before the held-back reads.
+        self._feed_due = self.loop.call_soon(self.feed_deferred)
 
     def feed_deferred(self) -> None:
         """The reads held back (point 4), in arrival order, each with its arrival stamp."""

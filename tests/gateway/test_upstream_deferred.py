@@ -1,5 +1,6 @@
 """gateway/upstream.py, point 4: a stream past its first token has its reads parsed and handed
-on after the loop pass's other reads, in arrival order, with their arrival stamps."""
+on after the loop pass's other reads and the request tasks it woke, in arrival order, with their
+arrival stamps."""
 
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ class _Transport:
     close = pause_reading = resume_reading = abort
 
 
+async def _passes() -> None:
+    """The loop's passes a held-back read waits: the one it came in, and the tasks that woke."""
+    for _ in range(2):
+        await asyncio.sleep(0)
+
+
 def _connected(loop: asyncio.AbstractEventLoop) -> tuple[_Connection, Exchange, list]:
     conn = _Connection(loop, Pool(Endpoint.parse("http://127.0.0.1:9"), allow=None, ssl_context=None))
     conn.connection_made(_Transport())  # type: ignore[arg-type]
@@ -53,7 +60,7 @@ def test_a_deferred_stream_gets_its_reads_after_the_pass_in_order_with_arrival_s
         conn.data_received(_chunk(b"data: b\n\n"))
         after = time.perf_counter_ns()
         assert len(got) == 1  # held for the end of the pass
-        await asyncio.sleep(0)
+        await _passes()
         assert [b for _, b in got[1:]] == [b"data: a\n\n", b"data: b\n\n"]
         assert all(before <= t <= after for t, _ in got[1:]) and got[1][0] <= got[2][0]
         # A read that comes while others wait joins them even if the flag is lifted meanwhile.
@@ -61,7 +68,7 @@ def test_a_deferred_stream_gets_its_reads_after_the_pass_in_order_with_arrival_s
         ex.defer_reads = False
         conn.data_received(_chunk(b"data: d\n\n"))
         assert len(got) == 3
-        await asyncio.sleep(0)
+        await _passes()
         assert [b for _, b in got[3:]] == [b"data: c\n\n", b"data: d\n\n"]
 
     asyncio.run(run())
@@ -75,7 +82,7 @@ def test_the_end_of_a_response_held_back_is_delivered_before_the_connection_loss
         conn.connection_lost(None)  # the variant closed right after its last bytes (connection: close)
         assert ex.complete and ex.error is None
         assert [b for _, b in got] == [b"data: first\n\n", b"data: [DONE]\n\n"]
-        await asyncio.sleep(0)  # the pass's own call finds nothing left
+        await _passes()  # the pass's own call finds nothing left
         assert len(got) == 2
 
     asyncio.run(run())
@@ -87,7 +94,21 @@ def test_reads_held_back_for_an_aborted_exchange_are_dropped():
         ex.defer_reads = True
         conn.data_received(_chunk(b"data: a\n\n"))
         ex.abort()  # the user went away
-        await asyncio.sleep(0)
+        await _passes()
         assert len(got) == 1 and ex.error is not None and ex.error.outcome is Outcome.CANCELLED
+
+    asyncio.run(run())
+
+
+def test_a_request_task_woken_in_the_same_pass_runs_before_the_held_back_reads():
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        conn, ex, got = _connected(loop)
+        ex.defer_reads = True
+        conn.data_received(_chunk(b"data: a\n\n"))  # a token of a stream under way ...
+        order: list[str] = []
+        loop.call_soon(lambda: order.append(f"new request's step, {len(got) - 1} held reads delivered"))
+        await _passes()  # ... and a new user's request in the same pass: its step goes first
+        assert order == ["new request's step, 0 held reads delivered"] and len(got) == 2
 
     asyncio.run(run())
