@@ -149,7 +149,6 @@ class Exchange:
             self._headers_fut.set_result(None)
 
     def on_body(self, t_ns: int, body: bytes) -> None:
-        self._last_ns = t_ns
         sink = self._sink
         if sink is not None:
             sink(t_ns, body)  # straight on, inside the read callback: no task wake-up
@@ -167,8 +166,11 @@ class Exchange:
             self.on_end()
         self._wake()
 
-    def on_bytes(self) -> None:
+    def on_bytes(self, t_ns: int) -> None:
+        """Bytes arrived (stamped ``t_ns``), before they are parsed: the stall deadline counts
+        gaps between arrivals, whether or not a read was held back (point 4)."""
         self._got_bytes = True
+        self._last_ns = t_ns
 
     def fail(self, error: UpstreamError) -> None:
         if self.complete or self.error is not None:
@@ -197,7 +199,7 @@ class Exchange:
     def arm(self, total_deadline_ns: int) -> None:
         """Start the stall and total deadlines (after the headers)."""
         self._total_deadline_ns = total_deadline_ns
-        self._last_ns = self.headers_ns or _perf()
+        self._last_ns = max(self._last_ns, self.headers_ns) or _perf()  # the latest arrival so far
         self._rearm()
 
     def _rearm(self) -> None:
@@ -310,7 +312,7 @@ class _Connection(asyncio.Protocol):
         if ex is None:  # bytes on an idle connection: the server is not following HTTP
             self.abort()
             return
-        ex.on_bytes()
+        ex.on_bytes(t)
         if ex.defer_reads or self._deferred:  # after the pass's other reads, never out of order
             self._deferred.append((t, data))
             if self._feed_due is None:
@@ -399,7 +401,9 @@ class _Connection(asyncio.Protocol):
         if self.ex is not ex:
             return
         self.ex = None
-        if ex.complete and ex.keep_alive and ex.error is None and not self.closed:
+        # Bytes still held back after the response's end (point 4) are a server not following
+        # HTTP: they must not reach the next request's parser.
+        if ex.complete and ex.keep_alive and ex.error is None and not self.closed and not self._deferred:
             self.parser = httptools.HttpResponseParser(self)
             self.resume()  # a paused read (flow control) must not outlive its exchange
             self.idle_since = self.loop.time()

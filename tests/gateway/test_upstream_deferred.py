@@ -112,3 +112,38 @@ def test_a_request_task_woken_in_the_same_pass_runs_before_the_held_back_reads()
         assert order == ["new request's step, 0 held reads delivered"] and len(got) == 2
 
     asyncio.run(run())
+
+
+def test_bytes_held_back_after_the_responses_end_keep_the_connection_out_of_the_pool():
+    async def run() -> None:
+        conn, ex, _got = _connected(asyncio.get_running_loop())
+        ex.keep_alive = True  # as if the variant had said keep-alive
+        ex.defer_reads = True
+        conn.data_received(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        conn.feed_deferred()  # the response is complete ...
+        assert ex.complete
+        conn.data_received(b"HTTP/1.1 200 OK\r\n")  # ... and the variant sends more
+        ex.close()  # the request's task is done with it
+        assert conn.closed and conn not in conn.pool._idle  # never handed to the next request
+        clean, ex2, _ = _connected(asyncio.get_running_loop())
+        ex2.keep_alive = True
+        clean.data_received(b"0\r\n\r\n")
+        ex2.close()
+        assert not clean.closed and clean in clean.pool._idle  # a clean end is reused as before
+
+    asyncio.run(run())
+
+
+def test_a_held_back_read_counts_for_the_stall_deadline_when_it_arrives():
+    async def run() -> None:
+        conn, ex, got = _connected(asyncio.get_running_loop())
+        ex.defer_reads = True
+        before = time.perf_counter_ns()
+        conn.data_received(_chunk(b"data: a\n\n"))
+        assert len(got) == 1  # not parsed yet ...
+        assert ex._last_ns >= before  # ... but the gap between arrivals restarts now
+        ex.arm(time.perf_counter_ns() + 10**9)  # arming later never moves it back to the headers
+        assert ex._last_ns >= before
+        ex.abort()
+
+    asyncio.run(run())
