@@ -712,6 +712,11 @@ def shared_gateway(upstreams: dict[str, tuple[str, str]], workdir: pathlib.Path)
     return start_gateway(upstreams, workdir)
 
 
+def proxies(paths: list[Path]) -> list[Path]:
+    """The paths this bench started a proxy process for (nginx, the relay): the gateway is shared."""
+    return [p for p in paths if p.name in (NGINX, RELAY)]
+
+
 def close_paths(paths: list[Path]) -> None:
     for p in paths:
         with contextlib.suppress(Exception):
@@ -774,7 +779,7 @@ def run(argv: list[str] | None = None) -> int:
 
     try:
         get_profile(args.sim_profile)
-    except (KeyError, ValueError) as exc:
+    except ValueError as exc:
         ap.error(f"--sim-profile {args.sim_profile!r}: {exc}")
     if args.rounds < 1 or not levels or min(levels) < 1:
         ap.error("--rounds >= 1 and --levels of whole numbers >= 1")
@@ -816,7 +821,7 @@ def simulator_section(levels: list[int], rounds: int, n_at: Callable[[int], int]
     fixed = FixedUpstream()
     label = f"simulator `{profile}` (its own process)"
     gateway = None
-    nginx: list[Path] = []
+    started: list[Path] = []
     try:
         try:
             sim = start_subprocess(profile, model=SIM_MODEL)
@@ -828,13 +833,13 @@ def simulator_section(levels: list[int], rounds: int, n_at: Callable[[int], int]
                     {EXPERIMENT_BYTES: (fixed.url, SIM_MODEL), EXPERIMENT: (sim.url, SIM_MODEL)}, workdir
                 )
             paths = open_paths(fixed.url, SIM_MODEL, workdir, gateway)
-            nginx += [p for p in paths if p.name in (NGINX, RELAY)]
+            started += proxies(paths)
             print_bytes(bytes_check(paths))
             paths = open_paths(sim.url, SIM_MODEL, workdir, gateway)
-            nginx += [p for p in paths if p.name in (NGINX, RELAY)]
+            started += proxies(paths)
             figures = measure(paths, levels, rounds, n_at, True, label, sim.pid)
         finally:
-            close_paths([*nginx, *([gateway] if gateway else [])])
+            close_paths([*started, *([gateway] if gateway else [])])
             sim.stop()
     finally:
         fixed.close()
@@ -861,7 +866,7 @@ def vllm_section(levels: list[int], rounds: int, workdir: pathlib.Path, with_gat
         paths = open_paths(server.url, VLLM_MODEL, workdir, gateway)
         figures = measure(paths, levels, rounds, lambda c: max(100, 2 * c), False, label, server.proc.pid)
     finally:
-        close_paths([p for p in paths if p.name in (NGINX, RELAY)] + ([gateway] if gateway else []))
+        close_paths(proxies(paths) + ([gateway] if gateway else []))
         server.stop()
     books = check_books(gateway, label)
     verdict(report(f"{label}: {rounds} round(s) per level", figures, False), label)
