@@ -136,6 +136,12 @@ class Decision:
     weights: dict[str, int] | None  # weights to write (None: leave the store alone)
     numbers: dict[str, Any]  # what decided it: guardrail intervals, SRM, counts, elapsed
     srm_log_e: float = 0.0  # the step's SRM evidence after this look (State.srm_max_log_e next)
+    # The weights revision a write of ``weights`` compares against (None: no write, or the
+    # store could not be read). Before the first step it is the store's revision now: the
+    # experiment's start published those weights, the controller has written none yet. After
+    # that it is the revision the controller last wrote, so a person's change in between makes
+    # the write fail and the rollout yield.
+    base_revision: int | None = None
 
     @property
     def state_after(self) -> str:
@@ -156,6 +162,7 @@ def decide_step(
     to read yet). ``now_s`` and ``state.step_started_s`` come from one clock (the glue uses the
     database's, so processes with skewed clocks agree)."""
     step = state.step
+    base = store.revision if step is None else state.last_seen_revision
 
     def out(
         action: str,
@@ -165,7 +172,9 @@ def decide_step(
         srm_log_e: float = state.srm_max_log_e,  # a look without a reading keeps the evidence
         **numbers,
     ) -> Decision:
-        return Decision(action, reason, step, to_step, weights, numbers, srm_log_e)
+        return Decision(
+            action, reason, step, to_step, weights, numbers, srm_log_e, base if weights is not None else None
+        )
 
     if state.status != RUNNING:
         raise ValueError(f"decide_step: the rollout is {state.status}, not running")

@@ -324,7 +324,9 @@ def _carry_out(experiment: Experiment, plan: Plan, d: Decision, owner: str, view
     decision_id = uuid.uuid4().hex[:16]
     with transaction.atomic():
         state = _locked_state(experiment, owner)
-        expected = state.last_seen_revision if d.action != controller.START else (view.revision or 0)
+        # The controller's base: the store's revision before the first step, the revision it
+        # last wrote after that (rollouts/controller.py, Decision.base_revision).
+        expected = d.base_revision if d.base_revision is not None else state.last_seen_revision
         state.pending = {
             "id": decision_id, "action": d.action, "to_step": d.to_step, "weights": d.weights,
             "state_after": d.state_after, "expected_revision": expected,
