@@ -1,13 +1,18 @@
-"""Strict parsers for settings read from the environment.
+"""Strict parsers for settings read from an environment.
 
 A bad value fails at start with a message naming the variable and what it accepts, never a
-silent fallback (healthchecks' ``envbool``). No Django imports: settings.py calls these before
-Django is configured, and they raise plain ``ImproperlyConfigured``-compatible errors.
+silent fallback (healthchecks' ``envbool``). No Django imports: abplat/config.py calls these
+before Django is configured, and they raise plain ``ImproperlyConfigured``-compatible errors.
+
+``Reader(environ)`` parses any mapping (abplat/config.py: ``settings_from(environ)``, which tests
+call with a dict); the module-level ``env_*`` functions read the process environment at each call
+(gunicorn.conf.py).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 
@@ -19,81 +24,119 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+class Reader:
+    """The strict parsers over one mapping of variable names to values (``os.environ``, a dict)."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self.environ = environ
+
+    def env_str(self, name: str, default: str = "") -> str:
+        return self.environ.get(name, default).strip()
+
+    def env_bool(self, name: str, default: bool) -> bool:
+        raw = self.environ.get(name)
+        if raw is None or raw.strip() == "":
+            return default
+        value = raw.strip().lower()
+        if value in _TRUE:
+            return True
+        if value in _FALSE:
+            return False
+        raise EnvError(f"Unexpected value {name}={raw!r}: use one of 1/0, true/false, yes/no, on/off.")
+
+    def env_int(
+        self, name: str, default: int, *, minimum: int | None = None, maximum: int | None = None
+    ) -> int:
+        raw = self.environ.get(name)
+        if raw is None or raw.strip() == "":
+            return default
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise EnvError(f"Unexpected value {name}={raw!r}: use a whole number.") from None
+        if minimum is not None and value < minimum or maximum is not None and value > maximum:
+            raise EnvError(f"Unexpected value {name}={raw!r}: use a number in [{minimum}, {maximum}].")
+        return value
+
+    def env_list(self, name: str, default: list[str]) -> list[str]:
+        raw = self.environ.get(name)
+        if raw is None or raw.strip() == "":
+            return list(default)
+        items = [item.strip() for item in raw.split(",")]
+        if any(item == "" for item in items):
+            raise EnvError(
+                f"Unexpected value {name}={raw!r}: use a comma-separated list without empty items."
+            )
+        return items
+
+    def env_url(self, name: str, default: str, *, schemes: tuple[str, ...]) -> str:
+        """A URL whose scheme is one of ``schemes``; empty means "use the embedded default"."""
+        raw = self.environ.get(name)
+        value = default if raw is None else raw.strip()
+        if value == "":
+            return ""
+        parts = urlsplit(value)
+        if parts.scheme not in schemes:
+            raise EnvError(
+                f"Unexpected value {name}={value!r}: the scheme must be one of "
+                f"{', '.join(s + '://' for s in schemes)}."
+            )
+        if parts.scheme not in {"sqlite", "memory", "filesystem"} and not parts.hostname:
+            raise EnvError(f"Unexpected value {name}={value!r}: the URL names no host.")
+        return value
+
+    def env_endpoints(self, name: str) -> list[tuple[str, int]]:
+        """``host:port,host:port`` (etcd cluster members). Empty means none."""
+        out = []
+        for item in self.env_list(name, []):
+            host, sep, port = item.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise EnvError(
+                    f"Unexpected value {name}={self.environ.get(name)!r}: item {item!r} is not host:port."
+                )
+            out.append((host, int(port)))
+        return out
+
+    def env_choice(self, name: str, default: str, choices: tuple[str, ...]) -> str:
+        """One of ``choices`` (case-insensitive); empty means ``default``."""
+        raw = self.environ.get(name)
+        if raw is None or raw.strip() == "":
+            return default
+        value = raw.strip().lower()
+        if value not in choices:
+            raise EnvError(f"Unexpected value {name}={raw!r}: use one of {', '.join(choices)}.")
+        return value
+
+
+# The same parsers over the process environment, read when called (not when this module loaded).
+
+
 def env_str(name: str, default: str = "") -> str:
-    return os.environ.get(name, default).strip()
+    return Reader(os.environ).env_str(name, default)
 
 
 def env_bool(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise EnvError(f"Unexpected value {name}={raw!r}: use one of 1/0, true/false, yes/no, on/off.")
+    return Reader(os.environ).env_bool(name, default)
 
 
 def env_int(name: str, default: int, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise EnvError(f"Unexpected value {name}={raw!r}: use a whole number.") from None
-    if minimum is not None and value < minimum or maximum is not None and value > maximum:
-        raise EnvError(f"Unexpected value {name}={raw!r}: use a number in [{minimum}, {maximum}].")
-    return value
+    return Reader(os.environ).env_int(name, default, minimum=minimum, maximum=maximum)
 
 
 def env_list(name: str, default: list[str]) -> list[str]:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return list(default)
-    items = [item.strip() for item in raw.split(",")]
-    if any(item == "" for item in items):
-        raise EnvError(f"Unexpected value {name}={raw!r}: use a comma-separated list without empty items.")
-    return items
+    return Reader(os.environ).env_list(name, default)
 
 
 def env_url(name: str, default: str, *, schemes: tuple[str, ...]) -> str:
     """A URL whose scheme is one of ``schemes``; empty means "use the embedded default"."""
-    raw = os.environ.get(name)
-    value = default if raw is None else raw.strip()
-    if value == "":
-        return ""
-    parts = urlsplit(value)
-    if parts.scheme not in schemes:
-        raise EnvError(
-            f"Unexpected value {name}={value!r}: the scheme must be one of "
-            f"{', '.join(s + '://' for s in schemes)}."
-        )
-    if parts.scheme not in {"sqlite", "memory", "filesystem"} and not parts.hostname:
-        raise EnvError(f"Unexpected value {name}={value!r}: the URL names no host.")
-    return value
+    return Reader(os.environ).env_url(name, default, schemes=schemes)
 
 
 def env_endpoints(name: str) -> list[tuple[str, int]]:
     """``host:port,host:port`` (etcd cluster members). Empty means none."""
-    out = []
-    for item in env_list(name, []):
-        host, sep, port = item.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise EnvError(
-                f"Unexpected value {name}={os.environ.get(name)!r}: item {item!r} is not host:port."
-            )
-        out.append((host, int(port)))
-    return out
+    return Reader(os.environ).env_endpoints(name)
 
 
 def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     """One of ``choices`` (case-insensitive); empty means ``default``."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    value = raw.strip().lower()
-    if value not in choices:
-        raise EnvError(f"Unexpected value {name}={raw!r}: use one of {', '.join(choices)}.")
-    return value
+    return Reader(os.environ).env_choice(name, default, choices)

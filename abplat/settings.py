@@ -1,263 +1,24 @@
-"""abplat settings: embedded defaults, real services by environment variable.
+"""abplat's Django settings.
 
-Every value comes through a strict parser in ``abplat.env``; a bad one stops the process at
-start with the variable's name and what it accepts. Defaults run the whole platform on one
-machine with nothing installed: SQLite, Celery eager, chDB, a local weights store.
+Every setting read from the environment, with what it means and what it accepts, is in
+abplat/config.py, with the checks between them and the Django and Celery settings built from them
+(DATABASES, CACHES, STORAGES, REST_FRAMEWORK, CELERY_*, the TLS hardening with debug off,
+LOGGING): ``settings_from(os.environ)`` returns them and they become this module's names below. A
+bad value stops the process here, before Django starts, with one line naming the variable
+(manage.py). This module holds the settings no variable changes.
 """
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-from urllib.parse import urlsplit
+import os
 
-import dj_database_url
-from django.core.exceptions import ImproperlyConfigured
+from abplat.config import BASE_DIR, settings_from
 
-from abplat import env
-from abplat.caches import cache_settings, check_cache_url
-from abplat.proxy import parse_proxies
-
-BASE_DIR = Path(__file__).resolve().parent.parent
-
-try:
-    VAR_DIR = Path(env.env_str("ABPLAT_VAR", str(BASE_DIR / "var"))).resolve()
-    # Off unless asked for: make demo and make serve turn it on; the tests set a generated key.
-    DEBUG = env.env_bool("ABPLAT_DEBUG", False)
-    SECRET_KEY = env.env_str("ABPLAT_SECRET_KEY", "")
-    ALLOWED_HOSTS = env.env_list("ABPLAT_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
-    DATABASE_URL = env.env_url(
-        "ABPLAT_DATABASE_URL", "", schemes=("sqlite", "postgres", "postgresql", "pgsql")
-    )
-    BROKER_URL = env.env_url("ABPLAT_BROKER_URL", "", schemes=("redis", "rediss", "amqp", "amqps", "pyamqp"))
-    ETCD_ENDPOINTS = env.env_endpoints("ABPLAT_ETCD_ENDPOINTS")
-    ETCD_PREFIX = env.env_str("ABPLAT_ETCD_PREFIX", "/abplat/experiments/")
-    WEIGHTS_DIR = Path(env.env_str("ABPLAT_WEIGHTS_DIR", str(VAR_DIR / "weights")))
-    CLICKHOUSE_URL = env.env_url("ABPLAT_CLICKHOUSE_URL", "", schemes=("clickhouse", "clickhouses"))
-    CHDB_PATH = Path(env.env_str("ABPLAT_CHDB_PATH", str(VAR_DIR / "chdb")))
-    CHDB_DATABASE = env.env_str("ABPLAT_CHDB_DATABASE", "abplat")
-    SPOOL_DIR = Path(env.env_str("ABPLAT_SPOOL_DIR", str(VAR_DIR / "spool")))
-    CELERY_WORKER_CONCURRENCY = env.env_int("ABPLAT_WORKER_CONCURRENCY", 2, minimum=1, maximum=256)
-    LOG_LEVEL = env.env_str("ABPLAT_LOG_LEVEL", "INFO").upper()
-    REPLAY_SHARDS = env.env_int("ABPLAT_REPLAY_SHARDS", 2, minimum=1, maximum=256)
-    # The longest planned replay schedule started without an explicit confirmation.
-    REPLAY_MAX_DURATION_S = env.env_int("ABPLAT_REPLAY_MAX_DURATION_S", 2 * 3600, minimum=1)
-    VISIBILITY_TIMEOUT = env.env_int("ABPLAT_VISIBILITY_TIMEOUT", 40 * 60, minimum=5)
-    # TLS variants: empty trusts the system store; a PEM bundle path trusts exactly its CAs.
-    VARIANT_CA_BUNDLE = env.env_str("ABPLAT_VARIANT_CA_BUNDLE", "")
-    # ---- hardening (issue 11); README "Security" says what each one guards ----
-    # Uploaded traces live here, named by content hash; the API and admin read traces from here only.
-    TRACE_DIR = Path(env.env_str("ABPLAT_TRACE_DIR", str(VAR_DIR / "traces"))).resolve()
-    TRACE_MAX_BYTES = env.env_int("ABPLAT_TRACE_MAX_BYTES", 512 * 1024 * 1024, minimum=1024)
-    TRACE_MAX_LINE_BYTES = env.env_int("ABPLAT_TRACE_MAX_LINE_BYTES", 1024 * 1024, minimum=256)
-    # Where variants may point: host names and CIDRs (checked at validation and at connect time).
-    VARIANT_ALLOWED_HOSTS = env.env_list(
-        "ABPLAT_VARIANT_ALLOWED_HOSTS", ["localhost", "127.0.0.0/8", "::1/128"]
-    )
-    # Named variant credentials (auth: {secret: NAME}): one file per name in this directory.
-    VARIANT_SECRETS_DIR = env.env_str("ABPLAT_VARIANT_SECRETS_DIR", "")
-    # Caps on one replay request.
-    REPLAY_MAX_REQUESTS = env.env_int("ABPLAT_REPLAY_MAX_REQUESTS", 5_000_000, minimum=1)
-    REPLAY_MAX_CONCURRENCY = env.env_int("ABPLAT_REPLAY_MAX_CONCURRENCY", 4096, minimum=1)
-    REPLAY_MAX_SPEED = env.env_int("ABPLAT_REPLAY_MAX_SPEED", 1000, minimum=1)
-    # A shard task covers one window of the schedule at most this long (well inside the task
-    # time limits below); windows join without a gap (workers/windows.py).
-    REPLAY_WINDOW_S = env.env_int("ABPLAT_REPLAY_WINDOW_S", 300, minimum=1)
-    TASK_SOFT_TIME_LIMIT_S = env.env_int("ABPLAT_TASK_SOFT_TIME_LIMIT_S", 30 * 60, minimum=2)
-    # Planning a run's prompts (start_replay) is bounded by the calibration's request cap, not
-    # by the schedule: its own limit.
-    REPLAY_PLAN_TIME_LIMIT_S = env.env_int("ABPLAT_REPLAY_PLAN_TIME_LIMIT_S", 30 * 60, minimum=2)
-    # API: the largest page a list returns, throttles, and the report's ClickHouse time budget.
-    API_MAX_PAGE_SIZE = env.env_int("ABPLAT_API_MAX_PAGE_SIZE", 1000, minimum=1)
-    API_THROTTLE_USER = env.env_str("ABPLAT_API_THROTTLE_USER", "600/min")
-    API_THROTTLE_ANON = env.env_str("ABPLAT_API_THROTTLE_ANON", "30/min")
-    API_THROTTLE_ASSIGN = env.env_str("ABPLAT_API_THROTTLE_ASSIGN", "6000/min")
-    API_THROTTLE_LOGIN = env.env_str("ABPLAT_API_THROTTLE_LOGIN", "10/min")
-    API_TOKEN_TTL_S = env.env_int("ABPLAT_API_TOKEN_TTL_S", 30 * 24 * 3600, minimum=60)
-    REPORT_MAX_EXECUTION_S = env.env_int("ABPLAT_REPORT_MAX_EXECUTION_S", 60, minimum=1)
-    # etcd: TLS client certificates and user/password (all empty: plain, as in development).
-    ETCD_CA_CERT = env.env_str("ABPLAT_ETCD_CA_CERT", "")
-    ETCD_CERT = env.env_str("ABPLAT_ETCD_CERT", "")
-    ETCD_KEY = env.env_str("ABPLAT_ETCD_KEY", "")
-    ETCD_USER = env.env_str("ABPLAT_ETCD_USER", "")
-    ETCD_PASSWORD = env.env_str("ABPLAT_ETCD_PASSWORD", "")
-    # ---- operations (issue 12): logs and traces (README "Logs and traces") ----
-    # text: a line for people (context as key=value); json: one object a line for a log store.
-    LOG_FORMAT = env.env_choice("ABPLAT_LOG_FORMAT", "text", ("text", "json"))
-    # Off by default: the replay exports the parent span of every request it sends (OTLP/HTTP).
-    OTEL_ENABLED = env.env_bool("ABPLAT_OTEL_ENABLED", False)
-    OTEL_ENDPOINT = env.env_url(
-        "ABPLAT_OTEL_ENDPOINT", "http://localhost:4318/v1/traces", schemes=("http", "https")
-    )
-    OTEL_SERVICE_NAME = env.env_str("ABPLAT_OTEL_SERVICE_NAME", "abplat-replay")
-    # ---- operations (issue 12): production serving and the shared cache (docs/deploy.md) ----
-    # Redis for the report cache and the API request-rate counters, shared by every web process
-    # (abplat/caches.py); empty: each process keeps its own in memory. A database of its own.
-    CACHE_URL = env.env_url("ABPLAT_CACHE_URL", "", schemes=("redis", "rediss"))
-    # Origins (https://host[:port]) whose forms may POST here, e.g. the name a TLS proxy serves.
-    CSRF_TRUSTED_ORIGINS = env.env_list("ABPLAT_CSRF_TRUSTED_ORIGINS", [])
-    # Where `collectstatic` puts the admin's and the API docs' files; WhiteNoise serves them.
-    STATIC_ROOT = Path(env.env_str("ABPLAT_STATIC_ROOT", str(VAR_DIR / "static"))).resolve()
-    # manifest: content-hashed names cached for a year (needs collectstatic); plain: as named,
-    # for tests and a quick look without collectstatic.
-    STATIC_STORAGE = env.env_choice("ABPLAT_STATIC_STORAGE", "manifest", ("manifest", "plain"))
-    # The TLS proxies in front (addresses or CIDRs): their X-Forwarded-For names the client for
-    # the per-address limits and /metrics (abplat/proxy.py). Empty: the peer is the client.
-    TRUSTED_PROXIES = env.env_list("ABPLAT_TRUSTED_PROXIES", [])
-    # ---- operations (issue 12): metrics (docs/metrics.md) ----
-    # Empty: each process keeps its own metrics (one process: make demo). A directory: every web
-    # and worker process of this machine writes its metric files there and /metrics sums them.
-    METRICS_DIR = env.env_str("ABPLAT_METRICS_DIR", "")
-    # Who may read /metrics: clients from these networks (the connection's peer address), or
-    # with a bearer token equal to the token file's content. "none": the token only.
-    METRICS_ALLOWED_CIDRS = env.env_list("ABPLAT_METRICS_ALLOWED_CIDRS", ["127.0.0.0/8", "::1/128"])
-    METRICS_TOKEN_FILE = env.env_str("ABPLAT_METRICS_TOKEN_FILE", "")
-    # A worker host without a web process: the Celery worker's main process serves its
-    # machine's metrics on this port (0: off); needs ABPLAT_METRICS_DIR.
-    WORKER_METRICS_PORT = env.env_int("ABPLAT_WORKER_METRICS_PORT", 0, minimum=0, maximum=65535)
-    WORKER_METRICS_ADDR = env.env_str("ABPLAT_WORKER_METRICS_ADDR", "127.0.0.1")
-    # ---- operations (issue 12): the sample store on a ClickHouse cluster (docs/clickhouse-cluster.md) ----
-    # A cluster of the servers' remote_servers config: migrations make every table on each of its
-    # servers plus a Distributed table over them; ABPLAT_CLICKHOUSE_URL names one of its servers.
-    # Empty: one server (or chDB), as before.
-    CLICKHOUSE_CLUSTER = env.env_str("ABPLAT_CLICKHOUSE_CLUSTER", "").strip()
-    # ---- operations (issue 12): the variants' own metrics (README "Server metrics") ----
-    # During a replay each variant's /metrics (vLLM's vllm:* series) is scraped this often, in
-    # whole seconds, into the sample store's server_metrics table (workers/server_metrics.py);
-    # 0 turns scraping off.
-    SERVER_METRICS_INTERVAL_S = env.env_int("ABPLAT_SERVER_METRICS_INTERVAL_S", 5, minimum=0, maximum=3600)
-    # ---- progressive rollouts (issue 13): the controller (README "Rollouts") ----
-    # Celery beat runs the rollout controller this often, in whole seconds; decisions of one
-    # experiment are at least 0.9 x this apart however many beat or worker processes run.
-    ROLLOUT_INTERVAL_S = env.env_int("ABPLAT_ROLLOUT_INTERVAL_S", 60, minimum=1, maximum=86400)
-    # ---- the live gateway (issue 15): README "Live traffic", gateway/config.py checks the rest ----
-    # keys: every client sends "Authorization: Bearer KEY" listed in the keys file (one
-    # "TENANT KEY" a line); none: no client auth (development and tests only).
-    GATEWAY_AUTH = env.env_choice("ABPLAT_GATEWAY_AUTH", "keys", ("keys", "none"))
-    GATEWAY_KEYS_FILE = env.env_str("ABPLAT_GATEWAY_KEYS_FILE", "")
-    # Which user: OpenAI's body field "user", else this request header, else a hash of the key.
-    GATEWAY_USER_HEADER = env.env_str("ABPLAT_GATEWAY_USER_HEADER", "").lower()
-    # Routes overriding "the request's model is the experiment key": MODEL=EXPERIMENT or
-    # /PATH-PREFIX=EXPERIMENT, comma-separated.
-    GATEWAY_ROUTES = env.env_list("ABPLAT_GATEWAY_ROUTES", [])
-    # An unknown experiment is served by this experiment's control ("": 404 model_not_found).
-    GATEWAY_DEFAULT_EXPERIMENT = env.env_str("ABPLAT_GATEWAY_DEFAULT_EXPERIMENT", "")
-    # Experiments whose variant, failing before its first byte, is retried once on the control
-    # ("*": every experiment).
-    GATEWAY_RETRY_ON_CONTROL = env.env_list("ABPLAT_GATEWAY_RETRY_ON_CONTROL", [])
-    # Client request headers passed on to the variant (lower case); all others are dropped.
-    GATEWAY_FORWARD_HEADERS = env.env_list("ABPLAT_GATEWAY_FORWARD_HEADERS", [])
-    GATEWAY_MAX_BODY_BYTES = env.env_int("ABPLAT_GATEWAY_MAX_BODY_BYTES", 4 * 1024 * 1024, minimum=1024)
-    # Per-user token bucket: requests per second (0: no limit) and the burst above it.
-    GATEWAY_USER_RATE = env.env_int("ABPLAT_GATEWAY_USER_RATE", 0, minimum=0, maximum=1_000_000)
-    GATEWAY_USER_BURST = env.env_int("ABPLAT_GATEWAY_USER_BURST", 20, minimum=1, maximum=1_000_000)
-    # Upstream deadlines, seconds: connect, response headers, gap between chunks, whole request.
-    GATEWAY_CONNECT_TIMEOUT_S = env.env_int("ABPLAT_GATEWAY_CONNECT_TIMEOUT_S", 5, minimum=1, maximum=600)
-    GATEWAY_HEADERS_TIMEOUT_S = env.env_int("ABPLAT_GATEWAY_HEADERS_TIMEOUT_S", 60, minimum=1, maximum=3600)
-    GATEWAY_STALL_TIMEOUT_S = env.env_int("ABPLAT_GATEWAY_STALL_TIMEOUT_S", 60, minimum=1, maximum=3600)
-    GATEWAY_TOTAL_TIMEOUT_S = env.env_int("ABPLAT_GATEWAY_TOTAL_TIMEOUT_S", 600, minimum=1, maximum=86400)
-    # On SIGTERM: stop accepting, let running streams finish for up to this long.
-    GATEWAY_DRAIN_S = env.env_int("ABPLAT_GATEWAY_DRAIN_S", 30, minimum=0, maximum=3600)
-    # How often the variants' endpoints, models and secrets are re-read from the database.
-    GATEWAY_VARIANTS_REFRESH_S = env.env_int("ABPLAT_GATEWAY_VARIANTS_REFRESH_S", 5, minimum=1, maximum=3600)
-except env.EnvError as exc:
-    raise ImproperlyConfigured(str(exc)) from None
-
-if CLICKHOUSE_CLUSTER and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", CLICKHOUSE_CLUSTER):
-    raise ImproperlyConfigured(
-        f"Unexpected value ABPLAT_CLICKHOUSE_CLUSTER={CLICKHOUSE_CLUSTER!r}: the name of a cluster "
-        "in the ClickHouse servers' remote_servers config (letters, digits, _), or empty for one server."
-    )
-if CLICKHOUSE_CLUSTER and not CLICKHOUSE_URL:
-    raise ImproperlyConfigured(
-        f"ABPLAT_CLICKHOUSE_CLUSTER={CLICKHOUSE_CLUSTER} needs ABPLAT_CLICKHOUSE_URL: the URL of one "
-        "server of that cluster (the embedded chDB is a single process)."
-    )
-
-# Metrics (docs/metrics.md): the mode is fixed when telemetry.metrics is first imported.
-from telemetry import metrics as _metrics  # noqa: E402
-
-try:
-    _metrics.configure(METRICS_DIR)
-    METRICS_NETWORKS = _metrics.parse_networks(METRICS_ALLOWED_CIDRS, "ABPLAT_METRICS_ALLOWED_CIDRS")
-    METRICS_TOKEN = _metrics.read_token_file(METRICS_TOKEN_FILE, "ABPLAT_METRICS_TOKEN_FILE")
-except _metrics.MetricsConfigError as exc:
-    raise ImproperlyConfigured(str(exc)) from None
-if not METRICS_NETWORKS and not METRICS_TOKEN:
-    raise ImproperlyConfigured(
-        "ABPLAT_METRICS_ALLOWED_CIDRS=none and no ABPLAT_METRICS_TOKEN_FILE: nobody could read "
-        "/metrics; give networks, a token file, or both."
-    )
-if WORKER_METRICS_PORT and not METRICS_DIR:
-    raise ImproperlyConfigured(
-        f"ABPLAT_WORKER_METRICS_PORT={WORKER_METRICS_PORT} needs ABPLAT_METRICS_DIR: the worker's "
-        "pool processes write their metrics there and its main process serves them all."
-    )
-# Prometheus scrapes the web process directly, over plain HTTP (not through the TLS proxy).
-SECURE_REDIRECT_EXEMPT = [r"^metrics$"]
-
-if not ETCD_PREFIX.startswith("/") or not ETCD_PREFIX.endswith("/"):
-    raise ImproperlyConfigured(
-        f"Unexpected value ABPLAT_ETCD_PREFIX={ETCD_PREFIX!r}: it must start and end with '/'."
-    )
-try:
-    check_cache_url(CACHE_URL, BROKER_URL)
-    TRUSTED_PROXY_NETWORKS = parse_proxies(TRUSTED_PROXIES)
-except ValueError as exc:
-    raise ImproperlyConfigured(str(exc)) from None
-for _origin in CSRF_TRUSTED_ORIGINS:
-    _parts = urlsplit(_origin)
-    if _parts.scheme not in {"http", "https"} or not _parts.hostname or _parts.path not in {"", "/"}:
-        raise ImproperlyConfigured(
-            f"Unexpected value ABPLAT_CSRF_TRUSTED_ORIGINS item {_origin!r}: use scheme://host[:port] "
-            "(e.g. https://abplat.example.com), comma-separated; *.domain is allowed as the host."
-        )
-if VARIANT_CA_BUNDLE and not Path(VARIANT_CA_BUNDLE).is_file():
-    raise ImproperlyConfigured(
-        f"Unexpected value ABPLAT_VARIANT_CA_BUNDLE={VARIANT_CA_BUNDLE!r}: no such file "
-        "(the PEM bundle of the CAs that sign the variants' TLS certificates)."
-    )
-if REPLAY_WINDOW_S * 2 > TASK_SOFT_TIME_LIMIT_S:
-    raise ImproperlyConfigured(
-        f"ABPLAT_REPLAY_WINDOW_S={REPLAY_WINDOW_S} must be at most half of "
-        f"ABPLAT_TASK_SOFT_TIME_LIMIT_S={TASK_SOFT_TIME_LIMIT_S}: a shard task lasts its window, "
-        "plus the lead before it and the requests still in flight at its end."
-    )
-if ETCD_CA_CERT or ETCD_CERT or ETCD_KEY or ETCD_USER or ETCD_PASSWORD:
-    # Pairs given together, files present, readable and PEM: a bad one stops every process
-    # here (web, workers, commands) rather than at the first etcd call.
-    from experiments.weights.factory import StoreConfigError, etcd_security
-
-    try:
-        etcd_security(ETCD_CA_CERT, ETCD_CERT, ETCD_KEY, ETCD_USER, ETCD_PASSWORD, endpoints=ETCD_ENDPOINTS)
-    except StoreConfigError as exc:
-        raise ImproperlyConfigured(str(exc)) from None
-if LOG_LEVEL not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
-    raise ImproperlyConfigured(
-        f"Unexpected value ABPLAT_LOG_LEVEL={LOG_LEVEL!r}: use DEBUG, INFO, WARNING or ERROR."
-    )
-# Request rates as DRF writes them (abplat.api.parse_rate reads them per request).
-_RATE_FORM = re.compile(r"^[0-9]+/(s|sec|second|m|min|minute|h|hour|d|day)$")
-for _name, _rate in (
-    ("ABPLAT_API_THROTTLE_USER", API_THROTTLE_USER),
-    ("ABPLAT_API_THROTTLE_ANON", API_THROTTLE_ANON),
-    ("ABPLAT_API_THROTTLE_ASSIGN", API_THROTTLE_ASSIGN),
-    ("ABPLAT_API_THROTTLE_LOGIN", API_THROTTLE_LOGIN),
-):
-    if not _RATE_FORM.match(_rate):
-        raise ImproperlyConfigured(
-            f"Unexpected value {_name}={_rate!r}: use N/s, N/min, N/hour or N/day (e.g. 600/min)."
-        )
-
-if not SECRET_KEY:
-    if not DEBUG:
-        raise ImproperlyConfigured(
-            "ABPLAT_SECRET_KEY is not set: with ABPLAT_DEBUG off (the default) a secret key of "
-            "at least 50 random characters is required; for development set ABPLAT_DEBUG=true."
-        )
-    # Development only (ABPLAT_DEBUG=true: make demo, make serve): a fixed, clearly-marked key
-    # so sessions survive restarts.
-    SECRET_KEY = "django-insecure-abplat-development-key-never-use-in-production-0123456789"
+_environment_settings = settings_from(os.environ)
+globals().update(_environment_settings)
+if not _environment_settings["DATABASE_URL"]:
+    # The embedded SQLite database: Django creates its file, not the directory it is in.
+    _environment_settings["VAR_DIR"].mkdir(parents=True, exist_ok=True)
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -315,22 +76,6 @@ TEMPLATES = [
     },
 ]
 
-if DATABASE_URL:
-    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)}
-else:
-    VAR_DIR.mkdir(parents=True, exist_ok=True)
-    DATABASES = {
-        "default": {
-            "ENGINE": "django.db.backends.sqlite3",
-            "NAME": VAR_DIR / "abplat.sqlite3",
-            # Replay workers and the web process write at once in the embedded mode.
-            "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
-            # A file, not shared-cache memory: threads of a test (a replay and its progress
-            # reporting) then wait on each other's writes instead of failing "table is locked".
-            "TEST": {"NAME": str(VAR_DIR / "test.sqlite3")},
-        }
-    }
-
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
@@ -345,40 +90,12 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
-# STATIC_ROOT: ABPLAT_STATIC_ROOT above. WhiteNoise (middleware) serves it with debug off.
-STORAGES = {
-    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
-    "staticfiles": {
-        "BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"
-        if STATIC_STORAGE == "manifest"
-        else "django.contrib.staticfiles.storage.StaticFilesStorage"
-    },
-}
+# STATIC_ROOT and STORAGES (ABPLAT_STATIC_ROOT, ABPLAT_STATIC_STORAGE): abplat/config.py.
 LOGIN_URL = "/admin/login/"
 
 # Debug pages and error e-mails hide credentials whatever the setting is called (abplat/api.py).
 DEFAULT_EXCEPTION_REPORTER_FILTER = "abplat.api.RedactingExceptionReporterFilter"
 
-# The report cache (dashboards/reports.py) and, apart so report entries never evict them, the
-# request-rate counters (abplat/api.py): in each process's memory, or on ABPLAT_CACHE_URL's
-# Redis, shared by every web process (abplat/caches.py).
-CACHES = cache_settings(CACHE_URL)
-
-REST_FRAMEWORK = {
-    "DEFAULT_AUTHENTICATION_CLASSES": [
-        # Token first: an anonymous caller gets 401 with a WWW-Authenticate header. Tokens
-        # expire API_TOKEN_TTL_S after they were created.
-        "abplat.api.ExpiringTokenAuthentication",
-        "rest_framework.authentication.SessionAuthentication",
-    ],
-    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    # ?limit= up to API_MAX_PAGE_SIZE (a larger one is a 400); PAGE_SIZE without it.
-    "DEFAULT_PAGINATION_CLASS": "abplat.api.CappedLimitOffsetPagination",
-    "PAGE_SIZE": min(100, API_MAX_PAGE_SIZE),
-    # API_THROTTLE_USER / _ANON, or the view's own scope (the assign endpoint: API_THROTTLE_ASSIGN).
-    "DEFAULT_THROTTLE_CLASSES": ["abplat.api.ApiThrottle"],
-}
 SPECTACULAR_SETTINGS = {
     "TITLE": "abplat API",
     "DESCRIPTION": "A/B experiments and streaming SLA observability for LLM serving.",
@@ -391,77 +108,4 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
     # One name for the trace formats (a trace's, a run's source): the same two choices.
     "ENUM_NAME_OVERRIDES": {"TraceFormatEnum": "traces.models.Trace.Format"},
-}
-
-# Celery: eager in-process by default; a broker URL switches to real workers.
-# Eager mode still builds a connection object: a hostname keeps kombu from warning on every replay.
-CELERY_BROKER_URL = BROKER_URL or "memory://localhost/"
-CELERY_TASK_ALWAYS_EAGER = not BROKER_URL
-CELERY_TASK_EAGER_PROPAGATES = True
-CELERY_RESULT_BACKEND = None
-CELERY_TASK_IGNORE_RESULT = True
-CELERY_ACCEPT_CONTENT = ["json"]
-CELERY_TASK_SERIALIZER = "json"
-CELERY_RESULT_SERIALIZER = "json"
-CELERY_TASK_ACKS_LATE = True
-CELERY_TASK_REJECT_ON_WORKER_LOST = True
-CELERY_WORKER_PREFETCH_MULTIPLIER = 1
-CELERY_TASK_SOFT_TIME_LIMIT = TASK_SOFT_TIME_LIMIT_S
-CELERY_TASK_TIME_LIMIT = TASK_SOFT_TIME_LIMIT_S + max(1, TASK_SOFT_TIME_LIMIT_S // 6)
-# A task held by a worker that died comes back after this many seconds (Redis transport).
-CELERY_BROKER_TRANSPORT_OPTIONS = {
-    "visibility_timeout": VISIBILITY_TIMEOUT,
-    "unacked_restore_interval": 2,
-    "unacked_restore_throttle": 1,
-}
-CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-
-if not DEBUG:
-    # Behind TLS termination; what only TLS can fix is listed in README (check --deploy).
-    SESSION_COOKIE_SECURE = env.env_bool("ABPLAT_SECURE_COOKIES", True)
-    CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
-    SECURE_CONTENT_TYPE_NOSNIFF = True
-    X_FRAME_OPTIONS = "DENY"
-    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
-    SECURE_SSL_REDIRECT = env.env_bool("ABPLAT_SSL_REDIRECT", True)
-    SECURE_HSTS_SECONDS = env.env_int("ABPLAT_HSTS_SECONDS", 31536000, minimum=0)
-    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
-    SECURE_HSTS_PRELOAD = True
-    if len(SECRET_KEY) < 50 or len(set(SECRET_KEY)) < 5:
-        raise ImproperlyConfigured(
-            "ABPLAT_SECRET_KEY is too weak: use at least 50 characters with at least 5 distinct ones."
-        )
-
-if not OTEL_ENDPOINT:
-    raise ImproperlyConfigured(
-        "ABPLAT_OTEL_ENDPOINT is empty: give the collector's OTLP/HTTP URL "
-        "(e.g. http://localhost:4318/v1/traces), or leave it unset for that default."
-    )
-if not OTEL_SERVICE_NAME or len(OTEL_SERVICE_NAME) > 255 or not OTEL_SERVICE_NAME.isprintable():
-    raise ImproperlyConfigured(
-        f"Unexpected value ABPLAT_OTEL_SERVICE_NAME={OTEL_SERVICE_NAME!r}: use 1-255 printable characters."
-    )
-
-# Context fields (experiment, run, shard, variant, request_id, task_id: telemetry/logs.py) on
-# every line; Celery workers log through this too (abplat/celery.py).
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "formatters": {
-        "text": {"()": "telemetry.logs.TextFormatter"},
-        "json": {"()": "telemetry.logs.JsonFormatter"},
-    },
-    "filters": {"context": {"()": "telemetry.logs.ContextFilter"}},
-    "handlers": {
-        "console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT, "filters": ["context"]}
-    },
-    "root": {"handlers": ["console"], "level": "WARNING"},
-    "loggers": {
-        "celery": {"level": LOG_LEVEL},
-        "abplat": {"level": LOG_LEVEL},
-        "experiments": {"level": LOG_LEVEL},
-        "workers": {"level": LOG_LEVEL},
-        "samples": {"level": LOG_LEVEL},
-        "dashboards": {"level": LOG_LEVEL},
-    },
 }

@@ -20,9 +20,12 @@ A retired worker's spool must be flushed before its rows are lost: run
 mounted, with its spool.id file); a spool whose disk is gone is given up with
 `manage.py flush_samples --forget-spool ID` (its runs then end failed, naming the rows).
 
-Metrics (telemetry/metrics.py, docs/metrics.md): a pool child about to exit removes its live
-gauges from ABPLAT_METRICS_DIR (worker_process_shutdown), and with ABPLAT_WORKER_METRICS_PORT
-the worker's main process serves the machine's metrics (worker_init, before the pool forks).
+Metrics (telemetry/metrics.py, docs/metrics.md): every process that sets up Django (web,
+workers, management commands, the gateway's workers) checks at start that its metrics mode is
+the ABPLAT_METRICS_DIR settings parsed (configure_metrics); a pool child about to exit removes
+its live gauges from ABPLAT_METRICS_DIR (worker_process_shutdown), and with
+ABPLAT_WORKER_METRICS_PORT the worker's main process serves the machine's metrics (worker_init,
+before the pool forks).
 """
 
 import functools
@@ -131,6 +134,25 @@ def flush_forever() -> None:
             connections.close_all()
 
 
+def configure_metrics() -> None:
+    """At app start, before any request, task or command runs: this process's metrics mode is
+    the directory settings parsed (settings.METRICS_DIR, ABPLAT_METRICS_DIR), and that directory
+    exists and this process can write it. The mode itself was fixed when telemetry.metrics was
+    first imported, from the process environment (by abplat/config.py, at the first settings
+    load); settings only parse the value. A process whose settings name another directory (its
+    environment changed after that import) stops here rather than write where /metrics does not
+    read."""
+    from django.conf import settings
+    from django.core.exceptions import ImproperlyConfigured
+
+    from telemetry import metrics
+
+    try:
+        metrics.configure(settings.METRICS_DIR)
+    except metrics.MetricsConfigError as exc:
+        raise ImproperlyConfigured(str(exc)) from None
+
+
 def forget_process_metrics(**_kwargs) -> None:
     """worker_process_shutdown, in a pool child about to exit (with os._exit: no atexit): its
     live gauges leave the metrics directory (telemetry/metrics.py)."""
@@ -167,6 +189,7 @@ class WorkersConfig(AppConfig):
         from experiments.signals import experiment_transitioned
         from samples.factory import set_spool_hooks
 
+        configure_metrics()
         experiment_transitioned.connect(stop_replays, dispatch_uid="workers.stop_replays")
         set_spool_hooks(spool_hooks())
         worker_process_init.connect(start_spool_flusher, dispatch_uid="workers.spool_flusher", weak=False)

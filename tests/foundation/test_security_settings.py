@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import datetime as dt
 import io
-import os
-import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 from django.test import RequestFactory
@@ -20,47 +17,34 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from abplat import health
+from abplat.config import settings_from
 from experiments.models import AuditEntry
+from tests.foundation.test_settings import deploy_check, refusal
 
-ROOT = Path(__file__).resolve().parents[2]
 PASSWORD = "hunter2-do-not-show"
 DEPLOY_KEY = "deploy-" + "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOP"
 
 
-def manage(*args: str, **env: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("ABPLAT_")}
-    return subprocess.run(
-        [sys.executable, "manage.py", *args], cwd=ROOT, env={**clean, **env},
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-
-
 # ---- finding 2: debug and secrets -------------------------------------------------------------
+# Settings of a given environment, in this process (abplat.config.settings_from); that a refusal
+# stops the process with that one line is tested once, in tests/foundation/test_settings.py.
 
 
 def test_debug_is_off_unless_asked_for_and_then_a_key_is_required(tmp_path):
-    result = manage("check", ABPLAT_VAR=str(tmp_path))
-    assert result.returncode != 0
     # one line naming the variable, as for any bad setting
-    assert result.stderr.startswith("abplat: configuration error: ABPLAT_SECRET_KEY is not set")
-    assert len(result.stderr.strip().splitlines()) == 1
-    show = ("shell", "-v", "0", "-c", "from django.conf import settings; print(settings.DEBUG)")
-    debug_on = manage(*show, ABPLAT_VAR=str(tmp_path), ABPLAT_DEBUG="true")
-    assert debug_on.returncode == 0 and debug_on.stdout.strip() == "True", debug_on.stderr
-    with_key = manage(*show, ABPLAT_VAR=str(tmp_path), ABPLAT_SECRET_KEY=DEPLOY_KEY)
-    assert with_key.returncode == 0 and with_key.stdout.strip() == "False", with_key.stderr
+    assert refusal({"ABPLAT_VAR": str(tmp_path)}).startswith("ABPLAT_SECRET_KEY is not set")
+    assert settings_from({"ABPLAT_VAR": str(tmp_path), "ABPLAT_DEBUG": "true"})["DEBUG"] is True
+    assert settings_from({"ABPLAT_VAR": str(tmp_path), "ABPLAT_SECRET_KEY": DEPLOY_KEY})["DEBUG"] is False
 
 
 def test_deploy_checks_pass_with_only_a_secret_key_set(tmp_path):
-    result = manage("check", "--deploy", "--fail-level", "WARNING",
-                    ABPLAT_VAR=str(tmp_path), ABPLAT_SECRET_KEY=DEPLOY_KEY)  # fmt: skip
-    assert result.returncode == 0, result.stderr + result.stdout
-    assert "no issues" in result.stdout
+    output = deploy_check({"ABPLAT_VAR": str(tmp_path), "ABPLAT_SECRET_KEY": DEPLOY_KEY})
+    assert "no issues" in output, output
 
 
 def test_a_bad_throttle_rate_stops_start_naming_the_variable(tmp_path):
-    result = manage("check", ABPLAT_VAR=str(tmp_path), ABPLAT_DEBUG="true", ABPLAT_API_THROTTLE_USER="lots")
-    assert result.returncode != 0 and "ABPLAT_API_THROTTLE_USER='lots'" in result.stderr
+    environ = {"ABPLAT_VAR": str(tmp_path), "ABPLAT_DEBUG": "true", "ABPLAT_API_THROTTLE_USER": "lots"}
+    assert "ABPLAT_API_THROTTLE_USER='lots'" in refusal(environ)
 
 
 def _technical_500(settings, **meta) -> str:
