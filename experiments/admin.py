@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 from django.contrib import admin, messages
 from django.contrib.admin.actions import delete_selected as django_delete_selected
 from django.core.exceptions import ValidationError
@@ -31,17 +33,24 @@ def variant_document(row: dict) -> dict:
 
 
 def document_from_admin(experiment: Experiment, variant_rows: list[dict]) -> dict:
-    return {
+    """The document the change form describes. The admin has no field for the rollout plan:
+    the stored plan goes with the document unchanged (a document without it would remove it)."""
+    doc = {
         "key": experiment.key,
         "name": experiment.name,
         "hypothesis": experiment.hypothesis,
         "sla": services.sla_document(experiment),
         "variants": [variant_document(row) for row in variant_rows],
     }
+    if experiment.rollout:
+        doc["rollout"] = experiment.rollout
+    return doc
 
 
 class VariantFormSet(BaseInlineFormSet):
     """Validates the whole experiment as one document and keeps it for save_model."""
+
+    actor = None  # the user saving the form (VariantInline.get_formset sets it per request)
 
     def clean(self):
         super().clean()
@@ -66,7 +75,7 @@ class VariantFormSet(BaseInlineFormSet):
             validated = validate_document(doc, **document_egress())
             existing = Experiment.objects.filter(pk=self.instance.pk).first()
             # What apply_document checks beyond the document: engine flags, locked fields.
-            services.check_change(existing, services._normalized(validated))
+            services.check_change(existing, services._normalized(validated), actor=self.actor)
         except DocumentError as exc:
             raise ValidationError([str(e) for e in exc.errors]) from None
         self.instance._abplat_document = doc
@@ -80,6 +89,11 @@ class VariantInline(admin.StackedInline):
     extra = 0
     min_num = 2
     fields = VARIANT_FIELDS
+
+    def get_formset(self, request, obj=None, **kwargs):
+        formset = super().get_formset(request, obj, **kwargs)  # a class made for this request
+        formset.actor = request.user
+        return formset
 
     def get_readonly_fields(self, request, obj=None):
         if obj is not None and obj.status == Experiment.Status.CONCLUDED:
@@ -140,6 +154,10 @@ def delete_selected(modeladmin, request, queryset):
     if deleted:
         modeladmin.message_user(request, f"Deleted (audited): {', '.join(deleted)}", messages.SUCCESS)
     return None
+
+
+def _json(value) -> str:
+    return "-" if value is None else format_html("<pre>{}</pre>", json.dumps(value, indent=2, sort_keys=True))
 
 
 @admin.register(Experiment)
@@ -210,6 +228,18 @@ class AuditEntryAdmin(admin.ModelAdmin):
     list_display = ("at", "experiment_key", "actor_name", "action", "reason")
     list_filter = ("action",)
     search_fields = ("experiment_key", "actor_name", "reason")
+    # before/after shown with webhook URLs redacted (entries written before they were stored so).
+    fields = ("experiment", "experiment_key", "actor", "actor_name", "at", "action", "reason",
+              "before_shown", "after_shown")  # fmt: skip
+    readonly_fields = fields
+
+    @admin.display(description="before")
+    def before_shown(self, obj):
+        return _json(services.redact_audit_value(obj.before))
+
+    @admin.display(description="after")
+    def after_shown(self, obj):
+        return _json(services.redact_audit_value(obj.after))
 
     def has_add_permission(self, request):
         return False

@@ -433,6 +433,53 @@ def _validate_steps(c: _Collector, raw: Any) -> list[int]:
     return steps
 
 
+# Webhook URLs as shown to whoever may not read them: a webhook's path or query often carries
+# the receiver's token (Slack, PagerDuty, ...), so only the scheme, host and port are kept.
+REDACTED_PATH = "/[redacted]"
+REDACTED = "[redacted]"
+
+
+def redact_url(url: Any) -> str:
+    """``https://hooks.example.com:8443/[redacted]``: the scheme, host and port of ``url``, its
+    path, query, fragment and any credentials replaced. A value that does not parse as a URL
+    with a host is replaced whole."""
+    if not isinstance(url, str):
+        return REDACTED
+    try:
+        parts = urlsplit(url.strip())
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return REDACTED
+    if parts.scheme not in ("http", "https") or not host:
+        return REDACTED
+    host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{host}{f':{port}' if port is not None else ''}{REDACTED_PATH}"
+
+
+def is_redacted_url(url: Any) -> bool:
+    return isinstance(url, str) and (url.strip() == REDACTED or url.strip().endswith(REDACTED_PATH))
+
+
+def scrub_url(text: str, url: str) -> str:
+    """``text`` (an error message) with ``url``, and its path and query where they appear on
+    their own, replaced by the redacted URL."""
+    shown = redact_url(url)
+    text = text.replace(url, shown)
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return text
+    tail = parts.path + (f"?{parts.query}" if parts.query else "")
+    return text.replace(tail, shown) if len(tail) > 1 else text
+
+
+def redact_rollout(rollout: Any) -> Any:
+    """A copy of a ``rollout:`` block with its webhook URLs redacted (anything else as is)."""
+    if not isinstance(rollout, dict) or not isinstance(rollout.get("notify"), list):
+        return rollout
+    return {**rollout, "notify": [redact_url(u) for u in rollout["notify"]]}
+
+
 def _validate_notify(c: _Collector, raw: Any, allow: Allowlist | None, resolve: Resolver | None) -> list[str]:
     """Webhook URLs: https to a public name, or a host the variant allowlist allows. Never
     credentials in the URL (not echoed), never a private or link-local IP literal unless allowed."""
@@ -450,6 +497,13 @@ def _validate_notify(c: _Collector, raw: Any, allow: Allowlist | None, resolve: 
             c.add(path, "must be a webhook URL (https, or a host on the allowlist)")
             continue
         url = url.strip()
+        if is_redacted_url(url):
+            c.add(
+                path,
+                f"{url} is a redacted webhook URL (as shown to roles that may not read webhooks): give "
+                "the full URL; a redacted one is accepted only in place of the URL it stands for",
+            )
+            continue
         try:
             parts = urlsplit(url)
             port_ok = parts.port is None or 0 < parts.port < 65536

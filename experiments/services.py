@@ -11,7 +11,15 @@ What may change depends on the status (issue 11):
   and engine_args. Changing those mid-run would mix two configurations in one measurement, so
   the change is refused until the experiment is paused;
 - a paused experiment may change what its variants measure, audited like every change;
+- the rollout plan of a running or paused experiment is a traffic setting (the controller turns
+  it into weights): adding, changing or removing it needs the weights' permission
+  (TRAFFIC_PERMISSION, the sre role; superusers hold every permission);
 - a concluded experiment changes no more.
+
+Webhook URLs (``rollout.notify``) often carry the receiver's token in their path or query: they
+are served in full only to users who may change traffic (``document_for``), stored redacted in
+the audit log, and a redacted URL sent back in a document stands for the stored one
+(``restore_webhooks``), so a document read by any role applies back unchanged.
 
 engine_args are checked against the vLLM flags a product user may set
 (``serving.vllm_args``) when a variant is created or its engine_args change, so a bad flag is
@@ -28,13 +36,39 @@ from django.utils import timezone
 
 from experiments import audit, lifecycle
 from experiments.checks import document_egress
-from experiments.document import DocumentError, FieldError, validate_document
+from experiments.document import (
+    DocumentError,
+    FieldError,
+    is_redacted_url,
+    redact_rollout,
+    redact_url,
+    scrub_url,
+    validate_document,
+)
 from experiments.models import Experiment, Variant
 from experiments.signals import experiment_transitioned
 from serving.vllm_args import RISKY, check_engine_args
 
 # What a variant measures: fixed while the experiment runs (pause it to change them).
 MEASURED_FIELDS = ("endpoint", "model", "api", "http2", "engine_args")
+# Traffic changes: the weights, and the rollout plan of a started experiment. The sre role holds
+# it (experiments/migrations/0002_role_groups.py), superusers hold every permission.
+TRAFFIC_PERMISSION = "experiments.change_weights"
+
+
+def may_change_traffic(actor) -> bool:
+    """Whether ``actor`` may change traffic settings. A change made with no user (the operator's
+    command line without ``--as``, the services' own callers) may: a shell on the host reaches
+    the weights store anyway. A named user needs TRAFFIC_PERMISSION."""
+    if actor is None or not hasattr(actor, "has_perm"):
+        return True
+    return bool(actor.has_perm(TRAFFIC_PERMISSION))
+
+
+def may_read_webhooks(user) -> bool:
+    """Whether ``user`` reads webhook URLs in full: only users who may change traffic (the sre
+    role, superusers). Everyone else, and a caller that names no user, reads them redacted."""
+    return user is not None and hasattr(user, "has_perm") and bool(user.has_perm(TRAFFIC_PERMISSION))
 
 
 class ConflictError(Exception):
@@ -92,6 +126,72 @@ def export_document(experiment: Experiment) -> dict:
     return doc
 
 
+def redacted_document(doc: dict | None) -> dict | None:
+    """A copy of ``doc`` with its webhook URLs redacted (experiments.document.redact_url)."""
+    if doc is None or not doc.get("rollout"):
+        return doc
+    return {**doc, "rollout": redact_rollout(doc["rollout"])}
+
+
+def document_for(experiment: Experiment, user) -> dict:
+    """The experiment's document as ``user`` may read it: webhook URLs in full only for those
+    who may change traffic (may_read_webhooks)."""
+    doc = export_document(experiment)
+    return doc if may_read_webhooks(user) else redacted_document(doc)
+
+
+def redact_audit_value(value):
+    """An audit entry's ``before``/``after`` with webhook URLs redacted wherever they sit: a
+    document's ``rollout.notify`` and a failed webhook's ``url`` (and its error text). Entries
+    are stored this way; this also covers entries written before they were."""
+    if isinstance(value, list):
+        return [redact_audit_value(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {k: redact_audit_value(v) for k, v in value.items()}
+    if isinstance(value.get("rollout"), dict):
+        out["rollout"] = redact_rollout(value["rollout"])
+    if isinstance(value.get("webhooks"), list):
+        out["webhooks"] = [_redacted_webhook_result(w) for w in value["webhooks"]]
+    return out
+
+
+def _redacted_webhook_result(result):
+    if not isinstance(result, dict) or not isinstance(result.get("url"), str):
+        return result
+    url = result["url"]
+    out = {**result, "url": url if is_redacted_url(url) else redact_url(url)}
+    if isinstance(result.get("error"), str) and not is_redacted_url(url):
+        out["error"] = scrub_url(result["error"], url)
+    return out
+
+
+def restore_webhooks(raw):
+    """``raw`` (a document as sent) with each redacted webhook URL replaced by the stored URL it
+    stands for: the one at the same place in the stored plan, else the only stored URL with that
+    redaction. One it cannot place is left for validation to refuse, naming its path. ``raw``
+    itself is not changed."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("rollout"), dict):
+        return raw
+    notify = raw["rollout"].get("notify")
+    if not isinstance(notify, list) or not any(is_redacted_url(u) for u in notify):
+        return raw
+    key = raw.get("key")
+    stored = Experiment.objects.filter(key=key).values_list("rollout", flat=True).first() if key else None
+    old = [u for u in ((stored or {}).get("notify") or []) if isinstance(u, str)]
+    restored = []
+    for i, url in enumerate(notify):
+        if is_redacted_url(url):
+            shown = url.strip()
+            if i < len(old) and redact_url(old[i]) == shown:
+                url = old[i]
+            else:
+                matches = {o for o in old if redact_url(o) == shown}
+                url = matches.pop() if len(matches) == 1 else url
+        restored.append(url)
+    return {**raw, "rollout": {**raw["rollout"], "notify": restored}}
+
+
 def _normalized(doc: dict) -> dict:
     """The comparable form: sla without absent optional SLOs."""
     doc = dict(doc)
@@ -99,6 +199,13 @@ def _normalized(doc: dict) -> dict:
     if doc.get("rollout") is None:
         doc.pop("rollout", None)
     return doc
+
+
+def changed_parts(experiment: Experiment, doc: dict) -> set[str]:
+    """The top-level fields (name, sla, variants, rollout, ...) in which the validated document
+    ``doc`` differs from ``experiment``'s own."""
+    before, after = _normalized(export_document(experiment)), _normalized(doc)
+    return {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
 
 
 def diff_documents(before: dict | None, after: dict) -> list[str]:
@@ -112,7 +219,10 @@ def diff_documents(before: dict | None, after: dict) -> list[str]:
         if before["sla"].get(field) != after["sla"].get(field):
             changes.append(f"sla.{field}: {before['sla'].get(field)} -> {after['sla'].get(field)}")
     if before.get("rollout") != after.get("rollout"):
-        changes.append(f"rollout: {before.get('rollout')!r} -> {after.get('rollout')!r}")
+        # Webhook URLs are shown redacted: this line reaches the API's answer and the admin.
+        was, now = redact_rollout(before.get("rollout")), redact_rollout(after.get("rollout"))
+        hidden = " (a webhook URL changed; URLs are shown redacted)" if was == now else ""
+        changes.append(f"rollout: {was!r} -> {now!r}{hidden}")
     old = {v["key"]: v for v in before["variants"]}
     new = {v["key"]: v for v in after["variants"]}
     for key in new.keys() - old.keys():
@@ -130,9 +240,10 @@ def diff_documents(before: dict | None, after: dict) -> list[str]:
     return changes
 
 
-def _check_locked_change(experiment: Experiment, before: dict, after: dict) -> None:
+def _check_locked_change(experiment: Experiment, before: dict, after: dict, actor=None) -> None:
     """A running or paused experiment keeps its variant set, control, factors and weights; a
-    running one also what its variants measure (MEASURED_FIELDS)."""
+    running one also what its variants measure (MEASURED_FIELDS). Its rollout plan changes only
+    by a user who may change traffic (``_plan_errors``)."""
     if experiment.status == Experiment.Status.CONCLUDED:
         raise DocumentError(
             [FieldError("key", f"experiment {experiment.key!r} is concluded and cannot be changed")]
@@ -180,8 +291,31 @@ def _check_locked_change(experiment: Experiment, before: dict, after: dict) -> N
         errors.append(
             FieldError("variants", f"cannot remove variant {key!r}: experiment is {experiment.status}")
         )
+    errors += _plan_errors(experiment, before.get("rollout"), after.get("rollout"), actor)
     if errors:
         raise DocumentError(errors)
+
+
+def _plan_errors(experiment: Experiment, old: dict | None, new: dict | None, actor) -> list[FieldError]:
+    """Once an experiment has started, the controller turns its rollout plan into traffic
+    weights at the next look: adding, changing or removing the plan is a traffic change and
+    needs TRAFFIC_PERMISSION, like the weights themselves. One error per changed field."""
+    if old == new or may_change_traffic(actor):
+        return []
+    need = (
+        f"needs the permission {TRAFFIC_PERMISSION} (sre role) while experiment {experiment.key!r} is "
+        f"{experiment.status}: the rollout controller turns the plan into traffic weights"
+    )
+    if old is None:
+        return [FieldError("rollout", f"adding a rollout plan {need}")]
+    if new is None:
+        return [FieldError("rollout", f"removing the rollout plan {need}")]
+    fields = list(new) + [f for f in old if f not in new]
+    return [
+        FieldError(f"rollout.{f}", f"changing the rollout plan's {f} {need}")
+        for f in fields
+        if old.get(f) != new.get(f)
+    ]
 
 
 def _engine_args_errors(before: dict | None, after: dict) -> list[FieldError]:
@@ -200,10 +334,11 @@ def _engine_args_errors(before: dict | None, after: dict) -> list[FieldError]:
     return errors
 
 
-def check_change(experiment: Experiment | None, after: dict, before: dict | None = None) -> None:
+def check_change(experiment: Experiment | None, after: dict, before: dict | None = None, actor=None) -> None:
     """The rules beyond the document's own that a change of ``experiment`` (None: a new one) to
     the validated, normalized document ``after`` must pass; DocumentError naming every field.
-    ``before``: the experiment's current normalized document, when the caller has it."""
+    ``before``: the experiment's current normalized document, when the caller has it. ``actor``:
+    the user making the change (None: the operator, see may_change_traffic)."""
     if experiment is not None and before is None:
         before = _normalized(export_document(experiment))
     if before == after:
@@ -211,7 +346,7 @@ def check_change(experiment: Experiment | None, after: dict, before: dict | None
     errors = _engine_args_errors(before, after)
     if experiment is not None and experiment.is_locked:
         try:
-            _check_locked_change(experiment, before, after)
+            _check_locked_change(experiment, before, after, actor)
         except DocumentError as exc:
             errors += exc.errors
     if errors:
@@ -236,23 +371,25 @@ def _write_variants(experiment: Experiment, doc: dict) -> None:
     experiment.variants.filter(key=control).update(control=True)
 
 
-def check_document(raw) -> dict:
+def check_document(raw, actor=None) -> dict:
     """apply_document's checks, writing nothing: the normalized document, or DocumentError."""
-    doc = _normalized(validate_document(raw, **document_egress()))
-    check_change(Experiment.objects.filter(key=doc["key"]).first(), doc)
+    doc = _normalized(validate_document(restore_webhooks(raw), **document_egress()))
+    check_change(Experiment.objects.filter(key=doc["key"]).first(), doc, actor=actor)
     return doc
 
 
 def apply_document(raw, actor=None, reason: str = "") -> ApplyResult:
     """Create or update the experiment ``raw`` describes. Idempotent: applying the same
-    document twice changes nothing the second time. ``reason`` goes to the audit entry."""
-    doc = _normalized(validate_document(raw, **document_egress()))
+    document twice changes nothing the second time. ``reason`` goes to the audit entry, which
+    holds the documents with their webhook URLs redacted. ``actor`` is the user making the change
+    (None: the operator's command line): a started experiment's plan needs TRAFFIC_PERMISSION."""
+    doc = _normalized(validate_document(restore_webhooks(raw), **document_egress()))
     with transaction.atomic():
         experiment = Experiment.objects.select_for_update().filter(key=doc["key"]).first()
         before = _normalized(export_document(experiment)) if experiment else None
         if before == doc:
             return ApplyResult(experiment, created=False, changes=[])
-        check_change(experiment, doc, before)
+        check_change(experiment, doc, before, actor=actor)
         if experiment is None:
             experiment = Experiment(key=doc["key"], owner=actor if getattr(actor, "pk", None) else None)
         experiment.name = doc["name"]
@@ -265,8 +402,8 @@ def apply_document(raw, actor=None, reason: str = "") -> ApplyResult:
         experiment.save()
         _write_variants(experiment, doc)
         audit.record(
-            actor, experiment, "create" if before is None else "update", before=before, after=doc,
-            reason=reason,
+            actor, experiment, "create" if before is None else "update", before=redacted_document(before),
+            after=redacted_document(doc), reason=reason,
         )  # fmt: skip
         return ApplyResult(experiment, created=before is None, changes=diff_documents(before, doc))
 
@@ -324,7 +461,7 @@ def delete_experiment(experiment: Experiment, actor=None) -> None:
         )
     try:
         with transaction.atomic():
-            before = export_document(experiment)
+            before = redacted_document(export_document(experiment))
             audit.record(actor, experiment, "delete", before=before, after=None)
             experiment.delete()
     except (ProtectedError, RestrictedError) as exc:

@@ -18,7 +18,13 @@ A look (``look``):
    killed between the store write and that commit finds its pending change in the store on the
    next look and adopts the revision (``rollout_recovered``): no double step, no false yield.
 5. Notify: a JSON POST of the decision to each of the plan's webhooks, after the commit, with a
-   bounded timeout; a failure is logged and audited, never undoes or delays the decision.
+   bounded timeout; a failure is logged and audited, never undoes or delays the decision. Each
+   connection resolves the webhook's host once, checks those addresses (``webhook_addresses``)
+   and dials one of them through the variants' egress transport
+   (streaming.client.AllowedSyncTransport), so DNS that answers differently after the check
+   cannot move the POST; TLS still verifies the certificate for the URL's name. Logs, audit
+   entries and the look's results name webhooks redacted (``scheme://host:port/[redacted]``):
+   their path or query often carries the receiver's token.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import os
 import socket
 import threading
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -40,6 +47,7 @@ from django.db import connection, transaction
 from analysis.definitions import slo_of
 from experiments import audit
 from experiments.checks import resolve_host, variant_allowlist
+from experiments.document import redact_url, scrub_url
 from experiments.models import Experiment, Variant
 from experiments.weights.errors import ConflictError, StoreUnavailable, WeightsError
 from experiments.weights.etcd import EtcdWeightsStore
@@ -50,7 +58,8 @@ from rollouts.controller import Decision, Plan, StoreView
 from rollouts.models import RolloutState
 from rollouts.readings import read_step
 from samples.factory import sample_store
-from streaming.egress import EgressError, EgressRefused, check_addresses, ip_literal, split_url
+from streaming.client import AllowedSyncTransport, tls_verify
+from streaming.egress import Allowlist, EgressError, EgressRefused, check_addresses, ip_literal, split_url
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +71,16 @@ TERMINAL = (controller.COMPLETED, controller.ROLLED_BACK)
 
 class RolloutError(Exception):
     """The experiment cannot be rolled out as asked (unknown, no plan)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Webhooks:
+    """How a look sends its webhooks: ``resolve`` answers a host's addresses (asked once per
+    connection; the settings' resolver by default), ``verify`` is the TLS trust (True: the
+    system's CA store; or the path of a CA bundle)."""
+
+    resolve: Callable[[str], Sequence[str]] = resolve_host
+    verify: bool | str = True
 
 
 @dataclasses.dataclass
@@ -237,8 +256,9 @@ def _recover(experiment: Experiment, plan: Plan, state: RolloutState, view: Stor
     return reason
 
 
-def look(key: str, *, interval_s: float, notify: bool = True) -> LookResult:
-    """One look at ``key``'s rollout (module docstring). Never raises for a store that is down."""
+def look(key: str, *, interval_s: float, notify: bool = True, webhooks: Webhooks | None = None) -> LookResult:
+    """One look at ``key``'s rollout (module docstring). Never raises for a store that is down.
+    ``webhooks``: how the decision is POSTed (Webhooks(): the settings' resolver, system CAs)."""
     experiment = Experiment.objects.filter(key=key).first()
     if experiment is None:
         raise RolloutError(f"unknown experiment {key!r}")
@@ -274,14 +294,20 @@ def look(key: str, *, interval_s: float, notify: bool = True) -> LookResult:
                 None, "not due: another controller is deciding (it holds the etcd leader lease)", st
             )
     try:
-        return _look(experiment, plan, owner, interval_s, notify, result)
+        return _look(experiment, plan, owner, interval_s, notify, result, webhooks or Webhooks())
     finally:
         if leader is not None and lease not in (None, "unavailable"):
             leader.release(lease)
 
 
 def _look(
-    experiment: Experiment, plan: Plan, owner: str, interval_s: float, notify: bool, result
+    experiment: Experiment,
+    plan: Plan,
+    owner: str,
+    interval_s: float,
+    notify: bool,
+    result,
+    webhooks: Webhooks,
 ) -> LookResult:
     key = experiment.key
     state, why = _claim(experiment, owner, interval_s)
@@ -301,7 +327,7 @@ def _look(
     decision = controller.decide_step(plan, state.as_state(), view, reading, db_now())
     note = _carry_out(experiment, plan, decision, owner, view)
     state.refresh_from_db()
-    sent = _notify(experiment, plan, decision, state) if notify and plan.notify else []
+    sent = _notify(experiment, plan, decision, state, webhooks) if notify and plan.notify else []
     return result(decision, note, state, sent)
 
 
@@ -385,52 +411,78 @@ def _yield_after_conflict(experiment: Experiment, d: Decision, owner: str, exc: 
     return why
 
 
-def webhook_refusal(url: str) -> str:
-    """Why ``url`` may not be called now ("" when it may), checked at send time as well as when
-    the document was applied: a host on the variant allowlist (by name, or every address it
-    resolves to) may be called over http(s); any other host only over https and only while every
-    address it resolves to is public (no loopback, private, link-local or reserved address: a
-    name that starts resolving inward is refused)."""
-    allow = variant_allowlist()
+def webhook_addresses(scheme: str, host: str, addresses: Sequence[str], allow: Allowlist) -> list[str]:
+    """The addresses of ``host`` (as resolved, once) a webhook may be sent to, or EgressRefused
+    saying why not: a host on the variant allowlist (by name, or every address it resolves to)
+    over http(s); any other host only over https and only while every address it resolves to is
+    public (no loopback, private, link-local or reserved address: a name that starts resolving
+    inward is refused)."""
     try:
-        target = split_url(url)
-    except EgressError as exc:
-        return str(exc)
-    host = target.host
-    try:
-        addresses = [host] if ip_literal(host) is not None else resolve_host(host)
-    except OSError as exc:
-        return f"host {host!r} does not resolve: {exc}"
-    try:
-        check_addresses(host, addresses, allow)
-        return ""
+        return check_addresses(host, list(addresses), allow)
     except EgressRefused as exc:
         refused = str(exc)
-    if target.scheme != "https":
-        return f"{refused}: plain http goes only to hosts on the allowlist"
+    if scheme != "https":
+        raise EgressRefused(f"{refused}: plain http goes only to hosts on the allowlist")
     inward = [a for a in addresses if not ipaddress.ip_address(a.split("%")[0]).is_global]
     if inward or ip_literal(host) is not None:
-        return f"host {host!r} resolves to non-public addresses {inward or addresses}; not on the allowlist"
+        raise EgressRefused(
+            f"host {host!r} resolves to non-public addresses {inward or list(addresses)}; not on the allowlist"
+        )
+    return list(addresses)
+
+
+def _resolved(host: str, resolve: Callable[[str], Sequence[str]]) -> list[str]:
+    """``host``'s addresses: an IP literal as itself, a name as ``resolve`` answers it now."""
+    literal = ip_literal(host)
+    if literal is not None:
+        return [str(literal)]
+    try:
+        return list(dict.fromkeys(resolve(host)))
+    except OSError as exc:
+        raise EgressRefused(f"host {host!r} does not resolve: {exc}") from None
+
+
+def webhook_refusal(url: str, resolve: Callable[[str], Sequence[str]] = resolve_host) -> str:
+    """Why ``url`` may not be called now ("" when it may), by the rule of webhook_addresses.
+    A diagnosis only: sending resolves again, once, and dials what that lookup checked."""
+    try:
+        target = split_url(url)
+        webhook_addresses(target.scheme, target.host, _resolved(target.host, resolve), variant_allowlist())
+    except (EgressError, EgressRefused) as exc:
+        return str(exc)
     return ""
 
 
-def _post(url: str, body: bytes, out: dict[str, Any]) -> None:
-    refusal = webhook_refusal(url)
-    if refusal:
-        out["error"] = f"refused by the egress rules: {refusal}"
-        return
+def _post(url: str, body: bytes, out: dict[str, Any], webhooks: Webhooks) -> None:
+    """POST ``body`` to ``url``; the outcome (``status``, ``error``) goes into ``out``, with the
+    URL redacted in any error text."""
     try:
-        with httpx.Client(timeout=NOTIFY_TIMEOUT_S, follow_redirects=False, trust_env=False) as client:
+        target = split_url(url)
+        allow = variant_allowlist()
+
+        def addresses(host: str, port: int) -> list[str]:
+            # Called by the transport for each new connection: one lookup, checked, dialled.
+            return webhook_addresses(target.scheme, host, _resolved(host, webhooks.resolve), allow)
+
+        transport = AllowedSyncTransport(None, verify=tls_verify(webhooks.verify), addresses=addresses)
+        with httpx.Client(
+            transport=transport, timeout=NOTIFY_TIMEOUT_S, follow_redirects=False, trust_env=False
+        ) as client:
             resp = client.post(url, content=body, headers={"Content-Type": "application/json"})
         out["status"] = resp.status_code
         if resp.status_code >= 300:
             out["error"] = f"HTTP {resp.status_code}"
+    except (EgressError, EgressRefused) as exc:
+        out["error"] = scrub_url(f"refused by the egress rules: {exc}", url)
     except Exception as exc:  # every failure is reported, none escapes
-        out["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        out["error"] = scrub_url(f"{type(exc).__name__}: {exc}", url)[:300]
 
 
-def _notify(experiment: Experiment, plan: Plan, d: Decision, state: RolloutState) -> list[dict[str, Any]]:
-    """POST the decision to every webhook at once; wait at most the timeout (plus a margin)."""
+def _notify(
+    experiment: Experiment, plan: Plan, d: Decision, state: RolloutState, webhooks: Webhooks
+) -> list[dict[str, Any]]:
+    """POST the decision to every webhook at once; wait at most the timeout (plus a margin).
+    The results, the log and the audit entry name each webhook redacted."""
     message = json_safe(
         {
             "experiment": experiment.key,
@@ -447,12 +499,17 @@ def _notify(experiment: Experiment, plan: Plan, d: Decision, state: RolloutState
         }
     )
     body = json.dumps(message).encode()
-    results = [{"url": url} for url in plan.notify]
-    threads = [threading.Thread(target=_post, args=(r["url"], body, r), daemon=True) for r in results]
+    outcomes: list[dict[str, Any]] = [{} for _ in plan.notify]
+    threads = [
+        threading.Thread(target=_post, args=(url, body, out, webhooks), daemon=True)
+        for url, out in zip(plan.notify, outcomes, strict=True)
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join(NOTIFY_TIMEOUT_S + 1.0)
+    # A thread still running may yet write into its outcome: read each one once, now.
+    results = [{"url": redact_url(url), **dict(out)} for url, out in zip(plan.notify, outcomes, strict=True)]
     failed = [r for r in results if "error" in r or "status" not in r]
     for r in failed:
         r.setdefault("error", "no answer in time")

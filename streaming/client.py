@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -29,7 +30,7 @@ import socket
 import ssl
 import time
 import urllib.parse
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import httpcore
@@ -559,11 +560,22 @@ class _AllowedBackend(httpcore.AsyncNetworkBackend):
         await self._inner.sleep(seconds)
 
 
-class _AllowedSyncBackend(httpcore.NetworkBackend):
-    """The blocking twin of _AllowedBackend (the preflight's httpx.Client)."""
+# (host, port) -> the addresses that may be dialled, in order, resolved once; EgressRefused,
+# or the OSError of a failed lookup.
+AddressCheck = Callable[[str, int], Sequence[str]]
 
-    def __init__(self, allow: Allowlist) -> None:
-        self._allow = allow
+
+class _AllowedSyncBackend(httpcore.NetworkBackend):
+    """The blocking twin of _AllowedBackend (the preflight's httpx.Client). ``addresses``
+    replaces the allowlist's rule (allowed_addresses_sync) with another resolve-and-check step
+    (the rollout webhooks' rule), dialled the same way."""
+
+    def __init__(self, allow: Allowlist | None, addresses: AddressCheck | None = None) -> None:
+        if addresses is None:
+            if allow is None:
+                raise ValueError("_AllowedSyncBackend: give an allowlist or an address check")
+            addresses = functools.partial(allowed_addresses_sync, allow=allow)
+        self._addresses = addresses
         self._inner = httpcore.SyncBackend()
 
     def connect_tcp(
@@ -575,7 +587,7 @@ class _AllowedSyncBackend(httpcore.NetworkBackend):
         socket_options: Iterable[Any] | None = None,
     ) -> httpcore.NetworkStream:
         try:
-            addresses = allowed_addresses_sync(host, port, self._allow)
+            addresses = self._addresses(host, port)
         except OSError as exc:
             raise httpcore.ConnectError(_msg(exc)) from None
         error: Exception | None = None
@@ -627,13 +639,16 @@ class AllowedTransport(httpx.AsyncHTTPTransport):
 
 
 class AllowedSyncTransport(httpx.HTTPTransport):
-    """The blocking twin of AllowedTransport."""
+    """The blocking twin of AllowedTransport. ``addresses``: another resolve-and-check step
+    than the allowlist's (``allow`` is then None), e.g. the rollout webhooks' rule."""
 
-    def __init__(self, allow: Allowlist, *, verify: bool | ssl.SSLContext, http1: bool = True,
-                 http2: bool = False, limits: httpx.Limits = DEFAULT_LIMITS) -> None:  # fmt: skip
+    def __init__(self, allow: Allowlist | None, *, verify: bool | ssl.SSLContext, http1: bool = True,
+                 http2: bool = False, limits: httpx.Limits = DEFAULT_LIMITS,
+                 addresses: AddressCheck | None = None) -> None:  # fmt: skip
         super().__init__(verify=verify, http1=http1, http2=http2, limits=limits, trust_env=False)
         self._pool = httpcore.ConnectionPool(
-            **_pool_options(verify, http1, http2, limits), network_backend=_AllowedSyncBackend(allow)
+            **_pool_options(verify, http1, http2, limits),
+            network_backend=_AllowedSyncBackend(allow, addresses),
         )
 
 

@@ -1,7 +1,8 @@
 """Who may do what over the API, by Django model permission (the role groups grant them).
 
 product: add/change/delete experiments and run their lifecycle; sre: change traffic weights
-and start/stop replays; analyst: view everything. Superusers hold every permission.
+(and the rollout plan of a started experiment, which the controller turns into weights) and
+start/stop replays; analyst: view everything. Superusers hold every permission.
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from __future__ import annotations
 from rest_framework.permissions import SAFE_METHODS, BasePermission
 
 VIEW = "experiments.view_experiment"
+CHANGE = "experiments.change_experiment"
+TRAFFIC = "experiments.change_weights"  # experiments.services.TRAFFIC_PERMISSION
 BY_METHOD = {
     "POST": "experiments.add_experiment",
-    "PUT": "experiments.change_experiment",
-    "PATCH": "experiments.change_experiment",
+    "PUT": CHANGE,
+    "PATCH": CHANGE,
     "DELETE": "experiments.delete_experiment",
 }
 
@@ -31,6 +34,17 @@ class ExperimentPermission(BasePermission):
         return _has(request, BY_METHOD.get(request.method, "experiments.__never__"))
 
 
+class ExperimentDocumentPermission(ExperimentPermission):
+    """The experiment detail endpoint: as ExperimentPermission, and PUT/PATCH also with the
+    traffic permission (the sre role), which may change the rollout plan and nothing else
+    (the view checks what changed; experiments.services checks who may change a plan)."""
+
+    def has_permission(self, request, view) -> bool:
+        if request.method in ("PUT", "PATCH") and _has(request, TRAFFIC):
+            return True
+        return super().has_permission(request, view)
+
+
 def require(perm: str, *, read_perm: str = VIEW) -> type[BasePermission]:
     """A permission class: ``read_perm`` for safe methods, ``perm`` for anything else."""
 
@@ -47,5 +61,5 @@ def require(perm: str, *, read_perm: str = VIEW) -> type[BasePermission]:
 
 
 CanRunLifecycle = require("experiments.run_lifecycle")
-CanChangeWeights = require("experiments.change_weights")
+CanChangeWeights = require(TRAFFIC)
 CanView = require(VIEW)

@@ -10,7 +10,7 @@ from experiments import lifecycle
 from experiments.checks import document_egress
 from experiments.document import APIS, DocumentError, validate_document
 from experiments.models import AuditEntry, Experiment
-from experiments.services import export_document
+from experiments.services import document_for, redact_audit_value
 
 
 class SlaSerializer(serializers.Serializer):
@@ -87,7 +87,9 @@ class ExperimentDocumentSerializer(serializers.Serializer):
 
 
 class ExperimentSerializer(serializers.Serializer):
-    """An experiment as read: its document plus lifecycle and bookkeeping."""
+    """An experiment as read: its document plus lifecycle and bookkeeping. Webhook URLs in the
+    document are in full for the context's ``request.user`` when that user may change traffic,
+    redacted otherwise (and without a request in the context)."""
 
     document = serializers.SerializerMethodField()
     status = serializers.CharField()
@@ -102,7 +104,8 @@ class ExperimentSerializer(serializers.Serializer):
     links = serializers.SerializerMethodField()
 
     def get_document(self, obj: Experiment) -> dict:
-        return export_document(obj)
+        request = self.context.get("request")
+        return document_for(obj, getattr(request, "user", None))
 
     def get_allowed_actions(self, obj: Experiment) -> list[str]:
         return lifecycle.allowed_actions(obj.status)
@@ -120,10 +123,19 @@ class ExperimentSerializer(serializers.Serializer):
 
 
 class AuditEntrySerializer(serializers.ModelSerializer):
+    """An audit entry; webhook URLs redacted (entries are stored so; older ones are redacted
+    when served)."""
+
     class Meta:
         model = AuditEntry
         fields = ["id", "experiment_key", "actor_name", "at", "action", "reason", "before", "after"]
         read_only_fields = fields
+
+    def to_representation(self, instance):
+        data = super().to_representation(instance)
+        data["before"] = redact_audit_value(data["before"])
+        data["after"] = redact_audit_value(data["after"])
+        return data
 
 
 class ActionSerializer(serializers.Serializer):

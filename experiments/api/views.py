@@ -7,7 +7,13 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from experiments import lifecycle, services
-from experiments.api.permissions import CanRunLifecycle, CanView, ExperimentPermission
+from experiments.api.permissions import (
+    CHANGE,
+    CanRunLifecycle,
+    CanView,
+    ExperimentDocumentPermission,
+    ExperimentPermission,
+)
 from experiments.api.serializers import (
     ActionSerializer,
     AuditEntrySerializer,
@@ -22,10 +28,24 @@ def _document_errors(exc: DocumentError) -> Response:
     return Response(exc.as_dict(), status=status.HTTP_400_BAD_REQUEST)
 
 
-def _apply(request, data) -> tuple[services.ApplyResult | None, Response | None]:
-    serializer = ExperimentDocumentSerializer(data=data)
+def _apply(
+    request, data, experiment: Experiment | None = None
+) -> tuple[services.ApplyResult | None, Response | None]:
+    # A webhook URL read redacted and sent back stands for the stored one.
+    serializer = ExperimentDocumentSerializer(data=services.restore_webhooks(data))
     if not serializer.is_valid():
         return None, Response(serializer.errors, status=status.HTTP_400_BAD_REQUEST)
+    if experiment is not None and not request.user.has_perm(CHANGE):
+        # Here with the traffic permission only (ExperimentDocumentPermission): the plan, no more.
+        changed = services.changed_parts(experiment, serializer.validated_data) - {"rollout"}
+        if changed:
+            return None, Response(
+                {
+                    "detail": f"changing {', '.join(sorted(changed))} needs the permission {CHANGE} "
+                    "(product role); the traffic permission changes the rollout plan only"
+                },
+                status=status.HTTP_403_FORBIDDEN,
+            )
     try:
         return services.apply_document(serializer.validated_data, actor=request.user), None
     except DocumentError as exc:
@@ -54,18 +74,19 @@ class ExperimentListView(generics.ListAPIView):
         result, error = _apply(request, request.data)
         if error:
             return error
-        return Response(ExperimentSerializer(result.experiment).data, status=status.HTTP_201_CREATED)
+        body = ExperimentSerializer(result.experiment, context={"request": request}).data
+        return Response(body, status=status.HTTP_201_CREATED)
 
 
 class ExperimentDetailView(APIView):
-    permission_classes = [ExperimentPermission]
+    permission_classes = [ExperimentDocumentPermission]
 
     def _get(self, key: str) -> Experiment:
         return get_object_or_404(Experiment.objects.prefetch_related("variants"), key=key)
 
     @extend_schema(responses=ExperimentSerializer)
     def get(self, request, key: str):
-        return Response(ExperimentSerializer(self._get(key)).data)
+        return Response(ExperimentSerializer(self._get(key), context={"request": request}).data)
 
     def _update(self, request, key: str, data):
         experiment = self._get(key)
@@ -73,10 +94,10 @@ class ExperimentDetailView(APIView):
             return Response({"(document)": ["must be a mapping of fields"]}, status=400)
         if data.get("key", key) != key:
             return Response({"key": ["is immutable: it must match the URL"]}, status=400)
-        result, error = _apply(request, {**data, "key": key})
+        result, error = _apply(request, {**data, "key": key}, experiment)
         if error:
             return error
-        body = ExperimentSerializer(result.experiment if result else experiment).data
+        body = ExperimentSerializer(result.experiment, context={"request": request}).data
         body["changes"] = result.changes
         return Response(body)
 
@@ -116,7 +137,7 @@ class ExperimentActionView(APIView):
             services.transition(experiment, self.action_name, request.user, body.validated_data["reason"])
         except (lifecycle.TransitionError, services.ConflictError) as exc:
             return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
-        return Response(ExperimentSerializer(experiment).data)
+        return Response(ExperimentSerializer(experiment, context={"request": request}).data)
 
 
 class AuditListView(generics.ListAPIView):
