@@ -442,17 +442,6 @@ def _resolved(host: str, resolve: Callable[[str], Sequence[str]]) -> list[str]:
         raise EgressRefused(f"host {host!r} does not resolve: {exc}") from None
 
 
-def webhook_refusal(url: str, resolve: Callable[[str], Sequence[str]] = resolve_host) -> str:
-    """Why ``url`` may not be called now ("" when it may), by the rule of webhook_addresses.
-    A diagnosis only: sending resolves again, once, and dials what that lookup checked."""
-    try:
-        target = split_url(url)
-        webhook_addresses(target.scheme, target.host, _resolved(target.host, resolve), variant_allowlist())
-    except (EgressError, EgressRefused) as exc:
-        return str(exc)
-    return ""
-
-
 def _post(url: str, body: bytes, out: dict[str, Any], webhooks: Webhooks) -> None:
     """POST ``body`` to ``url``; the outcome (``status``, ``error``) goes into ``out``, with the
     URL redacted in any error text."""
