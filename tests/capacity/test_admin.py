@@ -27,6 +27,7 @@ def live(document, users, settings, tmp_path, monkeypatch):
 
 @pytest.mark.django_db
 @pytest.mark.parametrize("weights_backend", ["local"], indirect=True)
+@pytest.mark.engine
 def test_sre_starts_a_search_from_the_admin_and_others_cannot(weights_backend, live, users, client):
     exp, trace, started = live
     client.force_login(users["sre"])

@@ -59,6 +59,7 @@ def trace(tmp_path):
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("weights_backend", ["local"], indirect=True)
+@pytest.mark.engine
 def test_the_search_finds_a_known_saturation_point_within_10_percent(
     weights_backend, ch_store, edge_sim, trace, document, users, client
 ):
@@ -161,6 +162,7 @@ def test_the_command_names_what_is_wrong(weights_backend, document, users):
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("weights_backend", ["local"], indirect=True)
+@pytest.mark.engine
 def test_the_api_starts_a_search_in_the_background_and_refuses_bad_input(
     weights_backend, ch_store, edge_sim, trace, document, users, client_for, settings, tmp_path
 ):

@@ -218,6 +218,7 @@ def _dead_port() -> int:
 
 @pytest.mark.parametrize("fault", ["down", "wrong_model"])
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_a_mirror_replay_with_a_broken_variant_reports_what_broke(
     fault, client, db, document, sims, users, sample_store, settings
 ):

@@ -15,6 +15,7 @@ CHARTS = ("attainment", "cdf", "percentiles", "p99-time", "attribution", "phases
 
 @pytest.mark.browser
 @pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.engine
 def test_dashboard_renders_every_chart_in_chromium(live_server, settings, loaded_stores, users, experiment):
     from playwright.sync_api import sync_playwright
 

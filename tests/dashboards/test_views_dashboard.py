@@ -113,6 +113,7 @@ def test_sla_report_command_prints_a_table_and_writes_csv(experiment, samples_db
         call_command("sla_report", "nope")
 
 
+@pytest.mark.engine
 def test_the_page_shows_the_anytime_intervals_labelled_beside_the_fixed_horizon_ones(
     client, users, experiment, samples_db
 ):

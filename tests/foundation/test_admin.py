@@ -47,6 +47,7 @@ def form_data(document, experiment=None) -> dict:
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_product_creates_experiment_with_inline_variants(users, document):
     response = admin_client(users["product"]).post(ADD_URL, form_data(document))
     assert response.status_code == 302, response.content.decode()[:3000]
@@ -72,6 +73,7 @@ def test_admin_rejects_what_the_api_rejects_and_writes_nothing(users, document):
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_admin_edit_of_draft_updates_variants(users, experiment, document):
     document["variants"][0]["weight"], document["variants"][1]["weight"] = 40, 27
     response = admin_client(users["product"]).post(change_url(experiment), form_data(document, experiment))
@@ -89,6 +91,7 @@ def test_running_experiment_has_key_salt_and_weights_read_only(users, experiment
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_lifecycle_actions_respect_transitions(users, experiment):
     client = admin_client(users["product"])
     url = "/admin/experiments/experiment/"
@@ -125,6 +128,7 @@ def test_user_without_role_is_kept_out(users, experiment):
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_search_filter_and_dashboard_link(users, experiment):
     page = (
         admin_client(users["analyst"])
@@ -145,6 +149,7 @@ def test_audit_log_is_read_only_in_admin(users, experiment):
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_sre_changes_weights_through_the_admin_with_a_preview(users, experiment):
     from experiments import services
 

@@ -19,6 +19,7 @@ WRITERS = {"product"}
 
 @pytest.mark.django_db
 @pytest.mark.parametrize("role", ROLES)
+@pytest.mark.engine
 def test_role_matrix_over_every_endpoint(role, client_for, experiment, document):
     client = client_for(role)
     key = experiment.key
@@ -44,6 +45,7 @@ def test_role_matrix_over_every_endpoint(role, client_for, experiment, document)
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_create_returns_document_and_bookkeeping(client_for, document):
     response = client_for("product").post("/api/experiments/", document, format="json")
     assert response.status_code == 201
@@ -65,6 +67,7 @@ def test_bad_body_gets_400_keyed_by_field_path_and_writes_nothing(client_for, do
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_create_existing_key_is_rejected(client_for, experiment, document):
     response = client_for("product").post("/api/experiments/", document, format="json")
     assert response.status_code == 400 and "already exists" in response.json()["key"][0]
@@ -79,6 +82,7 @@ def test_key_is_immutable_on_update(client_for, experiment, document):
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_patch_merges_and_reports_changes(client_for, experiment):
     response = client_for("product").patch(
         f"/api/experiments/{experiment.key}/", {"sla": {"ttft_ms": 150, "target": 0.99}}, format="json"
@@ -103,6 +107,7 @@ def test_invalid_transition_is_409_and_changes_nothing(client_for, experiment):
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_pause_resume_conclude_audited(client_for, experiment):
     Experiment.objects.filter(pk=experiment.pk).update(status="running")
     client = client_for("product")

@@ -10,7 +10,7 @@ from experiments import services
 from experiments.models import AuditEntry, Experiment
 from workers.models import ReplayRun
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.engine]
 
 LIST_URL = "/admin/experiments/experiment/"
 

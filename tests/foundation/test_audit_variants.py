@@ -72,6 +72,7 @@ def test_a_risky_flag_may_be_defined_serving_it_is_the_operators_call(document, 
     assert variants(experiment)["awq"]["engine_args"]["trust_remote_code"] is True
 
 
+@pytest.mark.engine
 def test_engine_args_stored_before_the_allowlist_do_not_block_other_changes(experiment, document):
     Variant.objects.filter(experiment=experiment, key="awq").update(engine_args={"api_key": "old"})
     document["variants"][1]["engine_args"] = {"api_key": "old"}
@@ -144,6 +145,7 @@ def test_the_admin_refuses_an_engine_flag_a_product_user_may_not_set(users, expe
     assert variants(experiment)["awq"]["engine_args"] == {"quantization": "awq"}
 
 
+@pytest.mark.engine
 def test_a_paused_experiment_may_change_them_audited_before_and_after(experiment, document, users):
     Experiment.objects.filter(pk=experiment.pk).update(status="paused")
     document["variants"][1]["endpoint"] = "http://127.0.0.1:9101/v1"
@@ -162,6 +164,7 @@ def test_a_paused_experiment_may_change_them_audited_before_and_after(experiment
     )  # fmt: skip
 
 
+@pytest.mark.engine
 def test_a_running_experiment_still_takes_a_new_name_and_sla(experiment, document):
     Experiment.objects.filter(pk=experiment.pk).update(status="running")
     document["name"] = "TTFT optimizations, week 2"

@@ -24,6 +24,7 @@ def started(experiment, users):
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_set_weights_json_reports_the_revision_written_and_the_users_moved(started, users):
     _, revision = current_weights("ttft-opt")
     dry = as_json("set_weights", "ttft-opt", "fp16=50", "awq=30", "awq-fa2=20", "--reason", "x", "--dry-run")
@@ -52,6 +53,7 @@ def test_set_weights_json_reports_the_revision_written_and_the_users_moved(start
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_set_weights_json_errors_name_the_fields_and_change_nothing(started):
     _, revision = current_weights("ttft-opt")
     exc, doc = failing("set_weights", "ttft-opt", "fp16=50", "awq=30", "awq-fa2=30", "--reason", "x")
@@ -108,6 +110,7 @@ def test_assign_json_on_a_draft_says_why(experiment):
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_apply_and_export_json(tmp_path, document):
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(document))
@@ -185,6 +188,7 @@ def test_on_the_real_command_line_stdout_is_one_document_and_the_exit_code_says_
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_add_trace_json_lists_the_stored_trace(settings, tmp_path):
     settings.TRACE_DIR = tmp_path / "traces"
     local = tmp_path / "local.csv"

@@ -31,6 +31,7 @@ def audit_of(key: str) -> list[tuple]:
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_the_whole_lifecycle_is_audited_under_the_acting_user(experiment, users):
     started = run_json("start", "ttft-opt", "--as", "sam", "--reason", "ramp up")
     assert started["transition"] | {"at": None} == {
@@ -111,6 +112,7 @@ def test_a_conclusion_needs_a_reason_and_a_named_actor_must_exist(experiment, us
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_show_and_list_print_what_the_api_answers(experiment, users, client_for, document):
     call_command("experiment", "start", "ttft-opt", stdout=io.StringIO())
     document["key"], document["name"] = "second", "Second"
@@ -139,6 +141,7 @@ def test_show_and_list_print_what_the_api_answers(experiment, users, client_for,
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_a_start_the_weights_store_cannot_record_changes_nothing(experiment, monkeypatch):
     from experiments.weights import publish
     from experiments.weights.errors import StoreUnavailable

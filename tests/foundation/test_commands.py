@@ -17,6 +17,7 @@ def run(*args) -> str:
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_apply_yaml_then_json_export_roundtrip(tmp_path, document):
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(document))
@@ -32,6 +33,7 @@ def test_apply_yaml_then_json_export_roundtrip(tmp_path, document):
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_apply_prints_changes(tmp_path, document):
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(document))
@@ -75,6 +77,7 @@ def test_missing_file_and_unknown_experiment():
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_demo_document_applies(settings):
     from pathlib import Path
 

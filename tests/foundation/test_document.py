@@ -167,6 +167,7 @@ def test_a_bad_cost_is_named_by_its_field_path(document, cost, path, words):
     assert path in errors and words in " ".join(errors[path]), errors
 
 
+@pytest.mark.engine
 def test_the_cost_is_stored_exported_and_applies_back_unchanged(document, db):
     from experiments import services
 

@@ -6,6 +6,8 @@ from experiments import services
 from experiments.document import DocumentError
 from experiments.models import AuditEntry, Experiment, Variant
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.mark.django_db
 def test_apply_creates_then_is_idempotent(document, users):

@@ -83,6 +83,7 @@ def _everything_kept(client_for) -> str:
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_only_the_secret_name_is_stored_audited_and_exported(with_secret, client_for):
     assert with_secret.auth_secret == "vllm-key"
     audit = AuditEntry.objects.get(action="create")
@@ -160,6 +161,7 @@ def test_the_preflight_refuses_a_variant_the_allowlist_no_longer_covers(with_sec
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("sample_store", ["chdb"], indirect=True)
+@pytest.mark.engine
 def test_a_replay_sends_the_secret_and_records_no_trace_of_it(
     with_secret, recording_sim, sample_store, users, capfd, caplog
 ):

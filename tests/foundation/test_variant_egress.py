@@ -188,6 +188,7 @@ def test_the_embedded_default_passes_the_system_check():
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_the_migration_strips_credentials_from_stored_endpoints(experiment):
     # A row written before validation refused credentials (bypassing it, as old data did).
     Variant.objects.filter(experiment=experiment, key="awq").update(endpoint=CREDENTIALS_URL)

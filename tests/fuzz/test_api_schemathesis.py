@@ -201,6 +201,7 @@ def fuzz(operation, mode: GenerationMode, headers: dict[str, str], world: dict, 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("sample_store", ["chdb"], indirect=True)
 @pytest.mark.parametrize("role", ROLES, ids=lambda role: role or "anonymous")
+@pytest.mark.engine
 def test_every_operation_survives_fuzzing_as_each_role(role, users, world):
     reader = Token.objects.create(user=users["admin"])
     schema = schemathesis.openapi.from_wsgi(

@@ -90,6 +90,7 @@ def slow_sim():
 
 @pytest.mark.services
 @pytest.mark.parametrize("sample_store", ["server"], indirect=True)
+@pytest.mark.engine
 def test_the_gateway_command_serves_records_and_drains_on_sigterm(
     transactional_db, etcd_weights, settings, sample_store, document, slow_sim, users, tmp_path
 ):

@@ -60,6 +60,7 @@ def stored(store) -> dict[str, int]:
 @pytest.mark.services
 @pytest.mark.django_db(transaction=True)  # the recorder's and the directory's threads use the database
 @pytest.mark.parametrize("weights_backend", ["etcd"], indirect=True)
+@pytest.mark.engine
 def test_a_rollout_is_rolled_back_by_the_controller_on_live_traffic(
     weights_backend,  # noqa: F811  (the imported fixture)
     ch_store,  # noqa: F811

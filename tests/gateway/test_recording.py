@@ -25,7 +25,8 @@ from tests.gateway.conftest import KEY
 from tests.gateway.test_command import start_gateway_command
 from tests.samples.conftest import flaky_server, make_store  # noqa: F401 - fixtures
 
-pytestmark = pytest.mark.django_db(transaction=True)  # the recorder's thread has its own connection
+# the recorder's thread has its own connection
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.engine]
 
 
 @pytest.fixture(params=["chdb", "server"])

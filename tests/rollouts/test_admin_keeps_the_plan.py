@@ -10,7 +10,7 @@ from experiments import services
 from experiments.models import AuditEntry, Experiment
 from tests.foundation.test_admin import form_data
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.engine]
 
 KEY = "rollout-demo"
 

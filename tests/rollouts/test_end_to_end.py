@@ -21,6 +21,8 @@ from simulator.profiles import get_profile
 from simulator.serve import start_in_thread
 from tests.workers.background import wait_for
 
+pytestmark = pytest.mark.engine
+
 KEY = "rollout-demo"
 TRACE = "data/traces/azure_llm_2023_code.csv"
 BATCH = 300  # requests per replay between looks: ~30 on the candidate at 10%

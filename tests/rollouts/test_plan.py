@@ -125,6 +125,7 @@ def test_durations(text, seconds):
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_the_plan_is_stored_exported_and_applies_back_unchanged(rollout_document, users):
     from experiments.services import apply_document, export_document
 

@@ -66,6 +66,7 @@ def test_product_cannot_change_the_plan_of_a_started_experiment_over_the_api(
     assert stored_plan() == before and updates() == audited
 
 
+@pytest.mark.engine
 def test_a_refused_plan_never_reaches_the_weights(client_for, users, rollout_document):
     """The controller's first look after the refused change uses the plan as it was: 10%."""
     running(rollout_document, users)
@@ -74,6 +75,7 @@ def test_a_refused_plan_never_reaches_the_weights(client_for, users, rollout_doc
     assert dict(weights_store().get(KEY)[0].weights) == {"fp16": 90, "awq-fa2": 10}
 
 
+@pytest.mark.engine
 def test_product_cannot_add_or_remove_a_plan_once_started(client_for, users, rollout_document):
     plan = rollout_document.pop("rollout")
     running(rollout_document, users)
@@ -91,6 +93,7 @@ def test_product_cannot_add_or_remove_a_plan_once_started(client_for, users, rol
 
 
 @pytest.mark.parametrize("role", ["sre", "admin"])
+@pytest.mark.engine
 def test_sre_and_superusers_change_the_plan_of_a_running_experiment(
     client_for, users, rollout_document, role
 ):
@@ -103,6 +106,7 @@ def test_sre_and_superusers_change_the_plan_of_a_running_experiment(
     assert entry.actor_name == users[role].username
 
 
+@pytest.mark.engine
 def test_sre_may_change_the_plan_and_nothing_else(client_for, users, rollout_document):
     running(rollout_document, users)
     sre = client_for("sre")
@@ -133,6 +137,7 @@ def test_product_still_changes_the_rest_of_a_running_experiment_with_a_plan(
 # ---- the document path --------------------------------------------------------------------------
 
 
+@pytest.mark.engine
 def test_apply_document_refuses_a_plan_change_by_a_user_without_the_permission(users, rollout_document):
     running(rollout_document, users)
     changed = {**rollout_document, "rollout": hostile_plan(rollout_document)}

@@ -18,7 +18,7 @@ from rollouts import service
 from rollouts.models import RolloutState
 from tests.rollouts.conftest import Receiver, insert_step
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.engine]
 
 KEY = "rollout-demo"
 

@@ -53,6 +53,7 @@ def test_later_writes_compare_against_the_revision_the_controller_wrote(rollout_
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_a_single_step_plan_takes_effect_on_the_first_look(weights_backend, rollout_document):
     rollout_document["rollout"]["steps"] = [100]
     experiment = services.apply_document(rollout_document).experiment

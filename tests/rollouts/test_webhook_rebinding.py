@@ -19,7 +19,7 @@ from experiments import services
 from rollouts import controller as c
 from rollouts import service
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.engine]
 
 KEY = "rollout-demo"
 NAME = "hooks.rebind.test"

@@ -17,7 +17,7 @@ from experiments.models import AuditEntry, Experiment
 from rollouts import controller as c
 from rollouts import service
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.engine]
 
 KEY = "rollout-demo"
 URL = f"/api/experiments/{KEY}/"

@@ -357,6 +357,7 @@ def test_the_report_through_the_cluster_equals_one_servers(cstore, servers, sing
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_an_eager_replay_writes_to_both_shards_exactly_once(
     running, servers, settings, cluster_urls, tmp_path
 ):

@@ -43,6 +43,7 @@ def applied(store) -> list[int]:
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_migrate_applies_the_sample_store_migrations_once(configured):
     out = io.StringIO()
     call_command("migrate", stdout=out)
@@ -60,6 +61,7 @@ def test_migrate_applies_the_sample_store_migrations_once(configured):
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_skip_sample_store_and_check(configured):
     call_command("migrate", "--skip-sample-store", verbosity=0)
     assert applied(configured) == []
@@ -106,6 +108,7 @@ def test_the_schema_check_is_asked_once_per_store(configured):
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_flush_samples_on_a_store_not_migrated_keeps_the_spool_and_names_the_command(
     configured, make_rows, settings
 ):
@@ -122,6 +125,7 @@ def test_flush_samples_on_a_store_not_migrated_keeps_the_spool_and_names_the_com
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_replay_and_report_on_a_store_not_migrated_name_the_command(configured, running):
     from workers.models import ReplayRun
 
@@ -139,6 +143,7 @@ def test_replay_and_report_on_a_store_not_migrated_name_the_command(configured, 
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_the_replay_api_refuses_with_the_command_to_run(configured, running, client_for, settings, tmp_path):
     from traces.storage import store_file
     from workers.models import ReplayRun

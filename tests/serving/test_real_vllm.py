@@ -193,6 +193,7 @@ def test_the_simulator_serves_real_vllms_names_labels_and_buckets(vllm):
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_a_replay_against_real_vllm_stores_and_reports_its_queue_and_prefill(
     vllm, document, users, sample_store, settings, tmp_path, client
 ):

@@ -79,6 +79,7 @@ def test_the_operators_option_rejects_what_is_not_a_risky_flag(experiment):
         )
 
 
+@pytest.mark.engine
 def test_the_endpoint_is_recorded_through_the_audited_path(experiment, fake_vllm):
     call_command("serve_variant", experiment.key, "awq", "--port", "8177")
     assert fake_vllm[0]["allow_risky"] == frozenset() and fake_vllm[0]["port"] == 8177

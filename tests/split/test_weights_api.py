@@ -107,6 +107,7 @@ def test_get_weights_of_a_running_and_of_a_draft_experiment(experiment, users, c
     assert client.get("/api/experiments/nope/weights").status_code == 404
 
 
+@pytest.mark.engine
 def test_sre_changes_weights_and_sees_how_many_users_moved(running, client_for):
     _, r1 = stored()
     response = client_for("sre").put(
@@ -139,6 +140,7 @@ def test_other_roles_cannot_change_weights(running, client_for, role, code):
     assert stored() == before
 
 
+@pytest.mark.engine
 def test_stale_revision_is_409_and_nothing_is_written(running, client_for):
     client = client_for("sre")
     _, r1 = stored()
@@ -240,6 +242,7 @@ def sre(users):
     return users["sre"]
 
 
+@pytest.mark.engine
 def test_admin_form_shows_current_weights_then_previews_then_saves(running, sre, weights_admin):
     _, revision = stored()
     page = weights_admin.weights_view(admin_request(sre), str(running.pk)).render()
@@ -275,6 +278,7 @@ def test_admin_form_rejects_bad_weights_on_the_field_and_writes_nothing(running,
     assert stored() == before
 
 
+@pytest.mark.engine
 def test_admin_form_stale_revision_is_a_conflict(running, sre, weights_admin):
     before = stored()
     form = {"weight__fp16": 50, "weight__awq": 30, "weight__awq-fa2": 20, "reason": "x",

@@ -16,6 +16,8 @@ from experiments.weights import process
 from experiments.weights.errors import StoreUnavailable
 from experiments.weights.publish import publish_weights
 
+pytestmark = pytest.mark.engine
+
 START = {"fp16": 34, "awq": 33, "awq-fa2": 33}
 RAMP = {"fp16": 50, "awq": 30, "awq-fa2": 20}
 

@@ -31,6 +31,7 @@ def stored(key="ttft-opt"):
     return process.weights_store().get(key)
 
 
+@pytest.mark.engine
 def test_starting_an_experiment_publishes_its_weights(running):
     doc, revision = stored()
     assert dict(doc.weights) == {"fp16": 34, "awq": 33, "awq-fa2": 33}
@@ -39,6 +40,7 @@ def test_starting_an_experiment_publishes_its_weights(running):
     assert entry.reason == "experiment started" and entry.after["revision"] == revision
 
 
+@pytest.mark.engine
 def test_publish_rebalances_updates_variants_audits_and_moves_the_minimum(running, users):
     before, r1 = stored()
     doc, r2 = publish_weights(running, RAMP, users["sre"], "ramp fp16", expected_revision=r1)
@@ -93,6 +95,7 @@ def test_weights_of_a_concluded_or_draft_or_unknown_experiment_cannot_change(
         publish_weights("nope", RAMP, users["sre"], "who")
 
 
+@pytest.mark.engine
 def test_concluding_retires_the_weights_so_routers_stop_assigning(running, users):
     store = process.weights_store()
     router = Router(store)
@@ -114,6 +117,7 @@ def test_concluding_retires_the_weights_so_routers_stop_assigning(running, users
         router.stop()
 
 
+@pytest.mark.engine
 def test_pausing_keeps_the_weights(running, users):
     before = stored()
     services.transition(running, "pause", users["product"])
@@ -121,6 +125,7 @@ def test_pausing_keeps_the_weights(running, users):
     assert not AuditEntry.objects.filter(action="retire_weights").exists()
 
 
+@pytest.mark.engine
 def test_a_conclusion_the_store_cannot_record_rolls_back(running, users, monkeypatch):
     store = process.weights_store()
 
@@ -141,6 +146,7 @@ def test_missing_reason_is_rejected(running, users):
         publish_weights(running, RAMP, users["sre"], "  ")
 
 
+@pytest.mark.engine
 def test_stale_expected_revision_is_a_conflict_and_nothing_is_written(running, users):
     _, r1 = stored()
     publish_weights(running, RAMP, users["sre"], "first sre", expected_revision=r1)
@@ -151,6 +157,7 @@ def test_stale_expected_revision_is_a_conflict_and_nothing_is_written(running, u
     assert running.weights() == RAMP
 
 
+@pytest.mark.engine
 def test_store_write_losing_the_race_rolls_back_the_database(running, users, monkeypatch):
     """Someone writes between our read and our compare-and-set: the CAS fails and the Variant
     rows and audit entry of our transaction are rolled back."""
@@ -188,6 +195,7 @@ def run(*args, stdin: str | None = None) -> str:
     return out.getvalue()
 
 
+@pytest.mark.engine
 def test_set_weights_shows_the_move_then_writes(running, users):
     out = run("set_weights", "ttft-opt", "fp16=50", "awq=30", "awq-fa2=20", "--reason", "ramp", "--as", "sam")
     assert "fp16      34 ->  50  *" in out
@@ -220,6 +228,7 @@ def test_set_weights_rejects_bad_input_and_writes_nothing(running, args, message
     assert stored() == before
 
 
+@pytest.mark.engine
 def test_set_weights_stale_revision_is_a_conflict(running):
     _, revision = stored()
     with pytest.raises(CommandError, match="conflict, nothing changed"):

@@ -81,6 +81,7 @@ def test_metrics_is_not_redirected_to_https_when_everything_else_is(web, setting
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_runs_by_status_are_read_from_the_database(web, experiment):
     for status in ("running", "running", "done", "failed"):
         ReplayRun.objects.create(experiment=experiment, source="t.csv", status=status, total_requests=1,

@@ -194,6 +194,7 @@ def json_log():
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("sample_store", ["chdb"], indirect=True)
+@pytest.mark.engine
 def test_a_replay_s_lines_carry_experiment_run_shard_and_variant(running, sample_store, json_log):
     out = io.StringIO()
     call_command("replay", "ttft-opt", "--trace", TRACE, "--limit", "40", "--speed", "200", stdout=out)

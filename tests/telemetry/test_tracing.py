@@ -53,6 +53,7 @@ def samples_of(store, run_id: int) -> dict[str, dict]:
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("sample_store", ["chdb"], indirect=True)
+@pytest.mark.engine
 def test_a_replay_exports_the_parent_span_of_every_request_it_sent(running, sample_store, memory_spans):
     out = io.StringIO()
     call_command("replay", "ttft-opt", "--trace", TRACE, "--limit", "40", "--speed", "200", stdout=out)

@@ -20,6 +20,7 @@ def upload(client, text: str = TINY, filename: str = "tiny.csv", **fields):
 
 @pytest.mark.django_db
 @pytest.mark.parametrize("role", ROLES)
+@pytest.mark.engine
 def test_role_matrix(role, client_for):
     client = client_for(role)
     created = upload(client)
@@ -38,6 +39,7 @@ def test_role_matrix(role, client_for):
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_an_upload_is_listed_with_its_figures_and_deduped_by_hash(client_for, trace_dir):
     sre = client_for("sre")
     first = upload(sre)
@@ -96,6 +98,7 @@ def test_a_malformed_upload_is_a_400_naming_line_and_field(client_for):
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_delete_removes_the_file(client_for, trace_dir, django_capture_on_commit_callbacks):
     sha = upload(client_for("sre")).json()["sha256"]
     with django_capture_on_commit_callbacks(execute=True):
@@ -105,6 +108,7 @@ def test_delete_removes_the_file(client_for, trace_dir, django_capture_on_commit
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_sre_uploads_in_the_admin_and_others_cannot(users, settings, trace_dir):
     sre = Client(enforce_csrf_checks=True)
     sre.force_login(users["sre"])

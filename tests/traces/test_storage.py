@@ -19,6 +19,7 @@ def files(directory) -> list[str]:
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_an_upload_is_stored_under_its_hash_with_its_figures(trace_dir):
     trace, created = storage.store(chunks(TINY), name="tiny.csv")
     assert created and trace.format == "azure"
@@ -31,6 +32,7 @@ def test_an_upload_is_stored_under_its_hash_with_its_figures(trace_dir):
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_the_same_content_is_stored_once(trace_dir):
     first, created = storage.store(chunks(TINY), name="tiny.csv")
     again, created_again = storage.store(chunks(TINY, 3), name="other-name.csv")
@@ -39,6 +41,7 @@ def test_the_same_content_is_stored_once(trace_dir):
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_a_name_is_a_label_never_a_path(trace_dir):
     for bad in ["../escape.csv", "/etc/passwd", ".hidden", "a/b.csv", "x" * 201, ""]:
         with pytest.raises(storage.TraceError) as info:
@@ -88,6 +91,7 @@ def test_an_overlong_line_in_an_upload_is_refused(settings, trace_dir):
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_references_resolve_inside_the_trace_directory_only(trace_dir, tmp_path):
     trace, _ = storage.store(chunks(TINY), name="tiny.csv")
     assert storage.resolve("tiny.csv") == (trace.path.resolve(), trace)
@@ -128,6 +132,7 @@ def test_references_resolve_inside_the_trace_directory_only(trace_dir, tmp_path)
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_delete_removes_the_row_and_then_the_file(trace_dir, django_capture_on_commit_callbacks):
     trace, _ = storage.store(chunks(TINY), name="tiny.csv")
     with django_capture_on_commit_callbacks(execute=True):
@@ -136,6 +141,7 @@ def test_delete_removes_the_row_and_then_the_file(trace_dir, django_capture_on_c
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_add_trace_stores_a_local_file(trace_dir, tmp_path):
     import io
 

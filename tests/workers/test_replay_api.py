@@ -62,6 +62,7 @@ def started(db, document, sims, users, shipped):
 
 @pytest.mark.django_db
 @pytest.mark.parametrize("role", ROLES)
+@pytest.mark.engine
 def test_role_matrix(role, client_for, running):
     client = client_for(role)
     created = client.post("/api/replays/", body(), format="json")
@@ -77,6 +78,7 @@ def test_role_matrix(role, client_for, running):
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_created_run_counts_requests_and_expected_samples(client_for, running, shipped):
     response = client_for("sre").post("/api/replays/", body(mode="mirror"), format="json")
     data = response.json()
@@ -226,6 +228,7 @@ def test_cancel_of_an_ended_run_is_409(client_for, running):
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_cancel_of_a_queued_run_ends_it(client_for, running):
     run = ReplayRun.objects.create(experiment=running, source="x")
     assert client_for("sre").post(f"/api/replays/{run.pk}/cancel/").json()["status"] == "cancelled"
@@ -239,6 +242,7 @@ def start_form(experiment, **kw) -> dict:
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_sre_starts_a_replay_from_the_admin_and_others_cannot(users, running, shipped):
     from django.test import Client
 
@@ -290,6 +294,7 @@ def test_the_api_preflight_names_a_dead_variant(client_for, running):
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_a_replay_started_over_http_answers_at_once_and_runs_in_the_background(client_for, started,
                                                                              sample_store):  # fmt: skip
     """issue 11: with eager Celery the replay ran inside the request (minutes for a big one).

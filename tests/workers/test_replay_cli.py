@@ -16,6 +16,7 @@ from workers.models import ReplayRun
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_replay_json_counts_every_planned_request_and_progress_stays_on_stderr(running, sample_store):
     err = io.StringIO()
     doc = as_json("replay", "ttft-opt", "--trace", TRACE, "--limit", "60", "--speed", "200", "--progress",
@@ -45,6 +46,7 @@ def test_replay_json_counts_every_planned_request_and_progress_stays_on_stderr(r
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_replay_progress_is_off_without_a_terminal_and_the_plain_output_is_unchanged(running, sample_store):
     out, err = io.StringIO(), io.StringIO()
     call_command(
@@ -56,6 +58,7 @@ def test_replay_progress_is_off_without_a_terminal_and_the_plain_output_is_uncha
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_replay_json_refusals_name_the_option(running, sample_store, settings):
     _, doc = failing("replay", "nope", "--trace", TRACE)
     assert doc["error"] == {"message": "no experiment with key 'nope'", "field": "key", "errors": []}
@@ -68,6 +71,7 @@ def test_replay_json_refusals_name_the_option(running, sample_store, settings):
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_a_replay_that_does_not_end_done_exits_non_zero_with_its_run(running, sample_store, monkeypatch):
     """Cancelled before its first send (as by the API's cancel): the error document still
     carries the run and its plan."""
@@ -89,6 +93,7 @@ def test_a_replay_that_does_not_end_done_exits_non_zero_with_its_run(running, sa
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_build_rollups_and_sla_report_json(running, sample_store):
     replayed = as_json("replay", "ttft-opt", "--trace", TRACE, "--limit", "40", "--speed", "200")
     run_id = replayed["run"]["run"]
@@ -113,6 +118,7 @@ def test_build_rollups_and_sla_report_json(running, sample_store):
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_flush_samples_json_counts_the_rows_it_wrote(db, sample_store, tmp_path):
     spool = Spool(str(tmp_path / "retired-worker"))
     spool.append([sample_row(i) for i in range(25)])

@@ -16,6 +16,8 @@ from experiments import services
 from samples.signals import replay_finished
 from workers.models import ReplayRun
 
+pytestmark = pytest.mark.engine
+
 TRACE = "data/traces/azure_llm_2023_code.csv"
 
 

@@ -14,6 +14,8 @@ from tests.plugin import FlakyProxy, server_url_for
 from tests.workers.background import replay_in_thread, wait_for
 from workers.models import ReplayRun
 
+pytestmark = pytest.mark.engine
+
 TRACE = "data/traces/azure_llm_2023_code.csv"
 
 

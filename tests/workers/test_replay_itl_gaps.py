@@ -12,6 +12,8 @@ from dashboards import reports as report
 from stats.quantiles import REPORT_QUANTILES
 from workers.models import ReplayRun
 
+pytestmark = pytest.mark.engine
+
 TRACE = "data/traces/azure_llm_2023_code.csv"
 
 

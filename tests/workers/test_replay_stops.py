@@ -16,6 +16,8 @@ from workers.models import ReplayRun, ReplayShard
 from workers.runs import cancel_run
 from workers.tasks import LEASE_S
 
+pytestmark = pytest.mark.engine
+
 TRACE = "data/traces/azure_llm_2023_code.csv"
 
 

@@ -10,6 +10,8 @@ from experiments import services
 from simulator.serve import start_in_thread
 from workers.models import ReplayRun
 
+pytestmark = pytest.mark.engine
+
 TRACE = "data/traces/azure_llm_2023_code.csv"
 
 

@@ -12,6 +12,8 @@ from workers import tasks
 from workers.models import ReplayRun, ReplayShard
 from workers.runs import cancel_run, create_run, stale_shards
 
+pytestmark = pytest.mark.engine
+
 TRACE = "data/traces/azure_llm_2023_code.csv"
 
 

@@ -9,6 +9,8 @@ from django.test.utils import CaptureQueriesContext
 
 from workers.models import ReplayRun
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.mark.django_db
 def test_a_refresh_reloads_the_state_but_not_the_plan_which_is_read_afresh_when_used(experiment):

@@ -39,6 +39,7 @@ def queue_increase(store, run_id: int) -> dict[str, float]:
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_a_replay_stores_each_variants_metrics_and_the_report_splits_misses(running, sample_store, settings):
     settings.SERVER_METRICS_INTERVAL_S = 1
     running.__class__.objects.filter(pk=running.pk).update(sla_ttft_ms=0.5)  # nearly every request misses
@@ -81,6 +82,7 @@ def test_a_replay_stores_each_variants_metrics_and_the_report_splits_misses(runn
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_a_variant_whose_metrics_fail_is_recorded_and_the_replay_still_completes(
     running, sample_store, settings, monkeypatch
 ):
@@ -107,6 +109,7 @@ def test_a_variant_whose_metrics_fail_is_recorded_and_the_replay_still_completes
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_scraping_off_stores_nothing(running, sample_store, settings):
     settings.SERVER_METRICS_INTERVAL_S = 0
     replay("--limit", "10", "--speed", "40")

@@ -107,6 +107,7 @@ def no_broker(monkeypatch):
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_a_run_waits_while_another_host_spools_its_samples_and_ends_once_that_spool_is_flushed(
     experiment, sample_store, worker_a, store_down
 ):
@@ -132,6 +133,7 @@ def test_a_run_waits_while_another_host_spools_its_samples_and_ends_once_that_sp
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_a_shard_resumed_on_another_host_waits_for_the_rows_spooled_elsewhere(
     experiment, sample_store, worker_a, store_down, monkeypatch, no_broker
 ):
@@ -159,6 +161,7 @@ def test_a_shard_resumed_on_another_host_waits_for_the_rows_spooled_elsewhere(
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.engine
 def test_a_resumed_shard_sends_once_no_other_host_holds_rows_of_its_run(
     experiment, sample_store, worker_a, store_down, monkeypatch
 ):
@@ -174,6 +177,7 @@ def test_a_resumed_shard_sends_once_no_other_host_holds_rows_of_its_run(
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("eager", [False, True])
+@pytest.mark.engine
 def test_a_shard_whose_store_stays_down_fails_after_its_retries_and_the_run_ends_failed(
     experiment, sample_store, monkeypatch, no_broker, eager
 ):
@@ -202,6 +206,7 @@ def test_a_shard_whose_store_stays_down_fails_after_its_retries_and_the_run_ends
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_a_run_whose_samples_never_become_durable_ends_failed_after_bounded_retries(
     experiment, sample_store, worker_a, store_down, no_broker
 ):
@@ -225,6 +230,7 @@ def test_a_run_whose_samples_never_become_durable_ends_failed_after_bounded_retr
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_a_deduplicate_that_keeps_failing_ends_the_run_failed_with_its_reason(
     experiment, sample_store, monkeypatch, no_broker
 ):
@@ -252,6 +258,7 @@ def test_a_deduplicate_that_keeps_failing_ends_the_run_failed_with_its_reason(
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_eager_celery_ends_a_run_whose_deduplicate_fails_at_once(experiment, sample_store, monkeypatch):
     run = make_run(experiment)
     rows = rows_of(run, range(10))
@@ -268,6 +275,7 @@ def test_eager_celery_ends_a_run_whose_deduplicate_fails_at_once(experiment, sam
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_samples_of_another_column_schema_are_quarantined_and_the_run_says_so(
     experiment, sample_store, worker_a
 ):
@@ -296,6 +304,7 @@ def test_samples_of_another_column_schema_are_quarantined_and_the_run_says_so(
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_a_spool_that_is_gone_for_good_can_be_given_up(experiment, sample_store):
     run = make_run(experiment)
     sample_store.insert_samples(rows_of(run, range(7)))
