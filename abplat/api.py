@@ -1,8 +1,8 @@
-"""What the web process puts between a caller and the views (issue 11): bounded API pages,
-tokens that expire, request rates, a limit on admin login attempts, and error reports that
-never show a credential.
+"""What the web process puts between a caller and the views: bounded API pages, tokens that
+expire, request rates, a limit on admin login attempts, and error reports that never show a
+credential.
 
-Every limit is a setting (abplat/settings.py, README "Security") read when the request comes,
+Every limit is a setting (abplat/config.py, README "Security") read when the request comes,
 so a test or an operator's override takes effect without a restart of anything cached here.
 Settings name these classes by dotted path; apps below ``abplat`` never import this module.
 """
@@ -96,7 +96,7 @@ _PERIODS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def parse_rate(name: str, rate: str) -> tuple[int, int]:
-    """'600/min' -> (600, 60). Settings check the same form at start (_RATE_FORM there)."""
+    """'600/min' -> (600, 60). Settings check the same form at start (abplat/config.py, _RATE_FORM)."""
     count, _, period = rate.partition("/")
     seconds = _PERIODS.get(period[:1])
     if not _WHOLE.match(count) or seconds is None:

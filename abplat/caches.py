@@ -5,7 +5,7 @@ Without ``ABPLAT_CACHE_URL`` both live in each process's memory, as they always 
 process computes its own reports and counts its own callers. With a Redis URL both go to that
 Redis (Django's own ``RedisCache``), so every web process reads the reports another computed and
 the request rates are counted across all of them; key prefixes keep the two apart in one Redis
-database. No Django imports: settings.py builds ``CACHES`` with this before Django is set up.
+database. No Django imports: abplat/config.py builds ``CACHES`` with this before Django is set up.
 """
 
 from __future__ import annotations

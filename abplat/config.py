@@ -12,9 +12,11 @@ settings built from them (DATABASES, CACHES, STORAGES, REST_FRAMEWORK, CELERY_*,
 hardening with debug off, LOGGING). abplat/settings.py holds the ones no variable changes.
 
 ``settings_from`` reads the files settings name (the metrics token, the etcd TLS files, the
-variants' CA bundle) to check them, and writes nothing: abplat/settings.py makes the embedded
-database's directory, and the process's metrics directory is compared with METRICS_DIR at app
-start (workers/apps.py, configure_metrics).
+variants' CA bundle) to check them, and writes nothing but ABPLAT_METRICS_DIR's directory: made
+if missing and tried with a file created and removed (telemetry/metrics_config.py, check_dir),
+since only a write proves a process can write there. abplat/settings.py makes the embedded
+database's directory. The metrics mode itself is fixed at app start (workers/apps.py,
+configure_metrics), never by loading settings.
 """
 
 from __future__ import annotations
@@ -33,12 +35,9 @@ from abplat.env import EnvError, Reader
 from abplat.proxy import parse_proxies
 from experiments.weights.factory import StoreConfigError, etcd_security
 
-# The parsers of ABPLAT_METRICS_ALLOWED_CIDRS and ABPLAT_METRICS_TOKEN_FILE are pure, but their
-# module fixes the process's metrics mode when first imported, from ABPLAT_METRICS_DIR in the
-# process environment (never from the mapping given): docs/metrics.md, telemetry/metrics.py "Why
-# here and at import". Importing it here keeps that moment where it always was, at the first
-# settings load of every process, before any metric exists.
-from telemetry.metrics import MetricsConfigError, parse_networks, read_token_file
+# The metrics settings' checks only, never telemetry.metrics: importing that module fixes the
+# process's metrics mode, which happens at app start (workers/apps.py, configure_metrics).
+from telemetry.metrics_config import MetricsConfigError, multiprocess_dir, parse_networks, read_token_file
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -209,9 +208,11 @@ def _settings(env: Reader) -> dict[str, Any]:
             "server of that cluster (the embedded chDB is a single process)."
         )
 
-    # Metrics (docs/metrics.md): who may read /metrics. METRICS_DIR is compared with the
-    # process's metrics mode at app start (workers/apps.py).
+    # Metrics (docs/metrics.md): the multiprocess directory, checked as telemetry.metrics will
+    # take it from the process environment at app start (here a bad one, or a clash with
+    # PROMETHEUS_MULTIPROC_DIR, stops the process with one line), and who may read /metrics.
     try:
+        multiprocess_dir(env.environ)
         METRICS_NETWORKS = parse_networks(METRICS_ALLOWED_CIDRS, "ABPLAT_METRICS_ALLOWED_CIDRS")
         METRICS_TOKEN = read_token_file(METRICS_TOKEN_FILE, "ABPLAT_METRICS_TOKEN_FILE")
     except MetricsConfigError as exc:

@@ -1,6 +1,6 @@
 """The gateway's configuration, from the ABPLAT_GATEWAY_* settings, checked at start.
 
-abplat/settings.py parses each variable's type; what needs more (the keys file, the routes,
+abplat/config.py parses each variable's type; what needs more (the keys file, the routes,
 the header names) is checked here when the gateway starts, and a bad value stops it with
 ``ImproperlyConfigured`` naming the setting. Other processes never read these.
 """

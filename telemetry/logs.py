@@ -7,7 +7,7 @@ Stdlib only (the package rule, telemetry/__init__.py). Two parts:
   the commands bind them with ``log_context(...)``; every record logged inside carries them,
   including records of asyncio tasks started inside (they copy the context) and of threads
   started with ``contextvars.copy_context().run``.
-- Two formatters, chosen by ``ABPLAT_LOG_FORMAT`` (abplat/settings.py LOGGING):
+- Two formatters, chosen by ``ABPLAT_LOG_FORMAT`` (LOGGING, abplat/config.py):
   ``TextFormatter`` (the default: the usual line, then the context as ``key=value``) and
   ``JsonFormatter``: ``ts`` (RFC 3339, UTC, milliseconds), ``level``, ``logger``, ``message``,
   ``exception`` (the traceback as one string) when there is one, the context fields, then any

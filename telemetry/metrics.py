@@ -13,12 +13,21 @@ Two modes, chosen by ``ABPLAT_METRICS_DIR`` when this module is first imported:
   worker's ``ABPLAT_WORKER_METRICS_PORT``) adds them all up (``exposition``).
 
 Why here and at import: prometheus_client picks its value class when it is imported, and every
-metric built before multiprocess mode is on keeps its values in one process. This module sets
+metric built before multiprocess mode is on keeps its values in one process; the metrics below
+are built when this module is imported. So its import fixes the mode, from ABPLAT_METRICS_DIR in
+the process environment (``multiprocess_dir``, telemetry/metrics_config.py): it sets
 ``PROMETHEUS_MULTIPROC_DIR`` before it imports prometheus_client, and if something imported
-prometheus_client earlier, switches its value class before defining any metric. Django's
-settings import this module first in every process (abplat/settings.py), so a bad directory
-stops the process at start with one line naming the variable. Forked children (Celery prefork,
-gunicorn) notice the new pid on their first update and open files of their own.
+prometheus_client earlier, switches its value class before defining any metric.
+
+When: settings never import this module (abplat/config.py checks the same variables with
+telemetry/metrics_config.py, so a bad directory stops the process while it loads its settings,
+with ImproperlyConfigured naming the variable: one line from manage.py). Every process that sets up Django imports it at app start,
+before any request, task or command runs (workers/apps.py, configure_metrics): runserver, each
+gunicorn worker, a Celery worker's main process before its pool forks, management commands, the
+gateway command and each of its uvicorn workers. A process without Django imports it when it
+first needs it (gunicorn's master when a worker exits: gunicorn.conf.py, child_exit). Forked
+children (Celery prefork) keep the mode and notice the new pid on their first update and open
+files of their own.
 
 Gauges in multiprocess mode say how processes combine: ``livesum`` (shards running, requests in
 flight), ``livemin`` (the router furthest behind), ``livemostrecent`` (the spool: one directory per
@@ -33,87 +42,47 @@ Labels are bounded: experiment keys, variant keys, outcomes, view names, status 
 backends, the gateway's routing reasons and refusal statuses. Never run, request or user ids,
 and never a client's string (a model name that matches no experiment).
 
-Imports prometheus_client only: no Django, no project code (the bottom layer, .importlinter).
+Imports prometheus_client and telemetry.metrics_config only: no Django, no project code (the
+bottom layer, .importlinter).
 """
 
 from __future__ import annotations
 
 import atexit
-import errno
 import glob
-import ipaddress
 import logging
 import os
 import re
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+# The settings' checks (stdlib only, no import-time effect): this module fixes the mode with
+# multiprocess_dir. address_allowed and parse_networks stay importable from here for /metrics
+# (abplat/metrics.py) and its tests.
+from telemetry.metrics_config import (  # noqa: F401
+    SETTING,
+    THEIRS,
+    MetricsConfigError,
+    Network,
+    address_allowed,
+    check_dir,
+    multiprocess_dir,
+    parse_networks,
+)
+
 log = logging.getLogger(__name__)
 
-SETTING = "ABPLAT_METRICS_DIR"
 PREFIX = "abplat_"
-
-
-class MetricsConfigError(Exception):
-    """ABPLAT_METRICS_DIR (or PROMETHEUS_MULTIPROC_DIR beside it) is not usable."""
-
-
-def check_dir(raw: str, name: str = SETTING) -> str:
-    """``raw`` as an absolute directory this process can write (created if missing), or
-    MetricsConfigError naming ``name`` and what is wrong."""
-    path = os.path.abspath(os.path.expanduser(raw))
-    try:
-        os.makedirs(path, exist_ok=True)
-    except FileExistsError:
-        raise MetricsConfigError(
-            f"Unexpected value {name}={raw!r}: {path} exists and is not a directory."
-        ) from None
-    except OSError as exc:
-        raise MetricsConfigError(
-            f"Unexpected value {name}={raw!r}: cannot create the directory {path}: {exc.strerror}."
-        ) from None
-    if not os.path.isdir(path):
-        raise MetricsConfigError(f"Unexpected value {name}={raw!r}: {path} is not a directory.")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".abplat-write-check-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        what = (
-            "not writable by this process"
-            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
-            else exc.strerror
-        )
-        raise MetricsConfigError(
-            f"Unexpected value {name}={raw!r}: the directory {path} is {what} "
-            f"(every web and worker process writes its metric files there)."
-        ) from None
-    return path
 
 
 def _mode_from_environment() -> str:
     """The multiprocess directory ("" for in-process), checked, with PROMETHEUS_MULTIPROC_DIR set
     to match before prometheus_client is imported."""
-    raw = os.environ.get(SETTING, "").strip()
-    theirs = os.environ.get("PROMETHEUS_MULTIPROC_DIR", "").strip()
-    if not raw:
-        if theirs:
-            raise MetricsConfigError(
-                f"PROMETHEUS_MULTIPROC_DIR={theirs!r} is set but {SETTING} is not: set {SETTING} to "
-                "that directory instead (abplat sets PROMETHEUS_MULTIPROC_DIR from it), or unset both "
-                "for in-process metrics."
-            )
-        return ""
-    path = check_dir(raw)
-    if theirs and os.path.abspath(theirs) != path:
-        raise MetricsConfigError(
-            f"{SETTING}={raw!r} and PROMETHEUS_MULTIPROC_DIR={theirs!r} name different directories: "
-            f"unset PROMETHEUS_MULTIPROC_DIR (abplat sets it from {SETTING})."
-        )
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    path = multiprocess_dir(os.environ)
+    if path:
+        os.environ[THEIRS] = path
     return path
 
 
@@ -144,9 +113,10 @@ if METRICS_DIR:
 
 
 def configure(directory: str) -> str:
-    """What settings.py calls with ABPLAT_METRICS_DIR as it parsed it: the mode was fixed when
-    this module was imported (from the same variable); a process whose environment changed
-    since cannot switch modes, and says so. Returns the directory ("" for in-process)."""
+    """What app start (workers/apps.py, configure_metrics) calls with the ABPLAT_METRICS_DIR
+    settings parsed: the mode was fixed when this module was imported (from the same variable in
+    the process environment); a process whose settings name another directory cannot switch
+    modes, and says so. Returns the directory ("" for in-process)."""
     wanted = check_dir(directory) if directory else ""
     if wanted != METRICS_DIR:
         raise MetricsConfigError(
@@ -566,57 +536,6 @@ class GatewayMeter:
         if not self._failed:
             self._failed = True
             log.warning("metrics: a gateway metric update failed (later ones are not logged): %r", exc)
-
-
-# ---- who may read /metrics (abplat/metrics.py) --------------------------------------------------
-
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-MIN_TOKEN_CHARS = 16
-
-
-def parse_networks(items: Sequence[str], name: str) -> tuple[Network, ...]:
-    """Networks ("10.0.0.0/8", "::1/128", or one address) from a setting's list; ``none`` alone
-    means no network (a bearer token only). MetricsConfigError names the item."""
-    if [i.lower() for i in items] == ["none"]:
-        return ()
-    out = []
-    for item in items:
-        try:
-            out.append(ipaddress.ip_network(item, strict=False))
-        except ValueError:
-            raise MetricsConfigError(
-                f"Unexpected value {name} item {item!r}: use a network (10.0.0.0/8, ::1/128) or one "
-                "address, comma-separated, or 'none' for a bearer token only."
-            ) from None
-    return tuple(out)
-
-
-def read_token_file(path: str, name: str) -> str:
-    """The bearer token in ``path`` (surrounding whitespace ignored), at least MIN_TOKEN_CHARS
-    characters; "" for an empty ``path`` (no token)."""
-    if not path:
-        return ""
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise MetricsConfigError(f"Unexpected value {name}={path!r}: cannot read it: {exc}.") from None
-    if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token) or not token.isprintable():
-        raise MetricsConfigError(
-            f"Unexpected value {name}={path!r}: the file must hold one token of at least "
-            f"{MIN_TOKEN_CHARS} printable characters without spaces."
-        )
-    return token
-
-
-def address_allowed(address: str, networks: Sequence[Network]) -> bool:
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return any(ip in net for net in networks)
 
 
 # ---- exposition ---------------------------------------------------------------------------------

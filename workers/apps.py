@@ -21,9 +21,9 @@ mounted, with its spool.id file); a spool whose disk is gone is given up with
 `manage.py flush_samples --forget-spool ID` (its runs then end failed, naming the rows).
 
 Metrics (telemetry/metrics.py, docs/metrics.md): every process that sets up Django (web,
-workers, management commands, the gateway's workers) checks at start that its metrics mode is
-the ABPLAT_METRICS_DIR settings parsed (configure_metrics); a pool child about to exit removes
-its live gauges from ABPLAT_METRICS_DIR (worker_process_shutdown), and with
+workers, management commands, the gateway's workers) fixes its metrics mode at app start and
+checks it is the ABPLAT_METRICS_DIR settings parsed (configure_metrics); a pool child about to
+exit removes its live gauges from ABPLAT_METRICS_DIR (worker_process_shutdown), and with
 ABPLAT_WORKER_METRICS_PORT the worker's main process serves the machine's metrics (worker_init,
 before the pool forks).
 """
@@ -135,13 +135,14 @@ def flush_forever() -> None:
 
 
 def configure_metrics() -> None:
-    """At app start, before any request, task or command runs: this process's metrics mode is
-    the directory settings parsed (settings.METRICS_DIR, ABPLAT_METRICS_DIR), and that directory
-    exists and this process can write it. The mode itself was fixed when telemetry.metrics was
-    first imported, from the process environment (by abplat/config.py, at the first settings
-    load); settings only parse the value. A process whose settings name another directory (its
-    environment changed after that import) stops here rather than write where /metrics does not
-    read."""
+    """At app start (django.setup), before any request, task or command runs, and in a Celery
+    worker's main process before its pool forks. This fixes the process's metrics mode, by
+    importing telemetry.metrics, unless an app's modules imported it earlier in the same start
+    (the admin's do); its import reads ABPLAT_METRICS_DIR from the process environment (why then:
+    its docstring). Settings check that variable (abplat/config.py) but never import the module.
+    Then the mode must be the directory settings parsed (settings.METRICS_DIR), existing and
+    writable by this process: a process whose settings name another directory (its environment
+    changed after that import) stops here rather than write where /metrics does not read."""
     from django.conf import settings
     from django.core.exceptions import ImproperlyConfigured
 

@@ -1,5 +1,5 @@
 """Building the configured weights store from plain settings values (no Django import here:
-abplat/settings.py reads the environment and passes the strings in)."""
+abplat/config.py reads the environment and passes the strings in)."""
 
 from __future__ import annotations
 

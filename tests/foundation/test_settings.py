@@ -27,14 +27,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY_KEY = "k" * 30 + "0123456789abcdefghijklmnop"
 
 
-def manage(*args: str, **env: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("ABPLAT_")}
-    return subprocess.run(
-        [sys.executable, "manage.py", *args], cwd=ROOT, env={**clean, **env},
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-
-
 def refusal(environ: Mapping[str, str]) -> str:
     """The message settings_from refuses ``environ`` with: one line (what manage.py prints)."""
     with pytest.raises(ImproperlyConfigured) as refused:
@@ -67,7 +59,11 @@ def deploy_check(environ: Mapping[str, str]) -> str:
 
 
 def test_a_bad_value_stops_the_process_at_start_with_one_line_naming_it(tmp_path):
-    result = manage("check", ABPLAT_DEBUG="maybe", ABPLAT_VAR=str(tmp_path))
+    # A real manage.py: what a refused setting looks like to whoever started the process.
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ABPLAT_")}
+    environ.update(ABPLAT_DEBUG="maybe", ABPLAT_VAR=str(tmp_path))
+    result = subprocess.run([sys.executable, "manage.py", "check"], cwd=ROOT, env=environ,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode != 0
     # One line that names the variable, not a traceback that buries it.
     assert result.stderr.startswith("abplat: configuration error: Unexpected value ABPLAT_DEBUG='maybe'")
@@ -130,6 +126,10 @@ def test_bad_environment_value_stops_start_naming_the_variable(tmp_path, name, v
          "Unexpected value ABPLAT_METRICS_TOKEN_FILE='/nonexistent/token': cannot read it"),
         ({"ABPLAT_DEBUG": "true", "ABPLAT_WORKER_METRICS_PORT": "9108"},
          "ABPLAT_WORKER_METRICS_PORT=9108 needs ABPLAT_METRICS_DIR"),
+        # prometheus_client's variable is read from the mapping given too (the directory itself:
+        # tests/telemetry/test_multiprocess.py).
+        ({"ABPLAT_DEBUG": "true", "PROMETHEUS_MULTIPROC_DIR": "/run/metrics"},
+         "PROMETHEUS_MULTIPROC_DIR='/run/metrics' is set but ABPLAT_METRICS_DIR is not"),
     ],
 )  # fmt: skip
 def test_bad_combinations_stop_start_naming_the_variables(tmp_path, environ, says):

@@ -1,9 +1,11 @@
 """ABPLAT_METRICS_DIR: several processes write, one scrape adds them up; a process that dies
-(even by SIGKILL) takes its live gauges with it and leaves its counters; the setting is checked
-strictly at start."""
+(even by SIGKILL) takes its live gauges with it and leaves its counters; the settings are checked
+strictly at start (in this process on a dict, abplat.config.settings_from; a real process where
+the directory or the moment the mode is fixed is what is tested)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +14,8 @@ import textwrap
 
 import pytest
 
-from telemetry import metrics
+from telemetry import metrics, metrics_config
+from tests.foundation.test_settings import refusal
 from tests.telemetry.conftest import parse, total
 from tests.workers.background import ROOT
 
@@ -128,6 +131,26 @@ def check(env) -> subprocess.CompletedProcess:
          "PROMETHEUS_MULTIPROC_DIR='{d}' is set but ABPLAT_METRICS_DIR is not"),
         (lambda d: {"ABPLAT_METRICS_DIR": str(d / "m"), "PROMETHEUS_MULTIPROC_DIR": str(d / "other")},
          "ABPLAT_METRICS_DIR='{d}/m' and PROMETHEUS_MULTIPROC_DIR='{d}/other' name different directories"),
+    ],
+    ids=["file", "uncreatable", "theirs-only", "two-dirs"],
+)  # fmt: skip
+def test_a_bad_metrics_directory_stops_the_process_at_start_with_one_line(tmp_path, setup, message):
+    # A real process: the directory is checked while settings load, before anything imports
+    # telemetry.metrics (whose import would fail on it with a traceback).
+    (tmp_path / "a-file").write_text("x")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROMETHEUS_")}
+    env.update(setup(tmp_path))
+    result = check(env)
+    assert result.returncode != 0
+    assert result.stderr.startswith("abplat: configuration error: " + message.format(d=tmp_path)), (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "setup, message",
+    [
         (lambda d: {"ABPLAT_WORKER_METRICS_PORT": "9108"}, "ABPLAT_WORKER_METRICS_PORT=9108 needs ABPLAT_METRICS_DIR"),
         (lambda d: {"ABPLAT_WORKER_METRICS_PORT": "70000"}, "Unexpected value ABPLAT_WORKER_METRICS_PORT='70000'"),
         (lambda d: {"ABPLAT_METRICS_ALLOWED_CIDRS": "10.0.0.0/8,lan"},
@@ -138,27 +161,48 @@ def check(env) -> subprocess.CompletedProcess:
         (lambda d: {"ABPLAT_METRICS_TOKEN_FILE": str(d / "missing")},
          "Unexpected value ABPLAT_METRICS_TOKEN_FILE='{d}/missing': cannot read it"),
     ],
-    ids=["file", "uncreatable", "theirs-only", "two-dirs", "port-without-dir", "port-range", "cidr", "nobody",
-         "short-token", "missing-token"],
+    ids=["port-without-dir", "port-range", "cidr", "nobody", "short-token", "missing-token"],
 )  # fmt: skip
 def test_a_bad_metrics_setting_stops_the_process_at_start_naming_it(tmp_path, setup, message):
-    (tmp_path / "a-file").write_text("x")
     (tmp_path / "short-token").write_text("abc\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PROMETHEUS_")}
-    env.update(setup(tmp_path))
-    result = check(env)
-    assert result.returncode != 0
-    assert message.format(d=tmp_path) in result.stderr, result.stderr[-2000:]
+    environ = {"ABPLAT_DEBUG": "true", "ABPLAT_VAR": str(tmp_path / "var"), **setup(tmp_path)}
+    assert message.format(d=tmp_path) in refusal(environ)
+
+
+# manage.py check, with what the process holds after loading its settings and after the command.
+OBSERVED_CHECK = textwrap.dedent("""
+    import json, os, runpy, sys
+    os.environ["DJANGO_SETTINGS_MODULE"] = "abplat.settings"
+    from django.conf import settings
+    settings.INSTALLED_APPS
+    loaded = [m for m in ("telemetry.metrics", "prometheus_client") if m in sys.modules]
+    made = os.path.isdir(os.environ["ABPLAT_METRICS_DIR"])
+    sys.argv = ["manage.py", "check"]
+    runpy.run_path("manage.py", run_name="__main__")
+    from prometheus_client import values
+    from telemetry import metrics
+    print(json.dumps({"settings_load": loaded, "made": made, "mode": metrics.METRICS_DIR,
+                      "theirs": os.environ.get("PROMETHEUS_MULTIPROC_DIR"),
+                      "files": getattr(values.ValueClass, "_multiprocess", False)}))
+""")
 
 
 def test_a_good_multiprocess_setting_passes_and_creates_the_directory(tmp_path):
+    # Loading the settings makes and checks the directory but leaves the metrics mode alone
+    # (nothing imports telemetry.metrics or prometheus_client); app start fixes it, before the
+    # command runs (workers/apps.py, configure_metrics).
     (tmp_path / "token").write_text("t" * 32 + "\n")
+    directory = tmp_path / "new" / "metrics"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PROMETHEUS_")}
-    env.update(ABPLAT_METRICS_DIR=str(tmp_path / "new" / "metrics"), ABPLAT_WORKER_METRICS_PORT="9108",
+    env.update(ABPLAT_METRICS_DIR=str(directory), ABPLAT_WORKER_METRICS_PORT="9108",
                ABPLAT_METRICS_TOKEN_FILE=str(tmp_path / "token"), ABPLAT_METRICS_ALLOWED_CIDRS="none")  # fmt: skip
-    result = check(env)
+    result = subprocess.run([sys.executable, "-c", OBSERVED_CHECK], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / "new" / "metrics").is_dir()
+    assert directory.is_dir()
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["settings_load"] == [] and seen["made"] is True
+    assert seen["mode"] == seen["theirs"] == str(directory) and seen["files"] is True
 
 
 def test_check_dir_refuses_a_directory_it_cannot_write(tmp_path, monkeypatch):
@@ -166,11 +210,11 @@ def test_check_dir_refuses_a_directory_it_cannot_write(tmp_path, monkeypatch):
     def refuse(*_a, **_k):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(metrics.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(metrics_config.tempfile, "mkstemp", refuse)
     with pytest.raises(
         metrics.MetricsConfigError, match=r"ABPLAT_METRICS_DIR=.*is not writable by this process"
     ):
-        metrics.check_dir(str(tmp_path))
+        metrics_config.check_dir(str(tmp_path))
 
 
 def test_a_worker_host_serves_its_pool_childrens_metrics_on_its_own_port(broker_env, tmp_path):
