@@ -12,7 +12,7 @@ export ABPLAT_TEST_CLICKHOUSE_URL ?= clickhouse://default:@127.0.0.1:19000/abpla
 export ABPLAT_TEST_CLICKHOUSE_CLUSTER_URLS ?= clickhouse://default:@127.0.0.1:19101/abplat_test,clickhouse://default:@127.0.0.1:19102/abplat_test
 export ABPLAT_TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 
-.PHONY: demo test venv services stop-services vllm browser doctor lint check migrate serve bench clean
+.PHONY: demo test test-fast venv services stop-services vllm browser doctor lint check migrate serve bench clean
 
 # Development commands run with Django's debug on (and its development key) unless told
 # otherwise; settings default to debug off, which needs ABPLAT_SECRET_KEY (README "Security").
@@ -25,9 +25,21 @@ demo: export ABPLAT_LOG_LEVEL ?= WARNING
 demo: venv  ## set up and run the main job on the embedded defaults, then serve the admin
 	$(PY) manage.py demo
 
+# The suite runs in TEST_WORKERS pytest-xdist processes, a test file per process at a time
+# (module fixtures set up once; tests/plugin.py gives each process its own var directory,
+# Redis database and ports). Most tests wait on servers, schedules and child processes more
+# than they compute, so three processes pay on two cores (bench/RESULTS.md "Test suite").
+TEST_WORKERS ?= 3
+XDIST = -n $(TEST_WORKERS) --dist loadfile
+# The inner loop: no service, no child process (tests/plugin.py fails a test that reaches one).
+FAST_MARKS = not services and not process and not vllm and not browser
+
 test: venv services vllm browser doctor lint check  ## set up, start the services, run the whole suite
-	$(PY) -m pytest
-	ABPLAT_DATABASE_URL=$(TEST_POSTGRES_URL) $(PY) -m pytest -m database
+	$(PY) -m pytest $(XDIST) --durations=30
+	ABPLAT_DATABASE_URL=$(TEST_POSTGRES_URL) $(PY) -m pytest -m engine $(XDIST) --durations=10
+
+test-fast: venv  ## the in-process tests only, for the inner loop: no service needed, a few minutes
+	ABPLAT_TEST_FAST=1 $(PY) -m pytest -m "$(FAST_MARKS)" $(XDIST) --durations=10
 
 venv: $(STAMP)
 $(STAMP): requirements.txt requirements-dev.txt

@@ -1,6 +1,7 @@
 """pytest plugin loaded first (pyproject.toml: -p tests.plugin): a private ABPLAT_VAR per test
-session, so tests never touch the developer's var/ (SQLite file, chDB, spool, weights); the
-production settings (DEBUG off) with a secret key generated for the session."""
+process, so tests never touch the developer's var/ (SQLite file, chDB, spool, weights) nor each
+other's when pytest-xdist runs them in several processes; the production settings (DEBUG off)
+with a secret key generated for the session."""
 
 import os
 import secrets
@@ -11,8 +12,26 @@ import urllib.parse
 
 import pytest
 
+# pytest-xdist's worker id ("gw0", "gw1", ...) in a worker process, "" otherwise. Workers
+# inherit the controller's environment, so what must not be shared is derived per worker here,
+# before Django or any test module reads it: the var directory (chDB allows one process per data
+# directory; the SQLite file, spool and weights are the process' own) and the Redis database
+# (tests empty theirs with FLUSHDB). PostgreSQL test databases get the suffix from pytest-django,
+# ClickHouse databases carry a unique name per test or per worker (tests/conftest.py).
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+XDIST_INDEX = int(XDIST_WORKER.removeprefix("gw") or 0)  # offsets fixed ports per worker
 if "ABPLAT_VAR" not in os.environ:
     os.environ["ABPLAT_VAR"] = tempfile.mkdtemp(prefix="abplat-test-")
+if XDIST_WORKER:
+    os.environ["ABPLAT_VAR"] = os.path.join(os.environ["ABPLAT_VAR"], XDIST_WORKER)
+    os.makedirs(os.environ["ABPLAT_VAR"], exist_ok=True)
+    _redis = urllib.parse.urlsplit(os.environ.get("ABPLAT_TEST_REDIS_URL", "redis://127.0.0.1:6379/15"))
+    _db = int(_redis.path.strip("/") or 0) - XDIST_INDEX
+    if _db < 0:
+        raise pytest.UsageError(
+            f"ABPLAT_TEST_REDIS_URL: no Redis database left for xdist worker {XDIST_WORKER}"
+        )
+    os.environ["ABPLAT_TEST_REDIS_URL"] = urllib.parse.urlunsplit(_redis._replace(path=f"/{_db}"))
 
 # Tests run as production does, DEBUG off, so they need a key: one for this session, which the
 # subprocesses they start inherit (tests.workers.background.manage passes it on explicitly).
@@ -114,3 +133,80 @@ def _fresh_request_rates():
     from django.core.cache import caches
 
     caches["throttle"].clear()
+
+
+# ---- marks derived from what a test uses, and the in-process inner loop (`make test-fast`) ----
+# A test that takes one of these fixtures, or runs with one of these parameters (a store "kind"),
+# reaches a real service started by `make services`: it is marked `services`.
+SERVICE_FIXTURES = frozenset(
+    {"clickhouse_server", "etcd_endpoints", "etcd_store", "private_etcd", "etcd_weights", "broker_env",
+     "flaky_server", "cluster_urls"}
+)  # fmt: skip
+SERVICE_PARAMS = frozenset({"server", "etcd"})
+
+# `make test-fast` sets ABPLAT_TEST_FAST=1 and deselects the tests marked services, process, vllm
+# and browser. What a selected test does is checked, not trusted to its marks: connecting to a
+# service's port or starting a child process fails the test, naming the mark it lacks, so the
+# inner loop stays in-process and runs on a machine with no service installed.
+FAST = os.environ.get("ABPLAT_TEST_FAST", "") not in ("", "0")
+
+
+def _service_ports() -> frozenset[int]:
+    urls = [
+        os.environ.get("TEST_POSTGRES_URL", "postgres://127.0.0.1:5432/x"),
+        os.environ.get("ABPLAT_TEST_REDIS_URL", "redis://127.0.0.1:6379/15"),
+        SERVER_URL,
+        *os.environ.get("ABPLAT_TEST_CLICKHOUSE_CLUSTER_URLS", "").split(","),
+        *("etcd://" + e for e in os.environ.get("ABPLAT_TEST_ETCD_ENDPOINTS", "127.0.0.1:12379").split(",")),
+        "amqp://127.0.0.1:5672",
+    ]
+    return frozenset(p for u in urls if u.strip() and (p := urllib.parse.urlsplit(u.strip()).port))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if SERVICE_FIXTURES & set(getattr(item, "fixturenames", ())) or any(
+            isinstance(v, str) and v in SERVICE_PARAMS for v in params.values()
+        ):
+            item.add_marker(pytest.mark.services)
+
+
+if FAST:
+    import subprocess
+
+    _SERVICE_PORTS = _service_ports()
+    _connect = socket.socket.connect
+    _connect_ex = socket.socket.connect_ex
+    _popen_init = subprocess.Popen.__init__
+
+    def _check_address(address) -> None:
+        if isinstance(address, tuple) and len(address) >= 2 and address[1] in _SERVICE_PORTS:
+            raise pytest.fail.Exception(
+                f"make test-fast: this test connects to a service at {address[0]}:{address[1]}; "
+                "mark it services (pytest.mark.services) or give it an in-process stand-in"
+            )
+
+    def _guarded_connect(self, address):
+        _check_address(address)
+        return _connect(self, address)
+
+    def _guarded_connect_ex(self, address):
+        _check_address(address)
+        return _connect_ex(self, address)
+
+    def _guarded_popen(self, args, *rest, **kw):
+        raise pytest.fail.Exception(
+            f"make test-fast: this test starts a process ({args!r:.120}); mark it process "
+            "(pytest.mark.process) or call the code in-process"
+        )
+
+    @pytest.fixture(autouse=True)
+    def _in_process_only():
+        socket.socket.connect, socket.socket.connect_ex = _guarded_connect, _guarded_connect_ex
+        subprocess.Popen.__init__ = _guarded_popen
+        try:
+            yield
+        finally:
+            socket.socket.connect, socket.socket.connect_ex = _connect, _connect_ex
+            subprocess.Popen.__init__ = _popen_init

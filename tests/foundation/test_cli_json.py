@@ -156,6 +156,7 @@ def test_sla_report_json_error_names_the_experiment(db):
     assert doc == {"error": {"message": "no experiment with key 'nope'", "field": "key", "errors": []}}
 
 
+@pytest.mark.process
 def test_on_the_real_command_line_stdout_is_one_document_and_the_exit_code_says_how_it_went(
     tmp_path, document
 ):

@@ -62,12 +62,14 @@ def _check_deploy(tmp_path: Path, **override: str) -> subprocess.CompletedProces
     )  # fmt: skip
 
 
+@pytest.mark.process
 def test_the_example_settings_pass_the_deploy_check(tmp_path):
     result = _check_deploy(tmp_path, ABPLAT_SECRET_KEY=secrets.token_urlsafe(50))
     assert result.returncode == 0, result.stderr + result.stdout
     assert "System check identified no issues" in result.stdout
 
 
+@pytest.mark.process
 def test_the_example_placeholder_secret_is_refused(tmp_path):
     result = _check_deploy(tmp_path)
     assert result.returncode != 0

@@ -157,6 +157,7 @@ def test_unhashed_static_names_are_served_with_a_short_cache(server):
         assert "immutable" not in r.headers["Cache-Control"]
 
 
+@pytest.mark.process
 def test_several_workers_on_the_embedded_store_are_refused(tmp_path):
     """chDB opens in one process only: gunicorn stops at start naming the setting."""
     env = _server_env(tmp_path, ABPLAT_WEB_BIND=f"127.0.0.1:{_free_port()}", ABPLAT_WEB_WORKERS="3")
@@ -168,6 +169,7 @@ def test_several_workers_on_the_embedded_store_are_refused(tmp_path):
     assert "3 web workers need a ClickHouse server (ABPLAT_CLICKHOUSE_URL)" in result.stderr
 
 
+@pytest.mark.process
 def test_a_bad_web_setting_stops_gunicorn_naming_it(tmp_path):
     env = _server_env(tmp_path, ABPLAT_WEB_THREADS="many")
     result = subprocess.run(
@@ -185,6 +187,7 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+@pytest.mark.process
 def test_a_worker_that_exits_takes_its_live_gauges_with_it(tmp_path):
     """gunicorn.conf.py's child_exit hook (telemetry.metrics.gunicorn_child_exit): the live
     gauges of a killed worker leave ABPLAT_METRICS_DIR; its counters stay, so totals never drop."""
@@ -214,6 +217,7 @@ def test_a_worker_that_exits_takes_its_live_gauges_with_it(tmp_path):
         _stop(proc)
 
 
+@pytest.mark.process
 def test_json_logs_cover_gunicorns_own_lines_and_the_access_log(tmp_path):
     """ABPLAT_LOG_FORMAT=json: every line the server writes is one JSON object, and an access
     line carries the request id the application logged under."""

@@ -58,6 +58,7 @@ def deploy_check(environ: Mapping[str, str]) -> str:
     return out.getvalue()
 
 
+@pytest.mark.process
 def test_a_bad_value_stops_the_process_at_start_with_one_line_naming_it(tmp_path):
     # A real manage.py: what a refused setting looks like to whoever started the process.
     environ = {k: v for k, v in os.environ.items() if not k.startswith("ABPLAT_")}

@@ -60,6 +60,7 @@ def _bogus(port: int) -> dict[str, str]:
 @pytest.mark.parametrize(
     "python", [(sys.executable,), (sys.executable, "-S")], ids=["venv-clients", "tcp-only"]
 )
+@pytest.mark.process
 def test_the_doctor_names_every_service_that_does_not_answer_and_its_variable(python):
     """With the project's clients (real protocols) and without them (-S: no site-packages,
     as before `make venv`): each service is MISSING with its variable, its URL (no password)
@@ -103,6 +104,7 @@ def test_a_missing_clickhouse_test_database_is_named_then_created_when_asked():
         ClickHouseServerBackend(SERVER_URL).execute(f"DROP DATABASE IF EXISTS {database}")
 
 
+@pytest.mark.process
 def test_the_doctor_names_a_chromium_that_is_not_there(tmp_path):
     result = _doctor("--only", "tools", ABPLAT_TEST_CHROMIUM=str(tmp_path / "chromium"))
     assert result.returncode == 1
@@ -110,6 +112,7 @@ def test_the_doctor_names_a_chromium_that_is_not_there(tmp_path):
     assert line.startswith("MISSING") and f"ABPLAT_TEST_CHROMIUM='{tmp_path / 'chromium'}'" in line
 
 
+@pytest.mark.process
 def test_the_doctor_names_a_python_older_than_the_project_needs(tmp_path):
     fake = tmp_path / "python3.9"
     fake.write_text("#!/bin/sh\necho 3.9\n")
@@ -147,6 +150,7 @@ def _path_without_apt_get(tmp_path: Path) -> str:
     return str(bin_dir)
 
 
+@pytest.mark.process
 def test_clickhouse_script_fails_clearly_where_it_cannot_install(tmp_path):
     result = _run(
         ["/bin/bash", "scripts/clickhouse.sh", "start"],
@@ -159,6 +163,7 @@ def test_clickhouse_script_fails_clearly_where_it_cannot_install(tmp_path):
     assert "ABPLAT_TEST_CLICKHOUSE_URL" in result.stderr
 
 
+@pytest.mark.process
 def test_vllm_script_fails_clearly_without_its_python(tmp_path):
     result = _run(
         ["bash", "scripts/vllm_cpu.sh"],

@@ -166,6 +166,7 @@ def test_bad_gateway_settings_stop_it_at_start_naming_the_setting(settings, tmp_
     assert GatewayConfig.from_settings().keys is None
 
 
+@pytest.mark.process
 def test_the_settings_parse_strictly():
     env = {**os.environ, "ABPLAT_DEBUG": "true", "ABPLAT_GATEWAY_USER_RATE": "fast"}
     done = subprocess.run(

@@ -14,6 +14,7 @@ from samples.store import StoreError
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.process
 def test_a_second_process_gets_a_lock_error_naming_the_directory_and_the_fix(chdb_dir):
     ChdbBackend(chdb_dir, "abplat_test_lock").ping()  # this process owns the directory
     code = (

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import io
 
+import pytest
 from django.core.management import call_command
 
 from samples import factory
 
 
+@pytest.mark.services
 def test_migrate_command_applies_then_reports_nothing_to_do(settings, make_store):
     store = make_store("server")  # fresh database name, dropped after the test
     settings.CLICKHOUSE_URL = f"clickhouse://default:@127.0.0.1:19000/{store.database}"

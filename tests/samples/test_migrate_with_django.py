@@ -160,6 +160,7 @@ def test_the_replay_api_refuses_with_the_command_to_run(configured, running, cli
     assert not ReplayRun.objects.exists()
 
 
+@pytest.mark.process
 def test_migrate_while_another_process_owns_the_chdb_store_says_what_to_do(chdb_dir, tmp_path):
     """The embedded store opened by a running process (runserver, a shell): the database is
     migrated, and the command fails naming the lock's holder and the command to run after."""

@@ -62,6 +62,7 @@ def healthy(url: str) -> bool:
         return False
 
 
+@pytest.mark.process
 def test_a_child_started_from_an_ended_pool_thread_stays_up():
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         handles = list(pool.map(lambda _: start_subprocess("fast"), range(2)))
@@ -78,6 +79,7 @@ def test_a_child_started_from_an_ended_pool_thread_stays_up():
 
 
 @pytest.mark.parametrize("script", [PARENT, PARENT_FROM_POOL], ids=["main-thread", "pool-thread"])
+@pytest.mark.process
 def test_a_killed_parent_takes_its_simulator_with_it(script):
     parent = subprocess.Popen(
         [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
@@ -100,6 +102,7 @@ def test_a_killed_parent_takes_its_simulator_with_it(script):
             parent.wait()
 
 
+@pytest.mark.process
 def test_a_child_that_exits_early_is_reported_at_once():
     from serving import children
 
@@ -111,6 +114,7 @@ def test_a_child_that_exits_early_is_reported_at_once():
     assert time.monotonic() - t0 < 10  # not the 30 s deadline
 
 
+@pytest.mark.process
 def test_a_child_never_healthy_is_stopped_at_the_deadline(tmp_path):
     from serving import children
 
@@ -125,6 +129,7 @@ def test_a_child_never_healthy_is_stopped_at_the_deadline(tmp_path):
         os.kill(pid, 0)
 
 
+@pytest.mark.process
 def test_stop_reaches_the_childs_own_children_when_it_has_its_own_group():
     # As vLLM runs an engine-core process: stop(group=True) signals the whole process group.
     from serving import children
@@ -145,6 +150,7 @@ def test_stop_reaches_the_childs_own_children_when_it_has_its_own_group():
     assert proc.returncode is not None and not alive(grandchild)
 
 
+@pytest.mark.process
 def test_a_port_another_server_answers_on_is_refused_not_mistaken_for_the_child():
     first = start_subprocess("fast")
     try:

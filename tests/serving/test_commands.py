@@ -35,6 +35,7 @@ def test_management_command_rejects_bad_pairs():
         call_command("simulator", "--serve", "fp16")
 
 
+@pytest.mark.process
 def test_management_command_serves_several_profiles_from_one_process():
     p1, p2 = free_port(), free_port()
     cmd = [sys.executable, "manage.py", "simulator", "--serve", f"fp16={p1}", "--serve", f"awq-fa2={p2}"]

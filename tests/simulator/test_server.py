@@ -114,6 +114,7 @@ def test_a_thousand_concurrent_streams_all_complete(sim):
     assert all(r.outcome is Outcome.OK for r in results)
 
 
+@pytest.mark.process
 def test_subprocess_handle_is_ready_when_returned_and_stops():
     h = start_subprocess("awq")
     try:

@@ -19,6 +19,7 @@ from experiments.weights.errors import StoreUnavailable
 from experiments.weights.factory import parse_endpoints
 from experiments.weights.local import LocalWeightsStore
 from experiments.weights.store import WeightsStore
+from tests.plugin import XDIST_INDEX
 
 ROOT = Path(__file__).resolve().parents[2]
 ETCD_SH = ROOT / "scripts" / "etcd.sh"
@@ -78,7 +79,9 @@ def etcd_endpoints() -> Iterator[list[tuple[str, int]]]:
         run_etcd_sh("stop", endpoints[0][1])
 
 
-PRIVATE_ETCD_PORT = 12479  # peer 12480
+# Client port of the private etcd (its peer port is the next): one per pytest-xdist worker, so
+# two workers' outage tests never share one.
+PRIVATE_ETCD_PORT = 12479 + 10 * XDIST_INDEX
 
 
 @pytest.fixture

@@ -67,6 +67,7 @@ def users_moved(old: Allocation, new: Allocation, user_buckets: np.ndarray) -> n
 # Determinism --------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_same_user_gets_same_variant_in_another_process_with_another_hash_seed():
     allocation = allocate({"fp16": 34, "awq": 33, "awq-fa2": 33})
     users = [f"user-{i}" for i in range(2000)] + ["Ünïcødé-用户", ""]

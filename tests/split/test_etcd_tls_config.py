@@ -113,6 +113,7 @@ def test_a_bad_etcd_setting_stops_the_process_at_start_with_one_line(files, tmp_
     assert message.startswith("Unexpected value ABPLAT_ETCD_KEY=") and "no such file" in message
 
 
+@pytest.mark.process
 def test_good_etcd_settings_pass_the_start_checks(files, tmp_path):
     result = manage(
         "check",

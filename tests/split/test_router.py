@@ -69,6 +69,7 @@ print(store.put("ttft-opt", nxt, revision))
 """
 
 
+@pytest.mark.process
 def test_weights_written_by_another_process_reach_a_running_router(
     store, store_config, router, spawn, wait_until
 ):

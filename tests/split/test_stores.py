@@ -139,6 +139,7 @@ print(json.dumps({"conflicts": conflicts}))
 """
 
 
+@pytest.mark.process
 def test_two_processes_incrementing_with_compare_and_set_lose_no_update(store, store_config, spawn):
     store.put("counter", doc("counter", reason="0"), 0)
     per_process = 40

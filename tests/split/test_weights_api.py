@@ -56,6 +56,7 @@ def test_assign_returns_the_variant_and_the_revision_used(running, client_for):
     assert client_for("sre").get("/api/experiments/ttft-opt/assign/?user_id=u").status_code == 200
 
 
+@pytest.mark.process
 def test_assign_rejects_a_missing_user_id_and_unknown_experiments(running, client_for):
     client = client_for("analyst")
     response = client.get("/api/experiments/ttft-opt/assign")

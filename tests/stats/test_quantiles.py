@@ -140,6 +140,7 @@ def test_nearest_rank_refuses_empty_input_and_q_outside_0_1():
             nearest_rank([1.0], q)
 
 
+@pytest.mark.process
 def test_nearest_rank_imports_no_numpy_or_scipy():
     import subprocess
     import sys

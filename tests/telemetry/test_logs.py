@@ -255,6 +255,7 @@ def manage_py(*args: str, **env: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)  # fmt: skip
 
 
+@pytest.mark.process
 def test_log_format_json_makes_every_line_an_object_and_a_bad_value_stops_the_process():
     code = ("import logging; from telemetry.logs import log_context\n"
             "with log_context(run=4): logging.getLogger('workers.x').warning('hi %s', 'there')")  # fmt: skip

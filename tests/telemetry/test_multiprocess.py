@@ -56,6 +56,7 @@ def scrape(env):
     return parse(out.stdout)
 
 
+@pytest.mark.process
 def test_two_processes_are_summed_and_a_dead_one_keeps_its_counts_but_not_its_gauges(tmp_path):
     env = env_with(tmp_path / "metrics")
     a = start_writer(env, "abplat-first", 3)
@@ -88,6 +89,7 @@ def test_two_processes_are_summed_and_a_dead_one_keeps_its_counts_but_not_its_ga
                 p.wait()
 
 
+@pytest.mark.process
 def test_only_abplat_families_are_exposed_from_the_directory(tmp_path):
     env = env_with(tmp_path / "metrics")
     code = ("import prometheus_client; from telemetry import metrics; "
@@ -98,6 +100,7 @@ def test_only_abplat_families_are_exposed_from_the_directory(tmp_path):
     assert all(name.startswith("abplat_") for name, _ in exposed)
 
 
+@pytest.mark.process
 def test_gunicorn_child_exit_removes_the_workers_live_gauges(tmp_path):
     env = env_with(tmp_path / "metrics")
     worker = start_writer(env, "abplat-first", 1)
@@ -134,6 +137,7 @@ def check(env) -> subprocess.CompletedProcess:
     ],
     ids=["file", "uncreatable", "theirs-only", "two-dirs"],
 )  # fmt: skip
+@pytest.mark.process
 def test_a_bad_metrics_directory_stops_the_process_at_start_with_one_line(tmp_path, setup, message):
     # A real process: the directory is checked while settings load, before anything imports
     # telemetry.metrics (whose import would fail on it with a traceback).
@@ -187,6 +191,7 @@ OBSERVED_CHECK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.process
 def test_a_good_multiprocess_setting_passes_and_creates_the_directory(tmp_path):
     # Loading the settings makes and checks the directory but leaves the metrics mode alone
     # (nothing imports telemetry.metrics or prometheus_client); app start fixes it, before the

@@ -173,6 +173,7 @@ def test_a_collector_base_url_gets_the_traces_path(endpoint, url):
         ("ABPLAT_OTEL_SERVICE_NAME", "a\tb", "ABPLAT_OTEL_SERVICE_NAME='a\\tb'"),
     ],
 )
+@pytest.mark.process
 def test_a_bad_tracing_setting_stops_the_process_naming_it(name, value, message):
     env = {**os.environ, name: value}
     done = subprocess.run([sys.executable, "manage.py", "check"], cwd=ROOT, env=env, capture_output=True,
@@ -258,6 +259,7 @@ def replay_process(env: dict) -> dict:
     return json.loads(manage(env, "shell", "-c", REPLAY).strip().splitlines()[-1])
 
 
+@pytest.mark.process
 def test_off_our_tracing_code_imports_no_opentelemetry_at_all():
     code = ("import sys; from telemetry import tracing; tracing.configure(False, 'http://x:4318', 'abplat-replay')\n"
             "tracing.record_request_span(trace_id='1' * 32, span_id='2' * 16, start_ns=1, end_ns=2, attributes={})\n"

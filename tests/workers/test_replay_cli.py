@@ -136,6 +136,7 @@ def test_flush_samples_json_counts_the_rows_it_wrote(db, sample_store, tmp_path)
     assert doc["error"]["field"] == "--spool-dir" and "not a spool directory" in doc["error"]["message"]
 
 
+@pytest.mark.process
 def test_demo_json_prints_its_replay_report_and_capacity(tmp_path):
     """The demo as a script would run it: one document, the replay counted whole (every request
     to every variant), its report, and a capacity search of the control (a tiny one here)."""
