@@ -163,6 +163,19 @@ def _service_ports() -> frozenset[int]:
     return frozenset(p for u in urls if u.strip() and (p := urllib.parse.urlsplit(u.strip()).port))
 
 
+# The PostgreSQL pass (make test) runs the engine-marked tests once, with the stores production
+# pairs PostgreSQL with (the ClickHouse server, etcd): their embedded twins (chDB, the local
+# weights store) behave the same whatever the Django database is, and run in the SQLite pass.
+EMBEDDED_PARAMS = frozenset({"chdb", "local"})
+# Tests that start processes, servers or threads against the database last longest: a test file
+# holding one is handed to a pytest-xdist process first, so no long file starts last.
+LONG_MARKS = ("process", "vllm", "browser", "services")
+
+
+def _on_postgresql() -> bool:
+    return os.environ.get("ABPLAT_DATABASE_URL", "").startswith(("postgres:", "postgresql:", "pgsql:"))
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
@@ -170,6 +183,26 @@ def pytest_collection_modifyitems(config, items):
             isinstance(v, str) and v in SERVICE_PARAMS for v in params.values()
         ):
             item.add_marker(pytest.mark.services)
+    if _on_postgresql():
+        embedded = [
+            item
+            for item in items
+            if any(
+                isinstance(v, str) and v in EMBEDDED_PARAMS
+                for v in getattr(getattr(item, "callspec", None), "params", {}).values()
+            )
+        ]
+        if embedded:
+            config.hook.pytest_deselected(items=embedded)
+            dropped = set(map(id, embedded))
+            items[:] = [item for item in items if id(item) not in dropped]
+    long_files = {
+        item.path
+        for item in items
+        if "transactional_db" in getattr(item, "fixturenames", ())
+        or any(item.get_closest_marker(m) for m in LONG_MARKS)
+    }
+    items.sort(key=lambda item: item.path not in long_files)  # stable: file order kept otherwise
 
 
 if FAST:

@@ -192,6 +192,7 @@ def test_admin_sign_in_attempts_are_limited_per_address(client, users, settings)
 
 
 @pytest.mark.django_db
+@pytest.mark.engine
 def test_a_token_older_than_its_lifetime_is_a_401_token_expired(users, settings):
     settings.API_TOKEN_TTL_S = 3600
     token = Token.objects.create(user=users["analyst"])
