@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterator
 
 import pytest
 from django.contrib.auth.models import Group, User
@@ -10,7 +11,9 @@ from hypothesis import settings as hypothesis_settings
 from rest_framework.test import APIClient
 
 from experiments import services
+from samples.store import SampleStore
 from tests.pki import PKI, make_pki
+from tests.sample_dbs import SessionDatabases, open_store
 
 # No per-example deadline: wall-clock limits flake on a loaded 2-core CI machine (speed is
 # measured in bench/); derandomized so a CI failure reproduces on a developer's machine.
@@ -149,29 +152,81 @@ def clickhouse_server() -> str:
     return SERVER_URL
 
 
-@pytest.fixture(params=["chdb", "server"])
-def sample_store(request, settings, chdb_dir, tmp_path):
-    """The Django-configured sample store on a fresh database, on chDB and on the server."""
-    import uuid
+SESSION_DATABASES = pytest.StashKey[SessionDatabases]()
 
+
+@pytest.fixture(scope="session")
+def session_databases(request, chdb_dir: str) -> Iterator[SessionDatabases]:
+    """The session's migrated sample-store database of each backend (tests/sample_dbs.py),
+    built when a test first asks for it and dropped when the session ends."""
+    dbs = request.config.stash[SESSION_DATABASES] = SessionDatabases(chdb_dir)
+    yield dbs
+    dbs.drop_all()
+
+
+@pytest.fixture
+def shared_database(request, session_databases) -> Callable[[str], str]:
+    """shared_database(kind) -> the name of the session's database of kind "chdb" or "server",
+    migrated, and empty when this test starts (what an earlier test wrote is truncated; an
+    earlier test's schema change got a new database). Every fixture of one test gets the same."""
+    names: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in names:
+            if kind == "server":
+                request.getfixturevalue("clickhouse_server")  # fails, naming the fix, when it is down
+            names[kind] = session_databases.acquire(kind, request.node.nodeid)
+        return names[kind]
+
+    return get
+
+
+@pytest.fixture
+def shared_store(shared_database, chdb_dir) -> Iterator[Callable[..., SampleStore]]:
+    """shared_store(kind, **server_kw) -> a store object of its own (closed after the test) on
+    the session's migrated, empty database of that kind. A test that drops the database, alters
+    its schema or writes to the migrations table takes make_store (tests/samples/conftest) instead."""
+    made: list[SampleStore] = []
+
+    def make(kind: str, **kw) -> SampleStore:
+        store = open_store(kind, shared_database(kind), chdb_dir, **kw)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        store.close()
+
+
+@pytest.fixture(params=["chdb", "server"])
+def sample_store(request, settings, shared_database, chdb_dir, tmp_path):
+    """The Django-configured sample store, on chDB and on the server: the session's migrated
+    database of that kind, empty when the test starts (shared_database)."""
     from samples import factory
     from tests.plugin import server_url_for
 
-    database = f"abplat_test_{uuid.uuid4().hex[:10]}"
+    database = shared_database(request.param)
     settings.SPOOL_DIR = tmp_path / "spool"
     if request.param == "chdb":
         settings.CLICKHOUSE_URL, settings.CHDB_PATH, settings.CHDB_DATABASE = "", chdb_dir, database
     else:
         settings.CLICKHOUSE_URL = server_url_for(database, request.getfixturevalue("clickhouse_server"))
+    factory._cache.clear()  # no store object of an earlier test (its replaced methods, its caches)
     store = factory.sample_store()
-    store.ensure_database()
-    store.migrate()
+    store.check_schema()  # as migrate() on a fresh database did: the process's store knows it is current
     yield store
-    try:
-        store.execute(f"DROP DATABASE IF EXISTS {database}")
-    except Exception:  # a test that broke the store must not hide its own failure
-        pass
     factory._cache.clear()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Name the tests after which the session's sample-store database had to be rebuilt (they
+    changed its schema or migrations table: they should take a database of their own)."""
+    dbs = terminalreporter.config.stash.get(SESSION_DATABASES, None)
+    if dbs is None or not dbs.rebuilds:
+        return
+    terminalreporter.section("sample store: session database rebuilt")
+    for user, reason in dbs.rebuilds:
+        terminalreporter.write_line(f"after {user or '(unknown)'}: {reason}")
 
 
 @pytest.fixture(autouse=True)

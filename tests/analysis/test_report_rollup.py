@@ -8,7 +8,6 @@ import dataclasses
 import datetime as dt
 import math
 import time
-import uuid
 from collections.abc import Iterator
 
 import numpy as np
@@ -21,8 +20,6 @@ from analysis.readers.merged import report_scope
 from analysis.readers.raw import RawReader
 from analysis.readers.rollup import RollupReader
 from samples import schema, synthetic
-from samples.backends.chdb import ChdbBackend
-from samples.backends.clickhouse import ClickHouseServerBackend
 from samples.store import SampleStore
 from tests.analysis.fixtures_report import (  # noqa: F401 - fixtures
     SLO,
@@ -35,7 +32,6 @@ from tests.analysis.fixtures_report import (  # noqa: F401 - fixtures
     split_data,
     split_spec,
 )
-from tests.plugin import server_url_for
 
 pytestmark = pytest.mark.services
 
@@ -137,50 +133,44 @@ def test_srm_over_several_runs_counts_users_on_the_raw_samples(store):
 
 
 @pytest.mark.parametrize("kind", ["chdb", "server"])
-def test_a_row_added_after_the_build_sends_the_report_back_to_the_samples(kind, chdb_dir, clickhouse_server):
-    db = f"abplat_test_rollup_late_{uuid.uuid4().hex[:8]}"
-    store = ChdbBackend(chdb_dir, db) if kind == "chdb" else ClickHouseServerBackend(server_url_for(db))
-    try:
-        store.migrate()
-        spec = synthetic.SyntheticSpec(n=2_000, seed=3, run_id=5, variants=synthetic.demo_variants())
-        data = synthetic.generate(spec)
-        synthetic.insert(store, data)
-        store.deduplicate()
-        first = rollup.build_run_rollup(store, spec.experiment, 5, SLO)
-        assert first is not None
-        f = q.Filters(spec.experiment)
-        assert report_scope(store, f, SLO) is not None
-        late = synthetic.generate(dataclasses.replace(spec, n=1, seed=99))
-        late.columns["request_id"] = np.array([f"{x}-late" for x in late.columns["request_id"]], dtype=object)
-        synthetic.insert(store, late)
-        assert report_scope(store, f, SLO) is None
-        rep = r.build_report(store, info(spec), f)
-        assert rep["timing"]["source"] == "samples"
-        assert sum(v["n"] for v in rep["variants"]) == 2_001
-        # a rebuild makes the rollup current again, with the late row
-        second = rollup.build_run_rollup(store, spec.experiment, 5, SLO)
-        assert second.rows == 2_001 and second.build_id > first.build_id
-        rep2 = r.build_report(store, info(spec), f)
-        assert rep2["timing"]["source"] == "rollup"
-        assert_same(rep, rep2)
-        # the first build's rows are deleted (ALTER ... DELETE: asynchronous on the server)
-        deadline = time.monotonic() + 20
-        while True:
-            left = [
-                store.query(f"SELECT count() FROM {t} WHERE build_id = %(b)s", {"b": first.build_id})[0][0]
-                for t in (*schema.ROLLUP_TABLES, schema.ROLLUP_VALUES_TABLE)
-            ]
-            if not any(left) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert left == [0] * len(left)
-        assert store.query(f"SELECT count() FROM {schema.ROLLUP_VALUES_TABLE} WHERE build_id = %(b)s",
-                           {"b": second.build_id})[0][0] > 0  # fmt: skip
-        # a run without samples has nothing to build
-        assert rollup.build_run_rollup(store, spec.experiment, 6, SLO) is None
-    finally:
-        store.execute(f"DROP DATABASE IF EXISTS {db}")
-        store.close()
+def test_a_row_added_after_the_build_sends_the_report_back_to_the_samples(kind, shared_store):
+    store = shared_store(kind)  # the session's migrated database, empty (tests/sample_dbs.py)
+    spec = synthetic.SyntheticSpec(n=2_000, seed=3, run_id=5, variants=synthetic.demo_variants())
+    data = synthetic.generate(spec)
+    synthetic.insert(store, data)
+    store.deduplicate()
+    first = rollup.build_run_rollup(store, spec.experiment, 5, SLO)
+    assert first is not None
+    f = q.Filters(spec.experiment)
+    assert report_scope(store, f, SLO) is not None
+    late = synthetic.generate(dataclasses.replace(spec, n=1, seed=99))
+    late.columns["request_id"] = np.array([f"{x}-late" for x in late.columns["request_id"]], dtype=object)
+    synthetic.insert(store, late)
+    assert report_scope(store, f, SLO) is None
+    rep = r.build_report(store, info(spec), f)
+    assert rep["timing"]["source"] == "samples"
+    assert sum(v["n"] for v in rep["variants"]) == 2_001
+    # a rebuild makes the rollup current again, with the late row
+    second = rollup.build_run_rollup(store, spec.experiment, 5, SLO)
+    assert second.rows == 2_001 and second.build_id > first.build_id
+    rep2 = r.build_report(store, info(spec), f)
+    assert rep2["timing"]["source"] == "rollup"
+    assert_same(rep, rep2)
+    # the first build's rows are deleted (ALTER ... DELETE: asynchronous on the server)
+    deadline = time.monotonic() + 20
+    while True:
+        left = [
+            store.query(f"SELECT count() FROM {t} WHERE build_id = %(b)s", {"b": first.build_id})[0][0]
+            for t in (*schema.ROLLUP_TABLES, schema.ROLLUP_VALUES_TABLE)
+        ]
+        if not any(left) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert left == [0] * len(left)
+    assert store.query(f"SELECT count() FROM {schema.ROLLUP_VALUES_TABLE} WHERE build_id = %(b)s",
+                       {"b": second.build_id})[0][0] > 0  # fmt: skip
+    # a run without samples has nothing to build
+    assert rollup.build_run_rollup(store, spec.experiment, 6, SLO) is None
 
 
 def test_a_build_racing_new_samples_publishes_nothing(store, monkeypatch):

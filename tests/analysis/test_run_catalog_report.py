@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import datetime as dt
-import uuid
 
 import pytest
 
 from analysis import definitions as q
 from analysis import report as r
 from samples import synthetic
-from samples.backends.chdb import ChdbBackend
 
 EXP = "cat"
 
@@ -28,11 +26,8 @@ def cols(run_id: int, mode: str, n: int, *, start_ms: float, skew: bool = False)
 
 
 @pytest.fixture
-def store(chdb_dir):
-    s = ChdbBackend(chdb_dir, f"abplat_test_cat_{uuid.uuid4().hex[:8]}")
-    s.migrate()
-    yield s
-    s.execute(f"DROP DATABASE IF EXISTS {s.database}")
+def store(shared_store):
+    return shared_store("chdb")  # the session's migrated chDB database, empty (tests/sample_dbs.py)
 
 
 def info(**over) -> r.ExperimentInfo:

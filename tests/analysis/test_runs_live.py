@@ -3,8 +3,6 @@ the replays, never mixed with them, chosen by the same rule (analysis.runs)."""
 
 from __future__ import annotations
 
-import uuid
-
 import numpy as np
 import pytest
 
@@ -12,7 +10,6 @@ from analysis import definitions as q
 from analysis import report as r
 from analysis.runs import select_runs
 from samples import synthetic
-from samples.backends.chdb import ChdbBackend
 from samples.columns import MODES
 
 EXP = "cat"
@@ -32,11 +29,8 @@ def cols(run_id: int, mode: str, n: int, *, start_ms: float) -> dict:
 
 
 @pytest.fixture
-def store(chdb_dir):
-    s = ChdbBackend(chdb_dir, f"abplat_test_live_{uuid.uuid4().hex[:8]}")
-    s.migrate()
-    yield s
-    s.execute(f"DROP DATABASE IF EXISTS {s.database}")
+def store(shared_store):
+    return shared_store("chdb")  # the session's migrated chDB database, empty (tests/sample_dbs.py)
 
 
 def info() -> r.ExperimentInfo:

@@ -3,15 +3,12 @@ every statistic either answers or says it cannot, and the report assembles in ev
 
 from __future__ import annotations
 
-import uuid
-
 import numpy as np
 import pytest
 
 from analysis import definitions as q
 from analysis import report as r
 from samples import synthetic
-from samples.backends.chdb import ChdbBackend
 
 
 def _rows(mode: str, n: int, *, seed: int = 3, run_id: int = 5, experiment: str = "small") -> dict:
@@ -38,11 +35,8 @@ def fail_variant(cols: dict, variant: str, outcome: str = "connect_error", statu
 
 
 @pytest.fixture
-def chdb_store(chdb_dir):
-    store = ChdbBackend(chdb_dir, f"abplat_test_small_{uuid.uuid4().hex[:8]}")
-    store.migrate()
-    yield store
-    store.execute(f"DROP DATABASE IF EXISTS {store.database}")
+def chdb_store(shared_store):
+    return shared_store("chdb")  # the session's migrated chDB database, empty (tests/sample_dbs.py)
 
 
 def info(experiment: str = "small") -> r.ExperimentInfo:

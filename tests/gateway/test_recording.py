@@ -30,10 +30,8 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.engine]
 
 
 @pytest.fixture(params=["chdb", "server"])
-def store(request, make_store):  # noqa: F811
-    s = make_store(request.param)
-    s.migrate()
-    return s
+def store(request, shared_store):
+    return shared_store(request.param)  # the session's migrated database, empty (tests/sample_dbs.py)
 
 
 def result(i: int, **over: Any) -> StreamResult:
@@ -149,12 +147,9 @@ def test_each_process_start_is_a_new_run(store, tmp_path):
 
 
 def test_the_store_down_during_traffic_spools_and_flushes_later_exactly_once(
-    make_store,  # noqa: F811 - the fixture imported above
-    tmp_path,
-    monkeypatch,
+    clickhouse_server, shared_store, tmp_path, monkeypatch
 ):
-    store = make_store("server", tries=1, backoff_s=(0.01,), connect_timeout=0.5)
-    store.migrate()
+    store = shared_store("server", tries=1, backoff_s=(0.01,), connect_timeout=0.5)
     down = switch_off(store, monkeypatch)
     rec = recorder(store, tmp_path)
     rec.start()

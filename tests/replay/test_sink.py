@@ -17,14 +17,11 @@ from replay.sources import TraceRequest
 from samples.spool import SpoolingWriter
 from streaming.result import StreamResult
 from tests.replay.test_rows import context, full_result
-from tests.samples.conftest import make_store  # noqa: F401 (the fixture, for store below)
 
 
 @pytest.fixture(params=["chdb", "server"])
-def store(request, make_store):  # noqa: F811
-    s = make_store(request.param)
-    s.migrate()
-    return s
+def store(request, shared_store):
+    return shared_store(request.param)  # the session's migrated database, empty (tests/sample_dbs.py)
 
 
 def stored_seqs(store) -> list[int]:

@@ -40,24 +40,17 @@ def rollout_document():
 
 
 @pytest.fixture
-def ch_store(settings, clickhouse_server):
-    """The Django-configured sample store on a fresh database of the real ClickHouse server."""
-    import uuid
-
+def ch_store(settings, shared_database, clickhouse_server):
+    """The Django-configured sample store on the real ClickHouse server: the session's migrated
+    database, empty when the test starts (tests/sample_dbs.py)."""
     from samples import factory
     from tests.plugin import server_url_for
 
-    database = f"abplat_test_h_{uuid.uuid4().hex[:10]}"
-    settings.CLICKHOUSE_URL = server_url_for(database, clickhouse_server)
+    settings.CLICKHOUSE_URL = server_url_for(shared_database("server"), clickhouse_server)
     factory._cache.clear()
     store = factory.sample_store()
-    store.ensure_database()
-    store.migrate()
+    store.check_schema()
     yield store
-    try:
-        store.execute(f"DROP DATABASE IF EXISTS {database}")
-    except Exception:  # a test that broke the store must not hide its own failure
-        pass
     factory._cache.clear()
 
 

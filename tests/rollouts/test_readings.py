@@ -4,8 +4,6 @@ it would tilt the SRM guardrail just when the candidate fails (issue 15)."""
 
 from __future__ import annotations
 
-import uuid
-
 import numpy as np
 import pytest
 
@@ -13,9 +11,6 @@ from analysis.definitions import Slo
 from rollouts.controller import Plan
 from rollouts.readings import read_step
 from samples import synthetic
-from samples.backends.chdb import ChdbBackend
-from samples.backends.clickhouse import ClickHouseServerBackend
-from tests.plugin import server_url_for
 
 pytestmark = pytest.mark.services
 
@@ -23,15 +18,8 @@ EXP, RUN, REV = "roll", 10**12 + 7, 5
 
 
 @pytest.fixture(params=["chdb", "server"])
-def store(request, chdb_dir):
-    database = f"abplat_test_readings_{uuid.uuid4().hex[:8]}"
-    if request.param == "chdb":
-        s = ChdbBackend(chdb_dir, database)
-    else:
-        s = ClickHouseServerBackend(server_url_for(database, request.getfixturevalue("clickhouse_server")))
-    s.migrate()
-    yield s
-    s.execute(f"DROP DATABASE IF EXISTS {database}")
+def store(request, shared_store):
+    return shared_store(request.param)  # the session's migrated database, empty (tests/sample_dbs.py)
 
 
 def live(n: int, *, seed: int) -> dict:

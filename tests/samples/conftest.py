@@ -1,8 +1,12 @@
 """Sample store fixtures: every store test runs on chDB and on the real ClickHouse server.
 
-The server must be running (scripts/clickhouse.sh start); each test gets a fresh database on it
-and on chDB, dropped afterwards. chDB opens one data directory per process, so the whole session
-shares one directory (the root conftest's ``chdb_dir``) and isolates tests by database.
+The server must be running (scripts/clickhouse.sh start). ``store`` is the session's migrated
+database of each kind, emptied before each test (tests/sample_dbs.py, the root conftest's
+shared_database); ``fresh_store`` and ``make_store`` give a test a database of its own, dropped
+afterwards: for tests of migrations themselves, and for tests that drop the database, change its
+schema or its migrations table, or reach it through a proxy they switch off. chDB opens one data
+directory per process, so the whole session shares one directory (the root conftest's
+``chdb_dir``) and isolates databases by name.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ def _fresh_db() -> str:
 
 @pytest.fixture
 def make_store(request: pytest.FixtureRequest, chdb_dir: str) -> Iterator:
-    """make_store(kind, **kw) -> a migrated-or-not store on a fresh database of that kind."""
+    """make_store(kind, url=None, **kw) -> a store on a fresh database of that kind, not migrated
+    (the test migrates it, or not), dropped after the test."""
     made: list[SampleStore] = []
 
     def make(kind: str, url: str | None = None, **kw) -> SampleStore:
@@ -55,7 +60,16 @@ def make_store(request: pytest.FixtureRequest, chdb_dir: str) -> Iterator:
 
 
 @pytest.fixture(params=["chdb", "server"])
-def store(request: pytest.FixtureRequest, make_store) -> SampleStore:
+def store(request: pytest.FixtureRequest, shared_store) -> SampleStore:
+    """A store of each kind on the session's migrated database, empty when the test starts."""
+    return shared_store(request.param)
+
+
+@pytest.fixture(params=["chdb", "server"])
+def fresh_store(request: pytest.FixtureRequest, make_store) -> SampleStore:
+    """A store of each kind on a database of its own, migrated, dropped after the test: for a
+    test that changes the schema or the migrations table (the session's database is only ever
+    emptied)."""
     s = make_store(request.param)
     s.migrate()
     return s

@@ -41,10 +41,10 @@ def test_an_edited_applied_migration_is_refused(make_store):
             store.migrate()
 
 
-def test_a_migration_unknown_to_this_code_is_refused(store):
-    store.execute(f"INSERT INTO {schema.MIGRATIONS_TABLE} SELECT 99, 'future', 'x', now()")
+def test_a_migration_unknown_to_this_code_is_refused(fresh_store):
+    fresh_store.execute(f"INSERT INTO {schema.MIGRATIONS_TABLE} SELECT 99, 'future', 'x', now()")
     with pytest.raises(SchemaMismatch, match="migration 99 is applied but unknown"):
-        store.migrate()
+        fresh_store.migrate()
 
 
 def test_every_column_round_trips_including_none_and_unicode(store):

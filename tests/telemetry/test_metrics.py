@@ -272,9 +272,8 @@ def test_spool_depth_rises_while_the_store_is_down_and_drains_with_the_flush(tmp
     )
 
 
-def test_store_counts_inserted_rows_seconds_and_errors_by_backend(clickhouse_server):
-    store = ClickHouseServerBackend(clickhouse_server)
-    store.migrate()
+def test_store_counts_inserted_rows_seconds_and_errors_by_backend(clickhouse_server, shared_store):
+    store = shared_store("server")  # the session's migrated database, empty (tests/sample_dbs.py)
     dead = ClickHouseServerBackend("clickhouse://default:@127.0.0.1:1/abplat_dead", tries=1)
     before = parse(generate_latest(metrics.REGISTRY).decode())
     assert store.insert_samples(sample_rows(4)) == 4
