@@ -14,6 +14,7 @@ import math
 import os
 import time
 import urllib.parse
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -39,8 +40,10 @@ CLUSTER_URLS = [
     ).split(",")
     if u.strip()
 ]
-CLUSTER_DB = "abplat_test_h6_cluster"
-SINGLE_DB = "abplat_test_h6"
+# Named per test process: two sessions (or pytest-xdist processes) share the servers.
+_SUFFIX = uuid.uuid4().hex[:8]
+CLUSTER_DB = f"abplat_test_cluster_{_SUFFIX}"
+SINGLE_DB = f"abplat_test_single_{_SUFFIX}"
 VERSIONS = [m.version for m in schema.MIGRATIONS]
 
 
@@ -111,7 +114,7 @@ def single(clickhouse_server) -> Iterator[ClickHouseServerBackend]:
     store = ClickHouseServerBackend(server_url_for(SINGLE_DB), send_receive_timeout=120)
     yield store
     store.close()
-    _drop(SERVER_URL, SINGLE_DB, recreate=True)
+    _drop(SERVER_URL, SINGLE_DB)
 
 
 def local_rows(servers, table: str = schema.SAMPLES_TABLE) -> list[int]:
@@ -220,7 +223,7 @@ def test_a_server_not_migrated_fails_the_schema_check_naming_it(cstore, servers,
     servers[1].execute(f"DROP TABLE {cluster.local_name(schema.SAMPLES_TABLE)}")
     with pytest.raises(NotMigrated, match=lacks) as err:
         fresh.count(1)
-    assert "There is no table abplat_test_h6_cluster.samples_local" in str(err.value.__cause__)
+    assert f"There is no table {CLUSTER_DB}.samples_local" in str(err.value.__cause__)
     cstore.migrate()
     fresh.check_schema()
     assert fresh.count(1) == 0
