@@ -11,6 +11,7 @@ from samples.store import SchemaMismatch, StoreError
 from tests.samples.conftest import sample_row
 
 
+@pytest.mark.services
 def test_migrate_applies_once_and_is_idempotent(make_store):
     for kind in ("chdb", "server"):
         store = make_store(kind)
@@ -31,6 +32,7 @@ def test_status_before_migrating_lists_everything_pending(make_store):
     assert [m["applied"] for m in store.migration_status()] == [False] * len(schema.MIGRATIONS)
 
 
+@pytest.mark.services
 def test_an_edited_applied_migration_is_refused(make_store):
     for kind in ("chdb", "server"):
         store = make_store(kind)
