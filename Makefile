@@ -31,8 +31,9 @@ demo: venv  ## set up and run the main job on the embedded defaults, then serve 
 # than they compute, so three processes pay on two cores (bench/RESULTS.md "Test suite").
 TEST_WORKERS ?= 3
 XDIST = -n $(TEST_WORKERS) --dist loadfile
-# The inner loop: no service, no child process (tests/plugin.py fails a test that reaches one).
-FAST_MARKS = not services and not process and not vllm and not browser
+# The inner loop: no service, no child process (tests/plugin.py fails a test that reaches one),
+# nothing that takes seconds.
+FAST_MARKS = not services and not process and not slow and not vllm and not browser
 
 test: venv services vllm browser doctor lint check  ## set up, start the services, run the whole suite
 	$(PY) -m pytest $(XDIST) --durations=30

@@ -144,8 +144,8 @@ SERVICE_FIXTURES = frozenset(
 )  # fmt: skip
 SERVICE_PARAMS = frozenset({"server", "etcd"})
 
-# `make test-fast` sets ABPLAT_TEST_FAST=1 and deselects the tests marked services, process, vllm
-# and browser. What a selected test does is checked, not trusted to its marks: connecting to a
+# `make test-fast` sets ABPLAT_TEST_FAST=1 and deselects the tests marked services, process, slow,
+# vllm and browser. What a selected test does is checked, not trusted to its marks: connecting to a
 # service's port or starting a child process fails the test, naming the mark it lacks, so the
 # inner loop stays in-process and runs on a machine with no service installed.
 FAST = os.environ.get("ABPLAT_TEST_FAST", "") not in ("", "0")
@@ -172,6 +172,15 @@ EMBEDDED_PARAMS = frozenset({"chdb", "local"})
 LONG_MARKS = ("process", "vllm", "browser", "services")
 
 
+def _transactional(item) -> bool:
+    """A test whose database is really committed (threads, tasks or servers use it beside the test)."""
+    marker = item.get_closest_marker("django_db")
+    return bool(
+        {"transactional_db", "live_server"} & set(getattr(item, "fixturenames", ()))
+        or (marker is not None and marker.kwargs.get("transaction"))
+    )
+
+
 def _on_postgresql() -> bool:
     return os.environ.get("ABPLAT_DATABASE_URL", "").startswith(("postgres:", "postgresql:", "pgsql:"))
 
@@ -183,6 +192,8 @@ def pytest_collection_modifyitems(config, items):
             isinstance(v, str) and v in SERVICE_PARAMS for v in params.values()
         ):
             item.add_marker(pytest.mark.services)
+        if _transactional(item):
+            item.add_marker(pytest.mark.slow)  # replays, searches, tasks in threads: seconds each
     if _on_postgresql():
         embedded = [
             item
@@ -199,8 +210,7 @@ def pytest_collection_modifyitems(config, items):
     long_files = {
         item.path
         for item in items
-        if "transactional_db" in getattr(item, "fixturenames", ())
-        or any(item.get_closest_marker(m) for m in LONG_MARKS)
+        if _transactional(item) or any(item.get_closest_marker(m) for m in LONG_MARKS)
     }
     items.sort(key=lambda item: item.path not in long_files)  # stable: file order kept otherwise
 

@@ -38,6 +38,7 @@ def _first_meets(misses: int, target: float, alpha: float, judge) -> int:
     return n
 
 
+@pytest.mark.slow  # simulates thousands of steps
 def test_the_step_sequence_centred_on_the_target_decides_in_about_half_the_requests():
     # 99.2% of first tokens under the SLO, alpha 0.025 for the step: the requests a step needs
     # to say "meets" with 0, 1, 2 misses, against the same sequence with the uniform prior
@@ -61,6 +62,7 @@ def test_the_step_sequence_centred_on_the_target_decides_in_about_half_the_reque
     assert first_miss < first_miss_flat
 
 
+@pytest.mark.slow  # simulates thousands of sequences
 @pytest.mark.parametrize("target", [0.9, 0.992])
 def test_the_step_sequence_is_valid_at_the_target_under_continuous_looks(target):
     # A variant whose attainment is exactly the target, looked at after every 20 requests up to
@@ -224,6 +226,7 @@ def long_run_edge(lo: float, hi: float) -> float:
     return (lo + hi) / 2
 
 
+@pytest.mark.slow  # whole searches against the latency model
 def test_the_search_finds_the_latency_models_edge_within_10_percent():
     truth = long_run_edge(3.0, 12.0)
     assert 5.0 < truth < 9.0  # this profile's edge (a change to the model moves it)
