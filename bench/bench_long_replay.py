@@ -64,30 +64,58 @@ def start_worker(env: dict, log: pathlib.Path, name: str) -> subprocess.Popen:
     )  # fmt: skip
 
 
-def shell_json(env: dict, code: str) -> object:
-    out = manage(env, "shell", "-c", f"import json\n{code}")
-    for line in reversed(out.strip().splitlines()):
-        if line.startswith("{") or line.startswith("["):
-            return json.loads(line)
-    raise BenchFailed(f"no JSON in shell output: {out[-500:]}")
+# The database, the sample store's tables, the experiment and its start: the four commands in one
+# Django process (each its own `manage.py` would pay Django's start-up four times).
+SETUP = """
+from django.core.management import call_command
+from experiments import services
+from experiments.models import Experiment
+call_command("migrate", verbosity=0)
+call_command("clickhouse_migrate")
+call_command("apply_experiment", {document!r})
+services.transition(Experiment.objects.get(), "start")
+"""
+
+# `manage.py replay` (queues the run and returns), then the run's state every {poll} s until it
+# ends, then its shard rows: one Django process for the whole run instead of one per look. Each
+# line a JSON document tagged by what it is.
+WATCH = """
+import io, json, time
+from django.core.management import call_command
+from workers.models import ReplayRun, ReplayShard
+out = io.StringIO()
+call_command(*{replay!r}, stdout=out)
+print(json.dumps({{"replay": out.getvalue()}}), flush=True)
+while True:
+    r = ReplayRun.objects.get()
+    print(json.dumps({{"state": {{"status": r.status, "expected": r.expected_samples,
+                                 "recorded": r.samples_recorded, "error": r.error, "window_s": r.window_s,
+                                 "start": r.start_at_unix, **r.progress()}}}}), flush=True)
+    if r.status in ("done", "failed", "cancelled"):
+        break
+    time.sleep({poll!r})
+print(json.dumps({{"shards": [[s.window, s.slot, s.status, s.planned, s.recorded, s.attempts,
+                              (s.finished_at - s.started_at).total_seconds() if s.finished_at and s.started_at
+                              else None] for s in ReplayShard.objects.order_by("index")]}}), flush=True)
+"""
 
 
-def run_state(env: dict) -> dict:
-    return shell_json(env, (
-        "from workers.models import ReplayRun\n"
-        "r = ReplayRun.objects.get()\n"
-        "print(json.dumps({'status': r.status, 'expected': r.expected_samples, 'recorded': r.samples_recorded,"
-        " 'error': r.error, 'window_s': r.window_s, 'start': r.start_at_unix, **r.progress()}))"
-    ))  # fmt: skip
-
-
-def shard_rows(env: dict) -> list:
-    return shell_json(env, (
-        "from workers.models import ReplayShard\n"
-        "print(json.dumps([[s.window, s.slot, s.status, s.planned, s.recorded, s.attempts,"
-        " (s.finished_at - s.started_at).total_seconds() if s.finished_at and s.started_at else None]"
-        " for s in ReplayShard.objects.order_by('index')]))"
-    ))  # fmt: skip
+def watch(env: dict, replay: list[str], poll: float, log: pathlib.Path):
+    """Run WATCH; yield each document it prints ({"replay": ...}, {"state": ...}, {"shards": ...})."""
+    code = WATCH.format(replay=replay, poll=poll)
+    with log.open("ab") as err:
+        proc = subprocess.Popen([sys.executable, "manage.py", "shell", "-c", code], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=err, text=True)  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if line.startswith("{"):
+                yield json.loads(line)
+        if proc.wait() != 0:
+            raise BenchFailed(f"manage.py {replay[0]} (and the run's state): {log.read_text()[-1500:]}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def q(sorted_values: list[float], p: float) -> float:
@@ -122,15 +150,11 @@ def run(args) -> None:
     try:
         import yaml
 
-        manage(env, "migrate", "-v0")
-        manage(env, "clickhouse_migrate")
         doc = yaml.safe_load((ROOT / "demo" / "ttft-optimizations.yaml").read_text())
         for variant, sim in zip(doc["variants"], sims):
             variant["endpoint"] = sim.url + "/v1"
         (var / "exp.yaml").write_text(yaml.safe_dump(doc))
-        manage(env, "apply_experiment", str(var / "exp.yaml"))
-        manage(env, "shell", "-c", "from experiments import services; from experiments.models import Experiment; "
-               "services.transition(Experiment.objects.get(), 'start')")  # fmt: skip
+        manage(env, "shell", "-c", SETUP.format(document=str(var / "exp.yaml")))
         workers = [start_worker(env, log, "a"), start_worker(env, log, "b")]
         replay = [
             "replay",
@@ -146,19 +170,25 @@ def run(args) -> None:
         if args.limit:
             replay += ["--limit", str(args.limit)]
         began = time.monotonic()
-        print(manage(env, *replay).strip().splitlines()[0], flush=True)
-        state = run_state(env)
-        while state["status"] not in ("done", "failed", "cancelled"):
+        state, shards, looks, wall = None, None, 0, 0.0
+        for got in watch(env, replay, args.poll, var / "watch.log"):
+            if "replay" in got:
+                print(got["replay"].strip().splitlines()[0], flush=True)
+            elif "state" in got:
+                state, looks, wall = got["state"], looks + 1, time.monotonic() - began
+                if looks > 1:  # the first look is right after the replay command returned
+                    print(f"  {time.monotonic() - began:7.0f} s  {state['status']:9s} recorded "
+                          f"{state['recorded']:>6}/{state['expected']}  shards done {state['shards_done']}/"
+                          f"{state['shards']}", flush=True)  # fmt: skip
+            else:
+                shards = got["shards"]
             if any(w.poll() is not None for w in workers):
                 raise BenchFailed(f"a worker exited: {log.read_text()[-2000:]}")
-            time.sleep(args.poll)
-            state = run_state(env)
-            print(f"  {time.monotonic() - began:7.0f} s  {state['status']:9s} recorded {state['recorded']:>6}/"
-                  f"{state['expected']}  shards done {state['shards_done']}/{state['shards']}", flush=True)  # fmt: skip
-        wall = time.monotonic() - began
+        if state is None or shards is None:
+            raise BenchFailed(f"the run's state was never read: {(var / 'watch.log').read_text()[-1500:]}")
         if state["status"] != "done":
             raise BenchFailed(f"run ended {state['status']}: {state['error']}")
-        report(store, state, shard_rows(env), wall, args, log)
+        report(store, state, shards, wall, args, log)
     finally:
         for w in workers:
             if w.poll() is None:
@@ -238,7 +268,7 @@ def report(store, state: dict, shards: list, wall: float, args, log: pathlib.Pat
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="600 requests at 30x, 3 s windows, 8 s soft limit")
+    p.add_argument("--quick", action="store_true", help="600 requests at 30x, 3 s windows, 18 s soft limit")
     p.add_argument("--speed", type=float, default=1.0)
     p.add_argument("--limit", type=int, default=0)
     p.add_argument("--window", type=int, default=300, help="ABPLAT_REPLAY_WINDOW_S")
@@ -247,11 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poll", type=float, default=30.0)
     args = p.parse_args(argv)
     if args.quick:
+        # The soft limit 6 windows, as the defaults (300 s, 1800 s): a 3 s window's task takes 5-10 s
+        # on a loaded machine, and one past the hard limit is killed and its run never ends.
         args.speed, args.limit, args.window, args.soft_limit, args.seam_s, args.poll = (
             30.0,
             600,
             3,
-            8,
+            18,
             0.5,
             2.0,
         )
