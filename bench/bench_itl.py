@@ -3,7 +3,7 @@ report's ITL becomes on a replay of the demo profiles.
 
     scripts/clickhouse.sh start
     .venv/bin/python bench/bench_itl.py [--samples 100000] [--limit 1100 --speed 35]
-    .venv/bin/python bench/bench_itl.py --quick     # 5k samples, a 60-request replay at 20x
+    .venv/bin/python bench/bench_itl.py --quick     # 5k samples, a 60-request replay at the demo's 35x
 
 1. Storage: --samples synthetic samples (samples.synthetic, the demo's three arms; output tokens
    uniform in 16..255, so ~135 gaps a successful request) into the ClickHouse server twice, in two
@@ -250,8 +250,9 @@ def demo(args) -> dict:
                 "--no-progress",
                 *demo_options(args),
             ]
-            helped = subprocess.run([*cmd[:3], "--help"], cwd=ROOT, env=env, capture_output=True, text=True)
-            if "--capacity-steps" in helped.stdout:  # a demo that searches capacity too: its replay only
+            # A demo that searches capacity too: its replay only. Read from the command's source, not
+            # its --help (another Django start-up).
+            if "--capacity-steps" in (ROOT / "workers" / "management" / "commands" / "demo.py").read_text():
                 cmd += ["--capacity-steps", "0"]
             t = time.perf_counter()
             done = subprocess.run(
@@ -360,10 +361,10 @@ def main() -> None:
     ap.add_argument("--speed", type=float, default=DEMO_SPEED, help="demo: time compression of the slice")
     ap.add_argument("--timeout", type=float, default=900.0, help="demo: seconds before it counts as hung")
     ap.add_argument("--clickhouse-url", default=DEFAULT_URL, help=f"default {DEFAULT_URL}")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 5k samples, a 60-request demo at 20x")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 5k samples, a 60-request demo at 35x")
     args = ap.parse_args()
     if args.quick:
-        args.samples, args.limit, args.speed, args.timeout = 5_000, 60, 20.0, 150.0
+        args.samples, args.limit, args.speed, args.timeout = 5_000, 60, DEMO_SPEED, 150.0
     if args.samples < 100 or args.limit < 10 or args.speed <= 0:
         ap.error("--samples >= 100, --limit >= 10 and --speed > 0")
     sys.exit(run_checked(run, args))
