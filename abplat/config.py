@@ -91,6 +91,9 @@ def _settings(env: Reader) -> dict[str, Any]:
     )
     # Named variant credentials (auth: {secret: NAME}): one file per name in this directory.
     VARIANT_SECRETS_DIR = env.env_str("ABPLAT_VARIANT_SECRETS_DIR", "")
+    # The team product and analyst users join when given their role, and where a document that
+    # names no team goes when its author is in no single team (README "Roles"); empty: neither.
+    DEFAULT_TEAM = env.env_str("ABPLAT_DEFAULT_TEAM", "default")
     # Caps on one replay request.
     REPLAY_MAX_REQUESTS = env.env_int("ABPLAT_REPLAY_MAX_REQUESTS", 5_000_000, minimum=1)
     REPLAY_MAX_CONCURRENCY = env.env_int("ABPLAT_REPLAY_MAX_CONCURRENCY", 4096, minimum=1)

@@ -298,9 +298,12 @@ def _page(url: str, repeat: int) -> dict[str, float]:
         setup_test_environment()
     old = setup_databases(verbosity=0, interactive=False)
     try:
-        from experiments.models import Experiment, Variant
+        from experiments.models import Experiment, Team, Variant
 
-        e = Experiment.objects.create(key="ttft-opt", name="bench", sla_ttft_ms=200, sla_target=0.9)
+        team = Team.objects.get_or_create(name="default")[0]  # every experiment belongs to a team
+        e = Experiment.objects.create(
+            key="ttft-opt", name="bench", team=team, sla_ttft_ms=200, sla_target=0.9
+        )
         for i, (k, w, fac) in enumerate([
             ("fp16", 34, {"quantization": "none", "attention": "sdpa"}),
             ("awq", 33, {"quantization": "awq", "attention": "sdpa"}),

@@ -17,6 +17,7 @@ from capacity.models import CapacitySearch
 from capacity.service import Options, create_search
 from capacity.steps import ARRIVALS
 from experiments.models import Experiment
+from experiments.teams import visible_experiments
 from traces.models import Trace
 from workers.runs import ReplayError, resolve_source
 
@@ -68,6 +69,9 @@ class CapacitySearchAdmin(admin.ModelAdmin):
         "created_at",
         "finished_at",
     )
+
+    def get_queryset(self, request):
+        return visible_experiments(request.user, super().get_queryset(request), via="experiment")
 
     @admin.display(description="capacity (req/s)")
     def summary(self, obj: CapacitySearch) -> str:

@@ -15,7 +15,7 @@ from capacity.models import CapacitySearch
 from capacity.service import Options, create_search, ranking
 from capacity.steps import ARRIVALS
 from experiments.api.permissions import require
-from experiments.models import Experiment
+from experiments.teams import visible_experiments
 from workers.runs import ReplayError, resolve_source
 
 # Starting a search is running replays; reading one is reading replays.
@@ -87,6 +87,7 @@ class CapacityListView(generics.ListAPIView):
 
     def get_queryset(self):
         qs = CapacitySearch.objects.select_related("experiment")
+        qs = visible_experiments(self.request.user, qs, via="experiment")  # the user's teams' searches
         if key := self.request.query_params.get("experiment"):
             qs = qs.filter(experiment__key=key)
         return qs
@@ -97,7 +98,8 @@ class CapacityListView(generics.ListAPIView):
         body = CapacityCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         d = body.validated_data
-        experiment = Experiment.objects.filter(key=d["experiment"]).first()
+        # Another team's experiment is "no experiment", as a key never made.
+        experiment = visible_experiments(request.user).filter(key=d["experiment"]).first()
         if experiment is None:
             return Response({"experiment": [f"no experiment with key {d['experiment']!r}"]}, status=400)
         try:
@@ -127,4 +129,7 @@ class CapacityListView(generics.ListAPIView):
 class CapacityDetailView(generics.RetrieveAPIView):
     permission_classes = [CanOperate]
     serializer_class = CapacitySearchSerializer
-    queryset = CapacitySearch.objects.select_related("experiment")
+
+    def get_queryset(self):
+        qs = CapacitySearch.objects.select_related("experiment")
+        return visible_experiments(self.request.user, qs, via="experiment")

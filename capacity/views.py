@@ -12,7 +12,7 @@ from capacity import charts
 from capacity.models import CapacitySearch
 from capacity.service import ranking
 from dashboards.views import plotly_url
-from experiments.models import Experiment
+from experiments.teams import visible_experiments
 
 VIEW_PERM = "experiments.view_experiment"
 
@@ -21,7 +21,7 @@ VIEW_PERM = "experiments.view_experiment"
 @permission_required(VIEW_PERM, raise_exception=True)
 @require_GET
 def capacity_page(request: HttpRequest, key: str) -> HttpResponse:
-    experiment = get_object_or_404(Experiment, key=key)
+    experiment = get_object_or_404(visible_experiments(request.user), key=key)  # the user's teams
     searches = CapacitySearch.objects.filter(experiment=experiment)
     shown = searches.first()
     if (wanted := request.GET.get("search")) is not None:

@@ -12,7 +12,7 @@ from rest_framework.views import APIView
 from analysis.definitions import QueryError
 from dashboards.reports import report_for_params, report_time_limit_s, timeout_message
 from experiments.api.permissions import CanView
-from experiments.models import Experiment
+from experiments.teams import visible_experiments
 from samples.store import QueryTimeout
 
 
@@ -43,7 +43,7 @@ class ExperimentReport(APIView):
         description="The SLA report (stable JSON shape, docs/report-json.md).",
     )
     def get(self, request, key: str) -> Response:
-        experiment = get_object_or_404(Experiment, key=key)
+        experiment = get_object_or_404(visible_experiments(request.user), key=key)  # the user's teams
         try:
             _filters, report = report_for_params(
                 experiment,

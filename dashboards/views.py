@@ -14,7 +14,7 @@ from django.views.decorators.http import require_GET
 from analysis.definitions import MODES, RUN_STATUSES, QueryError
 from dashboards import charts, tables
 from dashboards.reports import report_for_params, report_time_limit_s, timeout_message
-from experiments.models import Experiment
+from experiments.teams import visible_experiments
 from samples.store import QueryTimeout
 
 VIEW_PERM = "experiments.view_experiment"
@@ -26,7 +26,7 @@ def _guard(view):
 
 
 def _report(request: HttpRequest, key: str):
-    experiment = get_object_or_404(Experiment, key=key)
+    experiment = get_object_or_404(visible_experiments(request.user), key=key)  # the user's teams
     return experiment, *report_for_params(
         experiment, request.GET, request.GET.getlist("variant"), request.GET.getlist("status")
     )

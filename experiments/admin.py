@@ -1,5 +1,9 @@
 """Admin for product teams: experiments with inline variants, validated exactly like the API
-(the pure document rules), lifecycle actions that respect the transitions."""
+(the pure document rules), lifecycle actions that respect the transitions.
+
+Each user sees and acts on their teams' experiments only (experiments.teams; sre and superusers:
+all): the lists are filtered, so another team's experiment is missing from them and from every
+page and action keyed by it. Teams and their members are a superuser's to edit (Teams)."""
 
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ from experiments import lifecycle, services
 from experiments.admin_weights import WeightsAdminMixin
 from experiments.checks import document_egress
 from experiments.document import DocumentError, validate_document
-from experiments.models import AuditEntry, Experiment, Variant
+from experiments.models import AuditEntry, Experiment, Team, Variant
+from experiments.teams import may_act_on, teams_of, usable_teams, visible_audit, visible_experiments
 
 VARIANT_FIELDS = (
     "key", "control", "weight", "endpoint", "model", "api", "http2", "factors", "engine_args", "auth_secret",
@@ -42,6 +47,8 @@ def document_from_admin(experiment: Experiment, variant_rows: list[dict]) -> dic
         "sla": services.sla_document(experiment),
         "variants": [variant_document(row) for row in variant_rows],
     }
+    if experiment.team_id is not None:  # left empty: the author's only team (services.with_team)
+        doc["team"] = experiment.team.name
     if experiment.rollout:
         doc["rollout"] = experiment.rollout
     return doc
@@ -162,35 +169,62 @@ def _json(value) -> str:
 
 @admin.register(Experiment)
 class ExperimentAdmin(WeightsAdminMixin, admin.ModelAdmin):
-    list_display = ("key", "name", "status", "sla_ttft_ms", "sla_target", "owner", "updated_at", "dashboard")
-    list_filter = ("status", "owner")
+    list_display = (
+        "key", "name", "team", "status", "sla_ttft_ms", "sla_target", "owner", "updated_at", "dashboard",
+    )  # fmt: skip
+    # Only the teams and owners of the experiments the user sees (never every user's name).
+    list_filter = (
+        "status", ("team", admin.RelatedOnlyFieldListFilter), ("owner", admin.RelatedOnlyFieldListFilter),
+    )  # fmt: skip
     search_fields = ("key", "name", "hypothesis", "variants__key", "variants__model")
     inlines = [VariantInline]
     actions = [*(_lifecycle_action(a) for a in lifecycle.ACTIONS), delete_selected]
     readonly_fields = ("status", "salt", "hash_version", "owner", "created_at", "updated_at",
                        "started_at", "concluded_at", "dashboard", "weights_link")  # fmt: skip
     fieldsets = (
-        (None, {"fields": ("key", "name", "hypothesis", "status", "owner", "dashboard")}),
+        (None, {"fields": ("key", "name", "team", "hypothesis", "status", "owner", "dashboard")}),
         ("SLA", {"fields": ("sla_ttft_ms", "sla_tpot_ms", "sla_e2e_ms", "sla_target")}),
         ("Assignment", {"fields": ("salt", "hash_version", "weights_link")}),
         ("Timeline", {"fields": ("created_at", "updated_at", "started_at", "concluded_at")}),
     )
+
+    def get_queryset(self, request):
+        return visible_experiments(request.user, super().get_queryset(request).select_related("team"))
+
+    def formfield_for_foreignkey(self, db_field, request, **kwargs):
+        if db_field.name == "team":
+            # The user's own teams (every team for sre and superusers); left empty on a new
+            # experiment: the user's only team, or the default team (services.with_team).
+            kwargs["queryset"] = usable_teams(request.user)
+            kwargs["required"] = False
+            kwargs["help_text"] = "the team that owns it; empty: your only team (or the default team)"
+        return super().formfield_for_foreignkey(db_field, request, **kwargs)
+
+    def get_changeform_initial_data(self, request):
+        initial = super().get_changeform_initial_data(request)
+        mine = list(teams_of(request.user)[:2])
+        if len(mine) == 1:
+            initial.setdefault("team", mine[0].pk)
+        return initial
 
     def get_readonly_fields(self, request, obj=None):
         fields = list(super().get_readonly_fields(request, obj))
         if obj is not None and obj.is_locked:
             fields.append("key")
         if obj is not None and obj.status == Experiment.Status.CONCLUDED:
-            fields += ["name", "hypothesis", "sla_ttft_ms", "sla_tpot_ms", "sla_e2e_ms", "sla_target"]
+            fields += ["name", "team", "hypothesis", "sla_ttft_ms", "sla_tpot_ms", "sla_e2e_ms", "sla_target"]
         return fields
 
     def has_run_lifecycle_permission(self, request):
         return request.user.has_perm("experiments.run_lifecycle")
 
+    def has_change_permission(self, request, obj=None):
+        return super().has_change_permission(request, obj) and (obj is None or may_act_on(request.user, obj))
+
     def has_delete_permission(self, request, obj=None):
         if obj is not None and obj.status != Experiment.Status.DRAFT:
             return False
-        return super().has_delete_permission(request, obj)
+        return super().has_delete_permission(request, obj) and (obj is None or may_act_on(request.user, obj))
 
     @admin.display(description="Dashboard")
     def dashboard(self, obj):
@@ -233,6 +267,9 @@ class AuditEntryAdmin(admin.ModelAdmin):
               "before_shown", "after_shown")  # fmt: skip
     readonly_fields = fields
 
+    def get_queryset(self, request):
+        return visible_audit(request.user, super().get_queryset(request))
+
     @admin.display(description="before")
     def before_shown(self, obj):
         return _json(services.redact_audit_value(obj.before))
@@ -249,3 +286,29 @@ class AuditEntryAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return False
+
+
+@admin.register(Team)
+class TeamAdmin(admin.ModelAdmin):
+    """Teams and their members: a superuser's (no role is granted the team permissions)."""
+
+    list_display = ("name", "description", "members_shown", "experiment_count")
+    search_fields = ("name", "description", "members__username")
+    filter_horizontal = ("members",)
+
+    def get_queryset(self, request):
+        return (
+            super()
+            .get_queryset(request)
+            .prefetch_related("members")
+            .annotate(n_experiments=models.Count("experiments", distinct=True))
+        )
+
+    @admin.display(description="members")
+    def members_shown(self, obj: Team) -> str:
+        names = [u.get_username() for u in obj.members.all()[:10]]
+        return ", ".join(names) or "-"
+
+    @admin.display(description="experiments", ordering="n_experiments")
+    def experiment_count(self, obj: Team) -> int:
+        return obj.n_experiments

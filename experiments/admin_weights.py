@@ -21,6 +21,7 @@ from django.urls import path, reverse
 from django.utils.html import format_html
 
 from experiments.models import Experiment
+from experiments.teams import visible_experiments
 from experiments.weights.errors import ConflictError, StoreUnavailable, WeightsError
 from experiments.weights.publish import current_weights, preview_move, publish_weights
 
@@ -73,7 +74,7 @@ class WeightsAdminMixin:
         return format_html('<a href="{}">change traffic weights (SRE)</a>', url)
 
     def weights_view(self, request, object_id):
-        experiment = get_object_or_404(Experiment, pk=object_id)
+        experiment = get_object_or_404(visible_experiments(request.user), pk=object_id)
         if not request.user.has_perm(PERMISSION):
             raise PermissionDenied(f"changing traffic weights needs the permission {PERMISSION}")
         variants = [v.key for v in experiment.variants.all()]

@@ -26,6 +26,8 @@ def record(
     return AuditEntry.objects.create(
         experiment=experiment,
         experiment_key=experiment.key if experiment is not None else key,
+        # Who reads the entry once the experiment is gone (experiments.teams.visible_audit).
+        team_id=experiment.team_id if experiment is not None else None,
         actor=user,
         actor_name=actor_name(actor),
         action=action,

@@ -2,6 +2,9 @@
 and by a system check, so a bad entry stops ``manage.py check``/``migrate``/the workers with
 the entry named, instead of failing one request at a time.
 
+The secrets' bindings file (``_bindings.json`` in the secrets directory) and the default team's
+name are checked here too.
+
 ``document_egress()`` is what the Django glue (API, admin, services) passes to the pure
 document rules: the parsed allowlist and a resolver for host names that are not on it.
 """
@@ -17,7 +20,17 @@ from django.conf import settings
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
-from streaming.egress import SECRETS_SETTING, SETTING, Allowlist, EgressError, parse_allowlist
+from experiments.document import SLUG_RE, SLUG_RULE
+from streaming.egress import (
+    BINDINGS_FILE,
+    SECRETS_SETTING,
+    SETTING,
+    Allowlist,
+    EgressError,
+    SecretError,
+    parse_allowlist,
+    read_bindings,
+)
 
 
 @functools.lru_cache(maxsize=8)
@@ -79,4 +92,31 @@ def check_variant_egress(app_configs=None, **kwargs) -> list[checks.CheckMessage
                         id="abplat.W001",
                     )
                 )
+            if stat.S_ISDIR(mode):
+                found += _bindings_errors(directory)
+    team = settings.DEFAULT_TEAM
+    if team and not SLUG_RE.match(team):
+        found.append(
+            checks.Error(
+                f"ABPLAT_DEFAULT_TEAM={team[:80]!r}: a team's name is {SLUG_RULE}",
+                hint="or empty: role users join no team by themselves",
+                id="abplat.E004",
+            )
+        )
     return found
+
+
+def _bindings_errors(directory: str) -> list[checks.CheckMessage]:
+    """The secrets' bindings (streaming/egress.py), read as every connection reads them: a bad
+    file refuses every secret, so ``manage.py check`` (and migrate) reports it, naming the entry."""
+    try:
+        read_bindings(directory)
+    except SecretError as exc:
+        return [
+            checks.Error(
+                str(exc),
+                hint=f'{BINDINGS_FILE} maps secret names to {{"hosts": [...], "teams": [...]}} (README "Security")',
+                id="abplat.E003",
+            )
+        ]
+    return []

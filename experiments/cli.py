@@ -10,6 +10,10 @@ field at fault (``--as``, ``variants[0].weight``), or is null.
 
 Progress (``--progress`` / ``--no-progress``): drawn on stderr, by default only when stderr is
 a terminal (telemetry.progress draws it; plain lines when forced on without a terminal).
+
+``--as NAME``: the change is that user's, recorded under their name and bound by their teams
+(experiments.teams): an experiment of a team they are not in is refused, naming ``--as``. Without
+``--as`` the operator acts, on every team's experiments.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 from django.core.serializers.json import DjangoJSONEncoder
 
+from experiments.teams import may_act_on
 from telemetry.progress import Progress
 
 JSON_HELP = (
@@ -93,6 +98,19 @@ def actor_for(username: str | None, option: str = "--as"):
     if actor is None:
         raise CliError(f"{option}: no user named {username!r}", field=option)
     return actor
+
+
+def check_acts_on(actor, experiment, option: str = "--as") -> None:
+    """CliError naming ``option`` unless ``actor`` (None: the operator) may act on
+    ``experiment``: a member of its team, or someone who acts on every team."""
+    if actor is None or may_act_on(actor, experiment):
+        return
+    name = actor.get_username()
+    raise CliError(
+        f"{option} {name}: experiment {experiment.key!r} belongs to team {experiment.team.name!r}, which "
+        f"{name!r} is not in; nothing changed (an administrator adds users to teams)",
+        field=option,
+    )
 
 
 # argparse's words for the option at fault: "argument --status: invalid choice ..." and

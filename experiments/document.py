@@ -8,6 +8,9 @@ Egress (streaming/egress.py): an endpoint never carries credentials (``user:key@
 variant that needs them names a secret, ``auth: {secret: NAME}``, and only the NAME is kept.
 Given the variant allowlist (``allow``, and ``resolve`` for names not on it), the endpoint's host
 must be on it; the Django glue passes the settings' (experiments/checks.py).
+
+``team`` names the team that owns the experiment. It is optional here: experiments.services
+fills it in (the experiment's own team, or its author's) and decides who may use which team.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ WEIGHT_TOTAL = 100  # weights are integer percentages
 MAX_VARIANTS = 26
 MAX_SLO_MS = 3_600_000.0
 
-TOP_FIELDS = {"key", "name", "hypothesis", "sla", "variants", "rollout"}
+TOP_FIELDS = {"key", "name", "team", "hypothesis", "sla", "variants", "rollout"}
 SLA_FIELDS = {"ttft_ms", "tpot_ms", "e2e_ms", "target"}
 VARIANT_FIELDS = {
     "key", "control", "weight", "endpoint", "model", "api", "http2", "factors", "engine_args", "auth", "cost",
@@ -118,6 +121,17 @@ def _slug(c: _Collector, value: Any, path: str, example: str) -> Any:
     elif not isinstance(value, str) or not SLUG_RE.match(value):
         c.add(path, f"must be {SLUG_RULE}, got {value!r}")
     return value
+
+
+def _team(c: _Collector, value: Any) -> str | None:
+    """The name of the team that owns the experiment (optional: experiments.services fills it
+    in). Whether the author may use that team is the services' question, not this module's."""
+    if isinstance(value, str) and SLUG_RE.match(value):
+        return value
+    shown = repr(value) if isinstance(value, str) else f"a {type(value).__name__}"
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    c.add("team", f"must be the name of a team ({SLUG_RULE}), got {shown}")
+    return None
 
 
 def _unknown(c: _Collector, raw: dict, allowed: set[str], prefix: str) -> None:
@@ -328,6 +342,8 @@ def validate_document(raw: Any, *, allow: Allowlist | None = None, resolve: Reso
         "sla": _validate_sla(c, raw.get("sla")),
         "variants": [],
     }
+    if raw.get("team") is not None:
+        doc["team"] = _team(c, raw["team"])
     variants_raw = raw.get("variants")
     if not isinstance(variants_raw, list) or len(variants_raw) < 2:
         c.add("variants", "is required: a list of at least 2 variants (a control and a treatment)")

@@ -3,15 +3,43 @@ from __future__ import annotations
 import secrets
 
 from django.conf import settings
+from django.core.validators import RegexValidator
 from django.db import models
 from django.db.models import Q
 
 from experiments import lifecycle
+from experiments.document import SLUG_RE, SLUG_RULE
 
 
 def new_salt() -> str:
     # Fixed at creation: it keys every user's assignment in this experiment.
     return secrets.token_hex(16)
+
+
+class Team(models.Model):
+    """Who owns experiments. What a user may do is their role (the auth groups product, sre,
+    analyst: README "Roles"); on which experiments is their teams': a product or analyst user
+    acts on or reads the experiments of the teams they are a member of (several, if need be).
+    Users who may change traffic (sre) and superusers act on every team's; experiments.teams
+    has the rules."""
+
+    # A document names its team: the name follows the document's key rule.
+    name = models.SlugField(
+        max_length=64, unique=True, validators=[RegexValidator(SLUG_RE.pattern, f"a team's name is {SLUG_RULE}")],
+        help_text=f"{SLUG_RULE}; documents name the team that owns the experiment by it",
+    )  # fmt: skip
+    description = models.CharField(max_length=200, blank=True)
+    members = models.ManyToManyField(
+        settings.AUTH_USER_MODEL, blank=True, related_name="abplat_teams",
+        help_text="product users act on the team's experiments, analysts read them",
+    )  # fmt: skip
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
 
 
 class Experiment(models.Model):
@@ -25,6 +53,9 @@ class Experiment(models.Model):
     name = models.CharField(max_length=200)
     hypothesis = models.TextField(blank=True, max_length=2000)
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    # The team that owns it: its members act on it (experiments.teams). A team with experiments
+    # cannot be deleted; move them first.
+    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="experiments")
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.DRAFT)
     sla_ttft_ms = models.FloatField("SLA: TTFT under (ms)")
     sla_tpot_ms = models.FloatField("SLA: TPOT under (ms)", null=True, blank=True)
@@ -118,6 +149,9 @@ class AuditEntry(models.Model):
     )
     # Kept as text too, so the entry survives the deletion of a draft experiment.
     experiment_key = models.CharField(max_length=64, db_index=True)
+    # The experiment's team when the entry was written: who reads the entries of a deleted draft
+    # (those of an existing experiment go with its team now).
+    team = models.ForeignKey(Team, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
     actor_name = models.CharField(max_length=150)
     at = models.DateTimeField(auto_now_add=True)

@@ -24,12 +24,24 @@ the audit log, and a redacted URL sent back in a document stands for the stored 
 engine_args are checked against the vLLM flags a product user may set
 (``serving.vllm_args``) when a variant is created or its engine_args change, so a bad flag is
 refused while the experiment is defined, not when an operator serves it.
+
+Teams (experiments.teams): an experiment belongs to a team, and a user who is not in it (and does
+not act on every team) changes, moves through its lifecycle or deletes nothing of it, whichever
+path calls in. A document's ``team`` is filled in when it names none: the experiment's own, else
+its author's only team, else the default team for the operator and those who act on every team.
+
+A variant's secret (``auth: {secret: NAME}``) is checked against the operator's bindings
+(streaming/egress.py, ``_bindings.json``) when the variant is created or its secret, endpoint or
+team changes: the binding must let the experiment's team send it to the endpoint's host. Every
+connection checks again (``bound_bearer``), so a binding narrowed later takes effect anyway.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from django.conf import settings
+from django.core.exceptions import PermissionDenied
 from django.db import transaction
 from django.db.models import ProtectedError, RestrictedError
 from django.utils import timezone
@@ -45,9 +57,17 @@ from experiments.document import (
     scrub_url,
     validate_document,
 )
-from experiments.models import Experiment, Variant
+from experiments.models import Experiment, Team, Variant
 from experiments.signals import experiment_transitioned
+from experiments.teams import (
+    acts_on_all_teams,
+    default_team_name,
+    may_act_on,
+    teams_of,
+    visible_experiments,
+)
 from serving.vllm_args import RISKY, check_engine_args
+from streaming.egress import SecretError, binding_refusal, read_bindings, split_url
 
 # What a variant measures: fixed while the experiment runs (pause it to change them).
 MEASURED_FIELDS = ("endpoint", "model", "api", "http2", "engine_args")
@@ -79,6 +99,20 @@ class ProtectedExperimentError(lifecycle.TransitionError):
     """The experiment has replay runs (and their samples): deleting it would orphan them."""
 
 
+class NotInTeamError(PermissionDenied):
+    """The actor is not in the team that owns the experiment (nor acts on every team)."""
+
+
+def check_acts_on(actor, experiment: Experiment, what: str) -> None:
+    """NotInTeamError unless ``actor`` may act on ``experiment`` (experiments.teams)."""
+    if not may_act_on(actor, experiment):
+        name = getattr(actor, "get_username", lambda: str(actor))()
+        raise NotInTeamError(
+            f"{name!r} cannot {what} experiment {experiment.key!r}: it belongs to team "
+            f"{experiment.team.name!r}, which {name!r} is not in"
+        )
+
+
 @dataclasses.dataclass
 class ApplyResult:
     experiment: Experiment
@@ -102,6 +136,7 @@ def export_document(experiment: Experiment) -> dict:
     doc = {
         "key": experiment.key,
         "name": experiment.name,
+        "team": experiment.team.name,
         "hypothesis": experiment.hypothesis,
         "sla": sla,
         "variants": [
@@ -166,18 +201,20 @@ def _redacted_webhook_result(result):
     return out
 
 
-def restore_webhooks(raw):
+def restore_webhooks(raw, actor=None):
     """``raw`` (a document as sent) with each redacted webhook URL replaced by the stored URL it
     stands for: the one at the same place in the stored plan, else the only stored URL with that
     redaction. One it cannot place is left for validation to refuse, naming its path. ``raw``
-    itself is not changed."""
+    itself is not changed. Only an experiment ``actor`` may act on lends its URLs (None: the
+    operator)."""
     if not isinstance(raw, dict) or not isinstance(raw.get("rollout"), dict):
         return raw
     notify = raw["rollout"].get("notify")
     if not isinstance(notify, list) or not any(is_redacted_url(u) for u in notify):
         return raw
     key = raw.get("key")
-    stored = Experiment.objects.filter(key=key).values_list("rollout", flat=True).first() if key else None
+    mine = visible_experiments(actor).filter(key=key) if isinstance(key, str) else None
+    stored = mine.values_list("rollout", flat=True).first() if mine is not None else None
     old = [u for u in ((stored or {}).get("notify") or []) if isinstance(u, str)]
     restored = []
     for i, url in enumerate(notify):
@@ -193,7 +230,8 @@ def restore_webhooks(raw):
 
 
 def _normalized(doc: dict) -> dict:
-    """The comparable form: sla without absent optional SLOs."""
+    """The comparable form: sla without absent optional SLOs (a document without ``team``
+    keeps none: check_change fills it in)."""
     doc = dict(doc)
     doc["sla"] = {k: v for k, v in doc["sla"].items() if v is not None}
     if doc.get("rollout") is None:
@@ -205,6 +243,7 @@ def changed_parts(experiment: Experiment, doc: dict) -> set[str]:
     """The top-level fields (name, sla, variants, rollout, ...) in which the validated document
     ``doc`` differs from ``experiment``'s own."""
     before, after = _normalized(export_document(experiment)), _normalized(doc)
+    after.setdefault("team", before["team"])  # no team named: it stays where it is
     return {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
 
 
@@ -212,9 +251,9 @@ def diff_documents(before: dict | None, after: dict) -> list[str]:
     if before is None:
         return [f"created with variants {', '.join(v['key'] for v in after['variants'])}"]
     changes = []
-    for field in ("name", "hypothesis"):
-        if before[field] != after[field]:
-            changes.append(f"{field}: {before[field]!r} -> {after[field]!r}")
+    for field in ("name", "team", "hypothesis"):
+        if before.get(field) != after.get(field):
+            changes.append(f"{field}: {before.get(field)!r} -> {after.get(field)!r}")
     for field in sorted(set(before["sla"]) | set(after["sla"])):
         if before["sla"].get(field) != after["sla"].get(field):
             changes.append(f"sla.{field}: {before['sla'].get(field)} -> {after['sla'].get(field)}")
@@ -334,16 +373,120 @@ def _engine_args_errors(before: dict | None, after: dict) -> list[FieldError]:
     return errors
 
 
-def check_change(experiment: Experiment | None, after: dict, before: dict | None = None, actor=None) -> None:
+def _team_list(actor) -> str:
+    names = list(teams_of(actor).values_list("name", flat=True))
+    return f"your teams: {', '.join(names)}" if names else "you are in no team"
+
+
+def with_team(experiment: Experiment | None, doc: dict, actor=None) -> dict:
+    """``doc`` with its ``team`` filled in, once ``actor`` may make this change as far as teams
+    go; DocumentError naming ``key`` or ``team`` otherwise. Another team's experiment is refused
+    without naming its team (the key is taken, no more), and a team the author is not in is
+    refused like one that does not exist, listing the author's own teams."""
+    if experiment is not None and not may_act_on(actor, experiment):
+        raise DocumentError(
+            [
+                FieldError(
+                    "key",
+                    f"experiment {experiment.key!r} exists and is not one of your teams': choose another key",
+                )
+            ]
+        )
+    name = doc.get("team")
+    if name is None and experiment is not None:
+        return {**doc, "team": experiment.team.name}
+    if name is None:
+        return {**doc, "team": _team_for_new(actor)}
+    if experiment is not None and name == experiment.team.name:
+        return doc
+    team = Team.objects.filter(name=name).first()
+    if acts_on_all_teams(actor):
+        if team is None and name != default_team_name():
+            raise DocumentError(
+                [
+                    FieldError(
+                        "team",
+                        f"no team is named {name!r}: a superuser creates it in the admin (Teams) first",
+                    )
+                ]
+            )
+    elif team is None or not team.members.filter(pk=getattr(actor, "pk", None)).exists():
+        raise DocumentError(
+            [FieldError("team", f"you are not in a team named {name!r} ({_team_list(actor)})")]
+        )
+    return doc
+
+
+def _team_for_new(actor) -> str:
+    """The team of a new experiment whose document names none: the author's only team; else,
+    for those who act on every team (the operator too), the default team."""
+    names = list(teams_of(actor).values_list("name", flat=True)[:20])
+    if len(names) == 1:
+        return names[0]
+    if acts_on_all_teams(actor) and default_team_name():
+        return default_team_name()
+    if names:
+        return _refuse_team(f"is required: you are in several teams ({', '.join(names)}); name one")
+    if acts_on_all_teams(actor):
+        return _refuse_team(
+            "is required: name the team that owns the experiment (ABPLAT_DEFAULT_TEAM is empty)"
+        )
+    return _refuse_team(
+        "you are in no team, so you cannot create experiments: an administrator adds you to one"
+    )
+
+
+def _refuse_team(message: str):
+    raise DocumentError([FieldError("team", message)])
+
+
+def _secret_errors(before: dict | None, after: dict) -> list[FieldError]:
+    """Variants naming a secret whose binding does not let the experiment's team send it to the
+    endpoint's host: those that are new, or whose secret, endpoint or team changes (every
+    connection checks all of them again, streaming.egress.bound_bearer)."""
+    old = {v["key"]: v for v in before["variants"]} if before else {}
+    moved = before is None or before.get("team") != after["team"]
+    errors: list[FieldError] = []
+    bindings: dict | None = None
+    unreadable = ""  # why the bindings cannot be read (no directory, a bad file): every such variant says it
+    for i, v in enumerate(after["variants"]):
+        name = (v.get("auth") or {}).get("secret")
+        was = old.get(v["key"])
+        if not name or (not moved and was and was["auth"] == v["auth"] and was["endpoint"] == v["endpoint"]):
+            continue
+        path = f"variants[{i}].auth.secret"
+        if bindings is None and not unreadable:
+            try:
+                bindings = read_bindings(settings.VARIANT_SECRETS_DIR)
+            except SecretError as exc:
+                unreadable = str(exc)
+        try:
+            host = split_url(v["endpoint"]).host
+        except ValueError:  # the endpoint's own error is reported at its own path
+            continue
+        if unreadable:
+            errors.append(
+                FieldError(path, f"variant {v['key']!r}: secret {name!r} cannot be checked: {unreadable}")
+            )
+            continue
+        refusal = binding_refusal(bindings, name, host, after["team"], advise=True)
+        if refusal is not None:
+            errors.append(FieldError(path, f"variant {v['key']!r}: {refusal}"))
+    return errors
+
+
+def check_change(experiment: Experiment | None, after: dict, before: dict | None = None, actor=None) -> dict:
     """The rules beyond the document's own that a change of ``experiment`` (None: a new one) to
     the validated, normalized document ``after`` must pass; DocumentError naming every field.
     ``before``: the experiment's current normalized document, when the caller has it. ``actor``:
-    the user making the change (None: the operator, see may_change_traffic)."""
+    the user making the change (None: the operator, see may_change_traffic). Returns ``after``
+    with its team filled in (with_team)."""
+    after = with_team(experiment, after, actor)
     if experiment is not None and before is None:
         before = _normalized(export_document(experiment))
     if before == after:
-        return
-    errors = _engine_args_errors(before, after)
+        return after
+    errors = _engine_args_errors(before, after) + _secret_errors(before, after)
     if experiment is not None and experiment.is_locked:
         try:
             _check_locked_change(experiment, before, after, actor)
@@ -351,6 +494,7 @@ def check_change(experiment: Experiment | None, after: dict, before: dict | None
             errors += exc.errors
     if errors:
         raise DocumentError(errors)
+    return after
 
 
 def _write_variants(experiment: Experiment, doc: dict) -> None:
@@ -372,26 +516,31 @@ def _write_variants(experiment: Experiment, doc: dict) -> None:
 
 
 def check_document(raw, actor=None) -> dict:
-    """apply_document's checks, writing nothing: the normalized document, or DocumentError."""
-    doc = _normalized(validate_document(restore_webhooks(raw), **document_egress()))
-    check_change(Experiment.objects.filter(key=doc["key"]).first(), doc, actor=actor)
-    return doc
+    """apply_document's checks, writing nothing: the normalized document (its team filled in),
+    or DocumentError."""
+    doc = _normalized(validate_document(restore_webhooks(raw, actor), **document_egress()))
+    return check_change(Experiment.objects.filter(key=doc["key"]).first(), doc, actor=actor)
 
 
 def apply_document(raw, actor=None, reason: str = "") -> ApplyResult:
     """Create or update the experiment ``raw`` describes. Idempotent: applying the same
     document twice changes nothing the second time. ``reason`` goes to the audit entry, which
     holds the documents with their webhook URLs redacted. ``actor`` is the user making the change
-    (None: the operator's command line): a started experiment's plan needs TRAFFIC_PERMISSION."""
-    doc = _normalized(validate_document(restore_webhooks(raw), **document_egress()))
+    (None: the operator's command line): a started experiment's plan needs TRAFFIC_PERMISSION,
+    and an existing experiment must be one of the actor's teams' (experiments.teams)."""
+    doc = _normalized(validate_document(restore_webhooks(raw, actor), **document_egress()))
     with transaction.atomic():
         experiment = Experiment.objects.select_for_update().filter(key=doc["key"]).first()
+        doc = with_team(experiment, doc, actor)  # before comparing: a document may name no team
         before = _normalized(export_document(experiment)) if experiment else None
         if before == doc:
             return ApplyResult(experiment, created=False, changes=[])
-        check_change(experiment, doc, before, actor=actor)
+        doc = check_change(experiment, doc, before, actor=actor)
         if experiment is None:
             experiment = Experiment(key=doc["key"], owner=actor if getattr(actor, "pk", None) else None)
+        if experiment.team_id is None or experiment.team.name != doc["team"]:
+            # with_team made sure the team exists, or is the default one, created on first use.
+            experiment.team = Team.objects.get_or_create(name=doc["team"])[0]
         experiment.name = doc["name"]
         experiment.hypothesis = doc["hypothesis"]
         experiment.sla_ttft_ms = doc["sla"]["ttft_ms"]
@@ -415,6 +564,7 @@ def transition(experiment: Experiment, action: str, actor=None, reason: str = ""
     (experiments.weights.publish)."""
     from experiments.weights.publish import undo_store_writes_on_failure
 
+    check_acts_on(actor, experiment, action)
     target = lifecycle.target_of(action, experiment.status)
     now = timezone.now()
     fields = {"status": target, "updated_at": now}
@@ -453,7 +603,9 @@ def on_transition(experiment: Experiment, action: str, actor) -> None:
 
 def delete_experiment(experiment: Experiment, actor=None) -> None:
     """Delete a draft, audited; the one path for the API, the admin's delete page and its bulk
-    action. Raises TransitionError (not a draft) or ProtectedExperimentError (it has runs)."""
+    action. Raises TransitionError (not a draft), ProtectedExperimentError (it has runs) or
+    NotInTeamError (the actor is not in its team)."""
+    check_acts_on(actor, experiment, "delete")
     if experiment.status != Experiment.Status.DRAFT:
         raise lifecycle.TransitionError(
             f"only draft experiments can be deleted; {experiment.key!r} is {experiment.status} "

@@ -458,9 +458,11 @@ class Gateway:
         ex: Exchange | None = None
         fwd: _Forwarder | None = None
         try:
-            if tgt.error:
-                raise UpstreamError(Outcome.CLIENT_ERROR, f"variant {tgt.key}: {tgt.error}")
             try:
+                if tgt.error:
+                    # Nothing to send (its secret is missing, or not bound to this host): handled as a
+                    # connection our side refused, so the control takes over or the user gets a 502.
+                    raise UpstreamError(Outcome.CLIENT_ERROR, tgt.error)
                 fwd = _Forwarder(send, timer, [(b"x-abplat-variant", tgt.key.encode()),
                                                (b"x-request-id", request_id.encode()),
                                                (b"traceparent", traceparent.encode())], take_5xx=last,

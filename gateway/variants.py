@@ -3,7 +3,9 @@
 The request path never touches the database: a background thread re-reads every experiment's
 variants each ``ABPLAT_GATEWAY_VARIANTS_REFRESH_S`` and swaps one immutable snapshot (as the
 weights router does). A variant's secret is read from ABPLAT_VARIANT_SECRETS_DIR at each
-refresh (a rotated file takes effect within one interval) and lives only in its headers.
+refresh (a rotated file takes effect within one interval) and lives only in its headers, once
+the operator's binding allows its endpoint's host and its experiment's team
+(streaming.egress.bound_bearer); a refused one is the variant's ``error``, served as such.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from gateway.upstream import Endpoint
-from streaming.egress import bearer, read_secret
+from streaming.egress import bound_bearer
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +33,7 @@ class Target:
     endpoint: Endpoint
     model: str
     headers: Mapping[str, str] = field(repr=False)  # the Authorization, never logged
-    error: str = ""  # why this variant cannot be served now (its secret is missing)
+    error: str = ""  # why this variant cannot be served now (its secret is missing or not bound here)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +53,7 @@ def load_targets(secrets_dir: str | None = None) -> dict[str, ExperimentTargets]
 
     directory = settings.VARIANT_SECRETS_DIR if secrets_dir is None else secrets_dir
     out: dict[str, ExperimentTargets] = {}
-    for exp in Experiment.objects.prefetch_related("variants").order_by("key"):
+    for exp in Experiment.objects.select_related("team").prefetch_related("variants").order_by("key"):
         variants: dict[str, Target] = {}
         control = ""
         for v in exp.variants.all():
@@ -64,7 +66,7 @@ def load_targets(secrets_dir: str | None = None) -> dict[str, ExperimentTargets]
                 continue
             if v.auth_secret:
                 try:
-                    headers = bearer(read_secret(directory, v.auth_secret))
+                    headers = bound_bearer(directory, v.auth_secret, url=v.endpoint, team=exp.team.name)
                 except ValueError as exc:  # SecretError: names the secret, never its value
                     error = str(exc)
             variants[v.key] = Target(exp.key, v.key, v.control, endpoint, v.model, headers, error)

@@ -13,6 +13,7 @@ from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
 from experiments.models import AuditEntry, Experiment
+from experiments.teams import visible_experiments
 from rollouts.models import RolloutState
 
 VIEW_PERM = "experiments.view_experiment"
@@ -56,7 +57,7 @@ def timeline_rows(experiment: Experiment) -> list[dict[str, Any]]:
 @permission_required(VIEW_PERM, raise_exception=True)
 @require_GET
 def timeline(request: HttpRequest, key: str) -> HttpResponse:
-    experiment = get_object_or_404(Experiment, key=key)
+    experiment = get_object_or_404(visible_experiments(request.user), key=key)  # the user's teams
     state = RolloutState.objects.filter(experiment=experiment).first()
     return render(
         request,

@@ -21,12 +21,29 @@ IPv4-mapped IPv6 addresses (``::ffff:10.0.0.1``) are judged as the IPv4 address 
 Credentials never ride in the URL: a variant names a secret (``auth: {secret: NAME}``), the
 operator keeps its value in a file ``NAME`` of ``ABPLAT_VARIANT_SECRETS_DIR``, and the client
 sends it as ``Authorization: Bearer <value>``. The value is never stored, logged or shown.
+
+Whoever writes a document chooses the secret's name and the endpoint, so the operator also says
+where each secret may go: ``_bindings.json`` in the same directory maps a secret's name to the
+hosts it may be sent to and the teams whose experiments may use it::
+
+    {"vllm-a-key": {"hosts": ["vllm-a.internal", "*.a.serving.internal", "10.20.0.0/16"],
+                    "teams": ["search"]},
+     "shared-key": {"hosts": ["gpu-pool.internal"], "teams": ["*"]}}
+
+Hosts are judged as written in the endpoint URL: names and ``*.domain`` patterns match names, IP
+networks match IP addresses (a name never matches a network: DNS does not move a token). A
+secret with no binding is refused. ``bound_bearer`` is the one way to a connection's
+Authorization: it reads the secret and refuses unless its binding allows the URL's host and the
+experiment's team. The file is read at each use, like the secrets, so a change takes effect at
+the next connection (the gateway: its next refresh). Its name cannot be a secret's: those start
+with a letter or digit.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 import os
 import re
 import stat
@@ -40,6 +57,13 @@ SECRETS_SETTING = "ABPLAT_VARIANT_SECRETS_DIR"
 SECRET_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 SECRET_NAME_RULE = "letters, digits, '_', '.' and '-', starting with a letter or digit (max 64)"
 SECRET_MAX_BYTES = 8192
+BINDINGS_FILE = "_bindings.json"
+BINDINGS_MAX_BYTES = 1024 * 1024
+BINDING_FIELDS = ("hosts", "teams")
+ANY_TEAM = "*"
+# A team's name as experiments.models.Team and the documents take it (experiments/document.py,
+# SLUG_RE): repeated here, since this module sits below the experiments app.
+TEAM_NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,62}[a-z0-9])?$")
 _LABEL_RE = re.compile(r"^(?!-)[a-z0-9_-]{1,63}(?<!-)$")  # "_": container service names
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -261,3 +285,162 @@ def read_secret(directory: str, name: str) -> str:
 
 def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
+
+
+# ---- where each secret may go (the operator's _bindings.json) ---------------------------------
+
+_WHERE = f"{BINDINGS_FILE} in {SECRETS_SETTING}"
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """A value of the operator's file in a message: its repr, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+    """Where one secret may be sent (``hosts``, allowlist entries) and whose experiments may
+    use it (``teams``; ANY_TEAM: every team)."""
+
+    secret: str
+    hosts: Allowlist
+    teams: frozenset[str]
+
+    def allows_host(self, host: str) -> bool:
+        literal = ip_literal(host)
+        if literal is not None:
+            return self.hosts.allows_address(literal)
+        return self.hosts.allows_name(host)
+
+    def allows_team(self, team: str) -> bool:
+        return ANY_TEAM in self.teams or team in self.teams
+
+
+def parse_bindings(data: bytes | str) -> dict[str, Binding]:
+    """The bindings in the text of the bindings file; SecretError naming every bad entry and
+    field (the file is the operator's, but a mistake in it must say where it is)."""
+    try:
+        raw = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        where = f" (line {exc.lineno}, column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""
+        raise SecretError(f"{_WHERE}: not valid JSON{where}") from None
+    if not isinstance(raw, dict):
+        raise SecretError(
+            f'{_WHERE}: must be a JSON object of secret names, {{"NAME": {{"hosts": [...], ...}}}}'
+        )
+    bindings: dict[str, Binding] = {}
+    problems: list[str] = []
+    for name, entry in raw.items():
+        if not SECRET_NAME_RE.match(name):
+            problems.append(f"{_shown(name)}: not a secret name ({SECRET_NAME_RULE})")
+            continue
+        label = repr(name)
+        if not isinstance(entry, dict):
+            problems.append(f'{label}: must be an object, {{"hosts": [HOST, ...], "teams": [TEAM, ...]}}')
+            continue
+        for field in sorted(set(entry) - set(BINDING_FIELDS)):
+            shown = field if field.isprintable() and len(field) <= 40 else _shown(field, 40)
+            problems.append(f"{label}.{shown}: unknown field; allowed: {', '.join(BINDING_FIELDS)}")
+        hosts = entry.get("hosts")
+        allow = None
+        if not isinstance(hosts, list) or not hosts:
+            problems.append(
+                f"{label}.hosts: must be a non-empty list of host names, '*.domain' patterns, "
+                "IP addresses or CIDR networks"
+            )
+        else:
+            try:
+                allow = parse_allowlist(hosts, setting=f"{label}.hosts")
+            except EgressError as exc:
+                problems.append(str(exc))
+        teams = entry.get("teams")
+        if not isinstance(teams, list) or not teams:
+            problems.append(
+                f'{label}.teams: must be a non-empty list of team names, or ["{ANY_TEAM}"] for every team'
+            )
+            teams = None
+        else:
+            bad = [t for t in teams if t != ANY_TEAM and not (isinstance(t, str) and TEAM_NAME_RE.match(t))]
+            if bad:
+                problems.append(
+                    f"{label}.teams: {', '.join(_shown(t, 40) for t in bad[:5])}: a team's name is lowercase "
+                    f"letters, digits and '-' (as in the admin's Teams), or \"{ANY_TEAM}\" for every team"
+                )
+                teams = None
+        if allow is not None and teams is not None:
+            bindings[name] = Binding(name, allow, frozenset(teams))
+    if problems:
+        raise SecretError(f"{_WHERE}: " + "; ".join(problems))
+    return bindings
+
+
+def read_bindings(directory: str) -> dict[str, Binding]:
+    """The bindings file of the secrets ``directory``, parsed: {} when there is none (then no
+    secret may be sent), SecretError when it cannot be read or is invalid. Read like a secret:
+    a regular file (a symlink to one is fine), never a FIFO that would hang the reader."""
+    if not directory:
+        raise SecretError(f"no secrets directory is configured ({SECRETS_SETTING})")
+    try:
+        fd = os.open(os.path.join(directory, BINDINGS_FILE), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise SecretError(f"{_WHERE} cannot be opened ({exc.strerror})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SecretError(f"{_WHERE} is not a regular file")
+        chunks, size = [], 0
+        while chunk := os.read(fd, 65536):
+            size += len(chunk)
+            if size > BINDINGS_MAX_BYTES:
+                raise SecretError(f"{_WHERE} is larger than {BINDINGS_MAX_BYTES} bytes")
+            chunks.append(chunk)
+    except OSError as exc:
+        raise SecretError(f"{_WHERE} cannot be read ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+    return parse_bindings(b"".join(chunks))
+
+
+def binding_refusal(bindings: dict[str, Binding], name: str, host: str, team: str, *,
+                    advise: bool = False) -> str | None:  # fmt: skip
+    """Why secret ``name`` may not go to ``host`` for an experiment of ``team``, or None.
+
+    ``advise`` (a document being saved, read by its author): an unbound secret's message shows
+    the entry the operator would add, and a refused host the hosts the binding allows. Without it
+    (a connection, whose error may reach a gateway's caller) neither is shown. A refused team never
+    shows which teams the binding names."""
+    binding = bindings.get(name)
+    if binding is None:
+        fix = ""
+        if advise:
+            entry = json.dumps({name: {"hosts": [host], "teams": [team]}})
+            fix = f": the operator adds it, e.g. {entry}, before a variant may use it"
+        return (
+            f"secret {name!r} is not bound to any host ({_WHERE} lists where each secret may be sent "
+            f"and for which teams){fix}"
+        )
+    if not binding.allows_team(team):
+        return f"secret {name!r} is not bound to team {team!r}: the operator's {_WHERE} says which teams may use it"
+    if not binding.allows_host(host):
+        allowed = f"; it may be sent to {binding.hosts.describe()}" if advise else ""
+        return f"secret {name!r} is not bound to host {host!r} ({_WHERE}){allowed}"
+    return None
+
+
+def bound_bearer(directory: str, name: str, *, url: str, team: str) -> dict[str, str]:
+    """The Authorization header of secret ``name`` for a connection to ``url`` made for an
+    experiment of ``team``: the one place a secret's value is read for sending. SecretError
+    (naming the secret, the host or the team, never the value) when the secret cannot be read or
+    its binding does not allow this host or team."""
+    check_secret_name(name)
+    try:
+        host = split_url(url).host
+    except EgressError as exc:
+        raise SecretError(f"secret {name!r} is not sent: the endpoint {exc}") from None
+    token = read_secret(directory, name)
+    refusal = binding_refusal(read_bindings(directory), name, host, team)
+    if refusal is not None:
+        raise SecretError(refusal)
+    return bearer(token)

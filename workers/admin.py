@@ -7,6 +7,7 @@ from django.template.response import TemplateResponse
 from django.urls import path
 
 from experiments.models import Experiment
+from experiments.teams import visible_experiments
 from replay.arrivals import MODES, Arrival
 from traces.models import Trace
 from workers.api import start_in_background
@@ -88,7 +89,8 @@ def cancel_replays(modeladmin, request, queryset):
 class ReplayRunAdmin(admin.ModelAdmin):
     list_display = ("id", "experiment", "status", "mode", "total_requests", "samples_recorded",
                     "started_by", "created_at", "finished_at")  # fmt: skip
-    list_filter = ("status", "mode", "experiment")
+    # Only the experiments whose runs the user sees (their teams'), never every key.
+    list_filter = ("status", "mode", ("experiment", admin.RelatedOnlyFieldListFilter))
     search_fields = ("experiment__key", "source")
     inlines = [ReplayShardInline]
     # The plan (megabytes for a long replay) is summarised, not rendered.
@@ -103,6 +105,9 @@ class ReplayRunAdmin(admin.ModelAdmin):
         return "; ".join(f"{variant}: {len(book):,} prompts" for variant, book in sorted(plan.items()))
 
     actions = [cancel_replays]
+
+    def get_queryset(self, request):
+        return visible_experiments(request.user, super().get_queryset(request), via="experiment")
 
     def has_operate_permission(self, request):
         return request.user.has_perm("workers.operate_replay")

@@ -16,7 +16,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from experiments.api.permissions import require
-from experiments.models import Experiment
+from experiments.teams import visible_experiments
 from replay.arrivals import MODES, Arrival
 from workers.models import ReplayRun
 from workers.runs import ReplayError, ReplayInputError, cancel_run, create_run, describe
@@ -159,6 +159,7 @@ class ReplayListView(generics.ListAPIView):
     def get_queryset(self):
         # The shards for every run's progress in one query (ReplayRun.progress reads them).
         qs = ReplayRun.objects.select_related("experiment", "started_by").prefetch_related("shards")
+        qs = visible_experiments(self.request.user, qs, via="experiment")  # the user's teams' runs
         if key := self.request.query_params.get("experiment"):
             qs = qs.filter(experiment__key=key)
         return qs
@@ -169,7 +170,8 @@ class ReplayListView(generics.ListAPIView):
         body = ReplayCreateSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
-        experiment = Experiment.objects.filter(key=data["experiment"]).first()
+        # Another team's experiment is "no experiment", as a key never made.
+        experiment = visible_experiments(request.user).filter(key=data["experiment"]).first()
         if experiment is None:
             return Response({"experiment": [f"no experiment with key {data['experiment']!r}"]}, status=400)
         eager = settings.CELERY_TASK_ALWAYS_EAGER
@@ -197,7 +199,10 @@ class ReplayListView(generics.ListAPIView):
 class ReplayDetailView(generics.RetrieveAPIView):
     permission_classes = [CanOperate]
     serializer_class = ReplayRunSerializer
-    queryset = ReplayRun.objects.select_related("experiment", "started_by")
+
+    def get_queryset(self):
+        qs = ReplayRun.objects.select_related("experiment", "started_by")
+        return visible_experiments(self.request.user, qs, via="experiment")
 
 
 class ReplayCancelView(APIView):
@@ -208,7 +213,9 @@ class ReplayCancelView(APIView):
 
     @extend_schema(request=None, responses=ReplayRunSerializer)
     def post(self, request, pk: int):
-        run = get_object_or_404(ReplayRun, pk=pk)
+        run = get_object_or_404(
+            visible_experiments(request.user, ReplayRun.objects.all(), via="experiment"), pk=pk
+        )
         if not cancel_run(run, actor=request.user):
             return Response(
                 {"detail": f"run {run.pk} already ended ({run.status})", **describe(run)}, status=409

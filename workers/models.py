@@ -117,7 +117,9 @@ class ReplayRun(models.Model):
 
     def replay_variants(self) -> list:
         """The variants this run sends to, in their order: ``targets`` when set, else all."""
-        variants = list(self.experiment.variants.order_by("position"))
+        # With each experiment's team: the secrets' bindings name teams, and a shard reads it in
+        # its event loop, where no query may run (workers.variants.team_of).
+        variants = list(self.experiment.variants.select_related("experiment__team").order_by("position"))
         return [v for v in variants if v.key in self.targets] if self.targets else variants
 
     @property

@@ -33,6 +33,7 @@ class Target:
     model: str
     http2: bool = False
     auth_secret: str = ""  # the name of the variant's secret ("": none)
+    team: str = ""  # its experiment's team: the secret's binding must name it ("": only bindings for "*")
 
 
 def models_url(endpoint: str) -> str:
@@ -51,7 +52,9 @@ def probe(target: Target, *, verify: bool | str | ssl.SSLContext = True, allow: 
     allow = variants.allowlist() if allow is None else allow
     try:
         split_url(target.endpoint)  # http(s) only, no credentials in it
-        headers = variants.auth_headers(target.auth_secret, secrets_dir)
+        headers = variants.auth_headers(
+            target.auth_secret, secrets_dir, endpoint=target.endpoint, team=target.team
+        )
     except EgressError as exc:
         return f"variant {target.key!r}: endpoint {exc}"
     except SecretError as exc:

@@ -260,7 +260,10 @@ def create_run(experiment: Experiment, *, source: str | None = None, trace: str 
     if check_variants:
         verify = settings.VARIANT_CA_BUNDLE or True
         problems = preflight.check(
-            [preflight.Target(v.key, v.endpoint, v.model, v.http2, v.auth_secret) for v in variants],
+            [
+                preflight.Target(v.key, v.endpoint, v.model, v.http2, v.auth_secret, experiment.team.name)
+                for v in variants
+            ],
             verify=verify,
         )
         if problems:

@@ -35,7 +35,7 @@ from samples.factory import sample_store
 from samples.store import StoreError
 from streaming.scrape import SCRAPE_TIMEOUT_S, MetricsFetcher, ScrapeError
 from workers.models import ReplayRun, ReplayShard
-from workers.variants import allowlist, auth_headers, ca_verify
+from workers.variants import allowlist, ca_verify, variant_headers
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Scraper:
         verify, allow = ca_verify(), allowlist()
         for v in variants:
             try:
-                headers = auth_headers(v.auth_secret)
+                headers = variant_headers(v)
                 self.fetchers[v.key] = MetricsFetcher(
                     v.endpoint, allow=allow, verify=verify, headers=headers, timeout_s=self.timeout_s
                 )

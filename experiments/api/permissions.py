@@ -3,6 +3,9 @@
 product: add/change/delete experiments and run their lifecycle; sre: change traffic weights
 (and the rollout plan of a started experiment, which the controller turns into weights) and
 start/stop replays; analyst: view everything. Superusers hold every permission.
+
+On which experiments is the caller's teams' (experiments.teams): the views read through
+``visible_experiments``, so another team's experiment is a 404 whatever the permission.
 """
 
 from __future__ import annotations

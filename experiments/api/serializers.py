@@ -74,6 +74,10 @@ class ExperimentDocumentSerializer(serializers.Serializer):
 
     key = serializers.SlugField()
     name = serializers.CharField()
+    team = serializers.SlugField(
+        required=False,
+        help_text="the team that owns the experiment (one of yours); default: its team, or your only team",
+    )
     hypothesis = serializers.CharField(required=False, allow_blank=True)
     sla = SlaSerializer()
     variants = VariantDocumentSerializer(many=True)

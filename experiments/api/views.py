@@ -1,7 +1,11 @@
+"""The experiments API. What a caller reads and acts on is their teams' experiments
+(experiments.teams; sre and superusers: all): another team's experiment is a 404, exactly like a
+key that does not exist, so its name does not leak."""
+
 from __future__ import annotations
 
 from django.shortcuts import get_object_or_404
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import generics, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -21,7 +25,8 @@ from experiments.api.serializers import (
     ExperimentSerializer,
 )
 from experiments.document import DocumentError
-from experiments.models import AuditEntry, Experiment
+from experiments.models import Experiment
+from experiments.teams import visible_audit, visible_experiments
 
 
 def _document_errors(exc: DocumentError) -> Response:
@@ -32,7 +37,7 @@ def _apply(
     request, data, experiment: Experiment | None = None
 ) -> tuple[services.ApplyResult | None, Response | None]:
     # A webhook URL read redacted and sent back stands for the stored one.
-    serializer = ExperimentDocumentSerializer(data=services.restore_webhooks(data))
+    serializer = ExperimentDocumentSerializer(data=services.restore_webhooks(data, request.user))
     if not serializer.is_valid():
         return None, Response(serializer.errors, status=status.HTTP_400_BAD_REQUEST)
     if experiment is not None and not request.user.has_perm(CHANGE):
@@ -57,20 +62,33 @@ class ExperimentListView(generics.ListAPIView):
     serializer_class = ExperimentSerializer
 
     def get_queryset(self):
-        qs = Experiment.objects.select_related("owner").prefetch_related("variants")
+        qs = Experiment.objects.select_related("owner", "team").prefetch_related("variants")
+        qs = visible_experiments(self.request.user, qs)
         wanted = self.request.query_params.get("status")
         if wanted:
             qs = qs.filter(status=wanted)
+        if team := self.request.query_params.get("team"):
+            qs = qs.filter(team__name=team)
         return qs
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("status", str, description="only experiments in this status"),
+            OpenApiParameter("team", str, description="only this team's experiments (of those you may read)"),
+        ]
+    )
+    def get(self, request, *args, **kwargs):
+        return super().get(request, *args, **kwargs)
 
     @extend_schema(request=ExperimentDocumentSerializer, responses={201: ExperimentSerializer})
     def post(self, request):
         key = request.data.get("key") if isinstance(request.data, dict) else None
         if isinstance(key, str) and Experiment.objects.filter(key=key).exists():
-            return Response(
-                {"key": [f"experiment {key!r} already exists; PUT /api/experiments/{key}/ updates it"]},
-                status=status.HTTP_400_BAD_REQUEST,
-            )
+            if visible_experiments(request.user).filter(key=key).exists():
+                message = f"experiment {key!r} already exists; PUT /api/experiments/{key}/ updates it"
+            else:  # another team's: taken, and no more is said
+                message = f"the key {key!r} is taken; choose another key"
+            return Response({"key": [message]}, status=status.HTTP_400_BAD_REQUEST)
         result, error = _apply(request, request.data)
         if error:
             return error
@@ -82,7 +100,8 @@ class ExperimentDetailView(APIView):
     permission_classes = [ExperimentDocumentPermission]
 
     def _get(self, key: str) -> Experiment:
-        return get_object_or_404(Experiment.objects.prefetch_related("variants"), key=key)
+        qs = Experiment.objects.select_related("team").prefetch_related("variants")
+        return get_object_or_404(visible_experiments(self.request.user, qs), key=key)
 
     @extend_schema(responses=ExperimentSerializer)
     def get(self, request, key: str):
@@ -130,7 +149,7 @@ class ExperimentActionView(APIView):
 
     @extend_schema(request=ActionSerializer, responses=ExperimentSerializer)
     def post(self, request, key: str):
-        experiment = get_object_or_404(Experiment, key=key)
+        experiment = get_object_or_404(visible_experiments(request.user), key=key)
         body = ActionSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         try:
@@ -145,7 +164,9 @@ class AuditListView(generics.ListAPIView):
     serializer_class = AuditEntrySerializer
 
     def get_queryset(self):
-        qs = AuditEntry.objects.all()
+        # The entries the caller may read: of a key, as many as of a key that never existed
+        # when the experiment is another team's.
+        qs = visible_audit(self.request.user)
         if "key" in self.kwargs:
             qs = qs.filter(experiment_key=self.kwargs["key"])
         return qs

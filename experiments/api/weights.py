@@ -17,6 +17,7 @@ from rest_framework.views import APIView
 
 from experiments.api.permissions import CanChangeWeights, CanView
 from experiments.models import Experiment
+from experiments.teams import visible_experiments
 from experiments.weights.errors import ConflictError, StoreUnavailable, WeightsError
 from experiments.weights.process import live_router
 from experiments.weights.publish import (
@@ -72,15 +73,21 @@ class AssignView(APIView):
                 status=400,
             )
         router = live_router()
+        # Another team's experiment is answered as a key the weights store holds nothing for:
+        # the same status and words, never its state.
+        mine = visible_experiments(request.user).filter(key=key).exists()
+        absent = f"no weights for experiment {key!r} in {router.store.description}"
         try:
             result = router.assign(key, user_id)
+            if not mine:
+                raise UnknownExperiment(absent)
         except UnknownExperiment as exc:
             if not router.snapshot.loaded:
                 return Response({"detail": str(exc)}, status=503)
-            why = why_not_assigned(key)
+            why = why_not_assigned(key) if mine else None
             if why is not None:
                 return Response({"detail": why}, status=status.HTTP_409_CONFLICT)
-            return Response({"detail": str(exc)}, status=status.HTTP_404_NOT_FOUND)
+            return Response({"detail": str(exc) if mine else absent}, status=status.HTTP_404_NOT_FOUND)
         return Response(
             {
                 "experiment": result.experiment,
@@ -149,7 +156,7 @@ class WeightsView(APIView):
 
     @extend_schema(responses=WeightsSerializer)
     def get(self, request, key: str):
-        experiment = get_object_or_404(Experiment, key=key)
+        experiment = get_object_or_404(visible_experiments(request.user), key=key)
         try:
             return Response(weights_body(experiment))
         except StoreUnavailable as exc:
@@ -157,7 +164,7 @@ class WeightsView(APIView):
 
     @extend_schema(request=WeightsChangeSerializer, responses=WeightsSerializer)
     def put(self, request, key: str):
-        get_object_or_404(Experiment, key=key)
+        get_object_or_404(visible_experiments(request.user), key=key)
         change = WeightsChangeSerializer(data=request.data)
         if not change.is_valid():
             return Response(change.errors, status=400)

@@ -53,6 +53,8 @@ def secrets_dir(settings, tmp_path):
     directory = tmp_path / "secrets"
     directory.mkdir()
     (directory / "vllm-key").write_text(TOKEN + "\n")
+    # The operator's binding: the simulators' host, any team (tests/foundation/test_secret_bindings.py).
+    (directory / "_bindings.json").write_text('{"vllm-key": {"hosts": ["127.0.0.1"], "teams": ["*"]}}')
     settings.VARIANT_SECRETS_DIR = str(directory)
     return directory
 
@@ -67,7 +69,9 @@ def with_secret(document, recording_sim, secrets_dir, client_for):
     document["variants"][0]["auth"] = {"secret": "vllm-key"}
     response = client_for("product").post("/api/experiments/", document, format="json")
     assert response.status_code == 201, response.json()
-    return Variant.objects.get(key="fp16")
+    # With its experiment's team (the secret's binding names teams): the tests below build the
+    # clients inside an event loop, where no query may run, as a shard's variants come loaded.
+    return Variant.objects.select_related("experiment__team").get(key="fp16")
 
 
 def _everything_kept(client_for) -> str:

@@ -140,7 +140,10 @@ def test_admin_refuses_credentials_and_internal_hosts_and_writes_nothing(users, 
 
 
 @pytest.mark.django_db
-def test_admin_stores_the_secret_name_of_a_variant(users, document):
+def test_admin_stores_the_secret_name_of_a_variant(users, document, settings, tmp_path):
+    # The operator binds the secret to the variants' host (tests/foundation/test_secret_bindings.py).
+    (tmp_path / "_bindings.json").write_text('{"vllm-key": {"hosts": ["127.0.0.1"], "teams": ["*"]}}')
+    settings.VARIANT_SECRETS_DIR = str(tmp_path)
     data = form_data(document)
     data["variants-0-auth_secret"] = "vllm-key"
     response = admin_client(users["product"]).post(ADD_URL, data)

@@ -3,7 +3,11 @@
 The schema is the one the app serves at /api/schema/, fetched through the WSGI application;
 every operation in it is called with generated valid ("positive") and invalid ("negative")
 requests as each role (product, analyst, sre, anonymous), on a database holding a draft and a
-running experiment, a replay run and a trace, so that generated paths reach real objects too.
+running experiment, a replay run and a trace, so that generated paths reach real objects too;
+and another team's running experiment with a run and a capacity search, which product and
+analyst callers meet as a 404 (tests/foundation/test_teams.py says so for each endpoint).
+Generated documents name teams (``team``) and secrets, checked against a secrets directory with
+a bindings file.
 Checks on every response:
 
 - no 5xx;
@@ -40,7 +44,9 @@ from schemathesis.core.failures import FailureGroup
 from schemathesis.specs.openapi import checks as openapi_checks
 
 from abplat.wsgi import application
+from capacity.models import CapacitySearch
 from experiments import services
+from experiments.models import Team
 from traces import storage
 from workers.models import ReplayRun
 
@@ -110,8 +116,9 @@ def _ip_literal(name: str) -> bool:
 
 @pytest.fixture
 def world(users, experiment, document, sample_store, settings, tmp_path, monkeypatch):
-    """What generated paths may name: a draft and a running experiment, a run, a trace; and a
-    migrated (empty) sample store for the report."""
+    """What generated paths may name: a draft and a running experiment, a run, a trace, another
+    team's running experiment with its run and capacity search; and a migrated (empty) sample
+    store for the report."""
     # transaction=True flushes what the data migrations granted; grant trace reading again.
     importlib.import_module("traces.migrations.0002_roles_read_traces").grant_trace_roles(apps, None)
     # Fuzzing sends hundreds of requests a minute per user: rates are tested elsewhere.
@@ -123,11 +130,27 @@ def world(users, experiment, document, sample_store, settings, tmp_path, monkeyp
     monkeypatch.setattr("capacity.tasks.start_in_background", lambda search_id: None)
     # Generated endpoints name random hosts: no lookup of them leaves the machine.
     monkeypatch.setattr(socket, "getaddrinfo", _loopback_only(socket.getaddrinfo))
+    # Secrets named in generated documents meet the operator's bindings (one secret, bound).
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "vllm-key").write_text("sk-fuzz-0123456789\n")
+    (secrets / "_bindings.json").write_text('{"vllm-key": {"hosts": ["127.0.0.1"], "teams": ["default"]}}')
+    settings.VARIANT_SECRETS_DIR = str(secrets)
     live = services.apply_document({**document, "key": "live"}, actor=users["product"]).experiment
     services.transition(live, "start", users["product"])
     run = ReplayRun.objects.create(experiment=live, source="x")
+    # Another team's: the operator makes it (no user), in a team none of the callers is in.
+    Team.objects.create(name="elsewhere")
+    hidden = services.apply_document({**document, "key": "hidden", "team": "elsewhere"}).experiment
+    services.transition(hidden, "start", None)
+    hidden_run = ReplayRun.objects.create(experiment=hidden, source="x")
+    hidden_search = CapacitySearch.objects.create(experiment=hidden)
     trace, _ = storage.store([TRACE.encode()], name="tiny.csv")
-    return {"key": [experiment.key, live.key], "id": [run.pk], "ref": [trace.sha256, trace.name]}
+    return {
+        "key": [experiment.key, live.key, hidden.key],
+        "id": [run.pk, hidden_run.pk, hidden_search.pk],
+        "ref": [trace.sha256, trace.name],
+    }
 
 
 # Bodies that get past the first check, to reach the deeper ones: a replay of the running

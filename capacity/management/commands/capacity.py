@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 
 from capacity.service import Options, ranking, search_experiment
-from experiments.cli import CliError, JsonCommand, actor_for, add_json_argument
+from experiments.cli import CliError, JsonCommand, actor_for, add_json_argument, check_acts_on
 from experiments.models import Experiment
 from workers.runs import ReplayError
 
@@ -73,7 +73,8 @@ class Command(JsonCommand):
         parser.add_argument("--alpha", type=float, default=0.05, help="error rate of the whole search")
         parser.add_argument("--lag-limit", type=float, default=5.0,
                             help="ms of the replay's own schedule lag p99 above which a step is void")  # fmt: skip
-        parser.add_argument("--as", "--user", dest="as_user", help="the user the audit log records")
+        parser.add_argument("--as", "--user", dest="as_user",
+                            help="the user who acts (the audit log records them; bound by their teams)")  # fmt: skip
         add_json_argument(parser)
 
     def handle(self, *args, **o):
@@ -88,8 +89,10 @@ class Command(JsonCommand):
             rel_tol=o["tolerance"], max_steps=o["max_steps"], alpha=o["alpha"],
             step_requests=o["step_requests"], warmup_s=o["warmup"], seed=o["seed"], lag_limit_ms=o["lag_limit"],
         )  # fmt: skip
+        actor = actor_for(o["as_user"])
+        check_acts_on(actor, experiment)  # --as: only an experiment of that user's teams
         try:
-            record = search_experiment(experiment, opts, actor=actor_for(o["as_user"]), say=self.say)
+            record = search_experiment(experiment, opts, actor=actor, say=self.say)
         except (ReplayError, ValueError) as exc:
             raise CliError(str(exc)) from None
         doc = {

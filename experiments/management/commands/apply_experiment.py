@@ -18,7 +18,10 @@ class Command(JsonCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("file", help="path to the document, or - for standard input")
-        parser.add_argument("--as", dest="username", help="user recorded in the audit log")
+        parser.add_argument(
+            "--as", dest="username",
+            help="the user who acts (recorded in the audit log; bound by their teams and permissions)",
+        )  # fmt: skip
         add_json_argument(parser)
 
     def handle(self, *args, file, username=None, **options):

@@ -11,8 +11,9 @@ conditional claim, the weights store, the cancellation of open replays, the audi
     experiment conclude KEY --reason TEXT [--as NAME] [--json]
 
 A conclusion is final (the weights leave the store, the experiment becomes read-only), so the
-command line asks why. ``--as`` (or ``--user``) names the user the audit log records, who must
-exist; without it the entry says "system", as for set_weights and apply_experiment.
+command line asks why. ``--as`` (or ``--user``) names the user who acts, who must exist and be in
+the experiment's team (or act on every team: sre, superusers); the audit log records them.
+Without it the operator acts and the entry says "system", as for set_weights and apply_experiment.
 
 --json prints what the API prints: ``show`` the experiment as GET /api/experiments/KEY/ does
 (ExperimentSerializer: document, status, allowed_actions, owner, salt, hash_version, times,
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from experiments import lifecycle, services
 from experiments.api.serializers import ActionSerializer, ExperimentSerializer
-from experiments.cli import CliError, JsonCommand, actor_for, add_json_argument
+from experiments.cli import CliError, JsonCommand, actor_for, add_json_argument, check_acts_on
 from experiments.models import AuditEntry, Experiment
 from experiments.weights.errors import ConflictError as WeightsConflict
 from experiments.weights.errors import StoreUnavailable, WeightsError
@@ -75,7 +76,11 @@ class Command(JsonCommand):
         return self.move(experiment, action, options["reason"], options.get("username"))
 
     def list(self, status: str | None) -> None:
-        qs = Experiment.objects.select_related("owner").prefetch_related("variants").order_by("-created_at")
+        qs = (
+            Experiment.objects.select_related("owner", "team")
+            .prefetch_related("variants")
+            .order_by("-created_at")
+        )
         if status:
             qs = qs.filter(status=status)
         rows = list(qs)
@@ -114,6 +119,7 @@ class Command(JsonCommand):
 
     def move(self, experiment: Experiment, action: str, reason: str, username: str | None) -> None:
         actor = actor_for(username)
+        check_acts_on(actor, experiment)
         body = ActionSerializer(data={"reason": reason})  # the API's rules for a reason
         if not body.is_valid():
             raise CliError(f"--reason: {' '.join(body.errors['reason'])}", field="--reason")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from experiments.api.weights import field_errors
-from experiments.cli import CliError, JsonCommand, actor_for, add_json_argument
+from experiments.cli import CliError, JsonCommand, actor_for, add_json_argument, check_acts_on
+from experiments.models import Experiment
 from experiments.weights.errors import ConflictError, StoreUnavailable, WeightsError
 from experiments.weights.publish import (
     UnknownExperimentError,
@@ -58,7 +59,11 @@ class Command(JsonCommand):
         parser.add_argument("key", help="experiment key")
         parser.add_argument("weights", nargs="+", metavar="VARIANT=PERCENT")
         parser.add_argument("--reason", required=True, help="why (kept in the audit log)")
-        parser.add_argument("--as", dest="username", help="user recorded in the audit log")
+        parser.add_argument(
+            "--as",
+            dest="username",
+            help="the user who acts (recorded in the audit log; bound by their teams)",
+        )
         parser.add_argument(
             "--expected-revision",
             type=int,
@@ -69,6 +74,9 @@ class Command(JsonCommand):
 
     def handle(self, *args, key, weights, reason, username=None, **options):
         actor = actor_for(username)
+        experiment = Experiment.objects.filter(key=key).first()
+        if experiment is not None:  # an unknown key is preview_move's to name
+            check_acts_on(actor, experiment)
         wanted = parse_pairs(weights)
         expected = options.get("expected_revision")
         dry_run = bool(options.get("dry_run"))
