@@ -78,6 +78,9 @@ def _settings(env: Reader) -> dict[str, Any]:
     # The longest planned replay schedule started without an explicit confirmation.
     REPLAY_MAX_DURATION_S = env.env_int("ABPLAT_REPLAY_MAX_DURATION_S", 2 * 3600, minimum=1)
     VISIBILITY_TIMEOUT = env.env_int("ABPLAT_VISIBILITY_TIMEOUT", 40 * 60, minimum=5)
+    # A running shard whose worker wrote no heartbeat (one a second) for this long is presumed
+    # dead: a redelivered message may claim it, flush_samples ends its run (workers.tasks).
+    REPLAY_LEASE_S = env.env_int("ABPLAT_REPLAY_LEASE_S", 10, minimum=2, maximum=3600)
     # TLS variants: empty trusts the system store; a PEM bundle path trusts exactly its CAs.
     VARIANT_CA_BUNDLE = env.env_str("ABPLAT_VARIANT_CA_BUNDLE", "")
     # ---- hardening: README "Security" says what each one guards ----

@@ -31,7 +31,7 @@ from traces.models import Trace
 from workers import preflight
 from workers.models import ReplayRun, ReplayShard
 from workers.shard import shard_rows
-from workers.tasks import LEASE_S, complete_run, maybe_finish, start_replay
+from workers.tasks import complete_run, lease_s, maybe_finish, start_replay
 
 log = logging.getLogger(__name__)
 
@@ -297,7 +297,8 @@ def cancel_run(run: ReplayRun, actor=None, *, end_abandoned: bool = True) -> boo
     Queued: cancelled at once. Running: shards stop sending at their next check (about a
     second), record what they sent (requests in flight finish or are recorded as cancelled)
     and the run ends cancelled. A run whose shards all lost their lease (its owner died: no
-    heartbeat for LEASE_S) is ended here, from the samples the store has (``end_abandoned``).
+    heartbeat for settings.REPLAY_LEASE_S) is ended here, from the samples the store has
+    (``end_abandoned``).
     Flushing: ends cancelled once its samples are durable (now, or at flush_samples)."""
     with transaction.atomic():
         updated = (
@@ -328,10 +329,10 @@ def cancel_run(run: ReplayRun, actor=None, *, end_abandoned: bool = True) -> boo
 
 def stale_shards(run: ReplayRun, now=None) -> list[ReplayShard] | None:
     """The run's open shards when every one that is due lost its lease (no heartbeat for
-    LEASE_S, or never claimed LEASE_S after its window opened); None when any is alive, or
-    none is due or open. A window that has not opened yet is neither alive nor stale."""
+    settings.REPLAY_LEASE_S, or never claimed that long after its window opened); None when any
+    is alive, or none is due or open. A window that has not opened yet is neither alive nor stale."""
     now = now or timezone.now()
-    stale = now - dt.timedelta(seconds=LEASE_S)
+    stale = now - dt.timedelta(seconds=lease_s())
     open_shards = list(run.shards.filter(status__in=[ReplayShard.Status.PENDING, ReplayShard.Status.RUNNING]))
     due = []
     for shard in open_shards:
@@ -361,7 +362,7 @@ def end_if_abandoned(run_id: int) -> bool:
         abandoned = stale_shards(run)
         if abandoned is None:
             return False
-        reason = f"abandoned: its owner stopped sending heartbeats (lease {LEASE_S:g} s); partial"
+        reason = f"abandoned: its owner stopped sending heartbeats (lease {lease_s():g} s); partial"
         ReplayShard.objects.filter(pk__in=[s.pk for s in abandoned]).exclude(
             status__in=[ReplayShard.Status.DONE, ReplayShard.Status.FAILED]
         ).update(status=ReplayShard.Status.FAILED, error=reason, finished_at=timezone.now())

@@ -61,11 +61,6 @@ START_LEAD_S = 1.0  # every shard gets this long to be picked up before time zer
 # A later window's shards are queued this long before it opens: a task that has been picked up
 # loads the trace and its plan (about a second for an hour of trace) before its first send.
 WINDOW_LEAD_S = 5.0
-# A running shard whose worker has not written a heartbeat for this long is presumed dead and
-# may be claimed by a redelivered message. Heartbeats come every second; a broker that
-# redelivers a message whose worker is alive (Redis' visibility timeout) finds a fresh
-# heartbeat and leaves the shard alone.
-LEASE_S = 10.0
 # A shard whose store calls fail (its resume asks the store what is recorded) is retried this
 # often, 2 s to 60 s apart with jitter (a few minutes in all), then fails, naming the error.
 SHARD_MAX_RETRIES = 10
@@ -76,6 +71,24 @@ FINISH_MAX_RETRIES = 60
 FINISH_ERROR_RETRIES = 3
 # How often every worker process flushes its host's spool (workers.apps starts the timer).
 SPOOL_FLUSH_INTERVAL_S = 30.0
+
+
+def lease_s() -> float:
+    """How long a running shard whose worker has not written a heartbeat is presumed alive
+    (settings.REPLAY_LEASE_S, 10 s by default); after that it is presumed dead and may be
+    claimed by a redelivered message. Heartbeats come every second; a broker that redelivers
+    a message whose worker is alive (Redis' visibility timeout) finds a fresh heartbeat and
+    leaves the shard alone."""
+    return float(settings.REPLAY_LEASE_S)
+
+
+def lease_countdown(heartbeat: dt.datetime | None, now: dt.datetime) -> float:
+    """Seconds from ``now`` until a lease renewed at ``heartbeat`` has expired (half a second
+    past it, at least one, at most a whole lease; a whole lease without a heartbeat)."""
+    if heartbeat is None:
+        return lease_s()
+    left = (heartbeat - now).total_seconds() + lease_s() + 0.5
+    return min(lease_s(), max(1.0, left))
 
 
 class SpooledElsewhere(StoreUnavailable):
@@ -171,7 +184,7 @@ def run_shard(self, run_id: int, index: int, store_retries: int = 0) -> None:
     """``store_retries``: how often this shard was retried because the store (or another
     host's spool) was not there; waits for a live lease do not count."""
     now = timezone.now()
-    stale = now - dt.timedelta(seconds=LEASE_S)
+    stale = now - dt.timedelta(seconds=lease_s())
     claimable = Q(status=ReplayShard.Status.PENDING) | Q(status=ReplayShard.Status.RUNNING) & (
         Q(heartbeat_at__isnull=True) | Q(heartbeat_at__lt=stale)
     )
@@ -180,10 +193,12 @@ def run_shard(self, run_id: int, index: int, store_retries: int = 0) -> None:
     )
     if not claimed:
         alive = ReplayShard.objects.filter(run_id=run_id, index=index, status=ReplayShard.Status.RUNNING)
-        if alive.exists():
+        beats = list(alive.values_list("heartbeat_at", flat=True))
+        if beats:
             # Another worker holds a fresh lease (or died moments ago): look again once the
-            # lease could have expired, so a dead worker's shard is always picked up.
-            raise self.retry(countdown=LEASE_S, max_retries=None)
+            # lease could have expired, so a dead worker's shard is always picked up, and
+            # picked up as soon as its last heartbeat is a lease old.
+            raise self.retry(countdown=lease_countdown(beats[0], now), max_retries=None)
         return  # done already: a redelivered message
     shard = ReplayShard.objects.select_related("run__experiment").get(run_id=run_id, index=index)
     bind_log_fields(experiment=shard.run.experiment.key)  # until the call ends

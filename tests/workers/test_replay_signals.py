@@ -16,7 +16,7 @@ from samples.backends.clickhouse import ClickHouseServerBackend
 from simulator.serve import start_in_thread
 from tests.plugin import server_url_for
 from tests.workers.background import ROOT, manage, start_demo_experiment
-from workers.tasks import LEASE_S
+from workers.tasks import lease_s
 
 
 @pytest.fixture
@@ -116,7 +116,7 @@ def test_a_killed_replay_is_found_by_its_lease_and_ended_with_exact_counts(env, 
     ))  # fmt: skip
     out = manage(env, "flush_samples")
     assert "owner lost" not in out  # the lease has not expired yet: the owner may be alive
-    time.sleep(LEASE_S + 1)
+    time.sleep(lease_s() + 1)
     out = manage(env, "flush_samples")
     state = run_state(env)
     assert "owner lost, failed" in out, out

@@ -14,7 +14,7 @@ from experiments import services
 from tests.workers.background import replay_in_thread, wait_for
 from workers.models import ReplayRun, ReplayShard
 from workers.runs import cancel_run
-from workers.tasks import LEASE_S
+from workers.tasks import lease_s
 
 pytestmark = pytest.mark.engine
 
@@ -114,15 +114,15 @@ def test_pausing_or_concluding_stops_a_mirror_replay(running, sample_store, user
     assert "replay_cancelled" in set(running.audit.values_list("action", flat=True))
 
 
-def abandoned_run(experiment, store, *, samples=7, age_s=LEASE_S + 5):
-    """A run as a killed `manage.py replay` leaves it: running, its shard's last heartbeat old,
-    some samples in the store, counters behind them."""
+def abandoned_run(experiment, store, *, samples=7, age_s=None):
+    """A run as a killed `manage.py replay` leaves it: running, its shard's last heartbeat old
+    (``age_s``, the lease and 5 s by default), some samples in the store, counters behind them."""
     from replay.rows import row_from
     from streaming.result import StreamResult
 
     run = ReplayRun.objects.create(experiment=experiment, source=TRACE, status="running", total_requests=50,
                                    expected_samples=50, started_at=timezone.now() - dt.timedelta(seconds=60))  # fmt: skip
-    old = timezone.now() - dt.timedelta(seconds=age_s)
+    old = timezone.now() - dt.timedelta(seconds=lease_s() + 5 if age_s is None else age_s)
     ReplayShard.objects.create(
         run=run, index=0, status="running", planned=50, sent=3, recorded=3, heartbeat_at=old
     )

@@ -69,7 +69,7 @@ def test_windows_not_yet_open_are_neither_alive_nor_abandoned(windowed_run):
     )
     run.refresh_from_db()
     # Before windows, every open shard was judged by the run's start: a run 15 s old whose later
-    # windows had not opened was "abandoned". Now only windows that opened > LEASE_S ago count.
+    # windows had not opened was "abandoned". Now only windows that opened a lease ago count.
     ReplayShard.objects.filter(run=run).update(start_s=100.0)  # none has opened
     assert stale_shards(run, now) is None
     ReplayShard.objects.filter(run=run, window=0).update(start_s=0.0)  # opened 15 s ago, silent

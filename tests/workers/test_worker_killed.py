@@ -2,13 +2,18 @@
 new worker, resumes without re-sending what was recorded, and the run ends with exactly one
 sample per request (ClickHouse server, file SQLite shared by the processes)."""
 
+import datetime as dt
 import os
 import signal
 import time
 
+import pytest
+from django.utils import timezone
+
 from samples.backends.clickhouse import ClickHouseServerBackend
 from simulator.serve import start_in_thread
 from tests.workers.background import manage, start_demo_experiment, start_worker, stop_all
+from workers import tasks
 
 
 def store_count(env) -> int:
@@ -57,3 +62,17 @@ def test_killed_worker_shard_resumes_with_exactly_one_sample_per_request(broker_
         assert attempts.get(2, 0) > 0, attempts  # the resumed deliveries recorded the rest
     finally:
         stop_all(workers, sims)
+
+
+def test_a_redelivered_message_looks_again_when_the_lease_it_found_expires(settings):
+    now = timezone.now()
+    settings.REPLAY_LEASE_S = 10
+
+    def ago(seconds: float) -> dt.datetime:
+        return now - dt.timedelta(seconds=seconds)
+
+    assert tasks.lease_countdown(ago(8), now) == pytest.approx(2.5)  # half a second past it
+    assert tasks.lease_countdown(ago(9.9), now) == 1.0  # at least a second
+    assert tasks.lease_countdown(now, now) == tasks.lease_countdown(None, now) == 10.0  # a lease at most
+    settings.REPLAY_LEASE_S = 3
+    assert tasks.lease_countdown(ago(1), now) == pytest.approx(2.5)
