@@ -267,3 +267,31 @@ def running(db, document, sims, users):
     experiment = services.apply_document(document, actor=users["product"]).experiment
     services.transition(experiment, "start", users["product"])
     return experiment
+
+
+@pytest.fixture
+def recording_sim(monkeypatch):
+    """The fast simulator (model tiny-llama) in a thread, recording (path, Authorization) of each
+    request it gets: what a variant received, secrets included."""
+    seen: list[tuple[str, str]] = []
+    from simulator import serve
+
+    build = serve.build_server
+
+    def recording(*args, **kwargs):
+        server = build(*args, **kwargs)
+        inner = server.config.app
+
+        async def app(scope, receive, send):
+            if scope["type"] == "http":
+                seen.append((scope["path"], dict(scope["headers"]).get(b"authorization", b"").decode()))
+            await inner(scope, receive, send)
+
+        server.config.app = app
+        return server
+
+    with monkeypatch.context() as patch:
+        patch.setattr(serve, "build_server", recording)
+        handle = serve.start_in_thread("fast", model="tiny-llama")
+    yield handle, seen
+    handle.stop()

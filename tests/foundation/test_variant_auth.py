@@ -13,7 +13,6 @@ from django.core.management import call_command
 
 from experiments import services
 from experiments.models import AuditEntry, Variant
-from simulator import serve
 from streaming.result import Outcome
 from workers import preflight
 from workers import variants as variant_clients
@@ -21,31 +20,6 @@ from workers.models import ReplayRun
 
 TOKEN = "sk-test-9f8e7d6c5b4a3210"
 TRACE = "data/traces/azure_llm_2023_code.csv"
-
-
-@pytest.fixture
-def recording_sim(monkeypatch):
-    """The fast simulator (model tiny-llama), recording (path, Authorization) of each request."""
-    seen: list[tuple[str, str]] = []
-    build = serve.build_server
-
-    def recording(*args, **kwargs):
-        server = build(*args, **kwargs)
-        inner = server.config.app
-
-        async def app(scope, receive, send):
-            if scope["type"] == "http":
-                seen.append((scope["path"], dict(scope["headers"]).get(b"authorization", b"").decode()))
-            await inner(scope, receive, send)
-
-        server.config.app = app
-        return server
-
-    with monkeypatch.context() as patch:
-        patch.setattr(serve, "build_server", recording)
-        handle = serve.start_in_thread("fast", model="tiny-llama")
-    yield handle, seen
-    handle.stop()
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import openai
 import pytest
 
 from experiments.weights import process
-from simulator import serve
 from streaming.result import Outcome
 from tests.gateway.conftest import user_on
 
@@ -19,31 +18,6 @@ pytestmark = pytest.mark.django_db(transaction=False)
 
 TOKEN = "sk-gateway-bound-0123456789"
 MESSAGES = [{"role": "user", "content": "Tell me about the sea"}]
-
-
-@pytest.fixture
-def recording_sim(monkeypatch):
-    """The fast simulator, keeping (path, Authorization) of each request it gets."""
-    seen: list[tuple[str, str]] = []
-    build = serve.build_server
-
-    def recording(*args, **kwargs):
-        server = build(*args, **kwargs)
-        inner = server.config.app
-
-        async def app(scope, receive, send):
-            if scope["type"] == "http":
-                seen.append((scope["path"], dict(scope["headers"]).get(b"authorization", b"").decode()))
-            await inner(scope, receive, send)
-
-        server.config.app = app
-        return server
-
-    with monkeypatch.context() as patch:
-        patch.setattr(serve, "build_server", recording)
-        handle = serve.start_in_thread("fast", model="tiny-llama")
-    yield handle, seen
-    handle.stop()
 
 
 def _bind(directory, hosts) -> None:
