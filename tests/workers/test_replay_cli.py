@@ -11,7 +11,7 @@ from django.core.management import call_command
 from samples.spool import Spool
 from tests.cli import as_json, command_line, failing, own_env
 from tests.samples.conftest import sample_row
-from tests.workers.background import TRACE, manage, start_demo_experiment
+from tests.workers.background import TRACE, manage
 from workers.models import ReplayRun
 
 
@@ -180,18 +180,10 @@ def test_demo_json_prints_its_replay_report_and_capacity(tmp_path):
 
 
 @pytest.mark.services
-def test_replay_json_without_wait_on_a_broker_prints_the_queued_run(broker_env, tmp_path):
+def test_replay_json_without_wait_on_a_broker_prints_the_queued_run(demo_env):
     """Real workers, no --wait: the document is the run as queued, at once (no worker needed)."""
-    from simulator.serve import start_in_thread
-
-    sims = [start_in_thread("fast", model="tiny-llama") for _ in range(3)]
-    try:
-        start_demo_experiment(broker_env, tmp_path, sims)
-        doc = json.loads(manage(broker_env, "replay", "ttft-optimizations", "--trace", TRACE, "--limit", "25",
-                                "--shards", "2", "--json"))  # fmt: skip
-    finally:
-        for s in sims:
-            s.stop()
+    doc = json.loads(manage(demo_env, "replay", "ttft-optimizations", "--trace", TRACE, "--limit", "25",
+                            "--shards", "2", "--json"))  # fmt: skip
     assert doc["run"]["status"] == "queued" and doc["run"]["shards"] == 2
     assert doc["run"]["total_requests"] == doc["run"]["expected_samples"] == doc["plan"]["samples"] == 25
     assert doc["run"]["samples_recorded"] == 0 and doc["run"]["url"] == f"/api/replays/{doc['run']['run']}/"

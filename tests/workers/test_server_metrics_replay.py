@@ -17,10 +17,9 @@ from analysis import server_metrics as sm
 from analysis.definitions import PHASES, Filters
 from dashboards import reports as report
 from samples.backends.clickhouse import ClickHouseServerBackend
-from simulator.serve import start_in_thread
 from streaming import scrape
 from streaming.egress import parse_allowlist
-from tests.workers.background import manage, start_demo_experiment, start_worker, stop_all
+from tests.workers.background import manage, start_worker, stop_all
 from workers.models import ReplayRun
 
 TRACE = "data/traces/azure_llm_2023_code.csv"
@@ -188,14 +187,12 @@ def test_the_fetch_is_bounded_checked_and_carries_the_variants_secret(metrics_se
 
 
 @pytest.mark.services
-def test_windowed_shards_scrape_one_at_a_time_and_count_every_request_once(broker_env, tmp_path):
-    env = {**broker_env, "ABPLAT_TASK_SOFT_TIME_LIMIT_S": "8", "ABPLAT_REPLAY_WINDOW_S": "3",
+def test_windowed_shards_scrape_one_at_a_time_and_count_every_request_once(demo_env, tmp_path):
+    env = {**demo_env, "ABPLAT_TASK_SOFT_TIME_LIMIT_S": "8", "ABPLAT_REPLAY_WINDOW_S": "3",
            "ABPLAT_VISIBILITY_TIMEOUT": "60", "ABPLAT_SERVER_METRICS_INTERVAL_S": "1"}  # fmt: skip
-    sims = [start_in_thread("fast", model="tiny-llama") for _ in range(3)]
     log = tmp_path / "worker.log"
     workers = []
     try:
-        start_demo_experiment(env, tmp_path, sims)
         workers = [start_worker(env, log), start_worker(env, log)]
         # 240 requests at 20/s: 12 s of schedule, four 3 s windows of two slots each
         manage(env, "replay", "ttft-optimizations", "--trace", TRACE, "--limit", "240",
@@ -217,4 +214,4 @@ def test_windowed_shards_scrape_one_at_a_time_and_count_every_request_once(broke
             assert len(spans) >= 10, (variant, spans)
             assert all(a_end <= b_start for (_a, a_end), (b_start, _b) in zip(spans, spans[1:])), spans
     finally:
-        stop_all(workers, sims)
+        stop_all(workers)

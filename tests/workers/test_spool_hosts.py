@@ -10,7 +10,6 @@ import io
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 from celery.exceptions import Retry
@@ -25,7 +24,7 @@ from samples.columns import COLUMN_NAMES
 from samples.spool import Spool
 from samples.store import StoreError, StoreUnavailable
 from streaming.result import StreamResult
-from tests.workers.background import manage, start_worker
+from tests.workers.background import start_worker, stop_all, wait_for
 from workers import tasks
 from workers.models import ReplayRun, ReplayShard, SpoolRecord
 
@@ -319,22 +318,22 @@ def test_a_spool_that_is_gone_for_good_can_be_given_up(experiment, sample_store)
 
 
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
-def test_every_worker_flushes_its_own_spool_on_its_own(broker_env, tmp_path, pool):
+def test_every_worker_flushes_its_own_spool_on_its_own(demo_env, tmp_path, pool):
     """Samples a worker spooled (here: left by its previous life) reach the store without anyone
-    running flush_samples: each worker process flushes its host's spool on a timer."""
-    manage(broker_env, "migrate", "-v0")
-    manage(broker_env, "clickhouse_migrate")
+    running flush_samples: each worker process flushes its host's spool on a timer. (demo_env:
+    the database and the sample store migrated; its experiment is not used.)"""
     spool = Spool(str(tmp_path / "spool"))  # the worker's ABPLAT_SPOOL_DIR (ABPLAT_VAR/spool)
     spool.append(rows_of(7, range(25), experiment="ttft-opt"))
     log = tmp_path / "worker.log"
-    worker = start_worker(broker_env, log, pool)
-    store = ClickHouseServerBackend(broker_env["ABPLAT_CLICKHOUSE_URL"])
+    worker = start_worker(demo_env, log, pool)
+    store = ClickHouseServerBackend(demo_env["ABPLAT_CLICKHOUSE_URL"])
     try:
-        deadline = time.monotonic() + 60
-        while store.count(7) < 25:
-            assert worker.poll() is None and time.monotonic() < deadline, Path(log).read_text()[-3000:]
-            time.sleep(0.5)
+
+        def flushed() -> bool:
+            assert worker.poll() is None, log.read_text()[-3000:]
+            return store.count(7) >= 25
+
+        wait_for(flushed, 60, poll=0.2, message=lambda: log.read_text()[-3000:])
         assert spool.pending_files() == []
     finally:
-        os.killpg(worker.pid, 15)
-        worker.wait(30)
+        stop_all([worker])
