@@ -25,11 +25,13 @@ demo: export ABPLAT_LOG_LEVEL ?= WARNING
 demo: venv  ## set up and run the main job on the embedded defaults, then serve the admin
 	$(PY) manage.py demo
 
-# The suite runs in TEST_WORKERS pytest-xdist processes, a test file per process at a time
-# (module fixtures set up once; tests/plugin.py gives each process its own var directory,
-# Redis database and ports). Most tests wait on servers, schedules and child processes more
-# than they compute, so three processes pay on two cores (bench/RESULTS.md "Test suite").
-TEST_WORKERS ?= 3
+# TEST_WORKERS pytest-xdist processes run the suite, a test file per process at a time (module
+# fixtures set up once; tests/plugin.py gives each process its own var directory, Redis database
+# and ports); 0 runs it in this one process. One process stays the default until several are
+# measured on a quiet machine: timing tests fail when the two cores are overcommitted
+# (bench/RESULTS.md "Test suite"). FAST_WORKERS runs make test-fast.
+TEST_WORKERS ?= 0
+FAST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadfile
 # The inner loop: no service, no child process (tests/plugin.py fails a test that reaches one),
 # nothing that takes seconds.
@@ -40,7 +42,7 @@ test: venv services vllm browser doctor lint check  ## set up, start the service
 	ABPLAT_DATABASE_URL=$(TEST_POSTGRES_URL) $(PY) -m pytest -m engine $(XDIST) --durations=10
 
 test-fast: venv  ## the in-process tests only, for the inner loop: no service needed, a few minutes
-	ABPLAT_TEST_FAST=1 $(PY) -m pytest -m "$(FAST_MARKS)" $(XDIST) --durations=10
+	ABPLAT_TEST_FAST=1 $(PY) -m pytest -m "$(FAST_MARKS)" -n $(FAST_WORKERS) --dist loadfile --durations=10
 
 venv: $(STAMP)
 $(STAMP): requirements.txt requirements-dev.txt
