@@ -2,9 +2,9 @@
 mid-run (samples spool, then flush in order without duplicates)."""
 
 import io
-import time
 import urllib.parse
 import uuid
+from pathlib import Path
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -49,12 +49,13 @@ def recorded_samples(store, run_id):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_store_down_mid_run_spools_then_flushes_exactly_once(running, flaky_store):
+def test_store_down_mid_run_spools_then_flushes_exactly_once(running, flaky_store, settings):
     proxy, store = flaky_store
     thread, out, errors = replay_in_thread("--limit", "300", "--speed", "80")  # ~6 s of schedule
     wait_for(lambda: ReplayRun.objects.filter(shards__recorded__gt=30).exists())
     proxy.down()
-    time.sleep(2.0)  # samples recorded now go to the spool
+    spool = Path(settings.SPOOL_DIR)
+    wait_for(lambda: any(spool.glob("*.jsonl")))  # samples recorded now went to the spool
     proxy.up()
     thread.join(120)
     assert not errors, out.getvalue()

@@ -73,7 +73,7 @@ def test_prompt_lines_go_to_chat_variants_only_when_asked(running, sample_store,
 def test_concluding_during_a_split_replay_cancels_it_cleanly(running, sample_store, users, capfd, caplog):
     """issue 16, bug 5: the replay kept sending, printed 89 "Task exception was never retrieved
     ... UnknownExperiment" and ended failed."""
-    thread, out, errors = replay_in_thread("--limit", "300", "--speed", "5")  # ~60 s of schedule
+    thread, out, errors = replay_in_thread("--limit", "300", "--speed", "20")  # ~11 s of schedule
     wait_for(lambda: ReplayRun.objects.filter(shards__recorded__gt=20).exists())
     services.transition(running, "conclude", users["product"])
     thread.join(60)
@@ -96,7 +96,7 @@ def test_pausing_or_concluding_stops_a_mirror_replay(running, sample_store, user
     """issue 11, finding 5: a mirror run asks no router (every request goes to every variant),
     so retired weights cannot stop it; the transition cancels it and its shard stops at its
     next check instead of writing on into a paused or concluded experiment."""
-    thread, out, errors = replay_in_thread("--limit", "300", "--speed", "5", "--mode", "mirror")
+    thread, out, errors = replay_in_thread("--limit", "300", "--speed", "20", "--mode", "mirror")
     wait_for(lambda: ReplayRun.objects.filter(shards__recorded__gt=20).exists())
     services.transition(running, action, users["product"])
     stopped_at = time.time()
