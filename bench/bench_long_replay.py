@@ -4,7 +4,7 @@ bench/RESULTS.md.
 
     scripts/services.sh start        # ClickHouse (Redis is the machine's)
     .venv/bin/python bench/bench_long_replay.py                  # 8,819 requests, ~62 min
-    .venv/bin/python bench/bench_long_replay.py --quick          # 600 requests at 30x, ~1.5 min
+    .venv/bin/python bench/bench_long_replay.py --quick          # 600 requests at 30x, ~1 min
 
 Everything is the production path: `manage.py replay` queues the run; two `celery worker`
 processes (prefork, 2 each) run start_replay (the prompt plan) and one task per (window,
@@ -132,8 +132,11 @@ def run(args) -> None:
         redis.Redis.from_url(REDIS, socket_timeout=2).flushdb()
     except redis.RedisError as exc:
         raise BenchFailed(f"Redis not reachable at {REDIS}: {exc}") from None
-    database = f"abplat_bench_long_{uuid.uuid4().hex[:8]}"
-    url = CLICKHOUSE.rsplit("/", 1)[0] + "/" + database
+    # Named after the given database (abplat_bench_long_... by default), so that whoever gave it
+    # (tests/bench) can drop what a killed run left.
+    base, given = CLICKHOUSE.rsplit("/", 1)
+    database = f"{given}_long_{uuid.uuid4().hex[:8]}"
+    url = base + "/" + database
     store = ClickHouseServerBackend(url)
     try:
         store.ensure_database()

@@ -87,8 +87,10 @@ def bench_read(url: str, hours: float, rounds: int) -> None:
     from samples.backends.clickhouse import ClickHouseServerBackend
     from simulator.metrics import Metrics
 
-    database = f"abplat_bench_sm_{uuid.uuid4().hex[:8]}"
-    base = url.rsplit("/", 1)[0]
+    # Named after the given database (abplat_bench_sm_... by default), so that whoever gave it
+    # (tests/bench) can drop what a killed run left.
+    base, given = url.rsplit("/", 1)
+    database = f"{given}_sm_{uuid.uuid4().hex[:8]}"
     store = ClickHouseServerBackend(f"{base}/{database}")
     try:
         store.migrate()
