@@ -108,24 +108,35 @@ class Standby:
         self.proc.communicate()
 
 
-def make_demo_template(var: Path, sims) -> None:
-    """In ``var`` (an ABPLAT_VAR): the Django database migrated and the demo experiment applied
-    with its variants on ``sims`` (simulator handles, in the document's order) and started; in
-    one `manage.py` process, once for the tests that copy it (install_demo). The sample store is
-    not touched: each test has its own ClickHouse database."""
+def _apply_demo(env: dict, directory: Path, sims, *migrate_args: str) -> None:
+    """In one `manage.py` process with ``env``: migrate (``migrate_args``), apply the demo
+    experiment with its variants on ``sims`` (simulator handles, in the document's order; the
+    document is written to ``directory``) and start it."""
     doc = yaml.safe_load((ROOT / "demo" / "ttft-optimizations.yaml").read_text())
     for variant, sim in zip(doc["variants"], sims, strict=True):
         variant["endpoint"] = sim.url + "/v1"
-    path = var / "exp.yaml"
+    path = directory / "exp.yaml"
     path.write_text(yaml.safe_dump(doc))
-    env = subprocess_env(ABPLAT_VAR=str(var))
     manage(env, "shell", "-c", (
         "from django.core.management import call_command; from experiments import services; "
         "from experiments.models import Experiment; "
-        "call_command('migrate', '--skip-sample-store', verbosity=0); "
+        f"call_command('migrate', *{list(migrate_args)!r}, verbosity=0); "
         f"call_command('apply_experiment', {str(path)!r}); "
         "services.transition(Experiment.objects.get(), 'start')"
     ))  # fmt: skip
+
+
+def start_demo_experiment(env: dict, tmp_path: Path, sims) -> None:
+    """In the database and sample store ``env`` names: migrate both, apply the demo experiment
+    with its variants on ``sims`` (simulator handles, in the document's order) and start it."""
+    _apply_demo(env, tmp_path, sims)
+
+
+def make_demo_template(var: Path, sims) -> None:
+    """In ``var`` (an ABPLAT_VAR): the Django database migrated and the demo experiment applied
+    with its variants on ``sims`` and started, once, for the tests that copy it (install_demo).
+    The sample store is not touched: each test has its own ClickHouse database."""
+    _apply_demo(subprocess_env(ABPLAT_VAR=str(var)), var, sims, "--skip-sample-store")
     assert (var / DATABASE_FILE).is_file() and (var / WEIGHTS).is_dir(), sorted(os.listdir(var))
 
 

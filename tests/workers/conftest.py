@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -16,32 +18,43 @@ from tests.workers.background import install_demo, make_demo_template, subproces
 REDIS_URL = os.environ.get("ABPLAT_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
 
+@contextlib.contextmanager
+def fresh_database(clickhouse_server: str) -> Iterator[str]:
+    """The URL of a new ClickHouse database on the test server, dropped afterwards."""
+    database = f"abplat_test_{uuid.uuid4().hex[:10]}"
+    try:
+        yield server_url_for(database, clickhouse_server)
+    finally:
+        try:
+            ClickHouseServerBackend(server_url_for(database, clickhouse_server)).execute(
+                f"DROP DATABASE IF EXISTS {database}"
+            )
+        except StoreError:  # 18.16 refuses IF EXISTS for a database never created (a failed setup)
+            pass
+
+
 @pytest.fixture
 def clickhouse_database(clickhouse_server):
     """The URL of a fresh ClickHouse database of this test, dropped after it."""
-    database = f"abplat_test_{uuid.uuid4().hex[:10]}"
-    yield server_url_for(database, clickhouse_server)
-    try:
-        ClickHouseServerBackend(server_url_for(database, clickhouse_server)).execute(
-            f"DROP DATABASE IF EXISTS {database}"
-        )
-    except StoreError:  # 18.16 refuses IF EXISTS for a database never created (a failed setup)
-        pass
+    with fresh_database(clickhouse_server) as url:
+        yield url
 
 
 @pytest.fixture
-def broker_env(tmp_path, clickhouse_database):
+def broker_env(tmp_path, clickhouse_server):
     """The environment of worker and manage.py subprocesses: Redis (its test database emptied),
     a fresh ClickHouse database, this test's ABPLAT_VAR (a file SQLite the processes share), a
-    5 s visibility timeout (a dead worker's task comes back quickly), and nothing else of ours."""
+    5 s visibility timeout (a dead worker's task comes back quickly), and nothing else of ours.
+    (Other test directories import this fixture alone: it takes only root fixtures.)"""
     try:
         redis.Redis.from_url(REDIS_URL, socket_timeout=2).flushdb()
     except redis.RedisError as exc:
         pytest.fail(f"Redis not reachable at {REDIS_URL} ({exc}); start it (scripts/services.sh start)")
-    return subprocess_env(
-        ABPLAT_VAR=str(tmp_path), ABPLAT_BROKER_URL=REDIS_URL, ABPLAT_CLICKHOUSE_URL=clickhouse_database,
-        ABPLAT_VISIBILITY_TIMEOUT="5", ABPLAT_LOG_LEVEL="INFO",
-    )  # fmt: skip
+    with fresh_database(clickhouse_server) as url:
+        yield subprocess_env(
+            ABPLAT_VAR=str(tmp_path), ABPLAT_BROKER_URL=REDIS_URL, ABPLAT_CLICKHOUSE_URL=url,
+            ABPLAT_VISIBILITY_TIMEOUT="5", ABPLAT_LOG_LEVEL="INFO",
+        )  # fmt: skip
 
 
 @pytest.fixture(scope="session")
