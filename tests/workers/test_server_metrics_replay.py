@@ -43,7 +43,7 @@ def test_a_replay_stores_each_variants_metrics_and_the_report_splits_misses(runn
     settings.SERVER_METRICS_INTERVAL_S = 1
     running.__class__.objects.filter(pk=running.pk).update(sla_ttft_ms=0.5)  # nearly every request misses
     running.refresh_from_db()
-    replay("--limit", "90", "--speed", "40")
+    replay("--limit", "90", "--speed", "100")  # ~1.9 s of schedule
     run = ReplayRun.objects.get()
     assert run.status == "done", run.error
     served = sample_store.counts_by_variant(run.pk)
