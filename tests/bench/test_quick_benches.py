@@ -2,16 +2,19 @@
 
 Each bench checks its own preconditions and results and exits 1 with `bench FAILED: ...` on
 stderr when one fails; here each must exit 0 and print its tables. No timing is asserted. The
-quick benches run concurrently (each in its own ClickHouse database): they wait on schedules,
-servers and etcd restarts far more than they compute, so together they take about as long as the
-slowest. Needs the ClickHouse server and etcd (make services).
+quick benches run a few at a time (QUICK_PARALLEL, each in its own ClickHouse database), the
+longest first: they wait on schedules, servers and etcd restarts more than they compute, so a few
+side by side take little longer than one, while all of them at once would starve the tests other
+pytest-xdist workers run beside this module. Needs the ClickHouse server and etcd (make services).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -25,7 +28,14 @@ from tests.plugin import SERVER_URL, server_url_for
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCHES = sorted(p.name for p in (ROOT / "bench").glob("bench_*.py"))
 ETCD = os.environ.get("ABPLAT_TEST_ETCD_ENDPOINTS", "127.0.0.1:12379")
-TIMEOUT_S = 180  # a hang guard, not a timing check
+TIMEOUT_S = 180  # a hang guard, not a timing check: each bench's own, from its start
+# Benches running at once; the rest wait for a slot, the longest (wall time alone) started first.
+# On 2 cores 3 at once take about as long in all as 4 and a third less than 2; all 14 at once
+# starved their neighbours and the ClickHouse server (timeouts, the hang guard's kills).
+QUICK_PARALLEL = int(os.environ.get("ABPLAT_TEST_QUICK_BENCHES_PARALLEL") or "3")
+LONGEST_FIRST = ("bench_long_replay.py", "bench_capacity.py", "bench_split.py", "bench_gateway.py",
+                 "bench_itl.py", "bench_replay_cpu.py", "bench_observability.py", "bench_replay.py",
+                 "bench_report.py", "bench_sequential.py", "bench_server_metrics.py")  # fmt: skip
 
 pytestmark = pytest.mark.services
 
@@ -64,6 +74,8 @@ def has_table(text: str) -> bool:
 
 
 def drop_database(database: str) -> None:
+    """The bench's database and those it named after it (bench_report's `<name>_20000`,
+    bench_itl's `<name>_itl_demo`, ...): every name starting with ``database``, unique per run."""
     from clickhouse_driver import Client
 
     url = urllib.parse.urlsplit(SERVER_URL)
@@ -71,40 +83,109 @@ def drop_database(database: str) -> None:
         url.hostname, port=url.port or 9000, user=url.username or "default", password=url.password or ""
     )
     try:
-        client.execute(f"DROP DATABASE IF EXISTS {database}")
+        names = client.execute(
+            "SELECT name FROM system.databases WHERE startsWith(name, %(p)s)", {"p": database}
+        )
+        for (name,) in names:
+            client.execute(f"DROP DATABASE IF EXISTS {name}")
     finally:
         client.disconnect()
 
 
+def started_order(names: list[str]) -> list[str]:
+    """The benches longest first (LONGEST_FIRST), then any other in name order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    return sorted(names, key=lambda name: (rank.get(name, len(rank)), name))
+
+
 @pytest.fixture(scope="module")
 def quick_runs(tmp_path_factory):
-    """{bench file: (returncode, stdout, stderr, seconds)}, all benches run concurrently."""
-    runs = {}
-    for name in BENCHES:
+    """{bench file: (returncode, stdout, stderr, seconds, killed)}: every bench run, at most
+    QUICK_PARALLEL at a time. A bench still running TIMEOUT_S after its start is killed with every
+    process under it (its servers and workers) and reported as killed by the hang guard."""
+    logs = tmp_path_factory.mktemp("quick-benches")
+    waiting, running, results = started_order(BENCHES), {}, {}
+    databases = []
+
+    def start(name: str) -> None:
         database = f"abplat_bench_quick_{name[6:-3]}_{uuid.uuid4().hex[:8]}"
+        databases.append(database)
         env = bench_env(database, tmp_path_factory.mktemp(f"var-{name[:-3]}"))
-        proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "bench" / name), "--quick", *bench_args(name, database)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        runs[name] = (proc, database, time.monotonic())
-    results = {}
+        # Output to files, not pipes: a bench is never blocked on a full pipe nobody reads yet.
+        with (logs / f"{name}.out").open("wb") as out, (logs / f"{name}.err").open("wb") as err:
+            proc = subprocess.Popen(
+                [sys.executable, str(ROOT / "bench" / name), "--quick", *bench_args(name, database)],
+                cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True,
+            )  # fmt: skip
+        running[name] = (proc, time.monotonic())
+
+    def finish(name: str, killed: bool) -> None:
+        proc, t0 = running.pop(name)
+        if killed:
+            kill_tree(proc)
+        seconds = time.monotonic() - t0
+        out, err = ((logs / f"{name}.{ext}").read_text(errors="replace") for ext in ("out", "err"))
+        results[name] = (proc.returncode, out, err, seconds, killed)
+
     try:
-        for name, (proc, _, t0) in runs.items():
-            try:
-                out, err = proc.communicate(timeout=max(1.0, t0 + TIMEOUT_S - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = proc.communicate()
-                err += f"\n(killed after {TIMEOUT_S}s)"
-            results[name] = (proc.returncode, out, err, time.monotonic() - t0)
+        while waiting or running:
+            while waiting and len(running) < max(1, QUICK_PARALLEL):
+                start(waiting.pop(0))
+            time.sleep(0.2)
+            for name, (proc, t0) in list(running.items()):
+                if proc.poll() is not None:
+                    finish(name, killed=False)
+                elif time.monotonic() - t0 > TIMEOUT_S:
+                    finish(name, killed=True)
     finally:
-        for proc, database, _ in runs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        for proc, _ in running.values():
+            kill_tree(proc)
+        for database in databases:
             drop_database(database)
     return results
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process under ``pid``, by parent: a bench starts Celery workers and servers in
+    sessions of their own, out of its process group."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue  # gone since listdir
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the bench, every process under it and its process group, then reap the bench: a
+    Celery worker left behind would take the next run's tasks from the same Redis database."""
+    for pid in (proc.pid, *descendants(proc.pid)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def quick_run(quick_runs, name: str) -> tuple[int, str, str]:
+    """A bench's (returncode, stdout, stderr); fails the test at once, saying so, when the hang
+    guard killed it."""
+    code, out, err, seconds, killed = quick_runs[name]
+    if killed:
+        pytest.fail(
+            f"{name} --quick was killed by the hang guard: still running {TIMEOUT_S} s after it started "
+            f"({seconds:.0f} s); its output so far:\n{out[-4000:]}\n{err[-4000:]}"
+        )
+    return code, out, err
 
 
 def test_every_bench_has_a_quick_mode():
@@ -115,14 +196,15 @@ def test_every_bench_has_a_quick_mode():
 
 @pytest.mark.parametrize("name", BENCHES)
 def test_quick_bench_passes_its_own_checks_and_prints_its_tables(quick_runs, name):
-    code, out, err, seconds = quick_runs[name]
+    code, out, err = quick_run(quick_runs, name)
+    seconds = quick_runs[name][3]
     assert code == 0, f"{name} --quick exited {code} after {seconds:.0f}s:\n{out[-4000:]}\n{err[-4000:]}"
     assert "bench FAILED" not in err
     assert has_table(out), f"{name} printed no table:\n{out}"
 
 
 def test_quick_bench_replay_prints_every_table_with_exact_sample_counts(quick_runs):
-    code, out, err, _ = quick_runs["bench_replay.py"]
+    code, out, err = quick_run(quick_runs, "bench_replay.py")
     assert code == 0, f"bench failed ({code}):\n{out}\n{err}"
     assert "2 cores" in out or "cores" in out.splitlines()[0]
     assert "| run | workers | target/s |" in out
@@ -138,7 +220,7 @@ def test_quick_bench_replay_prints_every_table_with_exact_sample_counts(quick_ru
 
 def test_quick_bench_sequential_prints_false_rollbacks_coverage_and_time_to_detect(quick_runs):
     # The bench fails unless the sequences keep alpha and peeked fixed-horizon tests exceed it.
-    code, out, err, _ = quick_runs["bench_sequential.py"]
+    code, out, err = quick_run(quick_runs, "bench_sequential.py")
     assert code == 0, f"bench failed ({code}):\n{out}\n{err}"
     for header in ("| guardrail (A/A at the limit) | anytime-valid (ours) | fixed-horizon, peeked | fixed / ours |",
                    "| quantity | truth | anytime-valid (ours) | fixed-horizon, peeked | fixed / ours |",
@@ -149,7 +231,7 @@ def test_quick_bench_sequential_prints_false_rollbacks_coverage_and_time_to_dete
 
 
 def test_quick_bench_observability_prints_each_setup_side_by_side_with_its_ratio(quick_runs):
-    code, out, err, _ = quick_runs["bench_observability.py"]
+    code, out, err = quick_run(quick_runs, "bench_observability.py")
     assert code == 0, f"bench failed ({code}):\n{out}\n{err}"
     assert "| setup | runs | CPU ms/request (median) | min - max | vs off (paired median) |" in out, out
     assert "| 1.000 | 1.000 - 1.000 |" in out, out  # the baseline against itself
@@ -164,7 +246,7 @@ def test_quick_bench_capacity_prints_the_demo_deployments_with_their_steps_and_p
     # ok, each capacity is the highest rate that met, and the prices follow from it.
     from workers.demo import REPLICAS
 
-    code, out, err, _ = quick_runs["bench_capacity.py"]
+    code, out, err = quick_run(quick_runs, "bench_capacity.py")
     assert code == 0, f"bench failed ({code}):\n{out}\n{err}"
     assert (
         "| variant | engines | capacity req/s | bracket req/s | limited by | steps | max lag p99 ms |" in out
@@ -180,7 +262,7 @@ def test_quick_bench_capacity_prints_the_demo_deployments_with_their_steps_and_p
 def test_quick_bench_replay_cpu_prints_both_clients_per_round_and_their_ratio(quick_runs):
     # The bench fails unless every request of both clients is ok and streams exactly its trace's
     # output tokens, and our reads carry kernel receive stamps.
-    code, out, err, _ = quick_runs["bench_replay_cpu.py"]
+    code, out, err = quick_run(quick_runs, "bench_replay_cpu.py")
     assert code == 0, f"bench failed ({code}):\n{out}\n{err}"
     assert "| round | client | requests | tokens | CPU s | CPU ms/request | CPU us/token |" in out, out
     for client in ("abplat replay", "abplat replay, asyncio loop", "vllm bench serve"):
@@ -195,7 +277,7 @@ def test_quick_bench_gateway_prints_every_path_side_by_side_with_its_bytes_and_r
     # The bench fails unless every request through every path is ok with exactly its tokens,
     # every body through the gateway and nginx is the direct body byte for byte, and the
     # gateway recorded one sample per request it forwarded (its LiveRun books, nothing lost).
-    code, out, err, _ = quick_runs["bench_gateway.py"]
+    code, out, err = quick_run(quick_runs, "bench_gateway.py")
     assert code == 0, f"bench failed ({code}):\n{out}\n{err}"
     assert "| path | request | status | body bytes | same bytes as direct | headers added |" in out, out
     for api in ("/v1/chat/completions", "/v1/completions"):
