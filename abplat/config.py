@@ -189,9 +189,23 @@ def _settings(env: Reader) -> dict[str, Any]:
     # Client request headers passed on to the variant (lower case); all others are dropped.
     GATEWAY_FORWARD_HEADERS = env.env_list("ABPLAT_GATEWAY_FORWARD_HEADERS", [])
     GATEWAY_MAX_BODY_BYTES = env.env_int("ABPLAT_GATEWAY_MAX_BODY_BYTES", 4 * 1024 * 1024, minimum=1024)
+    # Which experiments each tenant may reach: TENANT=EXPERIMENT, TENANT=team:NAME or TENANT=*,
+    # comma-separated (empty: every tenant reaches every running experiment).
+    GATEWAY_REACH = env.env_list("ABPLAT_GATEWAY_REACH", [])
     # Per-user token bucket: requests per second (0: no limit) and the burst above it.
     GATEWAY_USER_RATE = env.env_int("ABPLAT_GATEWAY_USER_RATE", 0, minimum=0, maximum=1_000_000)
     GATEWAY_USER_BURST = env.env_int("ABPLAT_GATEWAY_USER_BURST", 20, minimum=1, maximum=1_000_000)
+    # Per-tenant (API key owner) token bucket and concurrent requests (0: no limit), whatever
+    # user ids its requests carry.
+    GATEWAY_TENANT_RATE = env.env_int("ABPLAT_GATEWAY_TENANT_RATE", 0, minimum=0, maximum=1_000_000)
+    GATEWAY_TENANT_BURST = env.env_int("ABPLAT_GATEWAY_TENANT_BURST", 100, minimum=1, maximum=1_000_000)
+    GATEWAY_TENANT_STREAMS = env.env_int("ABPLAT_GATEWAY_TENANT_STREAMS", 0, minimum=0, maximum=1_000_000)
+    # The whole request body must arrive within this many seconds (408 otherwise), and at most
+    # this many connections are served at once per process (503 beyond: uvicorn's limit).
+    GATEWAY_BODY_TIMEOUT_S = env.env_int("ABPLAT_GATEWAY_BODY_TIMEOUT_S", 30, minimum=1, maximum=3600)
+    GATEWAY_MAX_CONNECTIONS = env.env_int(
+        "ABPLAT_GATEWAY_MAX_CONNECTIONS", 2048, minimum=1, maximum=1_000_000
+    )
     # Upstream deadlines, seconds: connect, response headers, gap between chunks, whole request.
     GATEWAY_CONNECT_TIMEOUT_S = env.env_int("ABPLAT_GATEWAY_CONNECT_TIMEOUT_S", 5, minimum=1, maximum=600)
     GATEWAY_HEADERS_TIMEOUT_S = env.env_int("ABPLAT_GATEWAY_HEADERS_TIMEOUT_S", 60, minimum=1, maximum=3600)

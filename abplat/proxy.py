@@ -59,15 +59,25 @@ def client_address(peer: str, forwarded_for: str, proxies: Sequence[Network]) ->
 
 class TrustedProxyMiddleware:
     """REMOTE_ADDR becomes the client's address when the request came through a listed proxy
-    (the proxy's own address is kept in META["abplat.proxy_addr"])."""
+    (the proxy's own address is kept in META["abplat.proxy_addr"]).
+
+    X-Forwarded-Proto (Django's SECURE_PROXY_SSL_HEADER with debug off) is believed only from a
+    listed proxy: from anyone else it is dropped, so a client cannot claim TLS it did not use.
+    Without it Django falls back to the server's own scheme, which gunicorn sets from the same
+    header for the addresses in ABPLAT_WEB_FORWARDED_ALLOW_IPS (nginx on the same host by
+    default: docs/deploy.md, "TLS in front")."""
 
     def __init__(self, get_response):
         self.get_response = get_response
 
     def __call__(self, request):
         proxies = settings.TRUSTED_PROXY_NETWORKS
+        meta = request.META
+        if "HTTP_X_FORWARDED_PROTO" in meta and not (
+            proxies and _listed(meta.get("REMOTE_ADDR", ""), proxies)
+        ):
+            del meta["HTTP_X_FORWARDED_PROTO"]
         if proxies:
-            meta = request.META
             peer = meta.get("REMOTE_ADDR", "")
             client = client_address(peer, meta.get("HTTP_X_FORWARDED_FOR", ""), proxies)
             if client != peer:

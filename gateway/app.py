@@ -3,10 +3,12 @@
 ``POST /v1/chat/completions`` and ``/v1/completions`` (streaming or not, also under a
 configured path prefix), ``GET /v1/models``, ``GET /healthz``. One request:
 
-1. Check the client: API key (its tenant), body size, JSON body, every string in it
-   (gateway/routing.py), the per-user rate limit.
+1. Check the client: API key (its tenant), the tenant's concurrent requests, body size and
+   read deadline, JSON body (nesting depth too), every string in it (gateway/routing.py), the
+   tenant's and the user's rate limits.
 2. Route: experiment, user, variant (gateway/routing.py on the process's weights router; the
-   variant's endpoint, model and secret from gateway/variants.py).
+   variant's endpoint, model and secret from gateway/variants.py), only to experiments that run
+   and the tenant may reach (ABPLAT_GATEWAY_REACH).
 3. Forward: the body with the variant's model name, the variant's Authorization, the request's
    ``X-Request-Id`` and ``traceparent``; the clock starts just before the upstream send, as the
    replay's does (streaming/client.py).
@@ -41,7 +43,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Protocol
 
 from gateway.config import GatewayConfig
-from gateway.limits import TokenBuckets
+from gateway.limits import TokenBuckets, json_depth
 from gateway.routing import Decision, RequestError, decide, experiment_for, split_path, user_for
 from gateway.upstream import Endpoint, Exchange, Pool, UpstreamError
 from gateway.variants import Directory, Target
@@ -115,6 +117,10 @@ class Gateway:
         self.ssl_context = ssl_context
         self.refresh_variants = refresh_variants
         self.buckets = TokenBuckets(config.user_rate, config.user_burst) if config.user_rate else None
+        self.tenant_buckets = (
+            TokenBuckets(config.tenant_rate, config.tenant_burst) if config.tenant_rate else None
+        )
+        self.tenant_active: Counter[str] = Counter()  # requests in flight per tenant
         self._pools: dict[Endpoint, Pool] = {}
         self.counts: Counter[str] = Counter()  # reasons, outcomes, refusals
         self.active = 0
@@ -243,29 +249,68 @@ class Gateway:
     async def _models(self, scope: Scope, send: Send) -> None:
         headers = dict(scope["headers"])
         try:
-            self._authenticate(headers)
+            tenant, _ = self._authenticate(headers)
         except RequestError as exc:
             return await _respond(send, exc.status, _error_body(exc.status, exc.message, code=exc.code))
-        names = [k for k, e in self.directory.targets.items() if e.status in ("running", "paused")]
-        names += [m for m in self.config.routes.models if m not in names]
+        routes = self.config.routes
+        names = [k for k in self.directory.targets if self._may_reach(tenant, k)]
+        names += [m for m, k in routes.models.items() if m not in names and self._may_reach(tenant, k)]
         body = {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "abplat"} for n in names]}
         await _respond(send, 200, _DUMPS(body).encode())
+
+    def _may_reach(self, tenant: str, experiment: str) -> bool:
+        """Whether ``tenant`` may reach a served ``experiment`` (the default one: everyone)."""
+        if experiment == self.config.routes.default_experiment:
+            return experiment in self.directory.targets
+        exp = self.directory.targets.get(experiment)
+        return exp is not None and self.config.reach.allows(tenant, experiment, exp.team)
+
+    async def _refuse(self, send: Send, exc: RequestError, retry_after: float = 0.0) -> None:
+        self.counts[f"refused_{exc.status}"] += 1
+        self.meter.refused(exc.status)
+        await _respond(
+            send, exc.status, _error_body(exc.status, exc.message, kind=exc.kind, param=exc.param, code=exc.code),
+            retry_after=str(max(1, math.ceil(retry_after))).encode() if exc.status == 429 else None,
+        )  # fmt: skip
 
     # the request path -----------------------------------------------------------------------
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, prefix_experiment: str | None,
                      api_path: str) -> None:  # fmt: skip
-        cfg = self.config
         headers: dict[bytes, bytes] = {}
         for name, value in scope["headers"]:
             headers[name] = value  # the last of repeated headers (none of ours may repeat)
         # 1. the client
         try:
             tenant, api_key = self._authenticate(headers)
-            body = await self._read_body(headers, receive)
         except RequestError as exc:
-            self.counts[f"refused_{exc.status}"] += 1
-            self.meter.refused(exc.status)
-            return await _respond(send, exc.status, _error_body(exc.status, exc.message, code=exc.code))
+            return await self._refuse(send, exc)
+        cap = self.config.tenant_streams
+        if cap and self.tenant_active[tenant] >= cap:
+            # A stream's end is unknown: try again in a second.
+            return await self._refuse(send, RequestError(
+                429, f"too many requests in flight for this API key (at most {cap} at once)",
+                kind="rate_limit_error", code="concurrency_limit_exceeded",
+            ), 1.0)  # fmt: skip
+        self.tenant_active[tenant] += 1
+        try:
+            await self._proxy_for(tenant, api_key, headers, receive, send, prefix_experiment, api_path)
+        finally:
+            self.tenant_active[tenant] -= 1
+            if not self.tenant_active[tenant]:
+                del self.tenant_active[tenant]
+
+    async def _proxy_for(self, tenant: str, api_key: str, headers: dict[bytes, bytes], receive: Receive,
+                         send: Send, prefix_experiment: str | None, api_path: str) -> None:  # fmt: skip
+        cfg = self.config
+        try:
+            async with asyncio.timeout(cfg.body_timeout_s):
+                body = await self._read_body(headers, receive)
+        except TimeoutError:
+            return await self._refuse(send, RequestError(
+                408, f"the request body did not arrive within {cfg.body_timeout_s:g} s", code="request_timeout"
+            ))  # fmt: skip
+        except RequestError as exc:
+            return await self._refuse(send, exc)
         except _Cancelled:
             return
         t_body = _perf()
@@ -277,33 +322,29 @@ class Gateway:
                 raw_user = headers.get(cfg.user_header.encode())
                 header_user = raw_user.decode("utf-8", "replace") if raw_user is not None else None
             user_id, _source = user_for(request.get("user"), header_user, api_key or None)
-            if self.buckets is not None:
-                wait = self.buckets.take(f"{tenant}\0{user_id or ''}", time.monotonic())
+            now = time.monotonic()
+            if self.tenant_buckets is not None:
+                wait = self.tenant_buckets.take(tenant, now)
                 if wait > 0:
-                    self.counts["refused_429"] += 1
-                    self.meter.refused(429)
-                    return await _respond(
-                        send,
-                        429,
-                        _error_body(
-                            429,
-                            "rate limit for this user exceeded",
-                            kind="rate_limit_error",
-                            code="rate_limit_exceeded",
-                        ),  # fmt: skip
-                        retry_after=str(max(1, math.ceil(wait))).encode(),
-                    )
+                    return await self._refuse(send, RequestError(
+                        429, "rate limit for this API key exceeded", kind="rate_limit_error",
+                        code="rate_limit_exceeded",
+                    ), wait)  # fmt: skip
+            if self.buckets is not None:
+                wait = self.buckets.take(f"{tenant}\0{user_id or ''}", now)
+                if wait > 0:
+                    return await self._refuse(send, RequestError(
+                        429, "rate limit for this user exceeded", kind="rate_limit_error",
+                        code="rate_limit_exceeded",
+                    ), wait)  # fmt: skip
             # 2. the route
             decision = decide(
                 experiment, user_id, controls=self.directory.controls, assign=self._assign,
                 default_experiment=cfg.routes.default_experiment,
+                may_reach=(lambda key: self._may_reach(tenant, key)) if cfg.reach.configured else None,
             )  # fmt: skip
         except RequestError as exc:
-            self.counts[f"refused_{exc.status}"] += 1
-            self.meter.refused(exc.status)
-            return await _respond(
-                send, exc.status, _error_body(exc.status, exc.message, param=exc.param, code=exc.code)
-            )
+            return await self._refuse(send, exc)
         self.counts[decision.reason.value] += 1
         # decision.experiment, not the client's model name: an experiment the database knows.
         self.meter.routed(decision.experiment, decision.reason.value)
@@ -474,11 +515,19 @@ class Gateway:
                 record(timer.finish(_perf(), exc.outcome, exc.message), gateway_ns)
                 if not last:
                     return False
-                status = 504 if exc.outcome in (Outcome.CONNECT_TIMEOUT, Outcome.HEADERS_TIMEOUT) else 502
+                timed_out = exc.outcome in (Outcome.CONNECT_TIMEOUT, Outcome.HEADERS_TIMEOUT)
+                status = 504 if timed_out else 502
                 state["done"] = True
+                # The details (host, port, refusals, secret names) are the operator's: in the log
+                # and the sample, under the request id the user gets.
+                log.warning("gateway: request %s to %s/%s failed: %s", request_id, decision.experiment, tgt.key,
+                            exc.message)  # fmt: skip
+                said = "did not answer in time" if timed_out else "could not be reached"
                 await _respond(
-                    send, status, _error_body(status, f"variant {tgt.key}: {exc.message}", kind="upstream_error"),
-                    variant=tgt.key, request_id=request_id, traceparent=traceparent,
+                    send, status, _error_body(
+                        status, f"the model's server {said}; request id {request_id}", kind="upstream_error",
+                        code="upstream_timeout" if timed_out else "upstream_unavailable",
+                    ), variant=tgt.key, request_id=request_id, traceparent=traceparent,
                 )  # fmt: skip
                 return True
             timer.headers(ex.headers_ns, ex.status)
@@ -805,13 +854,22 @@ def _estimate_prompt_tokens(request: dict) -> int:
     return max(1, (size + 3) // 4)
 
 
+MAX_JSON_DEPTH = 64  # objects and arrays in one another; a tool's JSON schema is well within
+
+
 def _parse_body(raw: bytes) -> dict:
     try:
         obj = json.loads(raw)
+    except RecursionError:
+        raise RequestError(400, f"body: nested deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError):
         raise RequestError(400, "body: not valid JSON") from None
     if not isinstance(obj, dict):
         raise RequestError(400, "body: must be a JSON object")
+    # Fewer brackets than the limit cannot nest deeper than it (the usual body: no walk at all).
+    deep = raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH
+    if deep and json_depth(obj, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise RequestError(400, f"body: nested deeper than {MAX_JSON_DEPTH} levels")
     stream = obj.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise RequestError(400, "stream: must be true or false", param="stream")
@@ -869,7 +927,7 @@ def build_default() -> Gateway:
     return Gateway(
         config,
         router=live_router,
-        directory=Directory(),
+        directory=Directory(default_experiment=config.routes.default_experiment),
         recorder=_recorder(worker),
         allow=variant_allowlist(),
         ssl_context=ssl_context,

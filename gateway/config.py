@@ -14,7 +14,7 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from gateway.limits import ApiKeys, parse_keys
-from gateway.routing import Routes, parse_retry_on_control, parse_routes
+from gateway.routing import Reach, Routes, parse_reach, parse_retry_on_control, parse_routes
 from gateway.upstream import Deadlines
 
 _HEADER_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
@@ -33,6 +33,11 @@ class GatewayConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     user_rate: int = 0
     user_burst: int = 20
+    reach: Reach = field(default_factory=lambda: Reach({}))
+    tenant_rate: int = 0
+    tenant_burst: int = 100
+    tenant_streams: int = 0  # concurrent requests per tenant; 0: no limit
+    body_timeout_s: float = 30.0
     deadlines: Deadlines = field(default_factory=Deadlines)
     drain_s: int = 30
     variants_refresh_s: int = 5
@@ -84,6 +89,7 @@ class GatewayConfig:
         try:
             routes = parse_routes(s.GATEWAY_ROUTES, s.GATEWAY_DEFAULT_EXPERIMENT)
             retry = parse_retry_on_control(s.GATEWAY_RETRY_ON_CONTROL)
+            reach = parse_reach(s.GATEWAY_REACH)
         except ValueError as exc:
             raise ImproperlyConfigured(str(exc)) from None
         if s.GATEWAY_HEADERS_TIMEOUT_S > s.GATEWAY_TOTAL_TIMEOUT_S:
@@ -100,6 +106,11 @@ class GatewayConfig:
             max_body_bytes=s.GATEWAY_MAX_BODY_BYTES,
             user_rate=s.GATEWAY_USER_RATE,
             user_burst=s.GATEWAY_USER_BURST,
+            reach=reach,
+            tenant_rate=s.GATEWAY_TENANT_RATE,
+            tenant_burst=s.GATEWAY_TENANT_BURST,
+            tenant_streams=s.GATEWAY_TENANT_STREAMS,
+            body_timeout_s=s.GATEWAY_BODY_TIMEOUT_S,
             deadlines=Deadlines(
                 connect_s=s.GATEWAY_CONNECT_TIMEOUT_S,
                 headers_s=s.GATEWAY_HEADERS_TIMEOUT_S,

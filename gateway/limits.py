@@ -1,4 +1,5 @@
-"""Client limits of the gateway (pure): per-user token buckets and the tenants' API keys.
+"""Client limits of the gateway (pure): token buckets (per user, per tenant), the tenants' API
+keys, and how deeply a request body nests.
 
 No I/O: the caller passes the clock reading and the key file's text.
 """
@@ -96,3 +97,26 @@ def parse_keys(text: str, setting: str = "ABPLAT_GATEWAY_KEYS_FILE") -> ApiKeys:
             raise ValueError(f"{setting} line {number}: this key is listed twice")
         tenants[digest] = tenant
     return ApiKeys(tenants)
+
+
+def json_depth(value: object, limit: int) -> int:
+    """How deeply objects and arrays nest in a parsed JSON value (a scalar: 0), counting no
+    further than ``limit + 1``. Iterative: a hostile body cannot exhaust the stack here, and
+    the walk stops as soon as the limit is passed."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        depth += 1
+        if depth > deepest:
+            deepest = depth
+            if deepest > limit:
+                return deepest
+        stack.extend((c, depth) for c in children if isinstance(c, dict | list))
+    return deepest

@@ -9,9 +9,11 @@ body with its status).
    path prefix, then the ``model`` itself is the experiment key.
 2. User: OpenAI's body field ``user``, else the configured header, else a hash of the API key;
    none of them: unassigned (served by the control, counted).
-3. Variant: the router's assignment; an experiment the router does not hold (draft, concluded)
-   is served by its control; an experiment the platform does not know by the configured
-   default experiment's control, or 404.
+3. Variant: the router's assignment. The gateway serves running and paused experiments and
+   the configured default one; one of those the router holds no weights for is served by its
+   control. Any other name (unknown, a draft, a concluded experiment, or one the tenant may not
+   reach) is served by the default experiment's control, or is a 404 ``model_not_found`` that
+   does not say which of these it was.
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ class Reason(StrEnum):
 
     ASSIGNED = "assigned"  # the router's assignment
     UNASSIGNED = "unassigned"  # no user: the control
-    NOT_RUNNING = "not_running"  # known experiment without weights (draft, concluded): control
-    DEFAULT = "default"  # unknown experiment: the configured default experiment's control
+    NOT_RUNNING = "not_running"  # served experiment the router holds no weights for: control
+    DEFAULT = "default"  # a name not served to this tenant: the default experiment's control
 
 
 class UserSource(StrEnum):
@@ -196,16 +198,22 @@ def decide(
     controls: Mapping[str, str],
     assign: Callable[[str, str], tuple[str, int]],
     default_experiment: str = "",
+    may_reach: Callable[[str], bool] | None = None,
 ) -> Decision:
-    """Step 3. ``controls``: every experiment the platform knows -> its control's key.
+    """Step 3. ``controls``: every experiment the gateway serves -> its control's key.
     ``assign(experiment, user)`` -> (variant, revision), LookupError when the router holds
-    no weights for the experiment."""
+    no weights for the experiment. ``may_reach(experiment)``: whether this request's tenant
+    may reach it (None: every tenant reaches every served experiment); the default experiment
+    serves every tenant."""
     control = controls.get(experiment)
+    if control is not None and may_reach is not None and experiment != default_experiment:
+        if not may_reach(experiment):
+            control = None  # as if unknown: the tenant learns nothing about it
     if control is None:
         default_control = controls.get(default_experiment) if default_experiment else None
         if default_control is None:
             raise RequestError(
-                404, f"model {experiment[:120]!r}: no such experiment", param="model", code="model_not_found"
+                404, f"model {experiment[:120]!r}: no such model", param="model", code="model_not_found"
             )
         return Decision(default_experiment, default_control, 0, Reason.DEFAULT, experiment)
     if user_id is None:
@@ -227,3 +235,53 @@ def parse_retry_on_control(
             raise ValueError(f"Unexpected value {setting} item {entry!r}: an experiment key, or * for all.")
         out.add(entry)
     return frozenset(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Reach:
+    """Which experiments each tenant may reach (``ABPLAT_GATEWAY_REACH``).
+
+    ``scopes``: tenant -> its scopes: ``*`` (every served experiment), an experiment key, or
+    ``team:NAME`` (every experiment of that team). ``configured`` False (the setting is empty):
+    every tenant reaches every served experiment. Configured, a tenant that is not listed
+    reaches only the default experiment."""
+
+    scopes: Mapping[str, frozenset[str]]
+    configured: bool = False
+
+    def allows(self, tenant: str, experiment: str, team: str) -> bool:
+        if not self.configured:
+            return True
+        mine = self.scopes.get(tenant)
+        if not mine:
+            return False
+        return "*" in mine or experiment in mine or f"team:{team}" in mine
+
+
+_TENANT_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # gateway.limits.parse_keys' tenants
+_TEAM_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def parse_reach(entries: Iterable[str], setting: str = "ABPLAT_GATEWAY_REACH") -> Reach:
+    """``TENANT=SCOPE`` entries (a tenant may be listed more than once); ValueError naming the
+    setting and the entry."""
+    scopes: dict[str, set[str]] = {}
+    for entry in entries:
+        tenant, sep, scope = entry.partition("=")
+        tenant, scope = tenant.strip(), scope.strip()
+        if not sep or not _TENANT_RE.match(tenant):
+            raise ValueError(
+                f"Unexpected value {setting} item {entry!r}: use TENANT=EXPERIMENT, TENANT=team:NAME or "
+                "TENANT=* (the tenant as in the keys file: letters, digits, - and _)."
+            )
+        if scope.startswith("team:"):
+            if not _TEAM_RE.match(scope[5:]):
+                raise ValueError(
+                    f"Unexpected value {setting} item {entry!r}: {scope[5:]!r} is not a team name."
+                )
+        elif scope != "*" and not _KEY_RE.match(scope):
+            raise ValueError(
+                f"Unexpected value {setting} item {entry!r}: {scope!r} is not an experiment key, team:NAME or *."
+            )
+        scopes.setdefault(tenant, set()).add(scope)
+    return Reach({t: frozenset(s) for t, s in scopes.items()}, configured=bool(scopes))

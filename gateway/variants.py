@@ -1,6 +1,9 @@
 """Where each variant is: endpoints, models and credentials, read from the database.
 
-The request path never touches the database: a background thread re-reads every experiment's
+Only running and paused experiments are loaded, and the configured default experiment whatever
+its status (the operator's choice): a draft or a concluded experiment is not served, so a draft
+cannot take over a model name and nobody reaches a draft's endpoints or secrets through the
+gateway. The request path never touches the database: a background thread re-reads every experiment's
 variants each ``ABPLAT_GATEWAY_VARIANTS_REFRESH_S`` and swaps one immutable snapshot (as the
 weights router does). A variant's secret is read from ABPLAT_VARIANT_SECRETS_DIR at each
 refresh (a rotated file takes effect within one interval) and lives only in its headers, once
@@ -42,18 +45,30 @@ class ExperimentTargets:
     status: str
     control: str
     variants: Mapping[str, Target]
+    team: str = ""
 
 
 _EMPTY: Mapping[str, ExperimentTargets] = MappingProxyType({})
+SERVED_STATUSES = ("running", "paused")
 
 
-def load_targets(secrets_dir: str | None = None) -> dict[str, ExperimentTargets]:
-    """Every experiment with a control, from the database (call from a thread, not the loop)."""
+def load_targets(
+    secrets_dir: str | None = None, default_experiment: str | None = None
+) -> dict[str, ExperimentTargets]:
+    """Every served experiment with a control (running, paused, and the default one), from the
+    database (call from a thread, not the loop)."""
+    from django.db.models import Q
+
     from experiments.models import Experiment
 
     directory = settings.VARIANT_SECRETS_DIR if secrets_dir is None else secrets_dir
+    default = settings.GATEWAY_DEFAULT_EXPERIMENT if default_experiment is None else default_experiment
+    served = Q(status__in=SERVED_STATUSES) | Q(key=default) if default else Q(status__in=SERVED_STATUSES)
     out: dict[str, ExperimentTargets] = {}
-    for exp in Experiment.objects.select_related("team").prefetch_related("variants").order_by("key"):
+    rows = (
+        Experiment.objects.filter(served).select_related("team").prefetch_related("variants").order_by("key")
+    )
+    for exp in rows:
         variants: dict[str, Target] = {}
         control = ""
         for v in exp.variants.all():
@@ -73,14 +88,20 @@ def load_targets(secrets_dir: str | None = None) -> dict[str, ExperimentTargets]
             if v.control:
                 control = v.key
         if control:
-            out[exp.key] = ExperimentTargets(exp.key, exp.status, control, MappingProxyType(variants))
+            out[exp.key] = ExperimentTargets(
+                exp.key, exp.status, control, MappingProxyType(variants), team=exp.team.name
+            )
     return out
 
 
 class Directory:
     """The snapshot of targets, refreshed in the background (``start``) or by ``refresh``."""
 
-    def __init__(self, targets: Mapping[str, ExperimentTargets] | None = None) -> None:
+    def __init__(
+        self, targets: Mapping[str, ExperimentTargets] | None = None, default_experiment: str | None = None
+    ) -> None:
+        """``default_experiment``: served whatever its status (None: the setting's)."""
+        self.default_experiment = default_experiment
         self._targets: Mapping[str, ExperimentTargets] = (
             MappingProxyType(dict(targets)) if targets else _EMPTY
         )
@@ -110,7 +131,7 @@ class Directory:
         self.loaded = True
 
     def refresh(self) -> None:
-        self.replace(load_targets())
+        self.replace(load_targets(default_experiment=self.default_experiment))
 
     def kick(self) -> None:
         """Refresh soon (a router assigned a variant this snapshot does not hold yet)."""

@@ -67,6 +67,9 @@ from analysis.sql import (
 # quantilesExact: a histogram per metric would cost a pass each): TTFT, whose histogram the
 # rank test and the CDF need anyway, and the pooled gaps, too many values for quantilesExact.
 HIST_METRICS = ("ttft_ms", *GAP_METRICS)
+# A failure's example message in reports, at most this long: enough to say what broke, and a
+# variant's error body that quotes the prompt shows analysts no more than its start.
+FAILURE_EXAMPLE_CHARS = 300
 
 
 class RawReader:
@@ -264,7 +267,8 @@ class RawReader:
 
     def failures(self, f: Filters) -> dict[str, dict[str, dict[str, Any]]]:
         """{variant: {outcome: {"n", "http_status", "example"}}} of the failed requests (outcome
-        other than 'ok'): what broke, by error class, with one HTTP status and error message."""
+        other than 'ok'): what broke, by error class, with one HTTP status and error message,
+        cut to FAILURE_EXAMPLE_CHARS (a variant's error body may quote the request)."""
         fw, params = from_where(f, ["outcome != 'ok'"])
         sql = f"SELECT variant, outcome, count(), any(http_status), any(error) {fw} GROUP BY variant, outcome"
         out: dict[str, dict[str, dict[str, Any]]] = {}
@@ -272,7 +276,7 @@ class RawReader:
             out.setdefault(v, {})[str(outcome)] = {
                 "n": int(n),
                 "http_status": int(status),
-                "example": str(example),
+                "example": str(example)[:FAILURE_EXAMPLE_CHARS],
             }
         return out
 

@@ -77,3 +77,21 @@ def test_a_form_posted_under_the_proxys_public_name_needs_that_origin_trusted(se
     assert login() == 403
     settings.CSRF_TRUSTED_ORIGINS = ["https://abplat.example.com"]
     assert login() == 302  # signed in, redirected
+
+
+@pytest.mark.django_db
+def test_x_forwarded_proto_is_believed_only_from_a_listed_proxy(settings):
+    """With debug off, Django redirects plain HTTP and trusts X-Forwarded-Proto for "this came
+    over TLS": a client that writes the header itself must not be believed."""
+    from django.test import Client
+
+    settings.SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    settings.SECURE_SSL_REDIRECT = True
+    settings.TRUSTED_PROXY_NETWORKS = parse_proxies(["10.0.0.0/8"])
+    claim = {"HTTP_X_FORWARDED_PROTO": "https"}
+    direct = Client(REMOTE_ADDR="198.51.100.4").get("/healthz", **claim)
+    assert direct.status_code == 301 and direct["Location"].startswith("https://")  # the claim is dropped
+    proxied = Client(REMOTE_ADDR="10.0.0.7").get("/healthz", **claim)
+    assert proxied.status_code == 200  # our proxy terminated TLS
+    settings.TRUSTED_PROXY_NETWORKS = ()
+    assert Client(REMOTE_ADDR="10.0.0.7").get("/healthz", **claim).status_code == 301  # nothing listed

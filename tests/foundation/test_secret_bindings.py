@@ -288,6 +288,7 @@ def test_the_preflight_refuses_an_unbound_host_before_sending(saved):
 def test_the_gateway_holds_no_header_for_an_unbound_host(saved):
     from gateway.variants import load_targets
 
+    Experiment.objects.filter(pk=saved.pk).update(status="running")  # the gateway serves running ones
     target = load_targets()["ttft-opt"].variants["fp16"]
     assert dict(target.headers) == {} and "'127.0.0.2'" in target.error and TOKEN not in target.error
 

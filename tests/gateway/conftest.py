@@ -103,7 +103,7 @@ def make_gateway():
     def make(ssl_context=None, **overrides) -> Served:
         overrides.setdefault("keys", parse_keys(f"acme {KEY}\nbeta {OTHER_KEY}\n"))
         config = GatewayConfig(**overrides)
-        directory = Directory()
+        directory = Directory(default_experiment=config.routes.default_experiment)
         directory.refresh()
         recorder = FakeRecorder()
         gateway = Gateway(

@@ -146,19 +146,33 @@ def test_the_user_header_and_the_api_key_name_the_user(running_with, make_gatewa
     assert gw.gateway.counts["assigned"] == 2
 
 
-def test_a_concluded_experiment_is_served_by_its_control(running_with, make_gateway, users):
+def test_a_concluded_experiment_is_not_served(running_with, make_gateway, users):
     from experiments import services
 
     experiment = running_with()
     user = user_on(process.live_router(), "ttft-opt", "awq")
     services.transition(experiment, "conclude", users["product"])
     gw = make_gateway()
-    router = process.live_router()
-    router.refresh()
+    process.live_router().refresh()
+    with pytest.raises(openai.NotFoundError) as info:
+        gw.client().chat.completions.create(model="ttft-opt", messages=MESSAGES, user=user, max_tokens=2)
+    assert info.value.code == "model_not_found"
+    assert "ttft-opt" not in {m.id for m in gw.client().models.list()}
+    assert not gw.recorder.records
+
+
+def test_a_paused_experiment_keeps_serving_its_users_variants(running_with, make_gateway, users):
+    from experiments import services
+
+    experiment = running_with()
+    user = user_on(process.live_router(), "ttft-opt", "awq")
+    services.transition(experiment, "pause", users["product"])
+    gw = make_gateway()
+    process.live_router().refresh()
     raw = gw.client().chat.completions.with_raw_response.create(model="ttft-opt", messages=MESSAGES, user=user,
                                                                 max_tokens=2)  # fmt: skip
-    assert raw.headers["x-abplat-variant"] == "fp16"
-    assert gw.gateway.counts["not_running"] == 1
+    assert raw.headers["x-abplat-variant"] == "awq"  # pausing stops replays, not the users' variants
+    assert gw.gateway.counts["assigned"] == 1
 
 
 def test_parse_keys_is_strict_and_never_echoes_a_key():

@@ -21,7 +21,7 @@ CONTROLS = {"exp": "ctl", "fallback": "base"}
 
 
 def assign(experiment, user):
-    if experiment == "paused-or-concluded":
+    if experiment == "without-weights":
         raise LookupError(experiment)
     return f"v-{user}", 7
 
@@ -64,7 +64,7 @@ def test_decisions():
     assert (d.experiment, d.variant, d.revision, d.reason) == ("exp", "v-u1", 7, Reason.ASSIGNED)
     d = decide("exp", None, controls=CONTROLS, assign=assign)
     assert (d.variant, d.revision, d.reason) == ("ctl", 0, Reason.UNASSIGNED)
-    d = decide("paused-or-concluded", "u1", controls={**CONTROLS, "paused-or-concluded": "c"}, assign=assign)
+    d = decide("without-weights", "u1", controls={**CONTROLS, "without-weights": "c"}, assign=assign)
     assert (d.variant, d.reason) == ("c", Reason.NOT_RUNNING)
     d = decide("nope", "u1", controls=CONTROLS, assign=assign, default_experiment="fallback")
     assert (d.experiment, d.variant, d.reason, d.requested) == ("fallback", "base", Reason.DEFAULT, "nope")
@@ -99,3 +99,68 @@ def test_token_buckets_stay_bounded():
     assert len(b) <= 100
     with pytest.raises(ValueError):
         TokenBuckets(rate=0, burst=1)
+
+
+def test_a_tenant_reaches_only_what_the_reach_setting_gives_it_and_learns_nothing_else():
+    from gateway.routing import parse_reach
+
+    reach = parse_reach(["acme=exp", "acme=team:search", "ops=*"])
+    teams = {"exp": "chat", "other": "search", "secret": "infra"}
+
+    def may(tenant):
+        return lambda key: reach.allows(tenant, key, teams[key])
+
+    controls = {"exp": "ctl", "other": "o-ctl", "secret": "s-ctl", "fallback": "base"}
+    assert (
+        decide("exp", "u1", controls=controls, assign=assign, may_reach=may("acme")).reason is Reason.ASSIGNED
+    )
+    assert decide("other", "u1", controls=controls, assign=assign, may_reach=may("acme")).variant == "v-u1"
+    for tenant, key in [("acme", "secret"), ("beta", "exp")]:  # not given / not listed at all
+        with pytest.raises(RequestError) as refused:
+            decide(key, "u1", controls=controls, assign=assign, may_reach=may(tenant))
+        with pytest.raises(RequestError) as unknown:
+            decide("no-such-thing", "u1", controls=controls, assign=assign, may_reach=may(tenant))
+        # the same answer as for a name nobody runs: whether it exists is not given away
+        assert (refused.value.status, refused.value.code) == (404, "model_not_found")
+        assert refused.value.message.replace(key, "X") == unknown.value.message.replace("no-such-thing", "X")
+        # ... and with a default experiment, its control serves them
+        d = decide(
+            key, "u1", controls=controls, assign=assign, may_reach=may(tenant), default_experiment="fallback"
+        )
+        assert (d.experiment, d.variant, d.reason) == ("fallback", "base", Reason.DEFAULT)
+    assert (
+        decide("secret", "u1", controls=controls, assign=assign, may_reach=may("ops")).reason
+        is Reason.ASSIGNED
+    )
+    assert parse_reach([]).allows("anyone", "exp", "chat")  # not configured: everyone, as before
+
+
+@pytest.mark.parametrize(
+    ("entry", "why"),
+    [
+        ("acme", "TENANT=EXPERIMENT"),
+        ("ac me=exp", "TENANT=EXPERIMENT"),
+        ("acme=", "not an experiment key"),
+        ("acme=team:", "not a team name"),
+        ("acme=../etc", "not an experiment key"),
+    ],
+)
+def test_parse_reach_names_the_setting_and_the_entry(entry, why):
+    from gateway.routing import parse_reach
+
+    with pytest.raises(ValueError, match="ABPLAT_GATEWAY_REACH") as info:
+        parse_reach([entry])
+    assert why in str(info.value) and repr(entry) in str(info.value)
+
+
+def test_json_depth_counts_nesting_and_stops_past_the_limit():
+    from gateway.limits import json_depth
+
+    assert json_depth("x", 5) == 0 and json_depth({}, 5) == 1
+    assert json_depth({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 10) == 5
+    deep: object = []
+    for _ in range(100_000):  # far deeper than any recursive walk could go
+        deep = [deep]
+    assert json_depth(deep, 64) == 65
+    wide = {"a": [[[1]]], "b": [{"c": {"d": {"e": [2]}}}]}
+    assert json_depth(wide, 10) == 6

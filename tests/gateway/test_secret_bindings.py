@@ -53,8 +53,12 @@ def test_the_gateway_sends_a_bound_secret_and_refuses_a_host_its_binding_left(
     with pytest.raises(openai.APIStatusError) as info:
         client.chat.completions.create(model="ttft-opt", messages=MESSAGES, user=user, max_tokens=4)
     assert info.value.status_code == 502
-    assert "not bound to host '127.0.0.1'" in info.value.message and TOKEN not in info.value.message
+    # The tenant learns the request id, not the operator's secret names or bindings.
+    request_id = info.value.response.headers["x-request-id"]
+    assert request_id in info.value.message and "vllm-key" not in info.value.message
+    assert "bound" not in info.value.message and TOKEN not in info.value.message
     assert len(seen) == 1  # the refused request never left the gateway
     records = gw.recorder.wait_for(2)
     assert [r["result"].outcome for r in records] == [Outcome.OK, Outcome.CLIENT_ERROR]
-    assert "not bound" in records[1]["result"].error
+    assert "not bound to host '127.0.0.1'" in records[1]["result"].error  # the operator's side has it
+    assert records[1]["request_id"] == request_id

@@ -103,17 +103,25 @@ def test_a_5xx_before_the_first_byte_is_retried_on_the_control(running_with, mak
     ]
 
 
-def test_without_retry_a_dead_variant_is_a_502_naming_it(running_with, make_gateway):
-    running_with(_awq_dead)
+def test_without_retry_a_dead_variant_is_a_502_with_the_request_id_and_no_internals(
+    running_with, make_gateway, caplog
+):
+    experiment = running_with(_awq_dead)
+    dead = experiment.variants.get(key="awq").endpoint.split("//")[1].split("/")[0]  # 127.0.0.1:PORT
     gw = make_gateway()
     user = user_on(process.live_router(), "ttft-opt", "awq")
     with pytest.raises(openai.APIStatusError) as info:
         gw.client().chat.completions.create(model="ttft-opt", messages=MESSAGES, user=user, max_tokens=4)
-    assert info.value.status_code == 502
+    assert info.value.status_code == 502 and info.value.code == "upstream_unavailable"
     assert info.value.response.headers["x-abplat-variant"] == "awq"
-    assert "awq" in str(info.value)
+    request_id = info.value.response.headers["x-request-id"]
+    assert request_id in info.value.message and dead not in info.value.message
+    assert dead.split(":")[1] not in info.value.response.text  # not even the port
     [rec] = gw.recorder.wait_for(1)
     assert rec["result"].outcome is Outcome.CONNECT_ERROR and rec["attempt"] == 1
+    assert rec["request_id"] == request_id
+    # the operator reads what happened, under the same id
+    assert any(request_id in r.getMessage() and dead in r.getMessage() for r in caplog.records)
 
 
 def test_the_control_is_never_retried(running_with, make_gateway):

@@ -52,5 +52,7 @@ class Command(BaseCommand):
             date_header=False,
             timeout_graceful_shutdown=settings.GATEWAY_DRAIN_S or None,
             timeout_keep_alive=30,
+            # Beyond this many connections (and requests) at once, a 503 instead of a queue.
+            limit_concurrency=settings.GATEWAY_MAX_CONNECTIONS,
             backlog=4096,
         )
