@@ -137,7 +137,7 @@ def slo_of(experiment: Any) -> Slo:
 METRICS: dict[str, str] = {
     "ttft_ms": "ttft_ms",
     "ttfb_ms": "ttfb_ms",
-    "itl_ms": "itl_gaps_us",  # every inter-token gap (GAP_METRICS); until issue 14 the per-request mean
+    "itl_ms": "itl_gaps_us",  # every inter-token gap (GAP_METRICS); report schema 1 had the per-request mean
     "tpot_ms": "tpot_ms",
     "e2e_ms": "e2e_ms",
 }

@@ -70,7 +70,7 @@ from stats.quantiles import REPORT_QUANTILES, quantile_from_order_stats, ranks_t
 from stats.srm import sample_ratio_mismatch
 from stats.verdict import sla_verdict
 
-SCHEMA_VERSION = 2  # 2: percentiles.itl_ms over every inter-token gap, not the per-request mean (issue 14)
+SCHEMA_VERSION = 2  # 2: percentiles.itl_ms over every inter-token gap, not the per-request mean
 P99 = 0.99
 ALPHA = round(1.0 - DEFAULT_CONF, 12)  # the anytime-valid sequences' error rate, as the fixed-horizon CIs'
 
@@ -488,7 +488,7 @@ def _compare(
                 continue
             pa = mcnemar_attainment(c["both_hit"], c["control_only"], c["variant_only"], c["both_miss"])
             # explicit dtypes: with no pair where both arms succeeded the lists are empty, and
-            # np.asarray([]) is float64, which np.repeat refuses as counts (issue 16)
+            # np.asarray([]) is float64, which np.repeat refuses as counts
             diffs = np.repeat(
                 np.asarray(pairs["diff_values"], dtype=np.float64),
                 np.asarray(pairs["diff_counts"], dtype=np.int64),

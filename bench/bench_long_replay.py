@@ -1,4 +1,4 @@
-"""A real-length replay on a real broker (issue 11): the shipped code trace at speed 1 (57 min)
+"""A real-length replay on a real broker: the shipped code trace at speed 1 (57 min)
 through two Celery workers on Redis, in bounded window tasks. Prints a table; copy it into
 bench/RESULTS.md.
 

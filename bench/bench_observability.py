@@ -1,4 +1,4 @@
-"""Metrics and logging overhead on the replay's CPU per request (issue 12: target under 3%).
+"""Metrics and logging overhead on the replay's CPU per request (target: under 3%).
 
     .venv/bin/python bench/bench_observability.py            # 7 rounds x 4 setups, 2,000 requests each, ~8 min
     .venv/bin/python bench/bench_observability.py --quick    # smoke run, the same tables, ~40 s

@@ -1,4 +1,4 @@
-"""Replay benchmark (issue 5). Prints tables; copy them into bench/RESULTS.md.
+"""Replay benchmark. Prints tables; copy them into bench/RESULTS.md.
 
     .venv/bin/python bench/bench_replay.py              # parts 1-3, ~10 minutes
     .venv/bin/python bench/bench_replay.py --part 1     # one part

@@ -1,4 +1,4 @@
-"""Replay CPU per request and per streamed token, ours against `vllm bench serve`'s client (issue 14).
+"""Replay CPU per request and per streamed token, ours against `vllm bench serve`'s client.
 
     .venv/bin/python bench/bench_replay_cpu.py                 # 5 rounds x 3 clients, 1,000 requests each, ~8 min
     .venv/bin/python bench/bench_replay_cpu.py --quick         # 1 round of 100 requests, ~1 min

@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_report.py [--sizes 1000000,10000000] [--reuse] [--live N]
     .venv/bin/python bench/bench_report.py --quick     # 20k samples, 1 repeat, the same tables
 
-Samples carry no inter-token gaps (synthetic gaps=False, as rows recorded before issue 14), so
+Samples carry no inter-token gaps (synthetic gaps=False, as rows recorded before gaps were kept), so
 the figures stay comparable with earlier runs and 10M samples fit in memory (with gaps they
 would be ~1.3 billion values); --gaps adds them (~135 per successful request), and --quick
 always does. What the gaps cost: bench/bench_itl.py.
@@ -109,7 +109,7 @@ def main() -> None:
         help="also add a second run of N samples without a rollup (a run still replaying) and time "
         "the report over both (rollup + raw), then delete it",
     )  # fmt: skip
-    ap.add_argument("--gaps", action="store_true", help="samples with inter-token gaps (issue 14)")
+    ap.add_argument("--gaps", action="store_true", help="samples with inter-token gaps")
     args = ap.parse_args()
     if args.quick:
         args.sizes, args.repeat, args.live, args.gaps = "20000", 1, args.live or 5000, True

@@ -1,4 +1,4 @@
-"""Anytime-valid guardrails (issue 13): false rollbacks under peeking, coverage, time to detect.
+"""Anytime-valid guardrails: false rollbacks under peeking, coverage, time to detect.
 
     .venv/bin/python bench/bench_sequential.py            # 2,000 A/A experiments, a few minutes
     .venv/bin/python bench/bench_sequential.py --quick    # 400 experiments, the same tables, ~10 s

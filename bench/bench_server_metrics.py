@@ -1,4 +1,4 @@
-"""What scraping the variants' /metrics costs (issue 12): the worker's CPU per scrape, and the
+"""What scraping the variants' /metrics costs: the worker's CPU per scrape, and the
 report's time to read a run's scrapes, on the ClickHouse server.
 
     .venv/bin/python bench/bench_server_metrics.py            # 1 h of scrapes, 3 rounds (~1 min)

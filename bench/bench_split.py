@@ -1,4 +1,4 @@
-"""Traffic split benchmark (issue 3): assignment speed, users moved, hot reload, etcd restart.
+"""Traffic split benchmark: assignment speed, users moved, hot reload, etcd restart.
 
     .venv/bin/python bench/bench_split.py            # everything (needs etcd on 12379)
     .venv/bin/python bench/bench_split.py --quick    # fewer iterations, the same tables, ~15 s

@@ -1,4 +1,4 @@
-"""Streaming measurement benchmark (issue 4). Prints a table; copy it into bench/RESULTS.md.
+"""Streaming measurement benchmark. Prints a table; copy it into bench/RESULTS.md.
 
     .venv/bin/python bench/bench_streaming.py [--skip-vllm] [--vllm-url URL] [--loop asyncio]
     .venv/bin/python bench/bench_streaming.py --quick   # sections 1, 1b, 2 small (~15 s), no vLLM

@@ -1,4 +1,4 @@
-"""The variant egress settings (issue 11), read strictly: the allowlist parsed at first use
+"""The variant egress settings, read strictly: the allowlist parsed at first use
 and by a system check, so a bad entry stops ``manage.py check``/``migrate``/the workers with
 the entry named, instead of failing one request at a time.
 

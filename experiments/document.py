@@ -389,7 +389,7 @@ def weights_of(doc: dict) -> dict[str, int]:
     return {v["key"]: v["weight"] for v in doc["variants"]}
 
 
-# ---- rollout plan (issue 13) ----------------------------------------------------------------
+# ---- rollout plan ---------------------------------------------------------------------------
 
 ROLLOUT_FIELDS = {
     "candidate", "steps", "min_samples", "min_duration", "guardrails", "on_breach", "notify", "alpha",

@@ -3,7 +3,7 @@
 Every change runs in one transaction with its audit entry, so a rejected change leaves
 nothing behind and an accepted one is always audited (before and after, in full).
 
-What may change depends on the status (issue 11):
+What may change depends on the status:
 
 - a draft changes freely;
 - a running experiment keeps its variant set, control, factors and weights (weights move

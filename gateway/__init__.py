@@ -1,2 +1,2 @@
-"""The live gateway (issue 15): an OpenAI-compatible proxy that assigns real users by the same
+"""The live gateway: an OpenAI-compatible proxy that assigns real users by the same
 router as every other process, forwards to their variant and measures each request."""

@@ -75,8 +75,8 @@ def row_from(result: StreamResult, context: Mapping[str, Any]) -> SampleRow:
     mode, a non-empty experiment, the request id). The StreamResult's values (the client's) are
     not checked one row at a time: the whole batch is, columnar, where it is stored
     (samples.columns.validate_samples in the store's writer), and replay.sink.BatchSink then
-    names the bad row's request and column and fails the shard (issue 14: per-row validation
-    was a fifth of the replay's CPU).
+    names the bad row's request and column and fails the shard (per-row validation was
+    a fifth of the replay's CPU).
     """
     if not isinstance(result, StreamResult):
         raise SampleError(f"row_from: result must be a StreamResult, got {type(result).__name__}")

@@ -202,7 +202,7 @@ class ShardRunner:
         """Wait ``delay`` seconds, or less if the shard is cancelled meanwhile (True then).
 
         One future and one timer handle per request, where ``asyncio.wait_for(event.wait(),
-        delay)`` cost a task, a timeout scope and a cancellation (issue 14)."""
+        delay)`` cost a task, a timeout scope and a cancellation."""
         if self._cancel.is_set():
             return True
         loop = asyncio.get_running_loop()

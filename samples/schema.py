@@ -286,7 +286,7 @@ ENGINE = ReplacingMergeTree(version)
 ORDER BY (experiment, run_id)
 """.strip()
 
-# ---- server metrics (issue 12): the variants' own vllm:* series, scraped during a replay ----
+# ---- server metrics: the variants' own vllm:* series, scraped during a replay ---------------
 # Who writes it: the replay's scraper (workers/server_metrics.py, through
 # SampleStore.insert_server_metrics), one scrape of one variant's /metrics every
 # ABPLAT_SERVER_METRICS_INTERVAL_S; who reads it: the SLA report (analysis/server_metrics.py).
@@ -324,7 +324,7 @@ PARTITION BY toYYYYMM(toDateTime(intDiv(scraped_ms, 1000)))
 ORDER BY (experiment, variant, run_id, metric, sample, labels, le, scraped_ms)
 """.strip()
 
-# ---- inter-token gaps (issue 14): the ITL distribution over every gap -------------------
+# ---- inter-token gaps: the ITL distribution over every gap ------------------------------
 # Who writes: the replay (replay.rows.row_from, every StreamResult.itl_gaps_us) and the rollup
 # build (analysis.rollup); who reads: the SLA report's itl_ms (analysis.readers).
 # - samples.itl_gaps_us Array(UInt32): every gap of a request in microseconds; rows recorded

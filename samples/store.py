@@ -181,7 +181,7 @@ class SampleStore:
                 )
         # The record is a claim, not a proof: a table dropped by hand (or a copied directory
         # without it) left "applied" migrations whose tables are gone, and every insert failed
-        # while migrate() had nothing to do (issue 17). Verify, and re-run what is missing.
+        # while migrate() had nothing to do. Verify, and re-run what is missing.
         repaired = self._verify_applied(applied)
         done: list[int] = list(repaired)
         for m in schema.MIGRATIONS:
@@ -576,7 +576,7 @@ class SampleStore:
             for r, m, src, st, t0, t1, ver in rows
         ]  # fmt: skip
 
-    # ---- server metrics (issue 12): the variants' own series, scraped during a replay -----
+    # ---- server metrics: the variants' own series, scraped during a replay ----------------
     def insert_server_metrics(self, rows: Sequence[Mapping[str, Any]]) -> int:
         """Insert scraped series (schema.SERVER_METRICS_TABLE); returns rows inserted.
 

@@ -16,7 +16,7 @@ lognormal around the request's TPOT with occasional spikes (a batch stalled by a
 prefill), scaled so that their mean is the TPOT, as it is in a real stream; itl_mean/p50/p99/max
 are those gaps' own statistics. They come from a random stream of their own, so every other
 column is what the same seed gave before gaps existed (``gaps=False``: no gaps, as rows recorded
-before issue 14).
+before the samples kept gaps).
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ def _gaps(
 ) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     """(itl_gaps_us per row, (mean, p50, p99, max) of each row's gaps in ms, NaN without gaps)
     for rows with ``tokens`` output tokens each (0 for a failed request): tokens - 1 gaps."""
-    rng = np.random.default_rng([spec.seed, 14])  # a stream of its own (issue 14)
+    rng = np.random.default_rng([spec.seed, 14])  # a stream of its own, apart from generate()'s
     n = tokens.size
     lengths = np.maximum(tokens.astype(np.int64) - 1, 0)
     total = int(lengths.sum())

@@ -8,7 +8,7 @@ off, not leave it on), ``None`` is left out (vLLM's default), a list repeats its
 JSON-valued options such as ``--compilation-config``). Host, port, model and served name belong
 to the launcher, not to the variant, so engine_args may not set them.
 
-Who may set which flag (issue 11): product users write engine_args, vLLM runs them on a GPU
+Who may set which flag: product users write engine_args, vLLM runs them on a GPU
 host, and some vLLM flags are code execution there (``--trust-remote-code`` runs Python shipped
 with the model; ``--worker-cls``, ``--middleware``, ``--logits-processors`` import a named
 object) or read and write host paths. So:

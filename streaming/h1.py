@@ -24,7 +24,7 @@ sockets' bytes wait in the kernel, and that wait is measurement error. Here:
 5. The connection owns its TCP socket (``open_connection`` creates and connects it) and reads
    it itself when the loop reports it readable (``loop.add_reader``, on the default loop and on
    uvloop alike), with no asyncio transport or protocol in between: one callback per read
-   instead of four layers, the stamp taken from the same ``recvmsg`` (issue 14: bench/RESULTS.md,
+   instead of four layers, the stamp taken from the same ``recvmsg`` (bench/RESULTS.md,
    "Replay CPU per token against vLLM's client").
 
 HTTP/2 and TLS variants keep httpx (client.py picks the path).

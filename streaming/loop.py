@@ -2,7 +2,7 @@
 
 A replay process spends most of its CPU in the event loop itself: one wake-up, one read and one
 callback per streamed token, per stream. uvloop runs that loop in C (libuv) and takes about a
-tenth off the replay's CPU per streamed token (bench/bench_replay_cpu.py, issue 14). The lean
+tenth off the replay's CPU per streamed token (bench/bench_replay_cpu.py). The lean
 HTTP/1.1 path reads its sockets itself (streaming/h1.py, ``loop.add_reader``), so kernel receive
 stamps and the start-burst pacing (streaming/pacing.py: uvloop runs the callbacks that are ready
 at the start of a pass, as asyncio does) work the same on both loops. ``name="asyncio"`` keeps

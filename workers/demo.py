@@ -2,7 +2,7 @@
 simulated deployments are, how hard it replays them and how it searches their SLA capacity.
 Shared by the demo command and bench/bench_capacity.py, so the bench measures the deployments
 exactly as the demo deploys them. Figures: bench/RESULTS.md, "The demo" and "SLA capacity of
-the demo profiles (issue 14)". The numbers were chosen on the latency model's virtual clock
+the demo profiles". The numbers were chosen on the latency model's virtual clock
 (simulator.latency), then checked by real replays on the project's 2-core machine.
 
 A slice. The Azure code trace's prompts run to 7,400 tokens (median 1,469). On the demo's

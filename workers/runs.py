@@ -170,7 +170,7 @@ def create_run(experiment: Experiment, *, source: str | None = None, trace: str 
         raise ReplayError(f"concurrency must be at least 1, got {concurrency}")
     if limit is not None and limit < 1:
         raise ReplayError(f"limit must be at least 1, got {limit}")
-    # Caps on one replay (issue 11, finding 7): what one sre request may make the workers do.
+    # Caps on one replay: what one sre request may make the workers do.
     max_requests = settings.REPLAY_MAX_REQUESTS
     for field, value, cap, name in (
         ("speed", arrival.speed, settings.REPLAY_MAX_SPEED, "REPLAY_MAX_SPEED"),

@@ -223,7 +223,7 @@ def execute_shard(shard: ReplayShard, *, budget_s: float | None = None,
                                  should_cancel=should_cancel, revision=revision, on_progress=on_progress)  # fmt: skip
             handing = asyncio.create_task(hand_off()) if handoff is not None else None
             try:
-                # The variants' own /metrics, scraped meanwhile by one shard per window (issue 12).
+                # The variants' own /metrics, scraped meanwhile by one shard per window.
                 async with server_metrics.scraping(scrape_plan, run, variants):
                     stats = await runner.run()
             except BaseException:

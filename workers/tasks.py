@@ -112,7 +112,7 @@ def start_replay(run_id: int) -> None:
     # 1. Prompts planned before time zero, so calibration never makes a send late. A redelivered
     # message plans again (the same plan: it is deterministic) and only one claim wins.
     plan = plan_run_prompts(run)
-    scrape_now(run_id, "baseline")  # the variants' /metrics before any request is sent (issue 12)
+    scrape_now(run_id, "baseline")  # the variants' /metrics before any request is sent
     # 2. The claim fixes time zero after the plan; a run cancelled meanwhile is not claimed.
     claimed = ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.QUEUED).update(
         status=ReplayRun.Status.RUNNING, started_at=timezone.now(), start_at_unix=time.time() + START_LEAD_S,
@@ -339,7 +339,7 @@ def finish_replay(self, run_id: int, errors: int = 0) -> None:
     )
     countdown = min(60, 2 ** min(self.request.retries, 6))
     if not self.request.retries and not errors:
-        scrape_now(run_id, "final")  # the variants' /metrics once more, every shard ended (issue 12)
+        scrape_now(run_id, "final")  # the variants' /metrics once more, every shard ended
     try:
         complete_run(run_id)
     except StoreUnavailable as exc:

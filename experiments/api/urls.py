@@ -18,7 +18,7 @@ for _action in ("start", "pause", "resume", "conclude"):
             name=f"experiment-{_action}",
         )
     )
-# weights routes (issue 3)
+# weights routes
 from django.urls import re_path  # noqa: E402
 
 from experiments.api import weights as weights_views  # noqa: E402

@@ -1,4 +1,4 @@
-"""Traffic weights over HTTP (issue 3).
+"""Traffic weights over HTTP.
 
 GET  /api/experiments/{key}/assign?user_id=U   -> variant and the weights revision used
 GET  /api/experiments/{key}/weights            -> the stored weights and their revision

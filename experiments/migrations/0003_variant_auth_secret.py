@@ -1,4 +1,4 @@
-"""Variant credentials by name (issue 11): the auth_secret field, and endpoints without
+"""Variant credentials by name: the auth_secret field, and endpoints without
 credentials.
 
 An endpoint stored as ``http://user:key@host`` kept its key in the database, showed it to

@@ -5,7 +5,7 @@ the stored bucket table (minimal movement), then in one database transaction upd
 Variant rows, compare-and-sets the weights store and writes the audit entry.
 
 The database and the weights store cannot commit together, so the order is chosen for the
-failures that remain (issue 11):
+failures that remain:
 
 1. The store write comes after every database write but the audit entry that needs its
    revision, inside the transaction: a store that refuses (conflict, down) raises, and the

@@ -1,5 +1,5 @@
 # ruff: noqa: F811 - pytest fixtures imported from fixtures_report are re-bound as arguments
-"""Issue 14: the report's itl_ms is the ITL distribution over every inter-token gap of every
+"""The report's itl_ms is the ITL distribution over every inter-token gap of every
 successful request (as vLLM's benchmark_serving pools them), with exact nearest-rank percentiles
 and order-statistic CIs, on chDB and on the ClickHouse server, from the raw samples and from the
 rollup alike. Rows recorded before the samples kept gaps read as requests without gaps, counted."""

@@ -1,4 +1,4 @@
-"""Issue 16, bug 4: the default report reads completed runs of one mode (analysis.runs)."""
+"""The default report reads completed runs of one mode (analysis.runs)."""
 
 from __future__ import annotations
 

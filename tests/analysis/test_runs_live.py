@@ -1,4 +1,4 @@
-"""Issue 15: live traffic (mode "live", the gateway's runs) is a source the report reads beside
+"""Live traffic (mode "live", the gateway's runs) is a source the report reads beside
 the replays, never mixed with them, chosen by the same rule (analysis.runs)."""
 
 from __future__ import annotations

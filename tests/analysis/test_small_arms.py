@@ -1,4 +1,4 @@
-"""Reports and statistics with arms of 0 or 1 samples, or without a single success (issue 16):
+"""Reports and statistics with arms of 0 or 1 samples, or without a single success:
 every statistic either answers or says it cannot, and the report assembles in every case."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def info(experiment: str = "small") -> r.ExperimentInfo:
 
 
 def test_mirror_report_with_a_variant_that_never_succeeds(chdb_store):
-    # issue 16, bug 1: np.repeat over empty float counts raised TypeError in the paired comparison
+    # np.repeat over empty float counts raised TypeError in the paired comparison
     chdb_store.insert_columns(fail_variant(_rows("mirror", 20), "awq"))
     rep = r.build_report(chdb_store, info(), q.Filters("small"))
     awq = next(v for v in rep["variants"] if v["key"] == "awq")

@@ -1,4 +1,4 @@
-"""The fault matrix (issue 16, bug 1): every report surface renders every fault, none is a 500,
+"""The fault matrix: every report surface renders every fault, none is a 500,
 and the numbers say what happened.
 
 Faults (variant ``awq`` unless named) x modes (split, mirror) x surfaces (report dict, dashboard

@@ -1,4 +1,4 @@
-"""Issue 15 on the web and the command line: live traffic (mode live, the gateway's runs) is a
+"""On the web and the command line, live traffic (mode live, the gateway's runs) is a
 source the analyst sees listed beside the replays and picks by mode."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Issue 11 (findings 7 and 10) on the report: its queries run under a ClickHouse time limit
-and one past it is a clear 400 on every surface, and a malformed run id is a 400, not a 500."""
+"""The report's limits: its queries run under a ClickHouse time limit and one past it is a
+clear 400 on every surface, and a malformed run id is a 400, not a 500."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 16 on the web and the command line: the run catalog's status and mode filters, the
+"""On the web and the command line: the run catalog's status and mode filters, the
 cache key following the catalog, unknown runs, every SLO in sla_report's header."""
 
 from __future__ import annotations

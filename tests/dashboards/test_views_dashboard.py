@@ -97,7 +97,7 @@ def test_report_api_returns_the_command_json(client_for, experiment, samples_db)
     for doc in (api, cmd):
         doc.pop("generated_at"), doc.pop("timing")
     assert api == cmd
-    assert api["schema_version"] == 2  # 2: itl_ms over every gap (issue 14)
+    assert api["schema_version"] == 2  # 2: itl_ms over every gap
     assert [v["key"] for v in api["variants"]] == ["fp16", "awq"]
     bad = client_for("analyst").get("/api/experiments/ttft-opt/report?run=-1")
     assert bad.status_code == 400 and "run" in bad.json()["filters"]

@@ -1,4 +1,4 @@
-"""Deleting experiments (issue 11, finding 10): the admin's bulk action goes through the audited
+"""Deleting experiments: the admin's bulk action goes through the audited
 service like the delete page and the API; an experiment with runs is protected."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a variant measures (issue 11): engine flags a product user may set, checked when the
+"""What a variant measures: engine flags a product user may set, checked when the
 experiment is defined; endpoint, model, api, http2 and engine_args fixed while it runs, audited
 with before and after while it is a draft or paused."""
 

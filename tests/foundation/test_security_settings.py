@@ -1,4 +1,4 @@
-"""Issue 11, findings 2, 7 and 10: debug off by default, credentials never on an error page,
+"""Security settings: debug off by default, credentials never on an error page,
 bounded API pages, request rates, expiring tokens, and a /healthz that tells strangers only
 yes or no."""
 
@@ -25,7 +25,7 @@ PASSWORD = "hunter2-do-not-show"
 DEPLOY_KEY = "deploy-" + "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOP"
 
 
-# ---- finding 2: debug and secrets -------------------------------------------------------------
+# ---- debug and secrets ------------------------------------------------------------------------
 # Settings of a given environment, in this process (abplat.config.settings_from); that a refusal
 # stops the process with that one line is tested once, in tests/foundation/test_settings.py.
 
@@ -83,7 +83,7 @@ def test_the_reporter_filter_strips_url_credentials_and_keeps_the_rest(settings)
     assert f.is_active(None)  # with DEBUG on too
 
 
-# ---- finding 7: pages, rates ------------------------------------------------------------------
+# ---- pages, rates -----------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -188,7 +188,7 @@ def test_admin_sign_in_attempts_are_limited_per_address(client, users, settings)
     assert client.post("/admin/login/", right, REMOTE_ADDR="10.0.0.8").status_code == 302
 
 
-# ---- finding 10: tokens, /healthz -------------------------------------------------------------
+# ---- tokens, /healthz -------------------------------------------------------------------------
 
 
 @pytest.mark.django_db

@@ -1,4 +1,4 @@
-"""Variant credentials by name (issue 11): ``auth: {secret: NAME}`` keeps the NAME; the value,
+"""Variant credentials by name: ``auth: {secret: NAME}`` keeps the NAME; the value,
 read from ABPLAT_VARIANT_SECRETS_DIR, reaches the variant as its Authorization and nothing
 else: not the database, the audit log, an export, the API or a log line."""
 

@@ -1,4 +1,4 @@
-"""Variant endpoints under the egress rules (issue 11): no credentials in URLs and only hosts
+"""Variant endpoints under the egress rules: no credentials in URLs and only hosts
 on the variant allowlist, refused alike by the document rules, the API, the admin and the
 command line; the settings checked at start; stored credentials stripped by the migration."""
 

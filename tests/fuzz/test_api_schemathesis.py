@@ -1,4 +1,4 @@
-"""Schemathesis fuzzes the API from its own OpenAPI schema, in-process (issue 11).
+"""Schemathesis fuzzes the API from its own OpenAPI schema, in-process.
 
 The schema is the one the app serves at /api/schema/, fetched through the WSGI application;
 every operation in it is called with generated valid ("positive") and invalid ("negative")

@@ -1,4 +1,4 @@
-"""Hypothesis at the pure parsers (issue 11): bad experiment documents, weights documents, trace
+"""Hypothesis at the pure parsers: bad experiment documents, weights documents, trace
 lines and report filters only ever raise the parser's own error, and that error names the field
 or line at fault; assignment is deterministic and lands in a variant for any user id."""
 

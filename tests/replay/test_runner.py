@@ -123,7 +123,7 @@ def test_bad_specs_rejected():
 
 def test_a_variant_the_experiment_lacks_is_recorded_with_the_reason(sims):
     stats, rows = run(spec_for(requests(4)), sims, assign=lambda u: ("ghost", 2))
-    # our own failure (issue 16, bug 2): client_error, never a server-fault class like malformed
+    # our own failure: client_error, never a server-fault class like malformed
     assert stats.recorded == 4 and {r["outcome"] for r in rows} == {"client_error"}
     assert "router assigned variant 'ghost'" in rows[0]["error"]
 
@@ -209,7 +209,7 @@ def test_mirror_sends_each_variant_the_shape_of_its_api():
 
 
 def test_a_shape_mismatch_is_refused_before_anything_is_sent():
-    """issue 16, bug 2: chat messages to a completions variant were sent, failed in the client
+    """Chat messages to a completions variant were sent, failed in the client
     and were recorded as malformed (a server fault); now nothing is sent."""
     from replay.shapes import ShapeError
 
@@ -222,7 +222,7 @@ def test_a_shape_mismatch_is_refused_before_anything_is_sent():
 
 
 def test_a_stop_from_the_router_stops_sending_and_leaves_no_unretrieved_task_exception():
-    """issue 16, bug 5: concluding mid-run made every assignment raise UnknownExperiment in its
+    """Concluding mid-run made every assignment raise UnknownExperiment in its
     own task (89 "Task exception was never retrieved") while the schedule kept sending."""
     from replay.runner import StopReplay
 
@@ -263,7 +263,7 @@ def test_an_error_of_a_send_task_is_raised_once_after_the_rest_was_recorded():
 
 
 def test_after_a_cancel_requests_in_flight_get_a_grace_then_are_recorded_cancelled():
-    """issue 16, bug 3: in-flight requests finish or are cancelled and recorded as such."""
+    """In-flight requests finish or are cancelled and recorded as such."""
     reqs = requests(6, gap_s=0.0)
     started = time.monotonic()
     t0 = time.monotonic()

@@ -103,7 +103,7 @@ def test_shard_lag_quantiles_are_exact_order_statistics():
      ({"mode": "poisson", "rate": 10, "speed": 20}, "speed applies to recorded arrivals, not poisson")],
 )  # fmt: skip
 def test_contradictory_arrival_options_are_rejected_not_ignored(kwargs, says):
-    """issue 16 item 6: --rate was silently ignored without --arrival poisson|gamma, --cv with poisson."""
+    """--rate was silently ignored without --arrival poisson|gamma, --cv with poisson; now refused."""
     with pytest.raises(ValueError, match=says):
         Arrival(**kwargs)
 

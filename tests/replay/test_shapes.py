@@ -1,4 +1,4 @@
-"""Request shapes (issue 16, bug 2): chat messages go to chat variants, prompts to completions
+"""Request shapes: chat messages go to chat variants, prompts to completions
 variants; a mismatch is converted only by a documented rule the user chose, or refused before
 anything is sent, naming the lines and the variants."""
 

@@ -131,7 +131,7 @@ def test_empty_source_is_an_error(tmp_path):
 
 
 def test_a_missing_file_says_so_with_its_path_not_line_0(tmp_path):
-    """issue 16 item 6: a missing trace read "1 malformed line(s): line 0"."""
+    """A missing trace was reported as "1 malformed line(s): line 0"; now it says so, with its path."""
     missing = tmp_path / "nope" / "missing.csv"
     with pytest.raises(SourceError) as info:
         load_source(missing, "azure", population=POP)

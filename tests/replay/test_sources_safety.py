@@ -1,4 +1,4 @@
-"""Sources are untrusted input (issue 11, finding 1): only regular files, read as a stream that
+"""Sources are untrusted input: only regular files, read as a stream that
 stops at the limit, lines and files capped, and messages quoting a file only in short escaped
 excerpts."""
 

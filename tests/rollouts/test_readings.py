@@ -1,6 +1,6 @@
 """A rollout step's reading counts the users the router assigned: a live request retried on the
 control after the candidate failed carries the step's revision, and counted as a control user
-it would tilt the SRM guardrail just when the candidate fails (issue 15)."""
+it would tilt the SRM guardrail just when the candidate fails."""
 
 from __future__ import annotations
 

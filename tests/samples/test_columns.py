@@ -287,7 +287,7 @@ def test_the_numeric_columns_of_ordinary_rows_take_the_fast_path(monkeypatch):
     assert len(taken) == sum(c.kind not in ("str", "au32") for c in columns.COLUMNS) and all(taken)
 
 
-# ---- Array(UInt32): the inter-token gaps (issue 14) -------------------------------------------
+# ---- Array(UInt32): the inter-token gaps ------------------------------------------------------
 
 
 def test_gap_arrays_come_out_as_one_uint32_array_per_row_from_lists_tuples_and_numpy():

@@ -1,4 +1,4 @@
-"""Issue 17: migrate() verifies what schema_migrations claims, on both backends.
+"""migrate() verifies what schema_migrations claims, on both backends.
 
 A database whose schema_migrations lists migrations 1 and 2 while a table they created is gone
 (dropped by hand, a restored backup, a half-copied directory) made every insert fail while
@@ -95,7 +95,7 @@ def test_the_run_catalog_declares_its_columns():
     }  # fmt: skip
 
 
-# ---- migration 5 (issue 14): columns added by ALTER TABLE, verified like tables ---------------
+# ---- migration 5: columns added by ALTER TABLE, verified like tables --------------------------
 
 
 def test_migration_5_adds_columns_and_a_table():
@@ -109,7 +109,7 @@ def test_migration_5_adds_columns_and_a_table():
 
 
 def _migrated_before_gaps(store, monkeypatch) -> None:
-    """The store as code before issue 14 left it: migrations 1-4, a sample without gaps."""
+    """The store as migrations 1-4 left it, before the gaps column: a sample without gaps."""
     with monkeypatch.context() as m:
         m.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:4])
         assert store.migrate() == [1, 2, 3, 4]

@@ -1,4 +1,4 @@
-"""The run catalog (issue 16, bug 4): SampleStore.record_run / runs on chDB and the server."""
+"""The run catalog: SampleStore.record_run / runs on chDB and the server."""
 
 from __future__ import annotations
 

@@ -143,7 +143,7 @@ def test_the_spool_writes_rows_as_arrays_and_still_flushes_format_1_files(store,
     assert store.recorded_request_ids(7) == {f"r7-{i}" for i in range(5)}
 
 
-# ---- issue 14: the gaps column, and spool files written before it ------------------------------
+# ---- the gaps column, and spool files written before it ----------------------------------------
 
 
 def _stored_gaps(store) -> dict[str, list[int]]:
@@ -174,7 +174,7 @@ def test_spool_files_written_before_the_gaps_flush_as_rows_without_gaps(store, m
     writer = SpoolingWriter(store, str(tmp_path / "spool"))
     older = make_rows(4)
     for r in older:
-        del r["itl_gaps_us"]  # what code before issue 14 wrote
+        del r["itl_gaps_us"]  # what code before the gaps column wrote
     with open(os.path.join(writer.spool.dir, "000000000001.jsonl"), "w", encoding="utf-8") as f:
         f.write(json.dumps({"spool": 2, "seq": 1, "rows": 2, "runs": [7], "counts": {"7": 2}}) + "\n")
         for r in older[:2]:

@@ -1,4 +1,4 @@
-"""What a spool holds is told, per run, to whoever keeps the books (issue 11, findings 6 and 10):
+"""What a spool holds is told, per run, to whoever keeps the books:
 before a batch is spooled and after a flush, and the rows a quarantined file lost, so no host
 ends a run or resends a request while its samples wait in, or were lost from, some spool."""
 
@@ -91,7 +91,7 @@ def test_rows_the_books_cannot_hear_of_are_not_spooled(store, make_rows, tmp_pat
 def test_a_spool_file_of_another_column_schema_is_quarantined_with_its_rows_counted_per_run(
     store, make_rows, tmp_path
 ):
-    """Finding 10: a schema change made every row of older spool files unreadable; the file went
+    """A schema change made every row of older spool files unreadable; the file went
     to quarantine/ and its rows were gone without a word to the run."""
     spool_dir = str(tmp_path / "spool")
     books = Books(spool_dir)

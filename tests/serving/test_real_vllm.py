@@ -170,7 +170,7 @@ def test_calibrated_prompts_are_the_trace_length_on_real_vllm(vllm, api):
     assert [r.prompt_tokens for r in results] == [t for _, t in wanted], [r.error for r in results]
 
 
-# ---- the variants' own metrics (issue 12): scraped during a replay, stored, reported -----------
+# ---- the variants' own metrics: scraped during a replay, stored, reported ----------------------
 
 
 def _families(url: str) -> dict:

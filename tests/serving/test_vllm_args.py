@@ -64,7 +64,7 @@ def test_serve_argv_for_vllm_serve_and_for_the_python_module():
         serve_argv(["vllm", "serve"], "m", {}, host="h", port=0)
 
 
-# Who may set which flag (issue 11, finding 9) ---------------------------------------------------
+# Who may set which flag -------------------------------------------------------------------------
 
 
 def test_the_performance_knobs_the_docs_and_demo_use_are_allowed():

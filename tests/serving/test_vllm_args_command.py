@@ -1,5 +1,5 @@
-"""serve_variant and the engine-flag allowlist (issue 11, finding 9), and the endpoint it writes
-back (finding 10: audited, never moved under a running experiment)."""
+"""serve_variant and the engine-flag allowlist, and the endpoint it writes back (audited, never
+moved under a running experiment)."""
 
 from __future__ import annotations
 

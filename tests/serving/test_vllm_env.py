@@ -1,5 +1,5 @@
-"""What the vLLM child process is given: never abplat's own settings (issue 11, finding 9's
-sibling: with a risky flag allowed, the engine runs a model's code)."""
+"""What the vLLM child process is given: never abplat's own settings (with a risky flag
+allowed, the engine runs a model's code)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The etcd weights store against an etcd of our own that demands TLS client certificates and
-a user and password (issue 11, finding 8): everything works with the right credentials, and
+a user and password: everything works with the right credentials, and
 each wrong one fails at once with an error that says which.
 
 The etcd is started here, on free ports, from the same Debian ``etcd`` the project's

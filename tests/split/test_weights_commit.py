@@ -1,4 +1,4 @@
-"""The weights store and the database agree when either write fails (issue 11, finding 10).
+"""The weights store and the database agree when either write fails.
 
 The store is written last inside the transaction; a store failure rolls the database back, and
 a failure after the store write (the audit entry, a transition's listener, the COMMIT) undoes

@@ -1,4 +1,4 @@
-"""Where variant requests may go (issue 11): the allowlist rules, the connect-time check after
+"""Where variant requests may go: the allowlist rules, the connect-time check after
 name resolution on both client paths, the probe, and the named secrets."""
 
 from __future__ import annotations

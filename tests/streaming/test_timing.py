@@ -110,7 +110,7 @@ def test_itl_quantiles_are_exact_order_statistics_and_bad_input_is_rejected():
 
 
 def test_every_gap_is_kept_in_arrival_order_in_whole_microseconds_rounded_half_up():
-    # issue 14: the report pools these over requests; the per-request statistics stay as they were
+    # the report pools these over requests; the per-request statistics still come from the ns gaps
     t = StreamTimer(0)
     t.event(1 * MS, chat(role=True))  # the role event is not a token: no gap before the first
     at = [10 * MS, 10 * MS + 12_499, 10 * MS + 24_999, 10 * MS + 25_000, 15 * MS, 15 * MS + 1_500]
@@ -134,7 +134,7 @@ def test_a_single_token_has_no_gap_and_a_clock_step_back_counts_as_zero():
     assert t.finish(6 * MS, Outcome.OK).itl_gaps_us == [0]
 
 
-# --- the template fast path (issue 14): exactly json.loads' result, or json.loads itself --------
+# --- the template fast path: exactly json.loads' result, or json.loads itself -------------------
 
 CAPTURES = pathlib.Path(__file__).parents[1] / "data" / "vllm-captures"
 

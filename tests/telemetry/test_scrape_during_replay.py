@@ -1,5 +1,4 @@
-"""Issue 12, "done when": a test scrapes /metrics during a replay and sees progress, lag and spool
-series move.
+"""Scraping /metrics during a replay sees the progress, lag and spool series move.
 
 Production shape on one machine: a real Celery worker (prefork, 2 children) on Redis, the web
 under gunicorn with 2 workers, both with ABPLAT_METRICS_DIR set; /metrics of the web sums every

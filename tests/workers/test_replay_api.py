@@ -1,5 +1,5 @@
 """Replays over the API: who may start, read and cancel them, what bad input gets, and which
-files they may read (issue 11: traces in the trace directory only)."""
+files they may read (traces in the trace directory only)."""
 
 import os
 import threading
@@ -104,7 +104,7 @@ def test_created_run_counts_requests_and_expected_samples(client_for, running, s
         (body(limit=0), "limit", "greater than or equal to 1"),
         (body(format="parquet"), "format", "not a valid choice"),
         (body(format="jsonl"), "format", f"does not match trace {TRACE}, which is azure"),
-        # issue 11, finding 7: caps on what one request may make the workers do
+        # caps on what one request may make the workers do
         (
             body(arrival={"speed": 5000}),
             "speed",
@@ -163,7 +163,7 @@ def file_content_leaks(response, environ: bool = True, given: str = "") -> list[
 @pytest.mark.parametrize("field", ["source", "trace"])
 def test_a_path_outside_the_trace_directory_is_refused_without_reading_it(client_for, running, source, says,
                                                                           field):  # fmt: skip
-    """issue 11, finding 1: `source=/proc/self/environ` returned the process environment,
+    """`source=/proc/self/environ` returned the process environment,
     `/etc/passwd` its first line, and `/dev/zero` would have exhausted memory."""
     payload = body(**{"trace": None, field: source})
     response = client_for("sre").post("/api/replays/", payload, format="json")
@@ -275,7 +275,7 @@ def test_sre_starts_a_replay_from_the_admin_and_others_cannot(users, running, sh
 
 @pytest.mark.django_db
 def test_a_plan_over_the_cap_is_a_400_naming_the_cap_unless_confirmed(client_for, running):
-    """issue 16, preflight: a schedule of days was started without a word."""
+    """Preflight: a schedule of days was started without a word."""
     over = client_for("sre").post("/api/replays/", body(limit=50, max_duration=10), format="json")
     assert over.status_code == 400 and "exceeds the cap of 10 s (max_duration 10 s)" in over.json()["detail"]
     assert "API: confirm" in over.json()["detail"] and not ReplayRun.objects.exists()
@@ -297,7 +297,7 @@ def test_the_api_preflight_names_a_dead_variant(client_for, running):
 @pytest.mark.engine
 def test_a_replay_started_over_http_answers_at_once_and_runs_in_the_background(client_for, started,
                                                                              sample_store):  # fmt: skip
-    """issue 11: with eager Celery the replay ran inside the request (minutes for a big one).
+    """With eager Celery the replay ran inside the request (minutes for a big one).
     Now the request answers 202 with the run's URL at once, and the run goes on in a thread."""
     client = client_for("sre")
     started = time.monotonic()

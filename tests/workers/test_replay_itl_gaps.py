@@ -1,4 +1,4 @@
-"""Issue 14 end to end: a trace replayed through the simulator (eager Celery) stores every
+"""End to end: a trace replayed through the simulator (eager Celery) stores every
 inter-token gap of every request, output tokens - 1 of them, and the report pools exactly those."""
 
 import io

@@ -1,4 +1,4 @@
-"""Interrupting `manage.py replay` for real (issue 16, bug 3): a subprocess on eager Celery
+"""Interrupting `manage.py replay` for real: a subprocess on eager Celery
 gets SIGINT (Ctrl-C) or SIGTERM mid-run and cancels the run cleanly (nothing sent after,
 counters equal to the store); one killed outright is found by the lease and ended by
 flush_samples with exact counts."""

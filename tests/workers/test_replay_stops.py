@@ -1,4 +1,4 @@
-"""Issue 16 on eager Celery: request shapes decided before sending, concluding mid-run, runs
+"""Replays on eager Celery: request shapes decided before sending, concluding mid-run, runs
 whose owner died, the run catalog, the preflight and contradictory options."""
 
 import datetime as dt
@@ -41,7 +41,7 @@ def chat_log(tmp_path, n=12):
 def test_chat_log_to_a_completions_variant_is_refused_before_anything_is_sent(
     running, sample_store, tmp_path
 ):
-    """issue 16, bug 2: 41/55 requests were recorded `malformed` and the report declared a
+    """41/55 requests were recorded `malformed` and the report declared a
     regression; now the run is refused, naming the lines and the variant."""
     running.variants.filter(key="awq-fa2").update(api="completions")
     log = chat_log(tmp_path)
@@ -71,7 +71,7 @@ def test_prompt_lines_go_to_chat_variants_only_when_asked(running, sample_store,
 
 @pytest.mark.django_db(transaction=True)
 def test_concluding_during_a_split_replay_cancels_it_cleanly(running, sample_store, users, capfd, caplog):
-    """issue 16, bug 5: the replay kept sending, printed 89 "Task exception was never retrieved
+    """The replay kept sending, printed 89 "Task exception was never retrieved
     ... UnknownExperiment" and ended failed."""
     # ~38 s of schedule: the conclude lands about when the sends of 6-8 s do, long before the
     # last 37 requests (37-38 s)
@@ -95,7 +95,7 @@ def test_concluding_during_a_split_replay_cancels_it_cleanly(running, sample_sto
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("action", ["pause", "conclude"])
 def test_pausing_or_concluding_stops_a_mirror_replay(running, sample_store, users, action):
-    """issue 11, finding 5: a mirror run asks no router (every request goes to every variant),
+    """A mirror run asks no router (every request goes to every variant),
     so retired weights cannot stop it; the transition cancels it and its shard stops at its
     next check instead of writing on into a paused or concluded experiment."""
     # The first 63 requests go out over 8 s: a shard that did not stop at its next check would
@@ -139,7 +139,7 @@ def abandoned_run(experiment, store, *, samples=7, age_s=None):
 
 @pytest.mark.django_db(transaction=True)
 def test_the_cancel_api_ends_a_run_whose_owner_died_with_exact_counts(running, sample_store, client_for):
-    """issue 16, bug 3: a SIGTERMed replay stayed `running` forever; neither the cancel API nor
+    """A SIGTERMed replay stayed `running` forever; neither the cancel API nor
     flush_samples could end it."""
     run = abandoned_run(running, sample_store)
     response = client_for("sre").post(f"/api/replays/{run.pk}/cancel/")

@@ -1,5 +1,5 @@
-"""Samples spooled on one worker host while the store was down (issue 11, finding 6), and runs
-that must end rather than wait forever (finding 10): a run ends only when no host's spool holds
+"""Samples spooled on one worker host while the store was down, and runs
+that must end rather than wait forever: a run ends only when no host's spool holds
 its samples, naming the host that does; a shard resumed on another host does not send again
 what was spooled elsewhere; every worker flushes its own spool on its own; retries run out into
 a failed run with its reason; quarantined samples are counted in the run's error."""
@@ -180,7 +180,7 @@ def test_a_resumed_shard_sends_once_no_other_host_holds_rows_of_its_run(
 def test_a_shard_whose_store_stays_down_fails_after_its_retries_and_the_run_ends_failed(
     experiment, sample_store, monkeypatch, no_broker, eager
 ):
-    """Finding 10: after autoretry ran out the shard stayed `running` and the run with it."""
+    """After autoretry ran out the shard stayed `running` and the run with it."""
     run = make_run(experiment, status="running", shard="pending")
     calls = []
 
@@ -209,7 +209,7 @@ def test_a_shard_whose_store_stays_down_fails_after_its_retries_and_the_run_ends
 def test_a_run_whose_samples_never_become_durable_ends_failed_after_bounded_retries(
     experiment, sample_store, worker_a, store_down, no_broker
 ):
-    """Finding 10: finish_replay retried forever (max_retries=None); the run stayed flushing."""
+    """finish_replay retried forever (max_retries=None); the run stayed flushing."""
     run = make_run(experiment)
     sample_store.insert_samples(rows_of(run, range(6)))
     spool_on_a(worker_a, sample_store, store_down, rows_of(run, range(6, 10)))
@@ -233,7 +233,7 @@ def test_a_run_whose_samples_never_become_durable_ends_failed_after_bounded_retr
 def test_a_deduplicate_that_keeps_failing_ends_the_run_failed_with_its_reason(
     experiment, sample_store, monkeypatch, no_broker
 ):
-    """Finding 10: a StoreError from deduplicate escaped finish_replay, leaving the run flushing."""
+    """A StoreError from deduplicate escaped finish_replay, leaving the run flushing."""
     run = make_run(experiment)
     rows = rows_of(run, range(10))
     sample_store.insert_samples(rows)
@@ -278,7 +278,7 @@ def test_eager_celery_ends_a_run_whose_deduplicate_fails_at_once(experiment, sam
 def test_samples_of_another_column_schema_are_quarantined_and_the_run_says_so(
     experiment, sample_store, worker_a
 ):
-    """Finding 10: a schema change made spool files unreadable; they were quarantined and the
+    """A schema change made spool files unreadable; they were quarantined and the
     run ended with a count that did not say why."""
     run = make_run(experiment)
     sample_store.insert_samples(rows_of(run, range(6)))
