@@ -37,6 +37,7 @@ INSTALLED_APPS = [
     "samples",
     "dashboards",
     "serving",
+    "simulator",  # its one command: manage.py simulator
     "rollouts",
     "capacity",
     "gateway",

@@ -1,5 +1,5 @@
 """The simulator's command line, defined once: ``python -m simulator`` and
-``python manage.py simulator`` (serving/management/commands/simulator.py) both use it.
+``python manage.py simulator`` (simulator/management/commands/simulator.py) both use it.
 
     --port P [--profile NAME] [--serve NAME=PORT ...] [--model NAME] [--replicas N]
     [--tokenizer bytes4|small-vocab]

@@ -1,4 +1,4 @@
-"""The management commands of serving/ (simulator, serve_variant) and the simulator CLI they
+"""The management commands simulator (simulator/) and serve_variant (serving/), and the simulator CLI they
 share with `python -m simulator` (simulator/cli.py)."""
 
 from __future__ import annotations
