@@ -97,8 +97,12 @@ def test_cancelling_a_stream_aborts_it_on_the_server(vllm, monkeypatch):
 
         monkeypatch.setattr(streaming.client, "StreamTimer", Watched)
         async with VariantClient(vllm.url, "tiny-llama", "completions") as c:
-            task = asyncio.create_task(c.stream("vllm-cancel", "x", 400, {"ignore_eos": True}))
-            # The server is generating: cancel at once, ~400 tokens before its end.
+            # 20 log-probabilities a token make each event ~2 KB: the ~1 MB stream cannot sit
+            # whole in the socket buffers before the client reads (a tiny model on CPU makes 400
+            # tokens in a fraction of a second), so the server is still writing when we cancel.
+            extra = {"ignore_eos": True, "logprobs": 20}
+            task = asyncio.create_task(c.stream("vllm-cancel", "x", 400, extra))
+            # The server is generating: cancel at once, well before its end.
             await asyncio.wait_for(first_bytes.wait(), 60)
             assert not task.done(), "the 400-token stream ended before it could be cancelled"
             task.cancel()
