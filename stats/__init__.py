@@ -7,7 +7,11 @@ Split by kind; import from the module that defines a name:
 - ``comparisons``: variant-vs-control differences, Mann-Whitney, Holm;
 - ``paired``: mirror mode (McNemar, Wilcoxon signed-rank);
 - ``srm``: sample ratio mismatch;
-- ``verdict``: the SLA verdict and the sample size to reach one.
+- ``verdict``: the SLA verdict and the sample size to reach one;
+- ``clustered``: means and differences with users, the unit of randomization, as the
+  independent unit (delta method over per-user sums), beside the per-request figures;
+- ``adjusted``: the difference adjusted on pre-request covariates (prompt tokens, requested
+  output tokens), user-clustered, from per-user sums;
 - ``sequential``: anytime-valid statistics for rollouts (confidence sequences, the sequential
   SRM test, guardrail decisions), the ones that may be read after every batch.
 
