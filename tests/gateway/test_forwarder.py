@@ -1,11 +1,11 @@
-"""The gateway's per-chunk path (gateway.app._Forwarder): every read of a loop pass is forwarded
+"""The gateway's per-chunk path (gateway.forwarder.Forwarder): every read of a loop pass is forwarded
 before any is measured, and the measurement uses the reads' arrival stamps all the same."""
 
 from __future__ import annotations
 
 import asyncio
 
-from gateway.app import _Forwarder
+from gateway.forwarder import Forwarder
 from streaming.result import Outcome, StreamResult
 from streaming.timing import StreamTimer
 
@@ -41,12 +41,12 @@ class _Exchange:
         self.sink = sink
 
 
-def _stream(loop: asyncio.AbstractEventLoop, log: list) -> tuple[_Forwarder, StreamTimer]:
+def _stream(loop: asyncio.AbstractEventLoop, log: list) -> tuple[Forwarder, StreamTimer]:
     async def send(message: dict) -> None:  # uvicorn's send when the socket takes the bytes
         log.append(message.get("body", message["type"]))
 
     timer = StreamTimer(0, StreamResult(request_id="r"))
-    fwd = _Forwarder(send, timer, [], take_5xx=True, state={"done": False})
+    fwd = Forwarder(send, timer, [], take_5xx=True, state={"done": False})
     fwd.on_head(_Exchange(loop))  # type: ignore[arg-type]
     return fwd, timer
 

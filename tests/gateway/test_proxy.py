@@ -148,7 +148,7 @@ def test_a_finished_request_leaves_no_reference_cycle_of_the_gateways_behind(run
     forwarder must be freed by reference counting alone."""
     import gc
 
-    from gateway.app import _Forwarder
+    from gateway.forwarder import Forwarder
     from gateway.upstream import Exchange
 
     running_with()
@@ -167,7 +167,7 @@ def test_a_finished_request_leaves_no_reference_cycle_of_the_gateways_behind(run
             client.completions.create(model="ttft-opt", prompt="Once upon", user=f"u{i}", max_tokens=4)
         assert len(gw.recorder.wait_for(13)) == 13
         gc.collect()
-        left = [type(o).__name__ for o in gc.garbage if isinstance(o, (Exchange, _Forwarder))]
+        left = [type(o).__name__ for o in gc.garbage if isinstance(o, (Exchange, Forwarder))]
     finally:
         gc.set_debug(0)
         gc.garbage.clear()

@@ -152,7 +152,7 @@ def test_a_user_going_away_cancels_the_upstream_request(running_with, make_gatew
     assert rec["result"].outcome is Outcome.CANCELLED
     assert rec["result"].first_byte_ms is not None
     # the upstream connection was dropped, not kept for reuse
-    [pool] = gw.gateway._pools.values()
+    [pool] = gw.gateway.attempts.pools.values()
     assert not pool._all and not pool._idle
 
 
@@ -167,7 +167,7 @@ def test_a_user_going_away_before_the_headers_cancels_the_upstream_request(runni
         httpx.post(gw.url + "/v1/chat/completions", json=body, headers=headers, timeout=0.5)
     [rec] = gw.recorder.wait_for(1)
     assert rec["result"].outcome is Outcome.CANCELLED and rec["result"].ttfb_ms is None
-    [pool] = gw.gateway._pools.values()
+    [pool] = gw.gateway.attempts.pools.values()
     assert not pool._all and not pool._idle
 
 

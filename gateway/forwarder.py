@@ -1,0 +1,254 @@
+"""The per-chunk path: a variant's response forwarded to the user as it arrives, measured after.
+
+``Forwarder`` runs inside the upstream connection's read callbacks (gateway/upstream.py);
+``whole_response`` reads a non-streamed answer's usage; ``read_some`` the start of an error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from gateway.http import Send
+from gateway.upstream import Exchange
+from streaming.result import Outcome
+from streaming.sse import SSEParser
+from streaming.timing import StreamProtocolError, StreamTimer
+
+_perf = time.perf_counter_ns
+# Response headers not passed on: hop-by-hop (RFC 9110 7.6.1) and the framing uvicorn redoes.
+HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
+                 b"proxy-authenticate", b"proxy-connection", b"x-abplat-variant", b"x-request-id",
+                 b"traceparent"})  # fmt: skip
+PARSE_LIMIT = 1 << 20  # a non-streamed body is parsed (for usage) up to this size
+ERROR_BODY_LIMIT = 2048
+
+
+class Forwarder:
+    """The per-chunk path, run inside the upstream connection's read callback
+    (gateway/upstream.py: ``Exchange.on_head``, ``Exchange.set_sink``), so no byte waits for
+    the request's task to wake up:
+
+    1. The variant's headers complete: the response starts at once with them (hop-by-hop ones
+       dropped, ours added), unless it is a 5xx that the control may still answer.
+    2. Each read: forwarded first. uvicorn's ``send`` only awaits when the user's socket is
+       write-paused (a slow reader); otherwise it writes and returns at its first step. So the
+       coroutine is stepped here, at once; only when it does suspend is it finished in a task,
+       with reading from the variant paused and later reads joined into one write after it.
+    3. Then measured, after every read of this loop pass is forwarded: the read's arrival
+       stamp (taken in data_received, so the figures are the same) and its bytes are kept, and
+       one ``call_soon`` per pass feeds them to the SSE parser and the StreamTimer (a
+       non-streamed body is kept, up to PARSE_LIMIT, for its usage). An engine emits a token
+       for every running request in one step, so reads come in bursts of one per stream: the
+       last stream's bytes wait for the burst's forwarding only, not for its measuring too.
+       ``measure()`` catches up at once; whoever reads the figures calls it first. Once the
+       first content is measured, the exchange defers this stream's reads to the end of the
+       pass (gateway/upstream.py, point 4): other streams' first tokens go out before them.
+    """
+
+    __slots__ = ("send", "timer", "added", "take_5xx", "ex", "parser", "started", "ended", "error", "body",
+                 "forward_ns", "chunks", "send_error", "closed", "_pending", "_backlog", "_first",
+                 "_close_after", "state", "_unmeasured", "_measure_due")  # fmt: skip
+
+    def __init__(self, send: Send, timer: StreamTimer, added: list[tuple[bytes, bytes]], *, take_5xx: bool,
+                 state: dict) -> None:  # fmt: skip
+        self.send = send
+        self.state = state  # the request's: "done" tells the disconnect watcher the end is ours
+        self.timer = timer
+        self.added = added
+        self.take_5xx = take_5xx
+        self.ex: Exchange | None = None
+        self.parser: SSEParser | None = None
+        self.started = False
+        self.ended: Outcome | None = None  # what the events said: [DONE] -> OK, engine error, malformed
+        self.error = ""
+        self.body = bytearray()
+        self.forward_ns = 0
+        self.chunks = 0
+        self.send_error: BaseException | None = None
+        self.closed = False  # the response's last message is handed to uvicorn
+        self._pending: asyncio.Task | None = None
+        self._backlog: list[bytes] = []
+        self._first = True
+        self._close_after = False
+        self._unmeasured: list[tuple[int, bytes]] = []  # reads forwarded, not yet measured
+        self._measure_due: asyncio.Handle | None = None
+
+    def on_head(self, ex: Exchange, force: bool = False) -> None:
+        if self.started or (ex.status >= 500 and not self.take_5xx and not force):
+            return
+        t0 = _perf()
+        self.ex = ex
+        self.started = True
+        try:
+            headers = [(k, v) for k, v in ex.headers if k not in HOP]
+            headers += self.added
+            ctype = next((v for k, v in ex.headers if k == b"content-type"), b"")
+            if ex.status == 200 and ctype.startswith(b"text/event-stream"):
+                self.parser = SSEParser()
+            self._step({"type": "http.response.start", "status": ex.status, "headers": headers})
+        except Exception as exc:  # never into the protocol callback
+            self.send_error = exc
+            ex.abort()
+            return
+        ex.set_sink(self)
+        ex.on_end = self.end
+        self.forward_ns += _perf() - t0
+
+    def end(self) -> None:
+        """The variant's body is complete: end the user's response now (the client may reuse
+        its connection at once), not when the request's task wakes up."""
+        if self.send_error is not None or self.closed:
+            return
+        if self._pending is not None:
+            self._close_after = True
+            return
+        self.closed = True
+        # uvicorn answers the watcher's receive() with http.disconnect once the response is
+        # complete: that one is not the user going away.
+        self.state["done"] = True
+        self._step({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def __call__(self, t_ns: int, data: bytes) -> None:
+        # 2. forward
+        if self._pending is not None:
+            self._backlog.append(data)
+        elif self.send_error is None:
+            self._step({"type": "http.response.body", "body": data, "more_body": True})
+        self.forward_ns += _perf() - t_ns
+        self.chunks += 1
+        # 3. measure, once this loop pass has forwarded every read it has
+        self._unmeasured.append((t_ns, data))
+        if self._measure_due is None:
+            assert self.ex is not None
+            self._measure_due = self.ex.conn.loop.call_soon(self.measure)
+
+    def measure(self) -> None:
+        """Every read forwarded so far into the parser and the timer, in arrival order."""
+        if self._measure_due is not None:
+            self._measure_due.cancel()
+            self._measure_due = None
+        reads, self._unmeasured = self._unmeasured, []
+        for t_ns, data in reads:
+            self._measure(t_ns, data)
+        ex = self.ex
+        if ex is not None and not ex.defer_reads and self.timer.first_content_seen:
+            ex.defer_reads = True  # the user has the first token: its next reads may wait their turn
+
+    def _measure(self, t_ns: int, data: bytes) -> None:
+        if self._first:
+            self._first = False
+            self.timer.body_bytes(t_ns)
+        parser = self.parser
+        if parser is None:
+            if len(self.body) < PARSE_LIMIT:
+                self.body += data
+            return
+        if self.ended is not None:
+            return
+        timer = self.timer
+        try:
+            for event in parser.feed_data(data):
+                status = timer.event(t_ns, event)
+                if status == StreamTimer.DONE:
+                    self.ended = Outcome.OK
+                    return
+                if status == StreamTimer.ENGINE_ERROR:
+                    self.ended = Outcome.ENGINE_ERROR
+                    return
+        except StreamProtocolError as exc:
+            self.ended, self.error = Outcome.MALFORMED, str(exc)
+
+    def _step(self, message: dict) -> None:
+        coro = self.send(message)
+        try:
+            awaiting = coro.send(None)
+        except StopIteration:
+            return
+        except Exception as exc:  # uvicorn refused the message: stop forwarding, end the request
+            self.send_error = exc
+            assert self.ex is not None
+            self.ex.abort()
+            return
+        # The user's socket is write-paused: finish this send in a task, hold the variant.
+        assert self.ex is not None
+        self.ex.conn.pause()
+        self._pending = asyncio.ensure_future(resume(coro, awaiting))
+        self._pending.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task) -> None:
+        self._pending = None
+        if task.cancelled():
+            return
+        exc = task.exception()
+        assert self.ex is not None
+        if exc is not None:
+            self.send_error = exc
+            self.ex.abort()
+            return
+        if self._backlog:
+            data = b"".join(self._backlog)
+            self._backlog.clear()
+            self._step({"type": "http.response.body", "body": data, "more_body": True})
+        if self._pending is None and self._close_after:
+            self._close_after = False
+            self.end()
+        if self._pending is None:
+            self.ex.conn.resume()
+
+    async def flushed(self) -> None:
+        """Until every forwarded byte is handed to uvicorn (a paused send, its backlog)."""
+        while self._pending is not None:
+            try:
+                await asyncio.shield(self._pending)
+            except asyncio.CancelledError:
+                if self._pending is not None:
+                    self._pending.cancel()
+                raise
+            except Exception:
+                return
+
+
+async def resume(coro: Any, awaiting: Any) -> None:
+    """Run a coroutine that was stepped by hand and suspended on ``awaiting``, to its end."""
+    while True:
+        await awaiting
+        try:
+            awaiting = coro.send(None)
+        except StopIteration:
+            return
+
+
+def whole_response(timer: StreamTimer, body: bytes, now: int) -> tuple[Outcome, str]:
+    """A non-streamed 2xx answer: its usage and finish reason into the timer's result."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return Outcome.MALFORMED, "the response is not JSON"
+    if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
+        return Outcome.MALFORMED, "the response has no 'choices' list"
+    r = timer.r
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        try:
+            r.output_tokens = int(usage.get("completion_tokens") or 0)
+            r.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            r.usage_reported = True
+        except (TypeError, ValueError):
+            return Outcome.MALFORMED, "usage counts are not integers"
+    choices = obj["choices"]
+    if choices and isinstance(choices[0], dict) and choices[0].get("finish_reason"):
+        r.finish_reason = str(choices[0]["finish_reason"])
+    return Outcome.OK, ""
+
+
+async def read_some(ex: Exchange) -> str:
+    buf = b""
+    while len(buf) < ERROR_BODY_LIMIT:
+        batch = await ex.chunks()
+        if not batch:
+            break
+        buf += b"".join(d for _, d in batch)
+    return buf[:ERROR_BODY_LIMIT].decode("utf-8", "replace").strip()
