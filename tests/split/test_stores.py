@@ -95,16 +95,19 @@ def test_watch_from_a_past_revision_replays_changes_then_follows_new_ones(store)
     r2 = store.put("ttft-opt", doc(weights={"fp16": 20, "awq": 80}, previous=first), r1)
     r3 = store.put("other", doc("other"), 0)
     stop = threading.Event()
+    registered = threading.Event()  # the watch's first batch is out: it follows from here on
     seen: list = []
 
     def follow():
         for batch in store.watch(r2, stop):
             seen.extend(batch)
+            registered.set()
             if any(e.raw is None for e in batch):
                 stop.set()
 
     thread = threading.Thread(target=follow)
     thread.start()
+    assert registered.wait(20)
     store.delete("other")
     thread.join(timeout=20)
     stop.set()
