@@ -42,9 +42,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_gateway_command(settings, tmp_path: Path) -> tuple[subprocess.Popen, str]:
-    """`manage.py gateway` in a child process on this test's database, sample store and etcd,
-    the key file holding KEY, a 30 s drain; (the child, its URL) once /healthz answers."""
+def start_gateway_command(
+    settings, tmp_path: Path, *args: str, **env_overrides: str
+) -> tuple[subprocess.Popen, str]:
+    """`manage.py gateway *args` in a child process on this test's database, sample store and
+    etcd, the key file holding KEY, a 30 s drain; (the child, its URL) once /healthz answers."""
     keys = tmp_path / "keys"
     keys.write_text(f"acme {KEY}\n")
     port = free_port()
@@ -59,9 +61,10 @@ def start_gateway_command(settings, tmp_path: Path) -> tuple[subprocess.Popen, s
         "ABPLAT_ETCD_PREFIX": settings.ETCD_PREFIX,
         "ABPLAT_GATEWAY_KEYS_FILE": str(keys),
         "ABPLAT_GATEWAY_DRAIN_S": "30",
+        **env_overrides,
     }
     child = subprocess.Popen(
-        [sys.executable, "manage.py", "gateway", "--port", str(port)], cwd=ROOT, env=env,
+        [sys.executable, "manage.py", "gateway", "--port", str(port), *args], cwd=ROOT, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -133,6 +136,90 @@ def test_the_gateway_command_serves_records_and_drains_on_sigterm(
             child.wait()
     [(n, live)] = sample_store.query(f"SELECT count(), countIf(mode = 'live') FROM {SAMPLES_FROM}")
     assert (n, live) == (2, 2)
+
+
+@pytest.mark.services
+@pytest.mark.engine
+def test_with_web_one_process_serves_the_gateway_and_the_report_on_the_embedded_store(
+    transactional_db, etcd_weights, settings, document, sims, users, tmp_path
+):
+    """On the embedded chDB (one process may open it) the report reads what the gateway records,
+    because `manage.py gateway --with-web` is both: traffic on /v1, the web app on the rest."""
+    from rest_framework.authtoken.models import Token
+
+    for v in document["variants"]:
+        v["endpoint"], v["api"] = sims[v["key"]].url + "/v1", "chat"
+    experiment = services.apply_document(document, actor=users["product"]).experiment
+    services.transition(experiment, "start", users["product"])
+    token = Token.objects.create(user=users["analyst"]).key
+    embedded = {"ABPLAT_CLICKHOUSE_URL": "", "ABPLAT_VAR": str(tmp_path / "var")}
+    migrate = subprocess.run(
+        [sys.executable, "manage.py", "clickhouse_migrate"], cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, "ABPLAT_DEBUG": "true", "ABPLAT_DATABASE_URL": database_url(), **embedded}, timeout=120,
+    )  # fmt: skip
+    assert migrate.returncode == 0, migrate.stdout + migrate.stderr
+    child, url = start_gateway_command(settings, tmp_path, "--with-web", **embedded)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        for i in range(5):
+            reply = client.chat.completions.with_raw_response.create(
+                model="ttft-opt", messages=MESSAGES, user=f"u-{i}", max_tokens=4
+            )
+            assert reply.headers["x-abplat-variant"] in {"fp16", "awq", "awq-fa2"}
+        assert httpx.get(url + "/admin/login/").status_code == 200  # Django, same port
+        auth = {"Authorization": f"Token {token}"}
+        deadline = time.monotonic() + 30
+        while True:  # the recorder writes in batches, off the request path
+            report = httpx.get(url + "/api/experiments/ttft-opt/report?mode=live", headers=auth, timeout=30)
+            assert report.status_code == 200, report.text
+            n = sum(v["n"] for v in report.json()["variants"])
+            if n == 5 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert n == 5, report.json()
+    finally:
+        child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def test_with_web_routes_the_gateways_paths_to_it_and_the_rest_to_the_web_app():
+    import asyncio
+
+    from gateway.routing import parse_routes
+    from gateway.with_web import GatewayAndWeb
+
+    calls = []
+
+    def app(name):
+        async def call(scope, receive, send):
+            calls.append((name, scope["type"], scope.get("path")))
+
+        return call
+
+    gateway = app("gateway")
+    gateway.config = GatewayConfig(keys=None, routes=parse_routes(["/team-a=exp"]))
+    both = GatewayAndWeb(gateway, app("web"))
+    for scope in [{"type": "lifespan"}, {"type": "http", "path": "/v1/chat/completions"},
+                  {"type": "http", "path": "/v1/models"}, {"type": "http", "path": "/team-a/v1/completions"},
+                  {"type": "http", "path": "/healthz"}, {"type": "http", "path": "/admin/"},
+                  {"type": "http", "path": "/v10/x"}, {"type": "http", "path": "/team-a/admin"},
+                  {"type": "http", "path": "/api/experiments/"}]:  # fmt: skip
+        asyncio.run(both(scope, None, None))
+    assert [name for name, *_ in calls] == [
+        "gateway",
+        "gateway",
+        "gateway",
+        "gateway",
+        "web",
+        "web",
+        "web",
+        "web",
+        "web",
+    ]
 
 
 def test_bad_gateway_settings_stop_it_at_start_naming_the_setting(settings, tmp_path):

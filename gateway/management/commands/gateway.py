@@ -1,4 +1,5 @@
-"""python manage.py gateway --port P [--host H] [--workers N]: the live gateway on uvicorn."""
+"""python manage.py gateway --port P [--host H] [--workers N] [--with-web]: the live gateway on
+uvicorn; with --with-web the web app (admin, API, dashboards) from the same process too."""
 
 from __future__ import annotations
 
@@ -20,8 +21,14 @@ class Command(BaseCommand):
         parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
         parser.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
         parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+        parser.add_argument(
+            "--with-web", action="store_true",
+            help="serve the web app (admin, API, dashboards) from the same process: /v1/... goes to the "
+            "gateway, everything else to Django (the embedded chDB is opened by one process only)",
+        )  # fmt: skip
 
-    def handle(self, *args, port: int, host: str, workers: int, log_level: str, **opts) -> None:
+    def handle(self, *args, port: int, host: str, workers: int, log_level: str, with_web: bool = False,
+               **opts) -> None:  # fmt: skip
         if not 0 <= port < 65536:
             raise CommandError(f"--port {port}: must be in [0, 65535]")
         if not 1 <= workers <= 256:
@@ -38,7 +45,7 @@ class Command(BaseCommand):
         import uvicorn
 
         uvicorn.run(
-            "gateway.asgi:application",
+            "gateway.asgi_with_web:application" if with_web else "gateway.asgi:application",
             host=host,
             port=port,
             workers=workers,
