@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
 
 from gateway.http import Send
+from gateway.stepped_send import resume, step
 from gateway.upstream import Exchange
 from streaming.result import Outcome
 from streaming.sse import SSEParser
@@ -162,20 +162,19 @@ class Forwarder:
             self.ended, self.error = Outcome.MALFORMED, str(exc)
 
     def _step(self, message: dict) -> None:
-        coro = self.send(message)
         try:
-            awaiting = coro.send(None)
-        except StopIteration:
-            return
+            suspended = step(self.send, message)
         except Exception as exc:  # uvicorn refused the message: stop forwarding, end the request
             self.send_error = exc
             assert self.ex is not None
             self.ex.abort()
             return
+        if suspended is None:
+            return
         # The user's socket is write-paused: finish this send in a task, hold the variant.
         assert self.ex is not None
         self.ex.conn.pause()
-        self._pending = asyncio.ensure_future(resume(coro, awaiting))
+        self._pending = asyncio.ensure_future(resume(*suspended))
         self._pending.add_done_callback(self._sent)
 
     def _sent(self, task: asyncio.Task) -> None:
@@ -209,16 +208,6 @@ class Forwarder:
                 raise
             except Exception:
                 return
-
-
-async def resume(coro: Any, awaiting: Any) -> None:
-    """Run a coroutine that was stepped by hand and suspended on ``awaiting``, to its end."""
-    while True:
-        await awaiting
-        try:
-            awaiting = coro.send(None)
-        except StopIteration:
-            return
 
 
 def whole_response(timer: StreamTimer, body: bytes, now: int) -> tuple[Outcome, str]:
