@@ -222,8 +222,9 @@ GRAIN_SQL = f"toUInt32(intDiv(toUInt32(sent_at), {GRAIN_S}) * {GRAIN_S})"  # the
 
 # Bump when what a build computes changes (a histogram key, a bucket edge, a column): builds of
 # another version are then not used, and the report reads the raw samples until rebuilt.
-FORMAT_VERSION = 4  # 2: distinct users on a 64-bit hash (sql.DISTINCT_USERS); 3: itl_ms over every gap;
-# 4: distinct users of live traffic's assigned requests too (sql.SRM_SAMPLES)
+FORMAT_VERSION = 5  # 2: distinct users on a 64-bit hash (sql.DISTINCT_USERS); 3: itl_ms over every gap;
+# 4: distinct users of live traffic's assigned requests too (sql.SRM_SAMPLES); 5: per-unit moments
+# (rollup_moments, analysis.units)
 
 
 def build_spec(slo: Slo) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from analysis import factors
+from analysis import factors, units
 from analysis import server_metrics as servermod
 from analysis.anytime import NOTE as ANYTIME_NOTE
 from analysis.anytime import anytime_intervals, anytime_srm, p99_ranks
@@ -94,6 +94,14 @@ class ExperimentInfo:
     weights_by_revision: Mapping[int, Mapping[str, float]] = dataclasses.field(default_factory=dict)
     weights_source: str = "current variant weights (no weights history recorded)"
     weight_changes: Sequence[Mapping[str, Any]] = ()  # [{"at": iso, "label": str}]
+    # the experiment document's analysis block: users as the independent unit, and regression
+    # adjustment on pre-request covariates (analysis.units); off: request-level statistics only
+    cluster_by_user: bool = True
+    adjust: bool = True
+
+    @property
+    def unit(self) -> str:
+        return "user" if self.cluster_by_user else "request"
 
     @property
     def control(self) -> str:
@@ -173,12 +181,15 @@ def build_report(
         reader = reader_for(store, filters, exp.slo, version, use_rollup)
     par = reader.parallel_queries
 
-    # 1. counts, hits, phase sums, the histograms (independent: run together)
-    got = run_queries(
-        par,
-        {"summary": lambda: reader.summary(filters, exp.slo), "hists": lambda: reader.histograms(filters)},
-    )
-    summ, hists = got["summary"], got["hists"]
+    # 1. counts, hits, phase sums, the histograms, the per-user moments (independent: run together)
+    first_jobs: dict[str, Callable[[], Any]] = {
+        "summary": lambda: reader.summary(filters, exp.slo),
+        "hists": lambda: reader.histograms(filters),
+    }
+    if exp.cluster_by_user or exp.adjust:
+        first_jobs["units"] = lambda: reader.unit_moments(filters, exp.slo, exp.unit)
+    got = run_queries(par, first_jobs)
+    summ, hists, unit_moments = got["summary"], got["hists"], got.get("units")
     hist = hists["ttft_ms"]
     stray = sorted(set(summ) - set(known))
     present = [k for k in order if k in summ]
@@ -243,6 +254,8 @@ def build_report(
             "verdict": sla_verdict(s["hits"], s["n"], exp.target).as_dict(),
             "percentiles": {},
             "vs_control": None,
+            # the same per user, the unit of randomization (analysis.units); None when off
+            "clustered": None,
             # what broke: error classes of the failed requests (streaming.result.Outcome values)
             "failures": got["failures"].get(v, {}),
         }
@@ -263,8 +276,14 @@ def build_report(
     # 3. every variant against the control (Holm across variants)
     counts = values_from_histogram(hist)
     comparisons = _compare(exp, summ, present, estimate, counts, pairs)
+    inference, clustered, per_unit = units.statistics(
+        unit_moments, order, control, modes, exp.cluster_by_user, exp.adjust
+    )
     for v, comp in comparisons.items():
+        comp.update(per_unit.get(v, {}))
         by_key[v]["vs_control"] = comp
+    for v, entry in clustered.items():
+        by_key[v]["clustered"] = entry
 
     # 4. segments from the cells; SRM on distinct users, the unit of assignment
     srm_parts = _srm_parts(exp, got["srm_users"], present)
@@ -332,6 +351,7 @@ def build_report(
         "runs": runs_info,
         "banners": banners,
         "srm": srm,
+        "inference": inference,
         "variants": variants,
         "anytime": anytime,
         "attribution": attribution_out,
@@ -456,6 +476,9 @@ def _compare(
             "p99_ttft_difference": None,
             "mann_whitney_ttft": None,
             "paired": None,
+            # per user and covariate-adjusted (analysis.units); None when off or in mirror mode
+            "clustered": None,
+            "adjusted": None,
         }
         if summ[v]["metric_n"]["ttft_ms"] and summ[control]["metric_n"]["ttft_ms"]:
             diff = quantile_difference_from_order_stats(

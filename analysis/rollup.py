@@ -4,7 +4,8 @@ A finished run's samples no longer change (the dedup contract, see analysis.read
 everything additive the report needs from them is summed once, at the end of the run, into the
 rollup tables (samples.schema migration 2): counts, SLO hits and phase sums per cell, value
 histograms per metric and every value sorted by its bucket, a TTFT histogram per 10 s for the
-p99 chart, distinct users for SRM. The pooled inter-token gaps (itl_ms, definitions.GAP_METRICS)
+p99 chart, distinct users for SRM, and the per-user and per-request moments of the clustered and
+adjusted statistics (analysis.units: a few rows per variant however many users the run had). The pooled inter-token gaps (itl_ms, definitions.GAP_METRICS)
 get a histogram of gaps at the other metrics' resolution and, instead of a row per gap, each
 distinct gap value per bucket with its count (rollup_gaps): the same exact ranks as the raw
 samples give, from a table a few hundred times smaller than the gaps.
@@ -26,6 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from analysis import units
 from analysis.definitions import (
     GAP_METRICS,
     GAP_REQUESTS,
@@ -36,6 +38,7 @@ from analysis.definitions import (
     PHASE_ROWS,
     PROMPT_TOKEN_EDGES,
     SERIES_KEY,
+    Filters,
     Slo,
     build_spec,
 )
@@ -170,6 +173,15 @@ def build_run_rollup(store: Any, experiment: str, run_id: int, slo: Slo) -> Buil
             {scope} WHERE {metric_ok(column)}
             """
         )
+    # the per-unit moments (analysis.units): per user and per request, a few rows per variant
+    for unit in units.UNITS:
+        select, mp = units.moments_select(
+            Filters(experiment, run_id=run_id), slo, unit, head=("%(b)s", f"'{unit}'")
+        )
+        statements.append(
+            f"INSERT INTO {schema.ROLLUP_MOMENTS_TABLE} (build_id, unit, variant, counts, sums) {select}"
+        )
+        params.update(mp)
     for sql in statements:
         store.execute(sql, params)
     after = _signature(store, experiment, run_id).get(run_id)
@@ -213,7 +225,7 @@ def _drop_build(store: Any, experiment: str, run_id: int, build_id: int, keep: b
         for sql in statements:
             store.execute(sql, params)
         if old:
-            for table in (schema.ROLLUP_VALUES_TABLE, schema.ROLLUP_GAPS_TABLE):
+            for table in schema.ROLLUP_BUILD_TABLES:
                 store.execute(f"ALTER TABLE {table} DELETE WHERE build_id IN %(old)s", {"old": tuple(old)})
     except Exception as e:  # noqa: BLE001 - garbage rows are harmless; say so and go on
         log.warning("rollup of run %s: could not delete old rows: %s", run_id, e)
@@ -232,7 +244,7 @@ def rollup_rows(store: Any, experiment: str, current_only: bool = True) -> dict[
         )
         for t in schema.ROLLUP_TABLES
     }
-    for table in (schema.ROLLUP_VALUES_TABLE, schema.ROLLUP_GAPS_TABLE):
+    for table in schema.ROLLUP_BUILD_TABLES:
         rows = store.query(f"SELECT count() FROM {table} WHERE build_id IN ({builds})", {"e": experiment})
         out[table] = int(rows[0][0])
     return out

@@ -76,6 +76,8 @@ def experiment_info(experiment: Any) -> ExperimentInfo:
         weights_by_revision=by_rev,
         weights_source=source,
         weight_changes=changes,
+        cluster_by_user=experiment.analysis_cluster_by_user,
+        adjust=experiment.analysis_adjust,
     )
 
 
@@ -120,7 +122,8 @@ CACHE_ALIAS = "default"
 CACHE_ERRORS = (redis.RedisError, OSError)
 CACHE_TIMEOUT_S = 600
 # bump when the report's computation changes without a SCHEMA_VERSION change
-CACHE_FORMAT = 5  # 4: the run catalog selects the runs; failures per variant; 5: anytime-valid intervals
+CACHE_FORMAT = 6  # 4: the run catalog selects the runs; failures per variant; 5: anytime-valid intervals;
+# 6: per-user (clustered) and covariate-adjusted statistics
 
 
 def cache_key(

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import csv
 from collections.abc import Iterable, Mapping
+from statistics import NormalDist
 from typing import IO, Any
 
 TABLES = ("variants", "percentiles", "comparisons", "segments", "phases", "attribution", "srm", "failures",
-          "server", "server_phases", "anytime")  # fmt: skip
+          "server", "server_phases", "anytime", "clustered")  # fmt: skip
 COLUMNS: dict[str, tuple[str, ...]] = {
     "variants": ("variant", "control", "n", "errors", "error_rate", "hits", "attainment", "attainment_lo",
                  "attainment_hi", "goodput_rps", "verdict", "n_needed"),
@@ -33,7 +34,15 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "server_phases": ("variant", "basis", "misses", "covered_misses", "phase", "mean_ms"),
     # the anytime-valid intervals (report "anytime"): the ones that may be read mid-run
     "anytime": ("variant", "quantity", "estimate", "lo", "hi", "alpha"),
+    # per user, the unit of randomization, and adjusted on pre-request covariates (report
+    # variants[].clustered, vs_control.clustered / .adjusted): unadjusted and adjusted rows side by side
+    "clustered": ("variant", "quantity", "inference", "adjusted_on", "estimate", "lo", "hi", "se", "se_iid",
+                  "design_effect", "p_value", "p_holm", "variance_reduction"),
 }  # fmt: skip
+UNIT_MEANS = (("attainment", "attainment", ".4f"), ("error_rate", "error rate", ".4f"),
+              ("mean_ttft_ms", "mean TTFT ms", ".1f"))  # fmt: skip
+UNIT_DIFFERENCES = (("attainment_difference", "attainment", "+.4f"), ("error_rate_difference", "error rate", "+.4f"),
+                    ("mean_ttft_difference", "mean TTFT ms", "+.1f"))  # fmt: skip
 ANYTIME_QUANTITIES = ("attainment", "error_rate", "p99_ttft_ms")
 ANYTIME_DIFFERENCES = ("attainment_difference", "error_rate_difference", "p99_ttft_difference")
 
@@ -249,6 +258,102 @@ def anytime(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
                 "hi": _round6(iv["hi"]) if share else iv["hi"],
                 "alpha": iv["alpha"],
             }
+
+
+def clustered(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
+    """Per variant its per-user means, then per comparison the clustered difference (quantity
+    "..._difference") and the adjusted one ("..._difference_adjusted") with its covariates and
+    variance reduction; nothing when the experiment turned the analysis off."""
+    for e in report["variants"]:
+        per = e.get("clustered") or {}
+        for name, _label, _fmt in UNIT_MEANS:
+            est = per.get(name)
+            if est:
+                yield _unit_row(e["key"], name, per["inference"], est)
+        vs = e.get("vs_control") or {}
+        for part, suffix in (("clustered", ""), ("adjusted", "_adjusted")):
+            for name, _label, _fmt in UNIT_DIFFERENCES:
+                est = (vs.get(part) or {}).get(name)
+                if est:
+                    yield _unit_row(e["key"], name + suffix, est["inference"], est)
+
+
+def _unit_row(variant: str, quantity: str, inference: str, est: Mapping[str, Any]) -> dict[str, Any]:
+    adjusted = est.get("adjusted") or {}
+    return {
+        "variant": variant,
+        "quantity": quantity,
+        "inference": inference,
+        "adjusted_on": " ".join(adjusted.get("covariates", [])),
+        "estimate": est["estimate"],
+        "lo": est["lo"],
+        "hi": est["hi"],
+        "se": est["se"],
+        "se_iid": est["se_iid"],
+        "design_effect": est.get("design_effect"),
+        "p_value": est.get("p_value"),
+        "p_holm": est.get("p_holm"),
+        "variance_reduction": adjusted.get("variance_reduction"),
+    }
+
+
+def percent_text(x: float | None) -> str:
+    """A share as a whole percent, "-" for None; a value that rounds to 0 is "0%", never "-0%"."""
+    return "-" if x is None else f"{int(round(x * 100))}%"
+
+
+def _unadjusted_of(adj: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The difference without covariates an adjusted entry carries, as an interval (normal, at
+    the entry's conf); None when it carries none."""
+    if not adj or adj.get("unadjusted") is None:
+        return None
+    se = adj.get("se_unadjusted")
+    half = None if se is None else NormalDist().inv_cdf(0.5 + adj["conf"] / 2) * se
+    u = adj["unadjusted"]
+    return {"estimate": u, "lo": None if half is None else u - half, "hi": None if half is None else u + half,
+            "p_value": None}  # fmt: skip
+
+
+def unit_summary(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The per-user and adjusted statistics formatted for the page and sla_report: per variant
+    its clustered means (with the design effect: how many requests are worth one independent
+    one), per comparison the unadjusted and the adjusted difference side by side with the
+    variance reduction and the covariates used."""
+    info = report.get("inference") or {}
+    variants, comparisons = [], []
+    for e in report["variants"]:
+        per = e.get("clustered")
+        if per:
+            att = per.get("attainment") or {}
+            row = {"variant": e["key"], "users": att.get("clusters"), "effective_users": att.get("effective_clusters"),
+                   "design_effect": att.get("design_effect"), "notes": []}  # fmt: skip
+            for name, _label, fmt in UNIT_MEANS:
+                row[name] = interval_text(per.get(name), fmt)
+                note = (per.get(name) or {}).get("note")
+                if note and note not in row["notes"]:
+                    row["notes"].append(note)
+            variants.append(row)
+        vs = e.get("vs_control") or {}
+        if not (vs.get("clustered") or vs.get("adjusted")):
+            continue
+        for name, label, fmt in UNIT_DIFFERENCES:
+            plain = (vs.get("clustered") or {}).get(name)
+            adj = (vs.get("adjusted") or {}).get(name)
+            if not (plain or adj):
+                continue
+            used = (adj or {}).get("adjusted") or {}
+            if plain is None:  # requests as units: the adjusted fit's own unadjusted difference
+                plain = _unadjusted_of(adj)
+            comparisons.append({
+                "variant": e["key"],
+                "quantity": label,
+                "unadjusted": interval_text(plain, fmt) if plain else "-",
+                "adjusted": interval_text(adj, fmt) if adj else "-",
+                "variance_reduction": percent_text(used.get("variance_reduction")) if adj else "-",
+                "covariates": ", ".join(used.get("covariates", [])) or ("none varied" if adj else "-"),
+                "not_used": "; ".join(f"{k}: {v}" for k, v in (used.get("not_used") or {}).items()),
+            })  # fmt: skip
+    return {"info": info, "variants": variants, "comparisons": comparisons}
 
 
 def rows(report: Mapping[str, Any], table: str) -> list[dict[str, Any]]:

@@ -101,6 +101,7 @@ def experiment(request: HttpRequest, key: str) -> HttpResponse:
         "server_rows": list(tables.server(report)),
         "server_split_rows": list(tables.server_phases(report)),
         "anytime_rows": _anytime_rows(report),
+        "units": tables.unit_summary(report),
         "run_statuses": RUN_STATUSES,
         "run_modes": MODES,
         "sources": _sources(report["runs"]),

@@ -39,7 +39,8 @@ def variant_document(row: dict) -> dict:
 
 def document_from_admin(experiment: Experiment, variant_rows: list[dict]) -> dict:
     """The document the change form describes. The admin has no field for the rollout plan:
-    the stored plan goes with the document unchanged (a document without it would remove it)."""
+    the stored plan goes with the document unchanged (a document without it would remove it).
+    The analysis block comes from the form's Analysis fields."""
     doc = {
         "key": experiment.key,
         "name": experiment.name,
@@ -51,6 +52,8 @@ def document_from_admin(experiment: Experiment, variant_rows: list[dict]) -> dic
         doc["team"] = experiment.team.name
     if experiment.rollout:
         doc["rollout"] = experiment.rollout
+    # the form's Analysis checkboxes, as the document's analysis block
+    doc["analysis"] = experiment.analysis()
     return doc
 
 
@@ -184,6 +187,7 @@ class ExperimentAdmin(WeightsAdminMixin, admin.ModelAdmin):
     fieldsets = (
         (None, {"fields": ("key", "name", "team", "hypothesis", "status", "owner", "dashboard")}),
         ("SLA", {"fields": ("sla_ttft_ms", "sla_tpot_ms", "sla_e2e_ms", "sla_target")}),
+        ("Analysis", {"fields": ("analysis_cluster_by_user", "analysis_adjust")}),
         ("Assignment", {"fields": ("salt", "hash_version", "weights_link")}),
         ("Timeline", {"fields": ("created_at", "updated_at", "started_at", "concluded_at")}),
     )
@@ -212,7 +216,8 @@ class ExperimentAdmin(WeightsAdminMixin, admin.ModelAdmin):
         if obj is not None and obj.is_locked:
             fields.append("key")
         if obj is not None and obj.status == Experiment.Status.CONCLUDED:
-            fields += ["name", "team", "hypothesis", "sla_ttft_ms", "sla_tpot_ms", "sla_e2e_ms", "sla_target"]
+            fields += ["name", "team", "hypothesis", "sla_ttft_ms", "sla_tpot_ms", "sla_e2e_ms", "sla_target",
+                       "analysis_cluster_by_user", "analysis_adjust"]  # fmt: skip
         return fields
 
     def has_run_lifecycle_permission(self, request):

@@ -40,12 +40,15 @@ WEIGHT_TOTAL = 100  # weights are integer percentages
 MAX_VARIANTS = 26
 MAX_SLO_MS = 3_600_000.0
 
-TOP_FIELDS = {"key", "name", "team", "hypothesis", "sla", "variants", "rollout"}
+TOP_FIELDS = {"key", "name", "team", "hypothesis", "sla", "variants", "rollout", "analysis"}
 SLA_FIELDS = {"ttft_ms", "tpot_ms", "e2e_ms", "target"}
 VARIANT_FIELDS = {
     "key", "control", "weight", "endpoint", "model", "api", "http2", "factors", "engine_args", "auth", "cost",
 }  # fmt: skip
 AUTH_FIELDS = {"secret"}
+# How the report analyses the experiment (analysis.units): users as the independent unit, and
+# regression adjustment on pre-request covariates. Both on unless a document turns them off.
+ANALYSIS_FIELDS = {"cluster_by_user": True, "adjust": True}
 COST_FIELDS = {"per_hour", "currency"}
 CURRENCY_RE = re.compile(r"^[A-Z]{3}$")  # ISO 4217 codes: USD, EUR, JPY
 MAX_COST_PER_HOUR = 1_000_000.0
@@ -283,6 +286,23 @@ def _validate_cost(c: _Collector, raw: Any, path: str) -> dict | None:
     return {"per_hour": float(per_hour), "currency": currency}
 
 
+def _validate_analysis(c: _Collector, raw: Any) -> dict[str, Any]:
+    """``analysis: {cluster_by_user: true, adjust: true}``; a field left out keeps its default."""
+    if raw is None:
+        return dict(ANALYSIS_FIELDS)
+    if not isinstance(raw, dict):
+        c.add("analysis", "must be a mapping: {cluster_by_user: true, adjust: true}")
+        return dict(ANALYSIS_FIELDS)
+    _unknown(c, raw, set(ANALYSIS_FIELDS), "analysis")
+    out: dict[str, Any] = {}
+    for field, default in ANALYSIS_FIELDS.items():
+        value = raw.get(field, default)
+        if not isinstance(value, bool):
+            c.add(f"analysis.{field}", "must be true or false")
+        out[field] = value
+    return out
+
+
 def _validate_variant(
     c: _Collector, raw: Any, i: int, allow: Allowlist | None = None, resolve: Resolver | None = None
 ) -> dict:
@@ -355,6 +375,7 @@ def validate_document(raw: Any, *, allow: Allowlist | None = None, resolve: Reso
     _check_across_variants(c, variants)
     if raw.get("rollout") is not None:
         doc["rollout"] = _validate_rollout(c, raw["rollout"], doc, allow, resolve)
+    doc["analysis"] = _validate_analysis(c, raw.get("analysis"))
     if c.errors:
         raise DocumentError(c.errors)
     return doc

@@ -70,6 +70,17 @@ class Experiment(models.Model):
     # progressive rollout. The rollouts app's controller reads it; changes go through
     # apply_document and are audited with the rest of the document.
     rollout = models.JSONField(null=True, blank=True, editable=False)
+    # The document's ``analysis:`` block: how the SLA report analyses the experiment
+    # (analysis.units). Report settings only: they change no traffic and no measurement, so they
+    # may change at any status but concluded, audited with the rest of the document.
+    analysis_cluster_by_user = models.BooleanField(
+        "analysis: users as the independent unit", default=True,
+        help_text="intervals per user (the unit the router assigns), not per request",
+    )  # fmt: skip
+    analysis_adjust = models.BooleanField(
+        "analysis: adjust on pre-request covariates", default=True,
+        help_text="differences adjusted on prompt_tokens and max_tokens (regression; means only, not p99)",
+    )  # fmt: skip
     concluded_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
@@ -98,6 +109,10 @@ class Experiment(models.Model):
 
     def weights(self) -> dict[str, int]:
         return {v.key: v.weight for v in self.variants.all()}
+
+    def analysis(self) -> dict[str, bool]:
+        """The document's ``analysis`` block."""
+        return {"cluster_by_user": self.analysis_cluster_by_user, "adjust": self.analysis_adjust}
 
 
 class Variant(models.Model):

@@ -158,6 +158,7 @@ def export_document(experiment: Experiment) -> dict:
     }
     if experiment.rollout:
         doc["rollout"] = experiment.rollout
+    doc["analysis"] = experiment.analysis()
     return doc
 
 
@@ -257,6 +258,10 @@ def diff_documents(before: dict | None, after: dict) -> list[str]:
     for field in sorted(set(before["sla"]) | set(after["sla"])):
         if before["sla"].get(field) != after["sla"].get(field):
             changes.append(f"sla.{field}: {before['sla'].get(field)} -> {after['sla'].get(field)}")
+    was, now = before.get("analysis") or {}, after.get("analysis") or {}
+    for field in sorted(set(was) | set(now)):
+        if was.get(field) != now.get(field):
+            changes.append(f"analysis.{field}: {was.get(field)} -> {now.get(field)}")
     if before.get("rollout") != after.get("rollout"):
         # Webhook URLs are shown redacted: this line reaches the API's answer and the admin.
         was, now = redact_rollout(before.get("rollout")), redact_rollout(after.get("rollout"))
@@ -548,6 +553,8 @@ def apply_document(raw, actor=None, reason: str = "") -> ApplyResult:
         experiment.sla_e2e_ms = doc["sla"].get("e2e_ms")
         experiment.sla_target = doc["sla"]["target"]
         experiment.rollout = doc.get("rollout")
+        experiment.analysis_cluster_by_user = doc["analysis"]["cluster_by_user"]
+        experiment.analysis_adjust = doc["analysis"]["adjust"]
         experiment.save()
         _write_variants(experiment, doc)
         audit.record(

@@ -351,6 +351,29 @@ ENGINE = MergeTree
 ORDER BY (build_id, variant, k, v)
 """.strip()
 
+# ---- per-unit moments: statistics at the unit of randomization ----------------------------
+# Who writes: the rollup build (analysis.rollup); who reads: the SLA report's clustered and
+# adjusted numbers (analysis.units, analysis.readers).
+# - rollup_moments: per (build, variant, unit) the moments analysis.units.moments_select returns:
+#   unit 'user' (a request without a user is its own unit) or 'request'; counts and sums are
+#   flat arrays in analysis.units.layout() order (its component names are the rollup format:
+#   a change is a new definitions.FORMAT_VERSION). A few rows per run, whatever the number of
+#   users. Carries build_id only, like rollup_values.
+ROLLUP_MOMENTS_TABLE = "rollup_moments"
+CREATE_ROLLUP_MOMENTS = f"""
+CREATE TABLE IF NOT EXISTS {ROLLUP_MOMENTS_TABLE} (
+    build_id UInt64,
+    unit String,
+    variant String,
+    counts Array(UInt64),
+    sums Array(Float64)
+)
+ENGINE = MergeTree
+ORDER BY (build_id, unit, variant)
+""".strip()
+# rollup tables whose rows carry build_id only (the build names the run: rollup_builds)
+ROLLUP_BUILD_TABLES = (ROLLUP_VALUES_TABLE, ROLLUP_GAPS_TABLE, ROLLUP_MOMENTS_TABLE)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "create samples", (CREATE_SAMPLES_TABLE,)),
     Migration(
@@ -372,6 +395,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         "inter-token gaps",
         (ADD_ITL_GAPS, ADD_ROLLUP_ITL_REQUESTS, ADD_ROLLUP_ITL_UNRECORDED, CREATE_ROLLUP_GAPS),
     ),
+    Migration(6, "per-unit moments", (CREATE_ROLLUP_MOMENTS,)),
 )
 
 

@@ -715,8 +715,7 @@ class SampleStore:
         tables = (
             schema.SAMPLES_TABLE,
             schema.ROLLUP_BUILDS_TABLE,
-            schema.ROLLUP_VALUES_TABLE,
-            schema.ROLLUP_GAPS_TABLE,
+            *schema.ROLLUP_BUILD_TABLES,
             *schema.ROLLUP_TABLES,
             schema.RUNS_TABLE,
             schema.SERVER_METRICS_TABLE,

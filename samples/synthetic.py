@@ -66,6 +66,16 @@ class SyntheticSpec:
     gaps: bool = True  # inter-token gaps per successful request (False: none, as older rows)
     gap_sigma: float = 0.3  # lognormal spread of the gaps around the request's TPOT
     gap_spike_rate: float = 0.02  # share of gaps stretched 2-6x (prefill of another request)
+    # Users (0: one user per request, as before). With users, each request comes from one of
+    # them, heavy-tailed (lognormal rates, sigma 1: a few users send many requests); in split
+    # mode the arm is drawn per user (the router keeps a user on one variant), and each user's
+    # TTFT is multiplied by their own lognormal factor (user_sigma: their region, client and
+    # prompts), so a user's requests are correlated. no_user_share of the requests carry no
+    # user id (''), as live requests served before a user is known.
+    users: int = 0
+    user_sigma: float = 0.0
+    no_user_share: float = 0.0
+    max_tokens: Sequence[int] = (256,)  # requested output tokens, drawn per request when several
 
 
 def demo_variants() -> list[VariantSpec]:
@@ -115,6 +125,10 @@ def _check(spec: SyntheticSpec) -> None:
         raise ValueError("SyntheticSpec.variants needs exactly one control")
     if spec.n < 1:
         raise ValueError(f"SyntheticSpec.n must be >= 1, got {spec.n}")
+    if spec.users < 0 or spec.user_sigma < 0 or not 0 <= spec.no_user_share <= 1 or not spec.max_tokens:
+        raise ValueError(
+            "SyntheticSpec: users >= 0, user_sigma >= 0, no_user_share in [0, 1], max_tokens given"
+        )
     if not 0 <= spec.duplicate_rate <= 1:
         raise ValueError(f"SyntheticSpec.duplicate_rate must be in [0, 1], got {spec.duplicate_rate}")
     for v in spec.variants:
@@ -144,6 +158,23 @@ def generate(spec: SyntheticSpec) -> Synthetic:
         arm = np.repeat(np.arange(len(keys)), n_req)
         req = np.tile(np.arange(n_req), len(keys))
     n = arm.size
+    # users, user effects and requested tokens come from a stream of their own: without them every
+    # other column is what the same seed gave before they existed
+    urng = np.random.default_rng([spec.seed, 15])
+    user_of = np.arange(n_req)
+    user_mult: float | np.ndarray = 1.0
+    if spec.users:
+        rates = urng.lognormal(0.0, 1.0, spec.users)
+        user_of = urng.choice(spec.users, size=n_req, p=rates / rates.sum())
+        user_mult = urng.lognormal(0.0, spec.user_sigma, spec.users)[user_of][req]
+        if spec.mode == "split":
+            w = np.array([v.weight for v in spec.variants], dtype=float)
+            arm = urng.choice(len(keys), size=spec.users, p=w / w.sum())[user_of]
+    no_user = urng.random(n_req) < spec.no_user_share if spec.no_user_share else np.zeros(n_req, dtype=bool)
+    if len(spec.max_tokens) == 1:
+        max_tokens = np.full(n, spec.max_tokens[0], dtype=np.uint32)
+    else:
+        max_tokens = urng.choice(np.asarray(spec.max_tokens, dtype=np.uint32), size=n_req)[req]
 
     mult = np.array([_factor_multiplier(spec, v) for v in spec.variants])[arm]
     err_p = np.array([v.error_rate for v in spec.variants])[arm]
@@ -154,7 +185,7 @@ def generate(spec: SyntheticSpec) -> Synthetic:
     )
     # mirror arms share the request's noise plus a little of their own
     own = rng.lognormal(0.0, spec.sigma / 3, n) if spec.mode == "mirror" else 1.0
-    ttft = np.round(base * mult * noise[req] * own, spec.round_ms)
+    ttft = np.round(base * mult * noise[req] * own * user_mult, spec.round_ms)
     error = rng.random(n) < err_p
 
     # 3. phases of TTFT as the client sees them
@@ -189,6 +220,7 @@ def generate(spec: SyntheticSpec) -> Synthetic:
     ]
     variant = np.array(keys, dtype=object)[arm]
     seq = seq_req[req]
+    user_l, no_user_l = user_of.tolist(), no_user.tolist()  # plain lists: a Python loop reads them
     request_id = np.array(
         [f"r{spec.run_id}-{s:08d}-{v}" for s, v in zip(seq.tolist(), variant.tolist())],
         dtype=object,
@@ -200,9 +232,10 @@ def generate(spec: SyntheticSpec) -> Synthetic:
         "seq": seq,
         "request_id": request_id,
         "mode": np.full(n, spec.mode, dtype=object),
-        # One user per request: arms are drawn per request here, so users must not repeat
-        # across arms (the router keeps a user on one variant; SRM counts distinct users).
-        "user_id": np.array([f"u{r}" for r in req.tolist()], dtype=object),
+        # Without spec.users, one user per request: arms are drawn per request then, so users
+        # must not repeat across arms (the router keeps a user on one variant; SRM counts
+        # distinct users).
+        "user_id": np.array(["" if no_user_l[r] else f"u{user_l[r]}" for r in req.tolist()], dtype=object),
         "config_revision": rev,
         "sent_at": (sent_ms // 1000).astype(np.uint32),
         "sent_unix_ms": sent_ms,
@@ -211,7 +244,7 @@ def generate(spec: SyntheticSpec) -> Synthetic:
         "in_flight": in_flight[req],
         "prompt_tokens": prompt[req],
         "prompt_tokens_estimated": np.zeros(n, dtype=np.uint8),
-        "max_tokens": np.full(n, 256, dtype=np.uint32),
+        "max_tokens": max_tokens,
         "worker": np.full(n, "synthetic:0", dtype=object),
         "attempt": np.ones(n, dtype=np.uint8),
         "outcome": np.where(error, "http_5xx", "ok").astype(object),

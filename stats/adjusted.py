@@ -33,7 +33,10 @@ From sums (what ClickHouse returns): z_j = [1, T, x_j] and T is constant within 
 each user's score sum_{j in g} z_j e_j = u_g - M_g beta need per user only count(), sum(y),
 sum(x_k), sum(x_k * x_l), sum(x_k * y), and sum(y * y) for the unclustered standard error shown
 beside. ``ArmData.from_samples`` builds exactly these from raw arrays, so both paths give the
-same numbers. Requests without a user are clusters of their own (one request each).
+same numbers. Requests without a user are clusters of their own (one request each). With too
+many users to read one by one, each arm's sums reduced over users (stats.clustered.ArmMoments:
+sum_g v_g and sum_g v_g v_g' of v_g = [n, y, x, xy, xx]) are enough: psi_g is linear in v_g, so
+sum_g psi_g^2 is a quadratic form in sum_g v_g v_g' (``adjusted_moments_from_sums``).
 
 Covariates must be fixed before the variant sees the request: prompt tokens, requested output
 tokens (max_tokens), their logs, the hour of day; never generated tokens or anything else the
@@ -63,9 +66,11 @@ import numpy as np
 from stats._common import DEFAULT_CONF, AsDict, check_conf, z_of
 from stats.clustered import (
     FEW_EFFECTIVE_CLUSTERS,
+    ArmMoments,
     check_cluster_counts,
     check_sums,
     cluster_codes,
+    moment_layout,
     normal_p_value,
 )
 
@@ -161,6 +166,14 @@ class ArmData:
     def p(self) -> int:
         return len(self.covariates or ())
 
+    def arm_moments(self, binary: bool = False) -> ArmMoments:
+        """These per-user sums reduced over users (one arm): stats.clustered.ArmMoments."""
+        if self.n.ndim != 1:
+            raise ValueError(f"ArmData.arm_moments: one arm's clusters, got shape {self.n.shape}")
+        return ArmMoments.from_clusters(
+            self.n, self.sum_y, self.sum_x, self.sum_xx, self.sum_xy, self.sum_yy, self.covariates, binary
+        )
+
     @classmethod
     def from_samples(
         cls,
@@ -229,6 +242,134 @@ class AdjustedMoments(NamedTuple):
     degenerate: np.ndarray  # bool: a constant or collinear covariate set; everything else NaN
 
 
+class _Totals(NamedTuple):
+    """Both arms' totals over their users: all the fit needs besides each user's score."""
+
+    n: np.ndarray  # (..., 2) requests per arm
+    clusters: np.ndarray  # (..., 2) users per arm
+    sum_n_sq: np.ndarray  # (..., 2) sum n_g^2 per arm
+    sum_y: np.ndarray  # (..., 2)
+    sum_x: np.ndarray  # (..., 2, p)
+    sum_xx: np.ndarray  # (..., p, p) over both arms
+    sum_xy: np.ndarray  # (..., p) over both arms
+    sum_yy: np.ndarray | None  # (...) over both arms; None: no unclustered variance
+
+
+class _Fit(NamedTuple):
+    """Steps 1 and 2 of adjusted_moments (see there); NaN or junk where ``good`` is False."""
+
+    ok: np.ndarray
+    degenerate: np.ndarray
+    good: np.ndarray
+    a_inv: np.ndarray
+    u: np.ndarray
+    beta: np.ndarray
+    tau: np.ndarray
+    theta: np.ndarray  # (..., p) in the covariates' units
+    b: np.ndarray  # intercept of the control in the covariates' units
+    c: np.ndarray  # (..., p) pooled covariate means
+    row: np.ndarray  # tau's row of A^-1
+    q: np.ndarray  # (..., p) its covariate part back in the covariates' units
+    mean_arm: np.ndarray  # (..., 2)
+    xs_v: np.ndarray  # (..., p) sum over the variant of the standardized covariates
+    ybar: np.ndarray
+
+
+def _fit(t: _Totals) -> _Fit:
+    """Steps 1 and 2: the standardized normal equations from the totals, and beta."""
+    p = t.sum_x.shape[-1]
+    k_all = p + 2
+    big_n = t.n.sum(axis=-1)
+    n_v = t.n[..., 1]
+    batch = big_n.shape
+    with np.errstate(divide="ignore", invalid="ignore"):
+        c = t.sum_x.sum(axis=-2) / big_n[..., None]  # pooled covariate means (..., p)
+        ybar = t.sum_y.sum(axis=-1) / big_n
+        cov_xx = t.sum_xx - big_n[..., None, None] * c[..., :, None] * c[..., None, :]
+        sd = np.sqrt(np.maximum(np.diagonal(cov_xx, axis1=-2, axis2=-1) / big_n[..., None], 0.0))
+        constant = ~(sd > _CONSTANT_RTOL * np.abs(c))  # also sd == 0 at c == 0, and NaN
+        sd = np.where(constant, 1.0, sd)
+        a = np.zeros((*batch, k_all, k_all))
+        a[..., 0, 0] = big_n
+        a[..., 0, 1] = a[..., 1, 0] = a[..., 1, 1] = n_v
+        # Centred covariates sum to 0 over both arms: A[0, 2:] = 0 and U[0] = 0.
+        xs_v = (t.sum_x[..., 1, :] - n_v[..., None] * c) / sd  # sum over the variant of x~
+        a[..., 1, 2:] = a[..., 2:, 1] = xs_v
+        a[..., 2:, 2:] = cov_xx / (sd[..., :, None] * sd[..., None, :])
+        u = np.zeros((*batch, k_all))
+        u[..., 1] = t.sum_y[..., 1] - n_v * ybar
+        u[..., 2:] = (t.sum_xy - big_n[..., None] * c * ybar[..., None]) / sd
+        ok = np.isfinite(a).all(axis=(-1, -2)) & (t.n > 0).all(axis=-1)
+        degenerate = constant.any(axis=-1)
+        safe = np.where((ok & ~degenerate)[..., None, None], a, np.eye(k_all))
+        degenerate |= ok & ~(np.linalg.cond(safe) < _MAX_CONDITION)
+        good = ok & ~degenerate
+        a_inv = np.linalg.inv(np.where(good[..., None, None], a, np.eye(k_all)))
+        beta = np.einsum("...kl,...l->...k", a_inv, np.where(good[..., None], u, 0.0))
+
+        # 2. Back to the covariates' units: y = b + tau T + theta' x + e.
+        tau = beta[..., 1]
+        theta = beta[..., 2:] / sd
+        b = ybar + beta[..., 0] - (theta * c).sum(axis=-1)
+        row = a_inv[..., 1, :]
+        q = row[..., 2:] / sd
+        mean_arm = t.sum_y / np.where(t.n > 0, t.n, np.nan)
+    return _Fit(ok, degenerate, good, a_inv, u, beta, tau, theta, b, c, row, q, mean_arm, xs_v, ybar)
+
+
+def _arm_weights(f: _Fit, arm: int) -> tuple[np.ndarray, np.ndarray]:
+    """(w, intercept) of arm 0 (control) or 1 (variant) in psi_g = w e0_g + (sum x e)_g . q,
+    e0_g = s_g - n_g intercept - sum_x_g . theta (step 3 of adjusted_moments)."""
+    intercept = f.b + f.tau * arm
+    w = f.row[..., 0] + f.row[..., 1] * arm - (f.c * f.q).sum(axis=-1)
+    return w, intercept
+
+
+def _finish(t: _Totals, f: _Fit, variance_cr0: np.ndarray, variance0_cr0: np.ndarray) -> AdjustedMoments:
+    """The CR1 corrections, the unclustered variances and the adjusted means around the sums
+    of squared scores (sum_g psi_g^2, adjusted and unadjusted)."""
+    k_all = t.sum_x.shape[-1] + 2
+    big_n = t.n.sum(axis=-1)
+    g = t.clusters.sum(axis=-1)
+    batch = big_n.shape
+    good, ok = f.good, f.ok
+    with np.errstate(divide="ignore", invalid="ignore"):
+        enough = good & (t.clusters >= 2).all(axis=-1) & (big_n > k_all)
+        variance = np.where(enough, g / (g - 1.0) * (big_n - 1.0) / (big_n - k_all) * variance_cr0, np.nan)
+        enough0 = ok & (t.clusters >= 2).all(axis=-1) & (big_n > 2)
+        variance0 = np.where(enough0, g / (g - 1.0) * (big_n - 1.0) / (big_n - 2.0) * variance0_cr0, np.nan)
+
+        # Classic OLS variances (requests independent, one variance), beside the clustered ones.
+        var_iid = np.full(batch, np.nan)
+        var_iid0 = np.full(batch, np.nan)
+        if t.sum_yy is not None:
+            syy_c = t.sum_yy - big_n * f.ybar * f.ybar
+            rss = np.maximum(syy_c - (f.beta * f.u).sum(axis=-1), 0.0)
+            var_iid = np.where(enough, rss / (big_n - k_all) * f.a_inv[..., 1, 1], np.nan)
+            between = ((t.sum_y - t.n * f.ybar[..., None]) ** 2 / t.n).sum(axis=-1)
+            rss0 = np.maximum(syy_c - between, 0.0)
+            var_iid0 = np.where(enough0, rss0 / (big_n - 2.0) * (1.0 / t.n).sum(axis=-1), np.nan)
+
+        # Adjusted means at the pooled covariate mean: ybar_arm - xbar~_arm . theta~.
+        xs_arm = np.stack([-f.xs_v / t.n[..., 0, None], f.xs_v / t.n[..., 1, None]], axis=-2)
+        adj_means = f.mean_arm - np.einsum("...ak,...k->...a", xs_arm, f.beta[..., 2:])
+        bad = ~good
+    return AdjustedMoments(
+        estimate=np.where(bad, np.nan, f.tau),
+        variance=variance,
+        unadjusted=f.mean_arm[..., 1] - f.mean_arm[..., 0],
+        variance_unadjusted=variance0,
+        variance_iid=var_iid,
+        variance_iid_unadjusted=var_iid0,
+        theta=np.where(bad[..., None], np.nan, f.theta),
+        adjusted_means=np.where(bad[..., None], np.nan, adj_means),
+        n=t.n,
+        clusters=t.clusters,
+        sum_n_sq=t.sum_n_sq,
+        degenerate=f.degenerate,
+    )
+
+
 def adjusted_moments(control: ArmData, variant: ArmData) -> AdjustedMoments:
     """The pooled-slope fit for many experiments at once (arrays as in ArmData).
 
@@ -250,113 +391,111 @@ def adjusted_moments(control: ArmData, variant: ArmData) -> AdjustedMoments:
         )
     if control.p != variant.p:
         raise ValueError(f"adjusted_moments: control has {control.p} covariates, variant {variant.p}")
-    p = control.p
-    k_all = p + 2
     arms = (control, variant)
     sum_x = [a.sum_x for a in arms]
     sum_xx = [a.sum_xx for a in arms]
     sum_xy = [a.sum_xy for a in arms]
     assert all(x is not None for x in (*sum_x, *sum_xx, *sum_xy))  # filled in by __post_init__
 
-    # 1. Totals per arm, then the standardized normal equations.
-    n_arm = np.stack([a.n.sum(axis=-1) for a in arms], axis=-1).astype(float)  # (..., 2)
-    g_arm = np.stack([(a.n > 0).sum(axis=-1) for a in arms], axis=-1).astype(float)
-    nsq_arm = np.stack([np.square(a.n, dtype=float).sum(axis=-1) for a in arms], axis=-1)
-    sy_arm = np.stack([a.sum_y.sum(axis=-1) for a in arms], axis=-1)
-    sx_arm = np.stack([x.sum(axis=-2) for x in sum_x], axis=-2)  # type: ignore[union-attr]
-    sxx_tot = sum_xx[0].sum(axis=-3) + sum_xx[1].sum(axis=-3)  # type: ignore[union-attr]
-    sxy_tot = sum_xy[0].sum(axis=-2) + sum_xy[1].sum(axis=-2)  # type: ignore[union-attr]
-    big_n = n_arm.sum(axis=-1)
-    n_v = n_arm[..., 1]
-    g = g_arm.sum(axis=-1)
-    batch = big_n.shape
+    # 1. Totals per arm (the fit: _fit).
+    syy = None
+    if control.sum_yy is not None and variant.sum_yy is not None:
+        syy = control.sum_yy.sum(axis=-1) + variant.sum_yy.sum(axis=-1)
+    totals = _Totals(
+        n=np.stack([a.n.sum(axis=-1) for a in arms], axis=-1).astype(float),  # (..., 2)
+        clusters=np.stack([(a.n > 0).sum(axis=-1) for a in arms], axis=-1).astype(float),
+        sum_n_sq=np.stack([np.square(a.n, dtype=float).sum(axis=-1) for a in arms], axis=-1),
+        sum_y=np.stack([a.sum_y.sum(axis=-1) for a in arms], axis=-1),
+        sum_x=np.stack([x.sum(axis=-2) for x in sum_x], axis=-2),  # type: ignore[union-attr]
+        sum_xx=sum_xx[0].sum(axis=-3) + sum_xx[1].sum(axis=-3),  # type: ignore[union-attr]
+        sum_xy=sum_xy[0].sum(axis=-2) + sum_xy[1].sum(axis=-2),  # type: ignore[union-attr]
+        sum_yy=syy,
+    )
+    f = _fit(totals)  # 1 and 2
+    batch = totals.n.shape[:-1]
     with np.errstate(divide="ignore", invalid="ignore"):
-        c = sx_arm.sum(axis=-2) / big_n[..., None]  # pooled covariate means (..., p)
-        ybar = sy_arm.sum(axis=-1) / big_n
-        cov_xx = sxx_tot - big_n[..., None, None] * c[..., :, None] * c[..., None, :]
-        sd = np.sqrt(np.maximum(np.diagonal(cov_xx, axis1=-2, axis2=-1) / big_n[..., None], 0.0))
-        constant = ~(sd > _CONSTANT_RTOL * np.abs(c))  # also sd == 0 at c == 0, and NaN
-        sd = np.where(constant, 1.0, sd)
-        a = np.zeros((*batch, k_all, k_all))
-        a[..., 0, 0] = big_n
-        a[..., 0, 1] = a[..., 1, 0] = a[..., 1, 1] = n_v
-        # Centred covariates sum to 0 over both arms: A[0, 2:] = 0 and U[0] = 0.
-        xs_v = (sx_arm[..., 1, :] - n_v[..., None] * c) / sd  # sum over the variant of x~
-        a[..., 1, 2:] = a[..., 2:, 1] = xs_v
-        a[..., 2:, 2:] = cov_xx / (sd[..., :, None] * sd[..., None, :])
-        u = np.zeros((*batch, k_all))
-        u[..., 1] = sy_arm[..., 1] - n_v * ybar
-        u[..., 2:] = (sxy_tot - big_n[..., None] * c * ybar[..., None]) / sd
-        ok = np.isfinite(a).all(axis=(-1, -2)) & (n_arm > 0).all(axis=-1)
-        degenerate = constant.any(axis=-1)
-        safe = np.where((ok & ~degenerate)[..., None, None], a, np.eye(k_all))
-        degenerate |= ok & ~(np.linalg.cond(safe) < _MAX_CONDITION)
-        good = ok & ~degenerate
-        a_inv = np.linalg.inv(np.where(good[..., None, None], a, np.eye(k_all)))
-        beta = np.einsum("...kl,...l->...k", a_inv, np.where(good[..., None], u, 0.0))
-
-        # 2. Back to the covariates' units: y = b + tau T + theta' x + e.
-        tau = beta[..., 1]
-        theta = beta[..., 2:] / sd
-        b = ybar + beta[..., 0] - (theta * c).sum(axis=-1)
-
         # 3. psi_g = row . [e0, T e0, (sum x e - c e0) / sd] with row = tau's row of A^-1,
         #    e0 = sum_{j in g} e_j = s_g - n_g (b + tau T) - sum_x . theta, and
         #    sum x e = sum_xy - sum_x (b + tau T) - sum_xx theta (only its projection on q).
-        row = a_inv[..., 1, :]
-        q = row[..., 2:] / sd
         variance_cr0 = np.zeros(batch)
         variance0_cr0 = np.zeros(batch)
-        mean_arm = sy_arm / np.where(n_arm > 0, n_arm, np.nan)
         for t, arm in enumerate(arms):
             sx, sxx, sxy = sum_x[t], sum_xx[t], sum_xy[t]
-            intercept = (b + tau * t)[..., None]
-            e0 = arm.sum_y - arm.n * intercept - np.einsum("...gk,...k->...g", sx, theta)
+            w, intercept = _arm_weights(f, t)
+            intercept = intercept[..., None]
+            e0 = arm.sum_y - arm.n * intercept - np.einsum("...gk,...k->...g", sx, f.theta)
             xe_q = (
-                np.einsum("...gk,...k->...g", sxy, q)
-                - np.einsum("...gk,...k->...g", sx, q) * intercept
-                - np.einsum("...gkl,...k,...l->...g", sxx, q, theta)
+                np.einsum("...gk,...k->...g", sxy, f.q)
+                - np.einsum("...gk,...k->...g", sx, f.q) * intercept
+                - np.einsum("...gkl,...k,...l->...g", sxx, f.q, f.theta)
             )
-            w = row[..., 0] + row[..., 1] * t - (c * q).sum(axis=-1)
             psi = w[..., None] * e0 + xe_q
             variance_cr0 += (psi * psi).sum(axis=-1)
             # 4. Unadjusted.
-            psi0 = (arm.sum_y - arm.n * mean_arm[..., t, None]) / n_arm[..., t, None]
+            psi0 = (arm.sum_y - arm.n * f.mean_arm[..., t, None]) / totals.n[..., t, None]
             variance0_cr0 += (psi0 * psi0).sum(axis=-1)
-        enough = good & (g_arm >= 2).all(axis=-1) & (big_n > k_all)
-        variance = np.where(enough, g / (g - 1.0) * (big_n - 1.0) / (big_n - k_all) * variance_cr0, np.nan)
-        enough0 = ok & (g_arm >= 2).all(axis=-1) & (big_n > 2)
-        variance0 = np.where(enough0, g / (g - 1.0) * (big_n - 1.0) / (big_n - 2.0) * variance0_cr0, np.nan)
+    return _finish(totals, f, variance_cr0, variance0_cr0)
 
-        # Classic OLS variances (requests independent, one variance), beside the clustered ones.
-        var_iid = np.full(batch, np.nan)
-        var_iid0 = np.full(batch, np.nan)
-        if control.sum_yy is not None and variant.sum_yy is not None:
-            syy_c = control.sum_yy.sum(axis=-1) + variant.sum_yy.sum(axis=-1) - big_n * ybar * ybar
-            rss = np.maximum(syy_c - (beta * u).sum(axis=-1), 0.0)
-            var_iid = np.where(enough, rss / (big_n - k_all) * a_inv[..., 1, 1], np.nan)
-            between = ((sy_arm - n_arm * ybar[..., None]) ** 2 / n_arm).sum(axis=-1)
-            rss0 = np.maximum(syy_c - between, 0.0)
-            var_iid0 = np.where(enough0, rss0 / (big_n - 2.0) * (1.0 / n_arm).sum(axis=-1), np.nan)
 
-        # Adjusted means at the pooled covariate mean: ybar_arm - xbar~_arm . theta~.
-        xs_arm = np.stack([-xs_v / n_arm[..., 0, None], xs_v / n_arm[..., 1, None]], axis=-2)
-        adj_means = mean_arm - np.einsum("...ak,...k->...a", xs_arm, beta[..., 2:])
-        bad = ~good
-    return AdjustedMoments(
-        estimate=np.where(bad, np.nan, tau),
-        variance=variance,
-        unadjusted=mean_arm[..., 1] - mean_arm[..., 0],
-        variance_unadjusted=variance0,
-        variance_iid=var_iid,
-        variance_iid_unadjusted=var_iid0,
-        theta=np.where(bad[..., None], np.nan, theta),
-        adjusted_means=np.where(bad[..., None], np.nan, adj_means),
-        n=n_arm,
-        clusters=g_arm,
-        sum_n_sq=nsq_arm,
-        degenerate=degenerate,
+def adjusted_moments_from_sums(control: ArmMoments, variant: ArmMoments) -> AdjustedMoments:
+    """adjusted_moments of one experiment from each arm's per-user sums reduced over users
+    (stats.clustered.ArmMoments): the same fit from the same totals, and each arm's
+    sum_g psi_g^2 as the quadratic form a' (sum_g v_g v_g') a, psi_g = a . v_g being linear in
+    the per-user vector v_g = [n, y, x, xy, xx] (stats.clustered.moment_layout):
+
+        psi_g = w (s_g - n_g i - x_g . theta) + xy_g . q - (x_g . q) i - sum_kl xx_g,kl q_k theta_l
+
+    with i the arm's intercept and w, q as in step 3 of adjusted_moments."""
+    if not (isinstance(control, ArmMoments) and isinstance(variant, ArmMoments)):
+        raise TypeError("adjusted_moments_from_sums: control and variant must be ArmMoments")
+    if control.covariates != variant.covariates:
+        raise ValueError(
+            f"adjusted_moments_from_sums: the arms' covariates differ (control {control.covariates}, "
+            f"variant {variant.covariates})"
+        )
+    p = control.p
+    layout = moment_layout(p)
+    pairs = [(part[1], part[2]) for part in layout if part[0] == "xx"]
+
+    def xx_of(arm: ArmMoments) -> np.ndarray:
+        out = np.zeros((p, p))
+        for i, (k, m) in enumerate(pairs):
+            out[k, m] = out[m, k] = arm.total[2 + 2 * p + i]
+        return out
+
+    arms = (control, variant)
+    syy = None
+    if control.sum_yy is not None and variant.sum_yy is not None:
+        syy = np.float64(control.sum_yy + variant.sum_yy)
+    totals = _Totals(
+        n=np.array([a.total[0] for a in arms]),
+        clusters=np.array([float(a.clusters) for a in arms]),
+        sum_n_sq=np.array([a.cross[0, 0] for a in arms]),
+        sum_y=np.array([a.total[1] for a in arms]),
+        sum_x=np.stack([a.total[2 : 2 + p] for a in arms]),
+        sum_xx=xx_of(control) + xx_of(variant),
+        sum_xy=control.total[2 + p : 2 + 2 * p] + variant.total[2 + p : 2 + 2 * p],
+        sum_yy=syy,
     )
+    f = _fit(totals)
+    variance_cr0 = variance0_cr0 = 0.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for t, arm in enumerate(arms):
+            w, intercept = _arm_weights(f, t)
+            a = np.zeros(len(layout))
+            a[0], a[1] = -w * intercept, w
+            a[2 : 2 + p] = -w * f.theta - f.q * intercept
+            a[2 + p : 2 + 2 * p] = f.q
+            for i, (k, m) in enumerate(pairs):
+                a[2 + 2 * p + i] = (
+                    -f.q[k] * f.theta[k] if k == m else -(f.q[k] * f.theta[m] + f.q[m] * f.theta[k])
+                )
+            variance_cr0 += max(float(a @ arm.cross @ a), 0.0)
+            # Unadjusted: psi0_g = (s_g - n_g ybar_arm) / N_arm.
+            a0 = np.zeros(len(layout))
+            a0[0], a0[1] = -f.mean_arm[t] / totals.n[t], 1.0 / totals.n[t]
+            variance0_cr0 += max(float(a0 @ arm.cross @ a0), 0.0)
+    return _finish(totals, f, np.float64(variance_cr0), np.float64(variance0_cr0))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -383,30 +522,41 @@ class AdjustedDifference(AsDict):
     method: str
 
 
-def adjusted_difference(control: ArmData, variant: ArmData, conf: float = DEFAULT_CONF) -> AdjustedDifference:
+def adjusted_difference(
+    control: ArmData | ArmMoments, variant: ArmData | ArmMoments, conf: float = DEFAULT_CONF
+) -> AdjustedDifference:
     """Variant - control, adjusted on the pre-request covariates, users as the independent unit.
 
     ``ArmData.from_samples(y, x, user_ids)`` or ``ArmData(n=..., sum_y=..., sum_x=...,
-    sum_xx=..., sum_xy=..., sum_yy=...)`` from per-user sums; both arms need the same
-    covariates in the same order. Without covariates this is the user-clustered difference of
-    means (with the pooled CR1 correction, see the module docstring).
+    sum_xx=..., sum_xy=..., sum_yy=...)`` from per-user sums, or both arms' sums reduced over
+    users (stats.clustered.ArmMoments, what a store returns when the users are too many to read
+    one by one: the same numbers); both arms need the same covariates in the same order.
+    Without covariates this is the user-clustered difference of means (with the pooled CR1
+    correction, see the module docstring).
     """
     where = "adjusted_difference"
     check_conf(conf, where)
     for label, arm in (("control", control), ("variant", variant)):
+        if isinstance(arm, ArmMoments):
+            continue  # one arm with at least one request by construction
         if not isinstance(arm, ArmData):
-            raise TypeError(f"{where}: {label} must be ArmData, got {type(arm).__name__}")
+            raise TypeError(f"{where}: {label} must be ArmData or ArmMoments, got {type(arm).__name__}")
         if arm.n.ndim != 1:
             raise ValueError(
                 f"{where}: {label} must hold one experiment (clusters on one axis), got {arm.n.shape}"
             )
         if arm.n.sum() == 0:
             raise ValueError(f"{where}: {label} has no requests")
+    if type(control) is not type(variant):
+        raise TypeError(f"{where}: control and variant must be both ArmData or both ArmMoments")
     if control.covariates != variant.covariates:
         raise ValueError(
             f"{where}: the arms' covariates differ (control {control.covariates}, variant {variant.covariates})"
         )
-    fit = adjusted_moments(control, variant)
+    if isinstance(control, ArmMoments) and isinstance(variant, ArmMoments):
+        fit = adjusted_moments_from_sums(control, variant)
+    else:
+        fit = adjusted_moments(control, variant)  # type: ignore[arg-type]
     if bool(fit.degenerate):
         raise ValueError(
             f"{where}: the covariates {control.covariates} are constant or collinear over these "

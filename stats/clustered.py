@@ -25,7 +25,10 @@ Inputs are what ``GROUP BY user_id`` returns: per user count(), sum(metric) and,
 unclustered standard error shown beside the clustered one, sum(metric * metric) (a 0/1 metric,
 ``binary=True``, needs none: its square is itself). Requests without a user (served by a rule before any user
 was known) are passed as clusters of their own, n_g = 1: they are independent of each other by
-construction, so they count as users of one request each.
+construction, so they count as users of one request each. When the users are too many to bring
+to Python one by one (the SLA report over millions of users), ``ArmMoments`` holds their sums
+reduced over users (sum_g v_g and sum_g v_g v_g' of the per-user vector): every function here and
+in stats.adjusted takes it in place of the per-user arrays and gives the same numbers.
 
 The interval of one arm's mean is normal (m +- z se) for a latency; for a 0/1 metric it is the
 Wilson interval at the effective sample size m (1 - m) / se^2, which stays in [0, 1] and covers
@@ -215,6 +218,183 @@ class ClusterSums:
     def moments(self) -> RatioMoments:
         return ratio_moments(self.n, self.sums, self.sums_sq)
 
+    def arm_moments(self) -> ArmMoments:
+        """These clusters reduced over users (one arm, no covariates): ArmMoments."""
+        if self.n.ndim != 1:
+            raise ValueError(f"ClusterSums.arm_moments: one arm's clusters, got shape {self.n.shape}")
+        return ArmMoments.from_clusters(self.n, self.sums, sum_yy=self.sums_sq, binary=self.binary)
+
+
+def moment_layout(p: int) -> tuple[tuple[Any, ...], ...]:
+    """The per-user vector v_g that ``ArmMoments`` reduces, for p covariates, component by
+    component: ("n",), ("y",), ("x", k) for each covariate k, ("xy", k), then ("xx", k, l) for
+    k <= l, row by row: the sums over one user's requests of 1, the metric y, x_k, x_k * y and
+    x_k * x_l."""
+    out: list[tuple[Any, ...]] = [("n",), ("y",)]
+    out += [("x", k) for k in range(p)]
+    out += [("xy", k) for k in range(p)]
+    out += [("xx", k, m) for k in range(p) for m in range(k, p)]
+    return tuple(out)
+
+
+def _layout_size(p: int) -> int:
+    return 2 + 2 * p + p * (p + 1) // 2
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class ArmMoments:
+    """One arm's per-user sums reduced over its users: the first and second moments of the
+    per-user vector v_g (``moment_layout``) over the users g, with how many users there are and
+    the largest one's request count.
+
+    Why: every statistic of this module and of stats.adjusted depends on the users only through
+    sums over users of v_g and of products of its components. The clustered variance of a ratio
+    mean is G/(G-1) * sum_g (s_g - m n_g)^2 / N^2, a quadratic form in (n_g, s_g); the
+    regression adjustment's sandwich is c * sum_g psi_g^2 with psi_g linear in v_g, so
+    sum_g psi_g^2 = a' (sum_g v_g v_g') a. A store holding millions of users (a user per request
+    in the worst case) returns these few numbers per arm instead of a row per user: ``GROUP BY
+    user`` inside, ``sum(v_i * v_j)`` outside. ``ClusterSums.arm_moments`` and
+    ``ArmData.arm_moments`` build them from per-user arrays; every function that takes those
+    takes this too and gives the same numbers up to rounding.
+
+    ``total`` = sum_g v_g (k,), ``cross`` = sum_g v_g v_g' (k, k), symmetric; ``clusters``: users
+    with n_g > 0; ``largest``: max n_g; ``sum_yy``: sum of y^2 over the requests (the unclustered
+    standard error; a 0/1 metric's is its sum); ``binary``: y is 0/1 (its mean gets the Wilson
+    interval at the effective sample size, as ClusterSums(binary=True)).
+    """
+
+    total: np.ndarray
+    cross: np.ndarray
+    clusters: int
+    largest: int
+    sum_yy: float | None = None
+    covariates: tuple[str, ...] = ()
+    binary: bool = False
+
+    def __post_init__(self) -> None:
+        where = "ArmMoments"
+        names = tuple(str(c) for c in self.covariates)
+        k = _layout_size(len(names))
+        total = check_sums(self.total, (k,), where, "total")
+        cross = check_sums(self.cross, (k, k), where, "cross")
+        if not np.allclose(cross, cross.T, rtol=1e-12, atol=0.0):
+            raise ValueError(f"{where}: cross must be symmetric (sum over users of v_i * v_j)")
+        for name in ("clusters", "largest"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+                raise ValueError(f"{where}: {name} must be a whole number >= 1, got {value!r}")
+        big_n = total[0]
+        if big_n != math.floor(big_n) or not self.clusters <= big_n <= self.clusters * self.largest:
+            raise ValueError(
+                f"{where}: {big_n:g} requests cannot come from {self.clusters} users of at most "
+                f"{self.largest} requests each"
+            )
+        if self.largest > big_n:
+            raise ValueError(f"{where}: the largest user ({self.largest}) exceeds the requests ({big_n:g})")
+        sum_yy = self.sum_yy
+        if self.binary:
+            if not 0 <= total[1] <= big_n:
+                raise ValueError(f"{where}: a 0/1 metric needs 0 <= sum <= n, got {total[1]:g} of {big_n:g}")
+            if sum_yy is not None and not math.isclose(float(sum_yy), float(total[1]), rel_tol=1e-12):
+                raise ValueError(f"{where}: a 0/1 metric's sum_yy must equal its sum (or be omitted)")
+            sum_yy = float(total[1])
+        elif sum_yy is not None:
+            sum_yy = float(sum_yy)
+            if not math.isfinite(sum_yy) or sum_yy < 0:
+                raise ValueError(f"{where}: sum_yy must be a finite number >= 0, got {sum_yy!r}")
+        object.__setattr__(self, "total", total)
+        object.__setattr__(self, "cross", (cross + cross.T) / 2.0)
+        object.__setattr__(self, "clusters", int(self.clusters))
+        object.__setattr__(self, "largest", int(self.largest))
+        object.__setattr__(self, "sum_yy", sum_yy)
+        object.__setattr__(self, "covariates", names)
+
+    @property
+    def p(self) -> int:
+        return len(self.covariates)
+
+    @property
+    def n(self) -> int:
+        """Requests (sum of n_g)."""
+        return int(self.total[0])
+
+    @classmethod
+    def from_clusters(
+        cls,
+        n: np.ndarray | Sequence[int],
+        sum_y: np.ndarray | Sequence[float],
+        sum_x: np.ndarray | None = None,
+        sum_xx: np.ndarray | None = None,
+        sum_xy: np.ndarray | None = None,
+        sum_yy: np.ndarray | Sequence[float] | None = None,
+        covariates: Sequence[str] | None = None,
+        binary: bool = False,
+    ) -> ArmMoments:
+        """From per-user arrays of one arm: n (G,), sum_y (G,), sum_x (G, p), sum_xx (G, p, p),
+        sum_xy (G, p), sum_yy (G,) as in stats.adjusted.ArmData; users with n = 0 count for
+        nothing."""
+        counts = check_cluster_counts(n, "ArmMoments.from_clusters")
+        if counts.ndim != 1 or not counts.sum():
+            raise ValueError("ArmMoments.from_clusters: one arm's users (one axis) with at least one request")
+        g = counts.size
+        sx = np.zeros((g, 0)) if sum_x is None else np.asarray(sum_x, dtype=float).reshape(g, -1)
+        p = sx.shape[1]
+        sxx = np.zeros((g, 0, 0)) if sum_xx is None else np.asarray(sum_xx, dtype=float).reshape(g, p, p)
+        sxy = np.zeros((g, 0)) if sum_xy is None else np.asarray(sum_xy, dtype=float).reshape(g, p)
+        columns = [counts.astype(float), np.asarray(sum_y, dtype=float)]
+        columns += [sx[:, k] for k in range(p)] + [sxy[:, k] for k in range(p)]
+        columns += [sxx[:, k, m] for k in range(p) for m in range(k, p)]
+        v = np.stack(columns, axis=1)
+        names = tuple(covariates) if covariates is not None else tuple(f"x{k + 1}" for k in range(p))
+        return cls(
+            total=v.sum(axis=0),
+            cross=v.T @ v,
+            clusters=int((counts > 0).sum()),
+            largest=int(counts.max()),
+            sum_yy=None if sum_yy is None else float(np.sum(sum_yy)),
+            covariates=names,
+            binary=binary,
+        )
+
+    def select(self, covariates: Sequence[str]) -> ArmMoments:
+        """The same users with only these covariates (in this order): the matching rows and
+        columns of the moments. A covariate this arm does not hold is a ValueError."""
+        missing = [c for c in covariates if c not in self.covariates]
+        if missing:
+            raise ValueError(f"ArmMoments.select: {missing} not among the covariates {self.covariates}")
+        where = {c: i for i, c in enumerate(self.covariates)}
+        index = {part: i for i, part in enumerate(moment_layout(self.p))}
+        keep = [where[c] for c in covariates]
+        picked = []
+        for part in moment_layout(len(keep)):
+            if part[0] == "xx":
+                k, m = sorted((keep[part[1]], keep[part[2]]))
+                picked.append(index[("xx", k, m)])
+            elif len(part) == 2:
+                picked.append(index[(part[0], keep[part[1]])])
+            else:
+                picked.append(index[part])
+        ix = np.asarray(picked)
+        return ArmMoments(
+            self.total[ix], self.cross[np.ix_(ix, ix)], self.clusters, self.largest, self.sum_yy,
+            tuple(covariates), self.binary,
+        )  # fmt: skip
+
+    def moments(self) -> RatioMoments:
+        """The ratio mean's moments (as ratio_moments gives them from per-user arrays):
+        sum_g (s_g - m n_g)^2 = S_yy - 2 m S_ny + m^2 S_nn from the cross moments."""
+        big_n, s = float(self.total[0]), float(self.total[1])
+        m = s / big_n
+        c = self.cross
+        e2 = max(float(c[1, 1] - 2.0 * m * c[0, 1] + m * m * c[0, 0]), 0.0)
+        g = float(self.clusters)
+        var = g / (g - 1.0) * e2 / (big_n * big_n) if g >= 2 else math.nan
+        var_iid = math.nan
+        if self.sum_yy is not None and big_n >= 2:
+            var_iid = max(self.sum_yy - big_n * m * m, 0.0) / (big_n - 1.0) / big_n
+        f = np.float64
+        return RatioMoments(f(m), f(var), f(var_iid), f(big_n), f(g), f(c[0, 0]))
+
 
 class RatioMoments(NamedTuple):
     """Vectorized ratio mean over the last (cluster) axis; NaN where undefined."""
@@ -286,9 +466,11 @@ def _arm_note(clusters: int, effective: float, share: float, label: str = "") ->
     return None
 
 
-def _check_1d(arm: ClusterSums, where: str) -> None:
+def _check_1d(arm: ClusterSums | ArmMoments, where: str) -> None:
+    if isinstance(arm, ArmMoments):
+        return  # one arm with at least one request by construction
     if not isinstance(arm, ClusterSums):
-        raise TypeError(f"{where}: expected ClusterSums, got {type(arm).__name__}")
+        raise TypeError(f"{where}: expected ClusterSums or ArmMoments, got {type(arm).__name__}")
     if arm.n.ndim != 1:
         raise ValueError(f"{where}: one arm's clusters must be one-dimensional, got shape {arm.n.shape}")
     if arm.n.sum() == 0:
@@ -321,7 +503,7 @@ def mean_bounds(
     return lo, hi
 
 
-def clustered_mean(arm: ClusterSums, conf: float = DEFAULT_CONF) -> ClusteredMean:
+def clustered_mean(arm: ClusterSums | ArmMoments, conf: float = DEFAULT_CONF) -> ClusteredMean:
     """Mean per request of one arm with a user-clustered interval (attainment, error rate, latency).
 
     The interval is normal for a latency and Wilson at the effective sample size for a 0/1
@@ -333,7 +515,7 @@ def clustered_mean(arm: ClusterSums, conf: float = DEFAULT_CONF) -> ClusteredMea
     m, var, var_iid = float(mo.estimate), float(mo.variance), float(mo.variance_iid)
     big_n, g = int(mo.n), int(mo.clusters)
     effective = float(mo.n) ** 2 / float(mo.sum_n_sq)
-    share = float(arm.n.max()) / big_n
+    share = float(arm.largest if isinstance(arm, ArmMoments) else arm.n.max()) / big_n
     se = math.sqrt(var) if math.isfinite(var) else None
     lo = hi = None
     if se is not None:
@@ -378,7 +560,9 @@ class DifferenceMoments(NamedTuple):
     variance_iid: np.ndarray
 
 
-def clustered_difference_moments(control: ClusterSums, variant: ClusterSums) -> DifferenceMoments:
+def clustered_difference_moments(
+    control: ClusterSums | ArmMoments, variant: ClusterSums | ArmMoments
+) -> DifferenceMoments:
     """Variant - control and its variances for many experiments at once (simulations)."""
     c, v = control.moments(), variant.moments()
     return DifferenceMoments(
@@ -396,7 +580,7 @@ def normal_p_value(estimate: float, se: float | None) -> float | None:
 
 
 def clustered_difference(
-    control: ClusterSums, variant: ClusterSums, conf: float = DEFAULT_CONF
+    control: ClusterSums | ArmMoments, variant: ClusterSums | ArmMoments, conf: float = DEFAULT_CONF
 ) -> ClusteredDifference:
     """Variant - control mean per request, with users (not requests) as the independent unit.
 

@@ -19,6 +19,8 @@ Result shapes (what the report reads):
 - mirror pairs: {"cells": {both_hit, control_only, variant_only, both_miss}, "diff_values",
   "diff_counts"};
 - failures: {variant: {outcome: {"n", "http_status", "example"}}} of the requests not 'ok';
+- unit moments: {variant: analysis.units.UnitMoments}, the per-user (or per-request) moments of
+  the clustered and adjusted statistics;
 - data version: ((run_id, rows, sum(recorded_ms), max(recorded_ms)), ...) in run order.
 """
 
@@ -33,6 +35,7 @@ from typing import Any, Protocol
 from analysis.definitions import GAP_REQUESTS, METRICS, MODES, PHASE_COLUMNS, PHASES, Filters, Slo
 from analysis.phases import phases_from_sums
 from analysis.sql import Hist
+from analysis.units import UnitMoments
 
 Summary = dict[str, dict[str, Any]]
 DataVersion = tuple[tuple[int, int, int, int], ...]
@@ -71,6 +74,11 @@ class SampleReader(Protocol):
     def mirror_pairs(self, f: Filters, slo: Slo, control: str, variant: str) -> dict[str, Any]: ...
 
     def failures(self, f: Filters) -> dict[str, dict[str, dict[str, Any]]]: ...
+
+    def unit_moments(self, f: Filters, slo: Slo, unit: str) -> dict[str, UnitMoments]:
+        """{variant: moments} with users (unit "user") or requests (unit "request") as the
+        independent unit (analysis.units)."""
+        ...
 
     def data_version(self, experiment: str) -> DataVersion: ...
 

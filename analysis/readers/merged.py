@@ -19,11 +19,13 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from analysis import units
 from analysis.definitions import GAP_REQUESTS, METRICS, Filters, Slo, build_spec
 from analysis.readers.base import DataVersion, SampleReader, Summary, run_queries, with_phases
 from analysis.readers.raw import RawReader
 from analysis.readers.rollup import RollupReader
 from analysis.sql import Hist, where
+from analysis.units import UnitMoments
 from samples import schema
 
 
@@ -188,6 +190,22 @@ class MergedReader:
 
     def p99_over_time(self, f: Filters, bucket_s: int) -> dict[str, list[tuple[int, int, float]]]:
         return self.rollup.p99_over_time(f, bucket_s, self._live(f))
+
+    def unit_moments(self, f: Filters, slo: Slo, unit: str) -> dict[str, UnitMoments]:
+        """Per request: the rollups' moments and the live runs', added up. Per user: the one
+        build's when the scope is one finished run, else from the samples (a user may appear in
+        several runs, as for srm_users)."""
+        live = self._live(f)
+        if unit == "user":
+            got = None if live is not None else self.rollup.unit_moments(f, unit)
+            return self.raw.unit_moments(f, slo, unit) if got is None else got
+        jobs = {"rollup": lambda: self.rollup.unit_moments(f, unit)}
+        if live is not None:
+            jobs["raw"] = lambda: self.raw.unit_moments(live, slo, unit)
+        got_parts = run_queries(self.parallel_queries, jobs)
+        if got_parts["rollup"] is None:  # not in this code's layout: all from the samples
+            return self.raw.unit_moments(f, slo, unit)
+        return units.merge(got_parts["rollup"], got_parts.get("raw", {}))
 
     def mirror_pairs(self, f: Filters, slo: Slo, control: str, variant: str) -> dict[str, Any]:
         """From the samples: pairs are per request, a rollup keeps none."""

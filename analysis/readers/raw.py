@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from analysis import units
 from analysis.definitions import (
     GAP_METRICS,
     GAP_REQUESTS,
@@ -62,6 +63,7 @@ from analysis.sql import (
     rounded_sql,
     values_at_ranks,
 )
+from analysis.units import UnitMoments
 
 # Metrics whose order statistics the raw reader locates through a histogram (the others ask
 # quantilesExact: a histogram per metric would cost a pass each): TTFT, whose histogram the
@@ -279,6 +281,13 @@ class RawReader:
                 "example": str(example)[:FAILURE_EXAMPLE_CHARS],
             }
         return out
+
+    def unit_moments(self, f: Filters, slo: Slo, unit: str) -> dict[str, UnitMoments]:
+        """{variant: moments} per user or per request (analysis.units.moments_select): one
+        pass, a GROUP BY per cluster inside it for unit "user"; a few hundred sums per variant
+        travel."""
+        sql, params = units.moments_select(f, slo, unit)
+        return units.rows_to_moments(self.store.query(sql, params))
 
     # 4. p99 TTFT per time bucket (chart)
 

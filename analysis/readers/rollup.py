@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from analysis import units
 from analysis.definitions import (
     GAP_METRICS,
     GAP_REQUESTS,
@@ -37,6 +38,7 @@ from analysis.sql import (
     values_at_ranks,
     where,
 )
+from analysis.units import UnitMoments
 from samples import schema
 
 
@@ -170,6 +172,22 @@ class RollupReader:
             params,
         )
         return [{"rev": int(r), "variant": v, "n": int(n)} for r, v, n in rows]
+
+    def unit_moments(self, f: Filters, unit: str) -> dict[str, UnitMoments] | None:
+        """RawReader.unit_moments from the rollup; None for unit "user" when the scope holds
+        several runs (a user may appear in more than one, so per-run moments do not add up;
+        per-request ones do), and None when a build's rows are not in this code's layout."""
+        if unit == "user" and len(self.builds) != 1:
+            return None
+        cond, params = where(f, ["unit = %(unit)s"], builds=self.builds, experiment=False)
+        rows = self.store.query(
+            f"SELECT variant, counts, sums FROM {schema.ROLLUP_MOMENTS_TABLE} WHERE {cond}",
+            {**params, "unit": unit},
+        )
+        try:
+            return units.rows_to_moments(rows)
+        except ValueError:  # another layout than this code's (a build of other code): read raw
+            return None
 
     def p99_over_time(
         self, f: Filters, bucket_s: int, live: Filters | None = None

@@ -69,6 +69,18 @@ class RolloutSerializer(serializers.Serializer):
     alpha = serializers.FloatField(required=False, help_text="error budget of the whole rollout (0.05)")
 
 
+class AnalysisSerializer(serializers.Serializer):
+    """How the SLA report analyses the experiment (README "Analysis")."""
+
+    cluster_by_user = serializers.BooleanField(
+        default=True, help_text="users as the independent unit (the unit the router assigns), not requests"
+    )
+    adjust = serializers.BooleanField(
+        default=True,
+        help_text="differences of means and shares adjusted on prompt_tokens and max_tokens (not p99)",
+    )
+
+
 class ExperimentDocumentSerializer(serializers.Serializer):
     """The experiment document (see README). Errors are keyed by field path."""
 
@@ -82,6 +94,7 @@ class ExperimentDocumentSerializer(serializers.Serializer):
     sla = SlaSerializer()
     variants = VariantDocumentSerializer(many=True)
     rollout = RolloutSerializer(required=False, allow_null=True)
+    analysis = AnalysisSerializer(required=False, help_text="default: both true")
 
     def to_internal_value(self, data):
         try:

@@ -177,3 +177,62 @@ def test_the_page_labels_itl_as_every_gap_and_says_what_its_ci_assumes(client, u
     assert "independent draws, which they are not within one request" in note
     for v in report["variants"]:
         assert f"<b>{v['key']}</b> {v['itl']['gaps']} gaps from {v['itl']['requests']} requests" in note
+
+
+def test_the_page_shows_per_user_and_adjusted_differences_beside_the_unadjusted(
+    client, users, experiment, samples_db
+):
+    from dashboards.tables import interval_text, percent_text
+
+    _login(client, users, "analyst")
+    report = client.get("/api/experiments/ttft-opt/report").json()
+    html = client.get("/dashboards/ttft-opt/").content.decode()
+    assert "Per user: the unit of randomization" in html and "are not adjusted" in html
+    means = html[html.index('id="per-user-means"') :].split("</table>", 1)[0]
+    diffs = html[html.index('id="adjusted-differences"') :].split("</table>", 1)[0]
+    for e in report["variants"]:
+        row = means[means.index(f"<td>{e['key']}</td>") :].split("</tr>", 1)[0]
+        assert interval_text(e["clustered"]["attainment"], ".4f") in row
+        assert interval_text(e["clustered"]["mean_ttft_ms"], ".1f") in row
+        if e["vs_control"]:
+            plain = e["vs_control"]["clustered"]["mean_ttft_difference"]
+            adj = e["vs_control"]["adjusted"]["mean_ttft_difference"]
+            row = [r for r in diffs.split("</tr>") if f"<td>{e['key']}</td>" in r and "mean TTFT ms" in r][0]
+            assert interval_text(plain, "+.1f") in row and interval_text(adj, "+.1f") in row
+            assert f"<td>{percent_text(adj['adjusted']['variance_reduction'])}</td>" in row
+            assert "prompt_tokens" in row  # max_tokens is constant in these samples: left out, named
+            assert adj["adjusted"]["not_used"] == {"max_tokens": "constant over these requests (256)"}
+
+
+def test_sla_report_prints_unadjusted_and_adjusted_side_by_side_and_the_switch_off(
+    experiment, samples_db, tmp_path
+):
+    from dashboards import tables
+    from experiments.models import Experiment
+
+    out = io.StringIO()
+    call_command("sla_report", "ttft-opt", "--csv", str(tmp_path), stdout=out)
+    text = out.getvalue()
+    assert "Per user, the unit of randomization (clustered: users are the independent unit" in text
+    assert "unadjusted [95% CI]" in text and "adjusted [95% CI]" in text and "(on prompt_tokens)" in text
+    assert "p99 TTFT and the other percentiles are not adjusted" in text
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "clustered.csv").read_text())))
+    quantities = {r["quantity"] for r in rows}
+    assert {
+        "attainment",
+        "mean_ttft_ms",
+        "mean_ttft_difference",
+        "mean_ttft_difference_adjusted",
+    } <= quantities
+    adjusted = [r for r in rows if r["quantity"].endswith("_adjusted")]
+    assert adjusted and all(r["adjusted_on"] == "prompt_tokens" and r["variance_reduction"] for r in adjusted)
+    assert {r["inference"] for r in rows} == {"user-clustered"}
+
+    Experiment.objects.filter(key="ttft-opt").update(analysis_cluster_by_user=False, analysis_adjust=False)
+    out = io.StringIO()
+    call_command("sla_report", "ttft-opt", "--csv", str(tmp_path), stdout=out)
+    text = out.getvalue()
+    assert "off for this experiment (analysis: cluster_by_user false, adjust false)" in text
+    assert "adjusted [95% CI]" not in text
+    header = ",".join(tables.COLUMNS["clustered"])
+    assert (tmp_path / "clustered.csv").read_text().splitlines() == [header]  # the header alone

@@ -125,7 +125,7 @@ def test_a_database_of_older_code_gets_the_gaps_and_its_rows_read_as_none(
 ):
     store = make_store(kind)
     _migrated_before_gaps(store, monkeypatch)
-    assert store.migrate() == [5]
+    assert store.migrate() == [m.version for m in schema.MIGRATIONS[4:]]  # 5 and every later one
     assert store.query("SELECT itl_gaps_us, length(itl_gaps_us) FROM samples") == [([], 0)]
     assert store.insert_samples(make_rows(2)) == 2
     got = store.query("SELECT seq, itl_gaps_us FROM samples WHERE run_id = 7 ORDER BY seq")
@@ -139,7 +139,7 @@ def test_migration_5_interrupted_after_its_first_alter_runs_again(make_store, mo
     store = make_store(kind)
     _migrated_before_gaps(store, monkeypatch)
     store.execute(schema.ADD_ITL_GAPS)  # ... and then the process died, before the record
-    assert store.migrate() == [5]
+    assert store.migrate() == [m.version for m in schema.MIGRATIONS[4:]]  # 5 and every later one
     cols = dict(store.query(f"SELECT name, type FROM system.columns WHERE database = '{store.database}' "
                             "AND table = 'rollup_cells'"))  # fmt: skip
     assert cols["n_itl_requests"] == cols["n_itl_unrecorded"] == "UInt64"
@@ -161,3 +161,9 @@ def test_a_recorded_column_that_is_gone_is_added_again_and_one_of_another_type_i
     msg = str(err.value)
     assert f"table {store.database}.samples" in msg and "migration 5 ('inter-token gaps')" in msg
     assert "itl_gaps_us: Array(UInt32) expected, Array(Float32) found" in msg
+
+
+def test_migration_6_adds_the_per_unit_moments_table():
+    m6 = schema.MIGRATIONS[5]
+    assert list(schema.declared_tables(m6)) == [schema.ROLLUP_MOMENTS_TABLE]
+    assert schema.ROLLUP_MOMENTS_TABLE in schema.ROLLUP_BUILD_TABLES  # deleted with its build

@@ -14,7 +14,9 @@ in docs/report-json.md (the same JSON as GET /api/experiments/KEY/report):
                    "attainment": {"estimate", "lo", "hi", "conf"}, "goodput_rps",
                    "verdict": {...}, "percentiles": {metric: [{"q", "label", "n", "value",
                    "lo", "hi", "coverage", "note"}]}, "itl": {"gaps", "requests",
-                   "requests_without_gaps", "unrecorded", "note"}, "vs_control": {...} | null}],
+                   "requests_without_gaps", "unrecorded", "note"}, "clustered": {...} | null,
+                   "vs_control": {..., "clustered": {...} | null, "adjusted": {...} | null} | null}],
+     "inference": {"unit", "cluster_by_user", "adjust", "covariates", "note", ...},
      "attribution": {...}, "phases": {...}, "segments": {...}, "mix_rate": {...},
      "timeseries": {...}, "cdf": {...}, "timing": {"query_s"}}
 
@@ -129,6 +131,39 @@ def anytime_lines(report) -> list[str]:
     return lines
 
 
+def unit_lines(report) -> list[str]:
+    """The statistics at the unit of randomization: per-user intervals, and the unadjusted and
+    covariate-adjusted differences side by side with the variance reduction (or that the
+    experiment turned them off)."""
+    summary = tables.unit_summary(report)
+    info = summary["info"]
+    if not info:
+        return []
+    lines = ["", f"Per user, the unit of randomization ({info['note']}):"]
+    if not info["cluster_by_user"] and not info["adjust"]:
+        return lines
+    for r in summary["variants"]:
+        effect = "-" if r["design_effect"] is None else f"{r['design_effect']:.2f}"
+        lines.append(
+            f"  {r['variant']:<12}attainment {r['attainment']}  error rate {r['error_rate']}  "
+            f"mean TTFT ms {r['mean_ttft_ms']}  users {r['users']} ({r['effective_users']:.0f} effective), "
+            f"design effect {effect}"
+        )
+        lines += [f"  {'':<12}{note}" for note in r["notes"]]
+    if summary["comparisons"]:
+        lines.append(
+            f"  {'vs control':<12}{'':<14}{'unadjusted [95% CI]':<30}{'adjusted [95% CI]':<30}variance reduction"
+        )
+        for c in summary["comparisons"]:
+            used = f" (on {c['covariates']})" if c["adjusted"] != "-" else ""
+            lines.append(
+                f"  {c['variant']:<12}{c['quantity']:<14}{c['unadjusted']:<30}{c['adjusted']:<30}"
+                f"{c['variance_reduction']}{used}"
+            )
+        lines.append(f"  {info['not_adjusted']}")
+    return lines
+
+
 def itl_lines(report) -> list[str]:
     """What the pooled ITL holds per variant: gaps, requests, and the successful requests without
     gaps (one token, or recorded before the samples kept gaps: a count, never a crash)."""
@@ -199,6 +234,7 @@ def render_text(report) -> str:
                 for x in ests
             )
             lines.append(f"  {e['key']:<12}{METRIC_LABELS.get(metric, metric):<16}{cells}")
+    lines += unit_lines(report)
     lines += itl_lines(report)
     lines += anytime_lines(report)
     for metric in ("attainment", "p99_ttft_ms"):
