@@ -43,7 +43,7 @@ from experiments.assignment import (  # noqa: E402
 from experiments.weights.document import build_document  # noqa: E402
 
 ETCD_SH = ROOT / "scripts" / "etcd.sh"
-MOVED_SLACK = 0.003  # the bucket table moves at most TV + 0.3 pt of users (the issue's target)
+MOVED_SLACK = 0.003  # the bucket table moves at most TV + 0.3 pt of users (the target)
 
 
 def require_etcd(endpoints: list[tuple[str, int]]) -> None:
@@ -518,7 +518,7 @@ def run(argv: list[str] | None = None) -> int:
     for section in sections:
         print()
         print("\n".join(section))
-    # the acceptance targets of the issue, stated next to the numbers
+    # the acceptance targets, stated next to the numbers
     print()
     print("Targets: assignment p99 < 5 us; hot reload p99 < 50 ms; moved <= TV + 0.3 pt.")
     return 0

@@ -24,7 +24,7 @@ from django.urls import re_path  # noqa: E402
 from experiments.api import weights as weights_views  # noqa: E402
 
 urlpatterns += [
-    # The issue names these without a trailing slash; accept both.
+    # Clients write these with or without a trailing slash; accept both.
     re_path(
         r"^experiments/(?P<key>[-\w]+)/assign/?$",
         weights_views.AssignView.as_view(),

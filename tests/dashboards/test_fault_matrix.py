@@ -6,7 +6,7 @@ page, every CSV export, the report API, ``sla_report`` text and ``--json``). The
 on synthetic rows shaped like what the replay records for each fault (samples.synthetic, then the
 faulty arm's columns replaced): one experiment per cell in one server database. Two cells also
 run for real: a mirror replay through simulators with ``awq`` on a port where nothing listens,
-and with ``awq`` asking for a model the server does not have (HTTP 404), the issue's reproduction.
+and with ``awq`` asking for a model the server does not have (HTTP 404): a wrong model name.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def test_every_fault_renders_on_every_surface(client, users, matrix):
     assert time.monotonic() - t0 < 60
 
 
-# ---- the issue's reproduction, for real: a mirror replay through simulators ----------------
+# ---- a wrong model name, for real: a mirror replay through simulators ------------------------
 
 
 def _dead_port() -> int:

@@ -153,7 +153,7 @@ def test_engine_error_bytes_as_real_vllm_sends_them_are_an_engine_error():
 
 @pytest.mark.parametrize("api", ["chat", "completions"])
 def test_calibrated_prompts_are_the_trace_length_on_real_vllm(vllm, api):
-    # The issue: 64 trace tokens went out as 87 (completions) or 105 (chat) on the tiny model's
+    # Before: 64 trace tokens went out as 87 (completions) or 105 (chat) on the tiny model's
     # 2k vocabulary. Calibrated on vLLM's /tokenize, the usage count is the wanted one.
     from replay.calibration import Calibration
     from streaming.probe import token_counter
