@@ -28,6 +28,11 @@ def form_data(document, experiment=None) -> dict:
         "variants-TOTAL_FORMS": len(document["variants"]), "variants-INITIAL_FORMS": 0,
         "variants-MIN_NUM_FORMS": 2, "variants-MAX_NUM_FORMS": 1000,
     }  # fmt: skip
+    # the Analysis checkboxes as the form renders them (a browser posts only the checked ones)
+    analysis = document.get("analysis") or {}
+    for name in ("cluster_by_user", "adjust"):
+        if analysis.get(name, True):
+            data[f"analysis_{name}"] = "on"
     existing = {v.key: v.pk for v in experiment.variants.all()} if experiment else {}
     data["variants-INITIAL_FORMS"] = len(existing)
     for i, v in enumerate(document["variants"]):
