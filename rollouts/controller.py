@@ -20,6 +20,12 @@ Decisions (``Decision.action``):
 Error budget: a plan's ``alpha`` bounds the chance of a false rollback (or false pass) over the
 whole rollout; each step gets alpha / (number of steps) (stats/sequential/guardrails.py: the
 union bound across steps).
+
+Inference: with the experiment's ``analysis.cluster_by_user`` (the default) the step's reading
+carries per-user aggregates and attainment and error rate are read with users as the
+independent unit, their differences to the control adjusted on pre-request covariates unless
+``analysis.adjust`` is off; each guardrail in the decision's numbers names how it was read
+(stats/sequential/guardrails.py).
 """
 
 from __future__ import annotations
@@ -65,9 +71,23 @@ class Plan:
     on_breach: str
     notify: tuple[str, ...]
     alpha: float
+    # The experiment's analysis block (its document's ``analysis:``): attainment and error rate
+    # read with users as the independent unit (the reading carries per-user aggregates), and
+    # their differences to the control adjusted on pre-request covariates. Adjustment rides on
+    # the per-user aggregates: with cluster_by_user off every guardrail reads requests.
+    cluster_by_user: bool = True
+    adjust: bool = True
 
     @classmethod
-    def from_document(cls, rollout: Mapping[str, Any], *, control: str, sla_target: float) -> Plan:
+    def from_document(
+        cls,
+        rollout: Mapping[str, Any],
+        *,
+        control: str,
+        sla_target: float,
+        analysis: Mapping[str, Any] | None = None,
+    ) -> Plan:
+        switches = analysis or {}
         return cls(
             candidate=rollout["candidate"],
             control=control,
@@ -78,6 +98,8 @@ class Plan:
             on_breach=rollout.get("on_breach", "rollback"),
             notify=tuple(rollout.get("notify") or ()),
             alpha=float(rollout.get("alpha", 0.05)),
+            cluster_by_user=bool(switches.get("cluster_by_user", True)),
+            adjust=bool(switches.get("adjust", True)),
         )
 
     @property
@@ -118,7 +140,8 @@ class StoreView:
 
 @dataclasses.dataclass(frozen=True)
 class StepReading:
-    """This step's samples (config revision = the step's): per-arm totals and distinct users.
+    """This step's samples (config revision = the step's): per-arm totals (with per-user
+    aggregates when the plan clusters by user: ArmSnapshot.per_user) and distinct users.
     ``error`` set: the sample store could not be read."""
 
     control: ArmSnapshot | None = None
@@ -215,8 +238,15 @@ def decide_step(
         min_duration_s=plan.min_duration_s,
         elapsed_s=elapsed,
         srm=srm_check,
+        adjust=plan.adjust,
     )
-    numbers = {"verdict": verdict.as_dict(), "srm_log_e": srm.max_log_e}
+    # Each check names its inference (requests, user-clustered, adjusted, order statistics) and
+    # the variance reduction an adjustment achieved; "analysis" is what the experiment asked for.
+    numbers = {
+        "verdict": verdict.as_dict(),
+        "srm_log_e": srm.max_log_e,
+        "analysis": {"cluster_by_user": plan.cluster_by_user, "adjust": plan.adjust},
+    }
     here = f"step {step + 1}/{len(plan.steps)} ({plan.steps[step]}%)"
     if verdict.decision == HALT:
         return out(PAUSE, f"{here}: halted: {verdict.reason}", **numbers)

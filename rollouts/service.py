@@ -129,7 +129,24 @@ def plan_of(experiment: Experiment) -> Plan:
     control = experiment.variants.filter(control=True).values_list("key", flat=True).first()
     if control is None:
         raise RolloutError(f"experiment {experiment.key!r} has no control variant")
-    return Plan.from_document(experiment.rollout, control=control, sla_target=experiment.sla_target)
+    return Plan.from_document(
+        experiment.rollout,
+        control=control,
+        sla_target=experiment.sla_target,
+        analysis=analysis_of(experiment),
+    )
+
+
+def analysis_of(experiment: Experiment) -> dict[str, bool]:
+    """The experiment's analysis switches (its document's ``analysis:`` block): users as the
+    independent unit and regression adjustment, each on unless the document turns it off. Read
+    leniently: an experiment without the block (or the field) has both on."""
+    raw: Any = getattr(experiment, "analysis", None) or {}
+    if callable(raw):  # exposed as a method rather than a field
+        raw = raw() or {}
+    if not isinstance(raw, dict):
+        raw = {}
+    return {name: bool(raw.get(name, True)) for name in ("cluster_by_user", "adjust")}
 
 
 def _owner() -> str:

@@ -13,8 +13,8 @@ Split by kind; import from the module that defines a name:
   difference, from a streaming histogram or sorted values;
 - ``srm``: the sequential sample ratio mismatch test (an e-value and an anytime p-value);
 - ``guardrails``: the rollout decision from guardrail specs (breach, halt, pass, undecided);
-- ``adjusted``: asymptotic confidence sequences for the user-clustered and the
-  covariate-adjusted difference of means (normal mixture on the robust variance).
+- ``adjusted``: asymptotic confidence sequences for the user-clustered mean and difference of
+  means and the covariate-adjusted difference (normal mixture on the robust variance).
 
 This package module imports nothing.
 """

@@ -21,7 +21,8 @@ which holds at every t at once (two-sided, level alpha; asymptotically, with the
 variance). rho is fixed before the data: r = r* n / target_n, where r* solves
 r = 2 log(1/alpha) + log(1 + r), makes the sequence narrowest at n = target_n requests
 (about 1.5 times the fixed-horizon half-width there at alpha 0.05; wider before, and growing
-only like sqrt(log n) times it after). n is the total requests of both arms.
+only like sqrt(log n) times it after). n is the total requests of both arms (of the one arm for
+``clustered_mean_sequence``, one arm's mean: a rollout's "candidate attainment >= x").
 
 What the guarantee rests on, and the guards here:
 - asymptotic: the plug-in variance must be close to the truth, which fails at the first looks
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -53,6 +55,10 @@ DEFAULT_TARGET_N = 10_000
 # Users per arm before any bound: below this the cluster-robust variance is too noisy for the
 # asymptotic boundary (bench/bench_clustered.py, A/A with heavy-tailed users).
 DEFAULT_MIN_CLUSTERS = 50
+CLUSTERED_MEAN_METHOD = (
+    "anytime-valid (asymptotic): normal-mixture confidence sequence on the ratio mean with its "
+    "user-clustered variance"
+)
 CLUSTERED_METHOD = (
     "anytime-valid (asymptotic): normal-mixture confidence sequence on the difference of ratio "
     "means with its user-clustered variance"
@@ -172,19 +178,52 @@ def clustered_difference_sequence(
     )
 
 
-def adjusted_difference_sequence(
+def clustered_mean_sequence(
+    arm: ClusterSums,
+    alpha: float = DEFAULT_ALPHA,
+    target_n: float = DEFAULT_TARGET_N,
+    min_clusters: int = DEFAULT_MIN_CLUSTERS,
+) -> SequentialInterval:
+    """One arm's mean per request (stats.clustered's ratio mean), anytime-valid at ``alpha``.
+
+    The same boundary as the differences, over this arm's requests (n = its requests); bounds
+    are None until the arm has ``min_clusters`` users. A 0/1 metric's bounds are not clipped to
+    [0, 1] here: the caller knows the metric's range.
+    """
+    where = "clustered_mean_sequence"
+    check_alpha(alpha, where)
+    _check_target(target_n, where)
+    _check_min_clusters(min_clusters, where)
+    if not isinstance(arm, ClusterSums) or arm.n.ndim != 1:
+        raise ValueError(f"{where}: arm must be one arm's ClusterSums (clusters on one axis)")
+    mo = arm.moments()
+    g = int(mo.clusters)
+    return _interval(
+        float(mo.estimate), float(mo.variance), float(mo.n), (g, g), alpha, target_n, min_clusters,
+        CLUSTERED_MEAN_METHOD,
+    )  # fmt: skip
+
+
+class AdjustedLook(NamedTuple):
+    """One look of the adjusted sequence with what the adjustment bought."""
+
+    interval: SequentialInterval
+    # 1 - V / V_0: V the adjusted estimate's clustered variance, V_0 the same fit's without
+    # covariates (stats.adjusted.AdjustedDifference.variance_reduction); the sequence's width
+    # shrinks by sqrt(1 - this). None when either variance is undefined.
+    variance_reduction: float | None
+    theta: tuple[float, ...]  # the pooled slopes, per covariate
+
+
+def adjusted_difference_look(
     control: ArmData,
     variant: ArmData,
     alpha: float = DEFAULT_ALPHA,
     target_n: float = DEFAULT_TARGET_N,
     min_clusters: int = DEFAULT_MIN_CLUSTERS,
-) -> SequentialInterval:
-    """Covariate-adjusted variant - control (stats.adjusted), anytime-valid at ``alpha``.
-
-    Same per-user sums as ``stats.adjusted.adjusted_difference``; the covariates must be fixed
-    before the variant sees the request. Bounds are None until each arm has ``min_clusters``
-    users; a constant or collinear covariate set raises ValueError.
-    """
+) -> AdjustedLook:
+    """``adjusted_difference_sequence`` with the variance reduction and the slopes of the same fit
+    (the rollout decision records both)."""
     where = "adjusted_difference_sequence"
     check_alpha(alpha, where)
     _check_target(target_n, where)
@@ -200,13 +239,25 @@ def adjusted_difference_sequence(
     if bool(fit.degenerate):
         raise ValueError(f"{where}: the covariates {control.covariates} are constant or collinear")
     clusters = (int(fit.clusters[0]), int(fit.clusters[1]))
-    return _interval(
-        float(fit.estimate),
-        float(fit.variance),
-        float(fit.n.sum()),
-        clusters,
-        alpha,
-        target_n,
-        min_clusters,
-        ADJUSTED_METHOD,
+    var, var0 = float(fit.variance), float(fit.variance_unadjusted)
+    interval = _interval(
+        float(fit.estimate), var, float(fit.n.sum()), clusters, alpha, target_n, min_clusters, ADJUSTED_METHOD
     )
+    reduction = 1.0 - var / var0 if math.isfinite(var) and math.isfinite(var0) and var0 > 0 else None
+    return AdjustedLook(interval, reduction, tuple(float(t) for t in fit.theta))
+
+
+def adjusted_difference_sequence(
+    control: ArmData,
+    variant: ArmData,
+    alpha: float = DEFAULT_ALPHA,
+    target_n: float = DEFAULT_TARGET_N,
+    min_clusters: int = DEFAULT_MIN_CLUSTERS,
+) -> SequentialInterval:
+    """Covariate-adjusted variant - control (stats.adjusted), anytime-valid at ``alpha``.
+
+    Same per-user sums as ``stats.adjusted.adjusted_difference``; the covariates must be fixed
+    before the variant sees the request. Bounds are None until each arm has ``min_clusters``
+    users; a constant or collinear covariate set raises ValueError.
+    """
+    return adjusted_difference_look(control, variant, alpha, target_n, min_clusters).interval

@@ -12,18 +12,49 @@ Metrics: ``attainment`` (share of requests meeting the SLA, errors count as miss
 ``ttft_ms`` latencies). Rules: at_least, at_most (the candidate's value), at_least_over_control,
 at_most_over_control (candidate - control).
 
+Inference, per guardrail (``GuardrailCheck.inference``):
+
+- ``user-clustered`` / ``user-clustered, adjusted``: attainment and error rate when the arms
+  carry per-user aggregates (``ArmSnapshot.per_user``; the experiment's
+  ``analysis.cluster_by_user``). The router randomizes users and a user's requests are alike,
+  so the independent unit is the user: the candidate's value through the normal-mixture
+  sequence of its ratio mean with the user-clustered variance
+  (stats.sequential.adjusted.clustered_mean_sequence), a difference to the control through the
+  same boundary on the difference, regression-adjusted on the pre-request covariates the
+  aggregates carry (prompt_tokens, max_tokens) unless ``adjust`` is off
+  (adjusted_difference_look; a covariate constant over the step is left out, ``covariates``
+  names those used, ``variance_reduction`` what they bought). Asymptotic: these need
+  ``min_clusters`` users and ``MIN_EVENTS`` requests of each outcome in every arm they read;
+  before that a look reads the exact sequence below.
+- ``requests``: the beta-binomial mixture sequence of stats.sequential.means, exact for
+  independent requests. Used for attainment and error rate when the reading has no per-user
+  aggregates, and in a clustered reading for the looks with too few users or events
+  (``inference_note`` says which arm).
+- ``order statistics``: quantile guardrails, always. Per request (not clustered) and not
+  adjusted: subtracting a covariate term leaves a mean where it is but moves a quantile to
+  another quantity (stats.adjusted).
+
 The guarantee, per rollout step (one config revision, counts from that step only): with k
-guardrails at overall ``alpha``, each is read through a sequence at alpha/k (a difference
-through per-arm sequences at alpha/(2k)). With probability >= 1 - alpha every sequence holds at
-every look of the step at once, so
+guardrails at overall ``alpha``, each gets a = alpha/k. Without per-user aggregates it is read
+through one sequence at a (a difference through per-arm sequences at a/2). With them, attainment
+and error rate hold two sequences: the clustered one at ``CLUSTERED_SHARE`` * a and the exact
+one at the rest; each look reads one of them, and a false breach at any look needs one of the two
+to miss the truth at some look, so the union bound gives a again. With probability >= 1 - alpha
+every sequence holds at every look of the step at once, so
 
     P(any guardrail is declared breached at any look while it actually holds) <= alpha,
 
 and likewise for "ok" (shown to hold) while it actually fails, however often the controller
 looks and whenever it stops. Across the steps of a rollout the error rates add up (a union
 bound): give each step alpha / steps to bound the whole rollout. Breaches are decided at any
-look, before min_samples: the sequences allow it. Assumes requests are independent draws within
-each arm during the step (a latency profile that drifts within a step is read as its average).
+look, before min_samples: the sequences allow it.
+
+What each part rests on: the exact sequences assume requests independent within each arm (too
+narrow when users send many alike requests: bench/bench_sequential.py measures how much); the
+clustered ones assume users independent and are asymptotic (the plug-in variance must be close
+to the truth, hence the minimum users and events; bench/bench_sequential.py measures the A/A
+false rollback rate with heavy-tailed users looked at every 30 s). A latency profile that drifts
+within a step is read as its average.
 """
 
 from __future__ import annotations
@@ -33,10 +64,21 @@ import math
 import numbers
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
 
 from stats._common import AsDict
+from stats.adjusted import ArmData
+from stats.clustered import ClusterSums
 from stats.sequential._base import DEFAULT_ALPHA, DEFAULT_PRIOR, SequentialInterval, check_alpha
+from stats.sequential.adjusted import (
+    DEFAULT_MIN_CLUSTERS,
+    DEFAULT_TARGET_N,
+    adjusted_difference_look,
+    clustered_difference_sequence,
+    clustered_mean_sequence,
+)
 from stats.sequential.means import MeanSequence, difference_interval
 from stats.sequential.quantiles import quantile_difference_interval
 from stats.sequential.srm import SrmCheck
@@ -50,6 +92,20 @@ _QUANTILE_METRIC = re.compile(r"^p(\d{1,2}(?:\.\d+)?)_([a-z][a-z0-9_]*)$")
 BREACH, OK, UNCLEAR = "breach", "ok", "unclear"  # per guardrail
 HALT, PASS, UNDECIDED = "halt", "pass", "undecided"  # the decision (and BREACH)
 NO_BREACH, ALL_CONFIRMED = "no_breach", "all_confirmed"  # promote_on
+# GuardrailCheck.inference
+REQUESTS, CLUSTERED, ADJUSTED = "requests", "user-clustered", "user-clustered, adjusted"
+ORDER_STATISTICS = "order statistics"
+
+# The clustered sequence's share of a guardrail's alpha when its arms carry per-user aggregates;
+# the rest goes to the exact sequence, which reads the looks before the clustered one may (too few
+# users or events). Most to the clustered sequence, which reads nearly every look of a step; at
+# a tenth of the alpha the exact one still rolls back a candidate that fails outright within its
+# first minutes.
+CLUSTERED_SHARE = 0.9
+# Requests of each outcome (hits and misses, errors and successes) every arm needs before the
+# clustered sequence reads a share: with fewer the share's sampling distribution is far from
+# normal and its plug-in variance unreliable (0 errors: a variance of 0).
+MIN_EVENTS = 10
 
 
 class QuantileSource(Protocol):
@@ -114,15 +170,101 @@ class Guardrail(AsDict):
             raise ValueError(f"{where}: {exc}") from None
 
 
+SHARES = {ATTAINMENT: "hits", ERROR_RATE: "errors"}  # the per-request 0/1 value of each share
+
+
+def _int_array(x: Any, where: str, name: str) -> np.ndarray:
+    arr = np.asarray(x)
+    if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.number)) or arr.dtype == bool:
+        raise ValueError(f"{where}: {name} must be one count per user, got {arr.dtype} of shape {arr.shape}")
+    if arr.size and (not np.isfinite(arr).all() or (arr != np.floor(arr)).any() or arr.min() < 0):
+        raise ValueError(f"{where}: {name} must be whole counts >= 0")
+    return arr.astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class UserSums:
+    """One arm's per-user aggregates in the step: ``GROUP BY user`` (a request without a user is a
+    user of its own) of the requests, SLA hits and errors, and for the regression adjustment the
+    per-user sums of the pre-request covariates (``covariates``: their names), of their products,
+    and of their products with hits and with errors. Exactly what stats.clustered.ClusterSums
+    and stats.adjusted.ArmData need, for either share."""
+
+    n: np.ndarray  # (G,) requests
+    hits: np.ndarray  # (G,)
+    errors: np.ndarray  # (G,)
+    covariates: tuple[str, ...] = ()
+    sum_x: np.ndarray | None = None  # (G, p)
+    sum_xx: np.ndarray | None = None  # (G, p, p), symmetric
+    sum_x_hits: np.ndarray | None = None  # (G, p)
+    sum_x_errors: np.ndarray | None = None  # (G, p)
+
+    def __post_init__(self) -> None:
+        where = "UserSums"
+        n = _int_array(self.n, where, "n")
+        hits, errors = _int_array(self.hits, where, "hits"), _int_array(self.errors, where, "errors")
+        if hits.shape != n.shape or errors.shape != n.shape:
+            raise ValueError(f"{where}: n, hits and errors need one count per user each")
+        if (hits + errors > n).any():
+            raise ValueError(f"{where}: a user's hits + errors exceed their requests (errors are misses)")
+        names = tuple(str(c) for c in self.covariates)
+        g, p = n.size, len(names)
+        arrays = {"sum_x": (g, p), "sum_xx": (g, p, p), "sum_x_hits": (g, p), "sum_x_errors": (g, p)}
+        for name, shape in arrays.items():
+            value = getattr(self, name)
+            if value is None:
+                if p:
+                    raise ValueError(f"{where}: covariates {names} named but no {name} given")
+                value = np.zeros(shape)
+            value = np.asarray(value, dtype=float)
+            if value.shape != shape:
+                raise ValueError(f"{where}: {name} has shape {value.shape}, expected {shape}")
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "n", n)
+        object.__setattr__(self, "hits", hits)
+        object.__setattr__(self, "errors", errors)
+        object.__setattr__(self, "covariates", names)
+
+    @property
+    def users(self) -> int:
+        return int((self.n > 0).sum())
+
+    def values(self, metric: str) -> np.ndarray:
+        """Per-user sums of the share's 0/1 value (attainment: hits; error_rate: errors)."""
+        return self.hits if SHARES[metric] == "hits" else self.errors
+
+    def cluster_sums(self, metric: str) -> ClusterSums:
+        return ClusterSums(self.n, self.values(metric).astype(float), binary=True)
+
+    def arm_data(self, metric: str, keep: Sequence[int]) -> ArmData:
+        """ArmData of the share adjusted on the covariates at positions ``keep``."""
+        ix = list(keep)
+        xy = self.sum_x_hits if SHARES[metric] == "hits" else self.sum_x_errors
+        assert self.sum_x is not None and self.sum_xx is not None and xy is not None  # __post_init__
+        y = self.values(metric).astype(float)
+        return ArmData(
+            n=self.n,
+            sum_y=y,
+            sum_x=self.sum_x[:, ix],
+            sum_xx=self.sum_xx[:, ix][:, :, ix],
+            sum_xy=xy[:, ix],
+            sum_yy=y,  # a 0/1 value is its own square
+            covariates=tuple(self.covariates[i] for i in ix),
+        )
+
+
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class ArmSnapshot:
     """One arm's totals in the current step: requests, SLA hits (errors count as misses), errors,
-    and latency sources by name for quantile guardrails (e.g. {"ttft_ms": LatencyHistogram})."""
+    latency sources by name for quantile guardrails (e.g. {"ttft_ms": LatencyHistogram}), and
+    optionally the per-user aggregates those totals add up from (``per_user``: attainment and
+    error rate are then read with users as the independent unit)."""
 
     n: int
     hits: int
     errors: int
     latencies: Mapping[str, QuantileSource] = dataclasses.field(default_factory=dict)
+    per_user: UserSums | None = None
 
     def __post_init__(self) -> None:
         for name in ("n", "hits", "errors"):
@@ -134,6 +276,16 @@ class ArmSnapshot:
                 f"ArmSnapshot: hits ({self.hits}) + errors ({self.errors}) exceed n ({self.n}); "
                 "errors count as misses, so a request cannot be both"
             )
+        u = self.per_user
+        if u is not None:
+            if not isinstance(u, UserSums):
+                raise ValueError(f"ArmSnapshot: per_user must be UserSums, got {type(u).__name__}")
+            sums = (int(u.n.sum()), int(u.hits.sum()), int(u.errors.sum()))
+            if sums != (self.n, self.hits, self.errors):
+                raise ValueError(
+                    f"ArmSnapshot: the per-user aggregates add up to n, hits, errors = {sums}, "
+                    f"not the totals {(self.n, self.hits, self.errors)}"
+                )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -144,6 +296,10 @@ class GuardrailCheck(AsDict):
     status: str  # breach | ok | unclear
     interval: SequentialInterval  # of the candidate's value, or of candidate - control
     message: str
+    inference: str = REQUESTS  # requests | user-clustered | user-clustered, adjusted | order statistics
+    inference_note: str | None = None  # why not clustered or adjusted, when it could have been
+    variance_reduction: float | None = None  # adjusted: 1 - V_adjusted / V_unadjusted (clustered)
+    covariates: tuple[str, ...] = ()  # adjusted: the covariates used
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -177,25 +333,137 @@ def _status(rule: str, threshold: float, iv: SequentialInterval) -> str:
     return OK if iv.hi is not None and iv.hi <= threshold else UNCLEAR
 
 
+class _Read(NamedTuple):
+    """A share guardrail's interval and how it was read."""
+
+    interval: SequentialInterval
+    inference: str
+    note: str | None = None
+    variance_reduction: float | None = None
+    covariates: tuple[str, ...] = ()
+
+
+def _clip(iv: SequentialInterval, low: float, high: float) -> SequentialInterval:
+    """A share's bounds within its range (the truth is in it, so clipping costs no coverage)."""
+    lo = None if iv.lo is None else min(max(iv.lo, low), high)
+    hi = None if iv.hi is None else min(max(iv.hi, low), high)
+    return dataclasses.replace(iv, lo=lo, hi=hi)
+
+
+def _exact(
+    g: Guardrail, control: ArmSnapshot, candidate: ArmSnapshot, alpha: float, prior: tuple[float, float]
+) -> SequentialInterval:
+    """The beta-binomial sequence of the share (of the difference: per-arm sequences at alpha/2)."""
+    key = SHARES[g.metric]
+    cand = MeanSequence(candidate.n, getattr(candidate, key), alpha, prior)
+    if not g.over_control:
+        return cand.interval()
+    ctrl = MeanSequence(control.n, getattr(control, key), alpha, prior)
+    return difference_interval(ctrl, cand, alpha)
+
+
+def _too_few(metric: str, arms: Sequence[tuple[str, UserSums]], min_clusters: int) -> str | None:
+    """Why the clustered sequence may not read this look yet (None: it may)."""
+    why = []
+    for label, u in arms:
+        events = int(u.values(metric).sum())
+        others = int(u.n.sum()) - events
+        if u.users < min_clusters:
+            why.append(f"{label} has {u.users} users of the {min_clusters}")
+        elif min(events, others) < MIN_EVENTS:
+            what = {ATTAINMENT: ("hits", "misses"), ERROR_RATE: ("errors", "successes")}[metric]
+            why.append(f"{label} has {events} {what[0]} and {others} {what[1]}, not {MIN_EVENTS} of each")
+    if not why:
+        return None
+    return (
+        "too few for the user-clustered sequence (" + "; ".join(why) + "): the exact sequence reads this look"
+    )
+
+
+def _adjusted(
+    metric: str, control: UserSums, candidate: UserSums, alpha: float, target_n: float, min_clusters: int
+) -> _Read | None:
+    """The adjusted difference on the covariates that vary: all of them, else the first one
+    that does alone (a replay that asks every request for the same max_tokens); None when none
+    does."""
+    p = len(control.covariates)
+    if control.covariates != candidate.covariates or p == 0:
+        return None
+    for keep in [tuple(range(p))] + ([(k,) for k in range(p)] if p > 1 else []):
+        c, v = control.arm_data(metric, keep), candidate.arm_data(metric, keep)
+        try:
+            look = adjusted_difference_look(c, v, alpha, target_n, min_clusters)
+        except ValueError:  # constant or collinear over this step's requests
+            continue
+        left = [name for i, name in enumerate(control.covariates) if i not in keep]
+        note = f"{', '.join(left)} constant or collinear in this step: left out" if left else None
+        iv = _clip(look.interval, -1.0, 1.0)
+        return _Read(iv, ADJUSTED, note, look.variance_reduction, c.covariates or ())
+    return None
+
+
+def _share(
+    g: Guardrail,
+    control: ArmSnapshot,
+    candidate: ArmSnapshot,
+    alpha: float,
+    prior: tuple[float, float],
+    adjust: bool,
+    min_clusters: int,
+    target_n: float,
+) -> _Read:
+    """Attainment or error rate: clustered (and adjusted) when the arms carry per-user
+    aggregates and enough users, else the exact sequence (module docstring)."""
+    arms = (("control", control), ("candidate", candidate)) if g.over_control else (("candidate", candidate),)
+    sums: list[tuple[str, UserSums]] = []
+    for label, arm in arms:
+        if arm.per_user is None:  # the whole guardrail alpha to the exact sequence, as always
+            note = "no per-user aggregates in this reading: requests read as independent draws"
+            return _Read(_exact(g, control, candidate, alpha, prior), REQUESTS, note)
+        sums.append((label, arm.per_user))
+    short = _too_few(g.metric, sums, min_clusters)
+    if short is not None:
+        return _Read(_exact(g, control, candidate, alpha * (1.0 - CLUSTERED_SHARE), prior), REQUESTS, short)
+    a = alpha * CLUSTERED_SHARE
+    cand = sums[-1][1]
+    if not g.over_control:
+        iv = clustered_mean_sequence(cand.cluster_sums(g.metric), a, target_n, min_clusters)
+        return _Read(_clip(iv, 0.0, 1.0), CLUSTERED)
+    ctrl = sums[0][1]
+    note = "adjustment off (the experiment's analysis.adjust)"
+    if adjust:
+        read = _adjusted(g.metric, ctrl, cand, a, target_n, min_clusters)
+        if read is not None:
+            return read
+        note = "no pre-request covariate varies in this step: not adjusted"
+    iv = clustered_difference_sequence(
+        ctrl.cluster_sums(g.metric), cand.cluster_sums(g.metric), a, target_n, min_clusters
+    )
+    return _Read(_clip(iv, -1.0, 1.0), CLUSTERED, note)
+
+
 def check_guardrail(
     guardrail: Guardrail,
     control: ArmSnapshot,
     candidate: ArmSnapshot,
     alpha: float = DEFAULT_ALPHA,
     prior: tuple[float, float] = DEFAULT_PRIOR,
+    *,
+    adjust: bool = True,
+    min_clusters: int = DEFAULT_MIN_CLUSTERS,
+    target_n: float = DEFAULT_TARGET_N,
 ) -> GuardrailCheck:
-    """One guardrail at level ``alpha`` (``decide`` passes alpha / number of guardrails)."""
+    """One guardrail at level ``alpha`` (``decide`` passes alpha / number of guardrails).
+
+    ``adjust``: a share's difference to the control is regression-adjusted on the covariates
+    the per-user aggregates carry; ``min_clusters`` and ``target_n`` are the clustered
+    sequences' (stats.sequential.adjusted), fixed before the data like everything here.
+    """
     check_alpha(alpha, "check_guardrail")
     g = guardrail
     quantile = g.quantile
     if quantile is None:
-        key = "hits" if g.metric == ATTAINMENT else "errors"
-        cand = MeanSequence(candidate.n, getattr(candidate, key), alpha, prior)
-        if g.over_control:
-            ctrl = MeanSequence(control.n, getattr(control, key), alpha, prior)
-            iv = difference_interval(ctrl, cand, alpha)
-        else:
-            iv = cand.interval()
+        read = _share(g, control, candidate, alpha, prior, adjust, min_clusters, target_n)
     else:
         q, name = quantile
         sources = []
@@ -218,16 +486,24 @@ def check_guardrail(
             )
         else:
             iv = sources[0].quantile_interval(q, alpha, prior)
+        read = _Read(iv, ORDER_STATISTICS, "a quantile: per request, not clustered, not adjusted")
+    iv = read.interval
     status = _status(g.rule, g.threshold, iv)
     what = f"candidate - control {g.metric}" if g.over_control else f"candidate {g.metric}"
     limit = {AT_LEAST: ">=", AT_MOST: "<=", AT_LEAST_OVER: ">=", AT_MOST_OVER: "<="}[g.rule]
+    how = read.inference
+    if read.variance_reduction is not None:
+        how += f" on {', '.join(read.covariates)}, variance {-read.variance_reduction:+.0%}"
     message = (
         f"{what} {_fmt(g.metric, iv.estimate) if iv.estimate is not None else 'n/a'} "
-        f"(anytime {1 - alpha:.4g} interval {_fmt(g.metric, iv.lo) if iv.lo is not None else '-inf'}"
-        f" to {_fmt(g.metric, iv.hi)}), limit {limit} {_fmt(g.metric, g.threshold)}: "
+        f"(anytime {1 - iv.alpha:.4g} interval {_fmt(g.metric, iv.lo) if iv.lo is not None else '-inf'}"
+        f" to {_fmt(g.metric, iv.hi)}, {how}), limit {limit} {_fmt(g.metric, g.threshold)}: "
         + {BREACH: "breached", OK: "holds", UNCLEAR: "not decided yet"}[status]
     )
-    return GuardrailCheck(g.metric, g.rule, g.threshold, status, iv, message)
+    return GuardrailCheck(
+        g.metric, g.rule, g.threshold, status, iv, message,
+        read.inference, read.note, read.variance_reduction, read.covariates,
+    )  # fmt: skip
 
 
 def decide(
@@ -242,6 +518,9 @@ def decide(
     srm: SrmCheck | None = None,
     promote_on: str = NO_BREACH,
     prior: tuple[float, float] = DEFAULT_PRIOR,
+    adjust: bool = True,
+    min_clusters: int = DEFAULT_MIN_CLUSTERS,
+    target_n: float = DEFAULT_TARGET_N,
 ) -> RolloutDecision:
     """halt, breach, pass or undecided for one rollout step, with the numbers that decided it.
 
@@ -253,6 +532,9 @@ def decide(
     4. pass: with promote_on="no_breach" (the rollout default: promote unless harm is shown),
        once the minimums are met; with "all_confirmed", only when every guardrail is shown to
        hold (a stronger claim that needs much more traffic), else undecided.
+
+    ``adjust``, ``min_clusters``, ``target_n``: how attainment and error rate are read when the
+    arms carry per-user aggregates (``check_guardrail``).
     """
     check_alpha(alpha, "decide")
     if not guardrails:
@@ -265,7 +547,12 @@ def decide(
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (math.isfinite(v) and v >= 0):
             raise ValueError(f"decide: {name} must be a finite number of seconds >= 0, got {v!r}")
     each = alpha / len(guardrails)
-    checks = [check_guardrail(g, control, candidate, each, prior) for g in guardrails]
+    checks = [
+        check_guardrail(
+            g, control, candidate, each, prior, adjust=adjust, min_clusters=min_clusters, target_n=target_n
+        )
+        for g in guardrails
+    ]
 
     def result(decision: str, reason: str) -> RolloutDecision:
         return RolloutDecision(

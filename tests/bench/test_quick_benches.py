@@ -224,10 +224,17 @@ def test_quick_bench_sequential_prints_false_rollbacks_coverage_and_time_to_dete
     assert code == 0, f"bench failed ({code}):\n{out}\n{err}"
     for header in ("| guardrail (A/A at the limit) | anytime-valid (ours) | fixed-horizon, peeked | fixed / ours |",
                    "| quantity | truth | anytime-valid (ours) | fixed-horizon, peeked | fixed / ours |",
-                   "| step | candidate req/s | rolled back (regressed) | median min |"):  # fmt: skip
+                   "| step | candidate req/s | rolled back (regressed) | median min |",
+                   # with users: the clustered guardrails' A/A, the adjustment's time to roll back
+                   "| guardrail (A/A at the limit) | users: clustered (ours) | requests as independent (before) |",
+                   "| differences read as | rolled back within the horizon | median requests |"):  # fmt: skip
         assert header in out, f"missing table {header!r}:\n{out}"
     for step in ("| 1% |", "| 5% |", "| 25% |", "| 50% |"):
         assert step in out, f"no row for step {step}:\n{out}"
+    assert (
+        "| any of the three: the rollout's false rollback" in out
+        and "| users, clustered, adjusted (ours) |" in out
+    )
 
 
 def test_quick_bench_observability_prints_each_setup_side_by_side_with_its_ratio(quick_runs):

@@ -3,13 +3,15 @@ numbers it carries."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from experiments.document import validate_document
 from rollouts import controller as c
 from rollouts.controller import Plan, State, StepReading, StoreView, decide_step
-from stats.sequential.guardrails import ArmSnapshot
+from stats.sequential.guardrails import ArmSnapshot, UserSums
 from stats.sequential.quantiles import LatencyHistogram, latency_edges
 
 EDGES = latency_edges(2_000.0, 1.0)
@@ -151,3 +153,73 @@ def test_a_look_without_a_reading_keeps_the_srm_evidence(plan):
     for store, read in ((StoreView(None, None, "down"), None), (GOOD, StepReading(error="EOF"))):
         d = decide_step(plan, state, store, read, 5)
         assert d.action == c.HOLD and d.srm_log_e == 3.5
+
+
+def users_arm(rng, users: int, n: int, miss_of_long: float = 0.0) -> ArmSnapshot:
+    """n requests from ``users`` heavy-tailed users with their own prompt sizes, with per-user
+    aggregates (rollouts.readings); a request on a long prompt misses the SLA with probability
+    ``miss_of_long`` more."""
+    w = rng.lognormal(0.0, 1.0, users)
+    who = rng.choice(users, size=n, p=w / w.sum())
+    prompt = np.maximum(rng.normal(1500.0, 500.0, users)[who] + rng.normal(0.0, 200.0, n), 1.0).round()
+    max_tokens = rng.choice([256.0, 512.0], size=n)
+    failed = rng.random(n) < 0.02
+    hit = ~failed & (rng.random(n) > 0.05 + miss_of_long * (prompt > 2000))
+    x = np.stack([prompt, max_tokens], axis=1)
+    _, code = np.unique(who, return_inverse=True)
+    g = int(code.max()) + 1
+
+    def per_user(v):
+        return np.bincount(code, weights=v, minlength=g)
+
+    sums = UserSums(
+        per_user(np.ones(n)).astype(int), per_user(hit).astype(int), per_user(failed).astype(int),
+        ("prompt_tokens", "max_tokens"),
+        np.stack([per_user(x[:, k]) for k in range(2)], 1),
+        np.stack([np.stack([per_user(x[:, k] * x[:, m]) for m in range(2)], 1) for k in range(2)], 1),
+        np.stack([per_user(x[:, k] * hit) for k in range(2)], 1),
+        np.stack([per_user(x[:, k] * failed) for k in range(2)], 1),
+    )  # fmt: skip
+    hist = LatencyHistogram(EDGES).update(np.where(hit, 100.0, 400.0)[~failed])
+    return ArmSnapshot(n, int(hit.sum()), int(failed.sum()), {"ttft_ms": hist}, sums)
+
+
+def test_the_decision_json_names_the_inference_of_each_guardrail(rollout_document):
+    rng = np.random.default_rng(7)
+    rollout_document["rollout"]["guardrails"].append({"metric": "attainment", "at_least_over_control": -0.01})
+    plan = plan_of(rollout_document)
+    control, cand = users_arm(rng, 900, 9000), users_arm(rng, 100, 1000, miss_of_long=0.8)
+    d = decide_step(plan, State(step=0, step_started_s=0, last_seen_revision=7), GOOD,
+                    reading(control, cand, {"fp16": 900, "awq-fa2": 100}), 10)  # fmt: skip
+    assert d.action == c.ROLLBACK, d.reason
+    out = json.loads(json.dumps(d.as_dict(), allow_nan=False))
+    assert out["numbers"]["analysis"] == {"cluster_by_user": True, "adjust": True}
+    checks = out["numbers"]["verdict"]["checks"]
+    assert [ch["inference"] for ch in checks] == [
+        "user-clustered", "user-clustered, adjusted", "order statistics", "user-clustered, adjusted",
+    ]  # fmt: skip
+    attainment_over = checks[3]
+    assert attainment_over["status"] == "breach"
+    assert attainment_over["covariates"] == ["prompt_tokens", "max_tokens"]
+    assert 0.0 < attainment_over["variance_reduction"] < 1.0
+    assert "user-clustered, adjusted on prompt_tokens, max_tokens, variance -" in attainment_over["message"]
+    assert "not adjusted" in checks[2]["inference_note"] and checks[0]["variance_reduction"] is None
+
+    # The experiment's analysis block turns the adjustment off: clustered, unadjusted, and said so.
+    off = Plan.from_document(
+        validate_document(rollout_document)["rollout"],
+        control="fp16",
+        sla_target=0.95,
+        analysis={"adjust": False},
+    )
+    d = decide_step(off, State(step=0, step_started_s=0, last_seen_revision=7), GOOD,
+                    reading(control, cand, {"fp16": 900, "awq-fa2": 100}), 10)  # fmt: skip
+    checks = d.as_dict()["numbers"]["verdict"]["checks"]
+    assert d.numbers["analysis"] == {"cluster_by_user": True, "adjust": False}
+    assert checks[3]["inference"] == "user-clustered" and "analysis.adjust" in checks[3]["inference_note"]
+    # A reading without per-user aggregates (cluster_by_user off): every share read per request.
+    bare = [ArmSnapshot(a.n, a.hits, a.errors, a.latencies) for a in (control, cand)]
+    d = decide_step(plan, State(step=0, step_started_s=0, last_seen_revision=7), GOOD,
+                    reading(*bare, {"fp16": 900, "awq-fa2": 100}), 10)  # fmt: skip
+    inference = [ch["inference"] for ch in d.as_dict()["numbers"]["verdict"]["checks"]]
+    assert inference == ["requests", "requests", "order statistics", "requests"]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+import types
 
 import pytest
 from django.core.management import call_command
@@ -102,6 +103,12 @@ def test_a_slow_candidate_is_rolled_back_and_the_audit_and_webhook_say_why(
     assert "guardrail breached" in entry.reason and "attainment" in entry.reason
     checks = {ch["metric"]: ch for ch in entry.after["decision"]["numbers"]["verdict"]["checks"]}
     assert checks["attainment"]["status"] == "breach" and checks["attainment"]["interval"]["estimate"] == 0.0
+    # The step read per-user aggregates (the default analysis), but 30 candidate users are too few
+    # for the clustered sequence: the exact one decided, and the entry says so.
+    assert entry.after["decision"]["numbers"]["analysis"] == {"cluster_by_user": True, "adjust": True}
+    assert checks["attainment"]["inference"] == "requests"
+    assert "candidate has 30 users of the 50" in checks["attainment"]["inference_note"]
+    assert checks["p99_ttft_ms"]["inference"] == "order statistics"
     assert entry.actor_name == "rollout-controller"
     body = receiver.bodies[-1]
     assert body["action"] == "rollback" and body["percent"] == 0 and "guardrail breached" in body["reason"]
@@ -430,3 +437,15 @@ def test_a_killed_look_then_etcd_down_keeps_the_pending_change_until_it_can_tell
     assert (state.step, state.status, state.pending) == (1, c.RUNNING, None)
     assert stored_weights()[0] == {"fp16": 50, "awq-fa2": 50}
     process.reset_for_tests()
+
+
+def test_the_plan_follows_the_experiments_analysis_block(rollout_document):
+    rollout_document["analysis"] = {"adjust": False}
+    plan = service.plan_of(services.apply_document(rollout_document).experiment)
+    assert (plan.cluster_by_user, plan.adjust) == (True, False)
+    rollout_document["analysis"] = {"cluster_by_user": False}
+    plan = service.plan_of(services.apply_document(rollout_document).experiment)
+    assert (plan.cluster_by_user, plan.adjust) == (False, True)
+    # Anything without the block (or with it as a mapping) reads leniently: both on by default.
+    assert service.analysis_of(types.SimpleNamespace()) == {"cluster_by_user": True, "adjust": True}
+    assert service.analysis_of(types.SimpleNamespace(analysis={"adjust": False}))["adjust"] is False

@@ -22,9 +22,11 @@ from stats.clustered import ClusterSums, clustered_difference
 from stats.sequential._base import SequentialInterval
 from stats.sequential.adjusted import (
     DEFAULT_TARGET_N,
+    adjusted_difference_look,
     adjusted_difference_sequence,
     asymptotic_cs_bounds,
     clustered_difference_sequence,
+    clustered_mean_sequence,
     normal_mixture_half_width,
     optimal_ratio,
 )
@@ -413,3 +415,30 @@ def test_sequences_wait_for_min_clusters_and_match_the_fixed_horizon_fit():
         clustered_difference_sequence(
             ClusterSums.from_samples(yc, uc), ClusterSums.from_samples(yv, uv), alpha=0
         )
+
+
+def test_the_mean_sequence_and_the_adjusted_look_are_the_boundary_on_the_fixed_horizon_fit():
+    # One arm's mean (a rollout's "candidate attainment >= x"): the boundary around the
+    # clustered ratio mean over that arm's requests; the adjusted look carries the same
+    # variance reduction as the fixed-horizon adjusted difference.
+    rng = np.random.default_rng(20)
+    yc, xc, uc = raw_arm(rng, 80)
+    yv, xv, uv = raw_arm(rng, 80, shift=30.0)
+    arm = ClusterSums.from_samples(yv, uv)
+    mo = arm.moments()
+    seq = clustered_mean_sequence(arm, ALPHA, target_n=1000, min_clusters=50)
+    lo, hi = asymptotic_cs_bounds(mo.estimate, mo.variance, yv.size, ALPHA, 1000)
+    assert (seq.estimate, seq.lo, seq.hi) == pytest.approx(
+        (float(mo.estimate), float(lo), float(hi)), rel=RTOL
+    )
+    assert "ratio mean" in seq.method and seq.alpha == ALPHA
+    early = clustered_mean_sequence(arm, ALPHA, min_clusters=81)
+    assert (early.lo, early.hi) == (None, None) and early.estimate == seq.estimate
+    c, v = ArmData.from_samples(yc, xc, uc), ArmData.from_samples(yv, xv, uv)
+    look = adjusted_difference_look(c, v, ALPHA, target_n=1000)
+    fixed = adjusted_difference(c, v)
+    assert look.interval == adjusted_difference_sequence(c, v, ALPHA, target_n=1000)
+    assert look.variance_reduction == pytest.approx(fixed.variance_reduction, rel=RTOL)
+    assert look.theta == pytest.approx(fixed.theta, rel=RTOL) and look.variance_reduction > 0.5
+    with pytest.raises(ValueError, match="one arm's ClusterSums"):
+        clustered_mean_sequence(ArmData.from_samples(yv, None, uv), ALPHA)  # type: ignore[arg-type]

@@ -8,6 +8,7 @@ the 99.9% binomial quantile would happen once in a thousand seeds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -21,15 +22,21 @@ from scipy import stats as sps
 from stats.comparisons import attainment_difference, attainment_difference_bounds
 from stats.proportions import wilson_bounds
 from stats.sequential.guardrails import (
+    ADJUSTED,
     ALL_CONFIRMED,
     BREACH,
+    CLUSTERED,
+    CLUSTERED_SHARE,
     HALT,
     OK,
+    ORDER_STATISTICS,
     PASS,
+    REQUESTS,
     UNCLEAR,
     UNDECIDED,
     ArmSnapshot,
     Guardrail,
+    UserSums,
     check_guardrail,
     decide,
 )
@@ -521,3 +528,221 @@ def test_special_functions_used_are_accurate_at_one_hundred_million():
     s, f = 99_500_000.0, 500_000.0
     ref = special.gammaln(1 + s) + special.gammaln(1 + f) - special.gammaln(2 + s + f)
     assert special.betaln(1 + s, 1 + f) == pytest.approx(ref, rel=1e-13)
+
+
+# ---- the rollout decision with users as the independent unit ----
+# A step's users (the router's unit): heavy-tailed rates, a per-user effect on the SLA, their own
+# prompt sizes and error rate. A request meets the SLA with probability
+# expit(B0 + u_user - B1 * z), z = m_user + e the request's standardized prompt size (the
+# prompt is PROMPT_MEAN + PROMPT_SD * z tokens: longer prompts miss more); it fails with the
+# user's own probability, Beta(0.1, 9.9), mean 1%. The per-user sums are what
+# rollouts.readings returns.
+
+B0, B1, PROMPT_MEAN, PROMPT_SD, HABIT_SD, REQUEST_SD = 2.5, 1.5, 2000.0, 800.0, 0.8, 0.5
+COVARIATES = ("prompt_tokens", "max_tokens")
+
+
+class StepUsers:
+    def __init__(self, rng, users, user_sd, regression=0.0):
+        self.rng = rng
+        w = rng.lognormal(0.0, 1.0, users)
+        self.share = w / w.sum()
+        self.candidate = rng.random(users) < 0.5
+        self.u = rng.normal(0.0, user_sd, users)
+        self.m = rng.normal(0.0, HABIT_SD, users)
+        self.p_err = rng.beta(0.1, 9.9, users)
+        self.max_tokens = rng.choice([256.0, 512.0, 1024.0], users)
+        self.regression = regression  # the candidate's logit drop on prompts over 1 SD long
+        self.n = np.zeros(users, np.int64)
+        self.hits = np.zeros(users, np.int64)
+        self.errors = np.zeros(users, np.int64)
+        self.sx = np.zeros((users, 2))
+        self.sxx = np.zeros((users, 2, 2))
+        self.sxh = np.zeros((users, 2))
+        self.sxe = np.zeros((users, 2))
+
+    def add(self, requests):
+        rng, g = self.rng, self.n.size
+        k = rng.poisson(self.share * requests)
+        who = np.repeat(np.arange(g), k)
+        z = self.m[who] + rng.normal(0.0, REQUEST_SD, who.size)
+        logit = B0 + self.u[who] - B1 * z - self.regression * (self.candidate[who] & (z > 1.0))
+        failed = rng.random(who.size) < self.p_err[who]
+        hit = ~failed & (rng.random(who.size) < special.expit(logit))
+        x = np.stack([np.maximum(np.round(PROMPT_MEAN + PROMPT_SD * z), 1.0), self.max_tokens[who]], axis=1)
+
+        def per_user(w):
+            return np.bincount(who, weights=w, minlength=g)
+
+        self.n += k
+        self.hits += per_user(hit).astype(np.int64)
+        self.errors += per_user(failed).astype(np.int64)
+        for a in range(2):
+            self.sx[:, a] += per_user(x[:, a])
+            self.sxh[:, a] += per_user(x[:, a] * hit)
+            self.sxe[:, a] += per_user(x[:, a] * failed)
+            for b in range(2):
+                self.sxx[:, a, b] += per_user(x[:, a] * x[:, b])
+
+    def arms(self, per_user=True):
+        """(control, candidate) ArmSnapshots: with their per-user aggregates, or totals only."""
+        out = []
+        for cand in (False, True):
+            s = (self.candidate == cand) & (self.n > 0)
+            sums = None
+            if per_user:
+                sums = UserSums(
+                    self.n[s], self.hits[s], self.errors[s], COVARIATES,
+                    self.sx[s], self.sxx[s], self.sxh[s], self.sxe[s],
+                )  # fmt: skip
+            out.append(
+                ArmSnapshot(
+                    int(self.n[s].sum()), int(self.hits[s].sum()), int(self.errors[s].sum()), {}, sums
+                )
+            )
+        return out[0], out[1]
+
+
+def true_attainment(user_sd):
+    # P(hit) = E[1 - p_err] E[expit(B0 + N(0, sd^2))] (the user's effects, prompt habit and
+    # request are independent of each other and of the user's rate), by Gauss-Hermite.
+    nodes, weights = np.polynomial.hermite_e.hermegauss(80)
+    sd = math.sqrt(user_sd**2 + B1**2 * (HABIT_SD**2 + REQUEST_SD**2))
+    return float((weights * special.expit(B0 + sd * nodes)).sum() / weights.sum()) * (1 - 0.01)
+
+
+def test_aa_steps_with_heavy_users_read_per_user_roll_back_at_most_alpha_read_per_request_far_more():
+    # 100 A/A steps of 400 users (lognormal rates: a few send most requests; a strong per-user
+    # effect), 4,000 requests a look for 12 looks; the guardrails at their boundaries (attainment
+    # at least its truth, its and the error rate's difference to the control at 0), alpha 0.05
+    # over the three. Read with the per-user aggregates (clustered; the differences adjusted),
+    # false rollbacks stay within alpha; read as independent requests (today's beta-binomial on
+    # the same totals) a user's alike requests look like evidence.
+    rng = np.random.default_rng(2024)
+    truth = true_attainment(1.5)
+    guardrails = [
+        Guardrail("attainment", "at_least", truth),
+        Guardrail("attainment", "at_least_over_control", 0.0),
+        Guardrail("error_rate", "at_most_over_control", 0.0),
+    ]
+    sims = 100
+    clustered = np.zeros(sims, bool)
+    requests = np.zeros(sims, bool)
+    inference = set()
+    for i in range(sims):
+        step = StepUsers(rng, 400, 1.5)
+        for _ in range(12):
+            step.add(4000)
+            d = decide(guardrails, *step.arms(), alpha=ALPHA)
+            clustered[i] |= d.decision == BREACH
+            inference |= {c.inference for c in d.checks}
+            requests[i] |= decide(guardrails, *step.arms(per_user=False), alpha=ALPHA).decision == BREACH
+    assert inference == {CLUSTERED, ADJUSTED, REQUESTS}  # early error-rate looks: too few errors
+    assert clustered.sum() <= most_at(sims, ALPHA), clustered.mean()
+    assert requests.mean() > 4 * ALPHA, requests.mean()
+    assert least_rate(int(requests.sum()), sims) > ALPHA
+
+
+def test_a_regression_on_long_prompts_is_rolled_back_after_fewer_requests_with_adjustment():
+    # 40 steps of 1,000 users, 600 requests a look for up to 60 looks: the candidate misses the
+    # SLA far more on prompts over one SD long (a few users' habit). Most of the spread between
+    # users is their prompt size, which the adjustment removes: the adjusted guardrail breaches
+    # after fewer requests (median) than the clustered one without it.
+    rng = np.random.default_rng(2025)
+    guardrail = [Guardrail("attainment", "at_least_over_control", 0.0)]
+    first = {True: [], False: []}
+    reductions = []
+    for _ in range(40):
+        step = StepUsers(rng, 1000, 0.5, regression=3.0)
+        at = {True: math.inf, False: math.inf}
+        for _ in range(60):
+            step.add(600)
+            control, cand = step.arms()
+            for adjust in (True, False):
+                if math.isinf(at[adjust]):
+                    d = decide(guardrail, control, cand, alpha=ALPHA, adjust=adjust)
+                    check = d.checks[0]
+                    assert check.inference == (ADJUSTED if adjust else CLUSTERED)
+                    if adjust:
+                        assert check.covariates == COVARIATES
+                        reductions.append(check.variance_reduction)
+                    if d.decision == BREACH:
+                        at[adjust] = control.n + cand.n
+            if not any(math.isinf(v) for v in at.values()):
+                break
+        for adjust, n in at.items():
+            first[adjust].append(n)
+    adjusted = np.quantile(first[True], 0.5, method="inverted_cdf")
+    plain = np.quantile(first[False], 0.5, method="inverted_cdf")
+    assert np.isfinite(first[True]).mean() >= 0.9 and math.isfinite(plain)  # both within 30 min
+    assert adjusted <= 0.7 * plain, (adjusted, plain)
+    assert np.median(reductions) > 0.3  # the variance the prompt size explains
+
+
+def test_each_guardrail_says_how_it_was_read_and_the_alpha_it_used():
+    rng = np.random.default_rng(2026)
+    step = StepUsers(rng, 400, 1.0)
+    step.add(20_000)
+    control, cand = step.arms()
+    lat = {"ttft_ms": SortedLatencies(np.linspace(50.0, 150.0, 100))}
+    control = dataclasses.replace(control, latencies=lat)
+    cand = dataclasses.replace(cand, latencies=lat)
+    specs = [*GUARDRAILS[:2], Guardrail("attainment", "at_least_over_control", -0.05), GUARDRAILS[2]]
+    d = decide(specs, control, cand, alpha=0.04)
+    a = 0.04 / 4
+    share, error, diff, p99 = d.checks
+    assert share.inference == CLUSTERED and share.interval.alpha == pytest.approx(a * CLUSTERED_SHARE)
+    assert "user-clustered" in share.message and share.variance_reduction is None
+    assert error.inference == ADJUSTED and error.covariates == COVARIATES
+    assert diff.inference == ADJUSTED and diff.variance_reduction is not None and diff.inference_note is None
+    assert f"variance {-diff.variance_reduction:+.0%}" in diff.message
+    assert p99.inference == ORDER_STATISTICS and "not adjusted" in p99.inference_note
+    assert p99.interval.alpha == pytest.approx(a)
+    json.dumps(d.as_dict(), allow_nan=False)
+
+    # The adjustment off: the clustered difference, and why.
+    off = check_guardrail(specs[2], control, cand, a, adjust=False)
+    assert off.inference == CLUSTERED and "analysis.adjust" in off.inference_note
+    assert off.variance_reduction is None and off.covariates == ()
+    # A covariate constant over the step is left out, and named.
+    same = [dataclasses.replace(x, per_user=constant_max_tokens(x.per_user)) for x in (control, cand)]
+    left = check_guardrail(specs[2], *same, a)
+    assert left.inference == ADJUSTED and left.covariates == ("prompt_tokens",)
+    assert "max_tokens constant" in left.inference_note
+    # Too few users in an arm: the exact sequence at the rest of the alpha, and which arm.
+    few = StepUsers(rng, 60, 1.0)
+    few.add(3000)
+    early = check_guardrail(specs[2], *few.arms(), a)
+    assert early.inference == REQUESTS and "candidate has" in early.inference_note
+    assert early.interval.alpha == pytest.approx(a * (1 - CLUSTERED_SHARE))
+    # No per-user aggregates: the whole alpha to the exact sequence, as before.
+    plain = check_guardrail(specs[2], *step.arms(per_user=False), a)
+    assert plain.inference == REQUESTS and plain.interval.alpha == pytest.approx(a)
+    assert plain.interval == check_guardrail(specs[2], ArmSnapshot(control.n, control.hits, control.errors),
+                                             ArmSnapshot(cand.n, cand.hits, cand.errors), a).interval  # fmt: skip
+
+
+def constant_max_tokens(u: UserSums) -> UserSums:
+    """The same users had every request asked for 256 tokens."""
+    sx, sxx = u.sum_x.copy(), u.sum_xx.copy()
+    sx[:, 1] = 256.0 * u.n
+    sxx[:, 0, 1] = sxx[:, 1, 0] = 256.0 * u.sum_x[:, 0]
+    sxx[:, 1, 1] = 256.0**2 * u.n
+    return UserSums(
+        u.n, u.hits, u.errors, u.covariates, sx, sxx,
+        np.stack([u.sum_x_hits[:, 0], 256.0 * u.hits], 1), np.stack([u.sum_x_errors[:, 0], 256.0 * u.errors], 1),
+    )  # fmt: skip
+
+
+def test_per_user_aggregates_must_add_up_to_the_totals():
+    sums = UserSums([3, 2], [2, 1], [1, 0])
+    assert ArmSnapshot(5, 3, 1, per_user=sums).per_user is sums
+    with pytest.raises(ValueError, match="add up to n, hits, errors = \\(5, 3, 1\\), not the totals"):
+        ArmSnapshot(6, 3, 1, per_user=sums)
+    with pytest.raises(ValueError, match="hits \\+ errors exceed their requests"):
+        UserSums([1, 2], [1, 1], [1, 0])
+    with pytest.raises(ValueError, match="covariates \\('prompt_tokens',\\) named but no sum_x"):
+        UserSums([1], [1], [0], ("prompt_tokens",))
+    with pytest.raises(ValueError, match="sum_x has shape"):
+        UserSums([1], [1], [0], ("prompt_tokens",), np.zeros((2, 1)), np.zeros((1, 1, 1)), np.zeros((1, 1)),
+                 np.zeros((1, 1)))  # fmt: skip
