@@ -41,7 +41,10 @@ class StartSearchForm(forms.Form):
     warmup = forms.FloatField(initial=5.0, min_value=0.0, max_value=600.0, help_text="seconds not judged")
     seed = forms.IntegerField(initial=0)
     alpha = forms.FloatField(initial=0.05, min_value=1e-6, max_value=0.5)
-    lag_limit = forms.FloatField(initial=5.0, min_value=0.01, help_text="ms of the replay's own lag p99")
+    lag_limit = forms.FloatField(
+        required=False, min_value=0.01, max_value=10_000.0,
+        help_text="ms of the replay's own lag p99 (default: max(5, 5% of the tightest SLO threshold))",
+    )  # fmt: skip
 
     def clean(self):
         data = super().clean()

@@ -41,7 +41,10 @@ class CapacityCreateSerializer(serializers.Serializer):
     warmup = serializers.FloatField(default=5.0, min_value=0.0, max_value=600.0)
     seed = serializers.IntegerField(default=0, min_value=-(2**31), max_value=2**31 - 1)
     alpha = serializers.FloatField(default=0.05, min_value=1e-6, max_value=0.5)
-    lag_limit = serializers.FloatField(default=5.0, min_value=0.01, max_value=10_000.0)
+    lag_limit = serializers.FloatField(
+        required=False, allow_null=True, default=None, min_value=0.01, max_value=10_000.0,
+        help_text="ms of schedule lag p99 above which a step is void (default: max(5, 5% of the tightest SLO))",
+    )  # fmt: skip
 
     def validate_step_requests(self, value: int) -> int:
         if value > settings.REPLAY_MAX_REQUESTS:

@@ -13,7 +13,9 @@ from dashboards.charts import finish_figure, series_color
 
 
 def _steps(r: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    return sorted((s for s in r.get("steps", []) if s.get("n")), key=lambda s: s["rate_rps"])
+    """The steps that count, by rate (not a void step its retry at the same rate superseded)."""
+    steps = (s for s in r.get("steps", []) if s.get("n") and s.get("counted", True))
+    return sorted(steps, key=lambda s: s["rate_rps"])
 
 
 def attainment_vs_rate(result: Mapping[str, Any], target: float) -> dict[str, Any]:

@@ -25,9 +25,35 @@ Error budget: ``alpha`` is split evenly over ``max_steps`` (the union bound), so
 at least 1 - alpha every verdict of the search is right at once, and the capacity it reports
 meets the target.
 
-The load generator: a step whose own schedule lag p99 exceeds ``lag_limit_ms`` measured the
-replay, not the variant; its verdict does not count, the search goes no higher, and the result
-says the generator limited it (``limited_by == "generator"``).
+The load generator: a step whose own schedule lag p99 (over the requests it judged, after the
+warm-up) exceeds ``lag_limit_ms`` measured the replay, not the variant: it is void. A void step
+is run once more at the same rate (``next_rate``; ``void_retries``): a lag spike of a moment
+(another process taking the core, a cold start) must not end the search at the first rate it
+tried. A retry that is not void supersedes it (the void step then counts nowhere: not in the
+bracket, not in the result's message); a second void step at the same rate makes that rate the
+generator's limit: its verdict does not count, the search goes no higher, and the result says
+the generator limited it (``limited_by == "generator"``).
+
+How much lag a step may have (``default_lag_limit_ms``). The schedule lag (how late the replay
+sent a request against its plan) is the generator's own symptom: its event loop was held, or
+waited for a core. It can distort a step in two ways, and each by no more than the lag itself,
+in milliseconds of latency:
+1. Reading: a token that arrives while the loop is held is stamped when the loop gets to it,
+   up to the stall later.
+2. Load: the server sees each request up to the lag later than planned. In a first-come,
+   first-served queue, delaying arrivals by at most d moves no departure by more than d
+   (departures are monotone in arrival times), so each latency, measured from the request's
+   actual send, moves by at most d as well.
+So a lag can change a request's verdict only if its latency lies within the lag of an SLO
+threshold, and a lag small against the tightest threshold cannot change a step's verdict. The
+default limit is ``max(LAG_FLOOR_MS, LAG_SHARE_OF_SLO x the tightest threshold)``: 10 ms for a
+200 ms TTFT SLO (the lag moves the verdict of a request only within 5% of it, and the p99 says
+99% of requests lagged less), 5 ms for any threshold up to 100 ms. A TPOT threshold counts at
+its own value: a stall adds to one gap of a request, which is all of a two-token answer's TPOT.
+The limit does not depend on the step's rate: by 2. a stall at a higher rate delays more
+requests but none by more, and a generator that cannot keep up with the rate at all lags more
+and more as the step goes on (hundreds of ms and more), past any of these limits. An explicit
+limit (``--lag-limit``, the API's and the admin's ``lag_limit``) overrides the default.
 """
 
 from __future__ import annotations
@@ -55,6 +81,20 @@ BY_SLA, BY_GENERATOR, BY_MAX_RATE, BY_MIN_RATE, BY_STEPS = "sla", "generator", "
 # about the same as the uniform prior (tests/capacity/test_search.py pins these and the
 # sequence's validity at the target).
 STEP_PRIOR_WEIGHT = 100.0
+
+# The default lag limit (the module docstring): at least LAG_FLOOR_MS, else this share of the
+# tightest SLO threshold.
+LAG_FLOOR_MS = 5.0
+LAG_SHARE_OF_SLO = 0.05
+
+
+def default_lag_limit_ms(*thresholds_ms: float | None) -> float:
+    """The schedule lag p99 above which a step is void, for SLO thresholds ``thresholds_ms``
+    (ms; None: no such SLO): max(LAG_FLOOR_MS, LAG_SHARE_OF_SLO x the smallest)."""
+    given = [float(t) for t in thresholds_ms if t is not None]
+    if any(not (math.isfinite(t) and t > 0) for t in given):
+        raise ValueError(f"SLO thresholds must be finite numbers of ms > 0, got {given!r}")
+    return max(LAG_FLOOR_MS, LAG_SHARE_OF_SLO * min(given)) if given else LAG_FLOOR_MS
 
 
 def step_sequence(hits: int, n: int, target: float, alpha: float) -> MeanSequence:
@@ -95,7 +135,9 @@ class SearchSpec:
     rel_tol: float = 0.05  # stop when the bracket's ends are within 5% of each other
     max_steps: int = 12
     alpha: float = 0.05  # for the whole search: alpha / max_steps per step
-    lag_limit_ms: float = 5.0  # the replay's own schedule lag p99 above which a step is void
+    # the replay's own schedule lag p99 above which a step is void (default_lag_limit_ms)
+    lag_limit_ms: float = LAG_FLOOR_MS
+    void_retries: int = 1  # a void step is run this many times more at its rate before it counts
 
     def __post_init__(self) -> None:
         if not 0.0 < self.target < 1.0:
@@ -117,6 +159,8 @@ class SearchSpec:
             raise ValueError(f"max_steps must be an integer from 2 to 100, got {self.max_steps!r}")
         if not 0.0 < self.alpha < 1.0:
             raise ValueError(f"alpha must be strictly between 0 and 1, got {self.alpha!r}")
+        if isinstance(self.void_retries, bool) or self.void_retries not in range(4):
+            raise ValueError(f"void_retries must be an integer from 0 to 3, got {self.void_retries!r}")
 
     @property
     def step_alpha(self) -> float:
@@ -140,6 +184,7 @@ class StepResult(AsDict):
     run_id: int | None = None
     output_tokens_mean: float | None = None
     note: str = ""
+    counted: bool = True  # False: a void step that its retry at the same rate superseded (Search)
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -158,7 +203,9 @@ class Capacity(AsDict):
     """The search's answer: ``capacity_rps`` meets the target with confidence (None: not even
     ``min_rps`` did); the true edge lies in [capacity_rps, upper_rps) (upper None: above every
     rate tried). ``knee_rps``: the lowest rate tried whose p99 TTFT is at least twice that of
-    the lowest rate tried (None: none was)."""
+    the lowest rate tried (None: none was). ``steps``: every step in the order run, a void one
+    with a note saying so (and whether a retry superseded it); ``lag_limit_ms``: the limit they
+    were judged by."""
 
     capacity_rps: float | None
     upper_rps: float | None
@@ -166,6 +213,7 @@ class Capacity(AsDict):
     steps: tuple[StepResult, ...]
     knee_rps: float | None
     message: str
+    lag_limit_ms: float | None = None
 
     def as_dict(self) -> dict[str, Any]:  # steps as dicts, in the order run
         d = super().as_dict()
@@ -181,17 +229,36 @@ class Search:
         self.steps: list[StepResult] = []
         self._stopped: str | None = None
 
-    # the bracket: the highest rate that met the target, the lowest that did not (or was void)
+    # the bracket: the highest rate that met the target, the lowest that did not (or was void),
+    # among the steps that count (``_counted``)
     def _lo(self) -> float | None:
-        ok = [s.rate_rps for s in self.steps if s.verdict == MEETS and not self._void(s)]
+        ok = [s.rate_rps for s in self._counted() if s.verdict == MEETS and not self._void(s)]
         return max(ok) if ok else None
 
     def _hi(self) -> float | None:
-        bad = [s.rate_rps for s in self.steps if s.verdict != MEETS or self._void(s)]
+        bad = [s.rate_rps for s in self._counted() if s.verdict != MEETS or self._void(s)]
         return min(bad) if bad else None
 
     def _void(self, s: StepResult) -> bool:
         return s.generator_limited(self.spec.lag_limit_ms)
+
+    def _superseded(self, i: int) -> bool:
+        """Whether step ``i`` is void and a later step at its rate is not (its retry)."""
+        s = self.steps[i]
+        return self._void(s) and any(
+            t.rate_rps == s.rate_rps and not self._void(t) for t in self.steps[i + 1 :]
+        )
+
+    def _counted(self) -> list[StepResult]:
+        return [s for i, s in enumerate(self.steps) if not self._superseded(i)]
+
+    def _retry(self) -> float | None:
+        """The rate of the last step again, when it was void and its rate has had fewer than
+        ``void_retries`` retries."""
+        if not self.steps or not self._void(last := self.steps[-1]):
+            return None
+        voids = sum(1 for s in self.steps if s.rate_rps == last.rate_rps and self._void(s))
+        return last.rate_rps if voids <= self.spec.void_retries else None
 
     def record(self, step: StepResult) -> None:
         self.steps.append(step)
@@ -204,6 +271,8 @@ class Search:
         if len(self.steps) >= sp.max_steps:
             self._stopped = BY_STEPS
             return None
+        if (again := self._retry()) is not None:
+            return again  # the generator lagged: once more before the rate counts as its limit
         lo, hi = self._lo(), self._hi()
         if lo is not None and hi is not None and hi <= lo:
             # a lower rate failed where a higher one met (noise, or a void step): trust the
@@ -230,26 +299,38 @@ class Search:
     def result(self) -> Capacity:
         sp = self.spec
         lo, hi = self._lo(), self._hi()
-        void = [s for s in self.steps if self._void(s)]
+        void = [s for s in self._counted() if self._void(s)]
         limited_by = self._stopped or BY_STEPS
         if void and hi is not None and any(s.rate_rps == hi for s in void):
             limited_by = BY_GENERATOR
-        knee = _knee(self.steps)
+        knee = _knee(self._counted())
         t = f"{sp.target:.2%}"
         if lo is None:
             message = f"no rate tried meets {t} with confidence (lowest tried {min_rate(self.steps):g} req/s)"
         elif limited_by == BY_GENERATOR:
-            worst = max(s.lag_p99_ms or 0.0 for s in void)
+            worst = max(s.lag_p99_ms or 0.0 for s in void if s.rate_rps == hi)
             message = (
                 f"meets {t} at {lo:.3g} req/s; the load generator could not go higher (its schedule "
                 f"lag p99 reached {worst:.1f} ms at {hi:.3g} req/s, over {sp.lag_limit_ms:g} ms): "
                 "add workers or shards to search above it"
             )
         elif hi is None:
-            message = f"meets {t} at every rate tried, up to {lo:.3g} req/s (max_rps)"
+            why = "the step budget ran out" if limited_by == BY_STEPS else "max_rps"
+            message = f"meets {t} at every rate tried, up to {lo:.3g} req/s ({why})"
         else:
             message = f"meets {t} at {lo:.3g} req/s, not at {hi:.3g} req/s"
-        return Capacity(lo, hi, limited_by, tuple(self.steps), knee, message)
+        steps = tuple(self._noted(i) for i in range(len(self.steps)))
+        return Capacity(lo, hi, limited_by, steps, knee, message, sp.lag_limit_ms)
+
+    def _noted(self, i: int) -> StepResult:
+        """Step ``i`` as the result shows it: a void one says so, and whether it counted."""
+        s = self.steps[i]
+        if not self._void(s):
+            return s
+        why = f"the load generator lagged (schedule lag p99 {s.lag_p99_ms:.1f} ms, over {self.spec.lag_limit_ms:g} ms)"
+        superseded = self._superseded(i)
+        why = f"not counted: {why}; run again at this rate" if superseded else f"void: {why}"
+        return dataclasses.replace(s, note=f"{why}; {s.note}" if s.note else why, counted=not superseded)
 
 
 def min_rate(steps: Sequence[StepResult]) -> float:

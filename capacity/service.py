@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from analysis.definitions import slo_of
 from capacity.models import CapacitySearch
-from capacity.search import Capacity, SearchSpec, cost_at_capacity, run_search
+from capacity.search import Capacity, SearchSpec, cost_at_capacity, default_lag_limit_ms, run_search
 from capacity.steps import ARRIVALS, StepPlan, run_step
 from experiments.models import Experiment
 from replay.sources import load_requests
@@ -41,7 +41,9 @@ class Options:
     step_requests: int = 2000
     warmup_s: float = 5.0
     seed: int = 0
-    lag_limit_ms: float = 5.0
+    # the schedule lag p99 above which a step is void; None: derived from the experiment's SLO
+    # (capacity.search.default_lag_limit_ms)
+    lag_limit_ms: float | None = None
     local_paths: bool = True
 
 
@@ -91,18 +93,21 @@ def create_search(experiment: Experiment, opts: Options, *, actor=None) -> Capac
     if opts.arrival == "recorded":  # the trace must be readable and have a rate of its own
         trace_rate(opts.trace, opts.source_format, opts.step_requests, opts.local_paths)
     return CapacitySearch.objects.create(
-        experiment=experiment, params={**dataclasses.asdict(opts), "variants": chosen,
-                                       "start_rps": spec.start_rps, "target": spec.target},
+        experiment=experiment, params={**dataclasses.asdict(opts), "variants": chosen, "start_rps": spec.start_rps,
+                                       "target": spec.target, "lag_limit_ms": spec.lag_limit_ms},
         started_by=actor if getattr(actor, "pk", None) else None,
     )  # fmt: skip
 
 
 def search_spec(experiment: Experiment, opts: Options) -> SearchSpec:
     try:
+        lag_limit = opts.lag_limit_ms
+        if lag_limit is None:  # scaled to what a lag could distort (capacity/search.py)
+            lag_limit = default_lag_limit_ms(*slo_of(experiment).limits().values())
         return SearchSpec(
             target=experiment.sla_target, start_rps=opts.start_rps or opts.max_rps / 4.0, max_rps=opts.max_rps,
             min_rps=opts.min_rps, rel_tol=opts.rel_tol, max_steps=opts.max_steps, alpha=opts.alpha,
-            lag_limit_ms=opts.lag_limit_ms,
+            lag_limit_ms=lag_limit,
         )  # fmt: skip
     except ValueError as exc:
         raise ReplayError(str(exc)) from None
@@ -118,6 +123,19 @@ def variant_spec(spec: SearchSpec, opts: Options, key: str) -> SearchSpec:
         raise ReplayError(f"--start-rates {key}: {exc}") from None
 
 
+def step_plan(experiment: Experiment, opts: Options, spec: SearchSpec, *, actor=None) -> StepPlan:
+    """What every step of a search of ``experiment`` shares (capacity.steps.run_step)."""
+    rate_of_trace = None
+    if opts.arrival == "recorded":
+        rate_of_trace = trace_rate(opts.trace, opts.source_format, opts.step_requests, opts.local_paths)
+    return StepPlan(
+        experiment=experiment, trace=opts.trace, source_format=opts.source_format,
+        slo=slo_of(experiment), target=spec.target, alpha=spec.step_alpha,
+        max_requests=opts.step_requests, arrival=opts.arrival, cv=opts.cv, seed=opts.seed,
+        warmup_s=opts.warmup_s, trace_rate=rate_of_trace, local_paths=opts.local_paths, actor=actor,
+    )  # fmt: skip
+
+
 def options_of(record: CapacitySearch) -> Options:
     names = {f.name for f in dataclasses.fields(Options)}
     return Options(**{k: v for k, v in record.params.items() if k in names})
@@ -128,16 +146,7 @@ def execute_search(record: CapacitySearch, *, say: Callable[[str], None] = lambd
     (each variant's as soon as it is known) and ends done or failed."""
     experiment, opts = record.experiment, options_of(record)
     spec = search_spec(experiment, opts)
-    rate_of_trace = None
-    if opts.arrival == "recorded":
-        rate_of_trace = trace_rate(opts.trace, opts.source_format, opts.step_requests, opts.local_paths)
-    plan = StepPlan(
-        experiment=experiment, trace=opts.trace, source_format=opts.source_format,
-        slo=slo_of(experiment), target=spec.target, alpha=spec.step_alpha,
-        max_requests=opts.step_requests, arrival=opts.arrival, cv=opts.cv, seed=opts.seed,
-        warmup_s=opts.warmup_s, trace_rate=rate_of_trace, local_paths=opts.local_paths,
-        actor=record.started_by,
-    )  # fmt: skip
+    plan = step_plan(experiment, opts, spec, actor=record.started_by)
     costs = {v.key: v.cost for v in experiment.variants.all()}
     out: dict[str, Any] = {}
     try:
@@ -151,6 +160,8 @@ def execute_search(record: CapacitySearch, *, say: Callable[[str], None] = lambd
                 first[0] = False
                 att = "-" if step.attainment is None else f"{step.attainment:.4f}"
                 lag = "-" if step.lag_p99_ms is None else f"{step.lag_p99_ms:.2f}"
+                if step.generator_limited(spec.lag_limit_ms):
+                    lag += f", over the limit of {spec.lag_limit_ms:g}"
                 say(
                     f"{key}: {rate:.3g} req/s {step.verdict} (attainment {att} of {step.n}, "
                     f"lag p99 {lag} ms, run {step.run_id}, {step.seconds:.1f} s)"

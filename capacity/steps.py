@@ -20,11 +20,19 @@ counting whatever has arrived would lean toward hits; a prefix of the schedule i
 sequence observed in order, which is what the anytime-valid sequence is valid for. A request
 cancelled by the step's stop was cut short by the search, not by the deployment: it is never
 judged (the prefix ends before it), while errors and timeouts are misses like any other.
+
+The step's schedule lag p99 (``StepResult.lag_p99_ms``, by which the search decides whether
+the load generator, not the variant, was measured) is taken over the same judged requests: a
+lag in the warm-up (connections opening, the process's first batch written) delays requests
+no verdict rests on. Only a step that judged nothing falls back on its shards' figure, which
+covers the whole run. Before the replay starts, ``warm_writer`` loads what this process's first
+sample insert would otherwise load while the replay sends.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import threading
 import time
@@ -94,11 +102,12 @@ def judged_order(run: ReplayRun, warmup_s: float) -> list[int]:
 
 
 def _counts(store, plan: StepPlan, run_id: int, variant: str, order: list[int]) -> dict[str, Any]:
-    """n, hits, TTFT p50/p99 and mean output tokens of the settled prefix of ``order`` (the
-    module docstring); ``left``: the judged requests after it (not yet known, or never)."""
+    """n, hits, TTFT p50/p99, mean output tokens and schedule lag p99 of the settled prefix of
+    ``order`` (the module docstring); ``left``: the judged requests after it (not yet known, or
+    never)."""
     hit, hp = hit_expr(plan.slo)
     rows = store.query(
-        f"SELECT seq, outcome, {hit}, ttft_ms, output_tokens, recorded_ms FROM {SAMPLES} "
+        f"SELECT seq, outcome, {hit}, ttft_ms, output_tokens, recorded_ms, schedule_lag_ms FROM {SAMPLES} "
         "PREWHERE run_id = %(run)s WHERE experiment = %(experiment)s AND variant = %(variant)s",
         {"run": int(run_id), "experiment": plan.experiment.key, "variant": variant, **hp},
         settings=QUERY_SETTINGS,
@@ -115,6 +124,7 @@ def _counts(store, plan: StepPlan, run_id: int, variant: str, order: list[int]) 
         judged.append(row)
     ttft = sorted(r[3] for r in judged if r[1] == "ok" and r[3] is not None)
     tokens = [r[4] for r in judged if r[1] == "ok"]
+    lags = sorted(r[6] for r in judged if r[6] is not None)
     return {
         "n": len(judged),
         "hits": sum(1 for r in judged if r[2]),
@@ -122,7 +132,23 @@ def _counts(store, plan: StepPlan, run_id: int, variant: str, order: list[int]) 
         "ttft_p50_ms": float(nearest_rank(ttft, 0.5)) if ttft else None,
         "ttft_p99_ms": float(nearest_rank(ttft, 0.99)) if ttft else None,
         "output_tokens_mean": sum(tokens) / len(tokens) if tokens else None,
+        # the generator's lag while the step was judged: what could have moved its verdict
+        "lag_p99_ms": float(nearest_rank(lags, 0.99)) if lags else None,
     }
+
+
+def warm_writer(store: Any) -> None:
+    """Load now what the sample store's first insert in this process would load while a step's
+    replay sends. The embedded store (chDB) hands each batch over as an Arrow table, and its
+    first conversion imports pyarrow and pandas, in the sample sink's thread half a second into
+    the search's first step: that insert took 280-500 ms and kept every other thread (the
+    replay's event loop among them) from running for 80-140 ms; with both loaded first it takes
+    47-53 ms and holds others 4-9 ms, as later inserts do (bench/RESULTS.md, "The first step's
+    lag spike"). Imports are done once per process, so later steps pay nothing here. The
+    ClickHouse server's client encodes batches itself (its first insert held nothing)."""
+    if getattr(store, "backend_name", "") == "chdb":
+        importlib.import_module("pyarrow")
+        importlib.import_module("pandas")  # by pyarrow, for nullable columns (from_pandas)
 
 
 def run_step(plan: StepPlan, variant: str, rate: float, *, first: bool = False,
@@ -137,6 +163,9 @@ def run_step(plan: StepPlan, variant: str, rate: float, *, first: bool = False,
     )  # fmt: skip
     order = judged_order(run, plan.warmup_s)  # before the replay starts: its shard reuses the parse
     eager = settings.CELERY_TASK_ALWAYS_EAGER
+    store = sample_store()
+    if eager:
+        warm_writer(store)  # this process writes the step's samples: before its clock starts
     failure: list[BaseException] = []
     worker = None
     if eager:
@@ -154,7 +183,6 @@ def run_step(plan: StepPlan, variant: str, rate: float, *, first: bool = False,
         worker.start()
     else:
         start_replay.delay(run.pk)
-    store = sample_store()
     verdict = UNDECIDED
     futile = False
     got: dict[str, Any] = {"n": 0, "hits": 0}
@@ -188,9 +216,12 @@ def run_step(plan: StepPlan, variant: str, rate: float, *, first: bool = False,
     lo, hi = (
         step_sequence(got["hits"], got["n"], plan.target, plan.alpha).bounds() if got["n"] else (None, None)
     )
-    lags = [x for x in run.shards.values_list("lag_p99_ms", flat=True) if x is not None]
+    lag = got["lag_p99_ms"]
+    if lag is None:  # nothing judged: the shards' own figure, warm-up and all
+        lags = [x for x in run.shards.values_list("lag_p99_ms", flat=True) if x is not None]
+        lag = max(lags) if lags else None
     return StepResult(
-        rate_rps=float(rate), verdict=verdict, n=got["n"], hits=got["hits"], lag_p99_ms=max(lags) if lags else None,
+        rate_rps=float(rate), verdict=verdict, n=got["n"], hits=got["hits"], lag_p99_ms=lag,
         ttft_p50_ms=got["ttft_p50_ms"], ttft_p99_ms=got["ttft_p99_ms"], attainment_lo=lo, attainment_hi=hi,
         seconds=time.monotonic() - t0, run_id=run.pk, output_tokens_mean=got["output_tokens_mean"],
         note="" if verdict != UNDECIDED else _undecided(got, futile),

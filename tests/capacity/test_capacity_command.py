@@ -160,6 +160,26 @@ def test_the_command_names_what_is_wrong(weights_backend, document, users):
     assert not CapacitySearch.objects.exists()  # nothing recorded for a refused search
 
 
+@pytest.mark.django_db
+@pytest.mark.parametrize("weights_backend", ["local"], indirect=True)
+@pytest.mark.parametrize(
+    "sla, given, limit",
+    [({"ttft_ms": 200}, None, 10.0), ({"ttft_ms": 2000, "e2e_ms": 30000}, None, 100.0),
+     ({"ttft_ms": 200, "tpot_ms": 40}, None, 5.0), ({"ttft_ms": 200}, 50.0, 50.0)],
+)  # fmt: skip
+def test_the_lag_limit_is_a_share_of_the_tightest_slo_unless_one_is_given(
+    weights_backend, document, users, sla, given, limit
+):
+    from capacity.service import Options, create_search, options_of, search_spec
+
+    document["sla"] = {**sla, "target": 0.99}
+    exp = services.apply_document(document, actor=users["product"]).experiment
+    services.transition(exp, "start", users["product"])
+    record = create_search(exp, Options(trace="x.csv", lag_limit_ms=given))
+    assert record.params["lag_limit_ms"] == limit  # the search says which limit it judged by
+    assert search_spec(exp, options_of(record)).lag_limit_ms == limit
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("weights_backend", ["local"], indirect=True)
 @pytest.mark.engine

@@ -4,6 +4,8 @@ generator's limit, the ends of the rate range, the knee, and cost at capacity.""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -114,7 +116,7 @@ def test_bracketing_then_bisection_finds_the_edge_within_the_tolerance(edge):
 def test_every_rate_meeting_stops_at_max_rate_and_none_meeting_at_min_rate():
     cap = s.run_search(s.SearchSpec(0.99, 4.0, 16.0, 1.0), edge_probe(1e9, []))
     assert (cap.capacity_rps, cap.upper_rps, cap.limited_by) == (16.0, None, s.BY_MAX_RATE)
-    assert "up to 16" in cap.message
+    assert cap.message.endswith("up to 16 req/s (max_rps)")
     cap = s.run_search(s.SearchSpec(0.99, 4.0, 16.0, 1.0), edge_probe(0.0, []))
     assert (cap.capacity_rps, cap.upper_rps, cap.limited_by) == (None, 1.0, s.BY_MIN_RATE)
     assert cap.message.startswith("no rate tried meets")
@@ -130,7 +132,10 @@ def test_an_undecided_step_counts_as_not_meeting():
 
 
 def test_the_load_generator_caps_the_claim_and_says_so():
+    seen: list[float] = []
+
     def probe(rate):  # the variant would meet up to 30 req/s, but the replay lags past 9 req/s
+        seen.append(rate)
         return s.StepResult(
             rate, s.MEETS if rate <= 30 else s.MISSES, 500, 500, lag_p99_ms=1.0 if rate <= 9 else 12.0
         )
@@ -139,6 +144,102 @@ def test_the_load_generator_caps_the_claim_and_says_so():
     assert cap.capacity_rps <= 9 < cap.upper_rps
     assert cap.limited_by == s.BY_GENERATOR
     assert "load generator" in cap.message and "12.0 ms" in cap.message
+    # every rate that lagged was run twice in a row, and only then counted as the limit
+    runs = [(rate, len(list(same))) for rate, same in itertools.groupby(seen)]
+    assert any(rate > 9 for rate, _ in runs)
+    assert all(times == (2 if rate > 9 else 1) for rate, times in runs), seen
+    assert all(st.note.startswith("void: the load generator lagged") for st in cap.steps if st.rate_rps > 9)
+
+
+class LagSpikes:
+    """A variant that meets the target up to ``edge`` req/s, replayed by a generator whose lag
+    p99 is ``spike_ms`` on the first step at each rate in ``spiky`` and ``base_ms`` otherwise."""
+
+    def __init__(self, edge: float, spiky: set[float], spike_ms: float = 6.9, base_ms: float = 2.5):
+        self.edge, self.spiky, self.spike_ms, self.base_ms = edge, set(spiky), spike_ms, base_ms
+        self.seen: list[float] = []
+
+    def __call__(self, rate: float) -> s.StepResult:
+        lag = self.spike_ms if rate in self.spiky and rate not in self.seen else self.base_ms
+        self.seen.append(rate)
+        ok = rate <= self.edge
+        return s.StepResult(rate, s.MEETS if ok else s.MISSES, 800, 800 if ok else 600, lag_p99_ms=lag)
+
+
+def test_a_lag_spike_on_the_first_step_is_run_again_and_does_not_end_the_search():
+    # The report: the first step at 30 req/s met the target with a lag p99 of 6.9 ms (limit 5),
+    # and the search never went above 30; the deployment carries about 70.
+    spec = s.SearchSpec(0.99, start_rps=30.0, max_rps=120.0, rel_tol=0.05, max_steps=12, lag_limit_ms=5.0)
+    probe = LagSpikes(edge=70.0, spiky={30.0})
+    cap = s.run_search(spec, probe)
+    assert probe.seen[:3] == [30.0, 30.0, 60.0]  # once more at 30, then up
+    assert cap.limited_by == s.BY_SLA, cap.message
+    assert 70.0 / 1.05 <= cap.capacity_rps <= 70.0 < cap.upper_rps <= cap.capacity_rps * 1.05
+    assert "load generator" not in cap.message
+    # the void step is reported, marked as superseded by its retry; the retry counts
+    first, again = cap.steps[0], cap.steps[1]
+    assert (
+        first.note
+        == "not counted: the load generator lagged (schedule lag p99 6.9 ms, over 5 ms); run again at this rate"
+    )
+    assert again.note == "" and again.lag_p99_ms == 2.5
+    assert [st.counted for st in cap.steps] == [False] + [True] * (len(cap.steps) - 1)
+    assert cap.lag_limit_ms == 5.0
+    # without the retry, the report's search: the spike at 30 is the generator's limit, the
+    # search halves and bisects below it
+    cap = s.run_search(dataclasses.replace(spec, void_retries=0), LagSpikes(edge=70.0, spiky={30.0}))
+    assert cap.limited_by == s.BY_GENERATOR and cap.upper_rps == 30.0 and cap.capacity_rps < 30.0
+
+
+def test_a_superseded_void_step_counts_neither_in_the_bracket_nor_in_the_message():
+    # A void step that missed (the lag made it look bad) at 60, then met when run again: the
+    # bracket's upper end must not be 60, nor the message name it.
+    spec = s.SearchSpec(0.99, start_rps=30.0, max_rps=120.0, rel_tol=0.05, max_steps=12, lag_limit_ms=5.0)
+    calls: list[float] = []
+
+    def probe(rate):
+        first_at_60 = rate == 60.0 and 60.0 not in calls
+        calls.append(rate)
+        if first_at_60:
+            return s.StepResult(rate, s.MISSES, 300, 200, lag_p99_ms=40.0)
+        ok = rate <= 100.0
+        return s.StepResult(rate, s.MEETS if ok else s.MISSES, 800, 800 if ok else 600, lag_p99_ms=1.0)
+
+    search = s.Search(spec)
+    search.record(probe(search.next_rate()))  # 30 meets
+    search.record(probe(search.next_rate()))  # 60: void
+    assert search.next_rate() == 60.0  # not 42.4 (the bisection the void step would ask for)
+    search.record(probe(60.0))
+    assert search.next_rate() == 120.0
+    while (rate := search.next_rate()) is not None:
+        search.record(probe(rate))
+    cap = search.result()
+    assert calls.count(60.0) == 2 and cap.capacity_rps >= 100.0 / 1.05 and cap.upper_rps > 100.0
+    assert "60" not in cap.message and cap.limited_by == s.BY_SLA
+
+
+def test_a_void_step_on_the_last_step_the_budget_allows_is_not_run_again():
+    spec = s.SearchSpec(0.99, start_rps=30.0, max_rps=120.0, max_steps=2, lag_limit_ms=5.0)
+    probe = LagSpikes(edge=70.0, spiky={60.0})
+    cap = s.run_search(spec, probe)
+    assert probe.seen == [30.0, 60.0]
+    assert (cap.capacity_rps, cap.upper_rps, cap.limited_by) == (30.0, 60.0, s.BY_GENERATOR)
+    assert "6.9 ms at 60 req/s" in cap.message
+
+
+@pytest.mark.parametrize(
+    "thresholds, limit",
+    [((200.0,), 10.0), ((200.0, None, None), 10.0), ((2000.0, None, 30_000.0), 100.0), ((200.0, 50.0), 5.0),
+     ((80.0,), 5.0), ((), 5.0), ((None,), 5.0)],
+)  # fmt: skip
+def test_the_default_lag_limit_is_a_share_of_the_tightest_slo_threshold_but_at_least_5_ms(thresholds, limit):
+    assert s.default_lag_limit_ms(*thresholds) == pytest.approx(limit)
+    assert s.SearchSpec(0.99, 1.0, 2.0).lag_limit_ms == s.LAG_FLOOR_MS == 5.0
+
+
+def test_a_bad_slo_threshold_is_named():
+    with pytest.raises(ValueError, match="SLO thresholds must be finite numbers of ms > 0"):
+        s.default_lag_limit_ms(0.0)
 
 
 def test_the_step_budget_ends_a_search_and_keeps_what_it_found():
@@ -147,6 +248,7 @@ def test_the_step_budget_ends_a_search_and_keeps_what_it_found():
     )
     assert len(cap.steps) == 4 and cap.limited_by == s.BY_STEPS
     assert cap.capacity_rps == 8.0 and cap.upper_rps is None
+    assert cap.message.endswith("up to 8 req/s (the step budget ran out)")
 
 
 def test_alpha_is_split_over_the_steps():
@@ -163,6 +265,9 @@ def test_alpha_is_split_over_the_steps():
         ({"max_steps": 1}, "max_steps"),
         ({"alpha": 0.0}, "alpha"),
         ({"rel_tol": -0.1}, "rel_tol"),
+        ({"lag_limit_ms": 0.0}, "lag_limit_ms"),
+        ({"void_retries": -1}, "void_retries"),
+        ({"void_retries": True}, "void_retries"),
     ],
 )
 def test_bad_search_settings_are_named(kwargs, words):

@@ -68,6 +68,23 @@ def test_the_prefix_follows_the_planned_send_order_and_the_latest_recording(ch_s
     assert _counts(ch_store, plan(), RUN, "fp16", [5, 0, 1])["n"] == 0  # another variant's rows: none
 
 
+def test_the_steps_lag_is_the_p99_over_the_requests_it_judged(ch_store):
+    # A spike in the warm-up (requests 100-104, not judged: not in the order) and after the
+    # first request still in flight (51-59) is not the lag of the requests the verdict rests on
+    warm = [row(s, schedule_lag_ms=900.0) for s in range(100, 105)]
+    judged = [row(s, schedule_lag_ms=s / 10) for s in range(50)]
+    late = [row(s, schedule_lag_ms=80.0) for s in range(51, 60)]
+    ch_store.insert_samples(warm + judged + late)
+    order = list(range(60))
+    got = _counts(ch_store, plan(), RUN, VARIANT, order)
+    assert got["n"] == 50 and got["lag_p99_ms"] == pytest.approx(4.9)  # nearest rank: the 50th of 50
+    # request 50 lands: now 51-59 are judged too, and their lag counts
+    ch_store.insert_samples([row(50, schedule_lag_ms=2.0)])
+    got = _counts(ch_store, plan(), RUN, VARIANT, order)
+    assert got["n"] == 60 and got["lag_p99_ms"] == 80.0
+    assert _counts(ch_store, plan(), RUN, VARIANT, [200, 201])["lag_p99_ms"] is None  # nothing judged
+
+
 @pytest.mark.parametrize(
     "hits, n, left, can",
     [(0, 0, 2000, True), (0, 0, 663, True), (0, 0, 662, False), (10, 10, 653, True), (199, 200, 798, True),

@@ -1,6 +1,6 @@
 """python manage.py capacity KEY --trace FILE [--variants a,b] [--arrival poisson|gamma|recorded]
 [--max-rate R] [--start-rate R] [--start-rates a=R,b=R] [--min-rate R] [--tolerance 0.05] [--max-steps 12]
-[--step-requests 2000] [--warmup 5] [--seed 0] [--alpha 0.05] [--lag-limit 5] [--json]
+[--step-requests 2000] [--warmup 5] [--seed 0] [--alpha 0.05] [--lag-limit MS] [--json]
 
 Per variant, the highest request rate at which attainment meets the experiment's SLA target
 with confidence (capacity/search.py: bracketing then bisection, each step a replay of that
@@ -71,8 +71,9 @@ class Command(JsonCommand):
         parser.add_argument("--warmup", type=float, default=5.0, help="seconds of each step not judged")
         parser.add_argument("--seed", type=int, default=0, help="user population and arrival seed")
         parser.add_argument("--alpha", type=float, default=0.05, help="error rate of the whole search")
-        parser.add_argument("--lag-limit", type=float, default=5.0,
-                            help="ms of the replay's own schedule lag p99 above which a step is void")  # fmt: skip
+        parser.add_argument("--lag-limit", type=float, default=None,
+                            help="ms of the replay's own schedule lag p99 above which a step is void (default: "
+                                 "max(5, 5%% of the tightest SLO threshold), 10 ms for a 200 ms TTFT)")  # fmt: skip
         parser.add_argument("--as", "--user", dest="as_user",
                             help="the user who acts (the audit log records them; bound by their teams)")  # fmt: skip
         add_json_argument(parser)
