@@ -86,7 +86,9 @@ def test_the_admin_form_sets_it(users, experiment, document):
     client.force_login(users["product"])
     page = client.get(change_url(experiment)).content.decode()
     assert 'name="analysis_cluster_by_user"' in page and 'name="analysis_adjust"' in page
-    data = {**form_data(document, experiment), "analysis_cluster_by_user": "on"}  # adjust unticked
+    unticked = {**document, "analysis": {"cluster_by_user": True, "adjust": False}}
+    data = form_data(unticked, experiment)  # cluster_by_user ticked, adjust not posted (unticked)
+    assert data["analysis_cluster_by_user"] == "on" and "analysis_adjust" not in data
     response = client.post(change_url(experiment), data)
     assert response.status_code == 302, response.content.decode()[:3000]
     experiment.refresh_from_db()

@@ -22,6 +22,7 @@ from experiments import services
 from gateway.config import GatewayConfig
 from samples.schema import SAMPLES_FROM
 from tests.gateway.conftest import KEY
+from tests.workers.background import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 MESSAGES = [{"role": "user", "content": "Tell me a long story"}]
@@ -168,15 +169,15 @@ def test_with_web_one_process_serves_the_gateway_and_the_report_on_the_embedded_
             assert reply.headers["x-abplat-variant"] in {"fp16", "awq", "awq-fa2"}
         assert httpx.get(url + "/admin/login/").status_code == 200  # Django, same port
         auth = {"Authorization": f"Token {token}"}
-        deadline = time.monotonic() + 30
-        while True:  # the recorder writes in batches, off the request path
+        seen = {}
+
+        def reported_all() -> bool:  # the recorder writes in batches, off the request path
             report = httpx.get(url + "/api/experiments/ttft-opt/report?mode=live", headers=auth, timeout=30)
             assert report.status_code == 200, report.text
-            n = sum(v["n"] for v in report.json()["variants"])
-            if n == 5 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert n == 5, report.json()
+            seen["report"] = report.json()
+            return sum(v["n"] for v in seen["report"]["variants"]) == 5
+
+        wait_for(reported_all, timeout=30, poll=0.2, message=lambda: str(seen.get("report")))
     finally:
         child.send_signal(signal.SIGTERM)
         try:
