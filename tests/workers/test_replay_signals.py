@@ -13,7 +13,16 @@ import time
 import pytest
 
 from samples.backends.clickhouse import ClickHouseServerBackend
-from tests.workers.background import ROOT, db_rows, db_time, install_demo, manage, store_count, subprocess_env
+from tests.workers.background import (
+    ROOT,
+    db_rows,
+    db_time,
+    install_demo,
+    manage,
+    store_count,
+    subprocess_env,
+    wait_for,
+)
 
 
 @pytest.fixture
@@ -47,11 +56,15 @@ def start_replay(env, tmp_path) -> subprocess.Popen:
 def wait_recorded(env, proc, tmp_path, n=15):
     """Until the replay has stored ``n`` samples: mid-run (63 requests go out in the first 4 s,
     the last 37 at 18-19 s)."""
-    deadline = time.monotonic() + 90
-    while store_count(env) < n:
-        assert proc.poll() is None, (tmp_path / "err.txt").read_text()[-3000:]
-        assert time.monotonic() < deadline, (tmp_path / "err.txt").read_text()[-3000:]
-        time.sleep(0.1)
+
+    def err() -> str:
+        return (tmp_path / "err.txt").read_text()[-3000:]
+
+    def recorded() -> bool:
+        assert proc.poll() is None, err()
+        return store_count(env) >= n
+
+    wait_for(recorded, timeout=90, poll=0.1, message=err)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
