@@ -159,23 +159,7 @@ def check(record, target: float, quick: bool) -> None:
             raise BenchFailed(f"{v}: the search ran no step")
         runs = {run.pk: run for run in ReplayRun.objects.filter(pk__in=[s["run_id"] for s in steps])}
         for s in steps:
-            run = runs.get(s["run_id"])
-            where = f"{v} at {s['rate_rps']:g} req/s (run {s['run_id']})"
-            if run is None:
-                raise BenchFailed(f"{where}: no such run")
-            if run.mode != "mirror" or run.targets != [v]:
-                raise BenchFailed(
-                    f"{where}: a {run.mode} run of {run.targets}, expected a mirror run of [{v!r}]"
-                )
-            if run.status not in ("done", "cancelled"):
-                raise BenchFailed(f"{where}: ended {run.status}: {run.error}")
-            bad = {k: n for k, n in run.outcomes.items() if k not in ("ok", "cancelled")}
-            if bad:
-                raise BenchFailed(f"{where}: outcomes {bad}: the deployment failed requests")
-            if run.samples_recorded < s["n"]:
-                raise BenchFailed(
-                    f"{where}: the step counted {s['n']} samples, the run recorded {run.samples_recorded}"
-                )
+            check_step_run(runs.get(s["run_id"]), s, v, f"{v} at {s['rate_rps']:g} req/s (run {s['run_id']})")
         good = [s["rate_rps"] for s in steps if s["verdict"] == MEETS and not _void(s, lag_limit)]
         cap = r["capacity_rps"]
         if (max(good) if good else None) != cap:
@@ -198,6 +182,27 @@ def check(record, target: float, quick: bool) -> None:
         raise BenchFailed(f"awq-fa2 carries {fa2} req/s within the SLA, fp16 {fp16}: the demo's claim "
                           "(awq-fa2 carries more than fp16 at target "
                           f"{target:.2%}) does not hold on this machine now")  # fmt: skip
+
+
+def check_step_run(run, step: dict, variant: str, where: str) -> None:
+    """A search step's run: a mirror run of ``variant`` alone, ended done or cancelled (the
+    search's stop), every request it did not cancel answered, and at least the samples the step
+    judged recorded."""
+    if run is None:
+        raise BenchFailed(f"{where}: no such run")
+    if run.mode != "mirror" or run.targets != [variant]:
+        raise BenchFailed(
+            f"{where}: a {run.mode} run of {run.targets}, expected a mirror run of [{variant!r}]"
+        )
+    if run.status not in ("done", "cancelled"):
+        raise BenchFailed(f"{where}: ended {run.status}: {run.error}")
+    bad = {k: n for k, n in run.outcomes.items() if k not in ("ok", "cancelled")}
+    if bad:
+        raise BenchFailed(f"{where}: outcomes {bad}: the deployment failed requests")
+    if run.samples_recorded < step["n"]:
+        raise BenchFailed(
+            f"{where}: the step counted {step['n']} samples, the run recorded {run.samples_recorded}"
+        )
 
 
 def _void(step: dict, limit: float) -> bool:
@@ -494,18 +499,8 @@ def check_edge(results: dict[str, dict]) -> None:
     for policy, r in results.items():
         runs = {run.pk: run for run in ReplayRun.objects.filter(pk__in=[s["run_id"] for s in r["steps"]])}
         for s in r["steps"]:
-            run, where = runs.get(s["run_id"]), f"{policy} at {s['rate_rps']:g} req/s (run {s['run_id']})"
-            if run is None or run.mode != "mirror" or run.targets != ["edge"]:
-                raise BenchFailed(f"{where}: not a mirror run of the variant alone")
-            if run.status not in ("done", "cancelled"):
-                raise BenchFailed(f"{where}: ended {run.status}: {run.error}")
-            bad = {k: n for k, n in run.outcomes.items() if k not in ("ok", "cancelled")}
-            if bad:
-                raise BenchFailed(f"{where}: outcomes {bad}")
-            if run.samples_recorded < s["n"]:
-                raise BenchFailed(
-                    f"{where}: judged {s['n']} samples, the run recorded {run.samples_recorded}"
-                )
+            where = f"{policy} at {s['rate_rps']:g} req/s (run {s['run_id']})"
+            check_step_run(runs.get(s["run_id"]), s, "edge", where)
 
 
 def measured_engine(results: dict[str, dict], below_rps: float) -> tuple[float, float]:
