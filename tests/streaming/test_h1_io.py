@@ -12,7 +12,8 @@ import time
 import pytest
 
 from streaming.client import Timeouts
-from streaming.h1 import Exchange, open_connection, request_bytes
+from streaming.h1 import open_connection, request_bytes
+from streaming.timed_exchange import TimedExchange
 from streaming.result import Outcome
 from streaming.timing import StreamTimer
 
@@ -86,7 +87,7 @@ async def _exchange(port: int, body: bytes = b"{}", rx: bool | None = None, conn
     idle: list = []
     if conn is None:
         conn, _, _ = await open_connection("127.0.0.1", port, idle.append, rx)
-    ex = Exchange(StreamTimer(time.perf_counter_ns()), timeouts or Timeouts(), loop)
+    ex = TimedExchange(StreamTimer(time.perf_counter_ns()), timeouts or Timeouts(), loop)
     conn.start(ex, request_bytes(f"127.0.0.1:{port}", "/v1/completions", {}, body))
     return await asyncio.wait_for(ex.future, 10), conn, idle
 
@@ -127,7 +128,7 @@ def test_stamped_bytes_are_parsed_in_their_read_and_clock_read_bytes_one_pass_la
         loop = asyncio.get_running_loop()
         conn, _, _ = await open_connection("127.0.0.1", server.port, lambda c: None, rx)
         loop.remove_reader(conn.sock.fileno())  # the test calls the read callback, not the loop
-        ex = Exchange(StreamTimer(time.perf_counter_ns()), Timeouts(), loop)
+        ex = TimedExchange(StreamTimer(time.perf_counter_ns()), Timeouts(), loop)
         conn.start(ex, request_bytes("h", "/v1/completions", {}, b"{}"))
         await loop.run_in_executor(None, sent.wait, 5)
         for _ in range(200):  # until a read returned bytes (not EAGAIN)
@@ -258,7 +259,7 @@ def test_closing_the_connection_unregisters_and_closes_its_socket(server):
     assert conn.sock.fileno() == -1 and not still_registered
 
 
-# One deadline timer per exchange, re-armed lazily (h1.Exchange._arm): each phase still ends
+# One deadline timer per exchange, re-armed lazily (streaming/h1.py, Deadline): each phase still ends
 # at its own deadline, whichever phase armed the timer.
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from streaming import h1
 from streaming.client import Timeouts
-from streaming.h1 import Exchange, H1Connection, open_connection, request_bytes, rx_stamp_ns
+from streaming.h1 import H1Connection, open_connection, request_bytes, rx_stamp_ns
+from streaming.timed_exchange import TimedExchange
 from streaming.result import Outcome
 from streaming.timing import StreamTimer
 
@@ -46,7 +47,7 @@ async def _stream_once(rx_timestamps: bool | None) -> tuple[int, int, H1Connecti
     with server:
         await asyncio.sleep(0)  # connection_made has run
         timer = StreamTimer(time.perf_counter_ns())
-        ex = Exchange(timer, Timeouts(), loop)
+        ex = TimedExchange(timer, Timeouts(), loop)
         conn.start(ex, request_bytes(f"127.0.0.1:{port}", "/v1/completions", {}, b"{}"))
         await asyncio.sleep(0.01)
         server.recv(65536)
