@@ -13,8 +13,8 @@ import pytest
 
 from streaming.client import Timeouts
 from streaming.h1 import open_connection, request_bytes
-from streaming.timed_exchange import TimedExchange
 from streaming.result import Outcome
+from streaming.timed_exchange import TimedExchange
 from streaming.timing import StreamTimer
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"

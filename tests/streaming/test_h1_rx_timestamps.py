@@ -12,8 +12,8 @@ import pytest
 from streaming import h1
 from streaming.client import Timeouts
 from streaming.h1 import H1Connection, open_connection, request_bytes, rx_stamp_ns
-from streaming.timed_exchange import TimedExchange
 from streaming.result import Outcome
+from streaming.timed_exchange import TimedExchange
 from streaming.timing import StreamTimer
 
 # The client's loop is blocked this long after the server wrote: the stamp must not include it.
