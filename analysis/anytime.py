@@ -14,6 +14,24 @@ order statistics the report already reads, so the two kinds sit side by side:
 - the split: the sequential SRM test (Dirichlet-multinomial e-value per config revision; the
   revisions' e-values multiply).
 
+Those treat requests as independent draws. When the experiment's analysis clusters by user or
+adjusts (analysis.units), the same per-unit moments the fixed-horizon clustered and adjusted
+numbers come from give their anytime-valid counterparts (``unit_sequences``): the asymptotic
+normal-mixture confidence sequences of stats.sequential.adjusted on
+
+- per variant (clustered by user): attainment, error rate and mean TTFT per request, each
+  arm's ratio mean with its user-clustered variance;
+- per variant against the control: the attainment, error-rate and mean TTFT differences,
+  user-clustered (cluster_by_user), and regression-adjusted on the pre-request covariates that
+  vary (adjust; on the same covariates as the fixed-horizon adjusted differences), with users or
+  requests as the unit as those are (their ``inference``). Not in mirror mode (the arms share
+  their users: the fixed-horizon paired analysis is the one for it).
+
+Each such sequence is one sequence at ``alpha`` (a difference is one sequence on the difference,
+not two arms' at alpha/2), narrowest at TARGET_N requests and without bounds until every arm
+read has MIN_CLUSTERS units; a share's bounds are clipped to its range (the truth lies in it, so
+that costs no coverage).
+
 These are the statistics the rollout controller decides on (rollouts/controller.py), so what the
 dashboard shows mid-rollout is what the controller saw. Pure: no Django, no store.
 """
@@ -26,6 +44,16 @@ from typing import Any
 
 import numpy as np
 
+from analysis import units
+from stats.clustered import ArmMoments
+from stats.sequential._base import SequentialInterval
+from stats.sequential.adjusted import (
+    DEFAULT_MIN_CLUSTERS,
+    DEFAULT_TARGET_N,
+    adjusted_difference_look,
+    clustered_difference_sequence,
+    clustered_mean_sequence,
+)
 from stats.sequential.means import MeanSequence, difference_interval
 from stats.sequential.quantiles import (
     quantile_cs_ranks,
@@ -38,6 +66,19 @@ P99 = 0.99
 NOTE = (
     "anytime-valid (confidence sequences): may be read mid-run, after every batch, as often as "
     "you like; wider than the fixed-horizon intervals, which hold only when read once, at the end"
+)
+
+
+# The unit sequences' design, fixed before the data (stats.sequential.adjusted): narrowest at
+# TARGET_N requests (of both arms for a difference, of the arm for its mean); no bounds before
+# MIN_CLUSTERS units in every arm read.
+TARGET_N = DEFAULT_TARGET_N
+MIN_CLUSTERS = DEFAULT_MIN_CLUSTERS
+UNITS_NOTE = (
+    "user-clustered and adjusted: asymptotic normal-mixture confidence sequences on the same "
+    "estimates as inference, vs_control.clustered and vs_control.adjusted (stats.sequential."
+    f"adjusted), each at alpha; narrowest at {TARGET_N} requests; no bounds before {MIN_CLUSTERS} "
+    "units in every arm read"
 )
 
 
@@ -149,3 +190,101 @@ def anytime_srm(
             else ""
         ),
     }
+
+
+def _bounded(iv: SequentialInterval, binary: bool, low: float) -> dict[str, Any]:
+    """The sequence as the report shows it: a share's bounds clipped to [low, 1]; a note when
+    there are no bounds yet."""
+    out = iv.as_dict()
+    if binary:
+        for side in ("lo", "hi"):
+            if out[side] is not None:
+                out[side] = min(max(out[side], low), 1.0)
+    out["note"] = None
+    if iv.estimate is not None and iv.lo is None and iv.hi is None:
+        out["note"] = f"fewer than {MIN_CLUSTERS} units in an arm: no bounds yet"
+    return out
+
+
+def _difference(c: ArmMoments, v: ArmMoments, alpha: float) -> dict[str, Any]:
+    iv = clustered_difference_sequence(c, v, alpha, TARGET_N, MIN_CLUSTERS)
+    return {"inference": units.INFERENCE_USER, **_bounded(iv, c.binary, -1.0)}
+
+
+def _adjusted(c: ArmMoments, v: ArmMoments, inference: str, alpha: float) -> dict[str, Any]:
+    """The adjusted difference's sequence on the covariates the fixed-horizon one uses
+    (units.fit_on_varying), labelled as it is."""
+    look, used, left, error = units.fit_on_varying(
+        c, v, lambda a, b: adjusted_difference_look(a, b, alpha, TARGET_N, MIN_CLUSTERS)
+    )
+    if look is None:
+        label = {"covariates": [], "variance_reduction": None, "not_used": left}
+        empty = {"estimate": None, "lo": None, "hi": None, "alpha": alpha, "method": ""}
+        return {"inference": inference, "adjusted": label, **empty, "note": error}
+    label = {"covariates": list(used), "variance_reduction": look.variance_reduction, "not_used": left}
+    return {"inference": inference, "adjusted": label, **_bounded(look.interval, c.binary, -1.0)}
+
+
+def unit_sequences(
+    moments: Mapping[str, units.UnitMoments] | None,
+    order: Sequence[str],
+    control: str,
+    modes: Mapping[str, int],
+    cluster_by_user: bool,
+    adjust: bool,
+    alpha: float,
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(the anytime key's "units" description, {variant: {"clustered": ..., "vs_control":
+    {"clustered": ..., "adjusted": ...} or None}}) from the report's per-unit moments
+    (analysis.units; None when the analysis is off). Keys as the fixed-horizon ones: None when
+    off, in mirror mode (differences) or without the arm's moments."""
+    info = {
+        "unit": "user" if cluster_by_user else "request",
+        "cluster_by_user": cluster_by_user,
+        "adjust": adjust,
+        "target_n": TARGET_N,
+        "min_clusters": MIN_CLUSTERS,
+        "note": UNITS_NOTE if (cluster_by_user or adjust) else "off for this experiment",
+    }
+    moments = moments or {}
+    out: dict[str, dict[str, Any]] = {v: {"clustered": None, "vs_control": None} for v in order}
+    if cluster_by_user:
+        for v in order:
+            um = moments.get(v)
+            if um is None:
+                continue
+            entry: dict[str, Any] = {"inference": units.INFERENCE_USER}
+            for metric, m in units.METRICS.items():
+                arm = um.arm(metric)
+                if arm is None:
+                    entry[metric] = None
+                    continue
+                iv = clustered_mean_sequence(arm, alpha, TARGET_N, MIN_CLUSTERS)
+                entry[metric] = {"inference": units.INFERENCE_USER, **_bounded(iv, m.binary, 0.0)}
+            out[v]["clustered"] = entry
+    if control not in moments or modes.get("mirror") or not (cluster_by_user or adjust):
+        return info, out
+    inference = units.INFERENCE_USER if cluster_by_user else units.INFERENCE_REQUEST
+    full = list(units.COVARIATES)
+    for v in order:
+        if v == control or v not in moments:
+            continue
+        comp: dict[str, Any] = {
+            "clustered": {"inference": units.INFERENCE_USER} if cluster_by_user else None,
+            "adjusted": {"inference": inference, "note": units.NOT_ADJUSTED} if adjust else None,
+        }
+        for metric, name in units.DIFFERENCES.items():
+            c_arm, v_arm = moments[control].arm(metric), moments[v].arm(metric)
+            if c_arm is None or v_arm is None:
+                for part in comp.values():
+                    if part is not None:
+                        part[name] = None
+                continue
+            if cluster_by_user:
+                comp["clustered"][name] = _difference(c_arm, v_arm, alpha)
+            if adjust:
+                c_full, v_full = moments[control].arm(metric, full), moments[v].arm(metric, full)
+                assert c_full is not None and v_full is not None
+                comp["adjusted"][name] = _adjusted(c_full, v_full, inference, alpha)
+        out[v]["vs_control"] = comp
+    return info, out

@@ -32,7 +32,7 @@ import numpy as np
 from analysis import factors, units
 from analysis import server_metrics as servermod
 from analysis.anytime import NOTE as ANYTIME_NOTE
-from analysis.anytime import anytime_intervals, anytime_srm, p99_ranks
+from analysis.anytime import anytime_intervals, anytime_srm, p99_ranks, unit_sequences
 from analysis.definitions import (
     GAP_METRICS,
     INFLIGHT_EDGES,
@@ -289,10 +289,14 @@ def build_report(
     srm_parts = _srm_parts(exp, got["srm_users"], present)
     srm = _srm(exp, srm_parts, modes)
     ttft_os = {v: order_stats.get((v, "ttft_ms"), {}) for v in present}
+    anytime_units, per_unit_seq = unit_sequences(
+        unit_moments, order, control, modes, exp.cluster_by_user, exp.adjust, ALPHA
+    )
     anytime = {
         "alpha": ALPHA,
         "note": ANYTIME_NOTE,
-        "variants": anytime_intervals(summ, order, control, ttft_os, ALPHA),
+        "units": anytime_units,
+        "variants": _with_units(anytime_intervals(summ, order, control, ttft_os, ALPHA), per_unit_seq),
         "srm": anytime_srm(srm_parts, ALPHA) if srm.get("applicable") else {"applicable": False},
     }
     segments = _segments(cells, present)
@@ -374,6 +378,27 @@ def build_report(
             "source": reader.source,
         },
     }
+
+
+def _with_units(
+    intervals: Mapping[str, dict[str, Any]], per_unit: Mapping[str, Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The anytime intervals per variant with the user-clustered and adjusted sequences beside
+    the request-level ones (analysis.anytime.unit_sequences): the variant's "clustered", and
+    "clustered" / "adjusted" in its vs_control (None where the request-level one is None)."""
+    out: dict[str, Any] = {}
+    for v, entry in intervals.items():
+        units_v = per_unit.get(v, {})
+        e = {**entry, "clustered": units_v.get("clustered")}
+        if e["vs_control"] is not None:
+            comp = units_v.get("vs_control") or {}
+            e["vs_control"] = {
+                **e["vs_control"],
+                "clustered": comp.get("clustered"),
+                "adjusted": comp.get("adjusted"),
+            }
+        out[v] = e
+    return out
 
 
 def _labelled(metric: str, est: dict[str, Any]) -> dict[str, Any]:

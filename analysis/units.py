@@ -46,8 +46,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -57,6 +57,8 @@ from stats._common import DEFAULT_CONF
 from stats.adjusted import adjusted_difference
 from stats.clustered import ArmMoments, clustered_difference, clustered_mean
 from stats.comparisons import holm_adjust
+
+T = TypeVar("T")
 
 # The pre-request covariates offered to the adjustment, as Float64 SQL over the samples table.
 COVARIATES: dict[str, str] = {
@@ -75,7 +77,8 @@ INFERENCE_REQUEST = "requests"
 # The report's keys that treat requests as independent draws, whatever the experiment's switch.
 REQUEST_LEVEL = (
     "variants[].attainment, verdict, percentiles, vs_control.attainment_difference, "
-    "p99_ttft_difference, mann_whitney_ttft, segments and anytime treat requests as independent draws"
+    "p99_ttft_difference, mann_whitney_ttft, segments and anytime's sequences but its clustered and "
+    "adjusted ones treat requests as independent draws"
 )
 NOT_ADJUSTED = (
     "p99 TTFT and the other percentiles are not adjusted: the adjustment subtracts a zero-mean "
@@ -177,10 +180,14 @@ def layout(slo: Slo | None = None) -> Layout:
     return Layout(tuple(b[0] for b in blocks), comps, total, cross)
 
 
-def moments_select(f: Filters, slo: Slo, unit: str, head: Sequence[str] = ()) -> tuple[str, dict[str, Any]]:
+def moments_select(
+    f: Filters, slo: Slo, unit: str, head: Sequence[str] = (), extra: Sequence[str] = ()
+) -> tuple[str, dict[str, Any]]:
     """SELECT variant[, head...], counts (Array(UInt64)), sums (Array(Float64)) per variant over
-    the samples in f: the per-unit moments (module docstring), for the raw reader and the rollup
-    build. ``head``: SQL placed before variant (the rollup's build id)."""
+    the samples in f: the per-unit moments (module docstring), for the raw reader, the rollup
+    build and a rollout step's reading. ``head``: SQL placed before variant (the rollup's build
+    id); ``extra``: more conditions on the samples (a rollout step's config revision; their
+    parameters are the caller's to add)."""
     if unit not in UNITS:
         raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
     blocks, params = _blocks(slo)
@@ -204,7 +211,7 @@ def moments_select(f: Filters, slo: Slo, unit: str, head: Sequence[str] = ()) ->
         sums[i] = f"sum({names[(name, c)]})"
     for (name, a, b), i in lay.cross.items():
         sums[i] = f"sum({names[(name, a)]} * {names[(name, b)]})"
-    fw, fparams = from_where(f)
+    fw, fparams = from_where(f, extra)
     if unit == "user":
         arm, group = "any(variant)", f" GROUP BY {CLUSTER_KEY}"  # one variant per key
     else:
@@ -314,26 +321,34 @@ def _covariates_for(control: ArmMoments, variant: ArmMoments) -> tuple[list[str]
     return used, left
 
 
-def adjusted_entry(
-    control: ArmMoments, variant: ArmMoments, inference: str, conf: float = DEFAULT_CONF
-) -> dict[str, Any]:
-    """stats.adjusted.adjusted_difference on the covariates that vary, as the report shows it:
-    labelled with its inference and what it was adjusted on. Collinear covariates are dropped
-    from the last one back until the fit is well posed."""
+def fit_on_varying(
+    control: ArmMoments, variant: ArmMoments, fit: Callable[[ArmMoments, ArmMoments], T]
+) -> tuple[T | None, list[str], dict[str, str], str]:
+    """``fit`` (an adjusted difference, fixed-horizon or anytime-valid) on the covariates that
+    vary over the two arms' requests, collinear ones dropped from the last one back until the
+    fit is well posed (it raises ValueError when not): (its result, or None when even no
+    covariate fails; the covariates used; {covariate left out: why}; the last error, or "")."""
     used, left = _covariates_for(control, variant)
     while True:
         try:
-            d = adjusted_difference(control.select(used), variant.select(used), conf)
-            break
+            return fit(control.select(used), variant.select(used)), used, left, ""
         except ValueError as e:  # collinear (constant ones are already out): drop the last one
-            if not used:  # no fit at all: say why rather than fail the whole report
-                label = {"covariates": [], "variance_reduction": None, "not_used": left}
-                empty = dict.fromkeys(
-                    ("estimate", "lo", "hi", "se", "se_iid", "p_value", "variance_reduction")
-                )
-                return {"inference": inference, "adjusted": label, **empty, "note": str(e)}
+            if not used:
+                return None, used, left, str(e)
             left[used[-1]] = "collinear with " + (", ".join(used[:-1]) or "the arm (it tells them apart)")
             used = used[:-1]
+
+
+def adjusted_entry(
+    control: ArmMoments, variant: ArmMoments, inference: str, conf: float = DEFAULT_CONF
+) -> dict[str, Any]:
+    """stats.adjusted.adjusted_difference on the covariates that vary (``fit_on_varying``), as
+    the report shows it: labelled with its inference and what it was adjusted on."""
+    d, _used, left, error = fit_on_varying(control, variant, lambda c, v: adjusted_difference(c, v, conf))
+    if d is None:  # no fit at all: say why rather than fail the whole report
+        label = {"covariates": [], "variance_reduction": None, "not_used": left}
+        empty = dict.fromkeys(("estimate", "lo", "hi", "se", "se_iid", "p_value", "variance_reduction"))
+        return {"inference": inference, "adjusted": label, **empty, "note": error}
     label = {"covariates": list(d.covariates), "variance_reduction": d.variance_reduction, "not_used": left}
     return {
         "inference": inference,

@@ -25,14 +25,14 @@ The step's schedule lag p99 (``StepResult.lag_p99_ms``, by which the search deci
 the load generator, not the variant, was measured) is taken over the same judged requests: a
 lag in the warm-up (connections opening, the process's first batch written) delays requests
 no verdict rests on. Only a step that judged nothing falls back on its shards' figure, which
-covers the whole run. Before the replay starts, ``warm_writer`` loads what this process's first
-sample insert would otherwise load while the replay sends.
+covers the whole run. The step opens the sample store before the replay starts: the embedded
+store (chDB) loads what its first sample insert needs when it is opened
+(samples.backends.chdb), so a step's first batch loads nothing while the replay sends.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import threading
 import time
@@ -137,20 +137,6 @@ def _counts(store, plan: StepPlan, run_id: int, variant: str, order: list[int]) 
     }
 
 
-def warm_writer(store: Any) -> None:
-    """Load now what the sample store's first insert in this process would load while a step's
-    replay sends. The embedded store (chDB) hands each batch over as an Arrow table, and its
-    first conversion imports pyarrow and pandas, in the sample sink's thread half a second into
-    the search's first step: that insert took 280-500 ms and kept every other thread (the
-    replay's event loop among them) from running for 80-140 ms; with both loaded first it takes
-    47-53 ms and holds others 4-9 ms, as later inserts do (bench/RESULTS.md, "The first step's
-    lag spike"). Imports are done once per process, so later steps pay nothing here. The
-    ClickHouse server's client encodes batches itself (its first insert held nothing)."""
-    if getattr(store, "backend_name", "") == "chdb":
-        importlib.import_module("pyarrow")
-        importlib.import_module("pandas")  # by pyarrow, for nullable columns (from_pandas)
-
-
 def run_step(plan: StepPlan, variant: str, rate: float, *, first: bool = False,
              on_look: Callable[[dict], None] | None = None) -> StepResult:  # fmt: skip
     """Replay ``variant`` alone at ``rate`` until the verdict is clear or the cap is reached."""
@@ -163,9 +149,7 @@ def run_step(plan: StepPlan, variant: str, rate: float, *, first: bool = False,
     )  # fmt: skip
     order = judged_order(run, plan.warmup_s)  # before the replay starts: its shard reuses the parse
     eager = settings.CELERY_TASK_ALWAYS_EAGER
-    store = sample_store()
-    if eager:
-        warm_writer(store)  # this process writes the step's samples: before its clock starts
+    store = sample_store()  # opened (and warm for writing) before the step's clock starts
     failure: list[BaseException] = []
     worker = None
     if eager:

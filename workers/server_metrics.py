@@ -11,6 +11,12 @@ never scrape at once, their series join without a gap (increases are taken betwe
 scrapes at read time: analysis.server_metrics), and eager Celery (one shard, one window) is the
 same rule.
 
+The fetch runs on the shard's event loop (it waits on the network); parsing the exposition and
+building its rows (tens of ms of CPU for a few engines' series, at every grid point) run in the
+scraper's own worker thread, so they never hold the loop that sends the replay's requests on
+schedule. One thread for all the variants: the parses of one scrape queue behind each other
+rather than several threads contending with the loop for the interpreter.
+
 A scrape that fails (refused, timed out, too large, not an exposition) never fails the replay:
 it is stored as a failed scrape (abplat:scrape_up 0, with its reason), counted and logged. Rows
 the store cannot take now wait in memory for the next scrape's write (at most
@@ -52,6 +58,7 @@ class Scraper:
 
     def __init__(self, run: ReplayRun, variants: Sequence[Any], every_s: float, store: Any = None) -> None:
         self.run, self.every_s = run, every_s
+        self.experiment_key = run.experiment.key  # read here, never by the parser thread
         self.store = store if store is not None else sample_store()
         # A scrape must end before the next grid point (never two scrapes of a variant at once).
         self.timeout_s = min(SCRAPE_TIMEOUT_S, 0.8 * every_s) if every_s > 0 else SCRAPE_TIMEOUT_S
@@ -68,19 +75,38 @@ class Scraper:
         self.ok = self.failed = self.write_failures = self.dropped_rows = 0
         self.errors: dict[str, str] = {}  # variant -> its last scrape error
         self._pending: list[dict[str, Any]] = []
+        # Where expositions are parsed into rows: off the event loop (module docstring).
+        self._parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="abplat-scrape-parse")
+
+    def _rows(
+        self, key: str, text: str | None, error: str, started: float
+    ) -> tuple[list[dict[str, Any]], str]:
+        """The rows of one scrape and its error ("" when none), from the fetched ``text`` (None
+        when the fetch failed with ``error``). CPU-bound: runs in the parser thread."""
+        samples: list[tuple[str, str, str, str, float]] = []
+        if text is not None:
+            try:
+                samples = parse_exposition(text)
+            except ExpositionError as exc:
+                error = str(exc)
+        scraped_ms = int(time.time() * 1000)
+        rows = scrape_rows(self.experiment_key, key, self.run.pk, scraped_ms, samples,
+                           duration_s=time.perf_counter() - started, error=error)  # fmt: skip
+        return rows, error
 
     async def scrape_variant(self, key: str) -> list[dict[str, Any]]:
         fetcher = self.fetchers[key]
         started = time.perf_counter()
-        error, samples = "", []
+        error, text = "", None
         if isinstance(fetcher, str):
             error = fetcher
         else:
             try:
-                samples = parse_exposition(await fetcher.fetch())
-            except (ScrapeError, ExpositionError) as exc:
+                text = await fetcher.fetch()
+            except ScrapeError as exc:
                 error = str(exc)
-        scraped_ms = int(time.time() * 1000)
+        loop = asyncio.get_running_loop()
+        rows, error = await loop.run_in_executor(self._parser, self._rows, key, text, error, started)
         if error:
             self.failed += 1
             if self.errors.get(key) != error:
@@ -89,8 +115,7 @@ class Scraper:
         else:
             self.ok += 1
             self.errors.pop(key, None)
-        return scrape_rows(self.run.experiment.key, key, self.run.pk, scraped_ms, samples,
-                           duration_s=time.perf_counter() - started, error=error)  # fmt: skip
+        return rows
 
     async def scrape_all(self) -> None:
         """One scrape of every variant (concurrently), then one write of the rows."""
@@ -139,6 +164,8 @@ class Scraper:
         for f in self.fetchers.values():
             if not isinstance(f, str):
                 await f.aclose()
+        # Not waiting: a parse still running (its scrape was cancelled) ends on its own, off the loop.
+        self._parser.shutdown(wait=False)
 
 
 def scrapes_for(shard: ReplayShard) -> bool:

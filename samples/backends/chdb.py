@@ -4,12 +4,20 @@ chDB 4.4 allows one data directory per process and one process per directory, an
 forked after the session opened hangs: this module owns the process's one session (_ChdbOwner),
 detects a directory locked by another process (StoreLocked, naming the holder's pid) and
 refuses use after fork. release_chdb() closes the session (tests, shutdown).
+
+A store opened here is warm for writing (``_warm``, once per process): a sample batch goes in
+as an Arrow table, and the first conversion and the first ``Python(tbl)`` read load pyarrow's
+pandas layer and pandas itself (~0.5 s, holding every other thread for 80-140 ms: a replay's
+event loop among them). Done when the store is opened, that happens before a replay sends,
+never in its sample sink's first insert mid-schedule (bench/RESULTS.md, "The first step's lag
+spike"); callers need not know.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import os
 import re
 import threading
@@ -58,8 +66,18 @@ class _ChdbOwner:
         self.session.query("SET session_timezone = 'UTC'")
 
 
+log = logging.getLogger(__name__)
+
 _owner: _ChdbOwner | None = None
 _owner_guard = threading.Lock()
+_warm_guard = threading.Lock()
+_warmed = False
+# A value of each column kind (samples.columns) for the one-row batch _warm converts: NULL where
+# the column takes it, so every nullable path is exercised.
+_WARM_VALUES: dict[str, Any] = {
+    "str": "", "u8": 0, "u16": 0, "u32": 0, "u64": 0, "i64": 0, "datetime": 0, "f64": 0.0,
+    "nf64": None, "nu64": None, "au32": (),
+}  # fmt: skip
 
 
 def _status_locked(path: str) -> bool:
@@ -159,6 +177,29 @@ class ChdbBackend(SampleStore):
         self.database = check_ident(database, "chDB database")
         _chdb_owner(self.path)  # fail now, not at the first query, if the path is unusable
         self.ensure_database()
+        self._warm()
+
+    def _warm(self) -> None:
+        """Load what this process's first sample insert would load (module docstring): convert
+        a one-row batch of every samples column to Arrow and read it through ``Python(tbl)``,
+        as an insert does, without writing anything. Once per process. A failure costs only the
+        warm-up (the store opens all the same; an insert that fails the same way says so)."""
+        global _warmed
+        with _warm_guard:
+            if _warmed:
+                return
+            owner = _chdb_owner(self.path)
+            try:
+                one = colmod.validate_columns(
+                    {c.name: [_WARM_VALUES[c.kind]] for c in colmod.COLUMNS}, "warm-up"
+                )
+                tbl = _to_arrow(one)  # noqa: F841 - read by name by chDB's Python(tbl)
+                with owner.lock:
+                    owner.session.query("SELECT count() FROM Python(tbl)", "CSV")
+            except Exception:
+                log.warning("%s: warming the Arrow insert path failed", self.describe(), exc_info=True)
+                return
+            _warmed = True
 
     def describe(self) -> str:
         return f"{self.backend_name} {self.path} database {self.database}"

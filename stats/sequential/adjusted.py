@@ -35,6 +35,10 @@ What the guarantee rests on, and the guards here:
 - a share with few events (an error rate of 0.1% with a handful of errors) is far from normal:
   the exact sequences of stats.sequential.means suit it better (they treat requests as
   independent).
+
+Every sequence takes an arm as its per-user arrays (ClusterSums, ArmData) or as those sums
+reduced over its users (stats.clustered.ArmMoments: what a store returns when the users are too
+many to bring to Python one by one); both give the same interval, to rounding.
 """
 
 from __future__ import annotations
@@ -45,8 +49,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stats.adjusted import ArmData, adjusted_moments
-from stats.clustered import ClusterSums, clustered_difference_moments
+from stats.adjusted import ArmData, adjusted_moments, adjusted_moments_from_sums
+from stats.clustered import ArmMoments, ClusterSums, clustered_difference_moments
 from stats.sequential._base import DEFAULT_ALPHA, SequentialInterval, check_alpha, finite_or_none
 
 # Where the sequence is narrowest, in requests of both arms: a rollout step at 20 req/s decides
@@ -151,9 +155,26 @@ def _interval(
     return SequentialInterval(est, finite_or_none(float(lo)), finite_or_none(float(hi)), alpha, method)
 
 
+def _check_cluster_arm(arm: object, where: str, label: str) -> None:
+    if isinstance(arm, ArmMoments):
+        return  # one arm with at least one request by construction
+    if not isinstance(arm, ClusterSums) or arm.n.ndim != 1:
+        raise ValueError(
+            f"{where}: {label} must be one arm's ClusterSums or ArmMoments (clusters on one axis)"
+        )
+
+
+def _clusters(arm: ClusterSums | ArmMoments) -> int:
+    return arm.clusters if isinstance(arm, ArmMoments) else int((arm.n > 0).sum())
+
+
+def _requests(arm: ClusterSums | ArmMoments) -> int:
+    return arm.n if isinstance(arm, ArmMoments) else int(arm.n.sum())
+
+
 def clustered_difference_sequence(
-    control: ClusterSums,
-    variant: ClusterSums,
+    control: ClusterSums | ArmMoments,
+    variant: ClusterSums | ArmMoments,
     alpha: float = DEFAULT_ALPHA,
     target_n: float = DEFAULT_TARGET_N,
     min_clusters: int = DEFAULT_MIN_CLUSTERS,
@@ -168,18 +189,17 @@ def clustered_difference_sequence(
     _check_target(target_n, where)
     _check_min_clusters(min_clusters, where)
     for label, arm in (("control", control), ("variant", variant)):
-        if not isinstance(arm, ClusterSums) or arm.n.ndim != 1:
-            raise ValueError(f"{where}: {label} must be one arm's ClusterSums (clusters on one axis)")
+        _check_cluster_arm(arm, where, label)
     d = clustered_difference_moments(control, variant)
-    clusters = (int((control.n > 0).sum()), int((variant.n > 0).sum()))
-    n = float(control.n.sum() + variant.n.sum())
+    clusters = (_clusters(control), _clusters(variant))
+    n = float(_requests(control) + _requests(variant))
     return _interval(
         float(d.estimate), float(d.variance), n, clusters, alpha, target_n, min_clusters, CLUSTERED_METHOD
     )
 
 
 def clustered_mean_sequence(
-    arm: ClusterSums,
+    arm: ClusterSums | ArmMoments,
     alpha: float = DEFAULT_ALPHA,
     target_n: float = DEFAULT_TARGET_N,
     min_clusters: int = DEFAULT_MIN_CLUSTERS,
@@ -194,8 +214,7 @@ def clustered_mean_sequence(
     check_alpha(alpha, where)
     _check_target(target_n, where)
     _check_min_clusters(min_clusters, where)
-    if not isinstance(arm, ClusterSums) or arm.n.ndim != 1:
-        raise ValueError(f"{where}: arm must be one arm's ClusterSums (clusters on one axis)")
+    _check_cluster_arm(arm, where, "arm")
     mo = arm.moments()
     g = int(mo.clusters)
     return _interval(
@@ -216,8 +235,8 @@ class AdjustedLook(NamedTuple):
 
 
 def adjusted_difference_look(
-    control: ArmData,
-    variant: ArmData,
+    control: ArmData | ArmMoments,
+    variant: ArmData | ArmMoments,
     alpha: float = DEFAULT_ALPHA,
     target_n: float = DEFAULT_TARGET_N,
     min_clusters: int = DEFAULT_MIN_CLUSTERS,
@@ -229,13 +248,22 @@ def adjusted_difference_look(
     _check_target(target_n, where)
     _check_min_clusters(min_clusters, where)
     for label, arm in (("control", control), ("variant", variant)):
+        if isinstance(arm, ArmMoments):
+            continue
         if not isinstance(arm, ArmData) or arm.n.ndim != 1:
-            raise ValueError(f"{where}: {label} must be one arm's ArmData (clusters on one axis)")
+            raise ValueError(
+                f"{where}: {label} must be one arm's ArmData or ArmMoments (clusters on one axis)"
+            )
+    if type(control) is not type(variant):
+        raise ValueError(f"{where}: control and variant must be both ArmData or both ArmMoments")
     if control.covariates != variant.covariates:
         raise ValueError(
             f"{where}: the arms' covariates differ (control {control.covariates}, variant {variant.covariates})"
         )
-    fit = adjusted_moments(control, variant)
+    if isinstance(control, ArmMoments) and isinstance(variant, ArmMoments):
+        fit = adjusted_moments_from_sums(control, variant)
+    else:
+        fit = adjusted_moments(control, variant)  # type: ignore[arg-type]
     if bool(fit.degenerate):
         raise ValueError(f"{where}: the covariates {control.covariates} are constant or collinear")
     clusters = (int(fit.clusters[0]), int(fit.clusters[1]))
@@ -248,8 +276,8 @@ def adjusted_difference_look(
 
 
 def adjusted_difference_sequence(
-    control: ArmData,
-    variant: ArmData,
+    control: ArmData | ArmMoments,
+    variant: ArmData | ArmMoments,
     alpha: float = DEFAULT_ALPHA,
     target_n: float = DEFAULT_TARGET_N,
     min_clusters: int = DEFAULT_MIN_CLUSTERS,

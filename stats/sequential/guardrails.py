@@ -15,7 +15,8 @@ at_most_over_control (candidate - control).
 Inference, per guardrail (``GuardrailCheck.inference``):
 
 - ``user-clustered`` / ``user-clustered, adjusted``: attainment and error rate when the arms
-  carry per-user aggregates (``ArmSnapshot.per_user``; the experiment's
+  carry per-user aggregates (``ArmSnapshot.per_user``: a row per user, UserSums, or those rows
+  reduced over the users in the store, UserMoments; the experiment's
   ``analysis.cluster_by_user``). The router randomizes users and a user's requests are alike,
   so the independent unit is the user: the candidate's value through the normal-mixture
   sequence of its ratio mean with the user-clustered variance
@@ -70,7 +71,7 @@ import numpy as np
 
 from stats._common import AsDict
 from stats.adjusted import ArmData
-from stats.clustered import ClusterSums
+from stats.clustered import ArmMoments, ClusterSums
 from stats.sequential._base import DEFAULT_ALPHA, DEFAULT_PRIOR, SequentialInterval, check_alpha
 from stats.sequential.adjusted import (
     DEFAULT_MIN_CLUSTERS,
@@ -229,9 +230,37 @@ class UserSums:
     def users(self) -> int:
         return int((self.n > 0).sum())
 
+    @property
+    def requests(self) -> int:
+        return int(self.n.sum())
+
+    def events(self, metric: str) -> int:
+        """Requests whose share value is 1 (attainment: hits; error_rate: errors)."""
+        return int(self.values(metric).sum())
+
     def values(self, metric: str) -> np.ndarray:
         """Per-user sums of the share's 0/1 value (attainment: hits; error_rate: errors)."""
         return self.hits if SHARES[metric] == "hits" else self.errors
+
+    def reduced(self) -> UserMoments:
+        """These rows summed over the users, as a store returns them (UserMoments)."""
+        if not self.n.sum():
+            return UserMoments(self.covariates)
+        shares = {}
+        for metric in (ATTAINMENT, ERROR_RATE):
+            xy = self.sum_x_hits if SHARES[metric] == "hits" else self.sum_x_errors
+            shares[metric] = ArmMoments.from_clusters(
+                self.n, self.values(metric), self.sum_x, self.sum_xx, xy, None, self.covariates, binary=True
+            )
+        return UserMoments(self.covariates, shares[ATTAINMENT], shares[ERROR_RATE])
+
+    def clustered_source(self, metric: str) -> ClusterSums:
+        """What the clustered sequences of the share take (``cluster_sums``)."""
+        return self.cluster_sums(metric)
+
+    def adjusted_source(self, metric: str, keep: Sequence[int]) -> ArmData:
+        """What the adjusted sequence of the share takes (``arm_data``)."""
+        return self.arm_data(metric, keep)
 
     def cluster_sums(self, metric: str) -> ClusterSums:
         return ClusterSums(self.n, self.values(metric).astype(float), binary=True)
@@ -254,6 +283,70 @@ class UserSums:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class UserMoments:
+    """One arm's per-user aggregates in the step reduced over its users: what UserSums holds a
+    row per user of, summed in the store instead (rollouts.readings reads one row per arm
+    however many users there are). Per share, stats.clustered.ArmMoments of the per-user vector
+    [n, y, x, xy, xx] (``moment_layout``) on the covariates ``covariates``, y the share's 0/1
+    value: ``attainment`` (hits) and ``error_rate`` (errors). Every guardrail reads the same
+    numbers from it as from the per-user rows, to rounding. Both None: no request in the step."""
+
+    covariates: tuple[str, ...]
+    attainment: ArmMoments | None = None
+    error_rate: ArmMoments | None = None
+
+    def __post_init__(self) -> None:
+        where = "UserMoments"
+        names = tuple(str(c) for c in self.covariates)
+        arms = (self.attainment, self.error_rate)
+        if (arms[0] is None) != (arms[1] is None):
+            raise ValueError(f"{where}: attainment and error_rate moments come together (or neither)")
+        if arms[0] is not None and arms[1] is not None:
+            for metric, arm in zip((ATTAINMENT, ERROR_RATE), arms, strict=True):
+                if not isinstance(arm, ArmMoments) or not arm.binary or arm.covariates != names:
+                    raise ValueError(f"{where}: {metric} must be 0/1 ArmMoments on the covariates {names}")
+            a, e = arms
+            if (a.n, a.clusters, a.largest) != (e.n, e.clusters, e.largest):
+                raise ValueError(f"{where}: attainment and error_rate moments are of different users")
+            if a.total[1] + e.total[1] > a.n:
+                raise ValueError(f"{where}: hits + errors exceed the requests (errors are misses)")
+        object.__setattr__(self, "covariates", names)
+
+    def _arm(self, metric: str) -> ArmMoments | None:
+        return self.attainment if SHARES[metric] == "hits" else self.error_rate
+
+    @property
+    def users(self) -> int:
+        return 0 if self.attainment is None else self.attainment.clusters
+
+    @property
+    def requests(self) -> int:
+        return 0 if self.attainment is None else self.attainment.n
+
+    def events(self, metric: str) -> int:
+        """Requests whose share value is 1 (attainment: hits; error_rate: errors)."""
+        arm = self._arm(metric)
+        return 0 if arm is None else round(float(arm.total[1]))
+
+    def _present(self, metric: str) -> ArmMoments:
+        arm = self._arm(metric)
+        if arm is None:
+            raise ValueError(f"UserMoments: no request in this arm, no {metric} to read")
+        return arm
+
+    def clustered_source(self, metric: str) -> ArmMoments:
+        """The share's moments without covariates: what the clustered sequences take."""
+        return self._present(metric).select(())
+
+    def adjusted_source(self, metric: str, keep: Sequence[int]) -> ArmMoments:
+        """The share's moments on the covariates at positions ``keep``: the adjusted sequence's."""
+        return self._present(metric).select([self.covariates[i] for i in keep])
+
+
+PerUser = UserSums | UserMoments
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class ArmSnapshot:
     """One arm's totals in the current step: requests, SLA hits (errors count as misses), errors,
     latency sources by name for quantile guardrails (e.g. {"ttft_ms": LatencyHistogram}), and
@@ -264,7 +357,7 @@ class ArmSnapshot:
     hits: int
     errors: int
     latencies: Mapping[str, QuantileSource] = dataclasses.field(default_factory=dict)
-    per_user: UserSums | None = None
+    per_user: PerUser | None = None
 
     def __post_init__(self) -> None:
         for name in ("n", "hits", "errors"):
@@ -278,9 +371,11 @@ class ArmSnapshot:
             )
         u = self.per_user
         if u is not None:
-            if not isinstance(u, UserSums):
-                raise ValueError(f"ArmSnapshot: per_user must be UserSums, got {type(u).__name__}")
-            sums = (int(u.n.sum()), int(u.hits.sum()), int(u.errors.sum()))
+            if not isinstance(u, UserSums | UserMoments):
+                raise ValueError(
+                    f"ArmSnapshot: per_user must be UserSums or UserMoments, got {type(u).__name__}"
+                )
+            sums = (u.requests, u.events(ATTAINMENT), u.events(ERROR_RATE))
             if sums != (self.n, self.hits, self.errors):
                 raise ValueError(
                     f"ArmSnapshot: the per-user aggregates add up to n, hits, errors = {sums}, "
@@ -362,12 +457,12 @@ def _exact(
     return difference_interval(ctrl, cand, alpha)
 
 
-def _too_few(metric: str, arms: Sequence[tuple[str, UserSums]], min_clusters: int) -> str | None:
+def _too_few(metric: str, arms: Sequence[tuple[str, PerUser]], min_clusters: int) -> str | None:
     """Why the clustered sequence may not read this look yet (None: it may)."""
     why = []
     for label, u in arms:
-        events = int(u.values(metric).sum())
-        others = int(u.n.sum()) - events
+        events = u.events(metric)
+        others = u.requests - events
         if u.users < min_clusters:
             why.append(f"{label} has {u.users} users of the {min_clusters}")
         elif min(events, others) < MIN_EVENTS:
@@ -381,7 +476,7 @@ def _too_few(metric: str, arms: Sequence[tuple[str, UserSums]], min_clusters: in
 
 
 def _adjusted(
-    metric: str, control: UserSums, candidate: UserSums, alpha: float, target_n: float, min_clusters: int
+    metric: str, control: PerUser, candidate: PerUser, alpha: float, target_n: float, min_clusters: int
 ) -> _Read | None:
     """The adjusted difference on the covariates that vary: all of them, else the first one
     that does alone (a replay that asks every request for the same max_tokens); None when none
@@ -390,7 +485,7 @@ def _adjusted(
     if control.covariates != candidate.covariates or p == 0:
         return None
     for keep in [tuple(range(p))] + ([(k,) for k in range(p)] if p > 1 else []):
-        c, v = control.arm_data(metric, keep), candidate.arm_data(metric, keep)
+        c, v = control.adjusted_source(metric, keep), candidate.adjusted_source(metric, keep)
         try:
             look = adjusted_difference_look(c, v, alpha, target_n, min_clusters)
         except ValueError:  # constant or collinear over this step's requests
@@ -415,19 +510,23 @@ def _share(
     """Attainment or error rate: clustered (and adjusted) when the arms carry per-user
     aggregates and enough users, else the exact sequence (module docstring)."""
     arms = (("control", control), ("candidate", candidate)) if g.over_control else (("candidate", candidate),)
-    sums: list[tuple[str, UserSums]] = []
+    sums: list[tuple[str, PerUser]] = []
     for label, arm in arms:
         if arm.per_user is None:  # the whole guardrail alpha to the exact sequence, as always
             note = "no per-user aggregates in this reading: requests read as independent draws"
             return _Read(_exact(g, control, candidate, alpha, prior), REQUESTS, note)
         sums.append((label, arm.per_user))
+    if len({type(u) for _label, u in sums}) > 1:
+        raise TypeError(
+            "check_guardrail: the arms' per-user aggregates must be of one kind (UserSums or UserMoments)"
+        )
     short = _too_few(g.metric, sums, min_clusters)
     if short is not None:
         return _Read(_exact(g, control, candidate, alpha * (1.0 - CLUSTERED_SHARE), prior), REQUESTS, short)
     a = alpha * CLUSTERED_SHARE
     cand = sums[-1][1]
     if not g.over_control:
-        iv = clustered_mean_sequence(cand.cluster_sums(g.metric), a, target_n, min_clusters)
+        iv = clustered_mean_sequence(cand.clustered_source(g.metric), a, target_n, min_clusters)
         return _Read(_clip(iv, 0.0, 1.0), CLUSTERED)
     ctrl = sums[0][1]
     note = "adjustment off (the experiment's analysis.adjust)"
@@ -437,7 +536,7 @@ def _share(
             return read
         note = "no pre-request covariate varies in this step: not adjusted"
     iv = clustered_difference_sequence(
-        ctrl.cluster_sums(g.metric), cand.cluster_sums(g.metric), a, target_n, min_clusters
+        ctrl.clustered_source(g.metric), cand.clustered_source(g.metric), a, target_n, min_clusters
     )
     return _Read(_clip(iv, -1.0, 1.0), CLUSTERED, note)
 

@@ -8,10 +8,12 @@ a user are units of their own; the experiment's switch off leaves the request-le
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from scipy import optimize
 
 from analysis import definitions as q
 from analysis import report as r
@@ -215,12 +217,15 @@ def test_requests_without_a_user_are_units_of_their_own(store, datasets):
 
 
 def _without_unit_keys(rep: dict) -> dict:
+    def strip(e: dict) -> dict:
+        return {**{k: v for k, v in e.items() if k != "clustered"},
+                "vs_control": e["vs_control"] and {k: v for k, v in e["vs_control"].items()
+                                                   if k not in ("clustered", "adjusted")}}  # fmt: skip
+
     rep = {k: v for k, v in rep.items() if k != "inference"}
-    rep["variants"] = [
-        {**{k: v for k, v in e.items() if k != "clustered"},
-         "vs_control": e["vs_control"] and {k: v for k, v in e["vs_control"].items() if k not in ("clustered", "adjusted")}}
-        for e in rep["variants"]
-    ]  # fmt: skip
+    rep["variants"] = [strip(e) for e in rep["variants"]]
+    anytime = {k: v for k, v in rep["anytime"].items() if k != "units"}
+    rep["anytime"] = {**anytime, "variants": {v: strip(e) for v, e in anytime["variants"].items()}}
     return rep
 
 
@@ -235,7 +240,8 @@ def test_the_switch_off_gives_the_request_level_report_and_reads_no_moments(stor
     off = report(store, cluster_by_user=False, adjust=False)
     monkeypatch.setattr(RawReader, "unit_moments", real)
     assert off["inference"]["unit"] == "request" and "off for this experiment" in off["inference"]["note"]
-    for entry in off["variants"]:
+    assert off["anytime"]["units"]["note"] == "off for this experiment"
+    for entry in [*off["variants"], *off["anytime"]["variants"].values()]:
         assert entry["clustered"] is None
         assert entry["vs_control"] is None or (
             entry["vs_control"]["clustered"] is None and entry["vs_control"]["adjusted"] is None
@@ -355,3 +361,147 @@ def test_a_collinear_covariate_is_dropped_and_named():
     assert got["adjusted"]["covariates"] == ["prompt_tokens"]
     assert got["adjusted"]["not_used"] == {"max_tokens": "collinear with prompt_tokens"}
     assert got["estimate"] is not None and got["variance_reduction"] > 0.5
+
+
+# ---- the anytime-valid counterparts (analysis.anytime.unit_sequences) -------------------------
+
+ALPHA = 0.05
+TARGET_N, MIN_USERS = 10_000, 50
+
+
+def mixture_bounds(estimate, se, n, binary, low):
+    """The normal-mixture confidence sequence at ``n`` requests around a fixed-horizon estimate
+    and its standard error, from its formula (stats.sequential.adjusted's docstring): the
+    half-width sqrt(se^2 (1 + 1/r) (log(1 + r) + 2 log(1/alpha))), r = r* n / TARGET_N with r*
+    the root of r = 2 log(1/alpha) + log(1 + r); a share's bounds clipped to its range."""
+    two_l = 2.0 * math.log(1.0 / ALPHA)
+    r_star = optimize.brentq(lambda r: r - two_l - math.log1p(r), 1.0, 100.0, xtol=1e-15, rtol=1e-15)
+    r = r_star * n / TARGET_N
+    half = math.sqrt(se * se * (1.0 + 1.0 / r) * (math.log1p(r) + two_l))
+    lo, hi = estimate - half, estimate + half
+    if binary:
+        lo, hi = min(max(lo, low), 1.0), min(max(hi, low), 1.0)
+    return estimate, lo, hi
+
+
+def same_sequence(got, want, rtol, where):
+    assert got["alpha"] == ALPHA and got["note"] is None, where
+    for field, value in zip(("estimate", "lo", "hi"), want, strict=True):
+        assert close(got[field], value, rtol), (where, field, got[field], value)
+
+
+def test_anytime_clustered_sequences_are_the_normal_mixture_on_the_raw_samples(store, datasets):
+    rep = report(store)
+    seqs = rep["anytime"]["variants"]
+    assert rep["anytime"]["units"] == {"unit": "user", "cluster_by_user": True, "adjust": True,
+                                       "target_n": TARGET_N, "min_clusters": MIN_USERS,
+                                       "note": rep["anytime"]["units"]["note"]}  # fmt: skip
+    arms = {}
+    for entry in rep["variants"]:
+        v = entry["key"]
+        c = raw(datasets, "users_spec", variant=v)
+        assert seqs[v]["clustered"]["inference"] == "user-clustered"
+        for metric in units.METRICS:
+            binary = metric != "mean_ttft_ms"
+            y, _x, users = per_request(c, metric)
+            arms[(v, metric)] = arm = ClusterSums.from_samples(y, users, binary=binary)
+            fixed = clustered_mean(arm)
+            got = seqs[v]["clustered"][metric]
+            assert got["inference"] == "user-clustered"
+            same_sequence(
+                got, mixture_bounds(fixed.estimate, fixed.se, y.size, binary, 0.0), 1e-9, (v, metric)
+            )
+            # wider than the fixed-horizon interval beside it (variants[].clustered)
+            assert (
+                got["lo"] < entry["clustered"][metric]["lo"] and entry["clustered"][metric]["hi"] < got["hi"]
+            )
+        if entry["control"]:
+            assert seqs[v]["vs_control"] is None
+            continue
+        for metric, name in units.DIFFERENCES.items():
+            binary = metric != "mean_ttft_ms"
+            fixed = clustered_difference(arms[("fp16", metric)], arms[(v, metric)])
+            n = int(arms[("fp16", metric)].n.sum() + arms[(v, metric)].n.sum())
+            got = seqs[v]["vs_control"]["clustered"][name]
+            assert got["inference"] == "user-clustered"
+            same_sequence(got, mixture_bounds(fixed.estimate, fixed.se, n, binary, -1.0), 1e-9, (v, name))
+            assert close(got["estimate"], entry["vs_control"]["clustered"][name]["estimate"], 1e-12)
+
+
+@pytest.mark.parametrize("cluster_by_user", [True, False], ids=["per-user", "per-request"])
+def test_anytime_adjusted_sequences_are_the_normal_mixture_on_the_raw_samples(
+    store, datasets, cluster_by_user
+):
+    rep = report(store, cluster_by_user=cluster_by_user)
+    control = raw(datasets, "users_spec", variant="fp16")
+    inference = "user-clustered" if cluster_by_user else "requests"
+    assert rep["anytime"]["units"]["unit"] == ("user" if cluster_by_user else "request")
+    for entry in rep["variants"][1:]:
+        v = entry["key"]
+        c = raw(datasets, "users_spec", variant=v)
+        seq = rep["anytime"]["variants"][v]
+        assert (seq["clustered"] is None) == (not cluster_by_user)
+        assert (seq["vs_control"]["clustered"] is None) == (not cluster_by_user)
+        adjusted = seq["vs_control"]["adjusted"]
+        assert adjusted["inference"] == inference and "not adjusted" in adjusted["note"]
+        for metric, name in units.DIFFERENCES.items():
+            yc, xc, uc = per_request(control, metric, clustered=cluster_by_user)
+            yv, xv, uv = per_request(c, metric, clustered=cluster_by_user)
+            fixed = adjusted_difference(
+                ArmData.from_samples(yc, xc, uc, COVARIATES), ArmData.from_samples(yv, xv, uv, COVARIATES)
+            )
+            got = adjusted[name]
+            assert got["inference"] == inference
+            # adjusted on what the fixed-horizon difference beside it was adjusted on
+            assert got["adjusted"] == entry["vs_control"]["adjusted"][name]["adjusted"]
+            assert got["adjusted"]["covariates"] == list(COVARIATES)
+            assert abs(got["adjusted"]["variance_reduction"] - fixed.variance_reduction) < 1e-6
+            want = mixture_bounds(fixed.estimate, fixed.se, yc.size + yv.size, metric != "mean_ttft_ms", -1.0)
+            same_sequence(got, want, 1e-6, (v, name))
+
+
+def test_anytime_adjusted_sequences_leave_a_constant_covariate_out_as_the_fixed_horizon_ones(store, datasets):
+    rep = report(store, constant_spec, run_id=None)
+    entry = rep["variants"][1]
+    got = rep["anytime"]["variants"][entry["key"]]["vs_control"]["adjusted"]["mean_ttft_difference"]
+    assert got["adjusted"]["covariates"] == ["prompt_tokens"]
+    assert got["adjusted"]["not_used"] == {"max_tokens": "constant over these requests (256)"}
+    control = raw(datasets, "constant_spec", variant="fp16")
+    c = raw(datasets, "constant_spec", variant=entry["key"])
+    yc, xc, uc = per_request(control, "mean_ttft_ms")
+    yv, xv, uv = per_request(c, "mean_ttft_ms")
+    fixed = adjusted_difference(
+        ArmData.from_samples(yc, xc[:, :1], uc, ("prompt_tokens",)),
+        ArmData.from_samples(yv, xv[:, :1], uv, ("prompt_tokens",)),
+    )
+    same_sequence(got, mixture_bounds(fixed.estimate, fixed.se, yc.size + yv.size, False, 0.0), 1e-6, "ttft")
+
+
+def test_anytime_unit_sequences_in_mirror_mode_are_per_variant_only(store):
+    rep = report(store, mirror_users_spec, run_id=None)
+    for v, seq in rep["anytime"]["variants"].items():
+        assert seq["clustered"]["attainment"]["lo"] is not None, v
+        if seq["vs_control"] is not None:
+            assert seq["vs_control"]["clustered"] is None and seq["vs_control"]["adjusted"] is None
+            assert seq["vs_control"]["attainment_difference"]["lo"] is not None  # the request-level ones stay
+
+
+@pytest.mark.parametrize("kind", ["chdb", "server"])
+def test_anytime_unit_sequences_have_no_bounds_before_enough_users(kind, shared_store):
+    store = shared_store(kind)  # the session's migrated database, empty (tests/sample_dbs.py)
+    spec = dataclasses.replace(users_spec(), experiment="ttft-few", n=600, users=30, no_user_share=0.0,
+                               duplicate_rate=0.0)  # fmt: skip
+    store.insert_columns(synthetic.generate(spec).columns)
+    rep = r.build_report(store, info(spec), q.Filters(spec.experiment))
+    for entry in rep["variants"]:
+        seq = rep["anytime"]["variants"][entry["key"]]
+        assert entry["clustered"]["attainment"]["clusters"] < MIN_USERS
+        for metric in units.METRICS:
+            got = seq["clustered"][metric]
+            assert got["estimate"] is not None and got["lo"] is None and got["hi"] is None
+            assert got["note"] == f"fewer than {MIN_USERS} units in an arm: no bounds yet"
+        if seq["vs_control"]:
+            got = seq["vs_control"]["clustered"]["attainment_difference"]
+            assert got["lo"] is None and "no bounds yet" in got["note"]
+            # the request-level sequence beside it has bounds
+            assert seq["vs_control"]["attainment_difference"]["lo"] is not None

@@ -36,6 +36,7 @@ from stats.sequential.guardrails import (
     UNDECIDED,
     ArmSnapshot,
     Guardrail,
+    UserMoments,
     UserSums,
     check_guardrail,
     decide,
@@ -732,6 +733,67 @@ def constant_max_tokens(u: UserSums) -> UserSums:
         u.n, u.hits, u.errors, u.covariates, sx, sxx,
         np.stack([u.sum_x_hits[:, 0], 256.0 * u.hits], 1), np.stack([u.sum_x_errors[:, 0], 256.0 * u.errors], 1),
     )  # fmt: skip
+
+
+def reduced(snap: ArmSnapshot) -> ArmSnapshot:
+    """The same arm with its per-user rows summed over the users, as a store returns them."""
+    return dataclasses.replace(snap, per_user=snap.per_user.reduced())
+
+
+def same_check(want, got, rtol=1e-9) -> None:
+    assert (got.status, got.inference, got.inference_note, got.covariates) == (
+        want.status, want.inference, want.inference_note, want.covariates,
+    )  # fmt: skip
+    for field in ("estimate", "lo", "hi"):
+        a, b = getattr(want.interval, field), getattr(got.interval, field)
+        assert (a is None) == (b is None) and (a is None or abs(a - b) <= rtol * max(abs(a), 1e-12)), field
+    assert got.interval.alpha == want.interval.alpha and got.interval.method == want.interval.method
+    if want.variance_reduction is None:
+        assert got.variance_reduction is None
+    else:
+        assert abs(got.variance_reduction - want.variance_reduction) <= rtol
+
+
+def test_every_guardrail_reads_the_same_from_the_per_user_rows_and_from_their_sums():
+    # The reading rollouts.readings gives (one row of moments per arm) against the per-user rows
+    # it gave before: clustered, adjusted, a covariate left out, the adjustment off, too few
+    # users, an arm without requests; every rule, to 1e-9.
+    rng = np.random.default_rng(2027)
+    specs = [
+        Guardrail("attainment", "at_least", 0.8),
+        Guardrail("attainment", "at_least_over_control", -0.02),
+        Guardrail("error_rate", "at_most", 0.05),
+        Guardrail("error_rate", "at_most_over_control", 0.01),
+    ]
+    step = StepUsers(rng, 600, 1.2, regression=1.0)
+    step.add(30_000)
+    control, cand = step.arms()
+    constant = [dataclasses.replace(x, per_user=constant_max_tokens(x.per_user)) for x in (control, cand)]
+    few = StepUsers(rng, 60, 1.0)
+    few.add(3000)
+    empty = ArmSnapshot(0, 0, 0, per_user=UserSums([], [], [], COVARIATES, np.zeros((0, 2)), np.zeros((0, 2, 2)),
+                                                   np.zeros((0, 2)), np.zeros((0, 2))))  # fmt: skip
+    seen = set()
+    for arms in ((control, cand), constant, few.arms(), (empty, cand)):
+        for g in specs:
+            for adjust in (True, False):
+                want = check_guardrail(g, *arms, 0.01, adjust=adjust)
+                got = check_guardrail(g, *(reduced(a) for a in arms), 0.01, adjust=adjust)
+                same_check(want, got)
+                seen.add(want.inference)
+    assert seen == {CLUSTERED, ADJUSTED, REQUESTS}
+    u = cand.per_user.reduced()
+    assert (u.requests, u.events("attainment"), u.events("error_rate"), u.users) == (
+        cand.n, cand.hits, cand.errors, cand.per_user.users,
+    )  # fmt: skip
+    nothing = empty.per_user.reduced()
+    assert nothing.users == nothing.requests == 0 and nothing.attainment is nothing.error_rate is None
+    with pytest.raises(TypeError, match="of one kind"):
+        check_guardrail(specs[1], control, reduced(cand), 0.01)
+    with pytest.raises(ValueError, match="add up to n, hits, errors"):
+        ArmSnapshot(cand.n + 1, cand.hits, cand.errors, per_user=u)
+    with pytest.raises(ValueError, match="different users"):
+        UserMoments(COVARIATES, u.attainment, control.per_user.reduced().error_rate)
 
 
 def test_per_user_aggregates_must_add_up_to_the_totals():
