@@ -176,8 +176,12 @@ MW_SCALE = 10
 # ---------------------------------------------------------------------------------------------
 # Phases of the TTFT of missed requests
 
+# Before the request is written: a replay's lateness against its plan (schedule_lag) or a live
+# request's time in the gateway (gateway); each is 0 in the other's samples (samples.rows). Then
+# the StreamResult's own timeline.
 PHASES: tuple[str, ...] = (
     "schedule_lag",
+    "gateway",
     "connect",
     "headers",
     "headers_to_first_event",
@@ -185,15 +189,19 @@ PHASES: tuple[str, ...] = (
 )
 PHASE_LABELS: dict[str, str] = {
     "schedule_lag": "schedule lag",
+    "gateway": "gateway",
     "connect": "connect",
     "headers": "time to headers",
     "headers_to_first_event": "headers to first event",
     "first_event_to_first_content": "first event to first content",
 }
 # The timestamps the phases are differences of (SQL over the samples table); the readers sum
-# them and analysis.phases.phases_from_sums differences the sums.
+# them and analysis.phases.phases_from_sums differences the sums. A live row's schedule_lag_ms
+# is 0, except in rows recorded before samples had gateway_ms (store migration 7), which held
+# the gateway's time there: it is read as the gateway's, so every live row splits the same.
 PHASE_COLUMNS = {
-    "schedule_lag": "schedule_lag_ms",
+    "schedule_lag": "if(mode = 'live', 0., schedule_lag_ms)",
+    "gateway": "gateway_ms + if(mode = 'live', schedule_lag_ms, 0.)",
     "connect": "ifNull(connect_ms, 0)",
     "ttfb": "assumeNotNull(ttfb_ms)",
     "ttft_event": "assumeNotNull(ttft_event_ms)",
@@ -222,9 +230,9 @@ GRAIN_SQL = f"toUInt32(intDiv(toUInt32(sent_at), {GRAIN_S}) * {GRAIN_S})"  # the
 
 # Bump when what a build computes changes (a histogram key, a bucket edge, a column): builds of
 # another version are then not used, and the report reads the raw samples until rebuilt.
-FORMAT_VERSION = 5  # 2: distinct users on a 64-bit hash (sql.DISTINCT_USERS); 3: itl_ms over every gap;
+FORMAT_VERSION = 6  # 2: distinct users on a 64-bit hash (sql.DISTINCT_USERS); 3: itl_ms over every gap;
 # 4: distinct users of live traffic's assigned requests too (sql.SRM_SAMPLES); 5: per-unit moments
-# (rollup_moments, analysis.units)
+# (rollup_moments, analysis.units); 6: the gateway phase (rollup_cells.s_gateway, PHASE_COLUMNS)
 
 
 def build_spec(slo: Slo) -> str:

@@ -1,5 +1,6 @@
-"""How the TTFT of missed requests splits into phases: schedule lag, connect, headers,
-headers -> first event, first event -> first content (analysis.definitions.PHASES). Pure numpy."""
+"""How the TTFT of missed requests splits into phases: schedule lag (a replay's) or the gateway's
+time (a live request's), connect, headers, headers -> first event, first event -> first content
+(analysis.definitions.PHASES). Pure numpy."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def phases_from_sums(t: Mapping[str, float]) -> dict[str, float]:
         raise ValueError(f"phases_from_sums: need sums of {sorted(PHASE_COLUMNS)}, got {sorted(t)}")
     return {
         "schedule_lag": t["schedule_lag"],
+        "gateway": t["gateway"],
         "connect": t["connect"],
         "headers": t["ttfb"] - t["connect"],
         "headers_to_first_event": t["ttft_event"] - t["ttfb"],
@@ -31,12 +33,14 @@ def phase_arrays(
     ttfb_ms: np.ndarray | Sequence[float | None],
     ttft_event_ms: np.ndarray | Sequence[float | None],
     ttft_ms: np.ndarray | Sequence[float | None],
+    gateway_ms: np.ndarray | Sequence[float] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Per-request phases (ms) from StreamResult fields; they sum to lag + ttft_ms.
+    """Per-request phases (ms) from the samples' columns; they sum to lag + gateway + ttft_ms.
 
-    The StreamResult clock starts when the request is written, so schedule lag (how late the
-    replay sent it) comes before it and is added on top. connect_ms is None on a reused
-    connection (0 ms of connect); a missing lag (not a replay) is 0. Other missing values stay
+    The StreamResult clock starts when the request is written, so what came before it is added
+    on top: schedule lag (how late a replay sent it) or the gateway's time (a live request's,
+    from the client's request received); each is 0 in the other's samples, and a missing one is
+    0. connect_ms is None on a reused connection (0 ms of connect). Other missing values stay
     NaN and phase_breakdown drops those requests.
     """
 
@@ -46,10 +50,12 @@ def phase_arrays(
     ttft = arr(ttft_ms)
     n = ttft.size
     lag = np.zeros(n) if schedule_lag_ms is None else np.nan_to_num(arr(schedule_lag_ms))
+    gateway = np.zeros(n) if gateway_ms is None else np.nan_to_num(arr(gateway_ms))
     connect = np.nan_to_num(arr(connect_ms))
     ttfb, event = arr(ttfb_ms), arr(ttft_event_ms)
     for label, a in (
         ("schedule_lag_ms", lag),
+        ("gateway_ms", gateway),
         ("connect_ms", connect),
         ("ttfb_ms", ttfb),
     ):
@@ -59,6 +65,7 @@ def phase_arrays(
         raise ValueError(f"phase_arrays: ttft_event_ms has shape {event.shape}, ttft_ms ({n},)")
     return {
         "schedule_lag": lag,
+        "gateway": gateway,
         "connect": connect,
         "headers": ttfb - connect,
         "headers_to_first_event": event - ttfb,

@@ -323,10 +323,11 @@ def server_split(
     mean_ms per phase) split into network, server queue and server prefill (module docstring, 4).
 
     ``misses_by_bucket``: {time bucket: missed requests sent in it}; ``server_by_bucket``: read()'s
-    by_bucket. Phases: schedule lag; network (connect + time to headers); server queue and
-    server prefill (interval means); other (headers to first content minus queue and prefill:
-    the first event's way back, detokenization, and the interval estimate's error; negative
-    when the interval means exceed these requests' own time)."""
+    by_bucket. Phases: schedule lag (a replay's); gateway (a live request's time in the gateway
+    before it was sent); network (connect + time to headers); server queue and server prefill
+    (interval means); other (headers to first content minus queue and prefill: the first event's
+    way back, detokenization, and the interval estimate's error; negative when the interval
+    means exceed these requests' own time)."""
     base = {"basis": SPLIT_BASIS, "note": SPLIT_NOTE, "bucket_s": bucket_s}
     covered, queue, prefill = 0, 0.0, 0.0
     for tb, misses in misses_by_bucket.items():
@@ -353,6 +354,7 @@ def server_split(
     to_content = mean["headers_to_first_event"] + mean["first_event_to_first_content"]
     parts = {
         "schedule_lag": ("schedule lag", mean["schedule_lag"]),
+        "gateway": ("gateway", mean["gateway"]),
         "network": ("network (connect + time to headers)", mean["connect"] + mean["headers"]),
         "server_queue": ("server queue (interval mean)", queue_ms),
         "server_prefill": ("server prefill (interval mean)", prefill_ms),

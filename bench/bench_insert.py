@@ -5,7 +5,7 @@
         [--rounds 3] [--url clickhouse://default:@127.0.0.1:19000/abplat_bench]
     .venv/bin/python bench/bench_insert.py --quick    # 20k rows, 1 round, the same tables (~15 s)
 
-Rows are built as the replay builds them (replay.rows.row_from: samples.columns.SampleRow, the
+Rows are built as the replay builds them (samples.rows.row_from: samples.columns.SampleRow, the
 values in column order); building them is not timed, nor is copying them, once, into the plain
 tuples (the same values) the baselines hand to the driver and into fresh SampleRows for the
 store, so that both sides read rows laid out alike in memory (the driver reads plain tuples by
@@ -54,7 +54,7 @@ ROW_BY_ROW, TUPLES, LISTS, STORE = "row-by-row", "row tuples", "lists", "store"
 
 
 def make_rows(n: int) -> list[Any]:
-    from replay.rows import row_from
+    from samples.rows import SampleContext, row_from
     from streaming.result import Outcome, StreamResult
 
     base = StreamResult(
@@ -87,21 +87,21 @@ def make_rows(n: int) -> list[Any]:
         rows.append(
             row_from(
                 base,
-                {
-                    "experiment": "bench",
-                    "run_id": 1,
-                    "seq": i,
-                    "variant": ("fp16", "awq", "awq-fa2")[i % 3],
-                    "mode": "split",
-                    "sent_unix_ms": 1_732_900_000_000.0 + i * 3.7,
-                    "user_id": f"user-{i % 1000}",
-                    "config_revision": 12,
-                    "scheduled_offset_ms": i * 3.7,
-                    "schedule_lag_ms": 0.4,
-                    "in_flight": i % 16,
-                    "max_tokens": 28,
-                    "worker": "bench:1",
-                },
+                SampleContext(
+                    experiment="bench",
+                    run_id=1,
+                    seq=i,
+                    variant=("fp16", "awq", "awq-fa2")[i % 3],
+                    mode="split",
+                    sent_unix_ms=1_732_900_000_000.0 + i * 3.7,
+                    user_id=f"user-{i % 1000}",
+                    config_revision=12,
+                    scheduled_offset_ms=i * 3.7,
+                    schedule_lag_ms=0.4,
+                    in_flight=i % 16,
+                    max_tokens=28,
+                    worker="bench:1",
+                ),
             )
         )
     return rows

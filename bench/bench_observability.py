@@ -111,10 +111,10 @@ def child(spec: dict) -> dict:
 
     from experiments.assignment import allocate, make_assigner
     from replay.arrivals import Arrival
-    from replay.rows import row_from
     from replay.runner import ShardRunner, ShardSpec
     from replay.sink import BatchSink
     from samples.backends.clickhouse import ClickHouseServerBackend
+    from samples.rows import SampleContext, row_from
     from samples.spool import SpoolingWriter
     from streaming.client import VariantClient
     from telemetry import metrics
@@ -154,9 +154,9 @@ def child(spec: dict) -> dict:
             results = await asyncio.gather(*(clients[v].stream(rid, "warm up", 2, {"ignore_eos": True})
                                              for v, rid in warm))  # fmt: skip
             for seq, ((v, rid), res) in enumerate(zip(warm, results, strict=True)):
-                sink.put(row_from(res, {"experiment": EXPERIMENT, "run_id": spec["run_id"] + WARMUP_RUN_OFFSET,
-                                        "seq": seq, "variant": v, "mode": "split", "request_id": rid,
-                                        "sent_unix_ms": time.time() * 1000.0}))  # fmt: skip
+                sink.put(row_from(res, SampleContext(experiment=EXPERIMENT, run_id=spec["run_id"] + WARMUP_RUN_OFFSET,
+                                                     seq=seq, variant=v, mode="split", request_id=rid,
+                                                     sent_unix_ms=time.time() * 1000.0)))  # fmt: skip
             while sink.written < len(warm):
                 await asyncio.sleep(0.02)
             put = sink.put if meter is None else meter.put_row(sink.put)

@@ -141,10 +141,10 @@ def _worker(conn, job: WorkerJob) -> dict:
     from collections import Counter
 
     from experiments.assignment import allocate, make_assigner
-    from replay.rows import row_from
     from replay.runner import ShardRunner, ShardSpec, ShardStats
     from replay.sink import BatchSink
     from samples.backends.clickhouse import ClickHouseServerBackend
+    from samples.rows import SampleContext, row_from
     from samples.spool import SpoolingWriter
     from streaming.client import VariantClient
 
@@ -175,14 +175,14 @@ def _worker(conn, job: WorkerJob) -> dict:
             results = await asyncio.gather(*(clients[v].stream(rid, "warm up", 2, {"ignore_eos": True})
                                              for v, rid in warm))  # fmt: skip
             for seq, ((v, rid), res) in enumerate(zip(warm, results)):
-                sink.put(row_from(res, {
-                    "experiment": EXPERIMENT, "run_id": job.run_id + WARMUP_RUN_OFFSET, "seq": seq,
-                    "variant": v, "mode": job.mode, "sent_unix_ms": time.time() * 1000.0,
-                    "request_id": rid, "user_id": "warm", "config_revision": 0,
-                    "scheduled_offset_ms": 0.0, "schedule_lag_ms": 0.0, "in_flight": 0,
-                    "prompt_tokens": 2, "prompt_tokens_estimated": True, "max_tokens": 2,
-                    "worker": "warm", "attempt": 1,
-                }))  # fmt: skip
+                sink.put(row_from(res, SampleContext(
+                    experiment=EXPERIMENT, run_id=job.run_id + WARMUP_RUN_OFFSET, seq=seq,
+                    variant=v, mode=job.mode, sent_unix_ms=time.time() * 1000.0,
+                    request_id=rid, user_id="warm", config_revision=0,
+                    scheduled_offset_ms=0.0, schedule_lag_ms=0.0, in_flight=0,
+                    prompt_tokens=2, prompt_tokens_estimated=True, max_tokens=2,
+                    worker="warm", attempt=1,
+                )))  # fmt: skip
             while sink.written < len(warm):
                 await asyncio.sleep(0.02)
             return await measured(clients, sink.put)

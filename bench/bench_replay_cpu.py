@@ -19,7 +19,7 @@ shares), and with --vllm also the real vLLM CPU build with the tiny local model:
   replay.arrivals.Arrival), completions API;
 - ours: a fresh process per run running replay.runner.ShardRunner with the streaming client
   (streaming.client.VariantClient, the lean HTTP/1.1 path, kernel receive stamps: checked), its
-  meter (telemetry.metrics, the in-process registry) and every row built (replay.rows.row_from)
+  meter (telemetry.metrics, the in-process registry) and every row built (samples.rows.row_from)
   and handed to a replay.sink.BatchSink, as workers/shard.py wires them, minus Django and
   Celery, on the loop workers/shard.py runs it on (streaming.loop: uvloop); a third client is
   the same on asyncio's own loop (--no-asyncio leaves it out). Its sink's writer validates each
@@ -104,10 +104,10 @@ def child(spec: dict) -> dict:
     import resource
 
     from replay.arrivals import Arrival
-    from replay.rows import row_from
     from replay.runner import ShardRunner, ShardSpec
     from replay.sink import BatchSink
     from samples.columns import validate_samples
+    from samples.rows import SampleContext, row_from
     from streaming import loop as streaming_loop
     from streaming.client import VariantClient
     from telemetry.metrics import ReplayMeter
@@ -136,8 +136,8 @@ def child(spec: dict) -> dict:
                 for i in range(WARMUP)
             ))  # fmt: skip
             validate_samples([
-                row_from(res, {"experiment": EXPERIMENT, "run_id": spec["run_id"], "seq": n + i,
-                               "variant": "a", "mode": "split", "sent_unix_ms": time.time() * 1000.0})
+                row_from(res, SampleContext(experiment=EXPERIMENT, run_id=spec["run_id"], seq=n + i,
+                                            variant="a", mode="split", sent_unix_ms=time.time() * 1000.0))
                 for i, res in enumerate(warm)
             ])  # fmt: skip
             shard = ShardSpec(

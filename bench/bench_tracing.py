@@ -6,7 +6,7 @@
 With tracing on, the replay hands every finished request's sample row to workers/spans.py
 ``traced``, which builds its span (``span_of``) and records it (telemetry/tracing.py
 ``record_request_span``); a BatchSpanProcessor thread exports the spans over OTLP/HTTP. This
-measures exactly that, on real sample rows (replay.rows.row_from of measured-looking results
+measures exactly that, on real sample rows (samples.rows.row_from of measured-looking results
 with the traceparent the client sends), in one process, the two setups interleaved round by round:
 
 - ``off``: ``traced(put)`` with tracing off (it returns ``put`` itself): the baseline.
@@ -67,7 +67,7 @@ server.serve_forever()
 
 
 def sample_rows(n: int) -> list:
-    from replay.rows import row_from
+    from samples.rows import SampleContext, row_from
     from streaming.client import trace_ids
     from streaming.result import StreamResult
 
@@ -80,9 +80,9 @@ def sample_rows(n: int) -> list:
             http_status=200, request_id=rid, traceparent=f"00-{trace_id}-{span_id}-01", trace_id=trace_id,
             ttfb_ms=20.0, ttft_ms=48.5 + seq % 7, e2e_ms=900.0 + seq % 13, output_tokens=64, chunks=64,
         )  # fmt: skip
-        rows.append(row_from(result, {"experiment": "bench-tracing", "run_id": 1, "seq": seq,
-                                      "variant": ("a", "b", "c")[seq % 3], "mode": "split",
-                                      "sent_unix_ms": now_ms + seq, "request_id": rid}))  # fmt: skip
+        rows.append(row_from(result, SampleContext(experiment="bench-tracing", run_id=1, seq=seq,
+                                                   variant=("a", "b", "c")[seq % 3], mode="split",
+                                                   sent_unix_ms=now_ms + seq, request_id=rid)))  # fmt: skip
     return rows
 
 

@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 from analysis.definitions import METRIC_LABELS, PHASE_LABELS, PHASES
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf")
-PHASE_COLORS = ("#bbbbbb", "#8c564b", "#ff7f0e", "#1f77b4", "#17becf")
+PHASE_COLORS = ("#bbbbbb", "#9467bd", "#8c564b", "#ff7f0e", "#1f77b4", "#17becf")  # in PHASES order
 _LAYOUT = dict(
     template="none",
     margin=dict(l=60, r=20, t=40, b=50),
@@ -180,8 +180,8 @@ def phases(report: Mapping[str, Any]) -> dict[str, Any]:
     return finish_figure(fig, "Where TTFT went for requests that missed the SLA")
 
 
-SERVER_PHASE_COLORS = {"schedule_lag": "#bbbbbb", "network": "#8c564b", "server_queue": "#d62728",
-                       "server_prefill": "#1f77b4", "other": "#17becf"}  # fmt: skip
+SERVER_PHASE_COLORS = {"schedule_lag": "#bbbbbb", "gateway": "#9467bd", "network": "#8c564b",
+                       "server_queue": "#d62728", "server_prefill": "#1f77b4", "other": "#17becf"}  # fmt: skip
 
 
 def server_vs_client(report: Mapping[str, Any]) -> dict[str, Any]:

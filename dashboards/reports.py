@@ -122,8 +122,9 @@ CACHE_ALIAS = "default"
 CACHE_ERRORS = (redis.RedisError, OSError)
 CACHE_TIMEOUT_S = 600
 # bump when the report's computation changes without a SCHEMA_VERSION change
-CACHE_FORMAT = 6  # 4: the run catalog selects the runs; failures per variant; 5: anytime-valid intervals;
-# 6: per-user (clustered) and covariate-adjusted statistics
+CACHE_FORMAT = 7  # 4: the run catalog selects the runs; failures per variant; 5: anytime-valid intervals;
+# 6: per-user (clustered) and covariate-adjusted statistics; 7: the gateway phase of TTFT and the
+# clustered and adjusted anytime-valid sequences
 
 
 def cache_key(

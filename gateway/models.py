@@ -43,7 +43,7 @@ class LiveRun(models.Model):
                  flush (the recorder's own retry, another start's, or ``manage.py flush_samples``)
       dropped    lost without reaching either: the memory queue was full (the disk could not
                  keep up), or record() was called after close(); 0 in normal operation
-      rejected   could not become a valid row (replay.rows.row_from refused the measurement)
+      rejected   could not become a valid row (samples.rows.row_from refused the measurement)
     spool_rows: rows of this run waiting in its spool now: told by the spool's hooks when a
     recorder spools or flushes, and re-read from the spool at every heartbeat of a recorder on
     it (a flush by `manage.py flush_samples` or a replay worker goes through hooks that skip live

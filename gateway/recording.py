@@ -1,6 +1,6 @@
 """Recording live traffic: each gateway request's sample, batched off the request path.
 
-The same sample row a replay records (replay.rows.row_from), mode ``live``, in the same table:
+The same sample row a replay records (samples.rows.row_from), mode ``live``, in the same table:
 the rollout controller reads samples by config_revision (rollouts/readings.py), so live
 traffic feeds it as a replay's does. One LiveRecorder per gateway process:
 
@@ -43,15 +43,20 @@ Guarantees (tests/gateway/test_recording*.py):
   reaches the store exactly once when it is back.
 
 What a live row holds beyond the measurement: sent_unix_ms is when the gateway wrote the upstream
-request (the StreamResult clock's zero, as in a replay); the gateway's own overhead before it
-(client request received -> upstream request written: auth, limits, routing, body rewrite) is
-``schedule_lag_ms`` and the client's arrival is ``scheduled_offset_ms`` (ms after the run's
-start): a replay's "planned send time and how late it went" read as "when the client asked and
-how long the gateway took to send it". So the overhead is the phase before the first byte in the
-report's TTFT split (analysis.phases: schedule_lag, labelled for replays as "schedule lag"), the
-client's TTFT is schedule_lag_ms + ttft_ms, and no column, migration or row_from change was
-needed. in_flight is 0 (not measured by the gateway); prompt_tokens is the usage event's when
-the upstream reported it, else the gateway's count, flagged prompt_tokens_estimated.
+request (the StreamResult clock's zero, as in a replay); the gateway's own time before it (client
+request received -> upstream request written: auth, limits, routing, body rewrite) is
+``gateway_ms``, a column of live samples alone (0 in a replay's), and the client's arrival is
+``scheduled_offset_ms`` (ms after the run's start). ``schedule_lag_ms``, a replay's lateness
+against its plan, is 0: live traffic has no plan. So the client's TTFT is gateway_ms + ttft_ms,
+and the report's TTFT split of missed requests shows the gateway's time as its own phase
+(analysis.definitions.PHASES: "gateway", beside a replay's "schedule lag"). Live rows recorded
+before gateway_ms existed (sample store migration 7) held it in schedule_lag_ms; the report reads
+a live row's schedule_lag_ms as the gateway's too, so they split the same. in_flight is 0 (not
+measured by the gateway); prompt_tokens is the usage event's when the upstream reported it, else
+the gateway's count, flagged prompt_tokens_estimated.
+
+Rows are built by samples.rows.row_from from a SampleContext, as the replay builds its own: the
+gateway imports nothing of the replay (an import contract, .importlinter).
 """
 
 from __future__ import annotations
@@ -64,8 +69,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from replay.rows import row_from
 from samples.columns import SampleError, SampleRow
+from samples.rows import SampleContext, row_from
 from samples.spool import SpoolHooks, SpoolingWriter
 from samples.store import SampleStore, StoreUnavailable
 from streaming.result import StreamResult
@@ -427,24 +432,25 @@ class LiveRecorder:
         gateway_ms = float(it.gateway_ms)
         row = row_from(
             it.result,
-            {
-                "experiment": it.experiment,
-                "run_id": books.run_id,
-                "seq": self._seq,
-                "variant": it.variant,
-                "mode": MODE,
-                "sent_unix_ms": it.sent_unix_ms,
-                "request_id": it.request_id,
-                "user_id": it.user_id,
-                "config_revision": it.config_revision,
-                "scheduled_offset_ms": max(0.0, float(it.sent_unix_ms) - gateway_ms - books.started_ms),
-                "schedule_lag_ms": gateway_ms,
-                "prompt_tokens": it.prompt_tokens,
-                "prompt_tokens_estimated": True,  # used only without a usage event (row_from)
-                "max_tokens": it.max_tokens,
-                "worker": self.worker,
-                "attempt": it.attempt,
-            },
+            SampleContext(
+                experiment=it.experiment,
+                run_id=books.run_id,
+                seq=self._seq,
+                variant=it.variant,
+                mode=MODE,
+                sent_unix_ms=it.sent_unix_ms,
+                request_id=it.request_id,
+                user_id=it.user_id,
+                config_revision=it.config_revision,
+                # the client's request received, ms after the run's start (module docstring)
+                scheduled_offset_ms=max(0.0, float(it.sent_unix_ms) - gateway_ms - books.started_ms),
+                gateway_ms=gateway_ms,
+                prompt_tokens=it.prompt_tokens,
+                prompt_tokens_estimated=True,  # used only without a usage event (row_from)
+                max_tokens=it.max_tokens,
+                worker=self.worker,
+                attempt=it.attempt,
+            ),
         )
         metrics.LIVE_SAMPLES_RECORDED.labels(it.experiment).inc()
         return row

@@ -17,7 +17,7 @@ included), before anything is sent:
    the line's guess (or today's one word a token) is sent and flagged estimated.
 
 The sent length is recorded either way: the server's usage count wins in the sample row
-(replay/rows.py) when it reports one, as vLLM and the simulator do.
+(samples/rows.py) when it reports one, as vLLM and the simulator do.
 """
 
 from __future__ import annotations

@@ -20,18 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 
+# The one definition of a request's id is the samples row's (samples.rows.row_from derives the
+# same when a writer gives none): the replay sends these.
+from samples.rows import request_id as request_id
+
 SPLIT, MIRROR = "split", "mirror"
-
-
-def request_id(run_id: int, seq: int, variant: str | None = None) -> str:
-    """The one definition of a request's id: deterministic, the same on every retry and
-    redelivery. One per (run, request) in split mode (the router picks the variant), one per
-    (run, request, variant) in mirror mode (every variant gets the request). The runner sends
-    these, and replay.rows.row_from derives the same when a writer gives none."""
-    if variant is not None and not variant:
-        raise ValueError("request_id: variant must be a non-empty string or None")
-    base = f"r{int(run_id)}-{int(seq)}"
-    return f"{base}-{variant}" if variant is not None else base
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,8 +43,8 @@ from typing import Any, Protocol
 from replay import shapes
 from replay.plan import MIRROR, SPLIT, request_id
 from replay.prompts import synth_prompt
-from replay.rows import row_from
 from replay.sources import TraceRequest
+from samples.rows import SampleContext, row_from
 from stats.quantiles import nearest_rank
 from streaming.result import Outcome, StreamCancelled, StreamResult
 from telemetry import logs
@@ -377,14 +377,13 @@ class ShardRunner:
         sent_unix_ms += waited_s * 1000.0
         lag_ms = max(0.0, (sent_mono + waited_s - planned) * 1000.0)
         self.stats.lags_ms.append(lag_ms)
-        row = row_from(result, {
-            "experiment": spec.experiment, "run_id": spec.run_id, "seq": req.seq, "variant": variant,
-            "mode": spec.mode, "sent_unix_ms": sent_unix_ms, "request_id": rid, "user_id": req.user_id,
-            "config_revision": revision, "scheduled_offset_ms": (planned - start_mono) * 1000.0,
-            "schedule_lag_ms": lag_ms, "in_flight": in_flight, "prompt_tokens": prompt_tokens,
-            "prompt_tokens_estimated": estimated, "max_tokens": req.max_tokens, "worker": spec.worker,
-            "attempt": min(spec.attempt, 255),
-        })  # fmt: skip
+        row = row_from(result, SampleContext(
+            experiment=spec.experiment, run_id=spec.run_id, seq=req.seq, variant=variant, mode=spec.mode,
+            sent_unix_ms=sent_unix_ms, request_id=rid, user_id=req.user_id, config_revision=revision,
+            scheduled_offset_ms=(planned - start_mono) * 1000.0, schedule_lag_ms=lag_ms, in_flight=in_flight,
+            prompt_tokens=prompt_tokens, prompt_tokens_estimated=estimated, max_tokens=req.max_tokens,
+            worker=spec.worker, attempt=min(spec.attempt, 255),
+        ))  # fmt: skip
         self.put_row(row)
         self.stats.recorded += 1
         self.stats.outcomes[str(result.outcome)] += 1

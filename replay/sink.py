@@ -1,12 +1,12 @@
 """A background writer: the replay's event loop hands rows over without waiting on storage.
 
-Rows (samples.columns.SampleRow, from replay.rows.row_from) are batched (by size or age) and
+Rows (samples.columns.SampleRow, from samples.rows.row_from) are batched (by size or age) and
 written by one thread through ``write(rows)`` (the sample store's spooling writer), so a slow insert never delays a scheduled send. ``close()``
 drains everything; a write that raises is retried a bounded number of times and then
 surfaces in ``close()`` so the shard fails loudly rather than dropping samples.
 
 Rows are validated a batch at a time, columnar, by the writer (samples.columns.validate_samples
-in SpoolingWriter.write), not one by one where they are made (replay.rows.row_from checks only
+in SpoolingWriter.write), not one by one where they are made (samples.rows.row_from checks only
 its context values). A batch the writer refuses as invalid (SampleError) is not retried: the
 sink checks its rows one at a time, writes every valid one, and fails the shard with an error
 naming each bad row's request id, seq and variant, the column and the value (put() raises it

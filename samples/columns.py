@@ -1,11 +1,11 @@
 """The samples table's columns and the one validator of what goes into them.
 
-Pure: stdlib and numpy (no Django, no database driver), and nothing of the replay: the replay
-builds rows (replay.rows.row_from), this module says what a valid row is. A row holds a str,
-int, float or None for every column (a list of ints for the array column): a SampleRow (the values in COLUMNS order, what the replay's
-writer holds and the spool writes as a JSON array) or a mapping of column name to value. A batch
-is validated a whole column at a time (validate_columns) and comes out as the numpy arrays both
-store backends insert.
+Pure: stdlib and numpy (no Django, no database driver), and nothing of the replay or the
+gateway: samples.rows builds rows (row_from, for both), this module says what a valid row is.
+A row holds a str, int, float or None for every column (a list of ints for the array column): a
+SampleRow (the values in COLUMNS order, what the replay's and the gateway's writers hold and the
+spool writes as a JSON array) or a mapping of column name to value. A batch is validated a whole
+column at a time (validate_columns) and comes out as the numpy arrays both store backends insert.
 
 Types are the subset that works on ClickHouse 18.16 (CI) and chDB 4.4 alike: no DateTime64, Bool,
 Map or JSON. Booleans are UInt8 0/1; exact send time is kept as Float64 unix milliseconds next to a
@@ -48,20 +48,24 @@ def _c(name: str, ch_type: str, kind: str) -> Column:
 
 # Order is the physical column order in the table and in every batch.
 COLUMNS: tuple[Column, ...] = (
-    # --- replay context: identity (the ReplacingMergeTree key, see schema.py)
+    # --- the sample's context (samples.rows.SampleContext): identity (the ReplacingMergeTree key, see schema.py)
     _c("experiment", "LowCardinality(String)", "str"),
     _c("variant", "LowCardinality(String)", "str"),
     _c("run_id", "UInt64", "u64"),
     _c("seq", "UInt32", "u32"),
     _c("request_id", "String", "str"),
-    # --- replay context: how and when it was sent
+    # --- the sample's context: how and when it was sent
     _c("mode", "LowCardinality(String)", "str"),  # one of MODES (split, mirror, live), checked by row_from
     _c("user_id", "String", "str"),
     _c("config_revision", "Int64", "i64"),  # etcd revision of the weights the router used
     _c("sent_at", "DateTime('UTC')", "datetime"),  # explicit UTC: same partitions on any host
     _c("sent_unix_ms", "Float64", "f64"),  # exact send time
-    _c("scheduled_offset_ms", "Float64", "f64"),  # planned send time, ms after the run start
-    _c("schedule_lag_ms", "Float64", "f64"),  # how late the send was against that plan
+    # A replay's planned send time, ms after the run start; live: the client's request received.
+    _c("scheduled_offset_ms", "Float64", "f64"),
+    _c("schedule_lag_ms", "Float64", "f64"),  # a replay's: how late the send was against that plan; live 0
+    # Live: the gateway's own time from the client's request received to the upstream request
+    # written (auth, limits, routing, the body rewrite); 0 in a replay (schema migration 7).
+    _c("gateway_ms", "Float64", "f64"),
     _c("in_flight", "UInt32", "u32"),  # requests in flight in this shard at send time
     _c("prompt_tokens", "UInt32", "u32"),
     _c("prompt_tokens_estimated", "UInt8", "u8"),  # 1: no usage event and no known tokenizer
@@ -106,8 +110,10 @@ COLUMNS: tuple[Column, ...] = (
 COLUMN_NAMES: tuple[str, ...] = tuple(c.name for c in COLUMNS)
 BY_NAME: dict[str, Column] = {c.name: c for c in COLUMNS}
 # Columns added after the table was first made (samples.schema: migration 5 on), with what a
-# row written before them holds there: an older spool file's rows are read with these.
-ADDED_DEFAULTS: dict[str, Any] = {"itl_gaps_us": ()}
+# row written before them holds there: an older spool file's rows are read with these. (A live
+# row written before gateway_ms held the gateway's time in schedule_lag_ms: the report reads it
+# as the gateway's, analysis.definitions.PHASE_COLUMNS.)
+ADDED_DEFAULTS: dict[str, Any] = {"itl_gaps_us": (), "gateway_ms": 0.0}
 
 _INT_RANGES = {
     "u8": (0, 2**8 - 1),
@@ -542,7 +548,7 @@ _INDEX: dict[str, int] = {name: i for i, name in enumerate(COLUMN_NAMES)}
 class SampleRow(tuple):
     """One samples row: its values in COLUMNS order. A batch of them becomes columns in
     C-level passes (validate_samples), where dict rows need a lookup per value, so this is what the
-    replay builds (replay.rows.row_from) and the spool stores (a JSON array per row).
+    replay and the gateway build (samples.rows.row_from) and the spool stores (a JSON array per row).
 
     Read a value by column name or position: row["seq"], row[3]; as_dict() gives the mapping.
     Immutable like any tuple; SampleRow(values) does not validate (validate_samples does).
@@ -638,7 +644,7 @@ def validate_values(values: Mapping[str, Any], where: str = "row") -> None:
 
     For a writer that checks the values it makes itself where they are made, so the error
     names the field at its source, and leaves the rest of the row to the batch's columnar check
-    (validate_samples) where it is stored: replay.rows.row_from checks its context values here.
+    (validate_samples) where it is stored: samples.rows.row_from checks its context values here.
     The common exact types (str, an int in range, a finite float, None where nullable) pass in
     a few bytecodes; anything else takes validate_row's own one-value check, which says why.
     """

@@ -325,8 +325,8 @@ ORDER BY (experiment, variant, run_id, metric, sample, labels, le, scraped_ms)
 """.strip()
 
 # ---- inter-token gaps: the ITL distribution over every gap ------------------------------
-# Who writes: the replay (replay.rows.row_from, every StreamResult.itl_gaps_us) and the rollup
-# build (analysis.rollup); who reads: the SLA report's itl_ms (analysis.readers).
+# Who writes: the replay and the gateway (samples.rows.row_from, every StreamResult.itl_gaps_us)
+# and the rollup build (analysis.rollup); who reads: the SLA report's itl_ms (analysis.readers).
 # - samples.itl_gaps_us Array(UInt32): every gap of a request in microseconds; rows recorded
 #   before read as [] (no gaps), which the report counts.
 # - rollup_gaps: per (build, variant, histogram key) every distinct gap value with its count,
@@ -374,6 +374,22 @@ ORDER BY (build_id, unit, variant)
 # rollup tables whose rows carry build_id only (the build names the run: rollup_builds)
 ROLLUP_BUILD_TABLES = (ROLLUP_VALUES_TABLE, ROLLUP_GAPS_TABLE, ROLLUP_MOMENTS_TABLE)
 
+# ---- the gateway's own time: a column of its own ------------------------------------------
+# Who writes: the live gateway (gateway.recording, through samples.rows.row_from); who reads: the
+# SLA report's TTFT phases of missed requests ("gateway", analysis.definitions.PHASE_COLUMNS),
+# raw and rolled up.
+# - samples.gateway_ms Float64: a live sample's time in the gateway, from the client's request
+#   received to the upstream request written; 0 in a replay's samples (whose schedule_lag_ms is
+#   theirs alone), and in every row recorded before the column. Live rows recorded before it
+#   held the gateway's time in schedule_lag_ms: the report reads a live row's schedule_lag_ms
+#   as the gateway's too, so those rows stay as they are (moving the value would take a
+#   mutation rewriting every part, on every server of a cluster; a spool file of that time
+#   would still bring such rows in after it).
+# - rollup_cells.s_gateway: that phase's sum over the missed requests of a cell (rollup format
+#   6; builds of format 5 lack it and are not used).
+ADD_GATEWAY_MS = f"ALTER TABLE {SAMPLES_TABLE} ADD COLUMN gateway_ms Float64 AFTER schedule_lag_ms"
+ADD_ROLLUP_GATEWAY = f"ALTER TABLE {ROLLUP_CELLS_TABLE} ADD COLUMN s_gateway Float64 AFTER s_schedule_lag"
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "create samples", (CREATE_SAMPLES_TABLE,)),
     Migration(
@@ -396,6 +412,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         (ADD_ITL_GAPS, ADD_ROLLUP_ITL_REQUESTS, ADD_ROLLUP_ITL_UNRECORDED, CREATE_ROLLUP_GAPS),
     ),
     Migration(6, "per-unit moments", (CREATE_ROLLUP_MOMENTS,)),
+    Migration(7, "gateway time", (ADD_GATEWAY_MS, ADD_ROLLUP_GATEWAY)),
 )
 
 

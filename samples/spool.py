@@ -5,10 +5,13 @@ Layout of the spool directory (ABPLAT_SPOOL_DIR):
                        {"spool": 3, "seq": n, "rows": N, "runs": [...], "counts": {run: rows},
                        "columns": [name, ...]}, then N rows, each a JSON array of its values in
                        the header's column order (samples.columns.SampleRow when that is this
-                       code's). Older files are still read and flushed: format 2 (arrays in the
-                       column order before itl_gaps_us), format 1 (one JSON object per row), and
-                       headers without "counts"; a column they lack gets its
-                       samples.columns.ADDED_DEFAULTS value ([]: no gaps recorded).
+                       code's). Older files are still read and flushed: format 3 of fewer
+                       columns (written before gateway_ms), format 2 (arrays in the column order
+                       before itl_gaps_us), format 1 (one JSON object per row), and headers
+                       without "counts"; a column they lack gets its
+                       samples.columns.ADDED_DEFAULTS value ([]: no gaps recorded; 0.0: no
+                       gateway time, as in a replay's row or a live row of that time, which
+                       held it in schedule_lag_ms).
   spool.lock           flock'ed by whoever writes or flushes, so several processes on one host
                        can share a directory without interleaving sequence numbers.
   spool.id             the spool's name, "host:directory" of where it was created: it stays with

@@ -417,7 +417,7 @@ class SampleStore:
     # ---- writes -------------------------------------------------------------------------
     def insert_samples(self, rows: Sequence[colmod.SampleRow] | Sequence[Mapping[str, Any]]) -> int:
         """Insert rows as one columnar batch; returns rows inserted. Rows are SampleRows (what
-        replay.rows.row_from builds; plain tuples of the values in column order too) or
+        samples.rows.row_from builds; plain tuples of the values in column order too) or
         mappings of every column. Validated columnar (samples.columns.validate_samples); a bad
         value raises InvalidSamples naming the row and column, and nothing is sent."""
         if not rows:

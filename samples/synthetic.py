@@ -241,6 +241,7 @@ def generate(spec: SyntheticSpec) -> Synthetic:
         "sent_unix_ms": sent_ms,
         "scheduled_offset_ms": offset_ms[req],
         "schedule_lag_ms": lag,
+        "gateway_ms": np.zeros(n),  # a replay's samples (samples.rows)
         "in_flight": in_flight[req],
         "prompt_tokens": prompt[req],
         "prompt_tokens_estimated": np.zeros(n, dtype=np.uint8),

@@ -16,7 +16,7 @@ step, and each step's prompt plan (replay/calibration.py) would otherwise ask fo
 counts again (3.6 s a step on the demo's simulators). The liveness probe that opens a counter is
 never answered from it. A variant redeployed under the same URL and model name with another
 tokenizer is counted afresh after the TTL at most; meanwhile the server's own usage count still
-wins in each sample (replay/rows.py).
+wins in each sample (samples/rows.py).
 
 With ``allow`` the probe dials only addresses the variant allowlist accepts (as the variant
 client does); a refusal is a ProbeError like any other unusable answer. ``headers`` carry the

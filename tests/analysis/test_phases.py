@@ -25,9 +25,29 @@ def test_phase_arrays_split_ttft_plus_lag_exactly():
     assert total.tolist() == [305.0, 61.0]
 
 
+def test_a_live_request_s_time_in_the_gateway_is_its_own_phase_before_the_send():
+    """A live sample's gateway_ms comes before the StreamResult clock as a replay's schedule lag
+    does: the phases sum to the client's TTFT, gateway_ms + ttft_ms."""
+    ph = phase_arrays(
+        schedule_lag_ms=[0.0, 0.0],
+        connect_ms=[None, None],
+        ttfb_ms=[50.0, 30.0],
+        ttft_event_ms=[250.0, 60.0],
+        ttft_ms=[300.0, 61.0],
+        gateway_ms=[2.5, 0.25],
+    )
+    assert ph["gateway"].tolist() == [2.5, 0.25] and ph["schedule_lag"].tolist() == [0.0, 0.0]
+    assert sum(ph[p] for p in PHASES).tolist() == [302.5, 61.25]
+    out = phase_breakdown(ph)
+    assert out["phases"]["gateway"]["label"] == "gateway"
+    assert out["phases"]["gateway"]["mean_ms"] == pytest.approx(1.375)
+    assert PHASES.index("gateway") < PHASES.index("connect")  # before the request is written
+
+
 def test_phase_breakdown_shares_against_hand_computation():
     ph = {
         "schedule_lag": [0.0, 100.0],
+        "gateway": [0.0, 0.0],
         "connect": [0.0, 0.0],
         "headers": [100.0, 100.0],
         "headers_to_first_event": [300.0, 0.0],

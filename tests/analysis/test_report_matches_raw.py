@@ -171,6 +171,7 @@ def test_segments_and_phases_match_raw_sums(split_report, split_data):
         connect = np.nan_to_num(c["connect_ms"][miss])
         expected = {
             "schedule_lag": c["schedule_lag_ms"][miss].sum(),
+            "gateway": c["gateway_ms"][miss].sum(),  # 0: a replay's samples
             "connect": connect.sum(),
             "headers": (c["ttfb_ms"][miss] - connect).sum(),
             "headers_to_first_event": (c["ttft_event_ms"][miss] - c["ttfb_ms"][miss]).sum(),
@@ -275,7 +276,7 @@ def test_srm_counts_users_not_requests_so_heavy_users_do_not_fire_it(backend):
     variant. Request counts are far from the weights; distinct users are not."""
     import uuid
 
-    from replay.rows import row_from
+    from samples.rows import SampleContext, row_from
     from streaming.result import StreamResult
 
     run_id = 900_000 + uuid.uuid4().int % 1000
@@ -284,10 +285,10 @@ def test_srm_counts_users_not_requests_so_heavy_users_do_not_fire_it(backend):
     for i in range(3000):
         variant = ("fp16", "awq", "awq-fa2")[i % 3]  # users split evenly: no mismatch by users
         for _ in range(300 if i == 0 else 1):  # user 0 is heavy
-            rows.append(row_from(StreamResult(ttft_ms=50.0), {
-                "experiment": "srm-users", "run_id": run_id, "seq": seq, "variant": variant, "mode": "split",
-                "sent_unix_ms": 1.7e12 + seq, "user_id": f"user-{i}", "config_revision": 5,
-            }))  # fmt: skip
+            rows.append(row_from(StreamResult(ttft_ms=50.0), SampleContext(
+                experiment="srm-users", run_id=run_id, seq=seq, variant=variant, mode="split",
+                sent_unix_ms=1.7e12 + seq, user_id=f"user-{i}", config_revision=5,
+            )))  # fmt: skip
             seq += 1
     backend.insert_samples(rows)
     exp = r.ExperimentInfo(

@@ -65,7 +65,7 @@ from analysis import phases, segments  # noqa: E402
 from stats import comparisons as cmp  # noqa: E402
 from stats import paired, proportions, quantiles, srm, verdict  # noqa: E402
 
-ZERO_SUMS = dict.fromkeys(("schedule_lag", "connect", "ttfb", "ttft_event", "ttft"), 0.0)
+ZERO_SUMS = dict.fromkeys(("schedule_lag", "gateway", "connect", "ttfb", "ttft_event", "ttft"), 0.0)
 CASES = {
     "attainment_difference 1 v 1": lambda: cmp.attainment_difference(1, 1, 0, 1),
     "attainment_difference 0 v 1": lambda: cmp.attainment_difference(0, 0, 0, 1),

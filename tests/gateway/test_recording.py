@@ -62,8 +62,8 @@ def record(
 
 def stored(store, run_id: int) -> list[dict[str, Any]]:
     cols = ["experiment", "variant", "run_id", "seq", "request_id", "mode", "user_id", "config_revision",
-            "sent_unix_ms", "schedule_lag_ms", "worker", "attempt", "ttft_ms", "prompt_tokens",
-            "itl_gaps_us"]  # fmt: skip
+            "sent_unix_ms", "schedule_lag_ms", "gateway_ms", "worker", "attempt",
+            "ttft_ms", "prompt_tokens", "itl_gaps_us"]  # fmt: skip
     rows = store.query(
         f"SELECT {', '.join(cols)} FROM samples WHERE run_id = %(r)s ORDER BY seq", {"r": run_id}
     )
@@ -120,7 +120,10 @@ def test_live_samples_land_with_mode_live_and_the_request_s_context(store, tmp_p
     first = rows[0]
     assert first["mode"] == "live" and first["experiment"] == "ttft-opt" and first["variant"] == "fp16"
     assert first["user_id"] == "user-0" and first["config_revision"] == 41 and first["worker"] == "gw-test:1"
-    assert first["sent_unix_ms"] == 1_764_640_000_000.0 and first["schedule_lag_ms"] == 0.25
+    assert first["sent_unix_ms"] == 1_764_640_000_000.0
+    # the gateway's own time has its column; a live sample has no schedule, so no schedule lag
+    assert first["gateway_ms"] == 0.25 and first["schedule_lag_ms"] == 0.0
+    assert all(r["gateway_ms"] == 0.25 and r["schedule_lag_ms"] == 0.0 for r in rows)
     assert first["attempt"] == 1 and first["ttft_ms"] == 10.0 and list(first["itl_gaps_us"]) == [4000, 5000]
     assert first["prompt_tokens"] == 17  # the usage event's count wins over the gateway's 20
 

@@ -1,5 +1,5 @@
 """The replay's sample sink with the store's writer: rows are validated a batch at a time where they
-are stored (replay.rows.row_from checks only its context values), and a bad row still fails the
+are stored (samples.rows.row_from checks only its context values), and a bad row still fails the
 shard with an error naming its request and column while every valid row is stored."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from replay.rows import row_from
 from replay.runner import ShardRunner, ShardSpec
 from replay.sink import BatchSink, InvalidRows
 from replay.sources import TraceRequest
+from samples.rows import row_from
 from samples.spool import SpoolingWriter
 from streaming.result import StreamResult
-from tests.replay.test_rows import context, full_result
+from tests.samples.test_rows import context, full_result
 
 
 @pytest.fixture(params=["chdb", "server"])

@@ -97,7 +97,7 @@ def insert_step(store, key: str, revision: int, arms: dict, *, run_id: int = 1, 
     error), ...]}; each request its own user. Returns the next seq."""
     import time
 
-    from replay.rows import row_from
+    from samples.rows import SampleContext, row_from
     from streaming.result import Outcome, StreamResult
 
     rows, seq = [], seq0
@@ -109,10 +109,10 @@ def insert_step(store, key: str, revision: int, arms: dict, *, run_id: int = 1, 
                 if ttft is None
                 else StreamResult(ttft_ms=float(ttft), e2e_ms=float(ttft) + 50.0)
             )
-            rows.append(row_from(result, {
-                "experiment": key, "run_id": run_id, "seq": seq, "variant": variant, "mode": "split",
-                "sent_unix_ms": now, "user_id": f"u{run_id}-{seq}", "config_revision": revision,
-            }))  # fmt: skip
+            rows.append(row_from(result, SampleContext(
+                experiment=key, run_id=run_id, seq=seq, variant=variant, mode="split",
+                sent_unix_ms=now, user_id=f"u{run_id}-{seq}", config_revision=revision,
+            )))  # fmt: skip
             seq += 1
     store.insert_samples(rows)
     return seq

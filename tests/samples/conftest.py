@@ -95,7 +95,7 @@ GAPS_US = [3900, 4100, 0, 15500, 2**32 - 1, *range(3000, 3021)]
 def sample_row(seq_: int, **over: Any) -> dict[str, Any]:
     """One valid samples row of run 7, variant awq, every column set (most to non-default
     values, unicode and escapes in `error`); `over` replaces columns. The request id follows
-    replay.plan.request_id for split mode unless given."""
+    samples.rows.request_id for split mode unless given."""
     row: dict[str, Any] = dict(
         experiment="ttft-opt",
         variant="awq",
@@ -109,6 +109,7 @@ def sample_row(seq_: int, **over: Any) -> dict[str, Any]:
         sent_unix_ms=1_732_900_000_123.456 + seq_ * 10,
         scheduled_offset_ms=seq_ * 10.0,
         schedule_lag_ms=0.75,
+        gateway_ms=0.0,  # a replay's row (samples.rows)
         in_flight=3,
         prompt_tokens=512,
         prompt_tokens_estimated=0,

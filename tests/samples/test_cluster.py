@@ -160,8 +160,8 @@ def test_migrate_is_idempotent_and_repairs_one_server(cstore, servers):
     assert cstore.migrate() == VERSIONS
     assert cstore.migrate() == []
     servers[1].execute(f"DROP TABLE {cluster.local_name(schema.SAMPLES_TABLE)}")
-    # the second server's local samples table was gone: re-created (1), then its column added (5)
-    assert cstore.migrate() == [1, 5]
+    # the second server's local samples table was gone: re-created (1), then its columns added (5, 7)
+    assert cstore.migrate() == [1, 5, 7]
     assert ("itl_gaps_us", "Array(UInt32)") in servers[1].query(
         "SELECT name, type FROM system.columns WHERE database = %(db)s AND table = 'samples_local'",
         {"db": CLUSTER_DB},
@@ -170,6 +170,37 @@ def test_migrate_is_idempotent_and_repairs_one_server(cstore, servers):
     assert local_rows(servers) == [0, 0]
     records = [s.query(f"SELECT count() FROM {schema.MIGRATIONS_TABLE}") for s in servers]
     assert records == [[(len(VERSIONS),)]] * len(servers)  # recorded once, not again
+
+
+def test_migration_7_adds_gateway_ms_on_every_server_and_keeps_the_rows(
+    cstore, servers, make_rows, monkeypatch
+):
+    with monkeypatch.context() as m:
+        m.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:6])
+        assert cstore.migrate() == VERSIONS[:6]
+    cstore.execute(
+        "INSERT INTO samples (experiment, variant, run_id, seq, request_id, mode, schedule_lag_ms, outcome, "
+        "recorded_ms, sent_at) SELECT 'e', 'v', 1, number, concat('r1-', toString(number)), 'split', 1.5, "
+        "'ok', 1, toDateTime(1732900000, 'UTC') FROM system.numbers LIMIT 40"
+    )
+    before = local_rows(servers)
+    assert sum(before) == 40 and min(before) > 0
+    assert cstore.migrate() == [7]
+    assert local_rows(servers) == before  # every row where it was
+    for server in servers:
+        for table in ("samples", "samples_local"):
+            got = dict(server.query(
+                "SELECT name, type FROM system.columns WHERE database = %(db)s AND table = %(t)s",
+                {"db": CLUSTER_DB, "t": table},
+            ))  # fmt: skip
+            assert got["gateway_ms"] == "Float64", (server.url_safe, table)
+    assert cstore.query("SELECT count(), sum(gateway_ms), sum(schedule_lag_ms) FROM samples") == [
+        (40, 0.0, 60.0)
+    ]
+    live = make_rows(10, mode="live", run_id=10**12 + 1, schedule_lag_ms=0.0, gateway_ms=0.5)
+    assert cstore.insert_samples(live) == 10
+    assert cstore.query("SELECT sum(gateway_ms) FROM samples WHERE mode = 'live'") == [(5.0,)]
+    assert cstore.migrate() == []
 
 
 def test_the_migrate_command_migrates_the_cluster(cstore, servers, settings, cluster_urls):

@@ -1,6 +1,6 @@
 """Pure: the samples table's columns, the one row validator, SQL quoting.
 
-How a StreamResult becomes a row is the replay's (tests/replay/test_rows.py)."""
+How a StreamResult becomes a row: samples.rows (tests/samples/test_rows.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_frozen_migration_creates_exactly_the_declared_columns():
     ]
     # the migrations after it add the rest, each at its place
     assert schema.table_columns(schema.SAMPLES_TABLE) == [(c.name, c.ch_type) for c in columns.COLUMNS]
-    assert added == ["itl_gaps_us"]
+    assert added == ["gateway_ms", "itl_gaps_us"]  # migrations 7 and 5
 
 
 def test_validate_row_names_unknown_and_missing_columns():
@@ -187,7 +187,7 @@ def test_a_bad_sample_row_is_named(column, value, message):
 def test_a_sample_row_of_the_wrong_length_is_named():
     rows = [tuple(sample_row(i).values()) for i in range(3)]
     rows[2] = rows[2][:-1]
-    with pytest.raises(SampleError, match=r"^rows row 2: expected 44 values in column order, got 43$"):
+    with pytest.raises(SampleError, match=r"^rows row 2: expected 45 values in column order, got 44$"):
         validate_samples(rows)
 
 
@@ -363,7 +363,7 @@ _HOSTILE = [
 @pytest.mark.parametrize("name", [c.name for c in columns.COLUMNS])
 def test_validate_values_accepts_and_refuses_exactly_what_validate_row_does(name):
     """Its fast path for the common exact types must never take a value the validator refuses
-    (replay.rows.row_from checks its context values with it), and refuses with the same message."""
+    (samples.rows.row_from checks its context values with it), and refuses with the same message."""
     base = sample_row(1)
     for v in _HOSTILE:
         try:

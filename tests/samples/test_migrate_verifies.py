@@ -25,8 +25,8 @@ def test_a_recorded_migration_whose_table_is_gone_is_repaired(make_store, make_r
     store.execute(f"DROP TABLE {schema.SAMPLES_TABLE}")
     store.execute(f"DROP TABLE {schema.ROLLUP_HIST_TABLE}")
     assert [m["applied"] for m in store.migration_status()] == [True] * len(ALL)  # the record still says so
-    # both re-applied: their tables were missing; then 5, whose column the new samples table lacks
-    assert store.migrate() == [1, 2, 5]
+    # both re-applied: their tables were missing; then 5 and 7, whose columns the new tables lack
+    assert store.migrate() == [1, 2, 5, 7]
     assert store.insert_samples(make_rows(3)) == 3
     assert store.count(7) == 3
     assert store.query(f"SELECT count() FROM {schema.ROLLUP_HIST_TABLE}") == [(0,)]
@@ -167,3 +167,71 @@ def test_migration_6_adds_the_per_unit_moments_table():
     m6 = schema.MIGRATIONS[5]
     assert list(schema.declared_tables(m6)) == [schema.ROLLUP_MOMENTS_TABLE]
     assert schema.ROLLUP_MOMENTS_TABLE in schema.ROLLUP_BUILD_TABLES  # deleted with its build
+
+
+# ---- migration 7: the gateway's own time, a column of live samples -----------------------------
+
+
+def test_migration_7_adds_the_gateway_column_and_its_rollup_sum():
+    m7 = schema.MIGRATIONS[6]
+    assert (m7.version, m7.name) == (7, "gateway time")
+    assert schema.added_columns(m7) == {
+        schema.SAMPLES_TABLE: [("gateway_ms", "Float64")],
+        schema.ROLLUP_CELLS_TABLE: [("s_gateway", "Float64")],
+    }
+    assert schema.declared_tables(m7) == {}
+    assert columns.ADDED_DEFAULTS["gateway_ms"] == 0.0  # what a row spooled before it holds there
+    cells = [n for n, _t in schema.table_columns(schema.ROLLUP_CELLS_TABLE)]
+    assert cells.index("s_gateway") == cells.index("s_schedule_lag") + 1
+
+
+def _migrated_before_gateway(store, monkeypatch) -> None:
+    """The store as migrations 1-6 left it, before gateway_ms: a replay's sample and a live one,
+    whose gateway time older code recorded as schedule_lag_ms."""
+    with monkeypatch.context() as m:
+        m.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:6])
+        assert store.migrate() == [1, 2, 3, 4, 5, 6]
+    store.execute(
+        "INSERT INTO samples (experiment, variant, run_id, seq, request_id, mode, schedule_lag_ms, outcome, "
+        "ttft_ms, recorded_ms, sent_at) SELECT 'e', 'v', 1, 0, 'r1-0', 'split', 1.5, 'ok', 40.0, 1, "
+        "toDateTime(1732900000, 'UTC')"
+    )
+    store.execute(
+        "INSERT INTO samples (experiment, variant, run_id, seq, request_id, mode, schedule_lag_ms, outcome, "
+        "ttft_ms, recorded_ms, sent_at) SELECT 'e', 'v', 1000000000001, 1, 'gw-1', 'live', 0.5, 'ok', 30.0, 1, "
+        "toDateTime(1732900000, 'UTC')"
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_store_of_older_code_gets_gateway_ms_and_keeps_its_rows(make_store, make_rows, monkeypatch, kind):
+    store = make_store(kind)
+    _migrated_before_gateway(store, monkeypatch)
+    assert store.migrate() == [7]
+    # the rows recorded before are all there, as they were, with no gateway time of their own
+    assert store.query(
+        "SELECT request_id, mode, schedule_lag_ms, gateway_ms, ttft_ms FROM samples ORDER BY seq"
+    ) == [("r1-0", "split", 1.5, 0.0, 40.0), ("gw-1", "live", 0.5, 0.0, 30.0)]
+    names = [n for (n,) in store.query(f"SELECT name FROM system.columns WHERE database = '{store.database}' "
+                                       "AND table = 'samples'")]  # fmt: skip
+    assert names == list(columns.COLUMN_NAMES)  # gateway_ms right after schedule_lag_ms
+    live = make_rows(2, mode="live", run_id=10**12 + 2, schedule_lag_ms=0.0, gateway_ms=2.25)
+    assert store.insert_samples(live) == 2
+    assert store.query(
+        "SELECT seq, schedule_lag_ms, gateway_ms FROM samples WHERE run_id = %(r)s ORDER BY seq",
+        {"r": 10**12 + 2},
+    ) == [(0, 0.0, 2.25), (1, 0.0, 2.25)]
+    assert store.query("SELECT count() FROM samples") == [(4,)]
+    assert store.migrate() == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_migration_7_interrupted_after_its_first_alter_runs_again(make_store, monkeypatch, kind):
+    store = make_store(kind)
+    _migrated_before_gateway(store, monkeypatch)
+    store.execute(schema.ADD_GATEWAY_MS)  # ... and then the process died, before the record
+    assert store.migrate() == [7]
+    cols = dict(store.query(f"SELECT name, type FROM system.columns WHERE database = '{store.database}' "
+                            "AND table = 'rollup_cells'"))  # fmt: skip
+    assert cols["s_gateway"] == "Float64"
+    assert store.query("SELECT count(), sum(gateway_ms) FROM samples") == [(2, 0.0)]

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from samples.schema import SAMPLES_FROM
 from samples.spool import SpoolingWriter
 from samples.store import StoreUnavailable
 
@@ -170,11 +171,13 @@ def test_spool_files_written_before_the_gaps_flush_as_rows_without_gaps(store, m
     from samples.columns import COLUMN_NAMES
     from samples.spool import FORMAT_2_COLUMNS
 
-    assert len(FORMAT_2_COLUMNS) == len(COLUMN_NAMES) - 1 and "itl_gaps_us" not in FORMAT_2_COLUMNS
+    # format 2 is older than both added columns (the gaps, then gateway_ms)
+    assert len(FORMAT_2_COLUMNS) == len(COLUMN_NAMES) - 2
+    assert "itl_gaps_us" not in FORMAT_2_COLUMNS and "gateway_ms" not in FORMAT_2_COLUMNS
     writer = SpoolingWriter(store, str(tmp_path / "spool"))
     older = make_rows(4)
     for r in older:
-        del r["itl_gaps_us"]  # what code before the gaps column wrote
+        del r["itl_gaps_us"], r["gateway_ms"]  # what code before the gaps column wrote
     with open(os.path.join(writer.spool.dir, "000000000001.jsonl"), "w", encoding="utf-8") as f:
         f.write(json.dumps({"spool": 2, "seq": 1, "rows": 2, "runs": [7], "counts": {"7": 2}}) + "\n")
         for r in older[:2]:
@@ -187,6 +190,35 @@ def test_spool_files_written_before_the_gaps_flush_as_rows_without_gaps(store, m
     report = writer.flush()
     assert (report.files, report.inserted, report.torn_files, report.lost) == (2, 4, [], 0)
     assert _stored_gaps(store) == {r["request_id"]: [] for r in older}
+
+
+def test_spool_files_written_before_gateway_ms_flush_as_rows_without_gateway_time(store, make_rows, tmp_path):
+    """Format 3 as code before migration 7 wrote it: its header names the columns of that time. A
+    live row of then held the gateway's time in schedule_lag_ms; it is stored as it was spooled
+    (the report reads a live row's schedule_lag_ms as the gateway's, analysis.definitions)."""
+    import json
+
+    from samples.columns import COLUMN_NAMES
+
+    writer = SpoolingWriter(store, str(tmp_path / "spool"))
+    older = make_rows(2) + make_rows(2, start=2, mode="live", schedule_lag_ms=0.5)
+    then = [c for c in COLUMN_NAMES if c != "gateway_ms"]
+    with open(os.path.join(writer.spool.dir, "000000000001.jsonl"), "w", encoding="utf-8") as f:
+        head = {"spool": 3, "seq": 1, "rows": 4, "runs": [7], "counts": {"7": 4}, "columns": then}
+        f.write(json.dumps(head) + "\n")
+        for r in older:
+            f.write(json.dumps([r[c] for c in then], ensure_ascii=False) + "\n")
+    _header, read, complete = writer.spool.read("000000000001.jsonl")
+    assert complete and [r["gateway_ms"] for r in read] == [0.0] * 4
+    report = writer.flush()
+    assert (report.files, report.inserted, report.torn_files, report.lost) == (1, 4, [], 0)
+    got = store.query(f"SELECT request_id, mode, schedule_lag_ms, gateway_ms FROM {SAMPLES_FROM} "
+                      "WHERE run_id = 7 ORDER BY seq")  # fmt: skip
+    assert got == [
+        ("r7-0", "split", 0.75, 0.0), ("r7-1", "split", 0.75, 0.0),
+        ("r7-2", "live", 0.5, 0.0), ("r7-3", "live", 0.5, 0.0),
+    ]  # fmt: skip
+    assert writer.pending(7) == 0
 
 
 def test_a_spool_file_of_newer_columns_is_quarantined_and_counted(store, make_rows, tmp_path):

@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from experiments.weights.document import build_document
 from experiments.weights.local import LocalWeightsStore
 from experiments.weights.router import Router
-from replay.rows import row_from
 from samples.backends.clickhouse import ClickHouseServerBackend
+from samples.rows import SampleContext, row_from
 from samples.spool import SpoolingWriter
 from samples.store import StoreUnavailable
 from streaming.result import StreamResult
@@ -156,8 +156,8 @@ def test_replay_meter_counts_sends_outcomes_lag_and_writes():
     assert client.inner.closed
     rows = []
     put = meter.put_row(rows.append)
-    put(row_from(StreamResult(), {"experiment": "meter-exp", "run_id": 1, "seq": 0, "variant": "v1", "mode": "split",
-                                  "sent_unix_ms": time.time() * 1000, "schedule_lag_ms": 30.0}))  # fmt: skip
+    put(row_from(StreamResult(), SampleContext(experiment="meter-exp", run_id=1, seq=0, variant="v1", mode="split",
+                                               sent_unix_ms=time.time() * 1000, schedule_lag_ms=30.0)))  # fmt: skip
     meter.written(1, "spool")
     after = parse(generate_latest(metrics.REGISTRY).decode())
 
@@ -233,9 +233,9 @@ class FakeStore:
 
 
 def sample_rows(n):
-    return [row_from(StreamResult(ttft_ms=5.0, e2e_ms=9.0), {
-        "experiment": "spool-exp", "run_id": 7, "seq": i, "variant": "a", "mode": "split",
-        "sent_unix_ms": time.time() * 1000}) for i in range(n)]  # fmt: skip
+    return [row_from(StreamResult(ttft_ms=5.0, e2e_ms=9.0), SampleContext(
+        experiment="spool-exp", run_id=7, seq=i, variant="a", mode="split",
+        sent_unix_ms=time.time() * 1000)) for i in range(n)]  # fmt: skip
 
 
 def test_spool_depth_rises_while_the_store_is_down_and_drains_with_the_flush(tmp_path):

@@ -20,8 +20,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from replay.rows import row_from
 from samples.backends.clickhouse import ClickHouseServerBackend
+from samples.rows import SampleContext, row_from
 from simulator.serve import start_in_thread
 from streaming.client import trace_ids
 from streaming.result import Outcome, StreamResult
@@ -90,8 +90,8 @@ def failed_row(**result):
     rid = "run-7-seq-3"
     trace_id, span_id = trace_ids(rid)
     r = StreamResult(request_id=rid, traceparent=f"00-{trace_id}-{span_id}-01", trace_id=trace_id, **result)
-    return row_from(r, {"experiment": "e", "run_id": 7, "seq": 3, "variant": "awq", "mode": "split",
-                        "sent_unix_ms": 1796122481000.25, "request_id": rid})  # fmt: skip
+    return row_from(r, SampleContext(experiment="e", run_id=7, seq=3, variant="awq", mode="split",
+                                     sent_unix_ms=1796122481000.25, request_id=rid))  # fmt: skip
 
 
 def test_a_failed_request_s_span_has_status_error_and_its_http_status(memory_spans):
@@ -369,9 +369,9 @@ def test_real_vllm_s_server_spans_are_children_of_the_replay_s_span(tmp_path):
 
         for seq, result in enumerate(asyncio.run(send())):
             assert result.outcome is Outcome.OK, result.error
-            row = row_from(result, {"experiment": "e", "run_id": 1, "seq": seq, "variant": "v", "mode": "split",
-                                    "sent_unix_ms": time.time() * 1000 - result.e2e_ms,
-                                    "request_id": result.request_id})  # fmt: skip
+            row = row_from(result, SampleContext(experiment="e", run_id=1, seq=seq, variant="v", mode="split",
+                                                 sent_unix_ms=time.time() * 1000 - result.e2e_ms,
+                                                 request_id=result.request_id))  # fmt: skip
             tracing.record_request_span(**span_of(row))  # as workers/spans.py traced does
         assert tracing.flush()
         ours = {s.trace_id.hex(): s for r, s in receiver.spans() if service(r) == "abplat-replay"}

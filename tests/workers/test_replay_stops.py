@@ -121,7 +121,7 @@ def test_pausing_or_concluding_stops_a_mirror_replay(running, sample_store, user
 def abandoned_run(experiment, store, *, samples=7, age_s=None):
     """A run as a killed `manage.py replay` leaves it: running, its shard's last heartbeat old
     (``age_s``, the lease and 5 s by default), some samples in the store, counters behind them."""
-    from replay.rows import row_from
+    from samples.rows import SampleContext, row_from
     from streaming.result import StreamResult
 
     run = ReplayRun.objects.create(experiment=experiment, source=TRACE, status="running", total_requests=50,
@@ -130,9 +130,9 @@ def abandoned_run(experiment, store, *, samples=7, age_s=None):
     ReplayShard.objects.create(
         run=run, index=0, status="running", planned=50, sent=3, recorded=3, heartbeat_at=old
     )
-    rows = [row_from(StreamResult(ttft_ms=5.0, e2e_ms=9.0), {
-        "experiment": experiment.key, "run_id": run.pk, "seq": i, "variant": "fp16", "mode": "split",
-        "sent_unix_ms": time.time() * 1000}) for i in range(samples)]  # fmt: skip
+    rows = [row_from(StreamResult(ttft_ms=5.0, e2e_ms=9.0), SampleContext(
+        experiment=experiment.key, run_id=run.pk, seq=i, variant="fp16", mode="split",
+        sent_unix_ms=time.time() * 1000)) for i in range(samples)]  # fmt: skip
     store.insert_samples(rows)
     return run
 

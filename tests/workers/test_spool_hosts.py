@@ -16,11 +16,11 @@ from celery.exceptions import Retry
 from django.core.management import call_command
 from django.utils import timezone
 
-from replay.rows import row_from
 from replay.runner import ShardStats
 from samples import factory
 from samples.backends.clickhouse import ClickHouseServerBackend
 from samples.columns import COLUMN_NAMES
+from samples.rows import SampleContext, row_from
 from samples.spool import Spool
 from samples.store import StoreError, StoreUnavailable
 from streaming.result import StreamResult
@@ -44,9 +44,9 @@ def make_run(experiment, *, status="flushing", expected=10, shard="done", **fiel
 def rows_of(run, seqs, *, experiment: str | None = None) -> list:
     """Sample rows of ``run`` (a ReplayRun, or a bare run id with ``experiment``)."""
     run_id, key = (run, experiment) if experiment else (run.pk, run.experiment.key)
-    return [row_from(StreamResult(ttft_ms=5.0, e2e_ms=9.0), {
-        "experiment": key, "run_id": run_id, "seq": i, "variant": "fp16", "mode": "split",
-        "sent_unix_ms": time.time() * 1000}) for i in seqs]  # fmt: skip
+    return [row_from(StreamResult(ttft_ms=5.0, e2e_ms=9.0), SampleContext(
+        experiment=key, run_id=run_id, seq=i, variant="fp16", mode="split",
+        sent_unix_ms=time.time() * 1000)) for i in seqs]  # fmt: skip
 
 
 @pytest.fixture

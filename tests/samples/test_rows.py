@@ -1,4 +1,5 @@
-"""Pure: how a StreamResult and its replay context become one samples row (replay.rows)."""
+"""Pure: how a StreamResult and its context become one samples row (samples.rows), the one row
+builder of the replay and the live gateway."""
 
 from __future__ import annotations
 
@@ -8,11 +9,10 @@ from typing import Any
 
 import pytest
 
-from replay import plan, rows
-from replay.plan import request_id
-from replay.rows import row_from
-from samples import columns
+from replay import plan
+from samples import columns, rows
 from samples.columns import SampleError
+from samples.rows import SampleContext, request_id, row_from
 from streaming.result import Outcome, StreamResult
 from tests.samples.conftest import GAPS_US
 
@@ -52,7 +52,9 @@ def full_result(**over: Any) -> StreamResult:
     return StreamResult(**fields)
 
 
-def context(seq_: int, **over: Any) -> dict[str, Any]:
+def context(seq_: int, **over: Any) -> SampleContext:
+    """A replay's context of request ``seq_`` (split mode), every field set; ``over`` replaces
+    fields (an unknown one is a TypeError, as for any SampleContext)."""
     ctx: dict[str, Any] = dict(
         experiment="ttft-opt",
         run_id=7,
@@ -73,7 +75,7 @@ def context(seq_: int, **over: Any) -> dict[str, Any]:
         recorded_ms=1_732_900_001_000 + seq_,
     )
     ctx.update(over)
-    return ctx
+    return SampleContext(**ctx)
 
 
 @pytest.fixture
@@ -130,10 +132,10 @@ def test_absent_timings_stay_none(build):
     ("override", "message"),
     [
         ({"mode": "shadow"}, "mode must be one of"),
-        ({"colour": "red"}, "unknown context key(s) ['colour']"),
         ({"seq": -1}, "column seq (UInt32) cannot hold -1"),
         ({"attempt": 300}, "column attempt (UInt8) cannot hold 300"),
         ({"schedule_lag_ms": math.nan}, "column schedule_lag_ms (Float64) cannot hold nan"),
+        ({"gateway_ms": math.inf}, "column gateway_ms (Float64) cannot hold inf"),
         ({"user_id": 12}, "column user_id (String) cannot hold 12"),
         ({"experiment": ""}, "experiment must be a non-empty string"),
     ],
@@ -144,11 +146,19 @@ def test_bad_context_is_rejected_naming_the_field(build, override, message):
     assert message in str(err.value)
 
 
-def test_missing_context_is_named(build):
-    ctx = build.context(1)
-    del ctx["sent_unix_ms"]
-    with pytest.raises(SampleError, match=r"missing context key\(s\) \['sent_unix_ms'\]"):
-        row_from(build.result(), ctx)
+def test_an_unknown_or_missing_context_field_is_named_where_the_context_is_made(build):
+    """Named fields: a typo never silently drops a value, and a required one cannot be left out."""
+    with pytest.raises(TypeError, match="colour"):
+        build.context(1, colour="red")
+    with pytest.raises(TypeError, match="sent_unix_ms"):
+        SampleContext(experiment="ttft-opt", run_id=7, seq=1, variant="awq", mode="split")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        build.context(1).seq = 2  # type: ignore[misc]
+
+
+def test_a_context_is_a_sample_context_not_a_mapping(build):
+    with pytest.raises(SampleError, match="row_from: context must be a SampleContext, got dict"):
+        row_from(build.result(), dataclasses.asdict(build.context(1)))  # type: ignore[arg-type]
 
 
 def test_the_clients_values_are_left_to_the_batch_check_which_names_the_row(build):
@@ -218,3 +228,57 @@ def test_a_row_from_row_from_is_what_the_sample_tests_store(build):
     assert row_from(
         build.result(), build.context(4, run_id=8, variant="fp16", attempt=2)
     ).as_dict() == sample_row(4, run_id=8, variant="fp16", attempt=2)
+
+
+# ---- the recorder's own time before the send: one column each, 0 in the other's rows ------------
+
+
+def live_context(seq_: int, **over: Any) -> SampleContext:
+    """What the gateway knows of a live request (gateway.recording builds the same)."""
+    fields: dict[str, Any] = dict(
+        experiment="ttft-opt", run_id=10**12 + 1, seq=seq_, variant="awq", mode="live",
+        sent_unix_ms=1_764_640_000_000.0 + seq_, request_id=f"gw-{seq_}", user_id="user-1",
+        config_revision=42, scheduled_offset_ms=1_000.0 + seq_, gateway_ms=0.625, prompt_tokens=20,
+        prompt_tokens_estimated=True, max_tokens=64, worker="gw:1",
+    )  # fmt: skip
+    fields.update(over)
+    return SampleContext(**fields)
+
+
+@pytest.mark.parametrize("mode", ["split", "mirror"])
+def test_a_replay_row_has_its_lateness_in_schedule_lag_and_no_gateway_time(build, mode):
+    row = row_from(build.result(), build.context(3, mode=mode))
+    assert row["mode"] == mode and row["schedule_lag_ms"] == 0.75 and row["gateway_ms"] == 0.0
+    assert row_from(build.result(), build.context(3, mode=mode, schedule_lag_ms=0.0))["gateway_ms"] == 0.0
+
+
+def test_a_live_row_has_the_gateway_s_time_in_gateway_ms_and_no_schedule_lag(build):
+    row = row_from(build.result(), live_context(5))
+    assert row["mode"] == "live" and row["gateway_ms"] == 0.625 and row["schedule_lag_ms"] == 0.0
+    assert row["request_id"] == "gw-5" and row["scheduled_offset_ms"] == 1_005.0
+    assert columns.validate_row(row.as_dict()) == row.as_dict()
+    # the client's TTFT: the gateway's time, then the measurement's own clock
+    assert row["gateway_ms"] + row["ttft_ms"] == 22.125
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: live_context(1, schedule_lag_ms=0.625),
+            "a live sample has no schedule: schedule_lag_ms must be 0, got 0.625 (the gateway's own time is gateway_ms)",
+        ),
+        (
+            lambda: context(1, gateway_ms=0.5),
+            "gateway_ms is a live sample's (the gateway's own time); a split replay's must be 0, got 0.5",
+        ),
+        (
+            lambda: context(1, mode="mirror", gateway_ms=0.5),
+            "a mirror replay's must be 0, got 0.5 (its lateness is schedule_lag_ms)",
+        ),
+    ],
+)
+def test_each_recorder_s_time_goes_to_its_own_column_only(build, make, message):
+    with pytest.raises(SampleError) as err:
+        row_from(build.result(), make())
+    assert message in str(err.value)
