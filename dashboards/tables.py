@@ -33,7 +33,11 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     # the miss phases split by the server's queue and prefill (an interval estimate: basis)
     "server_phases": ("variant", "basis", "misses", "covered_misses", "phase", "mean_ms"),
     # the anytime-valid intervals (report "anytime"): the ones that may be read mid-run
-    "anytime": ("variant", "quantity", "estimate", "lo", "hi", "alpha"),
+    # with the user-clustered and adjusted sequences beside the request-level ones: inference says
+    # which ("requests", "user-clustered"), quantity "..._adjusted" the adjusted differences; note
+    # says why a sequence has no bounds yet (the columns after alpha came later: appended)
+    "anytime": ("variant", "quantity", "estimate", "lo", "hi", "alpha", "inference", "adjusted_on",
+                "variance_reduction", "note"),
     # per user, the unit of randomization, and adjusted on pre-request covariates (report
     # variants[].clustered, vs_control.clustered / .adjusted): unadjusted and adjusted rows side by side
     "clustered": ("variant", "quantity", "inference", "adjusted_on", "estimate", "lo", "hi", "se", "se_iid",
@@ -45,6 +49,15 @@ UNIT_DIFFERENCES = (("attainment_difference", "attainment", "+.4f"), ("error_rat
                     ("mean_ttft_difference", "mean TTFT ms", "+.1f"))  # fmt: skip
 ANYTIME_QUANTITIES = ("attainment", "error_rate", "p99_ttft_ms")
 ANYTIME_DIFFERENCES = ("attainment_difference", "error_rate_difference", "p99_ttft_difference")
+# The inference of the anytime sequences that treat requests as independent draws (the report's
+# own label for them, analysis.units.INFERENCE_REQUEST).
+INFERENCE_REQUESTS = "requests"
+# A clustered or adjusted anytime sequence that is null, or a bound it does not have yet.
+NO_VALUE = "—"
+MIRROR_UNITS_NOTE = (
+    "mirror mode: every request went to every variant, so there are no user-clustered or adjusted "
+    "differences (the arms share their users); the paired analysis (vs_control.paired) compares them"
+)
 
 
 def _round6(x: float | None) -> float | None:
@@ -241,15 +254,26 @@ def interval_text(iv: Mapping[str, Any] | None, fmt: str) -> str:
 
 
 def anytime(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
-    """One row per variant and quantity (its sequence, then its difference to the control); a
-    None bound is infinite (too few samples for that side yet)."""
+    """One row per variant and quantity: its request-level sequences, their differences to the
+    control, then its user-clustered sequences, their differences and the adjusted differences
+    (quantity "..._difference_adjusted", with its covariates). A None bound of a request-level
+    sequence is infinite (too few samples for that side yet); of a clustered or adjusted one, no
+    bounds yet (note says why)."""
     for v, e in report.get("anytime", {}).get("variants", {}).items():
-        found = [(name, e[name]) for name in ANYTIME_QUANTITIES]
-        found += [(name, (e["vs_control"] or {}).get(name)) for name in ANYTIME_DIFFERENCES]
-        for name, iv in found:
+        vs = e["vs_control"] or {}
+        found = [(name, INFERENCE_REQUESTS, e[name]) for name in ANYTIME_QUANTITIES]
+        found += [(name, INFERENCE_REQUESTS, vs.get(name)) for name in ANYTIME_DIFFERENCES]
+        per = e.get("clustered") or {}
+        found += [(name, per.get("inference"), per.get(name)) for name, _label, _fmt in UNIT_MEANS]
+        for part, suffix in (("clustered", ""), ("adjusted", "_adjusted")):
+            found += [
+                (name + suffix, None, (vs.get(part) or {}).get(name)) for name, _l, _f in UNIT_DIFFERENCES
+            ]
+        for name, inference, iv in found:
             if iv is None:
                 continue
-            share = not name.startswith("p99")
+            share = not (name.startswith("p99") or name.startswith("mean_ttft"))
+            adjusted = iv.get("adjusted") or {}
             yield {
                 "variant": v,
                 "quantity": name,
@@ -257,6 +281,10 @@ def anytime(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
                 "lo": _round6(iv["lo"]) if share else iv["lo"],
                 "hi": _round6(iv["hi"]) if share else iv["hi"],
                 "alpha": iv["alpha"],
+                "inference": iv.get("inference") or inference,
+                "adjusted_on": " ".join(adjusted.get("covariates", [])),
+                "variance_reduction": adjusted.get("variance_reduction"),
+                "note": iv.get("note") or "",
             }
 
 
@@ -354,6 +382,104 @@ def unit_summary(report: Mapping[str, Any]) -> dict[str, Any]:
                 "not_used": "; ".join(f"{k}: {v}" for k, v in (used.get("not_used") or {}).items()),
             })  # fmt: skip
     return {"info": info, "variants": variants, "comparisons": comparisons}
+
+
+def sequence_text(seq: Mapping[str, Any] | None, fmt: str) -> str:
+    """A user-clustered or adjusted anytime sequence for the page and sla_report: "—" when it is
+    null, "0.9876 [—, —]" before it has bounds (too few units yet); its note says why."""
+    if not seq or seq.get("estimate") is None:
+        return NO_VALUE
+    if seq["lo"] is None and seq["hi"] is None:
+        return f"{format(seq['estimate'], fmt)} [{NO_VALUE}, {NO_VALUE}]"
+    return interval_text(seq, fmt)
+
+
+def _sequence_notes(seqs: Iterable[tuple[str, Mapping[str, Any] | None]]) -> list[str]:
+    """The notes of a row's sequences, each once: why a sequence has no bounds, or is null."""
+    notes: list[str] = []
+    for name, seq in seqs:
+        note = (seq or {}).get("note")
+        if seq is None and name.startswith("mean_ttft"):
+            note = "mean TTFT: no successful request with a TTFT in an arm"
+        if note and note not in notes:
+            notes.append(note)
+    return notes
+
+
+def _adjusted_on(adj: Mapping[str, Any]) -> tuple[str, str]:
+    """(the covariates the adjusted sequences are on, those left out and why): one list when
+    every quantity used the same covariates, else per quantity."""
+    used: dict[str, str] = {}
+    left: list[str] = []
+    for name, label, _fmt in UNIT_DIFFERENCES:
+        seq = adj.get(name)
+        if not seq:
+            continue
+        label_of = seq.get("adjusted") or {}
+        used[label] = ", ".join(label_of.get("covariates", [])) or "none varied"
+        left += [f"{k}: {why}" for k, why in (label_of.get("not_used") or {}).items()]
+    distinct = set(used.values())
+    text = distinct.pop() if len(distinct) == 1 else "; ".join(f"{k}: {v}" for k, v in used.items())
+    return text, "; ".join(dict.fromkeys(left))
+
+
+def anytime_summary(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The anytime-valid intervals formatted for the page and sla_report, one row per variant
+    and inference, as the fixed-horizon per-user tables label theirs: the request-level sequences
+    (p99 TTFT), then the user-clustered ones (mean TTFT; per arm and the differences) and the
+    adjusted differences (inference "user-clustered, adjusted" or "requests, adjusted"). A cell
+    is "" where the inference has no such sequence (p99 is per request and not adjusted; the
+    adjustment is of differences only), "-" where there is no comparison (the control, or
+    clustered differences in mirror mode), "—" for a null sequence or bound, with the row's
+    notes saying why. Also the table's notes: the unit sequences' design, and in mirror mode
+    that they give no differences."""
+    at = report.get("anytime") or {}
+    blank = dict.fromkeys(
+        [*ANYTIME_QUANTITIES, *ANYTIME_DIFFERENCES, "mean_ttft_ms", "mean_ttft_difference"], ""
+    )
+    rows: list[dict[str, Any]] = []
+    clustered_rows = False
+    for v, e in at.get("variants", {}).items():
+        vs = e["vs_control"]
+        rows.append({
+            **blank, "variant": v, "inference": INFERENCE_REQUESTS, "kind": "requests",
+            "attainment": interval_text(e["attainment"], ".4f"),
+            "error_rate": interval_text(e["error_rate"], ".4f"),
+            "p99_ttft_ms": interval_text(e["p99_ttft_ms"], ".1f"),
+            "attainment_difference": interval_text((vs or {}).get("attainment_difference"), "+.4f"),
+            "error_rate_difference": interval_text((vs or {}).get("error_rate_difference"), "+.4f"),
+            "p99_ttft_difference": interval_text((vs or {}).get("p99_ttft_difference"), "+.1f"),
+            "has_arm": True, "has_difference": vs is not None, "adjusted_on": "", "not_used": "", "notes": [],
+        })  # fmt: skip
+        per, diffs = e.get("clustered"), (vs or {}).get("clustered")
+        if per or diffs:
+            clustered_rows = True
+            row = {**blank, "variant": v, "inference": (per or diffs)["inference"], "kind": "clustered",
+                   "has_arm": per is not None, "has_difference": diffs is not None, "adjusted_on": "",
+                   "not_used": ""}  # fmt: skip
+            seqs = []
+            for part, names in ((per, UNIT_MEANS), (diffs, UNIT_DIFFERENCES)):
+                for name, _label, fmt in names:
+                    row[name] = sequence_text(part.get(name), fmt) if part else "-"
+                    seqs += [(name, part.get(name))] if part else []
+            row["notes"] = _sequence_notes(seqs)
+            rows.append(row)
+        adj = (vs or {}).get("adjusted")
+        if adj:
+            on, left = _adjusted_on(adj)
+            row = {**blank, "variant": v, "inference": f"{adj['inference']}, adjusted", "kind": "adjusted",
+                   "has_arm": False, "has_difference": True, "adjusted_on": on, "not_used": left}  # fmt: skip
+            for name, _label, fmt in UNIT_DIFFERENCES:
+                row[name] = sequence_text(adj.get(name), fmt)
+            row["notes"] = _sequence_notes((name, adj.get(name)) for name, _l, _f in UNIT_DIFFERENCES)
+            rows.append(row)
+    notes = []
+    info = at.get("units") or {}
+    if info.get("cluster_by_user") or info.get("adjust"):
+        notes.append(info["note"])
+    if clustered_rows and (report.get("modes") or {}).get("mirror"):
+        notes.append(MIRROR_UNITS_NOTE)
+    return {"rows": rows, "notes": notes}
 
 
 def rows(report: Mapping[str, Any], table: str) -> list[dict[str, Any]]:

@@ -32,25 +32,6 @@ def _report(request: HttpRequest, key: str):
     )
 
 
-def _anytime_rows(report) -> list[dict[str, str]]:
-    """Per variant, its anytime-valid intervals formatted for the page (report "anytime")."""
-    out = []
-    for v, e in report.get("anytime", {}).get("variants", {}).items():
-        vs = e["vs_control"] or {}
-        out.append(
-            {
-                "variant": v,
-                "attainment": tables.interval_text(e["attainment"], ".4f"),
-                "error_rate": tables.interval_text(e["error_rate"], ".4f"),
-                "p99_ttft_ms": tables.interval_text(e["p99_ttft_ms"], ".1f"),
-                "attainment_difference": tables.interval_text(vs.get("attainment_difference"), "+.4f"),
-                "error_rate_difference": tables.interval_text(vs.get("error_rate_difference"), "+.4f"),
-                "p99_ttft_difference": tables.interval_text(vs.get("p99_ttft_difference"), "+.1f"),
-            }
-        )
-    return out
-
-
 def _sources(runs: dict) -> list[dict]:
     """The report's runs (read or not) by source: replays (split, mirror) and live traffic (the
     gateway's, mode live), each with the modes it has, so the page lists live beside replays."""
@@ -100,7 +81,8 @@ def experiment(request: HttpRequest, key: str) -> HttpResponse:
         "failure_rows": list(tables.failures(report)),
         "server_rows": list(tables.server(report)),
         "server_split_rows": list(tables.server_phases(report)),
-        "anytime_rows": _anytime_rows(report),
+        # the request-level anytime rows, then the user-clustered and adjusted ones beside them
+        "anytime": tables.anytime_summary(report),
         "units": tables.unit_summary(report),
         "run_statuses": RUN_STATUSES,
         "run_modes": MODES,

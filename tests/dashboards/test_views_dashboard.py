@@ -6,10 +6,12 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 
 import pytest
 from django.core.management import call_command
 
+from samples import synthetic
 from samples.factory import _cache as store_cache
 from tests.analysis.fixtures_report import loaded_stores, mirror_data, server_url_for, split_data  # noqa: F401
 
@@ -147,12 +149,17 @@ def test_sla_report_prints_the_anytime_block_and_writes_its_csv(experiment, samp
     assert "Anytime-valid intervals (alpha 0.05;" in text and "read them when the run is over" in text
     assert "split (sequential SRM): anytime p=" in text
     rows = list(csv.DictReader(io.StringIO((tmp_path / "anytime.csv").read_text())))
+    requests = [r for r in rows if r["inference"] == "requests" and not r["quantity"].endswith("_adjusted")]
     # 3 sequences per variant, 3 differences per non-control variant
-    assert len(rows) == 3 * 3 + 2 * 3
-    assert {r["quantity"] for r in rows} >= {"attainment", "p99_ttft_difference", "error_rate_difference"}
-    for r in rows:
+    assert len(requests) == 3 * 3 + 2 * 3
+    assert {r["quantity"] for r in requests} >= {"attainment", "p99_ttft_difference", "error_rate_difference"}
+    for r in requests:
         if r["quantity"] == "attainment":
             assert float(r["lo"]) < float(r["estimate"]) < float(r["hi"])
+    # beside them (the experiment clusters by user and adjusts, the default): per variant its 3
+    # user-clustered sequences, per non-control variant 3 clustered and 3 adjusted differences
+    assert len(rows) == len(requests) + 3 * 3 + 2 * 3 + 2 * 3
+    assert {r["inference"] for r in rows} == {"requests", "user-clustered"}
 
 
 def test_plotly_js_is_served_once_with_a_long_lived_cache(client, users, samples_db):
@@ -236,3 +243,231 @@ def test_sla_report_prints_unadjusted_and_adjusted_side_by_side_and_the_switch_o
     assert "adjusted [95% CI]" not in text
     header = ",".join(tables.COLUMNS["clustered"])
     assert (tmp_path / "clustered.csv").read_text().splitlines() == [header]  # the header alone
+
+
+# ---- the anytime-valid user-clustered and adjusted sequences beside the request-level ones -----
+
+USERS_RUN, FEW_RUN = 41, 42
+
+
+def users_spec() -> synthetic.SyntheticSpec:
+    """Users who send many correlated requests (heavy-tailed), a tenth of the requests without a
+    user, requested output tokens that vary: enough users per arm for every sequence's bounds."""
+    return synthetic.SyntheticSpec(
+        experiment="ttft-users", n=8_000, seed=21, run_id=USERS_RUN, variants=synthetic.demo_variants(),
+        factor_effects=synthetic.DEMO_FACTOR_EFFECTS, duration_s=1200.0, users=400, user_sigma=0.6,
+        no_user_share=0.1, max_tokens=(128, 256, 512, 1024),
+    )  # fmt: skip
+
+
+def few_spec() -> synthetic.SyntheticSpec:
+    """30 users in all: fewer than the unit sequences' minimum per arm, so they have no bounds."""
+    return synthetic.SyntheticSpec(
+        experiment="ttft-few", n=600, seed=22, run_id=FEW_RUN, variants=synthetic.demo_variants(),
+        factor_effects=synthetic.DEMO_FACTOR_EFFECTS, duration_s=600.0, users=30, user_sigma=0.6,
+        max_tokens=(128, 256, 512, 1024),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def users_columns() -> dict[str, dict]:
+    return {spec.experiment: synthetic.generate(spec).columns for spec in (users_spec(), few_spec())}
+
+
+@pytest.fixture
+def users_db(settings, shared_store, users_columns, document, users):
+    """The app's store pointed at the session's server database holding the two users datasets,
+    each its own experiment (the demo document under another key)."""
+    from experiments.services import apply_document
+
+    store = shared_store("server")
+    for columns in users_columns.values():
+        store.insert_columns(columns)
+    settings.CLICKHOUSE_URL = server_url_for(store.database)
+    store_cache.clear()
+    for key in users_columns:
+        apply_document({**document, "key": key}, actor=users["product"])
+    yield
+    store_cache.clear()
+
+
+def anytime_table(html: str) -> list[dict]:
+    """The page's anytime table: per row its data-inference kind and its cells, notes under the
+    row they follow."""
+    table = html[html.index('id="anytime-intervals"') :].split("</table>", 1)[0]
+    rows: list[dict] = []
+    for tr in table.split("<tr")[2:]:  # the table's attributes, then the header row
+        cells = re.findall(r"<td[^>]*>(.*?)</td>", tr, re.S)
+        if 'class="anytime-note"' in tr:
+            rows[-1]["notes"].append(cells[1])
+            continue
+        kind = re.search(r'data-inference="([^"]*)"', tr).group(1)
+        rows.append({"kind": kind, "variant": cells[0], "cells": cells, "notes": []})
+    return rows
+
+
+def by_kind(rows: list[dict], variant: str) -> dict[str, dict]:
+    return {r["kind"]: r for r in rows if r["variant"] == variant}
+
+
+def test_the_anytime_table_shows_the_user_clustered_and_adjusted_sequences_of_the_report(
+    client, users, users_db, tmp_path
+):
+    from dashboards.tables import interval_text, sequence_text
+
+    _login(client, users, "analyst")
+    report = client.get("/api/experiments/ttft-users/report").json()
+    assert report["anytime"]["units"]["unit"] == "user"
+    rows = anytime_table(client.get("/dashboards/ttft-users/").content.decode())
+    assert [r["kind"] for r in rows] == [
+        "requests", "clustered",                # the control: no differences, so none adjusted
+        "requests", "clustered", "adjusted",
+        "requests", "clustered", "adjusted",
+    ]  # fmt: skip
+    for v, e in report["anytime"]["variants"].items():
+        got = by_kind(rows, v)
+        # the request-level row as before: p99 TTFT, no mean TTFT
+        assert got["requests"]["cells"][1:6] == [
+            "requests", interval_text(e["attainment"], ".4f"), interval_text(e["error_rate"], ".4f"),
+            interval_text(e["p99_ttft_ms"], ".1f"), "",
+        ]  # fmt: skip
+        per = e["clustered"]
+        assert per["inference"] == "user-clustered" and per["attainment"]["lo"] is not None
+        # user-clustered: mean TTFT, no p99 (per request only)
+        assert got["clustered"]["cells"][1:6] == [
+            "user-clustered", sequence_text(per["attainment"], ".4f"), sequence_text(per["error_rate"], ".4f"),
+            "", sequence_text(per["mean_ttft_ms"], ".1f"),
+        ]  # fmt: skip
+        assert got["clustered"]["notes"] == [] and "—" not in "".join(got["clustered"]["cells"])
+        vs = e["vs_control"]
+        if vs is None:
+            assert got["clustered"]["cells"][6:10] == ["-", "-", "", "-"] and "adjusted" not in got
+            continue
+        cd, ad = vs["clustered"], vs["adjusted"]
+        assert got["clustered"]["cells"][6:10] == [
+            sequence_text(cd["attainment_difference"], "+.4f"), sequence_text(cd["error_rate_difference"], "+.4f"),
+            "", sequence_text(cd["mean_ttft_difference"], "+.1f"),
+        ]  # fmt: skip
+        assert ad["inference"] == "user-clustered"
+        assert ad["mean_ttft_difference"]["adjusted"]["covariates"] == ["prompt_tokens", "max_tokens"]
+        assert got["adjusted"]["cells"][1:] == [
+            "user-clustered, adjusted", "", "", "", "",
+            sequence_text(ad["attainment_difference"], "+.4f"), sequence_text(ad["error_rate_difference"], "+.4f"),
+            "", sequence_text(ad["mean_ttft_difference"], "+.1f"), "prompt_tokens, max_tokens",
+        ]  # fmt: skip
+        # the request-level differences are where they were, p99 among them
+        assert got["requests"]["cells"][6:9] == [
+            interval_text(vs["attainment_difference"], "+.4f"), interval_text(vs["error_rate_difference"], "+.4f"),
+            interval_text(vs["p99_ttft_difference"], "+.1f"),
+        ]  # fmt: skip
+
+    # the same numbers in anytime.csv, labelled with their inference, and in sla_report
+    out = io.StringIO()
+    call_command("sla_report", "ttft-users", "--csv", str(tmp_path), stdout=out)
+    text = out.getvalue()
+    csv_rows = list(csv.DictReader(io.StringIO((tmp_path / "anytime.csv").read_text())))
+    ad = report["anytime"]["variants"]["awq"]["vs_control"]["adjusted"]["mean_ttft_difference"]
+    row = next(
+        r for r in csv_rows if r["variant"] == "awq" and r["quantity"] == "mean_ttft_difference_adjusted"
+    )
+    assert (row["inference"], row["adjusted_on"], row["note"]) == (
+        "user-clustered",
+        "prompt_tokens max_tokens",
+        "",
+    )
+    assert float(row["estimate"]) == pytest.approx(ad["estimate"]) and float(row["lo"]) == pytest.approx(
+        ad["lo"]
+    )
+    assert float(row["variance_reduction"]) == pytest.approx(ad["adjusted"]["variance_reduction"])
+    per = report["anytime"]["variants"]["fp16"]["clustered"]["attainment"]
+    row = next(r for r in csv_rows if r["variant"] == "fp16" and r["inference"] == "user-clustered")
+    assert row["quantity"] == "attainment" and float(row["hi"]) == pytest.approx(per["hi"], abs=1e-6)
+    block = text[text.index("Anytime-valid intervals") :]
+    e = report["anytime"]["variants"]["awq"]
+    assert re.search(rf"\n  awq +requests +{re.escape(interval_text(e['attainment'], '.4f'))} .*p99 ", block)
+    assert re.search(
+        rf"\n +user-clustered +{re.escape(sequence_text(e['clustered']['attainment'], '.4f'))} .*mean "
+        rf"{re.escape(sequence_text(e['clustered']['mean_ttft_ms'], '.1f'))}\n",
+        block,
+    )
+    adjusted = e["vs_control"]["adjusted"]
+    assert re.search(
+        rf"\n +user-clustered, adjusted +{re.escape(sequence_text(adjusted['attainment_difference'], '+.4f'))}"
+        rf" .*mean {re.escape(sequence_text(adjusted['mean_ttft_difference'], '+.1f'))} "
+        r"\(on prompt_tokens, max_tokens\)\n",
+        block,
+    )
+    assert report["anytime"]["units"]["note"] in block
+
+
+def test_anytime_sequences_without_bounds_show_a_dash_and_the_note(client, users, users_db, tmp_path):
+    from dashboards.tables import sequence_text
+
+    _login(client, users, "analyst")
+    report = client.get("/api/experiments/ttft-few/report").json()
+    note = f"fewer than {report['anytime']['units']['min_clusters']} units in an arm: no bounds yet"
+    rows = anytime_table(client.get("/dashboards/ttft-few/").content.decode())
+    for v, e in report["anytime"]["variants"].items():
+        got = by_kind(rows, v)
+        per = e["clustered"]["attainment"]
+        assert per["estimate"] is not None and per["lo"] is None and per["note"] == note
+        assert got["clustered"]["cells"][2] == f"{per['estimate']:.4f} [—, —]" == sequence_text(per, ".4f")
+        assert got["clustered"]["notes"] == [note]
+        assert "inf" not in got["clustered"]["cells"][2]  # not an open side: no bounds yet
+        if e["vs_control"]:
+            adj = e["vs_control"]["adjusted"]["attainment_difference"]
+            assert adj["lo"] is None and adj["note"] == note
+            assert got["adjusted"]["cells"][6] == f"{adj['estimate']:+.4f} [—, —]"
+            assert got["adjusted"]["notes"] == [note]
+            # the request-level sequences beside them have bounds
+            assert "—" not in got["requests"]["cells"][6]
+
+    out = io.StringIO()
+    call_command("sla_report", "ttft-few", "--csv", str(tmp_path), stdout=out)
+    block = out.getvalue()[out.getvalue().index("Anytime-valid intervals") :]
+    assert "[—, —]" in block and f"\n                {note}\n" in block
+    csv_rows = list(csv.DictReader(io.StringIO((tmp_path / "anytime.csv").read_text())))
+    unit_rows = [r for r in csv_rows if r["inference"] == "user-clustered"]
+    assert unit_rows and all(r["lo"] == r["hi"] == "" and r["note"] == note for r in unit_rows)
+    assert all(r["note"] == "" and r["lo"] != "" for r in csv_rows if r["quantity"] == "attainment_difference"
+               and r["inference"] == "requests")  # fmt: skip
+
+
+def test_mirror_mode_shows_each_arms_user_clustered_sequences_and_no_such_differences(
+    client, users, samples_db, document, tmp_path
+):
+    from dashboards.tables import MIRROR_UNITS_NOTE, interval_text
+    from experiments.services import apply_document
+
+    apply_document({**document, "key": "ttft-mirror"}, actor=users["product"])
+    _login(client, users, "analyst")
+    report = client.get("/api/experiments/ttft-mirror/report").json()
+    assert report["runs"]["mode"] == "mirror"
+    html = client.get("/dashboards/ttft-mirror/").content.decode()
+    rows = anytime_table(html)
+    assert [r["kind"] for r in rows] == ["requests", "clustered"] * 3  # no adjusted rows
+    for v, e in report["anytime"]["variants"].items():
+        got = by_kind(rows, v)
+        assert e["clustered"]["attainment"]["lo"] is not None
+        assert "—" not in got["clustered"]["cells"][2]
+        # no user-clustered or adjusted differences: the arms share their users
+        assert got["clustered"]["cells"][6:10] == ["-", "-", "", "-"]
+        if e["vs_control"]:
+            assert e["vs_control"]["clustered"] is None and e["vs_control"]["adjusted"] is None
+            # the request-level differences stay
+            assert got["requests"]["cells"][6] == interval_text(
+                e["vs_control"]["attainment_difference"], "+.4f"
+            )
+    assert f"{MIRROR_UNITS_NOTE[0].upper()}{MIRROR_UNITS_NOTE[1:]}." in html
+
+    out = io.StringIO()
+    call_command("sla_report", "ttft-mirror", "--csv", str(tmp_path), stdout=out)
+    block = out.getvalue()[out.getvalue().index("Anytime-valid intervals") :]
+    assert len(re.findall(r"\n {16}user-clustered {2,}\d", block)) == 3  # one per arm, no difference
+    assert ", adjusted " not in block
+    assert block.count("Δ vs control") == 2 and MIRROR_UNITS_NOTE in block
+    csv_rows = list(csv.DictReader(io.StringIO((tmp_path / "anytime.csv").read_text())))
+    assert {r["quantity"] for r in csv_rows if r["inference"] == "user-clustered"} == {
+        "attainment", "error_rate", "mean_ttft_ms",
+    }  # fmt: skip
+    assert not [r for r in csv_rows if r["quantity"].endswith("_adjusted")]

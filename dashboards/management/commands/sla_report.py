@@ -33,7 +33,6 @@ from pathlib import Path
 from analysis.definitions import METRIC_LABELS, MODES, QueryError
 from dashboards import tables
 from dashboards.reports import report_for_params, report_time_limit_s, timeout_message
-from dashboards.tables import interval_text as iv
 from experiments.cli import CliError, JsonCommand, add_json_argument
 from experiments.models import Experiment
 from samples.store import QueryTimeout
@@ -103,7 +102,10 @@ def slo_text(sla) -> str:
 
 
 def anytime_lines(report) -> list[str]:
-    """The anytime-valid intervals, labelled as the ones that may be read mid-run."""
+    """The anytime-valid intervals, labelled as the ones that may be read mid-run: per variant a
+    line per inference (requests, then user-clustered), then its differences to the control per
+    inference (and adjusted, with its covariates), as the per-user block labels its columns; a
+    null clustered or adjusted sequence or bound is "—", with the note saying why below."""
     at = report.get("anytime")
     if not at:
         return []
@@ -111,24 +113,38 @@ def anytime_lines(report) -> list[str]:
         "",
         f"Anytime-valid intervals (alpha {at['alpha']:g}; {at['note']}); the CIs above are "
         "fixed-horizon: read them when the run is over:",
+        f"  {'variant':<14}{'inference':<28}{'attainment':<28}{'error rate':<28}TTFT ms",
     ]
-    for v, e in at["variants"].items():
-        vs = e["vs_control"] or {}
-        lines.append(
-            f"  {v:<12}attainment {iv(e['attainment'], '.4f')}  error rate {iv(e['error_rate'], '.4f')}"
-            f"  p99 TTFT {iv(e['p99_ttft_ms'], '.1f')}"
-        )
-        if vs:
-            lines.append(
-                f"  {'':<12}vs control: attainment {iv(vs['attainment_difference'], '+.4f')}"
-                f"  error rate {iv(vs['error_rate_difference'], '+.4f')}"
-                f"  p99 TTFT {iv(vs['p99_ttft_difference'], '+.1f')}"
-            )
+    summary = tables.anytime_summary(report)
+    by_variant: dict[str, list[dict]] = {}
+    for r in summary["rows"]:
+        by_variant.setdefault(r["variant"], []).append(r)
+    for v, rows in by_variant.items():
+        arms = [_anytime_line(r, "") for r in rows if r["has_arm"]]
+        diffs = [_anytime_line(r, "_difference") for r in rows if r["has_difference"]]
+        lines += [f"  {v if i == 0 else '':<14}{line}" for i, line in enumerate(arms)]
+        lines += [f"  {'Δ vs control' if i == 0 else '':<14}{line}" for i, line in enumerate(diffs)]
+        notes = dict.fromkeys(note for r in rows for note in r["notes"])
+        lines += [f"  {'':<14}{note}" for note in notes]
+    lines += [f"  {note}" for note in summary["notes"]]
     srm = at.get("srm") or {}
     if srm.get("applicable"):
         verdict = srm["message"] if srm["flagged"] else "no mismatch"
         lines.append(f"  split (sequential SRM): anytime p={srm['p_value']:.3g}: {verdict}")
     return lines
+
+
+def _anytime_line(row, suffix: str) -> str:
+    """One anytime row's sequences of a variant (suffix "") or of its differences to the control
+    ("_difference"): TTFT is the p99 for requests, the mean for the user-clustered and adjusted."""
+    ttft = (
+        f"p99 {row['p99_ttft' + (suffix or '_ms')]}"
+        if row["kind"] == "requests"
+        else f"mean {row['mean_ttft' + (suffix or '_ms')]}"
+    )
+    if row["adjusted_on"]:
+        ttft += f" (on {row['adjusted_on']})"
+    return f"{row['inference']:<28}{row['attainment' + suffix]:<28}{row['error_rate' + suffix]:<28}{ttft}"
 
 
 def unit_lines(report) -> list[str]:
