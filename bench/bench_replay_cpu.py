@@ -157,7 +157,8 @@ def child(spec: dict) -> dict:
             if profiler is not None:
                 profiler.enable()
             stats = await runner.run()
-            stamped = next(iter(client._conns)).rx_timestamps if client._conns else False
+            conns = client.h1_connections()
+            stamped = conns[0].rx_timestamps if conns else False
             return stats, cpu0, ru0, stamped
         finally:
             await client.aclose()

@@ -44,7 +44,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.benchlib import BenchFailed, require_healthy, run_checked  # noqa: E402
+from bench.benchlib import BenchFailed, checkout, require_healthy, run_checked  # noqa: E402
 from serving.children import free_port  # noqa: E402
 from stats.quantiles import nearest_rank  # noqa: E402
 from streaming import h1, pacing  # noqa: E402
@@ -376,16 +376,7 @@ print(json.dumps(b.run_sim(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), 32, 
 
 def against(ref: str, profile: str, rounds: int, levels: list[int]) -> None:
     """Section 1's kernel-stamp rows of this tree and of git revision ``ref``, alternated."""
-    try:
-        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", ref], check=True,
-                             capture_output=True, text=True).stdout.strip()  # fmt: skip
-    except subprocess.CalledProcessError as exc:
-        raise BenchFailed(
-            f"--against {ref!r}: not a revision of this repository: {exc.stderr.strip()}"
-        ) from None
-    work = tempfile.mkdtemp(prefix="abplat-against-")
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", work, rev], check=True,
-                   capture_output=True)  # fmt: skip
+    rev, work = checkout(ref, "--against")
     handle = start_simulator(profile)
     rows: list[tuple[str, int, dict]] = []
     try:
@@ -397,7 +388,7 @@ def against(ref: str, profile: str, rounds: int, levels: list[int]) -> None:
                 for code, tree in trees:
                     n = 1536 if c >= 512 else 200
                     out = subprocess.run(
-                        [sys.executable, "-c", _ROW_DRIVER, tree, handle.url, str(c), str(n), LOOP],
+                        [sys.executable, "-c", _ROW_DRIVER, str(tree), handle.url, str(c), str(n), LOOP],
                         capture_output=True, text=True, cwd=tree,
                     )  # fmt: skip
                     if out.returncode:
@@ -405,7 +396,6 @@ def against(ref: str, profile: str, rounds: int, levels: list[int]) -> None:
                     rows.append((code, rnd, json.loads(out.stdout.strip().splitlines()[-1])))
     finally:
         handle.stop()
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", work], capture_output=True)
     print(f"\n## 1. Measurement error, this tree vs {rev} (ms; measured - true; h1 kernel stamp)")
     print(f"profile={profile}, completions, 32 output tokens, closed loop, {rounds} rounds alternated")
     print(

@@ -7,7 +7,11 @@ failed and where: a table of failures is never printed as figures.
 
 from __future__ import annotations
 
+import atexit
+import pathlib
+import subprocess
 import sys
+import tempfile
 import traceback
 import urllib.request
 from collections.abc import Callable
@@ -40,3 +44,25 @@ def require_healthy(url: str, what: str, path: str = "/health") -> None:
     except OSError as exc:
         problem = str(exc)
     raise BenchFailed(f"{what} at {url} not healthy: {problem}")
+
+
+def checkout(ref: str, option: str) -> tuple[str, pathlib.Path]:
+    """(short revision, directory): git revision ``ref`` of this repository checked out in a
+    temporary worktree, removed when the bench exits, for a bench that runs another revision's
+    code beside this tree's (``option``, e.g. "--against", names the flag in the error)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    try:
+        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", ref], check=True,
+                             capture_output=True, text=True).stdout.strip()  # fmt: skip
+    except subprocess.CalledProcessError as exc:
+        raise BenchFailed(
+            f"{option} {ref!r}: not a revision of this repository: {exc.stderr.strip()}"
+        ) from None
+    tree = pathlib.Path(tempfile.mkdtemp(prefix=f"abplat-{rev}-"))
+    done = subprocess.run(["git", "-C", str(root), "worktree", "add", "--force", "--detach", str(tree), rev],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode:
+        raise BenchFailed(f"{option} {ref!r}: git worktree add failed: {done.stderr.strip()}")
+    atexit.register(subprocess.run, ["git", "-C", str(root), "worktree", "remove", "--force", str(tree)],
+                    capture_output=True)  # fmt: skip
+    return rev, tree

@@ -190,6 +190,11 @@ class VariantClient:
             trust_env=False,  # never route measurements through an env-configured proxy
         )
 
+    def h1_connections(self) -> list:
+        """The lean path's connections open now (streaming/h1.py), e.g. to read whether their
+        reads carry kernel stamps."""
+        return self._pool.connections()
+
     async def aclose(self) -> None:
         self._pool.close()
         if self._client is not None:

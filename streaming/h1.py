@@ -614,6 +614,10 @@ class Pool:
         assert error is not None
         raise error
 
+    def connections(self) -> list[H1Connection]:
+        """The connections open now, idle or carrying an exchange."""
+        return [c for c in self._all if not c.closed]
+
     def _forget(self, conn: H1Connection) -> None:
         self._all.discard(conn)
         try:
