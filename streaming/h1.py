@@ -488,6 +488,12 @@ class H1Connection:
         self.draining = False
         self.exchange = None
         self.parser = None
+        self._close_io()
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close(self)
+
+    def _close_io(self) -> None:
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             try:
@@ -500,12 +506,6 @@ class H1Connection:
             self._out = None
             assert self.sock is not None
             self.sock.close()
-        self._closed()
-
-    def _closed(self) -> None:
-        on_close, self._on_close = self._on_close, None
-        if on_close is not None:
-            on_close(self)
 
 
 class TLSConnection(H1Connection):
@@ -531,15 +531,10 @@ class TLSConnection(H1Connection):
             self.paused = False
             self.transport.resume_reading()
 
-    def close(self) -> None:
-        self.closed = True
-        self.draining = False
-        self.exchange = None
-        self.parser = None
+    def _close_io(self) -> None:
         transport, self.transport = self.transport, None
         if transport is not None:
             transport.abort()
-        self._closed()
 
 
 class _TLSProtocol(asyncio.Protocol):
