@@ -707,6 +707,12 @@ class SampleStore:
         """Raise StoreUnavailable unless the store answers a trivial query now (for /healthz)."""
         self._select("SELECT 1")
 
+    def prepare_for_writes(self) -> None:
+        """Load now what this process's first sample insert would load, so a writer's first
+        batch does not stall its caller (a replay's event loop) mid-schedule. Called once by the
+        spooling writer when it is made, before any clock starts; a backend with nothing to load
+        does nothing. Reading processes (the web app, reports) never pay for it."""
+
     def truncate_for_tests(self) -> None:
         if "test" not in self.database:
             raise StoreError(

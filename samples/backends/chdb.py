@@ -5,12 +5,13 @@ forked after the session opened hangs: this module owns the process's one sessio
 detects a directory locked by another process (StoreLocked, naming the holder's pid) and
 refuses use after fork. release_chdb() closes the session (tests, shutdown).
 
-A store opened here is warm for writing (``_warm``, once per process): a sample batch goes in
-as an Arrow table, and the first conversion and the first ``Python(tbl)`` read load pyarrow's
-pandas layer and pandas itself (~0.5 s, holding every other thread for 80-140 ms: a replay's
-event loop among them). Done when the store is opened, that happens before a replay sends,
-never in its sample sink's first insert mid-schedule (bench/RESULTS.md, "The first step's lag
-spike"); callers need not know.
+A store written through a spooling writer is warm for writing (``prepare_for_writes``, once
+per process): a sample batch goes in as an Arrow table, and the first conversion and the first
+``Python(tbl)`` read load pyarrow's pandas layer and pandas itself (~0.5 s, holding every other
+thread for 80-140 ms: a replay's event loop among them). The writer is made before a replay
+sends, so that happens then, never in its sample sink's first insert mid-schedule
+(bench/RESULTS.md, "The first step's lag spike"); processes that only read (the web app, a
+report) never load them.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ _owner: _ChdbOwner | None = None
 _owner_guard = threading.Lock()
 _warm_guard = threading.Lock()
 _warmed = False
-# A value of each column kind (samples.columns) for the one-row batch _warm converts: NULL where
+# A value of each column kind (samples.columns) for the one-row batch prepare_for_writes converts: NULL where
 # the column takes it, so every nullable path is exercised.
 _WARM_VALUES: dict[str, Any] = {
     "str": "", "u8": 0, "u16": 0, "u32": 0, "u64": 0, "i64": 0, "datetime": 0, "f64": 0.0,
@@ -177,13 +178,12 @@ class ChdbBackend(SampleStore):
         self.database = check_ident(database, "chDB database")
         _chdb_owner(self.path)  # fail now, not at the first query, if the path is unusable
         self.ensure_database()
-        self._warm()
 
-    def _warm(self) -> None:
+    def prepare_for_writes(self) -> None:
         """Load what this process's first sample insert would load (module docstring): convert
         a one-row batch of every samples column to Arrow and read it through ``Python(tbl)``,
         as an insert does, without writing anything. Once per process. A failure costs only the
-        warm-up (the store opens all the same; an insert that fails the same way says so)."""
+        warm-up (the writer works all the same; an insert that fails the same way says so)."""
         global _warmed
         with _warm_guard:
             if _warmed:

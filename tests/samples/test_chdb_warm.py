@@ -1,6 +1,7 @@
-"""The embedded store (chDB) is warm for writing once opened: the first sample batch of a fresh
-process loads no module (pyarrow's pandas layer and pandas came with the open, before any
-replay sends), and no code outside the backend has to know what to load."""
+"""The embedded store (chDB) is warm for writing once a spooling writer is made over it: the
+first sample batch of a fresh process loads no module (pyarrow's pandas layer and pandas came
+with the writer, before any replay sends); a process that only opens the store to read loads
+neither; and no code outside the backend has to know what to load."""
 
 from __future__ import annotations
 
@@ -19,10 +20,14 @@ SCRIPT = """
 import sys, tempfile
 from samples import synthetic
 from samples.backends.chdb import ChdbBackend
+from samples.spool import SpoolingWriter
 
 store = ChdbBackend(tempfile.mkdtemp(), "warm")
-assert "pyarrow" in sys.modules and "pandas" in sys.modules, "not loaded by the open"
 store.migrate()
+store.query("SELECT count() FROM samples")
+print("loaded by opening and reading:", sorted(m for m in ("pandas", "pyarrow.pandas_compat") if m in sys.modules))
+SpoolingWriter(store, tempfile.mkdtemp())
+assert "pyarrow" in sys.modules and "pandas" in sys.modules, "not loaded by making the writer"
 spec = synthetic.SyntheticSpec(
     experiment="e", mode="split", n=300, seed=1, run_id=1,
     variants=[synthetic.VariantSpec("a", 50, {}, control=True), synthetic.VariantSpec("b", 50, {}, error_rate=0.2)],
@@ -41,6 +46,7 @@ def test_the_first_insert_of_a_fresh_process_loads_nothing():
         [sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert got.returncode == 0, got.stderr[-3000:]
+    assert "loaded by opening and reading: []" in got.stdout, got.stdout
     assert "loaded by the first insert: []" in got.stdout, got.stdout
 
 
