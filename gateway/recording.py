@@ -13,11 +13,12 @@ traffic feeds it as a replay's does. One LiveRecorder per gateway process:
 3. The flusher thread takes batches (every ``batch_rows`` rows or ``flush_ms``), gives each row
    its seq (a per-run counter, in queue order), builds rows with row_from and writes them
    through samples.spool.SpoolingWriter: to the store, or to the durable spool when the store
-   is down. After a failed store write it spools straight away (SpoolingWriter.spill, no store
-   call) for ``retry_s``, then tries a flush of the spool (the recorder's own retry: a ping,
-   then at most ``flush_budget_s`` of flushing at a time, spilling on until the spool is
-   empty); while the queue is above its high-water mark (the store is slow) it spills too, so
-   the queue drains at the local disk's speed whatever the store does. A full queue (the disk
+   is down. The writer's retry policy is the replay's too (SpoolingWriter): after a failed
+   store write it spools straight away for ``retry_s``, then a ping and at most
+   ``flush_budget_s`` of flushing at a time, spooling behind the spool until it is empty; the
+   recorder adds one rule of its own: while its queue is above its high-water mark (the store
+   is slow) it spills too (SpoolingWriter.spill, no store call) and stops a flush early, so the
+   queue drains at the local disk's speed whatever the store does. A full queue (the disk
    cannot keep up, or the spool's lock is held by a long flush in another process) drops and
    counts the row: ``dropped`` on the run and ``abplat_live_dropped_samples_total``.
 4. ``close()`` drains the queue (store or spool) and closes the run; the run catalog
@@ -71,8 +72,8 @@ from typing import Any, NamedTuple
 
 from samples.columns import SampleError, SampleRow
 from samples.rows import SampleContext, row_from
-from samples.spool import SpoolHooks, SpoolingWriter
-from samples.store import SampleStore, StoreUnavailable
+from samples.spool import FLUSH_BUDGET_S, SpoolHooks, SpoolingWriter
+from samples.store import SampleStore
 from streaming.result import StreamResult
 from telemetry import metrics
 
@@ -87,7 +88,6 @@ QUEUE_ROWS = 200_000
 RETRY_S = 5.0
 HEARTBEAT_S = 5.0
 START_TIMEOUT_S = 30.0
-FLUSH_BUDGET_S = 1.0  # a spool flush at most this long at a time (then new samples are spooled)
 # Rows built between two explicit GIL releases on the flusher thread (~20 us each): without them a
 # CPU-bound batch holds the GIL up to sys.getswitchinterval() (5 ms) while a request waits.
 YIELD_EVERY = 32
@@ -135,10 +135,6 @@ class _Books:
     saved_experiments: frozenset[str] = frozenset()  # on its LiveRun row (so a later start knows them)
     catalogued: set[str] = dataclasses.field(default_factory=set)  # told the run catalog 'running'
     catalog_final: bool = False
-
-
-class _FlushBudget(Exception):
-    """A spool flush used its time: the rest waits for the next one."""
 
 
 class _Item(NamedTuple):
@@ -196,9 +192,7 @@ class LiveRecorder:
         self._books: dict[int, _Books] = {}  # run_id -> books; the last one takes new seqs
         self._current: _Books | None = None
         self._seq = 0
-        self._down_until = 0.0  # monotonic: until then, spill without trying the store
         self._close_by = float("inf")  # monotonic: from then on, close() spills what is left
-        self._draining = False  # the store is back, the spool not flushed yet: spill, flush on
         self._last_heartbeat = 0.0
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
@@ -221,8 +215,9 @@ class LiveRecorder:
 
             store = self._store if self._store is not None else sample_store()
             self.writer = SpoolingWriter(
-                store, str(self._spool_dir or settings.SPOOL_DIR), hooks=live_spool_hooks()
-            )
+                store, str(self._spool_dir or settings.SPOOL_DIR), hooks=live_spool_hooks(),
+                pause_s=self.retry_s, flush_budget_s=self.flush_budget_s,
+            )  # fmt: skip
         self._started.clear()
         self._start_error = None
         self._thread = threading.Thread(target=self._run, name="abplat-live-recorder", daemon=True)
@@ -334,7 +329,7 @@ class LiveRecorder:
                 if items:
                     self._build(items)
                 self._write_held(closing)
-                if self._draining or (self._down_until and time.monotonic() >= self._down_until):
+                if self.writer.draining or self._spooled_since_pause():
                     self._retry_spool()
                 if time.monotonic() - self._last_heartbeat >= self.heartbeat_s:
                     self._heartbeat()
@@ -385,11 +380,14 @@ class LiveRecorder:
             return items, self._closed
 
     def _spilling_locked(self) -> bool:
-        return (
-            self._draining
-            or time.monotonic() < self._down_until
-            or len(self._queue) + self._held_rows >= self.high_water
-        )
+        assert self.writer is not None
+        return self.writer.spilling() or len(self._queue) + self._held_rows >= self.high_water
+
+    def _spooled_since_pause(self) -> bool:
+        """The writer's pause after a store failure is over and the spool holds batches: time
+        to try the store again (a pause still running, or an empty spool: nothing to do)."""
+        assert self.writer is not None
+        return not self.writer.paused() and bool(self.writer.spool.pending_files())
 
     def _build(self, items: Sequence[tuple]) -> None:
         """Rows of a batch, each with the next seq of the current run (a new run at max_seq)."""
@@ -478,8 +476,6 @@ class LiveRecorder:
                     where = "spool"
                 else:
                     where = "store" if self.writer.write(batch) == "stored" else "spool"
-                    if where == "spool":
-                        self._store_down()
             except SampleError as exc:  # not from row_from's rows; counted, never retried forever
                 self._reject(batch, exc)
                 continue
@@ -489,7 +485,7 @@ class LiveRecorder:
                 else:
                     log.error("live recorder: %d samples could not be written (%s); retrying in %g s",
                               len(batch), exc, self.retry_s)  # fmt: skip
-                    self._store_down()
+                    self.writer.pause()
                     time.sleep(min(self.retry_s, 1.0))  # the disk failing: no busy loop of errors
                     if not closing:
                         return
@@ -505,7 +501,7 @@ class LiveRecorder:
         assert self.writer is not None
         log.error("live recorder: the store refused %d samples (%s: %s); spooling them",
                   len(batch), type(exc).__name__, exc)  # fmt: skip
-        self._store_down()
+        self.writer.pause()
         try:
             self.writer.spill(batch)
         except Exception:
@@ -540,51 +536,16 @@ class LiveRecorder:
             books.saved = False
             metrics.LIVE_SAMPLES_WRITTEN.labels(experiment, where).inc(n)
 
-    def _store_down(self) -> None:
-        self._down_until = time.monotonic() + self.retry_s
-
     def _retry_spool(self) -> None:
-        """Flush the spool (this process's earlier batches, and an earlier process's): the
-        store is back when it succeeds; otherwise spill on for another retry_s.
-
-        A flush takes at most flush_budget_s (and stops early when the queue passes its
-        high-water mark), a whole file at a time: after a long outage the spool can take minutes
-        to flush, and this thread must keep spooling the samples that arrive meanwhile. Until a
-        flush empties it, new batches are spilled (write() would flush the whole spool first)
-        and the next loop flushes on."""
+        """Flush the spool (this process's earlier batches, and an earlier process's) through the
+        writer's retry (SpoolingWriter.retry: a ping, then at most flush_budget_s), stopping
+        early when the queue passes its high-water mark: this thread must keep spooling the
+        samples that arrive meanwhile. The store is back when the spool is empty."""
         assert self.writer is not None
-        deadline = time.monotonic() + self.flush_budget_s
-
-        def budget(done: int, files: int) -> None:
-            # called after each file is inserted and removed (SpoolingWriter.flush): stopping
-            # here leaves the rest of the spool as it was, for the next call
-            if done < files and (time.monotonic() >= deadline or self.queued() >= self.high_water):
-                raise _FlushBudget
-
         try:
-            # One try first: a store still away costs a connect timeout, not the flush's
-            # retries and backoff, while samples wait for this thread to spool them.
-            self.writer.store.ping()
-            report = self.writer.flush(progress=budget)
-        except _FlushBudget:
-            self._draining = True
-            self._down_until = 0.0
-            return
-        except StoreUnavailable as exc:
-            log.info("live recorder: sample store still unavailable (%s); spooling", exc)
-            self._draining = False
-            self._store_down()
-            return
+            self.writer.retry(stop=lambda: self.queued() >= self.high_water)
         except Exception:
-            log.exception("live recorder: flushing the spool failed")
-            self._draining = False
-            self._store_down()
-            return
-        self._draining = False
-        self._down_until = 0.0
-        if report.inserted or report.skipped_stored:
-            log.info("live recorder: flushed %d spooled samples (%d already stored)",
-                     report.inserted, report.skipped_stored)  # fmt: skip
+            log.exception("live recorder: flushing the spool failed")  # the writer paused
 
     def _heartbeat(self, closing: bool = False) -> None:
         """Save every run's counters (and the drops record() counted) to its LiveRun row."""
@@ -653,7 +614,7 @@ class LiveRecorder:
         from gateway.models import LiveRun
 
         assert self.writer is not None
-        if self._down_until:
+        if self.writer.paused():
             return
         store = self.writer.store
         try:
@@ -680,7 +641,7 @@ class LiveRecorder:
         from gateway.models import LiveRun
 
         assert self.writer is not None
-        if self._down_until:
+        if self.writer.paused():
             return
         mine = {b.pk for b in self._books.values()}
         try:

@@ -1,9 +1,13 @@
 """A background writer: the replay's event loop hands rows over without waiting on storage.
 
 Rows (samples.columns.SampleRow, from samples.rows.row_from) are batched (by size or age) and
-written by one thread through ``write(rows)`` (the sample store's spooling writer), so a slow insert never delays a scheduled send. ``close()``
-drains everything; a write that raises is retried a bounded number of times and then
-surfaces in ``close()`` so the shard fails loudly rather than dropping samples.
+written by one thread through ``write(rows)`` (the sample store's spooling writer), so a slow
+insert never delays a scheduled send. ``close()`` drains everything. The sink retries nothing
+itself: the spooling writer is the one retry policy for the store (an outage spools, a pause,
+then a ping and a budgeted flush: samples.spool.SpoolingWriter); a write that still raises (the
+spool's disk failing, a store that refuses rows) stops the sink and surfaces in ``put()`` and
+``close()``, so the shard fails loudly, keeping the rows it could not write counted, and its
+task's redelivery sends them again rather than dropping them.
 
 Rows are validated a batch at a time, columnar, by the writer (samples.columns.validate_samples
 in SpoolingWriter.write), not one by one where they are made (samples.rows.row_from checks only
@@ -46,10 +50,11 @@ class InvalidRows(SampleError):
 
 
 class BatchSink:
-    def __init__(self, write: Callable[[Sequence[Any]], object], *,
-                 batch_size: int = 2000, max_age_s: float = 0.5, retries: int = 3):  # fmt: skip
+    def __init__(
+        self, write: Callable[[Sequence[Any]], object], *, batch_size: int = 2000, max_age_s: float = 0.5
+    ):
         self._write = write
-        self.batch_size, self.max_age_s, self.retries = batch_size, max_age_s, retries
+        self.batch_size, self.max_age_s = batch_size, max_age_s
         self._rows: list[Any] = []
         self._cond = threading.Condition()
         self._closing = False
@@ -85,33 +90,32 @@ class BatchSink:
         while True:
             rows = self._take()
             if rows:
-                for attempt in range(1, self.retries + 1):
-                    try:
-                        self._write(rows)
-                        self.written += len(rows)
-                        self.batches += 1
-                        break
-                    except SampleError as refused:  # permanent: retrying the same rows cannot help
-                        if not self._write_valid(rows, refused):
-                            return
-                        break
-                    except Exception as exc:  # surfaced to the shard in close()/put()
-                        log.warning("writing %d samples failed (attempt %d): %s", len(rows), attempt, exc)
-                        if attempt == self.retries:
-                            with self._cond:
-                                self._error = self._error or exc
-                                # Keep the rows: close() reports them as not written.
-                                self._rows = rows + self._rows
-                            return
-                        time.sleep(0.2 * attempt)
+                try:
+                    self._write(rows)
+                    self.written += len(rows)
+                    self.batches += 1
+                except SampleError as refused:  # permanent: writing the same rows again cannot help
+                    if not self._write_valid(rows, refused):
+                        return
+                except Exception as exc:
+                    self._stop(exc, rows)
+                    return
             with self._cond:
                 if self._closing and not self._rows:
                     return
 
+    def _stop(self, exc: BaseException, rows: list[Any]) -> None:
+        """A write raised: keep the error for put() and close(), and the rows for close() to
+        count as not written."""
+        log.error("writing %d samples failed: %s", len(rows), exc)
+        with self._cond:
+            self._error = self._error or exc
+            self._rows = rows + self._rows
+
     def _write_valid(self, rows: list[Any], refused: SampleError) -> bool:
-        """The writer refused ``rows`` as invalid (``refused``): write the valid ones (with the
-        usual retries), keep the error naming the bad ones for put() and close(). False: the
-        valid rows could not be written either (the rows stay for close() to count)."""
+        """The writer refused ``rows`` as invalid (``refused``): write the valid ones, keep the
+        error naming the bad ones for put() and close(). False: the valid rows could not be
+        written either (the rows stay for close() to count)."""
         good, bad = [], []
         for row in rows:  # the writer's validator, one row at a time: every bad row, not the first
             try:
@@ -126,21 +130,15 @@ class BatchSink:
         log.error("sample writer: %s", error)
         with self._cond:
             self._error = self._error or error
-        for attempt in range(1, self.retries + 1):
-            try:
-                if good:
-                    self._write(good)
-                    self.written += len(good)
-                    self.batches += 1
-                return True
-            except Exception as exc:
-                log.warning("writing %d samples failed (attempt %d): %s", len(good), attempt, exc)
-                if attempt == self.retries or isinstance(exc, SampleError):
-                    with self._cond:
-                        self._rows = good + self._rows
-                    return False
-                time.sleep(0.2 * attempt)
-        return False  # pragma: no cover - the loop returns
+        try:
+            if good:
+                self._write(good)
+                self.written += len(good)
+                self.batches += 1
+        except Exception as exc:
+            self._stop(exc, good)
+            return False
+        return True
 
     def close(self) -> int:
         """Write everything still buffered; raise if any batch could not be written."""

@@ -47,6 +47,7 @@ import logging
 import os
 import re
 import socket
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -62,6 +63,10 @@ SPOOL_FORMAT = 3  # rows as JSON arrays in the header's column order
 _READABLE_FORMATS = (1, 2, 3)  # 1: rows as JSON objects; 2: arrays in the columns of FORMAT_2_COLUMNS
 # Format 2's columns: this code's, less those added since (samples.columns.ADDED_DEFAULTS).
 FORMAT_2_COLUMNS = tuple(n for n in COLUMN_NAMES if n not in ADDED_DEFAULTS)
+# The retry policy's defaults (SpoolingWriter): spool this long after a store failure before
+# trying it again, and flush at most this long at a time while new samples keep coming.
+PAUSE_S = 5.0
+FLUSH_BUDGET_S = 1.0
 _NAME = re.compile(r"^(\d{12})\.jsonl(\.tmp)?$")
 ID_FILE = "spool.id"
 
@@ -92,6 +97,10 @@ class FlushReport:
     def lost(self) -> int:
         """Rows that quarantined files held but this code could not read (see the files)."""
         return sum(q.lost_rows for q in self.quarantined)
+
+
+class _FlushBudget(Exception):
+    """A budgeted flush used its time (or its caller had other work): the rest waits."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,15 +365,119 @@ class SpoolingWriter:
     write(rows) -> "stored" | "spooled". Call flush() when the store may be back (write() also
     tries it first, to keep samples in order), and durable(run_id) before a run reports done:
     it answers for this spool only; ``hooks`` (SpoolHooks) tell the other hosts.
+
+    The one retry policy of sample writing, for replays and the live gateway alike (the store's
+    backend retries a single call's transient errors; nothing above this retries a store):
+    - After the store failed a write, writes go straight to the spool for ``pause_s``, without a
+      store call: during an outage each would cost the backend's connect timeout and retries
+      while samples wait behind it (``paused()``).
+    - Then the next write, or ``retry()``, first asks the store a trivial query (a store still
+      away costs one connect timeout, and pauses again) and only then flushes the spool, at most
+      ``flush_budget_s`` at a time and a whole file at a time: after a long outage the spool can
+      take minutes to flush, and its writer must keep taking samples meanwhile.
+    - While the spool is not yet empty (a flush used its budget), new batches are spooled behind
+      it (``draining``): the store sees samples in write order. ``spilling()`` is either state.
+    ``clock`` (monotonic seconds) is injectable for tests.
     """
 
-    def __init__(self, store: SampleStore, spool_dir: str, hooks: SpoolHooks | None = None) -> None:
+    def __init__(
+        self,
+        store: SampleStore,
+        spool_dir: str,
+        hooks: SpoolHooks | None = None,
+        *,
+        pause_s: float = PAUSE_S,
+        flush_budget_s: float = FLUSH_BUDGET_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if pause_s < 0 or flush_budget_s < 0:
+            raise ValueError(
+                f"SpoolingWriter: pause_s ({pause_s}) and flush_budget_s ({flush_budget_s}) must be >= 0"
+            )
         self.store = store
         self.spool = Spool(spool_dir)
         self.hooks = hooks
+        self.pause_s, self.flush_budget_s, self._clock = pause_s, flush_budget_s, clock
+        self._down_until = 0.0  # clock(): until then, spool without trying the store
+        self.draining = False  # the store is back, the spool not flushed yet: spool behind it
+        store.prepare_for_writes()  # before its owner's clock starts, not in its first batch
+
+    # ---- the retry policy (class docstring) ----------------------------------------------------
+
+    def paused(self) -> bool:
+        """The store failed less than pause_s ago: writes spool without trying it."""
+        return self._clock() < self._down_until
+
+    def spilling(self) -> bool:
+        """Writes go to the spool now (paused, or draining behind spooled batches)."""
+        return self.draining or self.paused()
+
+    def pause(self) -> None:
+        """The store failed: spool for pause_s before trying it again."""
+        self._down_until = self._clock() + self.pause_s
+        self.draining = False
+
+    def _resume(self) -> None:
+        self._down_until = 0.0
+        self.draining = False
+
+    def retry(self, stop: Callable[[], bool] | None = None) -> FlushReport | None:
+        """Try the store again (class docstring): a ping, then a flush of at most flush_budget_s
+        that also stops after a file when ``stop()`` is true (its caller has other work). The
+        flush's report, or None when the store did not answer (paused again). After a flush that
+        stopped early the writer is draining. Raises what is not "unavailable" (a store that
+        refuses rows), after pausing: the caller decides what to tell."""
+        with self.spool.locked():
+            return self._retry_locked(stop)
+
+    def _retry_locked(self, stop: Callable[[], bool] | None = None) -> FlushReport | None:
+        if not self.spool.pending_files():
+            self._resume()
+            return FlushReport()
+        try:
+            self.store.ping()
+        except StoreUnavailable as exc:
+            log.info("spool %s: the sample store is still unavailable (%s); spooling", self.spool.id, exc)
+            self.pause()
+            return None
+        deadline = self._clock() + self.flush_budget_s
+
+        def budget(done: int, files: int) -> None:
+            # after a file is inserted and removed: stopping here leaves the rest as it was
+            if done < files and (self._clock() >= deadline or (stop is not None and stop())):
+                raise _FlushBudget
+
+        report = FlushReport()
+        try:
+            self._flush_locked(report, budget)
+        except _FlushBudget:
+            self._down_until = 0.0
+            self.draining = True
+            metrics.SPOOL_FLUSHES.labels("ok").inc()
+        except StoreUnavailable:
+            self.pause()
+            metrics.SPOOL_FLUSHES.labels("store_unavailable").inc()
+            return None
+        except Exception:
+            self.pause()
+            raise
+        else:
+            self._resume()
+            metrics.SPOOL_FLUSHES.labels("ok").inc()
+        finally:
+            if report.files:
+                self._report_pending_quietly()
+            self._meter(report)
+        if report.inserted or report.skipped_stored:
+            log.info("spool %s: flushed %d spooled samples (%d already stored)%s", self.spool.id,
+                     report.inserted, report.skipped_stored, "; more to flush" if self.draining else "")  # fmt: skip
+        return report
+
+    # ---- writing -----------------------------------------------------------------------------
 
     def write(self, rows: Sequence[SampleRow] | Sequence[Mapping[str, Any]]) -> str:
-        """Store a batch of rows (SampleRows, or mappings of every column)."""
+        """Store a batch of rows (SampleRows, or mappings of every column), or spool it while
+        the store is away or spooled batches wait (class docstring)."""
         # Validated once, here: never spool what the store would reject, and the store takes
         # the checked columns as they are.
         cols = validate_samples(rows, "SpoolingWriter.write")
@@ -372,24 +485,20 @@ class SpoolingWriter:
         if not checked:
             return "stored"
         with self.spool.locked():
+            if self.paused():
+                self._append(checked)
+                return "spooled"
             # 1. Older spooled batches go first, so the store sees samples in write order.
-            if self.spool.pending_files():
-                report = FlushReport()
-                try:
-                    self._flush_locked(report)
-                except StoreUnavailable:
-                    self._append(checked)
-                    return "spooled"
-                finally:
-                    if report.files:
-                        self._report_pending_quietly()
-                    self._meter(report)
+            if self.spool.pending_files() and (self._retry_locked() is None or self.draining):
+                self._append(checked)
+                return "spooled"
             # 2. Then this batch; a transient failure spools it (permanent errors propagate:
             # a row the store rejects would sit in the spool forever).
             try:
                 self.store.insert_columns(cols)
                 return "stored"
             except StoreUnavailable as e:
+                self.pause()
                 name = self._append(checked)
                 log.warning("sample store unavailable, spooled %d rows to %s: %s", len(checked), name, e)
                 return "spooled"
@@ -454,9 +563,11 @@ class SpoolingWriter:
             try:
                 self._flush_locked(report, progress)
             except StoreUnavailable:
+                self.pause()
                 metrics.SPOOL_FLUSHES.labels("store_unavailable").inc()
                 raise
             else:
+                self._resume()
                 metrics.SPOOL_FLUSHES.labels("ok").inc()
             finally:
                 self._report_pending_quietly()

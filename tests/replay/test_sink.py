@@ -77,6 +77,37 @@ def test_after_a_bad_row_put_refuses_more_and_the_batch_is_not_retried():
     assert calls == [3, 2]  # the refused batch once, then its two valid rows; no retries
 
 
+def test_a_write_that_raises_is_not_retried_by_the_sink_and_its_rows_are_counted_unwritten():
+    """The spooling writer is the one retry policy (an outage spools there): what still raises
+    stops the sink at once, and close() counts every row it could not write."""
+    calls = []
+
+    def write(rows):
+        calls.append(len(rows))
+        if len(calls) == 2:
+            raise OSError("No space left on device: the spool's disk")
+
+    sink = BatchSink(write, batch_size=2, max_age_s=30)
+
+    def wait(predicate):
+        deadline = time.monotonic() + 10
+        while not predicate():
+            assert time.monotonic() < deadline, "the sink's thread never got there"
+            time.sleep(0.01)
+
+    for seq in (0, 1):
+        sink.put(row_from(full_result(), context(seq)))
+    wait(lambda: sink.batches == 1)
+    for seq in (2, 3):
+        sink.put(row_from(full_result(), context(seq)))
+    wait(lambda: sink._error is not None)
+    with pytest.raises(RuntimeError, match="No space left"):
+        sink.put(row_from(full_result(), context(4)))
+    with pytest.raises(RuntimeError, match="with 2 rows unwritten: No space left"):
+        sink.close()
+    assert calls == [2, 2] and sink.written == 2  # the failing batch once, not retried
+
+
 class _Client:
     """A streaming client returning a fixed result; seq 2's carries a value no column holds."""
 

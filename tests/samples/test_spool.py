@@ -35,25 +35,31 @@ def test_samples_are_spooled_while_the_server_is_down_and_flushed_in_order(
     proxy, url = flaky_server
     store = make_store("server", url=url, tries=2, backoff_s=(0.05,), connect_timeout=1.0)
     store.migrate()
-    writer = SpoolingWriter(store, str(tmp_path / "spool"))
+    now = [0.0]
+    writer = SpoolingWriter(store, str(tmp_path / "spool"), pause_s=5.0, clock=lambda: now[0])
     assert writer.write(make_rows(10, start=0)) == "stored"
 
     proxy.down()
     assert writer.write(make_rows(10, start=10)) == "spooled"
+    assert writer.paused()
+    calls = _spy_inserts(store)
     assert writer.write(make_rows(10, start=20)) == "spooled"
+    assert calls == []  # paused: spooled without asking the store
     assert writer.pending(7) == 20 and not writer.durable(7)
     with pytest.raises(StoreUnavailable, match="scripts/clickhouse.sh start"):
-        writer.flush()
+        writer.flush()  # an explicit flush always tries
     assert writer.pending(7) == 20  # a failed flush keeps everything
 
     proxy.up()
-    calls = _spy_inserts(store)
-    assert writer.write(make_rows(10, start=30)) == "stored"
+    assert writer.write(make_rows(10, start=30)) == "spooled"  # still in the pause the flush began
+    now[0] += 5.0
+    calls.clear()
+    assert writer.write(make_rows(10, start=40)) == "stored"
     # the spooled batches went first, oldest first, then the new one
-    assert [c[0] for c in calls] == [10, 20, 30]
-    assert writer.durable(7) and writer.pending() == 0
-    assert store.count(7) == 40
-    assert store.query("SELECT count() FROM samples WHERE run_id = 7") == [(40,)]
+    assert [c[0] for c in calls] == [10, 20, 30, 40]
+    assert writer.durable(7) and writer.pending() == 0 and not writer.spilling()
+    assert store.count(7) == 50
+    assert store.query("SELECT count() FROM samples WHERE run_id = 7") == [(50,)]
 
 
 def test_a_batch_spooled_after_an_insert_that_landed_is_not_stored_twice(store, make_rows, tmp_path):

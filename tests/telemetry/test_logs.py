@@ -162,12 +162,12 @@ def test_the_sample_writer_thread_logs_in_the_shard_s_context(json_log):
         raise OSError("disk full")
 
     with logs.log_context(experiment="e", run=5, shard=1):
-        sink = BatchSink(refuse, retries=1, max_age_s=0.01)  # its thread starts here
+        sink = BatchSink(refuse, max_age_s=0.01)  # its thread starts here
     sink.put({"seq": 0})
     with pytest.raises(RuntimeError, match="disk full"):
         sink.close()
     [line] = [x for x in json_log() if x["logger"] == "replay.sink"]
-    assert line["message"] == "writing 1 samples failed (attempt 1): disk full"
+    assert line["message"] == "writing 1 samples failed: disk full"
     assert (line["experiment"], line["run"], line["shard"]) == ("e", 5, 1)
 
 
