@@ -216,6 +216,9 @@ class FakeStore:
     def __init__(self):
         self.down, self.rows = True, []
 
+    def prepare_for_writes(self):
+        pass
+
     def insert_columns(self, cols):
         if self.down:
             raise StoreUnavailable("down (test)")
