@@ -8,8 +8,9 @@ traffic feeds it as a replay's does. One LiveRecorder per gateway process:
    a new LiveRun, so a new run_id, at every process start) and first flushes what an earlier
    process left in the spool. It waits for the registration (the database gives the run_id).
 2. ``record()`` is called on the request path (the event loop): it appends the measurement and
-   its context to a bounded in-memory queue under a lock and returns. It never blocks, never
-   raises, and touches neither the database nor the store nor the disk.
+   its context to a bounded in-memory queue (samples.batching.BatchQueue, the replay's sink's
+   too) and returns. It never blocks, never raises, and touches neither the database nor the
+   store nor the disk.
 3. The flusher thread takes batches (every ``batch_rows`` rows or ``flush_ms``), gives each row
    its seq (a per-run counter, in queue order), builds rows with row_from and writes them
    through samples.spool.SpoolingWriter: to the store, or to the durable spool when the store
@@ -70,6 +71,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from samples.batching import BatchQueue
 from samples.columns import SampleError, SampleRow
 from samples.rows import SampleContext, row_from
 from samples.spool import FLUSH_BUDGET_S, SpoolHooks, SpoolingWriter
@@ -182,13 +184,9 @@ class LiveRecorder:
         self.retry_s, self.heartbeat_s, self.max_seq = retry_s, heartbeat_s, max_seq
         self.flush_budget_s = flush_budget_s
         self.writer: SpoolingWriter | None = None
-        self._queue: collections.deque[tuple] = collections.deque()  # _Item fields, in order
-        self._cond = threading.Condition(threading.Lock())
-        self._closed = False
-        self._dropped_full = 0  # record() found the queue full (under _cond)
-        self._dropped_closed = 0  # record() after close() (under _cond)
+        # _Item fields, in record() order; rows taken stay counted until written (samples.batching)
+        self._queue = BatchQueue(batch_rows=batch_rows, max_age_s=self.flush_s, capacity=queue_rows)
         self._held: collections.deque[list[SampleRow]] = collections.deque()  # built, not written yet
-        self._held_rows = 0
         self._books: dict[int, _Books] = {}  # run_id -> books; the last one takes new seqs
         self._current: _Books | None = None
         self._seq = 0
@@ -254,16 +252,7 @@ class LiveRecorder:
         try:
             item = (result, experiment, variant, user_id, config_revision, sent_unix_ms, request_id,
                     prompt_tokens, max_tokens, gateway_ms, attempt)  # fmt: skip
-            with self._cond:
-                if self._closed:
-                    self._dropped_closed += 1
-                    return
-                if len(self._queue) + self._held_rows >= self.queue_rows:
-                    self._dropped_full += 1
-                    return
-                self._queue.append(item)
-                if len(self._queue) == self.batch_rows:
-                    self._cond.notify()
+            self._queue.put(item)  # refused when full or closed: counted there (dropped)
         except Exception:  # pragma: no cover - a bug here must not fail a user's request
             log.exception("live recorder: record() failed")
 
@@ -272,12 +261,10 @@ class LiveRecorder:
         or does not answer in time) and close the run. True when all of them were written in
         ``timeout``; False (logged) if the flusher is still inside a store call: it goes on
         writing, to the spool, as long as the process lives."""
-        with self._cond:
-            self._closed = True
-            self._close_by = time.monotonic() + timeout / 2  # then spill what is left
-            self._cond.notify_all()
+        self._close_by = time.monotonic() + timeout / 2  # then spill what is left
+        self._queue.close()
         if self._thread is None:
-            return not self._queue
+            return not self._queue.waiting()
         self._thread.join(timeout)
         if self._thread.is_alive() and not self._drained.is_set():
             log.error(
@@ -295,8 +282,7 @@ class LiveRecorder:
 
     def queued(self) -> int:
         """Samples in memory: queued, or built and waiting for a write to succeed."""
-        with self._cond:
-            return len(self._queue) + self._held_rows
+        return self._queue.in_memory()
 
     def counts(self) -> dict[str, int]:
         """This process's counters over all its runs (a snapshot; the flusher updates them)."""
@@ -304,9 +290,8 @@ class LiveRecorder:
         for b in list(self._books.values()):
             for k in out:
                 out[k] += getattr(b, k)
-        with self._cond:
-            out["dropped"] += self._dropped_full + self._dropped_closed
-            out["queued"] = len(self._queue) + self._held_rows
+        out["dropped"] += sum(self._queue.refused())  # not in a run's books yet
+        out["queued"] = self._queue.in_memory()
         return out
 
     # ---- the flusher thread ----------------------------------------------------------------------
@@ -334,10 +319,8 @@ class LiveRecorder:
                 if time.monotonic() - self._last_heartbeat >= self.heartbeat_s:
                     self._heartbeat()
                     self._catalog()
-                if closing and not items and not self._held:
-                    with self._cond:
-                        if not self._queue:
-                            break
+                if closing and not items and not self._held and not self._queue.waiting():
+                    break
             self._drained.set()
             for b in self._books.values():
                 b.open = False
@@ -365,23 +348,13 @@ class LiveRecorder:
     def _take(self) -> tuple[list[tuple], bool]:
         """The next batch (waits up to flush_ms for batch_rows), and whether close() was called.
         While the store is away or the queue is deep, batches are larger (fewer fsyncs)."""
-        with self._cond:
-            deadline = time.monotonic() + self.flush_s
-            while len(self._queue) < self.batch_rows and not self._closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            spilling = self._spilling_locked()
-            n = min(len(self._queue), self.batch_rows * (20 if spilling else 1))
-            items = [self._queue.popleft() for _ in range(n)]
-            metrics.LIVE_QUEUE_ROWS.set(len(self._queue) + self._held_rows + n)
-            self._held_rows += n  # counted until written, so record() sees the memory in use
-            return items, self._closed
+        items, closing = self._queue.take(limit=self.batch_rows * (20 if self._spilling() else 1))
+        metrics.LIVE_QUEUE_ROWS.set(self._queue.in_memory())
+        return items, closing
 
-    def _spilling_locked(self) -> bool:
+    def _spilling(self) -> bool:
         assert self.writer is not None
-        return self.writer.spilling() or len(self._queue) + self._held_rows >= self.high_water
+        return self.writer.spilling() or self._queue.in_memory() >= self.high_water
 
     def _spooled_since_pause(self) -> bool:
         """The writer's pause after a store failure is over and the spool holds batches: time
@@ -402,9 +375,7 @@ class LiveRecorder:
                     self._rotate()
                 except Exception:  # the database down: no new run_id; the rest waits in memory
                     log.exception("live recorder: starting the next live run failed; retrying")
-                    with self._cond:
-                        self._queue.extendleft(reversed(items[at:]))
-                        self._held_rows -= len(items) - at
+                    self._queue.give_back(items[at:])
                     time.sleep(min(self.retry_s, 1.0))
                     return
             if at and at % YIELD_EVERY == 0:
@@ -418,8 +389,7 @@ class LiveRecorder:
             except (SampleError, TypeError, ValueError, AttributeError) as exc:
                 books.rejected += 1
                 self._seq -= 1  # seqs of durable rows stay 1..K without holes
-                with self._cond:
-                    self._held_rows -= 1
+                self._queue.done(1)
                 metrics.LIVE_SAMPLES_DROPPED.labels("invalid").inc()
                 log.warning("live recorder: sample of request %r rejected: %s", it.request_id, exc)
             books.saved = False
@@ -468,8 +438,7 @@ class LiveRecorder:
         assert self.writer is not None
         while self._held:
             batch = self._held[0]
-            with self._cond:
-                spill = self._spilling_locked() or (closing and time.monotonic() >= self._close_by)
+            spill = self._spilling() or (closing and time.monotonic() >= self._close_by)
             try:
                 if spill:
                     self.writer.spill(batch)
@@ -491,8 +460,7 @@ class LiveRecorder:
                         return
                     continue
             self._held.popleft()
-            with self._cond:
-                self._held_rows -= len(batch)
+            self._queue.done(len(batch))
             self._count(batch, where)
 
     def _spill_after(self, exc: BaseException, batch: list[SampleRow]) -> bool:
@@ -517,8 +485,7 @@ class LiveRecorder:
             self._books[int(row["run_id"])].rejected += 1
             self._books[int(row["run_id"])].recorded -= 1
             metrics.LIVE_SAMPLES_DROPPED.labels("invalid").inc()
-        with self._cond:
-            self._held_rows -= len(bad)
+        self._queue.done(len(bad))
         if not batch:
             self._held.popleft()
 
@@ -554,11 +521,8 @@ class LiveRecorder:
         from gateway.models import LiveRun
 
         self._last_heartbeat = time.monotonic()
-        with self._cond:
-            full, after = self._dropped_full, self._dropped_closed
-            self._dropped_full = self._dropped_closed = 0
-            queued = len(self._queue) + self._held_rows
-        metrics.LIVE_QUEUE_ROWS.set(queued)
+        full, after = self._queue.refused(reset=True)
+        metrics.LIVE_QUEUE_ROWS.set(self._queue.in_memory())
         if full:
             metrics.LIVE_SAMPLES_DROPPED.labels("queue_full").inc(full)
         if after:

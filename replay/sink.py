@@ -22,10 +22,10 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from samples.batching import BatchQueue
 from samples.columns import SampleError, validate_samples
 
 log = logging.getLogger(__name__)
@@ -55,10 +55,8 @@ class BatchSink:
     ):
         self._write = write
         self.batch_size, self.max_age_s = batch_size, max_age_s
-        self._rows: list[Any] = []
-        self._cond = threading.Condition()
-        self._closing = False
-        self._error: BaseException | None = None
+        self._queue = BatchQueue(batch_rows=batch_size, max_age_s=max_age_s)  # no bound: a replay's
+        self._error: BaseException | None = None  # rows are few next to the gateway's (set by _stop)
         self.written = 0
         self.batches = 0
         # In the creator's context: its log lines carry the shard's fields (telemetry/logs.py).
@@ -68,49 +66,34 @@ class BatchSink:
         self._thread.start()
 
     def put(self, row: Any) -> None:
-        with self._cond:
-            if self._error is not None:
-                raise RuntimeError(f"sample writer failed: {self._error}") from self._error
-            self._rows.append(row)
-            if len(self._rows) >= self.batch_size:
-                self._cond.notify()
-
-    def _take(self) -> list[Any]:
-        with self._cond:
-            deadline = time.monotonic() + self.max_age_s
-            while not self._closing and len(self._rows) < self.batch_size:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            rows, self._rows = self._rows, []
-            return rows
+        if self._error is not None:
+            raise RuntimeError(f"sample writer failed: {self._error}") from self._error
+        if not self._queue.put(row):
+            raise RuntimeError("sample sink: put() after close()")
 
     def _run(self) -> None:
         while True:
-            rows = self._take()
+            rows, closing = self._queue.take()
             if rows:
                 try:
                     self._write(rows)
                     self.written += len(rows)
                     self.batches += 1
+                    self._queue.done(len(rows))
                 except SampleError as refused:  # permanent: writing the same rows again cannot help
                     if not self._write_valid(rows, refused):
                         return
                 except Exception as exc:
                     self._stop(exc, rows)
                     return
-            with self._cond:
-                if self._closing and not self._rows:
-                    return
+            if closing and not self._queue.waiting():
+                return
 
     def _stop(self, exc: BaseException, rows: list[Any]) -> None:
-        """A write raised: keep the error for put() and close(), and the rows for close() to
-        count as not written."""
+        """A write raised: keep the error for put() and close(); the rows stay in memory (taken,
+        not done) for close() to count as not written."""
         log.error("writing %d samples failed: %s", len(rows), exc)
-        with self._cond:
-            self._error = self._error or exc
-            self._rows = rows + self._rows
+        self._error = self._error or exc
 
     def _write_valid(self, rows: list[Any], refused: SampleError) -> bool:
         """The writer refused ``rows`` as invalid (``refused``): write the valid ones, keep the
@@ -128,13 +111,14 @@ class BatchSink:
             good, bad = [], [(row, str(refused)) for row in rows]
         error = InvalidRows(bad, len(rows))
         log.error("sample writer: %s", error)
-        with self._cond:
-            self._error = self._error or error
+        self._error = self._error or error
+        self._queue.done(len(bad))  # given up on: counted by the error, not in memory
         try:
             if good:
                 self._write(good)
                 self.written += len(good)
                 self.batches += 1
+                self._queue.done(len(good))
         except Exception as exc:
             self._stop(exc, good)
             return False
@@ -142,13 +126,11 @@ class BatchSink:
 
     def close(self) -> int:
         """Write everything still buffered; raise if any batch could not be written."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
+        self._queue.close()
         self._thread.join()
         if self._error is not None:
             invalid = len(self._error.rows) if isinstance(self._error, InvalidRows) else 0
             raise RuntimeError(
-                f"sample writer failed with {len(self._rows) + invalid} rows unwritten: {self._error}"
+                f"sample writer failed with {self._queue.in_memory() + invalid} rows unwritten: {self._error}"
             ) from self._error
         return self.written
