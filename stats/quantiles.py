@@ -50,7 +50,8 @@ def quantile_rank(n: int, q: float) -> int:
 def _rank(n: int, q: float) -> int:
     # Pure in (n, q), and asked again and again for the same few: every streamed request's ITL
     # p50 and p99 (streaming.timing) at its own gap count. The exact Fraction arithmetic costs
-    # microseconds per call, a visible share of the replay's CPU per request (issue 14).
+    # microseconds per call, a visible share of the replay's CPU per request (bench/RESULTS.md,
+    # "Replay CPU per token against vLLM's client").
     return max(1, min(n, math.ceil(_as_fraction(q) * n)))
 
 
