@@ -37,9 +37,10 @@ XDIST = -n $(TEST_WORKERS) --dist loadfile
 # nothing that takes seconds.
 FAST_MARKS = not services and not process and not slow and not vllm and not browser
 
+# Each pass leaves its tests' times in var/test-times/ (scripts/test_times.py reads them).
 test: venv services vllm browser doctor lint check  ## set up, start the services, run the whole suite
-	$(PY) -m pytest $(XDIST) --durations=30
-	ABPLAT_DATABASE_URL=$(TEST_POSTGRES_URL) $(PY) -m pytest -m engine $(XDIST) --durations=10
+	$(PY) -m pytest $(XDIST) --durations=30 --junitxml=var/test-times/sqlite.xml
+	ABPLAT_DATABASE_URL=$(TEST_POSTGRES_URL) $(PY) -m pytest -m engine $(XDIST) --durations=10 --junitxml=var/test-times/postgres.xml
 
 test-fast: venv  ## the in-process tests only, for the inner loop: no service needed, a few minutes
 	ABPLAT_TEST_FAST=1 $(PY) -m pytest -m "$(FAST_MARKS)" -n $(FAST_WORKERS) --dist loadfile --durations=10
