@@ -310,6 +310,7 @@ def by_kind(rows: list[dict], variant: str) -> dict[str, dict]:
     return {r["kind"]: r for r in rows if r["variant"] == variant}
 
 
+@pytest.mark.services  # users_db: the session's ClickHouse server database
 def test_the_anytime_table_shows_the_user_clustered_and_adjusted_sequences_of_the_report(
     client, users, users_db, tmp_path
 ):
@@ -400,6 +401,7 @@ def test_the_anytime_table_shows_the_user_clustered_and_adjusted_sequences_of_th
     assert report["anytime"]["units"]["note"] in block
 
 
+@pytest.mark.services  # users_db: the session's ClickHouse server database
 def test_anytime_sequences_without_bounds_show_a_dash_and_the_note(client, users, users_db, tmp_path):
     from dashboards.tables import sequence_text
 
