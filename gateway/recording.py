@@ -85,7 +85,12 @@ MODE = "live"
 MAX_SEQ = 2**32 - 1  # samples.seq is UInt32: a run that reaches it continues as a new run
 
 BATCH_ROWS = 500
-FLUSH_MS = 200.0
+# A batch leaves at BATCH_ROWS or after FLUSH_MS: at most one insert a second per gateway process
+# at low rates, as ClickHouse asks (each insert is a part to merge), and on the embedded store an
+# insert of a few rows costs ~25 ms of the flusher's time, part of it holding the GIL the event
+# loop needs (bench/RESULTS.md, "The live path on one HTTP/1.1 core"). Samples reach the store
+# within a second, far inside a rollout look's interval.
+FLUSH_MS = 1000.0
 QUEUE_ROWS = 200_000
 RETRY_S = 5.0
 HEARTBEAT_S = 5.0
