@@ -25,6 +25,17 @@ def test_whole_azure_trace_loads_with_exact_offsets():
     assert reqs[-1].offset_s == pytest.approx(57 * 60 + 15.678, abs=1.0)
 
 
+def test_the_shipped_conversation_trace_loads_whole_with_exact_offsets():
+    loaded = load_source(TRACE.with_name("azure_llm_2023_conv.csv"), "azure", population=POP)
+    reqs = loaded.requests
+    assert len(reqs) == 19366 and not loaded.skipped
+    # 18:15:46.6805900 -> 18:15:50.9951690
+    assert reqs[0].offset_s == 0.0 and reqs[1].offset_s == pytest.approx(4.314579, abs=1e-6)
+    assert [(r.prompt_tokens, r.max_tokens) for r in reqs[:2]] == [(374, 44), (396, 109)]
+    assert all(b.offset_s >= a.offset_s for a, b in zip(reqs, reqs[1:]))
+    assert (reqs[-1].prompt_tokens, reqs[-1].max_tokens) == (197, 183)
+
+
 def test_limit_takes_the_first_requests():
     assert len(load_source(TRACE, "azure", population=POP, limit=50).requests) == 50
     with pytest.raises(ValueError, match="at least 1"):
