@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 
 import pytest
@@ -81,26 +82,22 @@ def test_a_write_that_raises_is_not_retried_by_the_sink_and_its_rows_are_counted
     """The spooling writer is the one retry policy (an outage spools there): what still raises
     stops the sink at once, and close() counts every row it could not write."""
     calls = []
+    first_taken = threading.Event()
 
     def write(rows):
         calls.append(len(rows))
+        first_taken.set()
         if len(calls) == 2:
             raise OSError("No space left on device: the spool's disk")
 
     sink = BatchSink(write, batch_size=2, max_age_s=30)
-
-    def wait(predicate):
-        deadline = time.monotonic() + 10
-        while not predicate():
-            assert time.monotonic() < deadline, "the sink's thread never got there"
-            time.sleep(0.01)
-
     for seq in (0, 1):
         sink.put(row_from(full_result(), context(seq)))
-    wait(lambda: sink.batches == 1)
+    assert first_taken.wait(10)  # the first batch is the writer's: the next two make the second
     for seq in (2, 3):
         sink.put(row_from(full_result(), context(seq)))
-    wait(lambda: sink._error is not None)
+    sink._thread.join(10)  # the sink's thread ends at the failure, without retrying
+    assert not sink._thread.is_alive()
     with pytest.raises(RuntimeError, match="No space left"):
         sink.put(row_from(full_result(), context(4)))
     with pytest.raises(RuntimeError, match="with 2 rows unwritten: No space left"):
