@@ -54,9 +54,9 @@ class BatchSink:
         self, write: Callable[[Sequence[Any]], object], *, batch_size: int = 2000, max_age_s: float = 0.5
     ):
         self._write = write
-        self.batch_size, self.max_age_s = batch_size, max_age_s
-        self._queue = BatchQueue(batch_rows=batch_size, max_age_s=max_age_s)  # no bound: a replay's
-        self._error: BaseException | None = None  # rows are few next to the gateway's (set by _stop)
+        # No bound: a shard's rows are few next to a gateway's, and put() must never refuse one.
+        self._queue = BatchQueue(batch_rows=batch_size, max_age_s=max_age_s)
+        self._error: BaseException | None = None  # the first write that failed (_stop, _write_valid)
         self.written = 0
         self.batches = 0
         # In the creator's context: its log lines carry the shard's fields (telemetry/logs.py).

@@ -73,8 +73,8 @@ _owner: _ChdbOwner | None = None
 _owner_guard = threading.Lock()
 _warm_guard = threading.Lock()
 _warmed = False
-# A value of each column kind (samples.columns) for the one-row batch prepare_for_writes converts: NULL where
-# the column takes it, so every nullable path is exercised.
+# A value of each column kind (samples.columns) for the one-row batch prepare_for_writes
+# converts: NULL where the column takes it, so every nullable path is exercised.
 _WARM_VALUES: dict[str, Any] = {
     "str": "", "u8": 0, "u16": 0, "u32": 0, "u64": 0, "i64": 0, "datetime": 0, "f64": 0.0,
     "nf64": None, "nu64": None, "au32": (),
