@@ -115,7 +115,9 @@ def test_a_response_dribbled_a_few_bytes_per_read_parses_as_the_whole(server, rx
 
 
 @pytest.mark.parametrize("rx", [True, False], ids=["kernel stamps", "clock reads"])
-def test_stamped_bytes_are_parsed_in_their_read_and_clock_read_bytes_one_pass_later(server, rx):
+def test_stamped_bytes_are_parsed_in_their_read_and_clock_read_bytes_one_pass_later(
+    server, stamping_live, rx
+):
     sent = threading.Event()
 
     def whole(sock, _request):

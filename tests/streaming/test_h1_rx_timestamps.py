@@ -61,7 +61,7 @@ async def _stream_once(rx_timestamps: bool | None) -> tuple[int, int, H1Connecti
     return result.start_ns + int(result.ttft_ms * 1e6), write_ns, conn
 
 
-def test_a_late_read_is_stamped_with_the_kernel_arrival_time():
+def test_a_late_read_is_stamped_with_the_kernel_arrival_time(stamping_live):
     measured, written, conn = asyncio.run(_stream_once(None))
     assert conn.rx_timestamps, "SO_TIMESTAMPNS should be on by default on Linux x86_64/aarch64"
     assert written <= measured < written + int(BLOCK_S * 1e9 / 2)
@@ -87,7 +87,7 @@ def test_an_unsupported_platform_falls_back_to_the_clock_read(monkeypatch):
     assert measured >= written + int(BLOCK_S * 1e9)
 
 
-def test_on_uvloop_a_late_read_is_stamped_with_the_kernel_arrival_time_too():
+def test_on_uvloop_a_late_read_is_stamped_with_the_kernel_arrival_time_too(stamping_live):
     # The connection reads its own socket (loop.add_reader), so the loop's own I/O code never
     # sees it: uvloop gets the kernel's stamps as the default loop does.
     import uvloop
