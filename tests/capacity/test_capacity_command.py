@@ -1,10 +1,11 @@
 """End to end: `manage.py capacity` against a simulator with a known saturation point.
 
-The deployment (simulator profile "saturating") serves one request at a time in two 25 ms steps
-(the first token, then the second and last), so under evenly spaced arrivals it keeps up exactly
-to 20 req/s: below, every first token comes 25 ms after its request; above, the queue grows
-without bound and TTFT with it. The search must find 20 req/s within 10%, store every step
-as a replay run the report can read, and price the capacity."""
+The deployment (simulator profile "saturating", two engines, least loaded first) serves one
+request at a time per engine in two 25 ms steps (the first token, then the second and last), so
+under evenly spaced arrivals, which alternate between the engines, it keeps up exactly to 40
+req/s: below, every first token comes 25 ms after its request; above, the queues grow without
+bound and TTFT with them. The search must find 40 req/s within 10%, store every step as a replay
+run the report can read, and price the capacity."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ from workers.models import ReplayRun
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SATURATION_RPS = 1000.0 / (2 * 25.0)  # the "saturating" profile: two 25 ms steps a request, one at a time
+ENGINES = 2
+# the "saturating" profile: two 25 ms steps a request, one at a time per engine
+SATURATION_RPS = ENGINES * 1000.0 / (2 * 25.0)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,7 @@ def edge_sim():
     slow its clock (both would share one interpreter lock)."""
     port = free_port()
     proc = spawn([sys.executable, "manage.py", "simulator", "--profile", "saturating", "--port", str(port),
-                  "--model", "tiny-llama"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                  "--model", "tiny-llama", "--replicas", str(ENGINES)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, 30, proc)
@@ -75,7 +78,7 @@ def test_the_search_finds_a_known_saturation_point_within_10_percent(
     out = io.StringIO()
     call_command(
         "capacity", exp.key, "--trace", str(trace), "--format", "jsonl", "--arrival", "recorded",
-        "--start-rate", "16", "--max-rate", "64", "--min-rate", "2", "--step-requests", "600",
+        "--start-rate", "32", "--max-rate", "128", "--min-rate", "4", "--step-requests", "600",
         "--warmup", "2", "--tolerance", "0.05", "--variants", "edge", "--json",
         # a 2-core CI machine running other tests lags a few ms: this test is about the edge
         "--lag-limit", "50", stdout=out, stderr=io.StringIO(),
@@ -198,7 +201,7 @@ def test_the_api_starts_a_search_in_the_background_and_refuses_bad_input(
     exp = services.apply_document(document, actor=users["product"]).experiment
     services.transition(exp, "start", users["product"])
     body = {"experiment": exp.key, "trace": "even", "variants": ["fp16"], "arrival": "recorded",
-            "start_rate": 8, "max_rate": 16, "min_rate": 4, "max_steps": 2, "step_requests": 500,
+            "start_rate": 16, "max_rate": 32, "min_rate": 8, "max_steps": 2, "step_requests": 500,
             "warmup": 1, "lag_limit": 50}  # fmt: skip
     sre, analyst = client_for("sre"), client_for("analyst")
     assert analyst.post("/api/capacity/", body, format="json").status_code == 403
@@ -221,5 +224,5 @@ def test_the_api_starts_a_search_in_the_background_and_refuses_bad_input(
         time.sleep(0.5)
     assert got["status"] == "done", got
     r = got["result"]["fp16"]
-    assert [s["rate_rps"] for s in r["steps"]] == [8.0, 16.0]  # the step budget: 8 meets, then double
+    assert [s["rate_rps"] for s in r["steps"]] == [16.0, 32.0]  # the step budget: 16 meets, then double
     assert r["steps"][0]["verdict"] == "meets" and r["limited_by"] in ("steps", "max_rate")

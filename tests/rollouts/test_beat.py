@@ -12,13 +12,9 @@ import yaml
 
 from tests.rollouts.conftest import ROLLOUT_DOCUMENT
 from tests.split.conftest import TEST_ETCD
-from tests.workers.background import ROOT, manage, start_worker, stop_all, wait_for
+from tests.workers.background import ROOT, db_rows, db_time, manage, start_worker, stop_all, wait_for
 
 INTERVAL_S = 2
-AUDIT = (
-    "import json; from experiments.models import AuditEntry as A; print(json.dumps([(a.action, "
-    "a.at.timestamp()) for a in A.objects.filter(action__startswith='rollout_').order_by('at', 'id')]))"
-)
 
 
 def start_beat(env: dict, tmp_path, n: int) -> subprocess.Popen:
@@ -31,7 +27,11 @@ def start_beat(env: dict, tmp_path, n: int) -> subprocess.Popen:
 
 
 def decisions(env: dict) -> list[tuple[str, float]]:
-    return [tuple(x) for x in json.loads(manage(env, "shell", "-c", AUDIT).strip().splitlines()[-1])]
+    """The rollout's audit entries (action, unix time), oldest first: read from the processes'
+    SQLite file, once a second while the beats run (a `manage.py shell` would start Django)."""
+    rows = db_rows(env, "SELECT action, at FROM experiments_auditentry WHERE action LIKE 'rollout_%' "
+                   "ORDER BY at, id")  # fmt: skip
+    return [(action, db_time(at).timestamp()) for action, at in rows]
 
 
 def test_beat_decides_once_per_interval_however_many_beats_and_workers(broker_env, tmp_path):
@@ -41,18 +41,20 @@ def test_beat_decides_once_per_interval_however_many_beats_and_workers(broker_en
         "ABPLAT_ETCD_ENDPOINTS": TEST_ETCD,
         "ABPLAT_ETCD_PREFIX": f"/abplat-test/{uuid.uuid4().hex}/",
     }
-    manage(env, "migrate", "-v0")
-    manage(env, "clickhouse_migrate")
     doc = json.loads(json.dumps(ROLLOUT_DOCUMENT))
     doc["rollout"]["min_samples"] = 1_000_000  # no traffic: start, then hold every interval
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump(doc))
-    manage(env, "apply_experiment", str(tmp_path / "exp.yaml"))
-    manage(env, "shell", "-c", "from experiments import services; from experiments.models import Experiment; "
+    # The processes' database, sample store and experiment, running: the same commands in one
+    # Django start-up.
+    manage(env, "shell", "-c", "from django.core.management import call_command as c; "
+           "c('migrate', verbosity=0); c('clickhouse_migrate'); "
+           f"c('apply_experiment', {str(tmp_path / 'exp.yaml')!r}); "
+           "from experiments import services; from experiments.models import Experiment; "
            "services.transition(Experiment.objects.get(), 'start')")  # fmt: skip
     procs = [start_worker(env, tmp_path / f"worker{i}.log") for i in range(2)]
     procs += [start_beat(env, tmp_path, i) for i in range(2)]
     try:
-        wait_for(lambda: len(decisions(env)) >= 5, timeout=120, poll=1.0)
+        wait_for(lambda: len(decisions(env)) >= 5, timeout=120, poll=0.2)
     finally:
         stop_all(procs, [])
     got = decisions(env)
