@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 
 import httpx
 import pytest
@@ -49,11 +50,32 @@ def edges(fams: dict, family: str) -> list[float]:
 
 
 def stream_many(url: str, model: str, n: int, max_tokens: int, prompt: str = "hello there") -> list:
+    """n streams at once; returns once the simulator has counted every request it finished. It
+    counts one after its response has gone out, so the client may hold the last bytes a moment
+    before the simulator's thread gets there, and a scrape then would miss it."""
+    finished = threading.Condition()
+    count = [0]
+    counted = simmetrics.Metrics.request_done  # a test's own spy, if it set one
+
+    def counting(self, engine, **kw):
+        counted(self, engine, **kw)
+        with finished:
+            count[0] += 1
+            finished.notify_all()
+
     async def go():
         async with VariantClient(url, model, "completions") as c:
             return await asyncio.gather(*(c.stream(f"m-{i}", prompt, max_tokens) for i in range(n)))
 
-    return asyncio.run(go())
+    simmetrics.Metrics.request_done = counting
+    try:
+        results = asyncio.run(go())
+        ok = sum(r.outcome is Outcome.OK for r in results)
+        with finished:
+            finished.wait_for(lambda: count[0] >= ok, timeout=10)
+    finally:
+        simmetrics.Metrics.request_done = counted
+    return results
 
 
 @pytest.fixture
