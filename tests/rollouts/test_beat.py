@@ -28,7 +28,7 @@ def start_beat(env: dict, tmp_path, n: int) -> subprocess.Popen:
 
 def decisions(env: dict) -> list[tuple[str, float]]:
     """The rollout's audit entries (action, unix time), oldest first: read from the processes'
-    SQLite file, once a second while the beats run (a `manage.py shell` would start Django)."""
+    SQLite file, polled while the beats run (a `manage.py shell` per poll would start Django)."""
     rows = db_rows(env, "SELECT action, at FROM experiments_auditentry WHERE action LIKE 'rollout_%' "
                    "ORDER BY at, id")  # fmt: skip
     return [(action, db_time(at).timestamp()) for action, at in rows]
