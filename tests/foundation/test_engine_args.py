@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.vllm_args import (
+from experiments.engine_args import (
     ALLOWED,
     RISKY,
     EngineArgsError,
