@@ -4,26 +4,40 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# The services the suite talks to, by URL (scripts/doctor.sh checks them; README "Services used
-# in tests"). PostgreSQL runs the second pass of the suite (this machine kind: 5432, trust auth).
+# The services the suite talks to, by URL (scripts/doctor.sh checks them; docs/development.md,
+# "Services used in tests"). PostgreSQL runs the second pass of the suite (this machine kind: 5432, trust auth).
 export TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/abplat
 export ABPLAT_TEST_ETCD_ENDPOINTS ?= 127.0.0.1:12379
 export ABPLAT_TEST_CLICKHOUSE_URL ?= clickhouse://default:@127.0.0.1:19000/abplat_test
 export ABPLAT_TEST_CLICKHOUSE_CLUSTER_URLS ?= clickhouse://default:@127.0.0.1:19101/abplat_test,clickhouse://default:@127.0.0.1:19102/abplat_test
 export ABPLAT_TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 
-.PHONY: demo test test-fast venv services stop-services vllm browser doctor lint check migrate serve bench clean
+.PHONY: demo dev-env test test-fast venv services stop-services vllm browser doctor lint check migrate serve bench clean
 
 # Development commands run with Django's debug on (and its development key) unless told
-# otherwise; settings default to debug off, which needs ABPLAT_SECRET_KEY (README "Security").
+# otherwise; settings default to debug off, where the web processes (gunicorn, runserver, the
+# gateway's --with-web, the demo's admin) need ABPLAT_SECRET_KEY (docs/security.md).
 # (pytest sets a generated key itself: tests/plugin.py.)
 demo serve migrate check bench: export ABPLAT_DEBUG ?= true
 # The demo tells its story on the terminal: its workers' INFO lines (each shard's plan, every
 # scrape) would bury it. ABPLAT_LOG_LEVEL=INFO make demo shows them.
 demo: export ABPLAT_LOG_LEVEL ?= WARNING
 
-demo: venv  ## set up and run the main job on the embedded defaults, then serve the admin
+demo: venv dev-env  ## set up and run the main job on the embedded defaults, then serve the admin
 	$(PY) manage.py demo
+
+# The development settings every `manage.py` command, Celery worker and gunicorn started by hand
+# in this directory reads (abplat/env.py; the environment wins over it): written once, never
+# overwritten. Production has no .env: it sets its own environment (docs/deploy.md).
+dev-env:  ## write .env with the development settings (debug on), unless there is one
+	@if [ -e .env ]; then :; else \
+	  printf '%s\n' \
+	    '# abplat development settings, written by `make dev-env`: every manage.py command, Celery' \
+	    '# worker and gunicorn started in this directory reads this file (variables already set in' \
+	    '# the environment win). Production sets its own environment instead: docs/deploy.md.' \
+	    'ABPLAT_DEBUG=true' > .env && \
+	  echo "make dev-env: wrote .env (ABPLAT_DEBUG=true): manage.py commands run with the development settings"; \
+	fi
 
 # TEST_WORKERS pytest-xdist processes run the suite, a test file per process at a time (module
 # fixtures set up once; tests/plugin.py gives each process its own var directory, Redis database

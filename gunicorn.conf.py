@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 env = importlib.import_module("abplat.env")
+_config = importlib.import_module("abplat.config")  # not "config": a gunicorn setting
 
 
 def _setting(parse, *args, **kwargs):
@@ -32,6 +33,14 @@ def _setting(parse, *args, **kwargs):
     except env.EnvError as exc:
         sys.exit(f"abplat: configuration error: {exc}")
 
+
+# The development settings file (.env beside manage.py) when there is one, under the
+# environment; the workers inherit what it set.
+_setting(env.load_env_file, os.environ)
+# The web process signs sessions and forms: no key with debug off stops the server here, in one
+# line, before a worker loads the application (abplat/wsgi.py would refuse with a traceback).
+if _setting(_config.secret_key_missing, os.environ):
+    sys.exit(f"abplat: configuration error: {_config.SECRET_KEY_MISSING}")
 
 # chDB (no ABPLAT_CLICKHOUSE_URL) can be opened by one process only: one worker then.
 _EMBEDDED_STORE = not _setting(

@@ -2,7 +2,7 @@
 expire, request rates, a limit on admin login attempts, and error reports that never show a
 credential.
 
-Every limit is a setting (abplat/config.py, README "Security") read when the request comes,
+Every limit is a setting (abplat/config.py, docs/security.md) read when the request comes,
 so a test or an operator's override takes effect without a restart of anything cached here.
 Settings name these classes by dotted path; apps below ``abplat`` never import this module.
 """

@@ -6,14 +6,22 @@ not on it: flushing the sample spool must run on every worker host
 one worker takes. Every worker process runs it on a timer thread instead (workers.apps,
 start_spool_flusher; workers.tasks.flush_spool, every SPOOL_FLUSH_INTERVAL_S), so flushing needs
 no beat process; `manage.py flush_samples` does the same by hand.
+
+The development settings file (.env, abplat/env.py) is read first, before Django's settings:
+`celery -A abplat worker` on a developer's machine sees what manage.py sees.
 """
 
 import os
 
 from celery import Celery, signals
 
+from abplat.env import EnvError, load_env_file
 from telemetry import logs
 
+try:
+    load_env_file(os.environ)
+except EnvError as exc:
+    raise SystemExit(f"abplat: configuration error: {exc}") from None
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "abplat.settings")
 
 app = Celery("abplat")

@@ -12,11 +12,12 @@ settings built from them (DATABASES, CACHES, STORAGES, REST_FRAMEWORK, CELERY_*,
 hardening with debug off, LOGGING). abplat/settings.py holds the ones no variable changes.
 
 ``settings_from`` reads the files settings name (the metrics token, the etcd TLS files, the
-variants' CA bundle) to check them, and writes nothing but ABPLAT_METRICS_DIR's directory: made
-if missing and tried with a file created and removed (telemetry/metrics_config.py, check_dir),
-since only a write proves a process can write there. abplat/settings.py makes the embedded
-database's directory. The metrics mode itself is fixed at app start (workers/apps.py,
-configure_metrics), never by loading settings.
+variants' CA bundle) to check them, and writes nothing: settings hold values, and what must exist
+on disk is made by what needs it. ABPLAT_METRICS_DIR is checked by reading the disk only (it
+exists as a directory this process may write, or could be made: telemetry/metrics_config.py,
+check_dir_would_work); app start makes it and proves it writable with a file written and removed
+when it fixes the metrics mode (workers/apps.py, configure_metrics). The embedded database's
+directory is made by its backend on the first connection (abplat/db/sqlite3/base.py).
 """
 
 from __future__ import annotations
@@ -43,6 +44,36 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 
 # Request rates as DRF writes them (abplat.api.parse_rate reads them per request).
 _RATE_FORM = re.compile(r"^[0-9]+/(s|sec|second|m|min|minute|h|hour|d|day)$")
+
+
+DEVELOPMENT_SECRET_KEY = "django-insecure-abplat-development-key-never-use-in-production-0123456789"
+
+SECRET_KEY_MISSING = (
+    "ABPLAT_SECRET_KEY is not set: a web process with ABPLAT_DEBUG off (the default) signs sessions "
+    "and forms with a secret key of at least 50 random characters "
+    '(python3 -c "import secrets; print(secrets.token_urlsafe(50))"); for development set '
+    "ABPLAT_DEBUG=true (`make dev-env` writes it to .env)."
+)
+
+
+def secret_key_missing(environ: Mapping[str, str]) -> bool:
+    """Whether a web process started with ``environ`` would have no secret key: debug off and
+    ABPLAT_SECRET_KEY empty (gunicorn.conf.py asks before Django loads). EnvError on a bad
+    ABPLAT_DEBUG."""
+    env = Reader(environ)
+    return not env.env_bool("ABPLAT_DEBUG", False) and not env.env_str("ABPLAT_SECRET_KEY", "")
+
+
+def require_secret_key() -> None:
+    """ImproperlyConfigured(SECRET_KEY_MISSING) unless Django's settings hold a secret key. The
+    web entry points call it at start (abplat/wsgi.py, abplat/asgi.py, runserver in manage.py,
+    ``gateway --with-web``): every other process starts without a key."""
+    from django.conf import settings
+
+    try:
+        settings.SECRET_KEY  # noqa: B018 - Django raises on an empty key
+    except ImproperlyConfigured:
+        raise ImproperlyConfigured(SECRET_KEY_MISSING) from None
 
 
 def settings_from(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -83,7 +114,7 @@ def _settings(env: Reader) -> dict[str, Any]:
     REPLAY_LEASE_S = env.env_int("ABPLAT_REPLAY_LEASE_S", 10, minimum=2, maximum=3600)
     # TLS variants: empty trusts the system store; a PEM bundle path trusts exactly its CAs.
     VARIANT_CA_BUNDLE = env.env_str("ABPLAT_VARIANT_CA_BUNDLE", "")
-    # ---- hardening: README "Security" says what each one guards ----
+    # ---- hardening: docs/security.md says what each one guards ----
     # Uploaded traces live here, named by content hash; the API and admin read traces from here only.
     TRACE_DIR = Path(env.env_str("ABPLAT_TRACE_DIR", str(VAR_DIR / "traces"))).resolve()
     TRACE_MAX_BYTES = env.env_int("ABPLAT_TRACE_MAX_BYTES", 512 * 1024 * 1024, minimum=1024)
@@ -95,7 +126,7 @@ def _settings(env: Reader) -> dict[str, Any]:
     # Named variant credentials (auth: {secret: NAME}): one file per name in this directory.
     VARIANT_SECRETS_DIR = env.env_str("ABPLAT_VARIANT_SECRETS_DIR", "")
     # The team product and analyst users join when given their role, and where a document that
-    # names no team goes when its author is in no single team (README "Roles"); empty: neither.
+    # names no team goes when its author is in no single team (docs/security.md, "Roles"); empty: neither.
     DEFAULT_TEAM = env.env_str("ABPLAT_DEFAULT_TEAM", "default")
     # Caps on one replay request.
     REPLAY_MAX_REQUESTS = env.env_int("ABPLAT_REPLAY_MAX_REQUESTS", 5_000_000, minimum=1)
@@ -122,7 +153,7 @@ def _settings(env: Reader) -> dict[str, Any]:
     ETCD_KEY = env.env_str("ABPLAT_ETCD_KEY", "")
     ETCD_USER = env.env_str("ABPLAT_ETCD_USER", "")
     ETCD_PASSWORD = env.env_str("ABPLAT_ETCD_PASSWORD", "")
-    # ---- operations: logs and traces (README "Logs and traces") ----
+    # ---- operations: logs and traces (docs/configuration.md, "Logs and traces") ----
     # text: a line for people (context as key=value); json: one object a line for a log store.
     LOG_FORMAT = env.env_choice("ABPLAT_LOG_FORMAT", "text", ("text", "json"))
     # Off by default: the replay exports the parent span of every request it sends (OTLP/HTTP).
@@ -162,16 +193,16 @@ def _settings(env: Reader) -> dict[str, Any]:
     # servers plus a Distributed table over them; ABPLAT_CLICKHOUSE_URL names one of its servers.
     # Empty: one server (or chDB), as before.
     CLICKHOUSE_CLUSTER = env.env_str("ABPLAT_CLICKHOUSE_CLUSTER", "").strip()
-    # ---- operations: the variants' own metrics (README "Server metrics") ----
+    # ---- operations: the variants' own metrics (docs/measuring.md, "Server metrics") ----
     # During a replay each variant's /metrics (vLLM's vllm:* series) is scraped this often, in
     # whole seconds, into the sample store's server_metrics table (workers/server_metrics.py);
     # 0 turns scraping off.
     SERVER_METRICS_INTERVAL_S = env.env_int("ABPLAT_SERVER_METRICS_INTERVAL_S", 5, minimum=0, maximum=3600)
-    # ---- progressive rollouts: the controller (README "Rollouts") ----
+    # ---- progressive rollouts: the controller (docs/rollouts.md) ----
     # Celery beat runs the rollout controller this often, in whole seconds; decisions of one
     # experiment are at least 0.9 x this apart however many beat or worker processes run.
     ROLLOUT_INTERVAL_S = env.env_int("ABPLAT_ROLLOUT_INTERVAL_S", 60, minimum=1, maximum=86400)
-    # ---- the live gateway: README "Live traffic", gateway/config.py checks the rest ----
+    # ---- the live gateway: docs/gateway.md, gateway/config.py checks the rest ----
     # keys: every client sends "Authorization: Bearer KEY" listed in the keys file (one
     # "TENANT KEY" a line); none: no client auth (development and tests only).
     GATEWAY_AUTH = env.env_choice("ABPLAT_GATEWAY_AUTH", "keys", ("keys", "none"))
@@ -200,11 +231,25 @@ def _settings(env: Reader) -> dict[str, Any]:
     GATEWAY_TENANT_RATE = env.env_int("ABPLAT_GATEWAY_TENANT_RATE", 0, minimum=0, maximum=1_000_000)
     GATEWAY_TENANT_BURST = env.env_int("ABPLAT_GATEWAY_TENANT_BURST", 100, minimum=1, maximum=1_000_000)
     GATEWAY_TENANT_STREAMS = env.env_int("ABPLAT_GATEWAY_TENANT_STREAMS", 0, minimum=0, maximum=1_000_000)
+    # Where those limits are counted: empty, by each gateway process alone; a Redis URL, by every
+    # gateway process that names the same Redis (gateway/shared_limits.py). Each call to it may
+    # take this many milliseconds before the process falls back to its own count.
+    GATEWAY_LIMITS_URL = env.env_url("ABPLAT_GATEWAY_LIMITS_URL", "", schemes=("redis", "rediss"))
+    GATEWAY_LIMITS_TIMEOUT_MS = env.env_int("ABPLAT_GATEWAY_LIMITS_TIMEOUT_MS", 50, minimum=1, maximum=5000)
     # The whole request body must arrive within this many seconds (408 otherwise), and at most
     # this many connections are served at once per process (503 beyond: uvicorn's limit).
     GATEWAY_BODY_TIMEOUT_S = env.env_int("ABPLAT_GATEWAY_BODY_TIMEOUT_S", 30, minimum=1, maximum=3600)
     GATEWAY_MAX_CONNECTIONS = env.env_int(
         "ABPLAT_GATEWAY_MAX_CONNECTIONS", 2048, minimum=1, maximum=1_000_000
+    )
+    # A request's headers must arrive within this many seconds of its first byte (of the
+    # connection's opening, for its first request), and be at most this many bytes (431 above;
+    # the web process's gunicorn takes a line of 8190 and 100 fields): gateway/http_protocol.py.
+    GATEWAY_CLIENT_HEADERS_TIMEOUT_S = env.env_int(
+        "ABPLAT_GATEWAY_CLIENT_HEADERS_TIMEOUT_S", 10, minimum=1, maximum=3600
+    )
+    GATEWAY_MAX_HEADER_BYTES = env.env_int(
+        "ABPLAT_GATEWAY_MAX_HEADER_BYTES", 64 * 1024, minimum=8 * 1024, maximum=1024 * 1024
     )
     # Upstream deadlines, seconds: connect, response headers, gap between chunks, whole request.
     GATEWAY_CONNECT_TIMEOUT_S = env.env_int("ABPLAT_GATEWAY_CONNECT_TIMEOUT_S", 5, minimum=1, maximum=600)
@@ -230,9 +275,10 @@ def _settings(env: Reader) -> dict[str, Any]:
 
     # Metrics (docs/metrics.md): the multiprocess directory, checked as telemetry.metrics will
     # take it from the process environment at app start (here a bad one, or a clash with
-    # PROMETHEUS_MULTIPROC_DIR, stops the process with one line), and who may read /metrics.
+    # PROMETHEUS_MULTIPROC_DIR, stops the process with one line; reading the disk only, app start
+    # makes the directory), and who may read /metrics.
     try:
-        multiprocess_dir(env.environ)
+        multiprocess_dir(env.environ, make=False)
         METRICS_NETWORKS = parse_networks(METRICS_ALLOWED_CIDRS, "ABPLAT_METRICS_ALLOWED_CIDRS")
         METRICS_TOKEN = read_token_file(METRICS_TOKEN_FILE, "ABPLAT_METRICS_TOKEN_FILE")
     except MetricsConfigError as exc:
@@ -301,23 +347,22 @@ def _settings(env: Reader) -> dict[str, Any]:
                 f"Unexpected value {name}={rate!r}: use N/s, N/min, N/hour or N/day (e.g. 600/min)."
             )
 
-    if not SECRET_KEY:
-        if not DEBUG:
-            raise ImproperlyConfigured(
-                "ABPLAT_SECRET_KEY is not set: with ABPLAT_DEBUG off (the default) a secret key of "
-                "at least 50 random characters is required; for development set ABPLAT_DEBUG=true."
-            )
+    if not SECRET_KEY and DEBUG:
         # Development only (ABPLAT_DEBUG=true: make demo, make serve): a fixed, clearly-marked key
         # so sessions survive restarts.
-        SECRET_KEY = "django-insecure-abplat-development-key-never-use-in-production-0123456789"
+        SECRET_KEY = DEVELOPMENT_SECRET_KEY
+    # Debug off and no key: SECRET_KEY stays empty. Only what signs needs it (sessions, CSRF,
+    # signed values: Django refuses to read an empty key), so a command or a worker starts
+    # without one; the web entry points refuse to start (require_secret_key below).
 
     if DATABASE_URL:
         DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)}
     else:
-        # The embedded SQLite file in VAR_DIR (abplat/settings.py makes the directory).
+        # The embedded SQLite file in VAR_DIR: Django's SQLite backend, which makes the file's
+        # directory on its first connection (abplat/db/sqlite3/base.py).
         DATABASES = {
             "default": {
-                "ENGINE": "django.db.backends.sqlite3",
+                "ENGINE": "abplat.db.sqlite3",
                 "NAME": VAR_DIR / "abplat.sqlite3",
                 # Replay workers and the web process write at once in the embedded mode.
                 "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
@@ -382,7 +427,7 @@ def _settings(env: Reader) -> dict[str, Any]:
     CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 
     if not DEBUG:
-        # Behind TLS termination; what only TLS can fix is listed in README (check --deploy).
+        # Behind TLS termination; what only TLS can fix is listed in docs/configuration.md (check --deploy).
         SESSION_COOKIE_SECURE = env.env_bool("ABPLAT_SECURE_COOKIES", True)
         CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
         SECURE_CONTENT_TYPE_NOSNIFF = True
@@ -392,7 +437,7 @@ def _settings(env: Reader) -> dict[str, Any]:
         SECURE_HSTS_SECONDS = env.env_int("ABPLAT_HSTS_SECONDS", 31536000, minimum=0)
         SECURE_HSTS_INCLUDE_SUBDOMAINS = True
         SECURE_HSTS_PRELOAD = True
-        if len(SECRET_KEY) < 50 or len(set(SECRET_KEY)) < 5:
+        if SECRET_KEY and (len(SECRET_KEY) < 50 or len(set(SECRET_KEY)) < 5):
             raise ImproperlyConfigured(
                 "ABPLAT_SECRET_KEY is too weak: use at least 50 characters with at least 5 distinct ones."
             )
@@ -428,6 +473,9 @@ def _settings(env: Reader) -> dict[str, Any]:
             "workers": {"level": LOG_LEVEL},
             "samples": {"level": LOG_LEVEL},
             "dashboards": {"level": LOG_LEVEL},
+            # The driver logs each failed connect with its traceback; the store's wrapper retries
+            # and says in one line what failed and what to do (samples/backends).
+            "clickhouse_driver.connection": {"level": "ERROR"},
         },
     }
 

@@ -7,12 +7,19 @@ before Django is configured, and they raise plain ``ImproperlyConfigured``-compa
 ``Reader(environ)`` parses any mapping (abplat/config.py: ``settings_from(environ)``, which tests
 call with a dict); the module-level ``env_*`` functions read the process environment at each call
 (gunicorn.conf.py).
+
+``load_env_file(environ)``: the development settings file (``.env`` beside manage.py, which
+``make dev-env`` writes) read into the environment before anything else reads it. manage.py,
+the Celery app and gunicorn.conf.py call it; production sets its own environment
+(docs/deploy.md) and has no such file.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
 from urllib.parse import urlsplit
 
 
@@ -106,6 +113,73 @@ class Reader:
         if value not in choices:
             raise EnvError(f"Unexpected value {name}={raw!r}: use one of {', '.join(choices)}.")
         return value
+
+
+# ---- the development settings file ----
+
+ENV_FILE_VARIABLE = "ABPLAT_ENV_FILE"
+DEFAULT_ENV_FILE = Path(__file__).resolve().parent.parent / ".env"  # beside manage.py
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def parse_env_file(text: str, where: str) -> dict[str, str]:
+    """The ``NAME=value`` lines of an env file (the subset systemd's EnvironmentFile and the
+    shells agree on): blank lines and lines starting with ``#`` are skipped, a value in matching
+    single or double quotes loses them. Anything else is an EnvError naming ``where`` and the
+    line; a line's value is never repeated in it (it may be a password)."""
+    values: dict[str, str] = {}
+    lines: dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        name, sep, value = stripped.partition("=")
+        name, value = name.strip(), value.strip()
+        at = f"{where}, line {number}"
+        if not sep:
+            raise EnvError(f"{at}: not NAME=value (a comment line starts with #)")
+        if not _NAME.fullmatch(name):
+            raise EnvError(f"{at}: {name[:40]!r} is not a variable name (letters, digits and _)")
+        if name in values:
+            raise EnvError(f"{at}: {name} is set twice (also on line {lines[name]})")
+        if value[:1] in ("'", '"'):
+            if len(value) < 2 or value[-1] != value[0]:
+                raise EnvError(f"{at}: {name}'s value opens a quote it does not close")
+            value = value[1:-1]
+        elif " #" in value:
+            raise EnvError(
+                f"{at}: {name}'s value holds ' #': put the comment on a line of its own, or quote the value"
+            )
+        values[name] = value
+        lines[name] = number
+    return values
+
+
+def load_env_file(environ: MutableMapping[str, str], default: Path = DEFAULT_ENV_FILE) -> Path | None:
+    """Read the env file into ``environ`` without replacing a variable already set there (the
+    environment wins); the path read, or None. Which file: ``ABPLAT_ENV_FILE``, else ``default``
+    when it exists; ``ABPLAT_ENV_FILE=""`` reads none (the test suite sets it: a developer's
+    file must not change what tests see). A file named but missing, unreadable or with a bad
+    line: EnvError naming it."""
+    named = environ.get(ENV_FILE_VARIABLE)
+    if named is not None and not named.strip():
+        return None
+    path = Path(named.strip()) if named is not None else default
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if named is None:
+            return None
+        raise EnvError(
+            f"{ENV_FILE_VARIABLE}={named!r}: no such file (unset it to read .env beside manage.py, "
+            "or set it empty to read none)"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise EnvError(f"{path}: cannot read it: {reason}") from None
+    for name, value in parse_env_file(text, str(path)).items():
+        environ.setdefault(name, value)
+    return path
 
 
 # The same parsers over the process environment, read when called (not when this module loaded).

@@ -16,9 +16,6 @@ from abplat.config import BASE_DIR, settings_from
 
 _environment_settings = settings_from(os.environ)
 globals().update(_environment_settings)
-if not _environment_settings["DATABASE_URL"]:
-    # The embedded SQLite database: Django creates its file, not the directory it is in.
-    _environment_settings["VAR_DIR"].mkdir(parents=True, exist_ok=True)
 
 INSTALLED_APPS = [
     "django.contrib.admin",

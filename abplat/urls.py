@@ -20,7 +20,7 @@ urlpatterns = [
     path("api/", include("capacity.api_urls")),
     path("dashboards/", include("dashboards.urls")),
     path("rollouts/", include("rollouts.urls")),  # the rollout timeline (docs/rollouts.md)
-    path("capacity/", include("capacity.urls")),  # SLA capacity per variant (README, "Capacity")
+    path("capacity/", include("capacity.urls")),  # SLA capacity per variant (docs/capacity.md)
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
 ]

@@ -4,6 +4,11 @@ Definitions shared by every reader and the report:
 - a request meets the SLA when outcome = 'ok' and every SLO holds with a strict "<"
   (TTFT under sla_ttft_ms, and TPOT / end-to-end when the experiment sets them); a metric the
   request never produced is a miss;
+- a setup error (SETUP_ERROR: a 4xx the variant answered because of how it is configured or
+  called: an unknown model, auth, a bad request) is no measure of the serving change: it is counted
+  apart per variant (the report's setup_errors) and left out of every other figure (n, errors,
+  hits, attainment, percentiles, comparisons, segments, phases, attribution); 408 and 429 are
+  load, not setup, and stay misses;
 - latency percentiles are over successful requests (outcome = 'ok') that produced the metric:
   failures are counted once, as errors and misses, not as latencies;
 - except ITL (``itl_ms``), which is over every inter-token gap of every successful request, as
@@ -40,6 +45,8 @@ __all__ = [
     "Filters",
     "QueryError",
     "RUN_STATUSES",
+    "SETUP_ERROR",
+    "SETUP_LOAD_STATUSES",
     "Slo",
 ]
 
@@ -174,6 +181,28 @@ ITL_CI_NOTE = (
 MW_SCALE = 10
 
 # ---------------------------------------------------------------------------------------------
+# Setup errors: what a request measured about how the variant is configured or called, not how
+# it serves
+
+# A 4xx is the variant refusing the request as asked: a model it does not serve (404 "The model
+# 'x' does not exist"), auth (401, 403), a malformed or invalid body (400, 422), and so on. Two
+# 4xx statuses are load instead, and stay SLA misses: 408 (the server timed the request out) and
+# 429 (too many requests). streaming.result.Outcome.HTTP_4XX carries the status beside it.
+SETUP_LOAD_STATUSES: tuple[int, ...] = (408, 429)
+SETUP_ERROR = (
+    f"(outcome = 'http_4xx' AND http_status NOT IN ({', '.join(str(s) for s in SETUP_LOAD_STATUSES)}))"
+)
+# What to check for a setup error's status, in the report's banner.
+SETUP_CHECKS: dict[int, str] = {
+    400: "the request body the variant gets (fields, max_tokens against its context length)",
+    401: "the credentials the gateway sends to the variant",
+    403: "the credentials the gateway sends to the variant and what they may do",
+    404: "the model name and path: does the variant serve the model the clients ask for?",
+    422: "the request body the variant gets (fields the variant's server refuses)",
+}
+SETUP_CHECK_DEFAULT = "how the variant is configured and called (model, auth, request body)"
+
+# ---------------------------------------------------------------------------------------------
 # Phases of the TTFT of missed requests
 
 # Before the request is written: a replay's lateness against its plan (schedule_lag) or a live
@@ -230,9 +259,10 @@ GRAIN_SQL = f"toUInt32(intDiv(toUInt32(sent_at), {GRAIN_S}) * {GRAIN_S})"  # the
 
 # Bump when what a build computes changes (a histogram key, a bucket edge, a column): builds of
 # another version are then not used, and the report reads the raw samples until rebuilt.
-FORMAT_VERSION = 6  # 2: distinct users on a 64-bit hash (sql.DISTINCT_USERS); 3: itl_ms over every gap;
+FORMAT_VERSION = 7  # 2: distinct users on a 64-bit hash (sql.DISTINCT_USERS); 3: itl_ms over every gap;
 # 4: distinct users of live traffic's assigned requests too (sql.SRM_SAMPLES); 5: per-unit moments
-# (rollup_moments, analysis.units); 6: the gateway phase (rollup_cells.s_gateway, PHASE_COLUMNS)
+# (rollup_moments, analysis.units); 6: the gateway phase (rollup_cells.s_gateway, PHASE_COLUMNS);
+# 7: setup errors (SETUP_ERROR) left out of every table but the SRM users
 
 
 def build_spec(slo: Slo) -> str:

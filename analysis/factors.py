@@ -197,6 +197,11 @@ def attribute_factors(
     return {v: _attribute_one(cells, factors, control, v) for v in chosen if v != control}
 
 
+def _percent(share: float) -> str:
+    """A share as a whole percent; one that rounds to 0 is "0%", never "-0%"."""
+    return "0%" if abs(share) < 0.005 else f"{share:.0%}"
+
+
 def render_attribution(
     entry: Mapping[str, Any],
     labels: Mapping[str, str] | None = None,
@@ -226,11 +231,10 @@ def render_attribution(
     items = sorted(contributions.items(), key=lambda kv: -abs(kv[1]))
     texts = []
     for i, (factor, value) in enumerate(items):
-        share = value / total
-        texts.append(f"{name(factor)}: {share:.0%}" + (f" of the {word}" if i == 0 else ""))
+        texts.append(f"{name(factor)}: {_percent(value / total)}" + (f" of the {word}" if i == 0 else ""))
     residual = entry.get("residual", 0.0)
     if abs(residual / total) >= 0.005:
-        texts.append(f"other (interactions, unexplained): {residual / total:.0%}")
+        texts.append(f"other (interactions, unexplained): {_percent(residual / total)}")
     if not texts:
         return f"no factor differs; the whole {word} is unexplained"
     return ", ".join(texts)

@@ -47,6 +47,7 @@ from analysis.sql import (
     DISTINCT_USERS,
     GAP,
     HIST_KEYS,
+    JUDGED,
     SRM_SAMPLES,
     bucket_sql,
     gap_table,
@@ -92,7 +93,9 @@ def build_run_rollup(store: Any, experiment: str, run_id: int, slo: Slo) -> Buil
     build_id = time.time_ns()
     params: dict[str, Any] = {"e": experiment, "r": run_id, "b": build_id}
     head = "%(e)s, %(r)s, %(b)s"
-    scope = f"FROM {schema.SAMPLES_TABLE} PREWHERE experiment = %(e)s AND run_id = %(r)s"
+    run_scope = f"FROM {schema.SAMPLES_TABLE} PREWHERE experiment = %(e)s AND run_id = %(r)s"
+    # every table but the SRM users leaves the setup errors out, as the raw reads (sql.JUDGED)
+    scope = f"{run_scope} WHERE {JUDGED}"
     hit, hp = hit_expr(slo)
     params.update(hp)
     miss_phase = f"NOT {hit} AND {PHASE_ROWS}"
@@ -109,7 +112,8 @@ def build_run_rollup(store: Any, experiment: str, run_id: int, slo: Slo) -> Buil
         + [f"s_{name}" for name in PHASE_COLUMNS]
     )
     gap_scope = {
-        m: f"FROM {gap_table(m)} PREWHERE experiment = %(e)s AND run_id = %(r)s" for m in GAP_METRICS
+        m: f"FROM {gap_table(m)} PREWHERE experiment = %(e)s AND run_id = %(r)s WHERE {JUDGED}"
+        for m in GAP_METRICS
     }
     statements = [
         f"""
@@ -127,13 +131,13 @@ def build_run_rollup(store: Any, experiment: str, run_id: int, slo: Slo) -> Buil
         INSERT INTO {schema.ROLLUP_SERIES_TABLE}
         SELECT {head}, toString(variant), {GRAIN_SQL} AS tb,
                {SERIES_KEY} AS k, count(), max(assumeNotNull(ttft_ms))
-        {scope} WHERE {metric_ok("ttft_ms")}
+        {scope} AND {metric_ok("ttft_ms")}
         GROUP BY variant, tb, k
         """,
         f"""
         INSERT INTO {schema.ROLLUP_USERS_TABLE}
         SELECT {head}, config_revision, toString(variant), {DISTINCT_USERS}
-        {scope} WHERE {SRM_SAMPLES}
+        {run_scope} WHERE {SRM_SAMPLES}
         GROUP BY config_revision, variant
         """,
     ]
@@ -142,7 +146,7 @@ def build_run_rollup(store: Any, experiment: str, run_id: int, slo: Slo) -> Buil
             f"""
             INSERT INTO {schema.ROLLUP_HIST_TABLE}
             SELECT {head}, toString(variant), '{metric}', {HIST_KEYS[metric]} AS k, count(), max({GAP}) / 1000
-            {gap_scope[metric]} WHERE outcome = 'ok'
+            {gap_scope[metric]} AND outcome = 'ok'
             GROUP BY variant, k
             """
         )
@@ -150,7 +154,7 @@ def build_run_rollup(store: Any, experiment: str, run_id: int, slo: Slo) -> Buil
             f"""
             INSERT INTO {schema.ROLLUP_GAPS_TABLE} (build_id, variant, k, v, n)
             SELECT %(b)s, variant, {HIST_KEYS[metric]} AS k, {GAP} AS v, count()
-            {gap_scope[metric]} WHERE outcome = 'ok'
+            {gap_scope[metric]} AND outcome = 'ok'
             GROUP BY variant, k, v
             """
         )
@@ -162,7 +166,7 @@ def build_run_rollup(store: Any, experiment: str, run_id: int, slo: Slo) -> Buil
             INSERT INTO {schema.ROLLUP_HIST_TABLE}
             SELECT {head}, toString(variant), '{metric}', {HIST_KEYS[metric]} AS k, count(),
                    max(assumeNotNull({column}))
-            {scope} WHERE {metric_ok(column)}
+            {scope} AND {metric_ok(column)}
             GROUP BY variant, k
             """
         )
@@ -170,7 +174,7 @@ def build_run_rollup(store: Any, experiment: str, run_id: int, slo: Slo) -> Buil
             f"""
             INSERT INTO {schema.ROLLUP_VALUES_TABLE}
             SELECT %(b)s, variant, '{metric}', {HIST_KEYS[metric]}, assumeNotNull({column})
-            {scope} WHERE {metric_ok(column)}
+            {scope} AND {metric_ok(column)}
             """
         )
     # the per-unit moments (analysis.units): per user and per request, a few rows per variant

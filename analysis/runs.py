@@ -15,7 +15,15 @@ The rule (docs/report-json.md, "Runs"):
   are listed as available beside it (and the other way round);
 - a run asked for by id (``Filters.run_id``) is read whatever its status or mode, labelled.
 
-Pure: the catalog, the data version and the modes per run come in as values.
+How runs are named in notes and banners: "<status> run <id>" ("cancelled run 12"), unless the
+glue gave the catalog row a ``label`` of its own, saying what the run was for (a capacity step:
+"capacity step run 12 (fp16 at 64 req/s: misses)"). A labelled run may also carry
+``complete: True``: it was stopped on purpose once it had what it was for (a capacity step that
+decided), so a cancelled status does not make it partial; it is still held back by the status
+filter like any cancelled run (listed by its label, to be opened by id), and read by id without
+a "partial" banner.
+
+Pure: the catalog (with any labels), the data version and the modes per run come in as values.
 """
 
 from __future__ import annotations
@@ -41,6 +49,11 @@ def _read_as(run: Mapping[str, Any]) -> str:
     return str(run["status"])
 
 
+def _entry(run: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """A run as the report's "runs" key lists it; with its ``label`` when the glue gave one."""
+    return {k: run[k] for k in keys} | ({"label": run["label"]} if run["labelled"] else {})
+
+
 @dataclasses.dataclass(frozen=True)
 class RunSelection:
     runs: tuple[int, ...] | None  # Filters.runs: None when every run with samples is read
@@ -49,7 +62,10 @@ class RunSelection:
     banners: list[str]
 
 
-def _label(run: Mapping[str, Any]) -> str:
+def _label(run: Mapping[str, Any], given: Any = None) -> str:
+    """What notes and banners call a run: the glue's label for it, else "<status> run <id>"."""
+    if isinstance(given, str) and given.strip():
+        return given.strip()
     return f"{run['status']} run {run['run_id']}"
 
 
@@ -77,7 +93,15 @@ def select_runs(
             "mode": (c["mode"] if c else sample_modes.get(run_id)) or None,
             "samples": run_id in newest,
         }
-        known[run_id] = {**run, "partial": _read_as(run) in PARTIAL}
+        given = c.get("label") if c else None
+        labelled = isinstance(given, str) and bool(given.strip())
+        complete = labelled and c is not None and c.get("complete") is True
+        known[run_id] = {
+            **run,
+            "partial": _read_as(run) in PARTIAL and not complete,
+            "label": _label(run, given),
+            "labelled": labelled,
+        }
     statuses = tuple(filters.status) or DEFAULT_STATUSES
 
     def by_status(run: Mapping[str, Any]) -> bool:
@@ -108,14 +132,26 @@ def select_runs(
     for r in excluded:
         if r["reason"] == "mode":
             available.setdefault(str(r["mode"]), []).append(r["run_id"])
-    banners = [f"includes {_label(r)}: partial" for r in picked if r["partial"]]
+    banners = [f"includes {r['label']}: partial" for r in picked if r["partial"]]
     notes = []
+    named = [r for r in picked if r["labelled"] and not r["partial"]]
+    if named:
+        notes.append("read: " + ", ".join(r["label"] for r in named))
     skipped = [r for r in excluded if r["reason"] == "status"]
-    if skipped:
+    if cut := [r for r in skipped if r["partial"] or not r["labelled"]]:
         notes.append(
-            "not read (not completed): " + ", ".join(_label(r) for r in skipped)
+            "not read (not completed): "
+            + ", ".join(r["label"] for r in cut)
             + "; ask for them with the status filter"
-        )  # fmt: skip
+        )
+    if ended := [r for r in skipped if not r["partial"] and r["labelled"]]:
+        notes.append(
+            "not read (status "
+            + "/".join(sorted({str(r["status"]) for r in ended}))
+            + "): "
+            + ", ".join(r["label"] for r in ended)
+            + "; open one by its run id"
+        )
     for m, ids in sorted(available.items()):
         notes.append(f"{m} runs {ids} are available with mode={m} (runs of two modes are never mixed)")
     every = [r for r in known.values() if r["samples"]]
@@ -124,8 +160,8 @@ def select_runs(
     if filters.run_id is not None:
         runs = None  # Filters.run_id restricts the read already
     info = {
-        "read": [{k: r[k] for k in ("run_id", "status", "mode", "partial")} for r in picked],
-        "not_read": [{k: r[k] for k in ("run_id", "status", "mode", "reason")} for r in excluded],
+        "read": [_entry(r, ("run_id", "status", "mode", "partial")) for r in picked],
+        "not_read": [_entry(r, ("run_id", "status", "mode", "reason")) for r in excluded],
         "statuses": list(statuses),
         "mode": mode,
         "mode_source": mode_source,

@@ -2,7 +2,7 @@
 a replay (workers/server_metrics.py), stored in samples.schema.SERVER_METRICS_TABLE, read here.
 
 Pure (no driver, no network): parsing one exposition into rows to store, and reading the stored
-rows back as what the report shows (docs/report-json.md, "server"):
+rows back as what the report shows (docs/report-json.md, "Server metrics"):
 
 1. ``parse_exposition``: the text of one scrape (prometheus_client's parser) -> the samples of
    the families abplat reads (KEPT), each (metric, sample, labels as sorted JSON, le, value).
@@ -31,6 +31,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from analysis.definitions import Filters
+from analysis.sql import run_conditions
 from samples import schema
 
 # Scrape bookkeeping rows (schema's comment): whether a scrape answered, and how long it took.
@@ -102,9 +103,15 @@ def parse_exposition(text: str) -> list[tuple[str, str, str, str, float]]:
 
 
 def scrape_rows(
-    experiment: str, variant: str, run_id: int, scraped_ms: int, samples: Iterable[tuple[str, str, str, str, float]],
-    *, duration_s: float, error: str = "",
-) -> list[dict[str, Any]]:  # fmt: skip
+    experiment: str,
+    variant: str,
+    run_id: int,
+    scraped_ms: int,
+    samples: Iterable[tuple[str, str, str, str, float]],
+    *,
+    duration_s: float,
+    error: str = "",
+) -> list[dict[str, Any]]:
     """The rows one scrape stores (SampleStore.insert_server_metrics): its samples (none when it
     failed), then its bookkeeping: up (1, or 0 with the error in labels) and its duration."""
     base = {"experiment": experiment, "variant": variant, "run_id": run_id, "scraped_ms": scraped_ms}
@@ -113,10 +120,26 @@ def scrape_rows(
         for m, s, lab, le, v in samples
     ]
     up_labels = labels_json({"error": error[:500]}) if error else "{}"
-    rows.append({**base, "metric": SCRAPE_METRIC, "sample": SCRAPE_UP, "labels": up_labels, "le": "",
-                 "value": 0.0 if error else 1.0})  # fmt: skip
-    rows.append({**base, "metric": SCRAPE_METRIC, "sample": SCRAPE_DURATION, "labels": "{}", "le": "",
-                 "value": max(0.0, float(duration_s))})  # fmt: skip
+    rows.append(
+        {
+            **base,
+            "metric": SCRAPE_METRIC,
+            "sample": SCRAPE_UP,
+            "labels": up_labels,
+            "le": "",
+            "value": 0.0 if error else 1.0,
+        }
+    )
+    rows.append(
+        {
+            **base,
+            "metric": SCRAPE_METRIC,
+            "sample": SCRAPE_DURATION,
+            "labels": "{}",
+            "le": "",
+            "value": max(0.0, float(duration_s)),
+        }
+    )
     return rows
 
 
@@ -127,14 +150,7 @@ def scrape_rows(
 def _where(f: Filters, variants: Sequence[str]) -> tuple[str, dict[str, Any]]:
     conds = ["experiment = %(experiment)s"]
     params: dict[str, Any] = {"experiment": f.experiment}
-    if f.run_id is not None:
-        conds.append("run_id = %(run_id)s")
-        params["run_id"] = f.run_id
-    if f.runs:
-        conds.append("run_id IN %(runs)s")
-        params["runs"] = tuple(f.runs)
-    elif f.runs is not None:
-        conds.append("run_id != run_id")  # no run at all
+    conds.extend(run_conditions(f, params))
     if f.since is not None:
         conds.append("scraped_ms >= %(since_ms)s")
         params["since_ms"] = int(f.since.timestamp() * 1000)
@@ -177,9 +193,14 @@ def read(store: Any, f: Filters, variants: Sequence[str], bucket_s: int) -> dict
     def entry(variant: str) -> dict[str, Any]:
         return out.setdefault(
             str(variant),
-            {"scrapes": {"ok": 0, "failed": 0, "last_error": None, "first_ms": None, "last_ms": None},
-             "hist": {}, "counters": {}, "gauges": {}, "by_bucket": {}},
-        )  # fmt: skip
+            {
+                "scrapes": {"ok": 0, "failed": 0, "last_error": None, "first_ms": None, "last_ms": None},
+                "hist": {},
+                "counters": {},
+                "gauges": {},
+                "by_bucket": {},
+            },
+        )
 
     # 1. Whether each scrape answered; the last failure's reason.
     rows = store.query(
@@ -190,8 +211,13 @@ def read(store: Any, f: Filters, variants: Sequence[str], bucket_s: int) -> dict
     )
     for variant, ok, failed, labels, first, last in rows:
         error = json.loads(labels).get("error") if failed and str(labels).startswith("{") else None
-        entry(variant)["scrapes"] = {"ok": int(ok), "failed": int(failed), "last_error": error,
-                                     "first_ms": int(first), "last_ms": int(last)}  # fmt: skip
+        entry(variant)["scrapes"] = {
+            "ok": int(ok),
+            "failed": int(failed),
+            "last_error": error,
+            "first_ms": int(first),
+            "last_ms": int(last),
+        }
     # 2. Counters and histograms: each series' increase over the run, summed over runs and engines.
     rows = store.query(
         f"""SELECT variant, metric, sample, le, sum(inc) FROM (
@@ -293,8 +319,12 @@ def _gauge_summary(values: Sequence[float]) -> dict[str, Any]:
 def variant_summary(agg: Mapping[str, Any] | None, client: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The report's "server" entry of one variant (docs/report-json.md) from read()'s aggregates;
     ``client``: the variant's client-side TTFT percentiles, shown beside the server's."""
-    agg = agg or {"scrapes": {"ok": 0, "failed": 0, "last_error": None, "first_ms": None, "last_ms": None},
-                  "hist": {}, "counters": {}, "gauges": {}}  # fmt: skip
+    agg = agg or {
+        "scrapes": {"ok": 0, "failed": 0, "last_error": None, "first_ms": None, "last_ms": None},
+        "hist": {},
+        "counters": {},
+        "gauges": {},
+    }
     hist = agg["hist"]
     out: dict[str, Any] = {
         "scrapes": dict(agg["scrapes"]),
@@ -316,9 +346,11 @@ def _pooled(*cells: Sequence[float] | None) -> tuple[float, float] | None:
 
 
 def server_split(
-    phases: Mapping[str, Any], misses_by_bucket: Mapping[int, int], server_by_bucket: Mapping[int, Mapping[str, Any]],
+    phases: Mapping[str, Any],
+    misses_by_bucket: Mapping[int, int],
+    server_by_bucket: Mapping[int, Mapping[str, Any]],
     bucket_s: int,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """The miss phase breakdown of one variant (analysis.phases.phase_breakdown_from_sums, with
     mean_ms per phase) split into network, server queue and server prefill (module docstring, 4).
 
@@ -347,9 +379,16 @@ def server_split(
     ph = phases.get("phases", {})
     mean = {k: (ph.get(k) or {}).get("mean_ms") for k in ph}
     if not covered or not ph or any(x is None for x in mean.values()):
-        return {**base, "available": False, "misses": total, "covered_misses": covered, "phases": {},
-                "why": "no server metrics in the time buckets of the missed requests" if ph
-                else "no missed request with a complete TTFT timeline"}  # fmt: skip
+        return {
+            **base,
+            "available": False,
+            "misses": total,
+            "covered_misses": covered,
+            "phases": {},
+            "why": "no server metrics in the time buckets of the missed requests"
+            if ph
+            else "no missed request with a complete TTFT timeline",
+        }
     queue_ms, prefill_ms = queue / covered * 1000.0, prefill / covered * 1000.0
     to_content = mean["headers_to_first_event"] + mean["first_event_to_first_content"]
     parts = {
@@ -358,8 +397,11 @@ def server_split(
         "network": ("network (connect + time to headers)", mean["connect"] + mean["headers"]),
         "server_queue": ("server queue (interval mean)", queue_ms),
         "server_prefill": ("server prefill (interval mean)", prefill_ms),
-        "other": ("other (first event's way back, detokenization, estimate error)", to_content - queue_ms - prefill_ms),
-    }  # fmt: skip
+        "other": (
+            "other (first event's way back, detokenization, estimate error)",
+            to_content - queue_ms - prefill_ms,
+        ),
+    }
     return {
         **base,
         "available": True,

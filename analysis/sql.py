@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from analysis.definitions import GAP_METRICS, METRICS, MW_SCALE, Filters, QueryError, Slo
+from analysis.definitions import GAP_METRICS, METRICS, MW_SCALE, SETUP_ERROR, Filters, QueryError, Slo
 from samples import schema
 
 # What analytics read: the raw table, no FINAL (the dedup contract, analysis.readers.raw).
@@ -51,14 +51,7 @@ def conditions(
             pre.append("build_id IN %(builds)s")
             params["builds"] = tuple(sorted(builds.values()))
     else:
-        if f.run_id is not None:
-            pre.append("run_id = %(run_id)s")
-            params["run_id"] = f.run_id
-        if f.runs:
-            pre.append("run_id IN %(runs)s")
-            params["runs"] = tuple(f.runs)
-        elif f.runs is not None:  # no run at all (an empty IN list is not valid SQL on 18.16)
-            pre.append("run_id != run_id")
+        pre.extend(run_conditions(f, params))
     if f.since is not None:
         conds.append("sent_at >= %(since)s")
         params["since"] = f.since
@@ -70,6 +63,21 @@ def conditions(
         params["variants"] = tuple(f.variants)
     conds.extend(extra)
     return pre, conds, params
+
+
+def run_conditions(f: Filters, params: dict[str, Any]) -> list[str]:
+    """The conditions on ``run_id`` a filter asks for (one run, a set of runs, or none at all),
+    their values put in ``params``: the samples and the server metrics are read by the same."""
+    conds = []
+    if f.run_id is not None:
+        conds.append("run_id = %(run_id)s")
+        params["run_id"] = f.run_id
+    if f.runs:
+        conds.append("run_id IN %(runs)s")
+        params["runs"] = tuple(f.runs)
+    elif f.runs is not None:  # no run at all (an empty IN list is not valid SQL on 18.16)
+        conds.append("run_id != run_id")
+    return conds
 
 
 def where(
@@ -84,9 +92,18 @@ def where(
     return " AND ".join(pre + conds), params
 
 
-def from_where(f: Filters, extra: Sequence[str] = (), table: str = SAMPLES) -> tuple[str, dict[str, Any]]:
-    """FROM samples PREWHERE <experiment, run> WHERE <the rest>; no FINAL (dedup contract)."""
-    pre, conds, params = conditions(f, extra)
+# The samples every figure of the report is computed on: all but the setup errors
+# (definitions.SETUP_ERROR), which are counted apart (RawReader.setup_errors).
+JUDGED = f"NOT {SETUP_ERROR}"
+
+
+def from_where(
+    f: Filters, extra: Sequence[str] = (), table: str = SAMPLES, *, setup_errors: bool = False
+) -> tuple[str, dict[str, Any]]:
+    """FROM samples PREWHERE <experiment, run> WHERE <the rest>; no FINAL (dedup contract).
+    Setup errors are left out (JUDGED) unless ``setup_errors``: the reads that count them, and
+    SRM's users (a user is assigned whatever the variant then answers)."""
+    pre, conds, params = conditions(f, extra if setup_errors else [JUDGED, *extra])
     sql = f"FROM {table} PREWHERE {' AND '.join(pre)}"
     return (sql + f" WHERE {' AND '.join(conds)}" if conds else sql), params
 

@@ -275,9 +275,14 @@ class UnitMoments:
                 cross[i, j] = self.sums[lay.cross[(m.block, first, second)]]
         sq = None if m.binary else float(self.sums[lay.total[(m.block, f"sq.{m.y}")]])
         return ArmMoments(
-            total, cross, clusters, self.counts[lay.count_index(m.block, "largest")], sq,
-            tuple(covariates), m.binary,
-        )  # fmt: skip
+            total,
+            cross,
+            clusters,
+            self.counts[lay.count_index(m.block, "largest")],
+            sq,
+            tuple(covariates),
+            m.binary,
+        )
 
 
 def rows_to_moments(rows: Sequence[Sequence[Any]]) -> dict[str, UnitMoments]:

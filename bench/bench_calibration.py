@@ -91,11 +91,20 @@ def summary(
     rel = sorted(100.0 * abs(sent[s] - t) / t for s, t in rows)
     signed = sum(sent[s] - t for s, t in rows) / len(rows)
     return {
-        "target": label, "api": api, "mode": mode, "n": len(rows),
-        "mean": sum(abs_err) / len(rows), "p50": nearest_rank(abs_err, 0.5), "p99": nearest_rank(abs_err, 0.99),
-        "rel_mean": sum(rel) / len(rows), "rel_p50": nearest_rank(rel, 0.5), "rel_p99": nearest_rank(rel, 0.99),
-        "bias": signed, "exact": 100.0 * sum(1 for s, t in rows if sent[s] == t) / len(rows), "note": note,
-    }  # fmt: skip
+        "target": label,
+        "api": api,
+        "mode": mode,
+        "n": len(rows),
+        "mean": sum(abs_err) / len(rows),
+        "p50": nearest_rank(abs_err, 0.5),
+        "p99": nearest_rank(abs_err, 0.99),
+        "rel_mean": sum(rel) / len(rows),
+        "rel_p50": nearest_rank(rel, 0.5),
+        "rel_p99": nearest_rank(rel, 0.99),
+        "bias": signed,
+        "exact": 100.0 * sum(1 for s, t in rows if sent[s] == t) / len(rows),
+        "note": note,
+    }
 
 
 async def measure(label: str, url: str, model: str, rows: list[tuple[int, int]]) -> list[dict]:
@@ -148,13 +157,17 @@ def check(results: list[dict]) -> None:
 
 
 def print_table(results: list[dict]) -> None:
-    print("| target | api | prompts | rows | mean abs | p50 abs | p99 abs | mean rel % | p50 rel % "
-          "| p99 rel % | mean signed | exact % | how |")  # fmt: skip
+    print(
+        "| target | api | prompts | rows | mean abs | p50 abs | p99 abs | mean rel % | p50 rel % "
+        "| p99 rel % | mean signed | exact % | how |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in results:
-        print(f"| {r['target']} | {r['api']} | {r['mode']} | {r['n']} | {r['mean']:.2f} | {r['p50']} | {r['p99']} "
-              f"| {r['rel_mean']:.2f} | {r['rel_p50']:.2f} | {r['rel_p99']:.2f} | {r['bias']:+.2f} | {r['exact']:.1f} "
-              f"| {r['note']} |")  # fmt: skip
+        print(
+            f"| {r['target']} | {r['api']} | {r['mode']} | {r['n']} | {r['mean']:.2f} | {r['p50']} | {r['p99']} "
+            f"| {r['rel_mean']:.2f} | {r['rel_p50']:.2f} | {r['rel_p99']:.2f} | {r['bias']:+.2f} | {r['exact']:.1f} "
+            f"| {r['note']} |"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -189,8 +202,10 @@ def run(args: argparse.Namespace) -> int:
             if server is not None:
                 server.stop()
     check(results)
-    print(f"# sent prompt tokens vs the trace's ContextTokens: first {n} rows of {TRACE.name} with "
-          f"ContextTokens <= {MAX_CONTEXT}; error in tokens (sent - trace), quantiles nearest-rank\n")  # fmt: skip
+    print(
+        f"# sent prompt tokens vs the trace's ContextTokens: first {n} rows of {TRACE.name} with "
+        f"ContextTokens <= {MAX_CONTEXT}; error in tokens (sent - trace), quantiles nearest-rank\n"
+    )
     print_table(results)
     return 0
 

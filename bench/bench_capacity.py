@@ -63,8 +63,14 @@ from bench.benchlib import BenchFailed, run_checked  # noqa: E402
 
 PROFILES = ("fp16", "awq", "awq-fa2")
 # The parts a demo runs without: a bench never reads this shell's services.
-SERVICE_SETTINGS = ("ABPLAT_DATABASE_URL", "ABPLAT_BROKER_URL", "ABPLAT_CLICKHOUSE_URL", "ABPLAT_CLICKHOUSE_CLUSTER",
-                    "ABPLAT_ETCD_ENDPOINTS", "ABPLAT_CACHE_URL")  # fmt: skip
+SERVICE_SETTINGS = (
+    "ABPLAT_DATABASE_URL",
+    "ABPLAT_BROKER_URL",
+    "ABPLAT_CLICKHOUSE_URL",
+    "ABPLAT_CLICKHOUSE_CLUSTER",
+    "ABPLAT_ETCD_ENDPOINTS",
+    "ABPLAT_CACHE_URL",
+)
 
 
 def setup_django(args: argparse.Namespace) -> None:
@@ -134,11 +140,19 @@ def options(args: argparse.Namespace, trace: Path, rows: int):
     from workers import demo
 
     return Options(
-        trace=str(trace), source_format="azure", variants=PROFILES, arrival="poisson",
-        start_rps=args.max_rate, max_rps=args.max_rate, min_rps=demo.CAPACITY_MIN_RPS,
-        rel_tol=args.tolerance, max_steps=args.max_steps, step_requests=min(args.step_requests or rows, rows),
-        warmup_s=args.warmup, lag_limit_ms=demo.CAPACITY_LAG_LIMIT_MS,
-    )  # fmt: skip
+        trace=str(trace),
+        source_format="azure",
+        variants=PROFILES,
+        arrival="poisson",
+        start_rps=args.max_rate,
+        max_rps=args.max_rate,
+        min_rps=demo.CAPACITY_MIN_RPS,
+        rel_tol=args.tolerance,
+        max_steps=args.max_steps,
+        step_requests=min(args.step_requests or rows, rows),
+        warmup_s=args.warmup,
+        lag_limit_ms=demo.CAPACITY_LAG_LIMIT_MS,
+    )
 
 
 def check(record, target: float, quick: bool) -> None:
@@ -175,13 +189,17 @@ def check(record, target: float, quick: bool) -> None:
                 raise BenchFailed(f"{v}: {c['per_million_requests']} per million requests, expected {want}")
             tokens = next(s["output_tokens_mean"] for s in steps if s["rate_rps"] == cap)
             if tokens and not math.isclose(c["per_million_output_tokens"], want / tokens, rel_tol=1e-9):
-                raise BenchFailed(f"{v}: {c['per_million_output_tokens']} per million output tokens, "
-                                  f"expected {want / tokens}")  # fmt: skip
+                raise BenchFailed(
+                    f"{v}: {c['per_million_output_tokens']} per million output tokens, "
+                    f"expected {want / tokens}"
+                )
     fp16, fa2 = record.result["fp16"]["capacity_rps"], record.result["awq-fa2"]["capacity_rps"]
     if not quick and not (fp16 and fa2 and fa2 > fp16):
-        raise BenchFailed(f"awq-fa2 carries {fa2} req/s within the SLA, fp16 {fp16}: the demo's claim "
-                          "(awq-fa2 carries more than fp16 at target "
-                          f"{target:.2%}) does not hold on this machine now")  # fmt: skip
+        raise BenchFailed(
+            f"awq-fa2 carries {fa2} req/s within the SLA, fp16 {fp16}: the demo's claim "
+            "(awq-fa2 carries more than fp16 at target "
+            f"{target:.2%}) does not hold on this machine now"
+        )
 
 
 def check_step_run(run, step: dict, variant: str, where: str) -> None:
@@ -234,11 +252,15 @@ def tables(record, replicas: int, wall_s: float) -> str:
             f"| {v} | {replicas} | {_f(r['capacity_rps'])} | {bracket} | {r['limited_by']} | {len(r['steps'])} "
             f"| {_f(max(lags) if lags else None, '.1f')} | {r['search_s']:.0f} | {c.get('per_hour', 0):.2f} {cur} "
             f"| {_f(c.get('per_million_requests'), '.2f')} {cur} | {_f(c.get('per_million_output_tokens'), '.2f')} {cur} |"
-        )  # fmt: skip
-    out += ["", "Steps, in the order run (attainment after the warm-up; CI: the step's anytime-valid sequence):", "",
-            "| variant | step | rate req/s | verdict | n | attainment | CI | TTFT p50 ms | TTFT p99 ms | lag p99 ms "
-            "| s | run |",
-            "|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        )
+    out += [
+        "",
+        "Steps, in the order run (attainment after the warm-up; CI: the step's anytime-valid sequence):",
+        "",
+        "| variant | step | rate req/s | verdict | n | attainment | CI | TTFT p50 ms | TTFT p99 ms | lag p99 ms "
+        "| s | run |",
+        "|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
     for v in PROFILES:
         for i, s in enumerate(res[v]["steps"], 1):
             att = s["hits"] / s["n"] if s["n"] else None
@@ -247,7 +269,7 @@ def tables(record, replicas: int, wall_s: float) -> str:
                 f"| {v} | {i} | {s['rate_rps']:.3g} | {s['verdict']} | {s['n']} | {_f(att, '.4f')} | {ci} "
                 f"| {_f(s['ttft_p50_ms'], '.1f')} | {_f(s['ttft_p99_ms'], '.1f')} | {_f(s['lag_p99_ms'], '.1f')} "
                 f"| {s['seconds']:.1f} | {s['run_id']} |"
-            )  # fmt: skip
+            )
     out += [""] + [f"- {v}: {res[v]['message']}" for v in ranking(res)]
     return "\n".join(out)
 
@@ -275,8 +297,9 @@ def run(args: argparse.Namespace) -> int:
         require_healthy(sims, "before the search")
         experiment = services.apply_document(doc).experiment
         if experiment.status != "running":
-            services.transition(experiment, "start" if experiment.status == "draft" else "resume", None,
-                                reason="bench")  # fmt: skip
+            services.transition(
+                experiment, "start" if experiment.status == "draft" else "resume", None, reason="bench"
+            )
         t0 = time.monotonic()
         record = search_experiment(experiment, options(args, trace, rows), say=say)
         wall = time.monotonic() - t0
@@ -286,10 +309,12 @@ def run(args: argparse.Namespace) -> int:
             h.stop()
     check(record, experiment.sla_target, args.quick)
     twice = f", {args.repeat} times over" if args.repeat > 1 else ""
-    print(f"{os.cpu_count()} cores; {cut.describe()} of {demo.TRACE}{twice}; Poisson arrivals; start and max "
-          f"{args.max_rate:g} req/s, tolerance {args.tolerance:g}, at most {args.max_steps} steps of "
-          f"{record.params['step_requests']} requests, warm-up {args.warmup:g} s, lag limit "
-          f"{demo.CAPACITY_LAG_LIMIT_MS:g} ms\n")  # fmt: skip
+    print(
+        f"{os.cpu_count()} cores; {cut.describe()} of {demo.TRACE}{twice}; Poisson arrivals; start and max "
+        f"{args.max_rate:g} req/s, tolerance {args.tolerance:g}, at most {args.max_steps} steps of "
+        f"{record.params['step_requests']} requests, warm-up {args.warmup:g} s, lag limit "
+        f"{demo.CAPACITY_LAG_LIMIT_MS:g} ms\n"
+    )
     print(tables(record, args.replicas, wall))
     return 0
 
@@ -418,10 +443,18 @@ def edge_options(args: argparse.Namespace, trace: Path):
     from capacity.service import Options
 
     return Options(
-        trace=str(trace), source_format="jsonl", variants=["edge"], arrival="poisson", start_rps=args.start_rate,
-        max_rps=args.max_rate, min_rps=args.start_rate / 8, rel_tol=args.tolerance, max_steps=args.max_steps,
-        step_requests=args.step_requests, warmup_s=args.warmup,
-    )  # fmt: skip
+        trace=str(trace),
+        source_format="jsonl",
+        variants=["edge"],
+        arrival="poisson",
+        start_rps=args.start_rate,
+        max_rps=args.max_rate,
+        min_rps=args.start_rate / 8,
+        rel_tol=args.tolerance,
+        max_steps=args.max_steps,
+        step_requests=args.step_requests,
+        warmup_s=args.warmup,
+    )
 
 
 def whole_run_lag(run_id: int) -> float | None:
@@ -452,8 +485,10 @@ def search_old(experiment, opts, say) -> dict:
     def probe(rate: float):
         step = run_step(plan, "edge", rate, first=not judged)
         judged[step.run_id] = step.lag_p99_ms
-        say(f"old: {rate:.3g} req/s {step.verdict} ({step.n} judged, lag p99 {_f(step.lag_p99_ms, '.2f')} ms "
-            f"judged, {_f(whole_run_lag(step.run_id), '.2f')} ms the whole run, run {step.run_id})")  # fmt: skip
+        say(
+            f"old: {rate:.3g} req/s {step.verdict} ({step.n} judged, lag p99 {_f(step.lag_p99_ms, '.2f')} ms "
+            f"judged, {_f(whole_run_lag(step.run_id), '.2f')} ms the whole run, run {step.run_id})"
+        )
         return dataclasses.replace(step, lag_p99_ms=whole_run_lag(step.run_id))
 
     t0 = time.monotonic()
@@ -528,21 +563,28 @@ def measured_engine(results: dict[str, dict], below_rps: float) -> tuple[float, 
 def edge_tables(
     args, results: dict[str, dict], truth: float, at: dict, step_ms: float, overhead_ms: float
 ) -> str:
-    top = (f"{args.engines} engines of simulator profile {EDGE_PROFILE!r} ({EDGE_TOKENS} tokens a request, one "
-           f"request at a time per engine, least outstanding first); SLA: {args.target:.0%} of first tokens "
-           f"within {EDGE_SLA_MS:g} ms; Poisson arrivals, start {args.start_rate:g}, max {args.max_rate:g} req/s, "
-           f"tolerance {args.tolerance:g}, at most {args.max_steps} steps of {args.step_requests} requests, "
-           f"warm-up {args.warmup:g} s")  # fmt: skip
+    top = (
+        f"{args.engines} engines of simulator profile {EDGE_PROFILE!r} ({EDGE_TOKENS} tokens a request, one "
+        f"request at a time per engine, least outstanding first); SLA: {args.target:.0%} of first tokens "
+        f"within {EDGE_SLA_MS:g} ms; Poisson arrivals, start {args.start_rate:g}, max {args.max_rate:g} req/s, "
+        f"tolerance {args.tolerance:g}, at most {args.max_steps} steps of {args.step_requests} requests, "
+        f"warm-up {args.warmup:g} s"
+    )
     truth_line = (
         f"Truth: the long-run edge of those engines on a virtual clock with the step measured here "
         f"({step_ms:.2f} ms: the median server TTFT below {args.start_rate * 1.5:g} req/s; client side "
         f"{overhead_ms:.2f} ms): {truth:.1f} req/s (model attainment {at[0.9]:.2%} at 90% of it, "
         f"{at[1.0]:.2%} at it, {at[1.1]:.2%} at 110%)"
     )
-    out = [top, "", truth_line, "",
-           "| lag policy | lag p99 over | lag limit ms | void step | capacity req/s | bracket req/s | truth req/s "
-           "| capacity / truth | within 10% | limited by | steps | search s |",
-           "|---|---|---:|---|---:|---|---:|---:|---|---|---:|---:|"]  # fmt: skip
+    out = [
+        top,
+        "",
+        truth_line,
+        "",
+        "| lag policy | lag p99 over | lag limit ms | void step | capacity req/s | bracket req/s | truth req/s "
+        "| capacity / truth | within 10% | limited by | steps | search s |",
+        "|---|---|---:|---|---:|---|---:|---:|---|---|---:|---:|",
+    ]
     for policy, r in results.items():
         cap = r["capacity_rps"]
         ratio = cap / truth if cap else None
@@ -554,13 +596,17 @@ def edge_tables(
         out.append(
             f"| {policy} | {over} | {r['lag_limit_ms']:g} | {again} | {_f(cap)} | [{_f(cap)}, {_f(r['upper_rps'])}) "
             f"| {truth:.1f} | {_f(ratio, '.3f')} | {within} | {r['limited_by']} | {len(r['steps'])} | {r['search_s']:.0f} |"
-        )  # fmt: skip
-    out += ["", "Steps, in the order run (others' CPU: the share of the machine's cores other processes took while the "
-            "step ran, this bench and its simulator aside; waited: ms per second this bench's threads were ready to run "
-            "and had no core, /proc schedstat):", "",
-            "| lag policy | step | rate req/s | verdict | n | attainment | lag p99 judged ms | lag p99 whole run ms "
-            "| counted | others' CPU | waited ms/s | s | run |",
-            "|---|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]  # fmt: skip
+        )
+    out += [
+        "",
+        "Steps, in the order run (others' CPU: the share of the machine's cores other processes took while the "
+        "step ran, this bench and its simulator aside; waited: ms per second this bench's threads were ready to run "
+        "and had no core, /proc schedstat):",
+        "",
+        "| lag policy | step | rate req/s | verdict | n | attainment | lag p99 judged ms | lag p99 whole run ms "
+        "| counted | others' CPU | waited ms/s | s | run |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
     for policy, r in results.items():
         for i, s in enumerate(r["steps"], 1):
             att = s["hits"] / s["n"] if s["n"] else None
@@ -571,7 +617,7 @@ def edge_tables(
                 f"| {_f(s['lag_judged_ms'], '.2f')} | {_f(s['lag_whole_ms'], '.2f')} | {counted} "
                 f"| {_f(s.get('others_busy'), '.0%')} | {_f(s.get('waited_ms_per_s'), '.0f')} | {s['seconds']:.1f} "
                 f"| {s['run_id']} |"
-            )  # fmt: skip
+            )
     out += [""] + [f"- {policy}: {r['message']}" for policy, r in results.items()]
     return "\n".join(out)
 
@@ -586,23 +632,38 @@ def run_edge(args: argparse.Namespace) -> int:
 
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if not args.silent else (lambda _: None)
     trace = Path(os.environ["ABPLAT_VAR"]) / "edge.jsonl"
-    trace.write_text("".join(
-        json.dumps({"timestamp": i * 0.01, "prompt": "Say two words.", "max_tokens": EDGE_TOKENS}) + "\n"
-        for i in range(args.step_requests)
-    ))  # fmt: skip
+    trace.write_text(
+        "".join(
+            json.dumps({"timestamp": i * 0.01, "prompt": "Say two words.", "max_tokens": EDGE_TOKENS}) + "\n"
+            for i in range(args.step_requests)
+        )
+    )
     sim = start_subprocess(EDGE_PROFILE, replicas=args.engines, model="tiny-llama")
     monitor = CpuMonitor(sim.pid)
     try:
         require_healthy([sim], "before the searches")
         doc = {
-            "key": "bench-capacity-edge", "name": "capacity against a known edge",
+            "key": "bench-capacity-edge",
+            "name": "capacity against a known edge",
             "sla": {"ttft_ms": EDGE_SLA_MS, "target": args.target},
             "variants": [
-                {"key": "edge", "control": True, "weight": 100, "endpoint": sim.url + "/v1", "model": "tiny-llama",
-                 "api": "completions"},
-                {"key": "other", "weight": 0, "endpoint": sim.url + "/v1", "model": "tiny-llama", "api": "completions"},
+                {
+                    "key": "edge",
+                    "control": True,
+                    "weight": 100,
+                    "endpoint": sim.url + "/v1",
+                    "model": "tiny-llama",
+                    "api": "completions",
+                },
+                {
+                    "key": "other",
+                    "weight": 0,
+                    "endpoint": sim.url + "/v1",
+                    "model": "tiny-llama",
+                    "api": "completions",
+                },
             ],
-        }  # fmt: skip
+        }
         experiment = services.apply_document(doc).experiment
         services.transition(experiment, "start", None, reason="bench")
         opts = edge_options(args, trace)
@@ -640,10 +701,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--warmup", type=float, help="seconds of each step not judged (default: the demo's)")
     ap.add_argument("--silent", action="store_true", help="no step lines on stderr")
-    ap.add_argument("--edge", action="store_true",
-                    help="search a simulator with a known SLA capacity under both lag policies instead")  # fmt: skip
-    ap.add_argument("--lag-policy", type=lambda t: [p for p in t.split(",") if p], default=list(POLICIES),
-                    help="--edge: old, new or old,new (the default)")  # fmt: skip
+    ap.add_argument(
+        "--edge",
+        action="store_true",
+        help="search a simulator with a known SLA capacity under both lag policies instead",
+    )
+    ap.add_argument(
+        "--lag-policy",
+        type=lambda t: [p for p in t.split(",") if p],
+        default=list(POLICIES),
+        help="--edge: old, new or old,new (the default)",
+    )
     ap.add_argument("--engines", type=int, default=4, help="--edge: the simulator's engines")
     ap.add_argument("--target", type=float, default=0.95, help="--edge: the SLA target")
     ap.add_argument("--start-rate", type=float, default=30.0, help="--edge: the first rate tried")
@@ -657,9 +725,13 @@ def main(argv: list[str] | None = None) -> int:
                 else "--edge has no --quick"
             )
         given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
-        defaults = {"--max-rate": ("max_rate", 120.0), "--tolerance": ("tolerance", 0.05),
-                    "--max-steps": ("max_steps", 12), "--step-requests": ("step_requests", 2000),
-                    "--warmup": ("warmup", 5.0)}  # fmt: skip
+        defaults = {
+            "--max-rate": ("max_rate", 120.0),
+            "--tolerance": ("tolerance", 0.05),
+            "--max-steps": ("max_steps", 12),
+            "--step-requests": ("step_requests", 2000),
+            "--warmup": ("warmup", 5.0),
+        }
         for flag, (name, value) in defaults.items():  # the command's own defaults, not the demo's
             if flag not in given:
                 setattr(args, name, value)

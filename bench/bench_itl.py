@@ -156,9 +156,12 @@ def storage(args) -> list[dict]:
     from samples import synthetic
 
     spec = synthetic.SyntheticSpec(
-        n=args.samples, seed=14, variants=synthetic.demo_variants(),
-        factor_effects=synthetic.DEMO_FACTOR_EFFECTS, duration_s=3600.0,
-    )  # fmt: skip
+        n=args.samples,
+        seed=14,
+        variants=synthetic.demo_variants(),
+        factor_effects=synthetic.DEMO_FACTOR_EFFECTS,
+        duration_s=3600.0,
+    )
     slo = Slo(200.0)
     exp = r.ExperimentInfo(
         spec.experiment,
@@ -214,12 +217,25 @@ def storage(args) -> list[dict]:
             pooled = stored_gaps(store)
             for use in (False, True):
                 pooled_check(reports[use], pooled, f"{label}, {'rollup' if use else 'raw'} report")
-            out.append({
-                "label": label, "samples": args.samples, "gaps": n_gaps, "gen_s": gen_s, "insert_s": ins_s,
-                "gap_disk": gap_disk, "gap_raw": gap_raw, "rest_disk": rest, "build_s": build_s,
-                "rollup_gaps_rows": gap_rows, "rollup_gaps_bytes": gap_table, "rollup_values_rows": values_rows,
-                "rollup_values_bytes": values_table, "raw_s": times[False], "rollup_s": times[True],
-            })  # fmt: skip
+            out.append(
+                {
+                    "label": label,
+                    "samples": args.samples,
+                    "gaps": n_gaps,
+                    "gen_s": gen_s,
+                    "insert_s": ins_s,
+                    "gap_disk": gap_disk,
+                    "gap_raw": gap_raw,
+                    "rest_disk": rest,
+                    "build_s": build_s,
+                    "rollup_gaps_rows": gap_rows,
+                    "rollup_gaps_bytes": gap_table,
+                    "rollup_values_rows": values_rows,
+                    "rollup_values_bytes": values_table,
+                    "raw_s": times[False],
+                    "rollup_s": times[True],
+                }
+            )
     return out
 
 
@@ -238,9 +254,12 @@ def demo(args) -> dict:
         with tempfile.TemporaryDirectory(prefix="abplat-bench-itl-") as var:
             env = {
                 **{k: v for k, v in os.environ.items() if not k.startswith("ABPLAT_")},
-                "ABPLAT_VAR": var, "ABPLAT_DEBUG": "true", "ABPLAT_CLICKHOUSE_URL": url,
+                "ABPLAT_VAR": var,
+                "ABPLAT_DEBUG": "true",
+                "ABPLAT_ENV_FILE": "",
+                "ABPLAT_CLICKHOUSE_URL": url,
                 "PYTHONPATH": str(ROOT),
-            }  # fmt: skip
+            }
             cmd = [
                 sys.executable,
                 "manage.py",
@@ -287,10 +306,13 @@ def demo(args) -> dict:
         store.execute("OPTIMIZE TABLE samples_demo_run FINAL")
         cols = column_bytes(store, "samples_demo_run")
         out = {
-            "wall_s": wall, "variants": [], "gap_disk": cols["itl_gaps_us"][0],
+            "wall_s": wall,
+            "variants": [],
+            "gap_disk": cols["itl_gaps_us"][0],
             "rest_disk": sum(d for name, (d, _) in cols.items() if name != "itl_gaps_us"),
-            "gaps": sum(len(row[3]) for row in rows), "samples": len(rows),
-        }  # fmt: skip
+            "gaps": sum(len(row[3]) for row in rows),
+            "samples": len(rows),
+        }
         by_key = {e["key"]: e for e in report["variants"]}
         for v in by_key:
             mine = [row for row in rows if row[0] == v]
@@ -299,11 +321,16 @@ def demo(args) -> dict:
             means = sorted(row[4] for row in mine if row[4] is not None)
             tpot = sorted(row[5] for row in mine if row[5] is not None)
             entry = {
-                "variant": v, "requests": len(mine), "gaps": int(gaps.size),
-                "mean_p50": nearest_rank(means, 0.5), "mean_p99": nearest_rank(means, 0.99),
-                "itl_p50": nearest_rank(gaps, 0.5), "itl_p99": nearest_rank(gaps, 0.99),
-                "tpot_p50": nearest_rank(tpot, 0.5), "tpot_p99": nearest_rank(tpot, 0.99),
-            }  # fmt: skip
+                "variant": v,
+                "requests": len(mine),
+                "gaps": int(gaps.size),
+                "mean_p50": nearest_rank(means, 0.5),
+                "mean_p99": nearest_rank(means, 0.99),
+                "itl_p50": nearest_rank(gaps, 0.5),
+                "itl_p99": nearest_rank(gaps, 0.99),
+                "tpot_p50": nearest_rank(tpot, 0.5),
+                "tpot_p99": nearest_rank(tpot, 0.99),
+            }
             got = {e["label"]: e["value"] for e in by_key[v]["percentiles"]["tpot_ms"]}
             check(
                 (got["p50"], got["p99"]) == (entry["tpot_p50"], entry["tpot_p99"]),
@@ -315,13 +342,17 @@ def demo(args) -> dict:
 
 
 def run(args) -> None:
-    print(f"bench_itl: python {sys.version.split()[0]}, {os.cpu_count()} cores, load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
+    print(
+        f"bench_itl: python {sys.version.split()[0]}, {os.cpu_count()} cores, load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     print("command: " + shlex.join([".venv/bin/python", "bench/bench_itl.py", *sys.argv[1:]]))
     t0 = time.perf_counter()
     stored = storage(args)
-    print(f"\nStorage: {args.samples:,} synthetic samples (demo arms, ~135 gaps per successful request) in "
-          "the ClickHouse server, OPTIMIZE FINAL, system.parts_columns (compressed data + marks)")  # fmt: skip
+    print(
+        f"\nStorage: {args.samples:,} synthetic samples (demo arms, ~135 gaps per successful request) in "
+        "the ClickHouse server, OPTIMIZE FINAL, system.parts_columns (compressed data + marks)"
+    )
     print(
         "| samples | gaps | itl_gaps_us B/sample | B/gap | uncompressed B/gap | rest of the row B/sample "
         "| row B/sample | rollup_gaps rows (B) | rollup_values rows (B) | rollup build s | report raw s | report rollup s |"
@@ -331,26 +362,34 @@ def run(args) -> None:
         per = s["gap_disk"] / s["samples"]  # an empty array still costs its offset: ~0.04 B compressed
         per_gap = s["gap_disk"] / s["gaps"] if s["gaps"] else float("nan")
         raw_gap = s["gap_raw"] / s["gaps"] if s["gaps"] else float("nan")
-        print(f"| {s['label']} | {s['gaps']:,} | {per:.2f} | {per_gap:.2f} | {raw_gap:.2f} | "
-              f"{s['rest_disk'] / s['samples']:.1f} | {(s['gap_disk'] + s['rest_disk']) / s['samples']:.1f} | "
-              f"{s['rollup_gaps_rows']:,} ({s['rollup_gaps_bytes']:,}) | {s['rollup_values_rows']:,} "
-              f"({s['rollup_values_bytes']:,}) | {s['build_s']:.2f} | {s['raw_s']:.2f} | {s['rollup_s']:.2f} |")  # fmt: skip
+        print(
+            f"| {s['label']} | {s['gaps']:,} | {per:.2f} | {per_gap:.2f} | {raw_gap:.2f} | "
+            f"{s['rest_disk'] / s['samples']:.1f} | {(s['gap_disk'] + s['rest_disk']) / s['samples']:.1f} | "
+            f"{s['rollup_gaps_rows']:,} ({s['rollup_gaps_bytes']:,}) | {s['rollup_values_rows']:,} "
+            f"({s['rollup_values_bytes']:,}) | {s['build_s']:.2f} | {s['raw_s']:.2f} | {s['rollup_s']:.2f} |"
+        )
     d = demo(args)
-    print(f"\nThe demo: `manage.py demo --no-serve --json {shlex.join(demo_options(args))}` "
-          f"({d['wall_s']:.0f} s), fp16 / awq / awq-fa2 profiles; every request ok, "
-          "output_tokens - 1 gaps each; ms, nearest rank, from the stored samples (= the report's)")  # fmt: skip
+    print(
+        f"\nThe demo: `manage.py demo --no-serve --json {shlex.join(demo_options(args))}` "
+        f"({d['wall_s']:.0f} s), fp16 / awq / awq-fa2 profiles; every request ok, "
+        "output_tokens - 1 gaps each; ms, nearest rank, from the stored samples (= the report's)"
+    )
     print(
         "| variant | requests | gaps | per-request mean ITL p50 / p99 (old itl_ms) | ITL all gaps p50 / p99 (new itl_ms) "
         "| TPOT p50 / p99 |"
     )
     print("|---|---:|---:|---:|---:|---:|")
     for e in d["variants"]:
-        print(f"| {e['variant']} | {e['requests']} | {e['gaps']:,} | {e['mean_p50']:.2f} / {e['mean_p99']:.2f} | "
-              f"{e['itl_p50']:.3f} / {e['itl_p99']:.3f} | {e['tpot_p50']:.2f} / {e['tpot_p99']:.2f} |")  # fmt: skip
-    print(f"\nThe demo run's samples on disk (OPTIMIZE FINAL, one part of {d['samples']} rows): itl_gaps_us "
-          f"{d['gap_disk'] / d['samples']:.1f} B/sample, {d['gap_disk'] / d['gaps']:.2f} B/gap "
-          f"({d['gaps'] / d['samples']:.1f} gaps a request); the rest of the row {d['rest_disk'] / d['samples']:.1f} "
-          "B/sample (a part this small is mostly marks and headers)")  # fmt: skip
+        print(
+            f"| {e['variant']} | {e['requests']} | {e['gaps']:,} | {e['mean_p50']:.2f} / {e['mean_p99']:.2f} | "
+            f"{e['itl_p50']:.3f} / {e['itl_p99']:.3f} | {e['tpot_p50']:.2f} / {e['tpot_p99']:.2f} |"
+        )
+    print(
+        f"\nThe demo run's samples on disk (OPTIMIZE FINAL, one part of {d['samples']} rows): itl_gaps_us "
+        f"{d['gap_disk'] / d['samples']:.1f} B/sample, {d['gap_disk'] / d['gaps']:.2f} B/gap "
+        f"({d['gaps'] / d['samples']:.1f} gaps a request); the rest of the row {d['rest_disk'] / d['samples']:.1f} "
+        "B/sample (a part this small is mostly marks and headers)"
+    )
     print(f"\nbench_itl: done in {time.perf_counter() - t0:.0f} s")
 
 

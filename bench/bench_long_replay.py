@@ -49,8 +49,14 @@ REDIS = os.environ.get("ABPLAT_BENCH_REDIS_URL", "redis://127.0.0.1:6379/12")
 
 
 def manage(env: dict, *args: str, timeout: float = 600) -> str:
-    done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if done.returncode != 0:
         raise BenchFailed(f"manage.py {' '.join(args[:2])}: {(done.stderr or done.stdout)[-1500:]}")
     return done.stdout
@@ -58,10 +64,30 @@ def manage(env: dict, *args: str, timeout: float = 600) -> str:
 
 def start_worker(env: dict, log: pathlib.Path, name: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "abplat", "worker", "--pool", "prefork", "-c", "2",
-         "--without-gossip", "--without-mingle", "-l", "INFO", "-n", f"{name}@%h"],
-        cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "abplat",
+            "worker",
+            "--pool",
+            "prefork",
+            "-c",
+            "2",
+            "--without-gossip",
+            "--without-mingle",
+            "-l",
+            "INFO",
+            "-n",
+            f"{name}@%h",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 # The database, the sample store's tables, the experiment and its start: the four commands in one
@@ -104,8 +130,14 @@ def watch(env: dict, replay: list[str], poll: float, log: pathlib.Path):
     """Run WATCH; yield each document it prints ({"replay": ...}, {"state": ...}, {"shards": ...})."""
     code = WATCH.format(replay=replay, poll=poll)
     with log.open("ab") as err:
-        proc = subprocess.Popen([sys.executable, "manage.py", "shell", "-c", code], cwd=ROOT, env=env,
-                                stdout=subprocess.PIPE, stderr=err, text=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "manage.py", "shell", "-c", code],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
     try:
         for line in proc.stdout:
             if line.startswith("{"):
@@ -144,9 +176,18 @@ def run(args) -> None:
         raise BenchFailed(f"ClickHouse server at {CLICKHOUSE}: {exc}; scripts/services.sh start") from None
     var = pathlib.Path(tempfile.mkdtemp(prefix="abplat-bench-long-"))
     base = {k: v for k, v in os.environ.items() if not k.startswith("ABPLAT_")}
-    env = {**base, "ABPLAT_VAR": str(var), "ABPLAT_BROKER_URL": REDIS, "ABPLAT_CLICKHOUSE_URL": url,
-           "ABPLAT_DEBUG": "true", "ABPLAT_LOG_LEVEL": "INFO", "ABPLAT_REPLAY_WINDOW_S": str(args.window),
-           "ABPLAT_TASK_SOFT_TIME_LIMIT_S": str(args.soft_limit), "ABPLAT_VISIBILITY_TIMEOUT": str(args.soft_limit * 2)}  # fmt: skip
+    env = {
+        **base,
+        "ABPLAT_ENV_FILE": "",
+        "ABPLAT_VAR": str(var),
+        "ABPLAT_BROKER_URL": REDIS,
+        "ABPLAT_CLICKHOUSE_URL": url,
+        "ABPLAT_DEBUG": "true",
+        "ABPLAT_LOG_LEVEL": "INFO",
+        "ABPLAT_REPLAY_WINDOW_S": str(args.window),
+        "ABPLAT_TASK_SOFT_TIME_LIMIT_S": str(args.soft_limit),
+        "ABPLAT_VISIBILITY_TIMEOUT": str(args.soft_limit * 2),
+    }
     sims = [start_in_thread("fast", model="tiny-llama") for _ in range(3)]
     workers: list[subprocess.Popen] = []
     log = var / "workers.log"
@@ -180,9 +221,12 @@ def run(args) -> None:
             elif "state" in got:
                 state, looks, wall = got["state"], looks + 1, time.monotonic() - began
                 if looks > 1:  # the first look is right after the replay command returned
-                    print(f"  {time.monotonic() - began:7.0f} s  {state['status']:9s} recorded "
-                          f"{state['recorded']:>6}/{state['expected']}  shards done {state['shards_done']}/"
-                          f"{state['shards']}", flush=True)  # fmt: skip
+                    print(
+                        f"  {time.monotonic() - began:7.0f} s  {state['status']:9s} recorded "
+                        f"{state['recorded']:>6}/{state['expected']}  shards done {state['shards_done']}/"
+                        f"{state['shards']}",
+                        flush=True,
+                    )
             else:
                 shards = got["shards"]
             if any(w.poll() is not None for w in workers):
@@ -249,22 +293,32 @@ def report(store, state: dict, shards: list, wall: float, args, log: pathlib.Pat
     durations = [s[6] for s in shards if s[6] is not None]
     retried = sum(1 for s in shards if s[5] > 1)
     print()
-    print(f"Long replay: {expected} requests, speed {args.speed:g}, window {state['window_s']:g} s, "
-          f"soft limit {args.soft_limit} s, 2 workers x 2 processes, Redis, ClickHouse server")  # fmt: skip
+    print(
+        f"Long replay: {expected} requests, speed {args.speed:g}, window {state['window_s']:g} s, "
+        f"soft limit {args.soft_limit} s, 2 workers x 2 processes, Redis, ClickHouse server"
+    )
     print("| figure | value |")
     print("|---|---|")
     print(f"| wall time | {wall / 60:.1f} min (schedule {last_ms / 60000:.1f} min) |")
     print(f"| samples stored / expected | {len(rows)} / {expected} (one per request: yes) |")
     print(f"| outcomes | {', '.join(f'{k}={v}' for k, v in sorted(outcomes.items()))} |")
     print(f"| lag p50 / p99 / max, all | {q(lags, 0.5):.1f} / {q(lags, 0.99):.1f} / {lags[-1]:.1f} ms |")
-    print(f"| lag p50 / p99 / max, within {args.seam_s:g} s of a seam ({len(at)} requests) | "
-          f"{q(at, 0.5):.1f} / {q(at, 0.99):.1f} / {at[-1] if at else float('nan'):.1f} ms |")  # fmt: skip
-    print(f"| lag p50 / p99 / max, away from seams ({len(away)} requests) | "
-          f"{q(away, 0.5):.1f} / {q(away, 0.99):.1f} / {away[-1] if away else float('nan'):.1f} ms |")  # fmt: skip
-    print(f"| seams | {len(seams)}; largest sent-vs-planned difference in {args.seam_s:g} s: "
-          f"{worst[0]:+.0f} ({worst[1] or 'none'}) |")  # fmt: skip
-    print(f"| tasks | {len(shards)} (windows x slots); longest {max(durations, default=0):.1f} s "
-          f"(soft limit {args.soft_limit} s); retried {retried} |")  # fmt: skip
+    print(
+        f"| lag p50 / p99 / max, within {args.seam_s:g} s of a seam ({len(at)} requests) | "
+        f"{q(at, 0.5):.1f} / {q(at, 0.99):.1f} / {at[-1] if at else float('nan'):.1f} ms |"
+    )
+    print(
+        f"| lag p50 / p99 / max, away from seams ({len(away)} requests) | "
+        f"{q(away, 0.5):.1f} / {q(away, 0.99):.1f} / {away[-1] if away else float('nan'):.1f} ms |"
+    )
+    print(
+        f"| seams | {len(seams)}; largest sent-vs-planned difference in {args.seam_s:g} s: "
+        f"{worst[0]:+.0f} ({worst[1] or 'none'}) |"
+    )
+    print(
+        f"| tasks | {len(shards)} (windows x slots); longest {max(durations, default=0):.1f} s "
+        f"(soft limit {args.soft_limit} s); retried {retried} |"
+    )
     soft = log.read_text().count("Soft time limit")
     print(f"| soft time limit reached | {soft} times |")
 

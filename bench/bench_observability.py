@@ -95,14 +95,29 @@ def metrics_off() -> None:
 def configure_logs(fmt: str, path: str) -> None:
     import logging.config
 
-    logging.config.dictConfig({
-        "version": 1, "disable_existing_loggers": False,
-        "formatters": {"text": {"()": "telemetry.logs.TextFormatter"}, "json": {"()": "telemetry.logs.JsonFormatter"}},
-        "filters": {"context": {"()": "telemetry.logs.ContextFilter"}},
-        "handlers": {"file": {"class": "logging.FileHandler", "filename": path, "formatter": fmt, "filters": ["context"]}},
-        "root": {"handlers": ["file"], "level": "WARNING"},
-        "loggers": {name: {"level": "INFO"} for name in ("bench", "replay", "streaming", "samples", "workers")},
-    })  # fmt: skip
+    logging.config.dictConfig(
+        {
+            "version": 1,
+            "disable_existing_loggers": False,
+            "formatters": {
+                "text": {"()": "telemetry.logs.TextFormatter"},
+                "json": {"()": "telemetry.logs.JsonFormatter"},
+            },
+            "filters": {"context": {"()": "telemetry.logs.ContextFilter"}},
+            "handlers": {
+                "file": {
+                    "class": "logging.FileHandler",
+                    "filename": path,
+                    "formatter": fmt,
+                    "filters": ["context"],
+                }
+            },
+            "root": {"handlers": ["file"], "level": "WARNING"},
+            "loggers": {
+                name: {"level": "INFO"} for name in ("bench", "replay", "streaming", "samples", "workers")
+            },
+        }
+    )
 
 
 def child(spec: dict) -> dict:
@@ -151,20 +166,43 @@ def child(spec: dict) -> dict:
             clients = {v: meter.wrap_client(v, c) for v, c in clients.items()}
         try:
             warm = [(v, f"warm-{v}-{i}") for v in clients for i in range(WARMUP_PER_VARIANT)]
-            results = await asyncio.gather(*(clients[v].stream(rid, "warm up", 2, {"ignore_eos": True})
-                                             for v, rid in warm))  # fmt: skip
+            results = await asyncio.gather(
+                *(clients[v].stream(rid, "warm up", 2, {"ignore_eos": True}) for v, rid in warm)
+            )
             for seq, ((v, rid), res) in enumerate(zip(warm, results, strict=True)):
-                sink.put(row_from(res, SampleContext(experiment=EXPERIMENT, run_id=spec["run_id"] + WARMUP_RUN_OFFSET,
-                                                     seq=seq, variant=v, mode="split", request_id=rid,
-                                                     sent_unix_ms=time.time() * 1000.0)))  # fmt: skip
+                sink.put(
+                    row_from(
+                        res,
+                        SampleContext(
+                            experiment=EXPERIMENT,
+                            run_id=spec["run_id"] + WARMUP_RUN_OFFSET,
+                            seq=seq,
+                            variant=v,
+                            mode="split",
+                            request_id=rid,
+                            sent_unix_ms=time.time() * 1000.0,
+                        ),
+                    )
+                )
             while sink.written < len(warm):
                 await asyncio.sleep(0.02)
             put = sink.put if meter is None else meter.put_row(sink.put)
             runner = ShardRunner(
-                ShardSpec(experiment=EXPERIMENT, run_id=spec["run_id"], mode="split", requests=requests,
-                          offsets=offsets, start_at_unix=time.time() + 0.3, concurrency=512, variants=list(VARIANTS)),
-                clients, lambda user: (pick(user), 1), put, revision=lambda: 1,
-            )  # fmt: skip
+                ShardSpec(
+                    experiment=EXPERIMENT,
+                    run_id=spec["run_id"],
+                    mode="split",
+                    requests=requests,
+                    offsets=offsets,
+                    start_at_unix=time.time() + 0.3,
+                    concurrency=512,
+                    variants=list(VARIANTS),
+                ),
+                clients,
+                lambda user: (pick(user), 1),
+                put,
+                revision=lambda: 1,
+            )
             cpu0 = time.process_time()
             with log_context(experiment=EXPERIMENT, run=spec["run_id"], shard=0):
                 log.info("run %s shard 0 (window 0, slot 0): %d requests", spec["run_id"], n)
@@ -181,8 +219,13 @@ def child(spec: dict) -> dict:
     logging.shutdown()
     with open(spec["log_file"], "rb") as f:
         log_lines = sum(1 for _ in f)
-    return {"cpu_s": cpu_s, "n": n, "outcomes": dict(stats.outcomes), "lag_p99_ms": stats.lag_quantile(0.99),
-            "log_lines": log_lines}  # fmt: skip
+    return {
+        "cpu_s": cpu_s,
+        "n": n,
+        "outcomes": dict(stats.outcomes),
+        "lag_p99_ms": stats.lag_quantile(0.99),
+        "log_lines": log_lines,
+    }
 
 
 def load_trace():
@@ -243,8 +286,14 @@ def log_line_ns(lines: int) -> dict[str, float]:
 
 
 def run_child(args_list: list[str], env: dict, timeout: float = 300) -> dict:
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_observability.py"), *args_list],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_observability.py"), *args_list],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise BenchFailed(f"a run process failed ({proc.returncode}): {(proc.stderr or proc.stdout)[-1500:]}")
@@ -285,8 +334,10 @@ def run(argv: list[str] | None = None) -> int:
     from samples.backends.clickhouse import ClickHouseServerBackend
     from samples.store import StoreError
 
-    print(f"bench_observability: python {sys.version.split()[0]}, {os.cpu_count()} cores, "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
+    print(
+        f"bench_observability: python {sys.version.split()[0]}, {os.cpu_count()} cores, "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     print(
         "command: "
         + shlex.join([".venv/bin/python", "bench/bench_observability.py", *(argv or sys.argv[1:])])
@@ -298,8 +349,10 @@ def run(argv: list[str] | None = None) -> int:
     except StoreError as exc:
         raise BenchFailed(f"ClickHouse server at {store.url_safe} is not usable ({exc})") from None
     logs_note = "JSON logs: telemetry.logs.JsonFormatter (ABPLAT_LOG_FORMAT=json)"
-    print(f"{args.rounds} round(s) x {len(SETUPS)} setups, {args.requests} requests per run at {args.rate:g}/s "
-          f"(Poisson), split 34/33/33 over 3 `fast` simulator subprocesses; {logs_note}.")  # fmt: skip
+    print(
+        f"{args.rounds} round(s) x {len(SETUPS)} setups, {args.requests} requests per run at {args.rate:g}/s "
+        f"(Poisson), split 34/33/33 over 3 `fast` simulator subprocesses; {logs_note}."
+    )
     sims = start_simulators({v: "fast" for v in VARIANTS})
     results: dict[str, list[dict]] = {label: [] for label, _m, _l in SETUPS}
     run_id = int(time.time() * 1000)
@@ -311,10 +364,19 @@ def run(argv: list[str] | None = None) -> int:
                 for label, metrics_mode, logs in SETUPS:
                     require_healthy(urls, f"before round {rnd + 1} of {label!r}")
                     run_id += 1
-                    spec = {"label": label, "metrics": metrics_mode, "logs": logs, "requests": args.requests,
-                            "rate": args.rate, "seed": rnd, "urls": urls, "url": args.clickhouse_url,
-                            "run_id": run_id, "spool_dir": str(work / f"spool-{run_id}"),
-                            "log_file": str(work / f"log-{run_id}.txt")}  # fmt: skip
+                    spec = {
+                        "label": label,
+                        "metrics": metrics_mode,
+                        "logs": logs,
+                        "requests": args.requests,
+                        "rate": args.rate,
+                        "seed": rnd,
+                        "urls": urls,
+                        "url": args.clickhouse_url,
+                        "run_id": run_id,
+                        "spool_dir": str(work / f"spool-{run_id}"),
+                        "log_file": str(work / f"log-{run_id}.txt"),
+                    }
                     r = run_child(["--child", json.dumps(spec)], child_env(metrics_mode, work))
                     if r["outcomes"] != {"ok": args.requests}:
                         raise BenchFailed(
@@ -338,10 +400,14 @@ def run(argv: list[str] | None = None) -> int:
         return r["cpu_s"] / r["n"] * 1000
 
     base = statistics.median(per_request_ms(r) for r in results["off"])
-    print("\nThe whole replay, CPU per request; `vs off` pairs each run with the `off` run of its round "
-          "(machine load drifts between rounds) and gives the median ratio:")  # fmt: skip
-    print("| setup | runs | CPU ms/request (median) | min - max | vs off (paired median) | paired min - max | "
-          "log lines/request | lag p99 ms (median) |")  # fmt: skip
+    print(
+        "\nThe whole replay, CPU per request; `vs off` pairs each run with the `off` run of its round "
+        "(machine load drifts between rounds) and gives the median ratio:"
+    )
+    print(
+        "| setup | runs | CPU ms/request (median) | min - max | vs off (paired median) | paired min - max | "
+        "log lines/request | lag p99 ms (median) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     paired = {}
     for label, _m, _l in SETUPS:
@@ -352,17 +418,21 @@ def run(argv: list[str] | None = None) -> int:
         paired[label] = statistics.median(ratios)
         lines = sum(r["log_lines"] for r in results[label]) / sum(r["n"] for r in results[label])
         lag = statistics.median(r["lag_p99_ms"] for r in results[label])
-        print(f"| {label} | {len(per)} | {statistics.median(per):.3f} | {min(per):.3f} - {max(per):.3f} | "
-              f"{paired[label]:.3f} | {min(ratios):.3f} - {max(ratios):.3f} | {lines:.4f} | {lag:.2f} |")  # fmt: skip
+        print(
+            f"| {label} | {len(per)} | {statistics.median(per):.3f} | {min(per):.3f} - {max(per):.3f} | "
+            f"{paired[label]:.3f} | {min(ratios):.3f} - {max(ratios):.3f} | {lines:.4f} | {lag:.2f} |"
+        )
     spread = (
         max(per_request_ms(r) for r in results["off"]) / min(per_request_ms(r) for r in results["off"]) - 1
     )
     json_lines = sum(r["log_lines"] for r in results[SETUPS[-1][0]]) / sum(
         r["n"] for r in results[SETUPS[-1][0]]
     )
-    print("\nThe added work measured directly (its cost per request against the `off` median CPU per "
-          "request above): the meter's calls for one request (sent, in flight up and down, completed "
-          f"with its lag; {int(loops):,} in a loop, CPU time), and JSON instead of text for the log lines a request gets:")  # fmt: skip
+    print(
+        "\nThe added work measured directly (its cost per request against the `off` median CPU per "
+        "request above): the meter's calls for one request (sent, in flight up and down, completed "
+        f"with its lag; {int(loops):,} in a loop, CPU time), and JSON instead of text for the log lines a request gets:"
+    )
     print("| added work | ns/request | share of the CPU per request |")
     print("|---|---|---|")
     shares = {}
@@ -379,10 +449,12 @@ def run(argv: list[str] | None = None) -> int:
         f"{json_lines:.4f} lines/request) | {json_extra:.1f} | {shares['json'] * 100:.3f}% |"
     )
     direct = shares["dir"] + shares["json"]
-    print(f"\ntarget: overhead under 3%. Measured directly (metrics with ABPLAT_METRICS_DIR + JSON logs): "
-          f"{direct * 100:.2f}%: {'met' if direct < 0.03 else 'NOT met'}. Whole replay, paired median: "
-          f"{(paired[SETUPS[-1][0]] - 1) * 100:+.1f}% (metrics, dir + JSON logs), against a run-to-run spread "
-          f"of the `off` runs alone of {spread * 100:.0f}% on this machine now.")  # fmt: skip
+    print(
+        f"\ntarget: overhead under 3%. Measured directly (metrics with ABPLAT_METRICS_DIR + JSON logs): "
+        f"{direct * 100:.2f}%: {'met' if direct < 0.03 else 'NOT met'}. Whole replay, paired median: "
+        f"{(paired[SETUPS[-1][0]] - 1) * 100:+.1f}% (metrics, dir + JSON logs), against a run-to-run spread "
+        f"of the `off` runs alone of {spread * 100:.0f}% on this machine now."
+    )
     return 0
 
 

@@ -172,17 +172,34 @@ def _worker(conn, job: WorkerJob) -> dict:
             # first-use imports and handshakes do not land in the measured schedule. Warm-up rows
             # go to run_id + WARMUP_RUN_OFFSET, never counted with the run.
             warm = [(v, f"warm-{v}-{i}") for v in clients for i in range(WARMUP_PER_VARIANT)]
-            results = await asyncio.gather(*(clients[v].stream(rid, "warm up", 2, {"ignore_eos": True})
-                                             for v, rid in warm))  # fmt: skip
+            results = await asyncio.gather(
+                *(clients[v].stream(rid, "warm up", 2, {"ignore_eos": True}) for v, rid in warm)
+            )
             for seq, ((v, rid), res) in enumerate(zip(warm, results)):
-                sink.put(row_from(res, SampleContext(
-                    experiment=EXPERIMENT, run_id=job.run_id + WARMUP_RUN_OFFSET, seq=seq,
-                    variant=v, mode=job.mode, sent_unix_ms=time.time() * 1000.0,
-                    request_id=rid, user_id="warm", config_revision=0,
-                    scheduled_offset_ms=0.0, schedule_lag_ms=0.0, in_flight=0,
-                    prompt_tokens=2, prompt_tokens_estimated=True, max_tokens=2,
-                    worker="warm", attempt=1,
-                )))  # fmt: skip
+                sink.put(
+                    row_from(
+                        res,
+                        SampleContext(
+                            experiment=EXPERIMENT,
+                            run_id=job.run_id + WARMUP_RUN_OFFSET,
+                            seq=seq,
+                            variant=v,
+                            mode=job.mode,
+                            sent_unix_ms=time.time() * 1000.0,
+                            request_id=rid,
+                            user_id="warm",
+                            config_revision=0,
+                            scheduled_offset_ms=0.0,
+                            schedule_lag_ms=0.0,
+                            in_flight=0,
+                            prompt_tokens=2,
+                            prompt_tokens_estimated=True,
+                            max_tokens=2,
+                            worker="warm",
+                            attempt=1,
+                        ),
+                    )
+                )
             while sink.written < len(warm):
                 await asyncio.sleep(0.02)
             return await measured(clients, sink.put)
@@ -213,12 +230,18 @@ def _worker(conn, job: WorkerJob) -> dict:
             part = Shard(index, job.shard_count)
             mine = [i for i, r in enumerate(job.requests) if part.owns(r.seq)]
             spec = ShardSpec(
-                experiment=EXPERIMENT, run_id=job.run_id, mode=job.mode,
-                requests=[job.requests[i] for i in mine], offsets=[job.offsets[i] for i in mine],
-                start_at_unix=start_at, concurrency=job.concurrency, variants=list(job.variants),
-            )  # fmt: skip
-            runners.append(runner_cls(spec, clients, assign if job.mode == SPLIT else None,
-                                      put_row, revision=lambda: 1))  # fmt: skip
+                experiment=EXPERIMENT,
+                run_id=job.run_id,
+                mode=job.mode,
+                requests=[job.requests[i] for i in mine],
+                offsets=[job.offsets[i] for i in mine],
+                start_at_unix=start_at,
+                concurrency=job.concurrency,
+                variants=list(job.variants),
+            )
+            runners.append(
+                runner_cls(spec, clients, assign if job.mode == SPLIT else None, put_row, revision=lambda: 1)
+            )
         cpu0 = time.process_time()
         stats = await asyncio.gather(*(r.run() for r in runners))
         return {"stats": stats, "cpu_s": time.process_time() - cpu0, "end_unix": time.time()}
@@ -240,19 +263,27 @@ def _worker(conn, job: WorkerJob) -> dict:
         written = sink.close()  # every row durable (stored or spooled) before we report
     if "lags" in out:  # floor
         n = out["n"]
-        out["stats"] = [ShardStats(planned=n, sent=n, recorded=n, outcomes=Counter(slept=n),
-                                   lags_ms=out["lags"])]  # fmt: skip
+        out["stats"] = [
+            ShardStats(planned=n, sent=n, recorded=n, outcomes=Counter(slept=n), lags_ms=out["lags"])
+        ]
     lags = [lag for s in out["stats"] for lag in s.lags_ms]
     outcomes: dict[str, int] = {}
     for s in out["stats"]:
         for k, n in s.outcomes.items():
             outcomes[k] = outcomes.get(k, 0) + n
     return {
-        "pid": os.getpid(), "lags_ms": lags, "outcomes": outcomes, "cpu_s": out["cpu_s"],
-        "end_unix": out["end_unix"], "end_durable_unix": time.time(), "written": written - n_warm,
-        "batches": sink.batches, "spooled": spooled[0],
-        "sent": sum(s.sent for s in out["stats"]), "recorded": sum(s.recorded for s in out["stats"]),
-    }  # fmt: skip
+        "pid": os.getpid(),
+        "lags_ms": lags,
+        "outcomes": outcomes,
+        "cpu_s": out["cpu_s"],
+        "end_unix": out["end_unix"],
+        "end_durable_unix": time.time(),
+        "written": written - n_warm,
+        "batches": sink.batches,
+        "spooled": spooled[0],
+        "sent": sum(s.sent for s in out["stats"]),
+        "recorded": sum(s.recorded for s in out["stats"]),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,17 +311,36 @@ class Bench:
         # Workers fork from a clean forkserver that imported the replay stack once: never from
         # this process (threads, sockets), and without paying the imports per worker.
         self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["__main__", "httpx", "numpy", "clickhouse_driver",
-                                         "replay.runner", "streaming.client",
-                                         "samples.spool", "samples.backends.clickhouse", "experiments.assignment"])  # fmt: skip
+        self.ctx.set_forkserver_preload(
+            [
+                "__main__",
+                "httpx",
+                "numpy",
+                "clickhouse_driver",
+                "replay.runner",
+                "streaming.client",
+                "samples.spool",
+                "samples.backends.clickhouse",
+                "experiments.assignment",
+            ]
+        )
 
     def run_id(self) -> int:
         self._next_run += 1
         return self._next_run
 
-    def replay(self, *, mode: str, requests: list[TraceRequest], offsets: list[float],
-               variants: dict[str, str], workers: int, shard_count: int,
-               concurrency: int = 512, kind: str = "real") -> dict:  # fmt: skip
+    def replay(
+        self,
+        *,
+        mode: str,
+        requests: list[TraceRequest],
+        offsets: list[float],
+        variants: dict[str, str],
+        workers: int,
+        shard_count: int,
+        concurrency: int = 512,
+        kind: str = "real",
+    ) -> dict:
         if kind in ("real", "prebuilt"):
             require_healthy(variants, f"before a {mode} run of {len(requests)} requests")
         run_id = self.run_id()
@@ -298,9 +348,21 @@ class Bench:
         for w in range(workers):
             mine = [s for s in range(shard_count) if s % workers == w]
             idx = [i for i, r in enumerate(requests) if r.seq % shard_count in mine]
-            jobs.append(WorkerJob(run_id, mode, mine, shard_count, [requests[i] for i in idx],
-                                  [offsets[i] for i in idx], variants, self.url, self.spool_dir,
-                                  concurrency, kind))  # fmt: skip
+            jobs.append(
+                WorkerJob(
+                    run_id,
+                    mode,
+                    mine,
+                    shard_count,
+                    [requests[i] for i in idx],
+                    [offsets[i] for i in idx],
+                    variants,
+                    self.url,
+                    self.spool_dir,
+                    concurrency,
+                    kind,
+                )
+            )
         procs, conns = [], []
         for job in jobs:
             parent, child = self.ctx.Pipe()
@@ -357,18 +419,27 @@ class Bench:
             count = final = raw = recorded
         end = max(r["end_unix"] for r in results)
         return {
-            "run_id": run_id, "mode": mode, "requests": len(requests),
+            "run_id": run_id,
+            "mode": mode,
+            "requests": len(requests),
             "expected": expected_samples(len(requests), mode, len(variants)),
-            "span_s": offsets[-1] if offsets else 0.0, "wall_s": end - start_at,
+            "span_s": offsets[-1] if offsets else 0.0,
+            "wall_s": end - start_at,
             "durable_s": max(r["end_durable_unix"] for r in results) - start_at,
-            "lag_p50": nearest_rank(lags, 0.50), "lag_p99": nearest_rank(lags, 0.99),
-            "lag_max": lags[-1] if lags else 0.0, "outcomes": outcomes,
-            "sent": sum(r["sent"] for r in results), "recorded": recorded,
-            "count": count, "final": int(final), "raw": int(raw),
-            "spooled": sum(r["spooled"] for r in results), "batches": sum(r["batches"] for r in results),
+            "lag_p50": nearest_rank(lags, 0.50),
+            "lag_p99": nearest_rank(lags, 0.99),
+            "lag_max": lags[-1] if lags else 0.0,
+            "outcomes": outcomes,
+            "sent": sum(r["sent"] for r in results),
+            "recorded": recorded,
+            "count": count,
+            "final": int(final),
+            "raw": int(raw),
+            "spooled": sum(r["spooled"] for r in results),
+            "batches": sum(r["batches"] for r in results),
             "cpu": [r["cpu_s"] / max(end - start_at, 1e-9) for r in results],
             "cpu_ms_per_request": sum(r["cpu_s"] for r in results) * 1000.0 / max(len(requests), 1),
-        }  # fmt: skip
+        }
 
 
 def start_simulators(profiles: dict[str, str]) -> dict[str, object]:
@@ -433,11 +504,15 @@ def part1(bench: Bench, sims: dict, args) -> None:
         f"rate, {args.shards} shards, concurrency 512/shard, 3 x `fast` simulator subprocesses, "
         f"request shapes from the Azure code trace (prompt mean 2,048 tokens, output mean 28)."
     )
-    print("Baselines in the same run, one worker process each: `floor` = only sleep until each send "
-          "time (event loop + OS wake-up); `no network` = the same ShardRunner with an in-process "
-          "30 ms stand-in for the HTTP client and rows to a list (the runner's own cost).")  # fmt: skip
-    head = ("| run | workers | target/s | requests | lag p50 ms | lag p99 ms | lag max ms | "
-            "outcomes | in store | worker CPU | CPU ms/req | sustained |")  # fmt: skip
+    print(
+        "Baselines in the same run, one worker process each: `floor` = only sleep until each send "
+        "time (event loop + OS wake-up); `no network` = the same ShardRunner with an in-process "
+        "30 ms stand-in for the HTTP client and rows to a list (the runner's own cost)."
+    )
+    head = (
+        "| run | workers | target/s | requests | lag p50 ms | lag p99 ms | lag max ms | "
+        "outcomes | in store | worker CPU | CPU ms/req | sustained |"
+    )
     print(head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
     best: dict = {1: 0.0, 2: 0.0, "prebuilt": 0.0}
@@ -456,16 +531,26 @@ def part1(bench: Bench, sims: dict, args) -> None:
         floor_p99 = float("nan")
         for label, workers in runs:
             kind = {"no network": "nonet", "real, prompts prebuilt": "prebuilt"}.get(label, label)
-            r = bench.replay(mode=SPLIT, requests=reqs, offsets=offsets, variants=urls, workers=workers,
-                             shard_count=args.shards, kind=kind)  # fmt: skip
+            r = bench.replay(
+                mode=SPLIT,
+                requests=reqs,
+                offsets=offsets,
+                variants=urls,
+                workers=workers,
+                shard_count=args.shards,
+                kind=kind,
+            )
             ok = (
                 r["lag_p99"] < LAG_LIMIT_MS and r["count"] == n and r["outcomes"] in ({"ok": n}, {"slept": n})
             )
             stored = r["count"] if kind in ("real", "prebuilt") else "-"
             cpu = "+".join(f"{c * 100:.0f}%" for c in r["cpu"])
-            print(f"| {label} | {workers} | {rate:g} | {n} | {r['lag_p50']:.2f} | {r['lag_p99']:.2f} | "
-                  f"{r['lag_max']:.1f} | {fmt_outcomes(r['outcomes'])} | {stored} | {cpu} | "
-                  f"{r['cpu_ms_per_request']:.2f} | {'yes' if ok else 'NO'} |", flush=True)  # fmt: skip
+            print(
+                f"| {label} | {workers} | {rate:g} | {n} | {r['lag_p50']:.2f} | {r['lag_p99']:.2f} | "
+                f"{r['lag_max']:.1f} | {fmt_outcomes(r['outcomes'])} | {stored} | {cpu} | "
+                f"{r['cpu_ms_per_request']:.2f} | {'yes' if ok else 'NO'} |",
+                flush=True,
+            )
             where = f"part 1, {label}, {workers} worker(s) at {rate:g} req/s"
             check_run(r, where, stored=kind in ("real", "prebuilt"))
             if kind == "floor":
@@ -484,13 +569,17 @@ def part1(bench: Bench, sims: dict, args) -> None:
                 else:
                     strikes[key] = 0
     ratio = f"{best[2] / best[1]:.2f}x" if best[1] else "n/a (1 worker sustained none of the rates)"
-    print(f"\nhighest sustained rate (lag p99 < {LAG_LIMIT_MS:g} ms, every sample stored, all ok): "
-          f"1 worker {best[1]:g} req/s, 2 workers {best[2]:g} req/s, scaling ratio {ratio}; "
-          f"1 worker with prompts prebuilt (proposed fix) {best['prebuilt']:g} req/s")  # fmt: skip
+    print(
+        f"\nhighest sustained rate (lag p99 < {LAG_LIMIT_MS:g} ms, every sample stored, all ok): "
+        f"1 worker {best[1]:g} req/s, 2 workers {best[2]:g} req/s, scaling ratio {ratio}; "
+        f"1 worker with prompts prebuilt (proposed fix) {best['prebuilt']:g} req/s"
+    )
     relaxed = f"{keeps_up[2] / keeps_up[1]:.2f}x" if keeps_up[1] else "n/a"
-    print(f"relaxed (lag p50 < {LAG_LIMIT_MS:g} ms: the schedule is kept, the tail is the machine's): "
-          f"1 worker {keeps_up[1]:g} req/s, 2 workers {keeps_up[2]:g} req/s, ratio {relaxed}; "
-          f"prompts prebuilt {keeps_up['prebuilt']:g} req/s")  # fmt: skip
+    print(
+        f"relaxed (lag p50 < {LAG_LIMIT_MS:g} ms: the schedule is kept, the tail is the machine's): "
+        f"1 worker {keeps_up[1]:g} req/s, 2 workers {keeps_up[2]:g} req/s, ratio {relaxed}; "
+        f"prompts prebuilt {keeps_up['prebuilt']:g} req/s"
+    )
 
 
 def part2(bench: Bench, sims: dict, args, profile: str) -> None:
@@ -498,26 +587,39 @@ def part2(bench: Bench, sims: dict, args, profile: str) -> None:
     urls = {v: h.url for v, h in sims.items()}
     offsets = Arrival(mode="recorded", speed=args.speed).offsets([r.offset_s for r in trace])
     which = "whole" if args.limit is None else f"first {len(trace)} requests of the"
-    print(f"\nPart 2: the {which} Azure code trace at {args.speed:g}x, 3 x `{profile}` simulator "
-          f"subprocesses, {args.trace_workers} worker process(es), {args.shards} shards, "
-          f"concurrency 512/shard; counts from the ClickHouse server")  # fmt: skip
+    print(
+        f"\nPart 2: the {which} Azure code trace at {args.speed:g}x, 3 x `{profile}` simulator "
+        f"subprocesses, {args.trace_workers} worker process(es), {args.shards} shards, "
+        f"concurrency 512/shard; counts from the ClickHouse server"
+    )
     table_runs(bench, urls, trace, offsets, args, [SPLIT, MIRROR], profile)
 
 
 def table_runs(bench, urls, trace, offsets, args, modes, profile) -> list[dict]:
-    head = ("| mode | profile | requests | speed | schedule s | wall s | lag p50 ms | lag p99 ms | "
-            "lag max ms | outcomes | count | FINAL | raw rows | expected | exact |")  # fmt: skip
+    head = (
+        "| mode | profile | requests | speed | schedule s | wall s | lag p50 ms | lag p99 ms | "
+        "lag max ms | outcomes | count | FINAL | raw rows | expected | exact |"
+    )
     print(head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
     out = []
     for mode in modes:
-        r = bench.replay(mode=mode, requests=trace, offsets=offsets, variants=urls,
-                         workers=args.trace_workers, shard_count=args.shards)  # fmt: skip
+        r = bench.replay(
+            mode=mode,
+            requests=trace,
+            offsets=offsets,
+            variants=urls,
+            workers=args.trace_workers,
+            shard_count=args.shards,
+        )
         exact = r["count"] == r["final"] == r["expected"] == r["recorded"]
-        print(f"| {mode} | {profile} | {r['requests']} | {args.speed:g}x | {r['span_s']:.1f} | "
-              f"{r['wall_s']:.1f} | {r['lag_p50']:.2f} | {r['lag_p99']:.2f} | {r['lag_max']:.1f} | "
-              f"{fmt_outcomes(r['outcomes'])} | {r['count']} | {r['final']} | {r['raw']} | "
-              f"{r['expected']} | {'yes' if exact else 'NO'} |", flush=True)  # fmt: skip
+        print(
+            f"| {mode} | {profile} | {r['requests']} | {args.speed:g}x | {r['span_s']:.1f} | "
+            f"{r['wall_s']:.1f} | {r['lag_p50']:.2f} | {r['lag_p99']:.2f} | {r['lag_max']:.1f} | "
+            f"{fmt_outcomes(r['outcomes'])} | {r['count']} | {r['final']} | {r['raw']} | "
+            f"{r['expected']} | {'yes' if exact else 'NO'} |",
+            flush=True,
+        )
         if r["spooled"]:
             print(f"  ({r['spooled']} rows went through the spool)")
         check_run(r, f"{mode} run of {r['requests']} requests through `{profile}`", stored=True)
@@ -537,9 +639,11 @@ def part3(bench: Bench, args) -> None:
         if not trace:
             raise BenchFailed(f"--realistic-at {t0:g}: no trace requests in [{t0:g}, {t1:g}) s")
         offsets = [(r.offset_s - t0) / args.realistic_speed for r in trace]
-        print(f"\nPart 3: realistic profiles (fp16 / awq / awq-fa2 simulators), the trace's "
-              f"{len(trace)} requests in [{t0:g} s, {t1:g} s) (a median-load minute) at "
-              f"{args.realistic_speed:g}x, split 34/33/33")  # fmt: skip
+        print(
+            f"\nPart 3: realistic profiles (fp16 / awq / awq-fa2 simulators), the trace's "
+            f"{len(trace)} requests in [{t0:g} s, {t1:g} s) (a median-load minute) at "
+            f"{args.realistic_speed:g}x, split 34/33/33"
+        )
         sub = argparse.Namespace(**{**vars(args), "speed": args.realistic_speed})
         (r,) = table_runs(bench, urls, trace, offsets, sub, [SPLIT], "fp16/awq/awq-fa2")
         # Percentiles in Python: the same nearest-rank figures on any ClickHouse version.
@@ -556,8 +660,10 @@ def part3(bench: Bench, args) -> None:
             if not ttft:
                 raise BenchFailed(f"part 3: no TTFT stored for variant {v} (run_id {r['run_id']})")
             under = sum(1 for t in ttft if t < 200) / max(len(mine), 1)
-            print(f"| {v} | {len(mine)} | {ok} | {nearest_rank(ttft, 0.5):.1f} | "
-                  f"{nearest_rank(ttft, 0.99):.1f} | {under * 100:.1f}% |")  # fmt: skip
+            print(
+                f"| {v} | {len(mine)} | {ok} | {nearest_rank(ttft, 0.5):.1f} | "
+                f"{nearest_rank(ttft, 0.99):.1f} | {under * 100:.1f}% |"
+            )
     finally:
         for h in sims.values():
             h.stop()
@@ -570,8 +676,13 @@ def main(argv: list[str] | None = None) -> int:
 def run(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, parts 1 and 2")
-    ap.add_argument("--part", type=int, choices=(1, 2, 3), action="append",
-                    help="run only this part (repeatable); default all")  # fmt: skip
+    ap.add_argument(
+        "--part",
+        type=int,
+        choices=(1, 2, 3),
+        action="append",
+        help="run only this part (repeatable); default all",
+    )
     ap.add_argument("--clickhouse-url", default=DEFAULT_URL, help=f"default {DEFAULT_URL}")
     ap.add_argument("--rates", default="50,100,200,400,800", help="part 1 req/s, comma-separated")
     ap.add_argument("--seconds", type=float, default=4.0, help="part 1 schedule length per rate")
@@ -597,8 +708,10 @@ def run(argv: list[str] | None = None) -> int:
         args.limit, args.speed = args.limit or 60, 100.0
         parts = [p for p in parts if p != 3]
 
-    print(f"bench_replay: python {sys.version.split()[0]}, {os.cpu_count()} cores, "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
+    print(
+        f"bench_replay: python {sys.version.split()[0]}, {os.cpu_count()} cores, "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     print("command: " + shlex.join([".venv/bin/python", "bench/bench_replay.py", *(argv or sys.argv[1:])]))
     print(
         f"{os.cpu_count()} cores shared by the worker process(es), 3 simulator processes and the "

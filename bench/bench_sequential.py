@@ -65,24 +65,22 @@ from stats.sequential.adjusted import (  # noqa: E402
     DEFAULT_MIN_CLUSTERS,
     asymptotic_cs_bounds,
 )
-from stats.sequential.guardrails import (  # noqa: E402
-    ADJUSTED,
-    BREACH,
-    CLUSTERED,
-    CLUSTERED_SHARE,
-    MIN_EVENTS,
-    REQUESTS,
-    ArmSnapshot,
-    Guardrail,
-    UserSums,
-    decide,
-)
+from stats.sequential.arm_snapshot import ArmSnapshot, UserSums  # noqa: E402
+from stats.sequential.guardrail_spec import Guardrail  # noqa: E402
+from stats.sequential.guardrails import BREACH, decide  # noqa: E402
 from stats.sequential.means import difference_cs_bounds, mean_cs_bounds  # noqa: E402
 from stats.sequential.quantiles import (  # noqa: E402
     LatencyHistogram,
     histogram_bounds,
     order_statistic_bounds,
     quantile_cs_ranks,
+)
+from stats.sequential.share_reading import (  # noqa: E402
+    ADJUSTED,
+    CLUSTERED,
+    CLUSTERED_SHARE,
+    MIN_EVENTS,
+    REQUESTS,
 )
 from stats.sequential.srm import srm_log_e_values  # noqa: E402
 
@@ -501,9 +499,15 @@ def user_snapshots(pop: Users, i: int) -> tuple[ArmSnapshot, ArmSnapshot]:
         keep = h.n[i] > 0
         assert h.sum_x is not None and h.sum_xx is not None and h.sum_xy is not None and e.sum_xy is not None
         sums = UserSums(
-            h.n[i][keep], np.rint(h.sum_y[i][keep]).astype(np.int64), np.rint(e.sum_y[i][keep]).astype(np.int64),
-            h.covariates or (), h.sum_x[i][keep], h.sum_xx[i][keep], h.sum_xy[i][keep], e.sum_xy[i][keep],
-        )  # fmt: skip
+            h.n[i][keep],
+            np.rint(h.sum_y[i][keep]).astype(np.int64),
+            np.rint(e.sum_y[i][keep]).astype(np.int64),
+            h.covariates or (),
+            h.sum_x[i][keep],
+            h.sum_xx[i][keep],
+            h.sum_xy[i][keep],
+            e.sum_xy[i][keep],
+        )
         out.append(ArmSnapshot(int(sums.n.sum()), int(sums.hits.sum()), int(sums.errors.sum()), {}, sums))
     return out[0], out[1]
 
@@ -511,8 +515,10 @@ def user_snapshots(pop: Users, i: int) -> tuple[ArmSnapshot, ArmSnapshot]:
 def check_users_against_decide(pop: Users, r: Reading) -> None:
     """The vectorized users' guardrails must be what decide() says, for a few experiments."""
     rules = {
-        (False, True): "at_least", (True, True): "at_least_over_control", (True, False): "at_most_over_control"
-    }  # fmt: skip
+        (False, True): "at_least",
+        (True, True): "at_least_over_control",
+        (True, False): "at_most_over_control",
+    }
     specs = []
     for g, limit in r.limits.items():
         metric, over, at_least = USER_GUARDRAILS[g]

@@ -53,8 +53,18 @@ def exposition(engines: int, requests: int) -> tuple[object, str]:
 
     m = Metrics("tiny-llama", [_Engine() for _ in range(engines)])
     for i in range(requests):
-        m.request_done(i % engines, prompt_tokens=100, generated=20, max_tokens=20, ttft_s=0.05 + (i % 7) * 0.03,
-                       e2e_s=0.8, queue_s=0.01 * (i % 5), prefill_s=0.03, decode_s=0.7, inference_s=0.73)  # fmt: skip
+        m.request_done(
+            i % engines,
+            prompt_tokens=100,
+            generated=20,
+            max_tokens=20,
+            ttft_s=0.05 + (i % 7) * 0.03,
+            e2e_s=0.8,
+            queue_s=0.01 * (i % 5),
+            prefill_s=0.03,
+            decode_s=0.7,
+            inference_s=0.73,
+        )
     return m, m.render().decode()
 
 
@@ -101,11 +111,27 @@ def bench_read(url: str, hours: float, rounds: int) -> None:
             batch: list = []
             for k in range(scrapes):
                 for _ in range(3):
-                    m.request_done(0, prompt_tokens=10, generated=5, max_tokens=5, ttft_s=0.05, e2e_s=0.3,
-                                   queue_s=0.01, prefill_s=0.03, decode_s=0.2, inference_s=0.23)  # fmt: skip
+                    m.request_done(
+                        0,
+                        prompt_tokens=10,
+                        generated=5,
+                        max_tokens=5,
+                        ttft_s=0.05,
+                        e2e_s=0.3,
+                        queue_s=0.01,
+                        prefill_s=0.03,
+                        decode_s=0.2,
+                        inference_s=0.23,
+                    )
                 text = m.render().decode()
-                batch += sm.scrape_rows("bench", variant, 1, t0_ms + k * INTERVAL_S * 1000,
-                                        sm.parse_exposition(text), duration_s=0.01)  # fmt: skip
+                batch += sm.scrape_rows(
+                    "bench",
+                    variant,
+                    1,
+                    t0_ms + k * INTERVAL_S * 1000,
+                    sm.parse_exposition(text),
+                    duration_s=0.01,
+                )
                 if len(batch) > 20_000:
                     store.insert_server_metrics(batch)
                     batch = []
@@ -125,8 +151,10 @@ def bench_read(url: str, hours: float, rounds: int) -> None:
         if counts != {v: float(observed) for v in ("a", "b", "c")}:
             raise BenchFailed(f"read counted {counts}, expected {observed} per variant")
         r, s = statistics.median(read_s), statistics.median(scan_s)
-        print(f"\n2. report read of one run's scrapes: 3 variants, {hours:g} h at {INTERVAL_S} s ({rows} rows), "
-              f"median of {rounds}")  # fmt: skip
+        print(
+            f"\n2. report read of one run's scrapes: 3 variants, {hours:g} h at {INTERVAL_S} s ({rows} rows), "
+            f"median of {rounds}"
+        )
         print(f"{'read (s)':>10} {'count scan (s)':>15} {'ratio':>7}")
         print(f"{r:>10.3f} {s:>15.3f} {r / s:>7.1f}")
     finally:

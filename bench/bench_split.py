@@ -298,9 +298,14 @@ def bench_hot_reload(n_changes: int, endpoints: list[tuple[str, int]]) -> list[s
     for i in range(n_changes):
         weights = {"a": 50 + (i % 2) * 10, "b": 50 - (i % 2) * 10}
         current = build_document(
-            "ttft-opt", weights, salt="s", control="a", actor="bench", reason=str(i),
+            "ttft-opt",
+            weights,
+            salt="s",
+            control="a",
+            actor="bench",
+            reason=str(i),
             previous=current,
-        )  # fmt: skip
+        )
         t0 = time.monotonic_ns()
         revision = writer.put("ttft-opt", current, revision)
         latencies.append((child.wait_for("ttft-opt", revision) - t0) / 1e6)
@@ -441,10 +446,22 @@ def bench_http(n_requests: int, port: int = 0) -> list[str]:
             )
         token = done.stdout.strip()
         server = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "abplat.asgi:application", "--host", "127.0.0.1",
-             "--port", str(port), "--log-level", "warning", "--no-access-log"],
-            env=env, cwd=ROOT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "abplat.asgi:application",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+                "--no-access-log",
+            ],
+            env=env,
+            cwd=ROOT,
+        )
         try:
             base = f"http://127.0.0.1:{port}"
             with httpx.Client(base_url=base, timeout=10) as client:

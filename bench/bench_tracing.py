@@ -68,8 +68,8 @@ server.serve_forever()
 
 def sample_rows(n: int) -> list:
     from samples.rows import SampleContext, row_from
-    from streaming.client import trace_ids
     from streaming.result import StreamResult
+    from streaming.trace_context import trace_ids
 
     rows = []
     now_ms = time.time() * 1000.0
@@ -77,12 +77,30 @@ def sample_rows(n: int) -> list:
         rid = f"bench-tracing-{seq}"
         trace_id, span_id = trace_ids(rid)
         result = StreamResult(
-            http_status=200, request_id=rid, traceparent=f"00-{trace_id}-{span_id}-01", trace_id=trace_id,
-            ttfb_ms=20.0, ttft_ms=48.5 + seq % 7, e2e_ms=900.0 + seq % 13, output_tokens=64, chunks=64,
-        )  # fmt: skip
-        rows.append(row_from(result, SampleContext(experiment="bench-tracing", run_id=1, seq=seq,
-                                                   variant=("a", "b", "c")[seq % 3], mode="split",
-                                                   sent_unix_ms=now_ms + seq, request_id=rid)))  # fmt: skip
+            http_status=200,
+            request_id=rid,
+            traceparent=f"00-{trace_id}-{span_id}-01",
+            trace_id=trace_id,
+            ttfb_ms=20.0,
+            ttft_ms=48.5 + seq % 7,
+            e2e_ms=900.0 + seq % 13,
+            output_tokens=64,
+            chunks=64,
+        )
+        rows.append(
+            row_from(
+                result,
+                SampleContext(
+                    experiment="bench-tracing",
+                    run_id=1,
+                    seq=seq,
+                    variant=("a", "b", "c")[seq % 3],
+                    mode="split",
+                    sent_unix_ms=now_ms + seq,
+                    request_id=rid,
+                ),
+            )
+        )
     return rows
 
 
@@ -131,8 +149,10 @@ def run(argv: list[str] | None = None) -> int:
     from telemetry.tracing import MAX_QUEUED_SPANS
 
     if rounds < 1 or not 1 <= n <= MAX_QUEUED_SPANS:
-        raise BenchFailed(f"--rounds must be at least 1, --requests in [1, {MAX_QUEUED_SPANS}] (a round's spans wait "
-                          "in the exporter's queue: more would be dropped, by design)")  # fmt: skip
+        raise BenchFailed(
+            f"--rounds must be at least 1, --requests in [1, {MAX_QUEUED_SPANS}] (a round's spans wait "
+            "in the exporter's queue: more would be dropped, by design)"
+        )
 
     import django
 
@@ -154,8 +174,10 @@ def run(argv: list[str] | None = None) -> int:
                 cpu[setup].append(one_round(setup, rows, collector))
                 got = received(base)
                 if setup == "on" and sorted(got) != expected:
-                    raise BenchFailed(f"round {r + 1}: the collector received {len(got)} spans of {n}, "
-                                      "or not the rows' traceparents")  # fmt: skip
+                    raise BenchFailed(
+                        f"round {r + 1}: the collector received {len(got)} spans of {n}, "
+                        "or not the rows' traceparents"
+                    )
                 if setup != "on" and got:
                     raise BenchFailed(f"round {r + 1}, {setup}: the collector received {len(got)} spans")
     finally:

@@ -52,17 +52,24 @@ def checkout(ref: str, option: str) -> tuple[str, pathlib.Path]:
     code beside this tree's (``option``, e.g. "--against", names the flag in the error)."""
     root = pathlib.Path(__file__).resolve().parents[1]
     try:
-        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", ref], check=True,
-                             capture_output=True, text=True).stdout.strip()  # fmt: skip
+        rev = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", ref], check=True, capture_output=True, text=True
+        ).stdout.strip()
     except subprocess.CalledProcessError as exc:
         raise BenchFailed(
             f"{option} {ref!r}: not a revision of this repository: {exc.stderr.strip()}"
         ) from None
     tree = pathlib.Path(tempfile.mkdtemp(prefix=f"abplat-{rev}-"))
-    done = subprocess.run(["git", "-C", str(root), "worktree", "add", "--force", "--detach", str(tree), rev],
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        ["git", "-C", str(root), "worktree", "add", "--force", "--detach", str(tree), rev],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode:
         raise BenchFailed(f"{option} {ref!r}: git worktree add failed: {done.stderr.strip()}")
-    atexit.register(subprocess.run, ["git", "-C", str(root), "worktree", "remove", "--force", str(tree)],
-                    capture_output=True)  # fmt: skip
+    atexit.register(
+        subprocess.run,
+        ["git", "-C", str(root), "worktree", "remove", "--force", str(tree)],
+        capture_output=True,
+    )
     return rev, tree

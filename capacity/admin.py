@@ -7,19 +7,18 @@ from django import forms
 from django.conf import settings
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.db import transaction
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.urls import path
 
-from capacity import tasks
 from capacity.models import CapacitySearch
-from capacity.service import Options, create_search
+from capacity.search import rate_text
 from capacity.steps import ARRIVALS
+from capacity.tasks import start_search
 from experiments.models import Experiment
 from experiments.teams import visible_experiments
 from traces.models import Trace
-from workers.runs import ReplayError, resolve_source
+from workers.runs import ReplayError
 
 
 class StartSearchForm(forms.Form):
@@ -42,9 +41,11 @@ class StartSearchForm(forms.Form):
     seed = forms.IntegerField(initial=0)
     alpha = forms.FloatField(initial=0.05, min_value=1e-6, max_value=0.5)
     lag_limit = forms.FloatField(
-        required=False, min_value=0.01, max_value=10_000.0,
+        required=False,
+        min_value=0.01,
+        max_value=10_000.0,
         help_text="ms of the replay's own lag p99 (default: max(5, 5% of the tightest SLO threshold))",
-    )  # fmt: skip
+    )
 
     def clean(self):
         data = super().clean()
@@ -78,7 +79,10 @@ class CapacitySearchAdmin(admin.ModelAdmin):
 
     @admin.display(description="capacity (req/s)")
     def summary(self, obj: CapacitySearch) -> str:
-        parts = [f"{v}: {r.get('capacity_rps') or '-'}" for v, r in (obj.result or {}).items()]
+        parts = [
+            f"{v}: {rate_text(r['capacity_rps']) if r.get('capacity_rps') else '-'}"
+            for v, r in (obj.result or {}).items()
+        ]
         return ", ".join(parts) or "-"
 
     def can_start(self, request) -> bool:
@@ -101,27 +105,25 @@ class CapacitySearchAdmin(admin.ModelAdmin):
         if request.method == "POST" and form.is_valid():
             d = form.cleaned_data
             try:
-                src = resolve_source(trace=d["trace"].sha256, local_paths=False)
-                opts = Options(
-                    trace=src.path.name, source_format=d["trace"].format,
-                    variants=[v.strip() for v in d["variants"].split(",") if v.strip()], arrival=d["arrival"],
-                    cv=d["cv"], start_rps=d["start_rate"], max_rps=d["max_rate"], min_rps=d["min_rate"],
-                    rel_tol=d["tolerance"], max_steps=d["max_steps"], alpha=d["alpha"],
-                    step_requests=d["step_requests"], warmup_s=d["warmup"], seed=d["seed"],
-                    lag_limit_ms=d["lag_limit"], local_paths=False,
-                )  # fmt: skip
-                record = create_search(d["experiment"], opts, actor=request.user)
+                record = start_search(
+                    d["experiment"],
+                    d,
+                    trace=d["trace"].sha256,
+                    source_format=d["trace"].format,
+                    variants=[v.strip() for v in d["variants"].split(",") if v.strip()],
+                    actor=request.user,
+                )
             except ReplayError as exc:
                 form.add_error(None, str(exc))
             else:
-                if settings.CELERY_TASK_ALWAYS_EAGER:
-                    tasks.start_in_background(record.pk)
-                else:
-                    transaction.on_commit(lambda: tasks.run_search.delay(record.pk))
                 self.message_user(request, f"capacity search {record.pk} started", messages.SUCCESS)
                 return redirect("admin:capacity_capacitysearch_change", record.pk)
-        context = {**self.admin_site.each_context(request), "opts": self.opts, "form": form,
-                   "title": "Start a capacity search"}  # fmt: skip
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "form": form,
+            "title": "Start a capacity search",
+        }
         return TemplateResponse(request, "admin/capacity/capacitysearch/start.html", context)
 
     # Who reads replays reads searches (their steps are replays), as the API has it.

@@ -4,12 +4,47 @@ per variant. Built from the stored result only (no queries)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import plotly.graph_objects as go
 
 from dashboards.charts import finish_figure, series_color
+
+# Room for the rotated y-axis title beside the tick labels, the x-axis title under its ticks and
+# the legend under both (the dashboard's layout puts its legend where this x title is).
+HEIGHT = 380
+MARGIN = dict(l=72, r=24, t=48, b=96)
+LEGEND = dict(orientation="h", x=0, y=-0.27, yanchor="top")
+
+
+def _finish(fig: go.Figure, title: str) -> dict[str, Any]:
+    fig.update_layout(height=HEIGHT)
+    out = finish_figure(fig, title)
+    out["layout"].update(margin=MARGIN, legend=LEGEND)
+    return out
+
+
+def _log_ticks(lo: float, hi: float) -> list[float]:
+    """1, 2 and 5 times the powers of ten from just below ``lo`` to just above ``hi``."""
+    first, last = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    every = [m * 10.0**k for k in range(first, last + 1) for m in (1, 2, 5)]
+    return [t for t in every if lo / 2.5 <= t <= hi * 2.5]
+
+
+def why_empty(figure: Mapping[str, Any], status: str) -> str:
+    """The sentence an empty chart shows instead of axes with nothing on them ("" when the
+    figure has points)."""
+    if any(t.get("x") for t in figure.get("data", [])):
+        return ""
+    if status == "running":
+        return (
+            "No step has judged a request yet: the search is running, and each step shows here once it ends."
+        )
+    if status == "failed":
+        return "The search failed before any step judged a request: its error is above."
+    return "No step of this search judged a request, so there is no attainment or TTFT to draw."
 
 
 def _steps(r: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -32,19 +67,38 @@ def attainment_vs_rate(result: Mapping[str, Any], target: float) -> dict[str, An
             s["attainment_hi"] if s["attainment_hi"] is not None else yy
             for s, yy in zip(steps, y, strict=True)
         ]
-        fig.add_trace(go.Scatter(x=x + x[::-1], y=hi + lo[::-1], fill="toself", line=dict(width=0),
-                                 fillcolor=series_color(i), opacity=0.18, hoverinfo="skip", showlegend=False))  # fmt: skip
-        fig.add_trace(go.Scatter(
-            x=x, y=y, mode="lines+markers", name=v, line=dict(color=series_color(i)),
-            text=[f"{s['verdict']} (run {s['run_id']}, n={s['n']})" for s in steps],
-            hovertemplate="%{x:.3g} req/s: %{y:.2%} %{text}<extra>" + v + "</extra>",
-        ))  # fmt: skip
+        fig.add_trace(
+            go.Scatter(
+                x=x + x[::-1],
+                y=hi + lo[::-1],
+                fill="toself",
+                line=dict(width=0),
+                fillcolor=series_color(i),
+                opacity=0.18,
+                hoverinfo="skip",
+                showlegend=False,
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=y,
+                mode="lines+markers",
+                name=v,
+                line=dict(color=series_color(i)),
+                text=[
+                    f"{s['verdict']} (capacity step run {s['run_id']}, {s['n']} requests judged)"
+                    for s in steps
+                ],
+                hovertemplate="%{x:g} req/s: %{y:.2%} %{text}<extra>" + v + "</extra>",
+            )
+        )
         if r.get("capacity_rps"):
             fig.add_vline(x=r["capacity_rps"], line=dict(color=series_color(i), dash="dot", width=1))
     fig.add_hline(y=target, line=dict(color="#000", dash="dash"), annotation_text=f"target {target:.2%}")
     fig.update_xaxes(title="request rate (req/s)", type="log")
-    fig.update_yaxes(title="SLA attainment (band: anytime-valid, per step)", tickformat=".0%")
-    return finish_figure(fig, "Attainment against load; dotted: SLA capacity")
+    fig.update_yaxes(title="SLA attainment", tickformat=".0%")
+    return _finish(fig, "Attainment against load (dotted: SLA capacity)")
 
 
 def ttft_vs_rate(result: Mapping[str, Any]) -> dict[str, Any]:
@@ -52,10 +106,27 @@ def ttft_vs_rate(result: Mapping[str, Any]) -> dict[str, Any]:
     for i, (v, r) in enumerate(result.items()):
         steps = [s for s in _steps(r) if s.get("ttft_p50_ms") is not None]
         x = [s["rate_rps"] for s in steps]
-        fig.add_trace(go.Scatter(x=x, y=[s["ttft_p50_ms"] for s in steps], mode="lines+markers",
-                                 name=f"{v} p50", line=dict(color=series_color(i), dash="dot")))  # fmt: skip
-        fig.add_trace(go.Scatter(x=x, y=[s["ttft_p99_ms"] for s in steps], mode="lines+markers",
-                                 name=f"{v} p99", line=dict(color=series_color(i))))  # fmt: skip
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=[s["ttft_p50_ms"] for s in steps],
+                mode="lines+markers",
+                name=f"{v} p50",
+                line=dict(color=series_color(i), dash="dot"),
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=[s["ttft_p99_ms"] for s in steps],
+                mode="lines+markers",
+                name=f"{v} p99",
+                line=dict(color=series_color(i)),
+            )
+        )
     fig.update_xaxes(title="request rate (req/s)", type="log")
-    fig.update_yaxes(title="TTFT (ms)", type="log")
-    return finish_figure(fig, "TTFT percentiles against load (after each step's warm-up)")
+    ms = [y for t in fig.data for y in (t.y or ()) if y]
+    ticks = _log_ticks(min(ms), max(ms)) if ms else None
+    # whole numbers at 1, 2 and 5 per decade: plotly's own log ticks label 20 and 50 as "2", "5"
+    fig.update_yaxes(title="TTFT (ms)", type="log", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks or ()])
+    return _finish(fig, "TTFT p50 and p99 against load")

@@ -10,6 +10,10 @@ The search
    ``min_rps`` does not).
 2. Bisect the bracket at its geometric middle until its upper end is within ``rel_tol`` of its
    lower end, or ``max_steps`` steps were run.
+Every rate the search computes (a doubling, a halving, a middle) is sent as the shortest decimal
+within ``RATE_ROUNDING`` of it (``short_rate``: 45 for 45.25, 22.6 for 22.63), strictly inside
+the bracket and within [min_rps, max_rps]: a step, its run and its result read "45 req/s", never
+"45.254833995939045", and the bisection loses nothing it would notice (rel_tol is 5%).
 
 A step's verdict (``step_verdict``): the step replays at one rate and looks at its attainment
 after every batch through an anytime-valid confidence sequence (stats.sequential.means, its
@@ -18,7 +22,7 @@ sequence's lower bound is at or above the target) or "misses" (its upper bound i
 clear, and far from the edge that is quick: the search spends its time near the edge. A step that can no longer say "meets" before its request cap,
 even if every request left met the SLA (``can_still_meet``), stops then as "undecided" too: near
 the edge that saves running the cap out. A step that reaches its request cap undecided is an
-"undecided" step: the search treats it as not meeting (a capacity is claimed only for rates that meet with
+"undecided" step (the one word for a step that did not decide): the search treats it as not meeting (a capacity is claimed only for rates that meet with
 confidence), so the bracket's upper end may be a rate that meets the target by a hair.
 
 Error budget: ``alpha`` is split evenly over ``max_steps`` (the union bound), so with probability
@@ -68,6 +72,10 @@ from stats.sequential.means import MeanSequence
 
 MEETS, MISSES, UNDECIDED = "meets", "misses", "undecided"
 VERDICTS = (MEETS, MISSES, UNDECIDED)
+# What the page, the command and the messages call Capacity.upper_rps: the lowest rate tried,
+# above the capacity, that did not meet the target with confidence (it missed, or stayed
+# undecided, or was void).
+NOT_MET_AT = "not met at"
 # Why the search stopped where it did (Capacity.limited_by).
 BY_SLA, BY_GENERATOR, BY_MAX_RATE, BY_MIN_RATE, BY_STEPS = "sla", "generator", "max_rate", "min_rate", "steps"
 
@@ -81,6 +89,32 @@ BY_SLA, BY_GENERATOR, BY_MAX_RATE, BY_MIN_RATE, BY_STEPS = "sla", "generator", "
 # about the same as the uniform prior (tests/capacity/test_search.py pins these and the
 # sequence's validity at the target).
 STEP_PRIOR_WEIGHT = 100.0
+
+# How far a rate the search computes may move to read as a short decimal (short_rate).
+RATE_ROUNDING = 0.01
+
+
+def short_rate(x: float, lo: float | None = None, hi: float | None = None) -> float:
+    """``x`` as the shortest decimal (fewest significant digits) within RATE_ROUNDING of it and,
+    when given, strictly between ``lo`` and ``hi``; ``x`` itself when none is."""
+    for digits in range(1, 16):
+        r = float(f"{x:.{digits}g}")
+        if abs(r - x) <= RATE_ROUNDING * x and (lo is None or r > lo) and (hi is None or r < hi):
+            return r
+    return x
+
+
+def rate_text(rps: float) -> str:
+    """A rate as people read it: 128, 45.5, 0.05 (never "128.000"); a rate stored before rates
+    were rounded (short_rate) at three significant digits."""
+    for digits in range(1, 7):
+        text = f"{rps:.{digits}g}"
+        if float(text) == rps:
+            break
+    else:
+        text = f"{rps:.3g}"
+    return f"{float(text):.0f}" if "e+" in text else text
+
 
 # The default lag limit (the module docstring): at least LAG_FLOOR_MS, else this share of the
 # tightest SLO threshold.
@@ -285,16 +319,16 @@ class Search:
             if lo >= sp.max_rps:
                 self._stopped = BY_MAX_RATE
                 return None
-            return min(sp.max_rps, lo * 2.0)
+            return min(sp.max_rps, short_rate(lo * 2.0, lo))
         if lo is None:  # nothing met yet: go down
             if hi <= sp.min_rps:
                 self._stopped = BY_MIN_RATE
                 return None
-            return max(sp.min_rps, hi / 2.0)
+            return max(sp.min_rps, short_rate(hi / 2.0, None, hi))
         if hi <= lo * (1.0 + sp.rel_tol):
             self._stopped = BY_SLA
             return None
-        return math.sqrt(lo * hi)
+        return short_rate(math.sqrt(lo * hi), lo, hi)
 
     def result(self) -> Capacity:
         sp = self.spec
@@ -306,19 +340,20 @@ class Search:
         knee = _knee(self._counted())
         t = f"{sp.target:.2%}"
         if lo is None:
-            message = f"no rate tried meets {t} with confidence (lowest tried {min_rate(self.steps):g} req/s)"
+            message = f"no rate tried meets {t} with confidence (lowest tried {rate_text(min_rate(self.steps))} req/s)"
         elif limited_by == BY_GENERATOR:
             worst = max(s.lag_p99_ms or 0.0 for s in void if s.rate_rps == hi)
             message = (
-                f"meets {t} at {lo:.3g} req/s; the load generator could not go higher (its schedule "
-                f"lag p99 reached {worst:.1f} ms at {hi:.3g} req/s, over {sp.lag_limit_ms:g} ms): "
+                f"meets {t} at {rate_text(lo)} req/s; the load generator could not go higher (its schedule "
+                f"lag p99 reached {worst:.1f} ms at {rate_text(hi)} req/s, over {sp.lag_limit_ms:g} ms): "
                 "add workers or shards to search above it"
             )
         elif hi is None:
             why = "the step budget ran out" if limited_by == BY_STEPS else "max_rps"
-            message = f"meets {t} at every rate tried, up to {lo:.3g} req/s ({why})"
+            message = f"meets {t} at every rate tried, up to {rate_text(lo)} req/s ({why})"
         else:
-            message = f"meets {t} at {lo:.3g} req/s, not at {hi:.3g} req/s"
+            # NOT_MET_AT: the lowest rate that did not meet with confidence (missed or undecided)
+            message = f"meets {t} at {rate_text(lo)} req/s; {NOT_MET_AT} {rate_text(hi)} req/s"
         steps = tuple(self._noted(i) for i in range(len(self.steps)))
         return Capacity(lo, hi, limited_by, steps, knee, message, sp.lag_limit_ms)
 

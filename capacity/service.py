@@ -14,7 +14,14 @@ from django.utils import timezone
 
 from analysis.definitions import slo_of
 from capacity.models import CapacitySearch
-from capacity.search import Capacity, SearchSpec, cost_at_capacity, default_lag_limit_ms, run_search
+from capacity.search import (
+    Capacity,
+    SearchSpec,
+    cost_at_capacity,
+    default_lag_limit_ms,
+    rate_text,
+    run_search,
+)
 from capacity.steps import ARRIVALS, StepPlan, run_step
 from experiments.models import Experiment
 from replay.sources import load_requests
@@ -53,10 +60,13 @@ def trace_rate(trace: str, source_format: str | None, limit: int, local_paths: b
     fmt = source_format or (src.trace.format if src.trace else "azure")
     try:
         loaded = load_requests(
-            src.path, fmt, limit=limit, name=src.label,
+            src.path,
+            fmt,
+            limit=limit,
+            name=src.label,
             max_bytes=settings.TRACE_MAX_BYTES if src.in_trace_dir else None,
             max_line_bytes=settings.TRACE_MAX_LINE_BYTES,
-        )  # fmt: skip
+        )
     except (OSError, ValueError) as exc:  # SourceError is a ValueError: line and field named
         raise ReplayError(str(exc)) from None
     offsets = sorted(r.offset_s for r in loaded.requests)
@@ -93,10 +103,16 @@ def create_search(experiment: Experiment, opts: Options, *, actor=None) -> Capac
     if opts.arrival == "recorded":  # the trace must be readable and have a rate of its own
         trace_rate(opts.trace, opts.source_format, opts.step_requests, opts.local_paths)
     return CapacitySearch.objects.create(
-        experiment=experiment, params={**dataclasses.asdict(opts), "variants": chosen, "start_rps": spec.start_rps,
-                                       "target": spec.target, "lag_limit_ms": spec.lag_limit_ms},
+        experiment=experiment,
+        params={
+            **dataclasses.asdict(opts),
+            "variants": chosen,
+            "start_rps": spec.start_rps,
+            "target": spec.target,
+            "lag_limit_ms": spec.lag_limit_ms,
+        },
         started_by=actor if getattr(actor, "pk", None) else None,
-    )  # fmt: skip
+    )
 
 
 def search_spec(experiment: Experiment, opts: Options) -> SearchSpec:
@@ -105,10 +121,15 @@ def search_spec(experiment: Experiment, opts: Options) -> SearchSpec:
         if lag_limit is None:  # scaled to what a lag could distort (capacity/search.py)
             lag_limit = default_lag_limit_ms(*slo_of(experiment).limits().values())
         return SearchSpec(
-            target=experiment.sla_target, start_rps=opts.start_rps or opts.max_rps / 4.0, max_rps=opts.max_rps,
-            min_rps=opts.min_rps, rel_tol=opts.rel_tol, max_steps=opts.max_steps, alpha=opts.alpha,
+            target=experiment.sla_target,
+            start_rps=opts.start_rps or opts.max_rps / 4.0,
+            max_rps=opts.max_rps,
+            min_rps=opts.min_rps,
+            rel_tol=opts.rel_tol,
+            max_steps=opts.max_steps,
+            alpha=opts.alpha,
             lag_limit_ms=lag_limit,
-        )  # fmt: skip
+        )
     except ValueError as exc:
         raise ReplayError(str(exc)) from None
 
@@ -129,11 +150,21 @@ def step_plan(experiment: Experiment, opts: Options, spec: SearchSpec, *, actor=
     if opts.arrival == "recorded":
         rate_of_trace = trace_rate(opts.trace, opts.source_format, opts.step_requests, opts.local_paths)
     return StepPlan(
-        experiment=experiment, trace=opts.trace, source_format=opts.source_format,
-        slo=slo_of(experiment), target=spec.target, alpha=spec.step_alpha,
-        max_requests=opts.step_requests, arrival=opts.arrival, cv=opts.cv, seed=opts.seed,
-        warmup_s=opts.warmup_s, trace_rate=rate_of_trace, local_paths=opts.local_paths, actor=actor,
-    )  # fmt: skip
+        experiment=experiment,
+        trace=opts.trace,
+        source_format=opts.source_format,
+        slo=slo_of(experiment),
+        target=spec.target,
+        alpha=spec.step_alpha,
+        max_requests=opts.step_requests,
+        arrival=opts.arrival,
+        cv=opts.cv,
+        seed=opts.seed,
+        warmup_s=opts.warmup_s,
+        trace_rate=rate_of_trace,
+        local_paths=opts.local_paths,
+        actor=actor,
+    )
 
 
 def options_of(record: CapacitySearch) -> Options:
@@ -143,34 +174,50 @@ def options_of(record: CapacitySearch) -> Options:
 
 def execute_search(record: CapacitySearch, *, say: Callable[[str], None] = lambda _: None) -> CapacitySearch:
     """Search every variant of the record, one after the other; the record holds the result
-    (each variant's as soon as it is known) and ends done or failed."""
+    (each variant's as soon as it is known) and ends done or failed.
+
+    While a variant is searched, its entry holds the steps so far and the step replaying now
+    (``searching_entry``), so the report names every step's run as a capacity step
+    (capacity.labels) from the moment the run exists."""
     experiment, opts = record.experiment, options_of(record)
     spec = search_spec(experiment, opts)
     plan = step_plan(experiment, opts, spec, actor=record.started_by)
     costs = {v.key: v.cost for v in experiment.variants.all()}
     out: dict[str, Any] = {}
+
+    def keep() -> None:
+        CapacitySearch.objects.filter(pk=record.pk).update(result=out)
+
     try:
         for i, key in enumerate(record.params["variants"]):
             t0 = time.monotonic()
             first = [i == 0]
+            out[key] = searching_entry([])
 
             def probe(rate: float, key: str = key, first: list = first) -> Any:
-                say(f"{key}: step at {rate:.3g} req/s ...")
-                step = run_step(plan, key, rate, first=first[0])
+                say(f"{key}: step at {rate_text(rate)} req/s ...")
+
+                def started(run_id: int) -> None:
+                    out[key] = searching_entry(out[key]["steps"], {"run_id": run_id, "rate_rps": float(rate)})
+                    keep()
+
+                step = run_step(plan, key, rate, first=first[0], on_run=started)
                 first[0] = False
-                att = "-" if step.attainment is None else f"{step.attainment:.4f}"
+                out[key] = searching_entry([*out[key]["steps"], step.as_dict()])
+                keep()
+                att = "-" if step.attainment is None else f"{step.attainment:.2%}"
                 lag = "-" if step.lag_p99_ms is None else f"{step.lag_p99_ms:.2f}"
                 if step.generator_limited(spec.lag_limit_ms):
                     lag += f", over the limit of {spec.lag_limit_ms:g}"
                 say(
-                    f"{key}: {rate:.3g} req/s {step.verdict} (attainment {att} of {step.n}, "
+                    f"{key}: {rate_text(rate)} req/s {step.verdict} (attainment {att} of {step.n}, "
                     f"lag p99 {lag} ms, run {step.run_id}, {step.seconds:.1f} s)"
                 )
                 return step
 
             cap = run_search(variant_spec(spec, opts, key), probe)
             out[key] = variant_result(cap, costs.get(key), time.monotonic() - t0)
-            CapacitySearch.objects.filter(pk=record.pk).update(result=out)
+            keep()
             say(f"{key}: {cap.message}")
     except BaseException as exc:
         record.status, record.error, record.result = CapacitySearch.Status.FAILED, str(exc)[:2000], out
@@ -187,6 +234,14 @@ def search_experiment(
 ) -> CapacitySearch:
     """create_search then execute_search, in this process (the command line)."""
     return execute_search(create_search(experiment, opts, actor=actor), say=say)
+
+
+def searching_entry(steps: list[dict[str, Any]], now: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A variant's entry while it is searched: its steps so far (StepResult.as_dict) and the
+    step replaying now ({run_id, rate_rps}, None between steps); variant_result replaces it.
+    A search that fails keeps it: ``searching`` then names the step it cut short."""
+    done = f"{len(steps)} step{'s' if len(steps) != 1 else ''} so far"
+    return {"steps": steps, "searching": now, "message": f"searching: {done}"}
 
 
 def variant_result(cap: Capacity, cost: dict | None, seconds: float) -> dict[str, Any]:

@@ -1,25 +1,18 @@
 """A capacity search step as a replay: one variant alone, at one rate, stopped by the sequential
 test as soon as its verdict is clear (capacity/search.py).
 
-Each step is a mirror replay run whose only target is the variant (workers.runs.create_run
-``targets``), so every step's samples are an ordinary run: the report, the dashboard and
-``sla_report --run ID`` read any step. Every variant's steps replay the same requests (the same
-trace rows, user population and arrival seed), only faster or slower: the search compares
-deployments on one request sequence.
+Each step is a mirror replay run whose only target is the variant (ReplayRequest ``targets``,
+submitted to the replay service, workers.service), so every step's samples are an ordinary run:
+the report, the dashboard and ``sla_report --run ID`` read any step. Every variant's steps
+replay the same requests (the same trace rows, user population and arrival seed), only faster
+or slower: the search compares deployments on one request sequence.
 
-While the run replays, the step reads its samples from the store every ``look_s`` (after the
-warm-up: requests scheduled in the first ``warmup_s`` start on an empty server and say nothing
-about steady state) and cancels the run once the confidence sequence decides, or once it can no
-longer say "meets" before its cap (capacity.search.can_still_meet).
-
-Which requests a look judges (``_counts``): the longest run of the schedule, in planned send
-order, whose every request has its final row in the store, stopping before the first one that
-has none yet (in flight, or finished but not yet written) or that the step's own stop cancelled.
-Fast requests finish first and slow ones (the misses) are the ones still in flight at a look, so
-counting whatever has arrived would lean toward hits; a prefix of the schedule is a fixed
-sequence observed in order, which is what the anytime-valid sequence is valid for. A request
-cancelled by the step's stop was cut short by the search, not by the deployment: it is never
-judged (the prefix ends before it), while errors and timeouts are misses like any other.
+While the run replays, the step looks at its samples every ``look_s`` (waiting on the run's
+handle, so the run's end wakes it at once) and cancels the run once the confidence sequence
+decides, or once it can no longer say "meets" before its cap (capacity.search.can_still_meet).
+A look judges the settled prefix of the schedule after the warm-up (requests scheduled in the
+first ``warmup_s`` start on an empty server and say nothing about steady state):
+analysis.step_counts says which requests that is, and why.
 
 The step's schedule lag p99 (``StepResult.lag_p99_ms``, by which the search decides whether
 the load generator, not the variant, was measured) is taken over the same judged requests: a
@@ -34,30 +27,34 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from django.conf import settings
-from django.db import connections
+from django.db import transaction
 
 from analysis.definitions import Slo
-from analysis.sql import SAMPLES, hit_expr
-from capacity.search import MEETS, MISSES, UNDECIDED, StepResult, can_still_meet, step_sequence, step_verdict
+from analysis.step_counts import settled_counts
+from capacity.search import (
+    MEETS,
+    MISSES,
+    UNDECIDED,
+    StepResult,
+    can_still_meet,
+    rate_text,
+    step_sequence,
+    step_verdict,
+)
 from experiments.models import Experiment
 from replay.arrivals import Arrival
 from samples.factory import sample_store
 from samples.store import StoreError
-from stats.quantiles import nearest_rank
 from workers.models import ReplayRun
-from workers.runs import cancel_run, create_run
-from workers.shard import run_requests
-from workers.tasks import start_replay
+from workers.runs import ReplayRequest
+from workers.service import submit
 
 log = logging.getLogger(__name__)
 ARRIVALS = ("poisson", "gamma", "recorded")
-QUERY_SETTINGS = {"max_execution_time": 30}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,130 +87,134 @@ class StepPlan:
         return Arrival(mode=self.arrival, rate=rate, cv=cv, seed=self.seed)
 
 
-def judged_order(run: ReplayRun, warmup_s: float) -> list[int]:
-    """The seqs of the run's requests a step judges (sent at or after the warm-up), in planned
-    send order: the run's own schedule, as its shards compute it (workers.shard)."""
-    loaded = run_requests(run)
-    offsets = Arrival(**run.arrival).offsets([r.offset_s for r in loaded.requests])
-    if offsets is None:  # closed loop: sent in the trace's order
-        return [r.seq for r in loaded.requests]
-    planned = sorted(zip(offsets, (r.seq for r in loaded.requests), strict=True))
-    return [seq for offset, seq in planned if offset >= warmup_s]
+class StepCutShort(RuntimeError):
+    """A step's run failed, or was cancelled by someone other than the step: it has no verdict."""
+
+    def __init__(self, message: str, run_id: int) -> None:
+        super().__init__(message)
+        self.run_id = run_id
 
 
-def _counts(store, plan: StepPlan, run_id: int, variant: str, order: list[int]) -> dict[str, Any]:
-    """n, hits, TTFT p50/p99, mean output tokens and schedule lag p99 of the settled prefix of
-    ``order`` (the module docstring); ``left``: the judged requests after it (not yet known, or
-    never)."""
-    hit, hp = hit_expr(plan.slo)
-    rows = store.query(
-        f"SELECT seq, outcome, {hit}, ttft_ms, output_tokens, recorded_ms, schedule_lag_ms FROM {SAMPLES} "
-        "PREWHERE run_id = %(run)s WHERE experiment = %(experiment)s AND variant = %(variant)s",
-        {"run": int(run_id), "experiment": plan.experiment.key, "variant": variant, **hp},
-        settings=QUERY_SETTINGS,
-    )
-    latest: dict[int, tuple] = {}  # a redelivered request may have two rows: the latest wins
-    for row in rows:
-        if row[0] not in latest or row[5] > latest[row[0]][5]:
-            latest[row[0]] = row
-    judged = []
-    for seq in order:
-        row = latest.get(seq)
-        if row is None or row[1] == "cancelled":
-            break
-        judged.append(row)
-    ttft = sorted(r[3] for r in judged if r[1] == "ok" and r[3] is not None)
-    tokens = [r[4] for r in judged if r[1] == "ok"]
-    lags = sorted(r[6] for r in judged if r[6] is not None)
-    return {
-        "n": len(judged),
-        "hits": sum(1 for r in judged if r[2]),
-        "left": len(order) - len(judged),
-        "ttft_p50_ms": float(nearest_rank(ttft, 0.5)) if ttft else None,
-        "ttft_p99_ms": float(nearest_rank(ttft, 0.99)) if ttft else None,
-        "output_tokens_mean": sum(tokens) / len(tokens) if tokens else None,
-        # the generator's lag while the step was judged: what could have moved its verdict
-        "lag_p99_ms": float(nearest_rank(lags, 0.99)) if lags else None,
-    }
-
-
-def run_step(plan: StepPlan, variant: str, rate: float, *, first: bool = False,
-             on_look: Callable[[dict], None] | None = None) -> StepResult:  # fmt: skip
-    """Replay ``variant`` alone at ``rate`` until the verdict is clear or the cap is reached."""
+def run_step(
+    plan: StepPlan,
+    variant: str,
+    rate: float,
+    *,
+    first: bool = False,
+    on_look: Callable[[dict], None] | None = None,
+    on_run: Callable[[int], None] | None = None,
+) -> StepResult:
+    """Replay ``variant`` alone at ``rate`` until the verdict is clear or the cap is reached.
+    ``on_run(run_id)``: called once the step's run exists, before it replays. A run that fails,
+    or that anyone but the step cancels, raises StepCutShort."""
     t0 = time.monotonic()
-    run = create_run(
-        plan.experiment, source=plan.trace, local_paths=plan.local_paths, source_format=plan.source_format,
-        mode="mirror", targets=[variant], arrival=plan.arrival_at(rate), limit=plan.max_requests,
-        population_seed=plan.seed, actor=plan.actor, enqueue=False, confirm=True, check_variants=first,
-        shard_count=plan.shards,
-    )  # fmt: skip
-    order = judged_order(run, plan.warmup_s)  # before the replay starts: its shard reuses the parse
-    eager = settings.CELERY_TASK_ALWAYS_EAGER
-    store = sample_store()  # opened (and warm for writing) before the step's clock starts
-    failure: list[BaseException] = []
-    worker = None
-    if eager:
+    request = ReplayRequest(
+        plan.experiment,
+        source=plan.trace,
+        local_paths=plan.local_paths,
+        source_format=plan.source_format,
+        mode="mirror",
+        targets=(variant,),
+        arrival=plan.arrival_at(rate),
+        limit=plan.max_requests,
+        seed=plan.seed,
+        actor=plan.actor,
+        confirm=True,
+        check_variants=first,
+        shards=plan.shards,
+    )
+    # The run starts when this transaction commits (durable: the outermost, or it never would):
+    # named (on_run), its schedule read (its shard reuses the parse) and the sample store opened
+    # (warm for writing) before it sends.
+    with transaction.atomic(durable=True):
+        handle = submit(request)
+        if on_run:
+            on_run(handle.run_id)
+        order = handle.send_order(after_s=plan.warmup_s)
+        store = sample_store()
+    run = handle.run
 
-        def work():
-            try:
-                start_replay(run.pk)
-            except BaseException as exc:  # noqa: BLE001 - reported below, with the run
-                log.exception("capacity step run %s failed", run.pk)
-                failure.append(exc)
-            finally:
-                connections.close_all()
+    def counts() -> dict[str, Any]:
+        return settled_counts(
+            store, plan.slo, experiment=plan.experiment.key, run_id=run.pk, variant=variant, order=order
+        )
 
-        worker = threading.Thread(target=work, name=f"abplat-capacity-{run.pk}")
-        worker.start()
-    else:
-        start_replay.delay(run.pk)
     verdict = UNDECIDED
     futile = False
-    got: dict[str, Any] = {"n": 0, "hits": 0}
+    stopped_here = False  # the step cancelled its run itself (decided, or could no longer meet)
+    got: dict[str, Any] = {"n": 0, "hits": 0, "setup_errors": 0}
     while True:
-        run.refresh_from_db()
-        final = run.is_final or (worker is not None and not worker.is_alive())
+        ended = handle.ended()
         try:
-            got = _counts(store, plan, run.pk, variant, order)
+            got = counts()
         except (StoreError, OSError) as exc:
             log.warning("capacity step run %s: the sample store did not answer: %s", run.pk, exc)
         else:
             verdict = step_verdict(got["hits"], got["n"], plan.target, plan.alpha)
-            if verdict == UNDECIDED and not can_still_meet(got["hits"], got["n"], got["left"], plan.target,
-                                                           plan.alpha):  # fmt: skip
+            if verdict == UNDECIDED and not can_still_meet(
+                got["hits"], got["n"], got["left"], plan.target, plan.alpha
+            ):
                 futile = True
             if on_look:
                 on_look({"run": run.pk, "rate": rate, "verdict": verdict, **got})
             if (verdict in (MEETS, MISSES) or futile) and not run.cancel_requested and not run.is_final:
-                cancel_run(run)  # decided: the rest of the schedule would only cost time
-        if final:
+                handle.cancel()  # decided: the rest of the schedule would only cost time
+                stopped_here = True
+        if ended:
             break
-        time.sleep(plan.look_s)
-    if worker is not None:
-        worker.join()
-    run.refresh_from_db()
-    if failure or run.status == ReplayRun.Status.FAILED:
-        why = failure[0] if failure else run.error
-        raise RuntimeError(f"capacity step at {rate:g} req/s (run {run.pk}) failed: {why}")
-    got = _counts(store, plan, run.pk, variant, order)  # every sample is durable now
+        handle.wait(plan.look_s)  # the next look, or the run's end, whichever comes first
+    handle.wait()  # its thread in this process, if any, has returned: the row as the run left it
+    if handle.failure or run.status == ReplayRun.Status.FAILED:
+        why = handle.failure or run.error
+        raise StepCutShort(f"capacity step at {rate_text(rate)} req/s (run {run.pk}) failed: {why}", run.pk)
+    if run.status == ReplayRun.Status.CANCELLED and not stopped_here:
+        # someone cancelled the run (the replay's cancel): what it judged is not a verdict
+        raise StepCutShort(
+            f"capacity step at {rate_text(rate)} req/s (run {run.pk}) was cancelled before it decided", run.pk
+        )
+    got = counts()  # every sample is durable now
+    if got["setup_errors"] and not got["n"]:
+        raise StepCutShort(
+            f"capacity step at {rate_text(rate)} req/s (run {run.pk}): {variant} answered every request with a "
+            "setup error (a 4xx such as a wrong model name or credentials), so it measures no capacity: "
+            f"sla_report {plan.experiment.key} --run {run.pk} shows the statuses",
+            run.pk,
+        )
     verdict = step_verdict(got["hits"], got["n"], plan.target, plan.alpha)
     lo, hi = (
         step_sequence(got["hits"], got["n"], plan.target, plan.alpha).bounds() if got["n"] else (None, None)
     )
     lag = got["lag_p99_ms"]
     if lag is None:  # nothing judged: the shards' own figure, warm-up and all
-        lags = [x for x in run.shards.values_list("lag_p99_ms", flat=True) if x is not None]
-        lag = max(lags) if lags else None
+        lag = handle.lag_p99_ms()
     return StepResult(
-        rate_rps=float(rate), verdict=verdict, n=got["n"], hits=got["hits"], lag_p99_ms=lag,
-        ttft_p50_ms=got["ttft_p50_ms"], ttft_p99_ms=got["ttft_p99_ms"], attainment_lo=lo, attainment_hi=hi,
-        seconds=time.monotonic() - t0, run_id=run.pk, output_tokens_mean=got["output_tokens_mean"],
-        note="" if verdict != UNDECIDED else _undecided(got, futile),
-    )  # fmt: skip
+        rate_rps=float(rate),
+        verdict=verdict,
+        n=got["n"],
+        hits=got["hits"],
+        lag_p99_ms=lag,
+        ttft_p50_ms=got["ttft_p50_ms"],
+        ttft_p99_ms=got["ttft_p99_ms"],
+        attainment_lo=lo,
+        attainment_hi=hi,
+        seconds=time.monotonic() - t0,
+        run_id=run.pk,
+        output_tokens_mean=got["output_tokens_mean"],
+        note=_note(verdict, got, futile),
+    )
+
+
+def _note(verdict: str, got: dict[str, Any], futile: bool) -> str:
+    notes = [_undecided(got, futile)] if verdict == UNDECIDED else []
+    if got["setup_errors"]:
+        notes.append(f"{got['setup_errors']} setup error(s) left out (sla_report names their statuses)")
+    return "; ".join(notes)
 
 
 def _undecided(got: dict[str, Any], futile: bool) -> str:
     if futile:
-        return (f"undecided after {got['n']} requests: {got['n'] - got['hits']} missed, so it could no longer "
-                "meet the target before the step's cap")  # fmt: skip
+        return (
+            f"undecided after {got['n']} requests: {got['n'] - got['hits']} missed, so it could no longer "
+            "meet the target before the step's cap"
+        )
     return f"undecided after {got['n']} requests (the step's cap)"

@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import django.dispatch
 import redis
 
 from analysis.definitions import Filters, QueryError, slo_of
@@ -144,12 +145,36 @@ def cache_key(
             "experiment": dataclasses.asdict(exp),
             "filters": filters.as_dict(),
             "version": list(version),
-            "catalog": [[c["run_id"], c["status"], c["mode"], c["version"]] for c in catalog],
+            "catalog": [
+                [c["run_id"], c["status"], c["mode"], c["version"], c.get("label"), c.get("complete")]
+                for c in catalog
+            ],
         },
         sort_keys=True,
         default=str,
     )
     return "abplat:sla-report:" + hashlib.sha256(blob.encode()).hexdigest()
+
+
+run_labels = django.dispatch.Signal()
+"""Sent by report_for before the report picks its runs, with the keyword ``experiment`` (its key).
+Receivers return {run_id: {"label": str, "complete": bool}} for the runs they know to be
+something of their own (capacity.labels: the capacity search's steps); analysis.runs names those
+runs by their label, and a complete one (stopped on purpose once it had what it was for) is not
+partial. Defined here, where the catalog is read, so that the apps above (capacity) connect to it
+and this layer imports none of them."""
+
+
+def labelled_catalog(experiment: str, catalog: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The run catalog with what run_labels' receivers say of its runs (a receiver that raises
+    is logged and left out: the runs are then named by their status)."""
+    names: dict[int, Mapping[str, Any]] = {}
+    for receiver, got in run_labels.send_robust(sender=report_for, experiment=experiment):
+        if isinstance(got, Exception):
+            log.warning("run labels of %s from %s not read: %s", experiment, receiver, got)
+        elif got:
+            names.update(got)
+    return [{**c, **names[int(c["run_id"])]} if int(c["run_id"]) in names else c for c in catalog]
 
 
 def report_for(
@@ -168,7 +193,7 @@ def report_for(
     info = experiment_info(experiment)
     t0 = time.perf_counter()
     version = RawReader(store).data_version(filters.experiment)
-    catalog = store.runs(filters.experiment)
+    catalog = labelled_catalog(filters.experiment, store.runs(filters.experiment))
     check_run(filters, version, catalog)
     if not use_cache:
         report = build_report(store, info, filters, version=version, catalog=catalog)

@@ -1,63 +1,151 @@
-"""The report's tables as rows, shared by the CSV export, the page and the sla_report command.
+"""The report's tables as rows: the CSV export (``write_csv``, one file per table of ``TABLES``),
+and the rows the page and the sla_report command show as they are.
 
 Every table has fixed columns (COLUMNS): a CSV always starts with its header row, even when the
-report has no row for it (an arm without samples, SRM not applicable)."""
+report has no row for it (an arm without samples, SRM not applicable). The report formatted as
+text for reading (intervals, the first screen, the per-user and anytime summaries) is
+dashboards.summaries."""
 
 from __future__ import annotations
 
 import csv
 from collections.abc import Iterable, Mapping
-from statistics import NormalDist
 from typing import IO, Any
 
-TABLES = ("variants", "percentiles", "comparisons", "segments", "phases", "attribution", "srm", "failures",
-          "server", "server_phases", "anytime", "clustered")  # fmt: skip
+TABLES = (
+    "variants",
+    "percentiles",
+    "comparisons",
+    "segments",
+    "phases",
+    "attribution",
+    "srm",
+    "failures",
+    "server",
+    "server_phases",
+    "anytime",
+    "clustered",
+)
 COLUMNS: dict[str, tuple[str, ...]] = {
-    "variants": ("variant", "control", "n", "errors", "error_rate", "hits", "attainment", "attainment_lo",
-                 "attainment_hi", "goodput_rps", "verdict", "n_needed"),
-    "percentiles": ("variant", "metric", "quantile", "n", "value_ms", "ci_lo_ms", "ci_hi_ms", "coverage", "note"),
-    "comparisons": ("variant", "attainment_diff", "attainment_diff_lo", "attainment_diff_hi", "attainment_p",
-                    "attainment_p_holm", "p99_ttft_diff_ms", "p99_ttft_diff_lo_ms", "p99_ttft_diff_hi_ms",
-                    "mann_whitney_p", "mann_whitney_p_holm", "prob_variant_slower", "paired_attainment_diff",
-                    "paired_p"),
+    "variants": (
+        "variant",
+        "control",
+        "n",
+        "errors",
+        "error_rate",
+        "hits",
+        "attainment",
+        "attainment_lo",
+        "attainment_hi",
+        "goodput_rps",
+        "verdict",
+        "n_needed",
+    ),
+    "percentiles": (
+        "variant",
+        "metric",
+        "quantile",
+        "n",
+        "value_ms",
+        "ci_lo_ms",
+        "ci_hi_ms",
+        "coverage",
+        "note",
+    ),
+    "comparisons": (
+        "variant",
+        "attainment_diff",
+        "attainment_diff_lo",
+        "attainment_diff_hi",
+        "attainment_p",
+        "attainment_p_holm",
+        "p99_ttft_diff_ms",
+        "p99_ttft_diff_lo_ms",
+        "p99_ttft_diff_hi_ms",
+        "mann_whitney_p",
+        "mann_whitney_p_holm",
+        "prob_variant_slower",
+        "paired_attainment_diff",
+        "paired_p",
+    ),
     "segments": ("dimension", "segment", "variant", "n", "hits", "attainment", "lo", "hi"),
     "phases": ("variant", "missed_requests", "phase", "mean_ms", "share_of_total"),
     "attribution": ("metric", "variant", "method", "factor", "contribution", "share", "total"),
     "srm": ("revision", "variant", "observed", "expected", "chi2", "p_value", "flagged"),
     "failures": ("variant", "outcome", "n", "http_status", "example"),
     # the variants' own metrics (report "server"): server quantiles are interpolated in vLLM's buckets
-    "server": ("variant", "scrapes_ok", "scrapes_failed", "requests_finished", "client_ttft_p50_ms",
-               "client_ttft_p99_ms", "server_ttft_mean_ms", "server_ttft_p50_ms", "server_ttft_p99_ms",
-               "queue_mean_ms", "queue_p50_ms", "queue_p99_ms", "prefill_mean_ms", "prefill_p50_ms",
-               "prefill_p99_ms", "running_mean", "waiting_mean", "kv_cache_usage_max", "last_error"),
+    "server": (
+        "variant",
+        "scrapes_ok",
+        "scrapes_failed",
+        "requests_finished",
+        "client_ttft_p50_ms",
+        "client_ttft_p99_ms",
+        "server_ttft_mean_ms",
+        "server_ttft_p50_ms",
+        "server_ttft_p99_ms",
+        "queue_mean_ms",
+        "queue_p50_ms",
+        "queue_p99_ms",
+        "prefill_mean_ms",
+        "prefill_p50_ms",
+        "prefill_p99_ms",
+        "running_mean",
+        "waiting_mean",
+        "kv_cache_usage_max",
+        "last_error",
+    ),
     # the miss phases split by the server's queue and prefill (an interval estimate: basis)
     "server_phases": ("variant", "basis", "misses", "covered_misses", "phase", "mean_ms"),
     # the anytime-valid intervals (report "anytime"): the ones that may be read mid-run
     # with the user-clustered and adjusted sequences beside the request-level ones: inference says
     # which ("requests", "user-clustered"), quantity "..._adjusted" the adjusted differences; note
     # says why a sequence has no bounds yet (the columns after alpha came later: appended)
-    "anytime": ("variant", "quantity", "estimate", "lo", "hi", "alpha", "inference", "adjusted_on",
-                "variance_reduction", "note"),
+    "anytime": (
+        "variant",
+        "quantity",
+        "estimate",
+        "lo",
+        "hi",
+        "alpha",
+        "inference",
+        "adjusted_on",
+        "variance_reduction",
+        "note",
+    ),
     # per user, the unit of randomization, and adjusted on pre-request covariates (report
     # variants[].clustered, vs_control.clustered / .adjusted): unadjusted and adjusted rows side by side
-    "clustered": ("variant", "quantity", "inference", "adjusted_on", "estimate", "lo", "hi", "se", "se_iid",
-                  "design_effect", "p_value", "p_holm", "variance_reduction"),
-}  # fmt: skip
-UNIT_MEANS = (("attainment", "attainment", ".4f"), ("error_rate", "error rate", ".4f"),
-              ("mean_ttft_ms", "mean TTFT ms", ".1f"))  # fmt: skip
-UNIT_DIFFERENCES = (("attainment_difference", "attainment", "+.4f"), ("error_rate_difference", "error rate", "+.4f"),
-                    ("mean_ttft_difference", "mean TTFT ms", "+.1f"))  # fmt: skip
+    "clustered": (
+        "variant",
+        "quantity",
+        "inference",
+        "adjusted_on",
+        "estimate",
+        "lo",
+        "hi",
+        "se",
+        "se_iid",
+        "design_effect",
+        "p_value",
+        "p_holm",
+        "variance_reduction",
+    ),
+}
+UNIT_MEANS = (
+    ("attainment", "attainment", ".4f"),
+    ("error_rate", "error rate", ".4f"),
+    ("mean_ttft_ms", "mean TTFT ms", ".1f"),
+)
+UNIT_DIFFERENCES = (
+    ("attainment_difference", "attainment", "+.4f"),
+    ("error_rate_difference", "error rate", "+.4f"),
+    ("mean_ttft_difference", "mean TTFT ms", "+.1f"),
+)
 ANYTIME_QUANTITIES = ("attainment", "error_rate", "p99_ttft_ms")
 ANYTIME_DIFFERENCES = ("attainment_difference", "error_rate_difference", "p99_ttft_difference")
 # The inference of the anytime sequences that treat requests as independent draws (the report's
 # own label for them, analysis.units.INFERENCE_REQUEST).
 INFERENCE_REQUESTS = "requests"
-# A clustered or adjusted anytime sequence that is null, or a bound it does not have yet.
-NO_VALUE = "—"
-MIRROR_UNITS_NOTE = (
-    "mirror mode: every request went to every variant, so there are no user-clustered or adjusted "
-    "differences (the arms share their users); the paired analysis (vs_control.paired) compares them"
-)
 
 
 def _round6(x: float | None) -> float | None:
@@ -243,16 +331,6 @@ def server_phases(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
             }
 
 
-def interval_text(iv: Mapping[str, Any] | None, fmt: str) -> str:
-    """ "0.9876 [0.9812, 0.9921]" for the page and sla_report; an open side (a None bound) is
-    "-inf" or "inf", no estimate is "-"."""
-    if not iv or iv.get("estimate") is None:
-        return "-"
-    lo = "-inf" if iv["lo"] is None else format(iv["lo"], fmt)
-    hi = "inf" if iv["hi"] is None else format(iv["hi"], fmt)
-    return f"{format(iv['estimate'], fmt)} [{lo}, {hi}]"
-
-
 def anytime(report: Mapping[str, Any]) -> Iterable[dict[str, Any]]:
     """One row per variant and quantity: its request-level sequences, their differences to the
     control, then its user-clustered sequences, their differences and the adjusted differences
@@ -323,163 +401,6 @@ def _unit_row(variant: str, quantity: str, inference: str, est: Mapping[str, Any
         "p_holm": est.get("p_holm"),
         "variance_reduction": adjusted.get("variance_reduction"),
     }
-
-
-def percent_text(x: float | None) -> str:
-    """A share as a whole percent, "-" for None; a value that rounds to 0 is "0%", never "-0%"."""
-    return "-" if x is None else f"{int(round(x * 100))}%"
-
-
-def _unadjusted_of(adj: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The difference without covariates an adjusted entry carries, as an interval (normal, at
-    the entry's conf); None when it carries none."""
-    if not adj or adj.get("unadjusted") is None:
-        return None
-    se = adj.get("se_unadjusted")
-    half = None if se is None else NormalDist().inv_cdf(0.5 + adj["conf"] / 2) * se
-    u = adj["unadjusted"]
-    return {"estimate": u, "lo": None if half is None else u - half, "hi": None if half is None else u + half,
-            "p_value": None}  # fmt: skip
-
-
-def unit_summary(report: Mapping[str, Any]) -> dict[str, Any]:
-    """The per-user and adjusted statistics formatted for the page and sla_report: per variant
-    its clustered means (with the design effect: how many requests are worth one independent
-    one), per comparison the unadjusted and the adjusted difference side by side with the
-    variance reduction and the covariates used."""
-    info = report.get("inference") or {}
-    variants, comparisons = [], []
-    for e in report["variants"]:
-        per = e.get("clustered")
-        if per:
-            att = per.get("attainment") or {}
-            row = {"variant": e["key"], "users": att.get("clusters"), "effective_users": att.get("effective_clusters"),
-                   "design_effect": att.get("design_effect"), "notes": []}  # fmt: skip
-            for name, _label, fmt in UNIT_MEANS:
-                row[name] = interval_text(per.get(name), fmt)
-                note = (per.get(name) or {}).get("note")
-                if note and note not in row["notes"]:
-                    row["notes"].append(note)
-            variants.append(row)
-        vs = e.get("vs_control") or {}
-        if not (vs.get("clustered") or vs.get("adjusted")):
-            continue
-        for name, label, fmt in UNIT_DIFFERENCES:
-            plain = (vs.get("clustered") or {}).get(name)
-            adj = (vs.get("adjusted") or {}).get(name)
-            if not (plain or adj):
-                continue
-            used = (adj or {}).get("adjusted") or {}
-            if plain is None:  # requests as units: the adjusted fit's own unadjusted difference
-                plain = _unadjusted_of(adj)
-            comparisons.append({
-                "variant": e["key"],
-                "quantity": label,
-                "unadjusted": interval_text(plain, fmt) if plain else "-",
-                "adjusted": interval_text(adj, fmt) if adj else "-",
-                "variance_reduction": percent_text(used.get("variance_reduction")) if adj else "-",
-                "covariates": ", ".join(used.get("covariates", [])) or ("none varied" if adj else "-"),
-                "not_used": "; ".join(f"{k}: {v}" for k, v in (used.get("not_used") or {}).items()),
-            })  # fmt: skip
-    return {"info": info, "variants": variants, "comparisons": comparisons}
-
-
-def sequence_text(seq: Mapping[str, Any] | None, fmt: str) -> str:
-    """A user-clustered or adjusted anytime sequence for the page and sla_report: "—" when it is
-    null, "0.9876 [—, —]" before it has bounds (too few units yet); its note says why."""
-    if not seq or seq.get("estimate") is None:
-        return NO_VALUE
-    if seq["lo"] is None and seq["hi"] is None:
-        return f"{format(seq['estimate'], fmt)} [{NO_VALUE}, {NO_VALUE}]"
-    return interval_text(seq, fmt)
-
-
-def _sequence_notes(seqs: Iterable[tuple[str, Mapping[str, Any] | None]]) -> list[str]:
-    """The notes of a row's sequences, each once: why a sequence has no bounds, or is null."""
-    notes: list[str] = []
-    for name, seq in seqs:
-        note = (seq or {}).get("note")
-        if seq is None and name.startswith("mean_ttft"):
-            note = "mean TTFT: no successful request with a TTFT in an arm"
-        if note and note not in notes:
-            notes.append(note)
-    return notes
-
-
-def _adjusted_on(adj: Mapping[str, Any]) -> tuple[str, str]:
-    """(the covariates the adjusted sequences are on, those left out and why): one list when
-    every quantity used the same covariates, else per quantity."""
-    used: dict[str, str] = {}
-    left: list[str] = []
-    for name, label, _fmt in UNIT_DIFFERENCES:
-        seq = adj.get(name)
-        if not seq:
-            continue
-        label_of = seq.get("adjusted") or {}
-        used[label] = ", ".join(label_of.get("covariates", [])) or "none varied"
-        left += [f"{k}: {why}" for k, why in (label_of.get("not_used") or {}).items()]
-    distinct = set(used.values())
-    text = distinct.pop() if len(distinct) == 1 else "; ".join(f"{k}: {v}" for k, v in used.items())
-    return text, "; ".join(dict.fromkeys(left))
-
-
-def anytime_summary(report: Mapping[str, Any]) -> dict[str, Any]:
-    """The anytime-valid intervals formatted for the page and sla_report, one row per variant
-    and inference, as the fixed-horizon per-user tables label theirs: the request-level sequences
-    (p99 TTFT), then the user-clustered ones (mean TTFT; per arm and the differences) and the
-    adjusted differences (inference "user-clustered, adjusted" or "requests, adjusted"). A cell
-    is "" where the inference has no such sequence (p99 is per request and not adjusted; the
-    adjustment is of differences only), "-" where there is no comparison (the control, or
-    clustered differences in mirror mode), "—" for a null sequence or bound, with the row's
-    notes saying why. Also the table's notes: the unit sequences' design, and in mirror mode
-    that they give no differences."""
-    at = report.get("anytime") or {}
-    blank = dict.fromkeys(
-        [*ANYTIME_QUANTITIES, *ANYTIME_DIFFERENCES, "mean_ttft_ms", "mean_ttft_difference"], ""
-    )
-    rows: list[dict[str, Any]] = []
-    clustered_rows = False
-    for v, e in at.get("variants", {}).items():
-        vs = e["vs_control"]
-        rows.append({
-            **blank, "variant": v, "inference": INFERENCE_REQUESTS, "kind": "requests",
-            "attainment": interval_text(e["attainment"], ".4f"),
-            "error_rate": interval_text(e["error_rate"], ".4f"),
-            "p99_ttft_ms": interval_text(e["p99_ttft_ms"], ".1f"),
-            "attainment_difference": interval_text((vs or {}).get("attainment_difference"), "+.4f"),
-            "error_rate_difference": interval_text((vs or {}).get("error_rate_difference"), "+.4f"),
-            "p99_ttft_difference": interval_text((vs or {}).get("p99_ttft_difference"), "+.1f"),
-            "has_arm": True, "has_difference": vs is not None, "adjusted_on": "", "not_used": "", "notes": [],
-        })  # fmt: skip
-        per, diffs = e.get("clustered"), (vs or {}).get("clustered")
-        if per or diffs:
-            clustered_rows = True
-            row = {**blank, "variant": v, "inference": (per or diffs)["inference"], "kind": "clustered",
-                   "has_arm": per is not None, "has_difference": diffs is not None, "adjusted_on": "",
-                   "not_used": ""}  # fmt: skip
-            seqs = []
-            for part, names in ((per, UNIT_MEANS), (diffs, UNIT_DIFFERENCES)):
-                for name, _label, fmt in names:
-                    row[name] = sequence_text(part.get(name), fmt) if part else "-"
-                    seqs += [(name, part.get(name))] if part else []
-            row["notes"] = _sequence_notes(seqs)
-            rows.append(row)
-        adj = (vs or {}).get("adjusted")
-        if adj:
-            on, left = _adjusted_on(adj)
-            row = {**blank, "variant": v, "inference": f"{adj['inference']}, adjusted", "kind": "adjusted",
-                   "has_arm": False, "has_difference": True, "adjusted_on": on, "not_used": left}  # fmt: skip
-            for name, _label, fmt in UNIT_DIFFERENCES:
-                row[name] = sequence_text(adj.get(name), fmt)
-            row["notes"] = _sequence_notes((name, adj.get(name)) for name, _l, _f in UNIT_DIFFERENCES)
-            rows.append(row)
-    notes = []
-    info = at.get("units") or {}
-    if info.get("cluster_by_user") or info.get("adjust"):
-        notes.append(info["note"])
-    if clustered_rows and (report.get("modes") or {}).get("mirror"):
-        notes.append(MIRROR_UNITS_NOTE)
-    return {"rows": rows, "notes": notes}
 
 
 def rows(report: Mapping[str, Any], table: str) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
 from analysis.definitions import MODES, RUN_STATUSES, QueryError
-from dashboards import charts, tables
+from dashboards import charts, summaries, tables
 from dashboards.reports import report_for_params, report_time_limit_s, timeout_message
 from experiments.teams import visible_experiments
 from samples.store import QueryTimeout
@@ -39,7 +39,10 @@ def _sources(runs: dict) -> list[dict]:
     for r in [*runs.get("read", []), *runs.get("not_read", [])]:
         mode = r.get("mode") or runs.get("mode")
         source = out.setdefault("live" if mode == "live" else "replay", {"runs": [], "modes": []})
-        source["runs"].append({"run_id": r["run_id"], "mode": mode, "read": "reason" not in r})
+        # a run the glue labelled (a capacity step: what it was for) is named by its label
+        source["runs"].append(
+            {"run_id": r["run_id"], "mode": mode, "read": "reason" not in r, "label": r.get("label", "")}
+        )
         if mode and mode not in source["modes"]:
             source["modes"].append(mode)
     return [
@@ -75,15 +78,18 @@ def experiment(request: HttpRequest, key: str) -> HttpResponse:
         "target_percent": f"{report['experiment']['sla']['target'] * 100:.10g}",
         "filters": filters,
         "all_variants": [v.key for v in exp.variants.all()],
-        "figures": charts.all_figures(report),
+        # the answer first: per variant its verdict and intervals, drawn (charts "answer")
+        "answer": summaries.answer(report),
+        "charts": charts.page_sections(charts.all_figures(report)),
+        "percentiles": summaries.percentile_summary(report),
         "variant_rows": list(tables.variants(report)),
         "comparison_rows": list(tables.comparisons(report)),
         "failure_rows": list(tables.failures(report)),
         "server_rows": list(tables.server(report)),
         "server_split_rows": list(tables.server_phases(report)),
         # the request-level anytime rows, then the user-clustered and adjusted ones beside them
-        "anytime": tables.anytime_summary(report),
-        "units": tables.unit_summary(report),
+        "anytime": summaries.anytime_summary(report),
+        "units": summaries.unit_summary(report),
         "run_statuses": RUN_STATUSES,
         "run_modes": MODES,
         "sources": _sources(report["runs"]),

@@ -115,7 +115,7 @@ def _bindings_errors(directory: str) -> list[checks.CheckMessage]:
         return [
             checks.Error(
                 str(exc),
-                hint=f'{BINDINGS_FILE} maps secret names to {{"hosts": [...], "teams": [...]}} (README "Security")',
+                hint=f'{BINDINGS_FILE} maps secret names to {{"hosts": [...], "teams": [...]}} (docs/security.md)',
                 id="abplat.E003",
             )
         ]

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from stats.sequential.guardrails import Guardrail
+from stats.sequential.guardrail_spec import Guardrail
 from streaming.egress import (
     SECRET_NAME_RE,
     SECRET_NAME_RULE,
@@ -43,8 +43,18 @@ MAX_SLO_MS = 3_600_000.0
 TOP_FIELDS = {"key", "name", "team", "hypothesis", "sla", "variants", "rollout", "analysis"}
 SLA_FIELDS = {"ttft_ms", "tpot_ms", "e2e_ms", "target"}
 VARIANT_FIELDS = {
-    "key", "control", "weight", "endpoint", "model", "api", "http2", "factors", "engine_args", "auth", "cost",
-}  # fmt: skip
+    "key",
+    "control",
+    "weight",
+    "endpoint",
+    "model",
+    "api",
+    "http2",
+    "factors",
+    "engine_args",
+    "auth",
+    "cost",
+}
 AUTH_FIELDS = {"secret"}
 # How the report analyses the experiment (analysis.units): users as the independent unit, and
 # regression adjustment on pre-request covariates. Both on unless a document turns them off.
@@ -413,8 +423,15 @@ def weights_of(doc: dict) -> dict[str, int]:
 # ---- rollout plan ---------------------------------------------------------------------------
 
 ROLLOUT_FIELDS = {
-    "candidate", "steps", "min_samples", "min_duration", "guardrails", "on_breach", "notify", "alpha",
-}  # fmt: skip
+    "candidate",
+    "steps",
+    "min_samples",
+    "min_duration",
+    "guardrails",
+    "on_breach",
+    "notify",
+    "alpha",
+}
 ON_BREACH = ("rollback", "pause")
 SLA_TARGET = "sla_target"  # `at_least: sla_target`: the experiment's own SLA target
 # Guardrail latencies a quantile metric may name (p99_ttft_ms): columns of the samples table.

@@ -30,6 +30,7 @@ own (``cudagraph_capture_sizes: [8, "--trust-remote-code"]`` would switch remote
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import re
@@ -44,28 +45,57 @@ RESERVED = ("host", "port", "model", "served_model_name")
 ALLOWED = frozenset(
     {
         # precision and model length
-        "dtype", "quantization", "kv_cache_dtype", "calculate_kv_scales", "max_model_len", "seed",
+        "dtype",
+        "quantization",
+        "kv_cache_dtype",
+        "calculate_kv_scales",
+        "max_model_len",
+        "seed",
         "max_logprobs",
         # memory and KV cache
-        "gpu_memory_utilization", "kv_cache_memory_bytes", "block_size", "num_gpu_blocks_override",
-        "enable_prefix_caching", "prefix_caching_hash_algo", "swap_space", "cpu_offload_gb",
+        "gpu_memory_utilization",
+        "kv_cache_memory_bytes",
+        "block_size",
+        "num_gpu_blocks_override",
+        "enable_prefix_caching",
+        "prefix_caching_hash_algo",
+        "swap_space",
+        "cpu_offload_gb",
         # scheduler
-        "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
-        "long_prefill_token_threshold", "max_num_partial_prefills", "max_long_partial_prefills",
-        "scheduling_policy", "async_scheduling", "stream_interval", "num_scheduler_steps",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "enable_chunked_prefill",
+        "long_prefill_token_threshold",
+        "max_num_partial_prefills",
+        "max_long_partial_prefills",
+        "scheduling_policy",
+        "async_scheduling",
+        "stream_interval",
+        "num_scheduler_steps",
         "disable_log_stats",
         # compilation and CUDA graphs
-        "enforce_eager", "optimization_level", "cudagraph_capture_sizes", "max_cudagraph_capture_size",
+        "enforce_eager",
+        "optimization_level",
+        "cudagraph_capture_sizes",
+        "max_cudagraph_capture_size",
         "max_seq_len_to_capture",
         # parallelism
-        "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-        "enable_expert_parallel", "disable_custom_all_reduce",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "data_parallel_size",
+        "enable_expert_parallel",
+        "disable_custom_all_reduce",
         # kernels
-        "attention_backend", "moe_backend", "disable_sliding_window", "disable_cascade_attn",
+        "attention_backend",
+        "moe_backend",
+        "disable_sliding_window",
+        "disable_cascade_attn",
         # speculative decoding without a second model (spec_model is risky)
-        "spec_method", "spec_tokens", "num_speculative_tokens",
+        "spec_method",
+        "spec_tokens",
+        "num_speculative_tokens",
     }
-)  # fmt: skip
+)
 
 # Operator-approved only: what each one reaches, said in the error a product user sees.
 RISKY: dict[str, str] = {
@@ -133,6 +163,21 @@ def parse_allow_risky(values: Iterable[str]) -> frozenset[str]:
     return frozenset(names)
 
 
+def unknown_flag_message(key: str) -> str:
+    """Why ``key`` is refused and what to write instead: the closest flag a variant may set (or
+    an operator may allow) when one is that close (a typo), else both lists."""
+    close = difflib.get_close_matches(key, sorted(ALLOWED | RISKY.keys()), n=1, cutoff=0.75)
+    refused = f"{flag_of(key)} is not an engine flag a variant may set"
+    if close and close[0] in RISKY:
+        return f"{refused}; did you mean {flag_of(close[0])}? (a risky one: {RISKY[close[0]]})"
+    if close:
+        return f"{refused}; did you mean {flag_of(close[0])}?"
+    return (
+        f"{refused}. Allowed: {ALLOWED_TEXT}. "
+        f"Only with an operator's serve_variant --allow-risky-engine-args: {RISKY_TEXT}"
+    )
+
+
 def _value_problem(value: Any) -> str | None:
     if value is None or isinstance(value, bool):
         return None
@@ -187,13 +232,7 @@ def check_engine_args(engine_args: Mapping[str, Any], allow_risky: Collection[st
                 )
                 continue
         elif key not in ALLOWED:
-            problems.append(
-                Problem(
-                    key,
-                    f"{flag} is not an engine flag a variant may set. Allowed: {ALLOWED_TEXT}. "
-                    f"Only with an operator's serve_variant --allow-risky-engine-args: {RISKY_TEXT}",
-                )
-            )
+            problems.append(Problem(key, unknown_flag_message(key)))
             continue
         problem = _value_problem(value)
         if problem:

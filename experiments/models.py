@@ -18,21 +18,25 @@ def new_salt() -> str:
 
 class Team(models.Model):
     """Who owns experiments. What a user may do is their role (the auth groups product, sre,
-    analyst: README "Roles"); on which experiments is their teams': a product or analyst user
+    analyst: docs/security.md, "Roles"); on which experiments is their teams': a product or analyst user
     acts on or reads the experiments of the teams they are a member of (several, if need be).
     Users who may change traffic (sre) and superusers act on every team's; experiments.teams
     has the rules."""
 
     # A document names its team: the name follows the document's key rule.
     name = models.SlugField(
-        max_length=64, unique=True, validators=[RegexValidator(SLUG_RE.pattern, f"a team's name is {SLUG_RULE}")],
+        max_length=64,
+        unique=True,
+        validators=[RegexValidator(SLUG_RE.pattern, f"a team's name is {SLUG_RULE}")],
         help_text=f"{SLUG_RULE}; documents name the team that owns the experiment by it",
-    )  # fmt: skip
+    )
     description = models.CharField(max_length=200, blank=True)
     members = models.ManyToManyField(
-        settings.AUTH_USER_MODEL, blank=True, related_name="abplat_teams",
+        settings.AUTH_USER_MODEL,
+        blank=True,
+        related_name="abplat_teams",
         help_text="product users act on the team's experiments, analysts read them",
-    )  # fmt: skip
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -74,13 +78,15 @@ class Experiment(models.Model):
     # (analysis.units). Report settings only: they change no traffic and no measurement, so they
     # may change at any status but concluded, audited with the rest of the document.
     analysis_cluster_by_user = models.BooleanField(
-        "analysis: users as the independent unit", default=True,
+        "analysis: users as the independent unit",
+        default=True,
         help_text="intervals per user (the unit the router assigns), not per request",
-    )  # fmt: skip
+    )
     analysis_adjust = models.BooleanField(
-        "analysis: adjust on pre-request covariates", default=True,
+        "analysis: adjust on pre-request covariates",
+        default=True,
         help_text="differences adjusted on prompt_tokens and max_tokens (regression; means only, not p99)",
-    )  # fmt: skip
+    )
     concluded_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
@@ -134,9 +140,12 @@ class Variant(models.Model):
     # The NAME of the variant's credential (auth: {secret: NAME}); its value lives only in the
     # operator's ABPLAT_VARIANT_SECRETS_DIR and is read when a replay connects.
     auth_secret = models.CharField(
-        "auth secret", max_length=64, blank=True, default="",
+        "auth secret",
+        max_length=64,
+        blank=True,
+        default="",
         help_text="Name of a secret the operator configured; sent as 'Authorization: Bearer <value>'",
-    )  # fmt: skip
+    )
     # The deployment's price (document ``cost: {per_hour, currency}``), for cost at SLA capacity.
     cost = models.JSONField(
         null=True, blank=True, help_text='price of the deployment: {"per_hour": 4.2, "currency": "USD"}'

@@ -558,9 +558,13 @@ def apply_document(raw, actor=None, reason: str = "") -> ApplyResult:
         experiment.save()
         _write_variants(experiment, doc)
         audit.record(
-            actor, experiment, "create" if before is None else "update", before=redacted_document(before),
-            after=redacted_document(doc), reason=reason,
-        )  # fmt: skip
+            actor,
+            experiment,
+            "create" if before is None else "update",
+            before=redacted_document(before),
+            after=redacted_document(doc),
+            reason=reason,
+        )
         return ApplyResult(experiment, created=before is None, changes=diff_documents(before, doc))
 
 
@@ -591,13 +595,21 @@ def transition(experiment: Experiment, action: str, actor=None, reason: str = ""
         experiment.refresh_from_db()
         on_transition(experiment, action, actor)
         experiment_transitioned.send(
-            sender=Experiment, experiment=experiment, action=action, before=before_status,
-            after=target, actor=actor,
-        )  # fmt: skip
+            sender=Experiment,
+            experiment=experiment,
+            action=action,
+            before=before_status,
+            after=target,
+            actor=actor,
+        )
         audit.record(
-            actor, experiment, action, before={"status": before_status},
-            after={"status": target}, reason=reason,
-        )  # fmt: skip
+            actor,
+            experiment,
+            action,
+            before={"status": before_status},
+            after={"status": target},
+            reason=reason,
+        )
     return experiment
 
 

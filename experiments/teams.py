@@ -1,6 +1,6 @@
 """Who acts on which experiments: roles say what a user may do, teams on which experiments.
 
-Roles stay the auth groups (product, sre, analyst; README "Roles"). A team (models.Team) owns
+Roles stay the auth groups (product, sre, analyst; docs/security.md, "Roles"). A team (models.Team) owns
 experiments; a product or analyst user is a member of one or more teams and acts on (product) or
 reads (analyst) the experiments of those teams only. Users who may change traffic (the sre role,
 TRAFFIC_PERMISSION) operate the weights, rollouts and replays of every experiment, so they act

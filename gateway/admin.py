@@ -7,8 +7,19 @@ from gateway.models import LiveRun
 
 @admin.register(LiveRun)
 class LiveRunAdmin(admin.ModelAdmin):
-    list_display = ("run_id", "worker", "status", "started_at", "heartbeat_at", "recorded", "stored",
-                    "spooled", "spool_rows", "dropped", "rejected")  # fmt: skip
+    list_display = (
+        "run_id",
+        "worker",
+        "status",
+        "started_at",
+        "heartbeat_at",
+        "recorded",
+        "stored",
+        "spooled",
+        "spool_rows",
+        "dropped",
+        "rejected",
+    )
     list_filter = ("status", "host")
     search_fields = ("worker", "spool")
     readonly_fields = [f.name for f in LiveRun._meta.fields] + ["run_id"]

@@ -4,11 +4,14 @@
 configured path prefix), ``GET /v1/models``, ``GET /healthz``. The gateway's rooms, in the
 order a request walks through them:
 
-1. This module, the front door: the API key (its tenant), the tenant's requests in flight, the
-   body (size, read deadline; gateway/request.py parses and checks it), the tenant's and the
-   user's rate limits (gateway/limits.py), then the route: experiment, user, variant
+1. This module, the front door: the API key (its tenant), the body (size, read deadline;
+   gateway/request.py parses and checks it), the route: experiment, user, variant
    (gateway/routing.py, pure, on the process's weights router), only to experiments that run
-   and the tenant may reach. What was decided travels on as one ``RequestContext``.
+   and the tenant may reach; then the client limits, checked and charged together: the tenant's
+   requests in flight, the tenant's and the user's rates (gateway/limits.py in this process, or
+   gateway/shared_limits.py in Redis for every process). After the route, so a request for no
+   model costs no user a token and leaves no bucket behind. What was decided travels on as one
+   ``RequestContext``.
 2. gateway/attempts.py: the variant, and once more the control if retries are on and nothing
    was forwarded yet; the body with the variant's model name and Authorization, the request's
    ``X-Request-Id`` and ``traceparent``; the clock starts just before the upstream send, as the
@@ -40,9 +43,10 @@ from typing import Any, Protocol
 from gateway.attempts import Attempts, Recorder
 from gateway.config import GatewayConfig
 from gateway.http import DUMPS, Receive, Scope, Send, error_body, respond
-from gateway.limits import TokenBuckets
+from gateway.limits import Admission, ProcessLimits, Refused
 from gateway.request import RequestContext, parse_body, traceparent_for
-from gateway.routing import RequestError, decide, experiment_for, split_path, user_for
+from gateway.routing import Decision, RequestError, decide, experiment_for, split_path, user_for
+from gateway.shared_limits import SharedLimits, limits_client
 from gateway.variants import Directory
 from streaming.egress import Allowlist
 from telemetry.metrics import GatewayMeter
@@ -80,18 +84,38 @@ class Gateway:
         self.directory = directory
         self.recorder = recorder
         self.refresh_variants = refresh_variants
-        self.buckets = TokenBuckets(config.user_rate, config.user_burst) if config.user_rate else None
-        self.tenant_buckets = (
-            TokenBuckets(config.tenant_rate, config.tenant_burst) if config.tenant_rate else None
+        self.limits = ProcessLimits(
+            user_rate=config.user_rate,
+            user_burst=config.user_burst,
+            tenant_rate=config.tenant_rate,
+            tenant_burst=config.tenant_burst,
+            tenant_streams=config.tenant_streams,
         )
-        self.tenant_active: Counter[str] = Counter()  # requests in flight per tenant
         self.counts: Counter[str] = Counter()  # reasons, outcomes, refusals
         self.active = 0
         self.meter = GatewayMeter()  # the same events as Prometheus metrics (docs/metrics.md)
+        self.shared_limits = self._shared_limits(config)
         self.attempts = Attempts(
             config, directory, recorder, self.meter, self.counts, allow=allow, ssl_context=ssl_context
         )
         self._started = False
+
+    def _shared_limits(self, config: GatewayConfig) -> SharedLimits | None:
+        """The limits in Redis (ABPLAT_GATEWAY_LIMITS_URL) when set and there is a limit at all."""
+        if not config.limits_url or not (config.user_rate or config.tenant_rate or config.tenant_streams):
+            return None
+        return SharedLimits(
+            limits_client(config.limits_url),
+            self.limits,
+            timeout_s=config.limits_timeout_s,
+            prefix=config.limits_prefix,
+            fallback=self.meter.limit_fallback,
+        )
+
+    @property
+    def tenant_active(self) -> Counter[str]:
+        """Requests in flight per tenant, as this process counted them."""
+        return self.limits.active
 
     @property
     def forward_ns(self) -> int:
@@ -153,9 +177,13 @@ class Gateway:
                     log.exception("gateway: startup failed")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
+                if self.shared_limits is not None:
+                    self.shared_limits.start()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 try:
+                    if self.shared_limits is not None:
+                        await self.shared_limits.aclose()
                     await asyncio.to_thread(self.shutdown)
                 finally:
                     await send({"type": "lifespan.shutdown.complete"})
@@ -239,13 +267,16 @@ class Gateway:
         self.counts[f"refused_{exc.status}"] += 1
         self.meter.refused(exc.status)
         await respond(
-            send, exc.status, error_body(exc.status, exc.message, kind=exc.kind, param=exc.param, code=exc.code),
+            send,
+            exc.status,
+            error_body(exc.status, exc.message, kind=exc.kind, param=exc.param, code=exc.code),
             retry_after=str(max(1, math.ceil(retry_after))).encode() if exc.status == 429 else None,
-        )  # fmt: skip
+        )
 
     # the request path -----------------------------------------------------------------------
-    async def _proxy(self, scope: Scope, receive: Receive, send: Send, prefix_experiment: str | None,
-                     api_path: str) -> None:  # fmt: skip
+    async def _proxy(
+        self, scope: Scope, receive: Receive, send: Send, prefix_experiment: str | None, api_path: str
+    ) -> None:
         headers: dict[bytes, bytes] = {}
         for name, value in scope["headers"]:
             headers[name] = value  # the last of repeated headers (none of ours may repeat)
@@ -254,31 +285,58 @@ class Gateway:
             tenant, api_key = self._authenticate(headers)
         except RequestError as exc:
             return await self._refuse(send, exc)
-        cap = self.config.tenant_streams
-        if cap and self.tenant_active[tenant] >= cap:
-            # A stream's end is unknown: try again in a second.
-            return await self._refuse(send, RequestError(
-                429, f"too many requests in flight for this API key (at most {cap} at once)",
-                kind="rate_limit_error", code="concurrency_limit_exceeded",
-            ), 1.0)  # fmt: skip
-        self.tenant_active[tenant] += 1
-        try:
-            await self._proxy_for(tenant, api_key, headers, receive, send, prefix_experiment, api_path)
-        finally:
-            self.tenant_active[tenant] -= 1
-            if not self.tenant_active[tenant]:
-                del self.tenant_active[tenant]
+        await self._proxy_for(tenant, api_key, headers, receive, send, prefix_experiment, api_path)
 
-    async def _proxy_for(self, tenant: str, api_key: str, headers: dict[bytes, bytes], receive: Receive,
-                         send: Send, prefix_experiment: str | None, api_path: str) -> None:  # fmt: skip
+    async def _admit(self, tenant: str, user: str) -> Admission | Refused:
+        shared = self.shared_limits
+        if shared is not None:
+            return await shared.admit(tenant, user)
+        return self.limits.admit(tenant, user, time.monotonic())
+
+    async def _release(self, admission: Admission) -> None:
+        shared = self.shared_limits
+        if shared is not None:
+            await shared.release(admission)
+        else:
+            self.limits.release(admission.tenant)
+
+    def _limit_error(self, refused: Refused) -> RequestError:
+        if refused.limit == "streams":
+            # A stream's end is unknown: try again in a second.
+            return RequestError(
+                429,
+                f"too many requests in flight for this API key (at most {self.config.tenant_streams} at once)",
+                kind="rate_limit_error",
+                code="concurrency_limit_exceeded",
+            )
+        who = "this API key" if refused.limit == "tenant" else "this user"
+        return RequestError(
+            429, f"rate limit for {who} exceeded", kind="rate_limit_error", code="rate_limit_exceeded"
+        )
+
+    async def _proxy_for(
+        self,
+        tenant: str,
+        api_key: str,
+        headers: dict[bytes, bytes],
+        receive: Receive,
+        send: Send,
+        prefix_experiment: str | None,
+        api_path: str,
+    ) -> None:
         cfg = self.config
         try:
             async with asyncio.timeout(cfg.body_timeout_s):
                 body = await self._read_body(headers, receive)
         except TimeoutError:
-            return await self._refuse(send, RequestError(
-                408, f"the request body did not arrive within {cfg.body_timeout_s:g} s", code="request_timeout"
-            ))  # fmt: skip
+            return await self._refuse(
+                send,
+                RequestError(
+                    408,
+                    f"the request body did not arrive within {cfg.body_timeout_s:g} s",
+                    code="request_timeout",
+                ),
+            )
         except RequestError as exc:
             return await self._refuse(send, exc)
         except _Cancelled:
@@ -292,29 +350,38 @@ class Gateway:
                 raw_user = headers.get(cfg.user_header.encode())
                 header_user = raw_user.decode("utf-8", "replace") if raw_user is not None else None
             user_id, _source = user_for(request.get("user"), header_user, api_key or None)
-            now = time.monotonic()
-            if self.tenant_buckets is not None:
-                wait = self.tenant_buckets.take(tenant, now)
-                if wait > 0:
-                    return await self._refuse(send, RequestError(
-                        429, "rate limit for this API key exceeded", kind="rate_limit_error",
-                        code="rate_limit_exceeded",
-                    ), wait)  # fmt: skip
-            if self.buckets is not None:
-                wait = self.buckets.take(f"{tenant}\0{user_id or ''}", now)
-                if wait > 0:
-                    return await self._refuse(send, RequestError(
-                        429, "rate limit for this user exceeded", kind="rate_limit_error",
-                        code="rate_limit_exceeded",
-                    ), wait)  # fmt: skip
             # 2. the route
             decision = decide(
-                experiment, user_id, controls=self.directory.controls, assign=self._assign,
+                experiment,
+                user_id,
+                controls=self.directory.controls,
+                assign=self._assign,
                 default_experiment=cfg.routes.default_experiment,
                 may_reach=(lambda key: self._may_reach(tenant, key)) if cfg.reach.configured else None,
-            )  # fmt: skip
+            )
         except RequestError as exc:
             return await self._refuse(send, exc)
+        # 3. the limits, once the request has somewhere to go
+        admission = await self._admit(tenant, user_id or "")
+        if isinstance(admission, Refused):
+            return await self._refuse(send, self._limit_error(admission), admission.retry_after_s)
+        try:
+            await self._routed(decision, api_path, request, user_id, headers, receive, send, t_body)
+        finally:
+            await self._release(admission)
+
+    async def _routed(
+        self,
+        decision: Decision,
+        api_path: str,
+        request: dict,
+        user_id: str | None,
+        headers: dict[bytes, bytes],
+        receive: Receive,
+        send: Send,
+        t_body: int,
+    ) -> None:
+        cfg = self.config
         self.counts[decision.reason.value] += 1
         # decision.experiment, not the client's model name: an experiment the database knows.
         self.meter.routed(decision.experiment, decision.reason.value)
@@ -327,8 +394,11 @@ class Gateway:
             target = self.directory.target(decision.experiment, control) if control else None
             if target is None:
                 self.meter.refused(503, routed=True)
-                return await respond(send, 503, error_body(503, "the experiment's variants are not loaded yet",
-                                                             kind="server_error"))  # fmt: skip
+                return await respond(
+                    send,
+                    503,
+                    error_body(503, "the experiment's variants are not loaded yet", kind="server_error"),
+                )
         # Always the gateway's own id: the recorder keys samples by (run, variant, request id),
         # so a client's id reused would collapse two samples into one.
         request_id = "gw-" + uuid.uuid4().hex
@@ -391,7 +461,7 @@ def build_default() -> Gateway:
 
     from experiments.checks import variant_allowlist
     from experiments.weights.process import live_router
-    from streaming.client import tls_verify
+    from streaming.tls import tls_verify
 
     config = GatewayConfig.from_settings()
     verify = tls_verify(settings.VARIANT_CA_BUNDLE or True)

@@ -20,14 +20,16 @@ from collections.abc import Callable
 from typing import Protocol
 
 from gateway.config import GatewayConfig
-from gateway.forwarder import ERROR_BODY_LIMIT, Forwarder, read_some, whole_response
+from gateway.forwarder import Forwarder, read_error
 from gateway.http import DUMPS, Receive, Send, error_body, respond
 from gateway.request import RequestContext, estimate_prompt_tokens
-from gateway.upstream import Endpoint, Exchange, Pool, UpstreamError
+from gateway.upstream import Exchange, Pool, UpstreamError
 from gateway.variants import Directory, Target
 from streaming.egress import Allowlist
+from streaming.endpoint import Endpoint
+from streaming.response import ResponseReader, timeout_outcome
 from streaming.result import Outcome, StreamResult
-from streaming.timing import StreamProtocolError, StreamTimer
+from streaming.timing import StreamTimer
 from telemetry.metrics import GatewayMeter
 
 log = logging.getLogger(__name__)
@@ -37,16 +39,37 @@ _perf = time.perf_counter_ns
 class Recorder(Protocol):
     def start(self) -> None: ...
 
-    def record(self, result: StreamResult, *, experiment: str, variant: str, user_id: str,
-               config_revision: int, sent_unix_ms: float, request_id: str, prompt_tokens: int,
-               max_tokens: int, gateway_ms: float, attempt: int = 1) -> None: ...  # fmt: skip
+    def record(
+        self,
+        result: StreamResult,
+        *,
+        experiment: str,
+        variant: str,
+        user_id: str,
+        config_revision: int,
+        sent_unix_ms: float,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        gateway_ms: float,
+        attempt: int = 1,
+    ) -> None: ...
 
     def close(self, timeout: float = 10.0) -> None: ...
 
 
 class Attempts:
-    def __init__(self, config: GatewayConfig, directory: Directory, recorder: Recorder, meter: GatewayMeter,
-                 counts: Counter[str], *, allow: Allowlist | None, ssl_context: ssl.SSLContext | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: GatewayConfig,
+        directory: Directory,
+        recorder: Recorder,
+        meter: GatewayMeter,
+        counts: Counter[str],
+        *,
+        allow: Allowlist | None,
+        ssl_context: ssl.SSLContext | None,
+    ) -> None:
         self.config = config
         self.directory = directory
         self.recorder = recorder
@@ -119,8 +142,9 @@ class Attempts:
             state["done"] = True
             watcher.cancel()
 
-    async def _attempt(self, ctx: RequestContext, tgt: Target, send: Send, t_body: int, attempt: int, last: bool,
-                       state: dict) -> bool:  # fmt: skip
+    async def _attempt(
+        self, ctx: RequestContext, tgt: Target, send: Send, t_body: int, attempt: int, last: bool, state: dict
+    ) -> bool:
         """One try on one variant. True: the response (or an error) went to the user; False:
         it failed before its first byte and the next attempt may take over."""
         cfg = self.config
@@ -132,10 +156,18 @@ class Attempts:
         )
         request["model"] = tgt.model
         content = DUMPS(request).encode()
-        up_headers = {"content-type": "application/json", "accept": ctx.accept, "x-request-id": request_id,
-                      "traceparent": traceparent, **ctx.forwarded, **tgt.headers}  # fmt: skip
+        up_headers = {
+            "content-type": "application/json",
+            "accept": ctx.accept,
+            "x-request-id": request_id,
+            "traceparent": traceparent,
+            **ctx.forwarded,
+            **tgt.headers,
+        }
         result = StreamResult(request_id=request_id, traceparent=traceparent, trace_id=ctx.trace_id)
         timer = StreamTimer(0, result)
+        # A user who asked for a whole answer (stream false) gets one: not an event stream.
+        reader = ResponseReader(timer, cfg.deadlines, whole_ok=not ctx.request.get("stream"))
         start = _perf()  # the clock: just before the upstream send, as the replay's
         timer.start_ns = result.start_ns = start
         sent_unix_ms = time.time() * 1000.0
@@ -153,12 +185,20 @@ class Attempts:
             self.meter.upstream(decision.experiment, tgt.key, res.outcome.value)
             try:
                 self.recorder.record(
-                    res, experiment=decision.experiment, variant=tgt.key, user_id=ctx.user_id,
-                    config_revision=decision.revision, sent_unix_ms=sent_unix_ms, request_id=request_id,
-                    prompt_tokens=res.prompt_tokens if res.usage_reported else estimate_prompt_tokens(request),
-                    max_tokens=ctx.max_tokens, gateway_ms=gw_ns / 1e6,
+                    res,
+                    experiment=decision.experiment,
+                    variant=tgt.key,
+                    user_id=ctx.user_id,
+                    config_revision=decision.revision,
+                    sent_unix_ms=sent_unix_ms,
+                    request_id=request_id,
+                    prompt_tokens=res.prompt_tokens
+                    if res.usage_reported
+                    else estimate_prompt_tokens(request),
+                    max_tokens=ctx.max_tokens,
+                    gateway_ms=gw_ns / 1e6,
                     attempt=attempt,
-                )  # fmt: skip
+                )
             except Exception:  # the recorder must never fail a user's request
                 log.exception("gateway: recorder failed")
 
@@ -170,15 +210,23 @@ class Attempts:
                     # Nothing to send (its secret is missing, or not bound to this host): handled as a
                     # connection our side refused, so the control takes over or the user gets a 502.
                     raise UpstreamError(Outcome.CLIENT_ERROR, tgt.error)
-                fwd = Forwarder(send, timer, [(b"x-abplat-variant", tgt.key.encode()),
-                                               (b"x-request-id", request_id.encode()),
-                                               (b"traceparent", traceparent.encode())], take_5xx=last,
-                                 state=state)  # fmt: skip
+                fwd = Forwarder(
+                    send,
+                    reader,
+                    [
+                        (b"x-abplat-variant", tgt.key.encode()),
+                        (b"x-request-id", request_id.encode()),
+                        (b"traceparent", traceparent.encode()),
+                    ],
+                    take_5xx=last,
+                    state=state,
+                )
                 ex = await self._pool(tgt.endpoint).send(
                     ctx.api_path, up_headers, content, cfg.deadlines, fwd.on_head
                 )
             except UpstreamError as exc:
-                record(timer.finish(_perf(), exc.outcome, exc.message), gateway_ns)
+                reader.decide(exc.outcome, exc.message)
+                record(reader.finish(_perf()), gateway_ns)
                 if not last:
                     return False
                 timed_out = exc.outcome in (Outcome.CONNECT_TIMEOUT, Outcome.HEADERS_TIMEOUT)
@@ -186,31 +234,56 @@ class Attempts:
                 state["done"] = True
                 # The details (host, port, refusals, secret names) are the operator's: in the log
                 # and the sample, under the request id the user gets.
-                log.warning("gateway: request %s to %s/%s failed: %s", request_id, decision.experiment, tgt.key,
-                            exc.message)  # fmt: skip
+                log.warning(
+                    "gateway: request %s to %s/%s failed: %s",
+                    request_id,
+                    decision.experiment,
+                    tgt.key,
+                    exc.message,
+                )
                 said = "did not answer in time" if timed_out else "could not be reached"
                 await respond(
-                    send, status, error_body(
-                        status, f"the model's server {said}; request id {request_id}", kind="upstream_error",
+                    send,
+                    status,
+                    error_body(
+                        status,
+                        f"the model's server {said}; request id {request_id}",
+                        kind="upstream_error",
                         code="upstream_timeout" if timed_out else "upstream_unavailable",
-                    ), variant=tgt.key, request_id=request_id, traceparent=traceparent,
-                )  # fmt: skip
+                    ),
+                    variant=tgt.key,
+                    request_id=request_id,
+                    traceparent=traceparent,
+                )
                 return True
-            timer.headers(ex.headers_ns, ex.status)
+            fwd.read_head(ex)
             if ex.connected:
                 timer.connected(ex.connect_started_ns, ex.connect_done_ns)
             ex.arm(start + int(cfg.deadlines.total_s * 1e9))
             if not fwd.started and ex.status >= 500 and not last:
                 # Before the first byte: read the error, record it, let the control answer.
-                detail = await read_some(ex)
-                res = timer.finish(_perf(), Outcome.HTTP_5XX, f"HTTP {ex.status}: {detail}")
-                record(res, gateway_ns)
+                await read_error(ex, reader)
+                record(reader.finish(_perf()), gateway_ns)
                 ex.close()
                 ex = None
                 return False
             if not fwd.started:
                 fwd.on_head(ex, force=True)
-            return await self._stream(send, ex, timer, fwd, gateway_ns, record)
+
+            def complete() -> None:
+                # The variant's body is complete and the user's response is about to end: the
+                # sample goes to the recorder first, so a user who saw the end has a sample
+                # whatever becomes of this process after (gateway.recording).
+                try:
+                    fwd.measure()
+                    now = _perf()
+                    reader.end(now)
+                    record(reader.finish(now), gateway_ns)
+                except Exception:  # never into the protocol callback that ends the response
+                    log.exception("gateway: recording request %s at its end failed", request_id)
+
+            fwd.before_end = complete
+            return await self._stream(send, ex, fwd, gateway_ns, record, recorded)
         except asyncio.CancelledError:
             if ex is not None:
                 ex.abort()
@@ -222,50 +295,46 @@ class Attempts:
             record(timer.finish(_perf(), Outcome.CANCELLED, why), gateway_ns)
             raise
         finally:
+            if fwd is not None:
+                fwd.before_end = None  # complete() holds the forwarder: no cycle left behind
             if ex is not None:
                 ex.close()
 
-    async def _stream(self, send: Send, ex: Exchange, timer: StreamTimer, fwd: Forwarder, gateway_ns: int,
-                      record: Callable[[StreamResult, int], None]) -> bool:  # fmt: skip
+    async def _stream(
+        self,
+        send: Send,
+        ex: Exchange,
+        fwd: Forwarder,
+        gateway_ns: int,
+        record: Callable[[StreamResult, int], None],
+        recorded: list[bool],
+    ) -> bool:
         """The response is under way (the forwarder started it in the read callback): wait for
-        its end, then finish the measurement and hand it to the recorder."""
+        its end, then finish the measurement and hand it to the recorder, unless the forwarder
+        did as it ended the response (``recorded``: the body was complete)."""
         await ex.finished()
         await fwd.flushed()
-        fwd.measure()  # the reads whose measuring the loop has not reached yet
         self.forward_ns += fwd.forward_ns
         self.forwarded_chunks += fwd.chunks
-        parser, ended, error, body = fwd.parser, fwd.ended, fwd.error, fwd.body
+        if recorded[0]:
+            return True
+        fwd.measure()  # the reads whose measuring the loop has not reached yet
         if fwd.send_error is not None and ex.error is None:
             ex.fail(UpstreamError(Outcome.CANCELLED, f"writing to the user failed: {fwd.send_error}"))
         now = _perf()
-        if ex.error is not None and ended is None:
-            outcome, error = ex.error.outcome, ex.error.message
-        elif parser is not None:
-            if ended is None:
-                for ev in parser.finish():
-                    try:
-                        status = timer.event(now, ev.data)
-                    except StreamProtocolError as exc:
-                        ended, error = Outcome.MALFORMED, str(exc)
-                        break
-                    if status == StreamTimer.DONE:
-                        ended = Outcome.OK
-                    elif status == StreamTimer.ENGINE_ERROR:
-                        ended = Outcome.ENGINE_ERROR
-            outcome = ended if ended is not None else Outcome.DISCONNECT
-            if ended is None:
-                error = "stream ended before [DONE]"
-        elif ex.status >= 400:
-            outcome = Outcome.HTTP_4XX if ex.status < 500 else Outcome.HTTP_5XX
-            error = f"HTTP {ex.status}: " + bytes(body[:ERROR_BODY_LIMIT]).decode("utf-8", "replace").strip()
+        reader, failed = fwd.reader, ex.error
+        if failed is None or ex.server_closed:
+            reader.end(now)  # the body ended, or the variant closed the connection: what it says
+        elif failed.outcome in (Outcome.STALL, Outcome.TOTAL_TIMEOUT):
+            # the gap deadline ran out in the reader's phase (before the first token or after)
+            total = failed.outcome is Outcome.TOTAL_TIMEOUT
+            reader.decide(*timeout_outcome(reader.phase, reader.timeouts, total=total))
         else:
-            outcome, error = whole_response(timer, bytes(body), now)
-        res = timer.finish(now, outcome, error)
-        if parser is None and outcome is Outcome.OK:
-            # Not streamed: the user's first token is the whole answer.
-            res.ttft_ms = res.ttft_event_ms = res.e2e_ms
+            reader.decide(failed.outcome, failed.message)
+        res = reader.finish(now)
+        # Recorded before the response's end goes out (as complete() does when the body ended)
+        record(res, gateway_ns)
         if fwd.send_error is None and not fwd.closed:
             fwd.state["done"] = True  # the disconnect that uvicorn reports next is the response's end
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        record(res, gateway_ns)
         return True

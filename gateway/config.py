@@ -19,8 +19,20 @@ from gateway.upstream import Deadlines
 
 _HEADER_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 # Headers the gateway sets itself towards the variant: never taken from the client.
-_OWN_HEADERS = {"authorization", "host", "content-length", "content-type", "x-request-id", "traceparent",
-                "connection", "transfer-encoding", "te", "upgrade", "keep-alive", "proxy-authorization"}  # fmt: skip
+_OWN_HEADERS = {
+    "authorization",
+    "host",
+    "content-length",
+    "content-type",
+    "x-request-id",
+    "traceparent",
+    "connection",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+    "keep-alive",
+    "proxy-authorization",
+}
 
 
 @dataclass(frozen=True)
@@ -37,6 +49,9 @@ class GatewayConfig:
     tenant_rate: int = 0
     tenant_burst: int = 100
     tenant_streams: int = 0  # concurrent requests per tenant; 0: no limit
+    limits_url: str = ""  # Redis shared by every gateway process for the limits; "": per process
+    limits_timeout_s: float = 0.05  # each call to it, before this process counts alone
+    limits_prefix: str = "abplat-gw-limits"  # its keys' prefix (tests: one of their own)
     body_timeout_s: float = 30.0
     deadlines: Deadlines = field(default_factory=Deadlines)
     drain_s: int = 30
@@ -110,6 +125,8 @@ class GatewayConfig:
             tenant_rate=s.GATEWAY_TENANT_RATE,
             tenant_burst=s.GATEWAY_TENANT_BURST,
             tenant_streams=s.GATEWAY_TENANT_STREAMS,
+            limits_url=s.GATEWAY_LIMITS_URL,
+            limits_timeout_s=s.GATEWAY_LIMITS_TIMEOUT_MS / 1000,
             body_timeout_s=s.GATEWAY_BODY_TIMEOUT_S,
             deadlines=Deadlines(
                 connect_s=s.GATEWAY_CONNECT_TIMEOUT_S,

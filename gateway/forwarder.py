@@ -1,29 +1,38 @@
 """The per-chunk path: a variant's response forwarded to the user as it arrives, measured after.
 
-``Forwarder`` runs inside the upstream connection's read callbacks (gateway/upstream.py);
-``whole_response`` reads a non-streamed answer's usage; ``read_some`` the start of an error body.
+``Forwarder`` runs inside the upstream connection's read callbacks (gateway/upstream.py) and
+hands every read, once forwarded, to the request's ResponseReader (streaming/response.py: what
+the response means, as for the replay); ``read_error`` reads an error the user is not shown.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
+from collections.abc import Callable
 
 from gateway.http import Send
 from gateway.stepped_send import resume, step
 from gateway.upstream import Exchange
-from streaming.result import Outcome
-from streaming.sse import SSEParser
-from streaming.timing import StreamProtocolError, StreamTimer
+from streaming.response import ResponseReader
 
 _perf = time.perf_counter_ns
 # Response headers not passed on: hop-by-hop (RFC 9110 7.6.1) and the framing uvicorn redoes.
-HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
-                 b"proxy-authenticate", b"proxy-connection", b"x-abplat-variant", b"x-request-id",
-                 b"traceparent"})  # fmt: skip
-PARSE_LIMIT = 1 << 20  # a non-streamed body is parsed (for usage) up to this size
-ERROR_BODY_LIMIT = 2048
+HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-authenticate",
+        b"proxy-connection",
+        b"x-abplat-variant",
+        b"x-request-id",
+        b"traceparent",
+    }
+)
 
 
 class Forwarder:
@@ -39,42 +48,67 @@ class Forwarder:
        with reading from the variant paused and later reads joined into one write after it.
     3. Then measured, after every read of this loop pass is forwarded: the read's arrival
        stamp (the kernel's or the connection's clock read, streaming/h1.py) and its bytes are
-       kept, and one ``call_soon`` per pass feeds them to the SSE parser and the StreamTimer (a
-       non-streamed body is kept, up to PARSE_LIMIT, for its usage). An engine emits a token
-       for every running request in one step, so reads come in bursts of one per stream: the
+       kept, and one ``call_soon`` per pass feeds them to the request's ResponseReader (which
+       feeds the StreamTimer). An engine emits a token for every running request in one
+       step, so reads come in bursts of one per stream: the
        last stream's bytes wait for the burst's forwarding only, not for its measuring too.
        ``measure()`` catches up at once; whoever reads the figures calls it first. Once the
        first content is measured, the exchange defers this stream's reads to the end of the
        pass (gateway/upstream.py, point 4): other streams' first tokens go out before them.
     """
 
-    __slots__ = ("send", "timer", "added", "take_5xx", "ex", "parser", "started", "ended", "error", "body",
-                 "forward_ns", "chunks", "send_error", "closed", "_pending", "_backlog", "_first",
-                 "_close_after", "state", "_unmeasured", "_measure_due")  # fmt: skip
+    __slots__ = (
+        "send",
+        "reader",
+        "added",
+        "take_5xx",
+        "ex",
+        "started",
+        "forward_ns",
+        "chunks",
+        "send_error",
+        "closed",
+        "before_end",
+        "_pending",
+        "_backlog",
+        "_close_after",
+        "state",
+        "_unmeasured",
+        "_measure_due",
+    )
 
-    def __init__(self, send: Send, timer: StreamTimer, added: list[tuple[bytes, bytes]], *, take_5xx: bool,
-                 state: dict) -> None:  # fmt: skip
+    def __init__(
+        self,
+        send: Send,
+        reader: ResponseReader,
+        added: list[tuple[bytes, bytes]],
+        *,
+        take_5xx: bool,
+        state: dict,
+    ) -> None:
         self.send = send
         self.state = state  # the request's: "done" tells the disconnect watcher the end is ours
-        self.timer = timer
+        self.reader = reader  # what the response means (streaming/response.py), fed after forwarding
         self.added = added
         self.take_5xx = take_5xx
         self.ex: Exchange | None = None
-        self.parser: SSEParser | None = None
         self.started = False
-        self.ended: Outcome | None = None  # what the events said: [DONE] -> OK, engine error, malformed
-        self.error = ""
-        self.body = bytearray()
         self.forward_ns = 0
         self.chunks = 0
         self.send_error: BaseException | None = None
         self.closed = False  # the response's last message is handed to uvicorn
+        self.before_end: Callable[[], None] | None = None  # called just before the response's end
         self._pending: asyncio.Task | None = None
         self._backlog: list[bytes] = []
-        self._first = True
         self._close_after = False
         self._unmeasured: list[tuple[int, bytes]] = []  # reads forwarded, not yet measured
         self._measure_due: asyncio.Handle | None = None
+
+    def read_head(self, ex: Exchange) -> None:
+        """The response's status and content type into the reader, once (at the headers' stamp)."""
+        if not self.reader.status:
+            ctype = next((v for k, v in ex.headers if k == b"content-type"), b"")
+            self.reader.head(ex.headers_ns, ex.status, ctype)
 
     def on_head(self, ex: Exchange, force: bool = False) -> None:
         if self.started or (ex.status >= 500 and not self.take_5xx and not force):
@@ -85,9 +119,7 @@ class Forwarder:
         try:
             headers = [(k, v) for k, v in ex.headers if k not in HOP]
             headers += self.added
-            ctype = next((v for k, v in ex.headers if k == b"content-type"), b"")
-            if ex.status == 200 and ctype.startswith(b"text/event-stream"):
-                self.parser = SSEParser()
+            self.read_head(ex)
             self._step({"type": "http.response.start", "status": ex.status, "headers": headers})
         except Exception as exc:  # never into the protocol callback
             self.send_error = exc
@@ -106,6 +138,9 @@ class Forwarder:
             self._close_after = True
             return
         self.closed = True
+        hook, self.before_end = self.before_end, None  # once; and no cycle left through it
+        if hook is not None:
+            hook()  # the sample first (gateway.attempts), then the end the user sees
         # uvicorn answers the watcher's receive() with http.disconnect once the response is
         # complete: that one is not the user going away.
         self.state["done"] = True
@@ -131,35 +166,12 @@ class Forwarder:
             self._measure_due.cancel()
             self._measure_due = None
         reads, self._unmeasured = self._unmeasured, []
+        reader = self.reader
         for t_ns, data in reads:
-            self._measure(t_ns, data)
+            reader.body(t_ns, data)
         ex = self.ex
-        if ex is not None and not ex.defer_reads and self.timer.first_content_seen:
+        if ex is not None and not ex.defer_reads and reader.timer.first_content_seen:
             ex.defer_reads = True  # the user has the first token: its next reads may wait their turn
-
-    def _measure(self, t_ns: int, data: bytes) -> None:
-        if self._first:
-            self._first = False
-            self.timer.body_bytes(t_ns)
-        parser = self.parser
-        if parser is None:
-            if len(self.body) < PARSE_LIMIT:
-                self.body += data
-            return
-        if self.ended is not None:
-            return
-        timer = self.timer
-        try:
-            for event in parser.feed_data(data):
-                status = timer.event(t_ns, event)
-                if status == StreamTimer.DONE:
-                    self.ended = Outcome.OK
-                    return
-                if status == StreamTimer.ENGINE_ERROR:
-                    self.ended = Outcome.ENGINE_ERROR
-                    return
-        except StreamProtocolError as exc:
-            self.ended, self.error = Outcome.MALFORMED, str(exc)
 
     def _step(self, message: dict) -> None:
         try:
@@ -210,34 +222,13 @@ class Forwarder:
                 return
 
 
-def whole_response(timer: StreamTimer, body: bytes, now: int) -> tuple[Outcome, str]:
-    """A non-streamed 2xx answer: its usage and finish reason into the timer's result."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return Outcome.MALFORMED, "the response is not JSON"
-    if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
-        return Outcome.MALFORMED, "the response has no 'choices' list"
-    r = timer.r
-    usage = obj.get("usage")
-    if isinstance(usage, dict):
-        try:
-            r.output_tokens = int(usage.get("completion_tokens") or 0)
-            r.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            r.usage_reported = True
-        except (TypeError, ValueError):
-            return Outcome.MALFORMED, "usage counts are not integers"
-    choices = obj["choices"]
-    if choices and isinstance(choices[0], dict) and choices[0].get("finish_reason"):
-        r.finish_reason = str(choices[0]["finish_reason"])
-    return Outcome.OK, ""
-
-
-async def read_some(ex: Exchange) -> str:
-    buf = b""
-    while len(buf) < ERROR_BODY_LIMIT:
+async def read_error(ex: Exchange, reader: ResponseReader) -> None:
+    """An error response not forwarded (the control may still answer): its body into the
+    reader, until the reader has the message or the body ends."""
+    while not reader.done:
         batch = await ex.chunks()
         if not batch:
-            break
-        buf += b"".join(d for _, d in batch)
-    return buf[:ERROR_BODY_LIMIT].decode("utf-8", "replace").strip()
+            reader.end(_perf())
+            return
+        for t_ns, data in batch:
+            reader.body(t_ns, data)

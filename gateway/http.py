@@ -14,14 +14,28 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
-def error_body(status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> bytes:  # fmt: skip
+def error_body(
+    status: int,
+    message: str,
+    *,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> bytes:
     return DUMPS({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
 
 
-async def respond(send: Send, status: int, body: bytes, *, allow: bytes | None = None,
-                   retry_after: bytes | None = None, variant: str = "", request_id: str = "",
-                   traceparent: str = "") -> None:  # fmt: skip
+async def respond(
+    send: Send,
+    status: int,
+    body: bytes,
+    *,
+    allow: bytes | None = None,
+    retry_after: bytes | None = None,
+    variant: str = "",
+    request_id: str = "",
+    traceparent: str = "",
+) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if allow:
         headers.append((b"allow", allow))

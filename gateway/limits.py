@@ -1,5 +1,6 @@
-"""Client limits of the gateway (pure): token buckets (per user, per tenant), the tenants' API
-keys, and how deeply a request body nests.
+"""Client limits of the gateway (pure): token buckets (per user, per tenant) and the tenants'
+requests in flight as this process counts them, the tenants' API keys, and how deeply a request
+body nests.
 
 No I/O: the caller passes the clock reading and the key file's text.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -15,9 +17,12 @@ from dataclasses import dataclass
 class TokenBuckets:
     """One token bucket per key: ``rate`` tokens a second, holding at most ``burst``.
 
-    ``take(key, now)`` returns 0.0 when the request may go, else the seconds until it could.
-    Memory is bounded: past ``max_keys`` the buckets that have refilled completely (the same as
-    a new one) are dropped, then the oldest."""
+    ``take(key, now)`` returns 0.0 when the request may go, else the seconds until it could;
+    ``wait(key, now)`` says the same without taking. Memory is bounded: past ``max_keys`` the
+    least recently used buckets are dropped, one per new key (the dict is kept in last-use
+    order, so that is its front: O(1), where a scan of every bucket for the full ones cost a
+    new key past the bound milliseconds of the event loop). A bucket dropped while not yet full
+    comes back full: with ``max_keys`` above the keys seen within ``burst / rate`` seconds none is."""
 
     __slots__ = ("rate", "burst", "max_keys", "_buckets")
 
@@ -26,31 +31,103 @@ class TokenBuckets:
             raise ValueError(f"rate={rate!r}: must be positive")
         if burst < 1:
             raise ValueError(f"burst={burst!r}: must be at least 1")
+        if max_keys < 1:
+            raise ValueError(f"max_keys={max_keys!r}: must be at least 1")
         self.rate = float(rate)
         self.burst = float(burst)
         self.max_keys = max_keys
-        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, at)
+        # key -> (tokens, at); an OrderedDict: popping its front is O(1), where a dict's first
+        # key after many deletions at the front is a walk over their empty slots.
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._buckets)
 
-    def take(self, key: str, now: float) -> float:
-        tokens, at = self._buckets.pop(key, (self.burst, now))
-        tokens = min(self.burst, tokens + max(0.0, now - at) * self.rate)
-        if tokens >= 1.0:
-            self._buckets[key] = (tokens - 1.0, now)  # re-inserted: dict order is last use
-            if len(self._buckets) > self.max_keys:
-                self._prune(now)
-            return 0.0
-        self._buckets[key] = (tokens, now)
-        return (1.0 - tokens) / self.rate
+    def _level(self, key: str, now: float) -> float:
+        got = self._buckets.get(key)
+        if got is None:
+            return self.burst
+        tokens, at = got
+        return min(self.burst, tokens + max(0.0, now - at) * self.rate)
 
-    def _prune(self, now: float) -> None:
-        full_after = self.burst / self.rate
-        for key in [k for k, (_, at) in self._buckets.items() if now - at >= full_after]:
-            del self._buckets[key]
-        while len(self._buckets) > self.max_keys:
-            del self._buckets[next(iter(self._buckets))]  # least recently used
+    def wait(self, key: str, now: float) -> float:
+        tokens = self._level(key, now)
+        return 0.0 if tokens >= 1.0 else (1.0 - tokens) / self.rate
+
+    def take(self, key: str, now: float) -> float:
+        tokens = self._level(key, now)
+        buckets = self._buckets
+        taken = tokens >= 1.0
+        buckets[key] = (tokens - 1.0 if taken else tokens, now)
+        buckets.move_to_end(key)  # last use at the back
+        if len(buckets) > self.max_keys:
+            buckets.popitem(last=False)  # least recently used
+        return 0.0 if taken else (1.0 - tokens) / self.rate
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Why a request may not go now: ``limit`` is ``streams`` (the tenant's requests in
+    flight), ``tenant`` or ``user`` (their rates); ``retry_after_s`` until it could."""
+
+    limit: str
+    retry_after_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A request let through: its tenant, and ``holder``, its entry in the shared count of
+    requests in flight ("" when this process counted it)."""
+
+    tenant: str
+    holder: str = ""
+
+
+class ProcessLimits:
+    """The client limits kept in this process (the embedded default, and the fallback of the
+    shared ones, gateway/shared_limits.py): the tenant's rate, the user's rate and the tenant's
+    requests in flight, checked together and charged only when all three let the request go.
+    A rate of 0 or a cap of 0 is no limit."""
+
+    __slots__ = ("users", "tenants", "cap", "active")
+
+    def __init__(
+        self,
+        *,
+        user_rate: float = 0,
+        user_burst: int = 20,
+        tenant_rate: float = 0,
+        tenant_burst: int = 100,
+        tenant_streams: int = 0,
+        max_keys: int = 100_000,
+    ) -> None:
+        self.users = TokenBuckets(user_rate, user_burst, max_keys) if user_rate else None
+        self.tenants = TokenBuckets(tenant_rate, tenant_burst) if tenant_rate else None
+        self.cap = tenant_streams
+        self.active: Counter[str] = Counter()  # requests in flight per tenant
+
+    def admit(self, tenant: str, user: str, now: float) -> Admission | Refused:
+        user_key = f"{tenant}\0{user}"  # a user id is the tenant's own
+        cap = self.cap
+        if cap and self.active[tenant] >= cap:
+            return Refused("streams", 1.0)
+        if self.tenants is not None and (wait := self.tenants.wait(tenant, now)) > 0:
+            return Refused("tenant", wait)
+        if self.users is not None and (wait := self.users.wait(user_key, now)) > 0:
+            return Refused("user", wait)
+        if self.tenants is not None:
+            self.tenants.take(tenant, now)
+        if self.users is not None:
+            self.users.take(user_key, now)
+        self.active[tenant] += 1
+        return Admission(tenant)
+
+    def release(self, tenant: str) -> None:
+        left = self.active[tenant] - 1
+        if left > 0:
+            self.active[tenant] = left
+        else:
+            del self.active[tenant]
 
 
 def _digest(key: str) -> bytes:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Collection
 
 from django.db import models, transaction
 from django.utils import timezone
@@ -35,14 +36,16 @@ def is_live_run_id(run_id: int) -> bool:
 class LiveRun(models.Model):
     """One gateway process's recording of live traffic, from its start to its close (or death).
 
-    Counters (rows are samples), kept by the recorder's flusher thread every few seconds and
-    at close, so after a crash they are as of the last heartbeat:
+    Counters (rows are samples), kept by the host's recorder process (gateway.recorder_process)
+    every few seconds and once the run's queue file is drained, so while the recorder is down
+    they are as of its last heartbeat (the samples wait in the queue file meanwhile):
       recorded   built into a row by the recorder, each with the run's next seq
       stored     written to the sample store by the recorder
       spooled    written to the spool instead (the store was down or slow); stored later by a
                  flush (the recorder's own retry, another start's, or ``manage.py flush_samples``)
-      dropped    lost without reaching either: the memory queue was full (the disk could not
-                 keep up), or record() was called after close(); 0 in normal operation
+      dropped    lost without reaching either: the gateway could not write them to its queue
+                 file (the disk full or failing), or record() was called after close(); 0 in
+                 normal operation
       rejected   could not become a valid row (samples.rows.row_from refused the measurement)
     spool_rows: rows of this run waiting in its spool now: told by the spool's hooks when a
     recorder spools or flushes, and re-read from the spool at every heartbeat of a recorder on
@@ -53,6 +56,8 @@ class LiveRun(models.Model):
     class Status(models.TextChoices):
         RUNNING = "running", "Running"
         CLOSED = "closed", "Closed (drained)"
+        # a process that died before its queue file existed, or a run of a gateway before the
+        # queue files (its memory died with it); a killed gateway's queue file is drained: closed
         ABANDONED = "abandoned", "Abandoned (the process died without closing)"
 
     worker = models.CharField(max_length=200, help_text="host:pid of the gateway process")
@@ -105,8 +110,8 @@ class LiveRun(models.Model):
     @property
     def catalog_status(self) -> str:
         """The run's status in the sample store's run catalog (samples.schema.RUN_STATUSES), what
-        the report reads: running while open; done once closed (every sample written); failed
-        when its process died (the samples still in its memory were lost)."""
+        the report reads: running while open; done once closed (every sample written, a killed
+        gateway's too once its queue file is drained); failed when abandoned."""
         return {self.Status.RUNNING: "running", self.Status.CLOSED: "done"}.get(self.status, "failed")
 
     @property
@@ -116,37 +121,49 @@ class LiveRun(models.Model):
     def summary(self) -> dict:
         """What a dashboard lists for the run (JSON-safe)."""
         return {
-            "run_id": self.run_id, "mode": "live", "source": "live", "worker": self.worker,
-            "status": self.status, "started_at": self.started_at.isoformat(),
+            "run_id": self.run_id,
+            "mode": "live",
+            "source": "live",
+            "worker": self.worker,
+            "status": self.status,
+            "started_at": self.started_at.isoformat(),
             "heartbeat_at": self.heartbeat_at.isoformat(),
             "closed_at": self.closed_at.isoformat() if self.closed_at else None,
-            "recorded": self.recorded, "stored": self.stored, "spooled": self.spooled,
-            "dropped": self.dropped, "rejected": self.rejected, "spool_rows": self.spool_rows,
-            "lost": self.lost, "experiments": dict(self.experiments), "catalog_status": self.catalog_status,
-        }  # fmt: skip
+            "recorded": self.recorded,
+            "stored": self.stored,
+            "spooled": self.spooled,
+            "dropped": self.dropped,
+            "rejected": self.rejected,
+            "spool_rows": self.spool_rows,
+            "lost": self.lost,
+            "experiments": dict(self.experiments),
+            "catalog_status": self.catalog_status,
+        }
 
     @classmethod
-    def register(cls, spool: str, worker: str | None = None) -> LiveRun:
-        """A new run for this process; first marks the runs of this spool's host whose process
-        is gone as abandoned (a killed gateway never closed its run)."""
-        host = socket.gethostname()
-        pid = os.getpid()
-        cls.abandon_dead(spool)
+    def register(
+        cls, spool: str, worker: str | None = None, *, pid: int | None = None, host: str | None = None
+    ) -> LiveRun:
+        """A new run: for this process (a gateway's start), or for the writer ``pid`` on ``host``
+        (the recorder going on with a run that used every seq)."""
+        host = host or socket.gethostname()
+        pid = pid or os.getpid()
         return cls.objects.create(worker=worker or f"{host}:{pid}", host=host, pid=pid, spool=spool)
 
     @classmethod
-    def abandon_dead(cls, spool: str) -> int:
-        """Runs still 'running' on ``spool`` (this host's) whose process no longer exists:
-        abandoned, as of their last heartbeat. Returns how many."""
+    def abandon_dead(cls, spool: str, keep: Collection[int] = ()) -> int:
+        """Runs still 'running' on ``spool`` (this host's) whose process no longer exists and
+        whose queue file is gone (``keep``: run_ids with a queue file, which the recorder drains
+        and closes): abandoned, as of their last heartbeat. Returns how many."""
         here = socket.gethostname()
         dead = [
             pk
             for pk, host, pid in cls.objects.filter(spool=spool, status=cls.Status.RUNNING).values_list(
                 "pk", "host", "pid"
             )
-            if host == here and pid != os.getpid() and not _alive(pid)
+            if host == here and pid != os.getpid() and not _alive(pid) and LIVE_RUN_ID_BASE + pk not in keep
         ]
-        # a conditional claim: a run closed meanwhile by its own process stays closed
+        # a conditional claim: a run closed meanwhile by its recorder stays closed
         return cls.objects.filter(pk__in=dead, status=cls.Status.RUNNING).update(status=cls.Status.ABANDONED)
 
     # ---- the spool's books (samples.spool.SpoolHooks, wired by gateway.recording) ----------------

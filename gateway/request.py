@@ -15,7 +15,7 @@ from typing import Any
 
 from gateway.limits import json_depth
 from gateway.routing import Decision, RequestError
-from streaming.client import trace_ids
+from streaming.trace_context import trace_ids
 
 _TRACEPARENT_RE = re.compile(r"^00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}$")
 

@@ -30,15 +30,14 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import httptools
-
 from streaming import h1
-from streaming.egress import Allowlist, EgressError, EgressRefused, split_url
+from streaming.egress import Allowlist, EgressRefused
+from streaming.endpoint import Endpoint
 from streaming.h1 import Deadline, request_bytes
+from streaming.response import HEADERS, STALL, broken_outcome, timeout_outcome
 from streaming.result import Outcome
 
 _perf = time.perf_counter_ns
@@ -55,47 +54,46 @@ class UpstreamError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class Endpoint:
-    """Where one variant is: parsed once from its base URL."""
-
-    scheme: str
-    host: str
-    port: int
-    base_path: str  # the URL's path without a trailing /v1 (the API paths carry /v1)
-    host_header: str
-
-    @classmethod
-    def parse(cls, url: str) -> Endpoint:
-        try:
-            split_url(url)  # http(s) only, no credentials
-        except EgressError as exc:
-            raise ValueError(f"endpoint: {exc}") from None
-        base = url.rstrip("/")
-        if base.endswith("/v1"):
-            base = base[:-3]
-        parts = urllib.parse.urlsplit(base)
-        host = parts.hostname or ""
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        host_header = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
-        return cls(parts.scheme, host, port, parts.path.rstrip("/"), host_header)
-
-
-@dataclass(frozen=True, slots=True)
 class Deadlines:
+    """Seconds. After the headers the gateway has one gap deadline, between reads: before the
+    first token it is the first token's (streaming/response.py names the phase it ran out in)."""
+
     connect_s: float = 5.0
     headers_s: float = 60.0
     stall_s: float = 60.0
     total_s: float = 600.0
+
+    @property
+    def first_token_s(self) -> float:
+        return self.stall_s
 
 
 class Exchange(h1.Exchange):
     """One request on one connection, as the gateway's request task sees it."""
 
     __slots__ = (
-        "loop", "complete", "error", "sent_ns", "connected", "connect_started_ns",
-        "connect_done_ns", "headers_ns", "_chunks", "_queued", "_waiter", "_headers_fut", "_deadline",
-        "_total_deadline_ns", "_stall_ns", "_paused", "_sink", "on_head", "on_end",
-    )  # fmt: skip
+        "loop",
+        "complete",
+        "error",
+        "sent_ns",
+        "connected",
+        "connect_started_ns",
+        "connect_done_ns",
+        "headers_ns",
+        "_chunks",
+        "_queued",
+        "_waiter",
+        "_headers_fut",
+        "_deadline",
+        "_total_deadline_ns",
+        "_stall_ns",
+        "_deadlines",
+        "server_closed",
+        "_paused",
+        "_sink",
+        "on_head",
+        "on_end",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, deadlines: Deadlines) -> None:
         super().__init__()
@@ -113,6 +111,8 @@ class Exchange(h1.Exchange):
         self._headers_fut: asyncio.Future = loop.create_future()
         self._deadline = Deadline(loop, self._on_deadline)
         self._total_deadline_ns = 0
+        self._deadlines = deadlines
+        self.server_closed = False  # the variant closed the connection before the body ended
         self._stall_ns = int(deadlines.stall_s * 1e9)
         self._paused = False
         self._sink: Callable[[int, bytes], None] | None = None
@@ -160,14 +160,14 @@ class Exchange(h1.Exchange):
         self._wake()
 
     def lost(self, now: int, exc: BaseException | None) -> None:
-        if not self.complete:
-            self.fail(UpstreamError(Outcome.DISCONNECT, "the variant closed the connection"))
+        # What the bytes so far mean (the end of a stream without [DONE], or with it in its
+        # last read) is the reader's to say; here: no more bytes will come.
+        if not self.complete and self.error is None:
+            self.server_closed = True
+            self.fail(UpstreamError(Outcome.DISCONNECT, "server closed the connection before responding"))
 
     def broken(self, now: int, exc: Exception) -> None:
-        if isinstance(exc, httptools.HttpParserUpgrade):
-            self.fail(UpstreamError(Outcome.MALFORMED, "the variant upgraded the connection"))
-        else:
-            self.fail(UpstreamError(Outcome.MALFORMED, f"bad HTTP from the variant: {exc}"))
+        self.fail(UpstreamError(*broken_outcome(exc)))
 
     def fail(self, error: UpstreamError) -> None:
         if self.complete or self.error is not None:
@@ -189,7 +189,7 @@ class Exchange(h1.Exchange):
             async with asyncio.timeout(timeout_s):
                 await self._headers_fut
         except TimeoutError:
-            self.fail(UpstreamError(Outcome.HEADERS_TIMEOUT, f"no response headers within {timeout_s:g} s"))
+            self.fail(UpstreamError(*timeout_outcome(HEADERS, self._deadlines)))
         if self.error is not None and not self.headers_ns:
             raise self.error
 
@@ -209,10 +209,11 @@ class Exchange(h1.Exchange):
             return
         last = self._last_read_ns()
         if now >= self._total_deadline_ns:
-            self.fail(UpstreamError(Outcome.TOTAL_TIMEOUT, "total timeout"))
+            self.fail(UpstreamError(*timeout_outcome(STALL, self._deadlines, total=True)))
             self._drop()
         elif now - last >= self._stall_ns:
-            self.fail(UpstreamError(Outcome.STALL, f"no bytes for {self._stall_ns / 1e9:g} s"))
+            # the phase (first token or stall) is the reader's: gateway/attempts.py asks it
+            self.fail(UpstreamError(*timeout_outcome(STALL, self._deadlines)))
             self._drop()
         else:
             self._deadline.set(min(last + self._stall_ns, self._total_deadline_ns))

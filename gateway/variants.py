@@ -22,8 +22,8 @@ from types import MappingProxyType
 from django.conf import settings
 from django.db import close_old_connections
 
-from gateway.upstream import Endpoint
 from streaming.egress import bound_bearer
+from streaming.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
 

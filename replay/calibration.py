@@ -83,8 +83,14 @@ class SentPrompt:
 class Calibration:
     """Prompts for one variant (or several that share endpoint, model and API)."""
 
-    def __init__(self, count: Count | None, *, tries: int = 5, max_requests: int = 20_000,
-                 words: Callable[[int, int], str] = synth_words) -> None:  # fmt: skip
+    def __init__(
+        self,
+        count: Count | None,
+        *,
+        tries: int = 5,
+        max_requests: int = 20_000,
+        words: Callable[[int, int], str] = synth_words,
+    ) -> None:
         self.count, self.tries, self.max_requests, self.words = count, tries, max_requests, words
         self.model: LengthModel = IDENTITY
         self._cache: dict[str, int] = {}
@@ -106,8 +112,12 @@ class Calibration:
 
     def estimate(self, seq: int, tokens: int) -> SentPrompt:
         words = self.model.words_for(tokens)
-        return SentPrompt(self.words(seq, words), tokens if self.model is IDENTITY else self.model.tokens_for(words),
-                          estimated=True, words=words)  # fmt: skip
+        return SentPrompt(
+            self.words(seq, words),
+            tokens if self.model is IDENTITY else self.model.tokens_for(words),
+            estimated=True,
+            words=words,
+        )
 
     async def prompt(self, seq: int, tokens: int) -> SentPrompt:
         """The measured prompt for request ``seq`` closest to ``tokens`` (exact when reachable)."""
@@ -165,8 +175,9 @@ class Counter(Protocol):
 
 
 class Streamer(Protocol):
-    async def stream(self, request_id: str, prompt: Any, max_tokens: int,
-                     extra: Mapping[str, Any] | None = None) -> Any: ...  # fmt: skip
+    async def stream(
+        self, request_id: str, prompt: Any, max_tokens: int, extra: Mapping[str, Any] | None = None
+    ) -> Any: ...
 
 
 class CalibratedStreamer:
@@ -179,8 +190,9 @@ class CalibratedStreamer:
     def __getattr__(self, name: str) -> Any:  # api, model, endpoint...: the wrapped client's
         return getattr(self.inner, name)
 
-    async def stream(self, request_id: str, prompt: Any, max_tokens: int,
-                     extra: Mapping[str, Any] | None = None) -> Any:  # fmt: skip
+    async def stream(
+        self, request_id: str, prompt: Any, max_tokens: int, extra: Mapping[str, Any] | None = None
+    ) -> Any:
         sent = self.prompts.get(request_id)
         if sent is not None:
             # The same shape the replay built (replay/shapes.py): one user message for chat.
@@ -219,8 +231,11 @@ async def plan_prompts(
     (None, why) when the variant cannot count; its prompts are then today's estimate.
     Requests given as text (JSONL logs) are sent as they are, so they are not in the plan.
     """
-    wanted = [(r.seq, r.prompt_tokens) for r in requests
-              if r.messages is None and r.prompt is None and r.prompt_tokens > 0]  # fmt: skip
+    wanted = [
+        (r.seq, r.prompt_tokens)
+        for r in requests
+        if r.messages is None and r.prompt is None and r.prompt_tokens > 0
+    ]
     if not wanted:
         return {}, []
     books: dict[Hashable, tuple[dict[int, SentPrompt], Calibration, str]] = {}
@@ -247,12 +262,18 @@ async def plan_prompts(
         book, calibration, why = books[target]
         plans[variant] = book
         errors = [abs(sent.tokens - want[seq]) for seq, sent in book.items()]
-        report.append(VariantCalibration(
-            variant=variant, counted=calibration.count is not None, why_not=why, model=calibration.model,
-            requests=len(book), exact=sum(1 for seq, s in book.items() if not s.estimated and s.tokens == want[seq]),
-            estimated=sum(1 for s in book.values() if s.estimated),
-            mean_abs_error=sum(errors) / len(errors),
-        ))  # fmt: skip
+        report.append(
+            VariantCalibration(
+                variant=variant,
+                counted=calibration.count is not None,
+                why_not=why,
+                model=calibration.model,
+                requests=len(book),
+                exact=sum(1 for seq, s in book.items() if not s.estimated and s.tokens == want[seq]),
+                estimated=sum(1 for s in book.values() if s.estimated),
+                mean_abs_error=sum(errors) / len(errors),
+            )
+        )
     return plans, report
 
 

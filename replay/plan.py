@@ -59,8 +59,9 @@ def window_of(offset_s: float, window_s: float | None) -> int:
     return int(max(0.0, offset_s) // window_s)
 
 
-def window_shards(offsets: list[float] | None, total: int, slots: int,
-                  window_s: float | None) -> list[WindowShard]:  # fmt: skip
+def window_shards(
+    offsets: list[float] | None, total: int, slots: int, window_s: float | None
+) -> list[WindowShard]:
     """Cut a run of ``total`` requests sent at ``offsets`` (None: closed loop, one window) into
     (window, slot) shards, in window then slot order. Every position is in exactly one shard;
     slot = position mod ``slots``, as before windows, so each slot carries an even share."""
@@ -69,8 +70,10 @@ def window_shards(offsets: list[float] | None, total: int, slots: int,
     if offsets is not None and len(offsets) != total:
         raise ValueError(f"{len(offsets)} offsets for {total} requests")
     if offsets is None or window_s is None:
-        return [WindowShard(0, s, tuple(range(s, total, slots)), 0.0, float("inf"))
-                for s in range(min(slots, max(total, 1)))]  # fmt: skip
+        return [
+            WindowShard(0, s, tuple(range(s, total, slots)), 0.0, float("inf"))
+            for s in range(min(slots, max(total, 1)))
+        ]
     cells: dict[tuple[int, int], list[int]] = {}
     for i, off in enumerate(offsets):
         cells.setdefault((window_of(off, window_s), i % slots), []).append(i)

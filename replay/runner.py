@@ -51,8 +51,9 @@ from telemetry import logs
 
 
 class Streamer(Protocol):
-    async def stream(self, request_id: str, prompt: Any, max_tokens: int,
-                     extra: Mapping[str, Any] | None = None) -> StreamResult: ...  # fmt: skip
+    async def stream(
+        self, request_id: str, prompt: Any, max_tokens: int, extra: Mapping[str, Any] | None = None
+    ) -> StreamResult: ...
 
 
 Assigner = Callable[[str], tuple[str, int]]  # user_id -> (variant, config revision)
@@ -114,21 +115,36 @@ class ShardStats:
     def summary(self) -> dict:
         """For the log: counts, outcomes and lag quantiles in ms (not the raw lags)."""
         return {
-            "planned": self.planned, "sent": self.sent, "skipped_recorded": self.skipped_recorded,
-            "recorded": self.recorded, "not_sent": self.not_sent, "deferred": self.deferred,
-            "shift_s": round(self.shift_s, 3), "outcomes": dict(self.outcomes),
-            "lag_p50_ms": round(self.lag_quantile(0.5), 3), "lag_p99_ms": round(self.lag_quantile(0.99), 3),
-            "lag_max_ms": round(max(self.lags_ms, default=0.0), 3), "cancelled": self.cancelled,
+            "planned": self.planned,
+            "sent": self.sent,
+            "skipped_recorded": self.skipped_recorded,
+            "recorded": self.recorded,
+            "not_sent": self.not_sent,
+            "deferred": self.deferred,
+            "shift_s": round(self.shift_s, 3),
+            "outcomes": dict(self.outcomes),
+            "lag_p50_ms": round(self.lag_quantile(0.5), 3),
+            "lag_p99_ms": round(self.lag_quantile(0.99), 3),
+            "lag_max_ms": round(max(self.lags_ms, default=0.0), 3),
+            "cancelled": self.cancelled,
             "stop_reason": self.stop_reason,
-        }  # fmt: skip
+        }
 
 
 class ShardRunner:
-    def __init__(self, spec: ShardSpec, clients: Mapping[str, Streamer], assign: Assigner | None,
-                 put_row: Callable[[dict], None], *, should_cancel: Callable[[], bool] | None = None,
-                 revision: Callable[[], int] | None = None,
-                 on_progress: Callable[[ShardStats], None] | None = None,
-                 progress_interval_s: float = 1.0, cancel_grace_s: float = 2.0):  # fmt: skip
+    def __init__(
+        self,
+        spec: ShardSpec,
+        clients: Mapping[str, Streamer],
+        assign: Assigner | None,
+        put_row: Callable[[dict], None],
+        *,
+        should_cancel: Callable[[], bool] | None = None,
+        revision: Callable[[], int] | None = None,
+        on_progress: Callable[[ShardStats], None] | None = None,
+        progress_interval_s: float = 1.0,
+        cancel_grace_s: float = 2.0,
+    ):
         if spec.mode == SPLIT and assign is None:
             raise ValueError("split mode needs an assigner (the router)")
         missing = [v for v in spec.variants if v not in clients]
@@ -140,12 +156,18 @@ class ShardRunner:
         self.on_progress = on_progress
         self.progress_interval_s = progress_interval_s
         self.cancel_grace_s = cancel_grace_s
-        self.apis = dict(spec.apis) if spec.apis is not None else {
-            v: getattr(clients[v], "api", shapes.CHAT) for v in spec.variants
-        }  # fmt: skip
+        self.apis = (
+            dict(spec.apis)
+            if spec.apis is not None
+            else {v: getattr(clients[v], "api", shapes.CHAT) for v in spec.variants}
+        )
         # Decided before anything is sent: every request must fit every variant's API.
-        shapes.check(spec.requests, {v: self.apis[v] for v in spec.variants},
-                     render_chat=spec.render_chat, wrap_prompt=spec.wrap_prompt)  # fmt: skip
+        shapes.check(
+            spec.requests,
+            {v: self.apis[v] for v in spec.variants},
+            render_chat=spec.render_chat,
+            wrap_prompt=spec.wrap_prompt,
+        )
         self.stats = ShardStats(planned=len(spec.requests))
         self._in_flight = 0
         self._cancel = asyncio.Event()
@@ -304,8 +326,9 @@ class ShardRunner:
             if self.on_progress:
                 await asyncio.to_thread(self.on_progress, self.stats)
 
-    async def _send(self, req: TraceRequest, planned: float, start_mono: float,
-                    prepared: tuple[Any, int, bool]) -> None:  # fmt: skip
+    async def _send(
+        self, req: TraceRequest, planned: float, start_mono: float, prepared: tuple[Any, int, bool]
+    ) -> None:
         spec = self.spec
         if spec.mode == SPLIT:
             variant, revision = self.assign(req.user_id)
@@ -320,14 +343,34 @@ class ShardRunner:
         payloads, prompt_tokens, estimated = prepared
         if len(targets) == 1:  # split mode: no gather, so no second task per request
             ((variant, rid),) = targets
-            await self._one(req, variant, rid, revision, planned, start_mono,
-                            payloads.get(self.apis.get(variant)), prompt_tokens, estimated)  # fmt: skip
+            await self._one(
+                req,
+                variant,
+                rid,
+                revision,
+                planned,
+                start_mono,
+                payloads.get(self.apis.get(variant)),
+                prompt_tokens,
+                estimated,
+            )
             return
-        await asyncio.gather(*(
-            self._one(req, variant, rid, revision, planned, start_mono, payloads.get(self.apis.get(variant)),
-                      prompt_tokens, estimated)
-            for variant, rid in targets
-        ))  # fmt: skip
+        await asyncio.gather(
+            *(
+                self._one(
+                    req,
+                    variant,
+                    rid,
+                    revision,
+                    planned,
+                    start_mono,
+                    payloads.get(self.apis.get(variant)),
+                    prompt_tokens,
+                    estimated,
+                )
+                for variant, rid in targets
+            )
+        )
 
     def _prompt(self, req: TraceRequest) -> tuple[dict[str, Any], int, bool]:
         """What each API is sent for ``req`` ({api: payload}, replay.shapes), its prompt token
@@ -366,8 +409,11 @@ class ShardRunner:
             result.outcome = Outcome.CANCELLED
         except Exception as exc:  # our own failure must still leave a sample, never a gap
             # Not the server's fault: its own class, kept out of the server-fault outcomes.
-            result = StreamResult(outcome=Outcome.CLIENT_ERROR,
-                                  error=f"client error: {type(exc).__name__}: {exc}", request_id=rid)  # fmt: skip
+            result = StreamResult(
+                outcome=Outcome.CLIENT_ERROR,
+                error=f"client error: {type(exc).__name__}: {exc}",
+                request_id=rid,
+            )
         finally:
             self._in_flight -= 1
             logs.reset(log_fields)
@@ -377,13 +423,28 @@ class ShardRunner:
         sent_unix_ms += waited_s * 1000.0
         lag_ms = max(0.0, (sent_mono + waited_s - planned) * 1000.0)
         self.stats.lags_ms.append(lag_ms)
-        row = row_from(result, SampleContext(
-            experiment=spec.experiment, run_id=spec.run_id, seq=req.seq, variant=variant, mode=spec.mode,
-            sent_unix_ms=sent_unix_ms, request_id=rid, user_id=req.user_id, config_revision=revision,
-            scheduled_offset_ms=(planned - start_mono) * 1000.0, schedule_lag_ms=lag_ms, in_flight=in_flight,
-            prompt_tokens=prompt_tokens, prompt_tokens_estimated=estimated, max_tokens=req.max_tokens,
-            worker=spec.worker, attempt=min(spec.attempt, 255),
-        ))  # fmt: skip
+        row = row_from(
+            result,
+            SampleContext(
+                experiment=spec.experiment,
+                run_id=spec.run_id,
+                seq=req.seq,
+                variant=variant,
+                mode=spec.mode,
+                sent_unix_ms=sent_unix_ms,
+                request_id=rid,
+                user_id=req.user_id,
+                config_revision=revision,
+                scheduled_offset_ms=(planned - start_mono) * 1000.0,
+                schedule_lag_ms=lag_ms,
+                in_flight=in_flight,
+                prompt_tokens=prompt_tokens,
+                prompt_tokens_estimated=estimated,
+                max_tokens=req.max_tokens,
+                worker=spec.worker,
+                attempt=min(spec.attempt, 255),
+            ),
+        )
         self.put_row(row)
         self.stats.recorded += 1
         self.stats.outcomes[str(result.outcome)] += 1

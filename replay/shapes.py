@@ -61,8 +61,9 @@ def _lines(requests: Sequence) -> str:
     return f"{len(numbers)} line(s) ({shown}{more})"
 
 
-def check(requests: Sequence, apis: Mapping[str, str], *, render_chat: str = "reject",
-          wrap_prompt: bool = False) -> None:  # fmt: skip
+def check(
+    requests: Sequence, apis: Mapping[str, str], *, render_chat: str = "reject", wrap_prompt: bool = False
+) -> None:
     """Raise ShapeError when a request cannot go to every variant (``apis``: variant -> "chat" |
     "completions") under these options. Every request may reach every variant (mirror sends it
     to all; in split mode a weight change mid-run may route any user anywhere), so each must fit
@@ -95,8 +96,9 @@ def check(requests: Sequence, apis: Mapping[str, str], *, render_chat: str = "re
         raise ShapeError("request shape mismatch, nothing was sent: " + "; ".join(problems))
 
 
-def payload(request, text: str | None, api: str, *, render_chat: str = "reject",
-            wrap_prompt: bool = False) -> str | list[dict]:  # fmt: skip
+def payload(
+    request, text: str | None, api: str, *, render_chat: str = "reject", wrap_prompt: bool = False
+) -> str | list[dict]:
     """What a variant of ``api`` is sent for ``request``: a prompt string (completions) or a
     message list (chat). ``text`` is the synthetic prompt of a request without text. Raises
     ShapeError for a mismatch the options do not allow (``check`` finds these up front)."""

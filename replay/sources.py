@@ -240,8 +240,9 @@ def _too_many(problems: list[Problem], on_error: str) -> bool:
     return on_error == "reject" and len(problems) >= REJECT_AFTER
 
 
-def _azure_rows(lines: Iterable[str], population: UserPopulation, name: str, problems: list[Problem],
-                on_error: str) -> Iterator[tuple]:  # fmt: skip
+def _azure_rows(
+    lines: Iterable[str], population: UserPopulation, name: str, problems: list[Problem], on_error: str
+) -> Iterator[tuple]:
     """(arrival, seq, builder) per valid row; bad rows go to ``problems``."""
     it = iter(lines)
     header = next(it, "").strip().lstrip("\ufeff")
@@ -272,8 +273,14 @@ def _azure_rows(lines: Iterable[str], population: UserPopulation, name: str, pro
         seq += 1
 
 
-def read_azure(lines: Iterable[str], *, population: UserPopulation, name: str = "trace",
-               on_error: str = "reject", limit: int | None = None) -> LoadedSource:  # fmt: skip
+def read_azure(
+    lines: Iterable[str],
+    *,
+    population: UserPopulation,
+    name: str = "trace",
+    on_error: str = "reject",
+    limit: int | None = None,
+) -> LoadedSource:
     """Rows ``TIMESTAMP,ContextTokens,GeneratedTokens`` with a header line; reading stops at
     ``limit`` valid rows."""
     _check_on_error(on_error)
@@ -369,12 +376,20 @@ def _jsonl_request(line: str, seq: int, population: UserPopulation) -> tuple[flo
     metadata = obj.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise ValueError("metadata must be an object")
-    return at, dict(seq=seq, user_id=str(user), prompt_tokens=0, max_tokens=max_tokens,
-                    messages=messages, prompt=prompt, metadata=metadata)  # fmt: skip
+    return at, dict(
+        seq=seq,
+        user_id=str(user),
+        prompt_tokens=0,
+        max_tokens=max_tokens,
+        messages=messages,
+        prompt=prompt,
+        metadata=metadata,
+    )
 
 
-def _jsonl_rows(lines: Iterable[str], population: UserPopulation, problems: list[Problem],
-                on_error: str) -> Iterator[tuple]:  # fmt: skip
+def _jsonl_rows(
+    lines: Iterable[str], population: UserPopulation, problems: list[Problem], on_error: str
+) -> Iterator[tuple]:
     seq = 0
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
@@ -391,9 +406,15 @@ def _jsonl_rows(lines: Iterable[str], population: UserPopulation, problems: list
         seq += 1
 
 
-def read_jsonl(lines: Iterable[str], *, population: UserPopulation, name: str = "log",
-               on_error: str = "reject", limit: int | None = None) -> LoadedSource:  # fmt: skip
-    """abplat's traffic log: one JSON object a line (see README, "Traffic logs"); reading stops
+def read_jsonl(
+    lines: Iterable[str],
+    *,
+    population: UserPopulation,
+    name: str = "log",
+    on_error: str = "reject",
+    limit: int | None = None,
+) -> LoadedSource:
+    """abplat's traffic log: one JSON object a line (docs/replays.md, "Traffic logs"); reading stops
     at ``limit`` valid lines."""
     _check_on_error(on_error)
     problems: list[Problem] = []
@@ -401,8 +422,14 @@ def read_jsonl(lines: Iterable[str], *, population: UserPopulation, name: str = 
     return _finish(name, "jsonl", rows, problems, on_error)
 
 
-def _rows(fmt: str, lines: Iterable[str], population: UserPopulation, name: str, problems: list[Problem],
-          on_error: str) -> Iterator[tuple]:  # fmt: skip
+def _rows(
+    fmt: str,
+    lines: Iterable[str],
+    population: UserPopulation,
+    name: str,
+    problems: list[Problem],
+    on_error: str,
+) -> Iterator[tuple]:
     if fmt == "azure":
         return _azure_rows(lines, population, name, problems, on_error)
     return _jsonl_rows(lines, population, problems, on_error)
@@ -413,9 +440,17 @@ def _check_format(fmt: str) -> None:
         raise ValueError(f"format must be azure or jsonl, got {fmt!r}")
 
 
-def load_source(path: str | Path, fmt: str, *, population: UserPopulation, on_error: str = "reject",
-                limit: int | None = None, max_bytes: int | None = None, max_line_bytes: int | None = None,
-                name: str | None = None) -> LoadedSource:  # fmt: skip
+def load_source(
+    path: str | Path,
+    fmt: str,
+    *,
+    population: UserPopulation,
+    on_error: str = "reject",
+    limit: int | None = None,
+    max_bytes: int | None = None,
+    max_line_bytes: int | None = None,
+    name: str | None = None,
+) -> LoadedSource:
     """The source's requests, read as a stream that stops after ``limit`` valid lines (the
     first ``limit`` in file order, then ordered by arrival), refusing a file over ``max_bytes``
     and a line over ``max_line_bytes``. ``name`` labels messages (default: the path)."""
@@ -435,8 +470,15 @@ def load_source(path: str | Path, fmt: str, *, population: UserPopulation, on_er
     return _finish(label, fmt, rows, problems, on_error)
 
 
-def summarize(path: str | Path, fmt: str, *, on_error: str = "reject", max_bytes: int | None = None,
-              max_line_bytes: int | None = None, name: str | None = None) -> SourceSummary:  # fmt: skip
+def summarize(
+    path: str | Path,
+    fmt: str,
+    *,
+    on_error: str = "reject",
+    max_bytes: int | None = None,
+    max_line_bytes: int | None = None,
+    name: str | None = None,
+) -> SourceSummary:
     """Check a whole source and count it (requests, time span) without keeping its requests:
     memory stays flat however long the source is. Raises SourceError like ``load_source``."""
     _check_format(fmt)
@@ -488,15 +530,30 @@ def _uniform64(seed: int, seq: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"thin:{seed}:{seq}".encode(), digest_size=8).digest(), "big")
 
 
-def load_requests(source: str | Path, fmt: str, *, on_malformed: str = "reject", limit: int | None = None,
-                  seed: int = 0, sample_fraction: float = 1.0, max_bytes: int | None = None,
-                  max_line_bytes: int | None = None, name: str | None = None) -> LoadedSource:  # fmt: skip
+def load_requests(
+    source: str | Path,
+    fmt: str,
+    *,
+    on_malformed: str = "reject",
+    limit: int | None = None,
+    seed: int = 0,
+    sample_fraction: float = 1.0,
+    max_bytes: int | None = None,
+    max_line_bytes: int | None = None,
+    name: str | None = None,
+) -> LoadedSource:
     """A run's requests, exactly as every shard of it sees them: the source read with the
     run's user population (``seed``), cut to ``limit``, then thinned to ``sample_fraction``.
     Deterministic, so each shard (in any process) loads the same list and takes its share."""
     loaded = load_source(
-        source, fmt, population=UserPopulation(seed=seed), on_error=on_malformed, limit=limit,
-        max_bytes=max_bytes, max_line_bytes=max_line_bytes, name=name,
-    )  # fmt: skip
+        source,
+        fmt,
+        population=UserPopulation(seed=seed),
+        on_error=on_malformed,
+        limit=limit,
+        max_bytes=max_bytes,
+        max_line_bytes=max_line_bytes,
+        name=name,
+    )
     loaded.requests = thin(loaded.requests, sample_fraction, seed)
     return loaded

@@ -35,15 +35,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from experiments.document import parse_duration, resolve_guardrail
-from stats.sequential.guardrails import (
-    BREACH,
-    HALT,
-    PASS,
-    ArmSnapshot,
-    Guardrail,
-    RolloutDecision,
-    decide,
-)
+from stats.sequential.arm_snapshot import ArmSnapshot
+from stats.sequential.guardrail_spec import Guardrail
+from stats.sequential.guardrails import BREACH, HALT, PASS, RolloutDecision, decide
 from stats.sequential.srm import SrmSequence
 
 START, HOLD, PROMOTE, COMPLETE = "start", "hold", "promote", "complete"
@@ -53,9 +47,14 @@ ACTIONS = (START, HOLD, PROMOTE, COMPLETE, ROLLBACK, PAUSE, YIELD)
 RUNNING, PAUSED, YIELDED, COMPLETED, ROLLED_BACK = "running", "paused", "yielded", "completed", "rolled_back"
 STATES = (RUNNING, PAUSED, YIELDED, COMPLETED, ROLLED_BACK)
 STATE_AFTER = {
-    START: RUNNING, HOLD: RUNNING, PROMOTE: RUNNING, COMPLETE: COMPLETED,
-    ROLLBACK: ROLLED_BACK, PAUSE: PAUSED, YIELD: YIELDED,
-}  # fmt: skip
+    START: RUNNING,
+    HOLD: RUNNING,
+    PROMOTE: RUNNING,
+    COMPLETE: COMPLETED,
+    ROLLBACK: ROLLED_BACK,
+    PAUSE: PAUSED,
+    YIELD: YIELDED,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,22 +252,31 @@ def decide_step(
     if verdict.decision == BREACH:
         if plan.on_breach == "rollback":
             return out(
-                ROLLBACK, f"{here}: guardrail breached: {verdict.reason}; {plan.candidate} back to 0%",
-                None, plan.rolled_back_weights(), **numbers,
-            )  # fmt: skip
+                ROLLBACK,
+                f"{here}: guardrail breached: {verdict.reason}; {plan.candidate} back to 0%",
+                None,
+                plan.rolled_back_weights(),
+                **numbers,
+            )
         return out(PAUSE, f"{here}: guardrail breached: {verdict.reason}; paused per plan", **numbers)
     if verdict.decision != PASS:
         return out(HOLD, f"{here}: {verdict.reason}", **numbers)
     nxt = step + 1
     if nxt >= len(plan.steps) or plan.steps[nxt] == 100:
         return out(
-            COMPLETE, f"{here}: {verdict.reason}; {plan.candidate} to 100%", len(plan.steps) - 1,
-            {plan.control: 0, plan.candidate: 100}, **numbers,
-        )  # fmt: skip
+            COMPLETE,
+            f"{here}: {verdict.reason}; {plan.candidate} to 100%",
+            len(plan.steps) - 1,
+            {plan.control: 0, plan.candidate: 100},
+            **numbers,
+        )
     return out(
-        PROMOTE, f"{here}: {verdict.reason}; promoting to {plan.steps[nxt]}%", nxt, plan.weights_at(nxt),
+        PROMOTE,
+        f"{here}: {verdict.reason}; promoting to {plan.steps[nxt]}%",
+        nxt,
+        plan.weights_at(nxt),
         **numbers,
-    )  # fmt: skip
+    )
 
 
 def weights_match(a: Mapping[str, int], b: Mapping[str, int]) -> bool:

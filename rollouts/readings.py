@@ -9,7 +9,7 @@ arm, the SLA report's query (analysis.units.moments_select, unit "user": a reque
 user is a user of its own) under the step's revision: per arm the sums over its users of the
 per-user vector [requests, hits, errors, the pre-request covariates (analysis.units.COVARIATES),
 their products, their products with hits and with errors] and of the products of its
-components, reduced in the store (stats.sequential.guardrails.UserMoments). The user-clustered
+components, reduced in the store (stats.sequential.arm_snapshot.UserMoments). The user-clustered
 and covariate-adjusted guardrails need nothing else (stats.clustered.ArmMoments), so a step of
 10^6 users is read as one row per arm, not a row per user. The arm's totals are then those
 moments' sums, so totals and per-user aggregates come from one snapshot of the table even while
@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 
 from analysis import units
-from analysis.definitions import Filters, Slo
-from analysis.sql import ASSIGNED_USERS, SAMPLES, hit_expr, metric_ok
+from analysis.definitions import SETUP_ERROR, Filters, Slo
+from analysis.sql import ASSIGNED_USERS, JUDGED, SAMPLES, hit_expr, metric_ok
 from experiments.document import ROLLOUT_LATENCIES
 from rollouts.controller import Plan, StepReading
 from samples.store import StoreError
-from stats.sequential.guardrails import ATTAINMENT, ERROR_RATE, ArmSnapshot, UserMoments
+from stats.sequential.arm_snapshot import ATTAINMENT, ERROR_RATE, ArmSnapshot, UserMoments
 from stats.sequential.quantiles import LatencyHistogram, latency_edges
 
 EDGES = latency_edges(60_000.0, 1.0)  # 0..60 s at 1 ms; slower lands in the overflow bucket
@@ -64,7 +64,9 @@ def read_step(
     moments: dict[str, units.UnitMoments] | None = None
     try:
         cols = store.query_columns(
-            f"SELECT variant, count() AS n, countIf(outcome != 'ok') AS errors, countIf({hit}) AS hits, "
+            # setup errors apart (ArmSnapshot.setup_errors): no guardrail reads them
+            f"SELECT variant, countIf({JUDGED}) AS n, countIf({JUDGED} AND outcome != 'ok') AS errors, "
+            f"countIf({hit}) AS hits, countIf({SETUP_ERROR}) AS setup, "
             f"{ASSIGNED_USERS} AS users {_where()} GROUP BY variant",
             {**params, **hp},
             settings=QUERY_SETTINGS,
@@ -97,6 +99,7 @@ def read_step(
         v: (int(cols["n"][i]), int(cols["hits"][i]), int(cols["errors"][i]), int(cols["users"][i]))
         for i, v in enumerate(cols.get("variant", []))
     }
+    setup = {v: int(cols["setup"][i]) for i, v in enumerate(cols.get("variant", []))}
     snaps = {}
     for arm in arms:
         n, hits, errors, _ = got.get(arm, (0, 0, 0, 0))
@@ -106,6 +109,6 @@ def read_step(
             # The totals of the per-user moments: the same snapshot as the aggregates
             sums = user_moments(moments.get(arm))
             n, hits, errors = sums.requests, sums.events(ATTAINMENT), sums.events(ERROR_RATE)
-        snaps[arm] = ArmSnapshot(n, hits, errors, lat, sums)
+        snaps[arm] = ArmSnapshot(n, hits, errors, lat, sums, setup.get(arm, 0))
     users = {arm: got.get(arm, (0, 0, 0, 0))[3] for arm in arms}
     return StepReading(snaps[plan.control], snaps[plan.candidate], users)

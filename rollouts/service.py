@@ -18,36 +18,26 @@ A look (``look``):
    killed between the store write and that commit finds its pending change in the store on the
    next look and adopts the revision (``rollout_recovered``): no double step, no false yield.
 5. Notify: a JSON POST of the decision to each of the plan's webhooks, after the commit, with a
-   bounded timeout; a failure is logged and audited, never undoes or delays the decision. Each
-   connection resolves the webhook's host once, checks those addresses (``webhook_addresses``)
-   and dials one of them through the variants' egress transport
-   (streaming.client.AllowedSyncTransport), so DNS that answers differently after the check
-   cannot move the POST; TLS still verifies the certificate for the URL's name. Logs, audit
-   entries and the look's results name webhooks redacted (``scheme://host:port/[redacted]``):
-   their path or query often carries the receiver's token.
+   bounded timeout, each host resolved once and checked against the egress rules
+   (rollouts/webhooks.py); a failure is logged and audited, never undoes or delays the
+   decision. Logs, audit entries and the look's results name webhooks redacted
+   (``scheme://host:port/[redacted]``): their path or query often carries the receiver's token.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
-import json
 import logging
 import math
 import os
 import socket
-import threading
 import uuid
-from collections.abc import Callable, Sequence
 from typing import Any
 
-import httpx
 from django.db import connection, transaction
 
 from analysis.definitions import slo_of
 from experiments import audit
-from experiments.checks import resolve_host, variant_allowlist
-from experiments.document import redact_url, scrub_url
 from experiments.models import Experiment, Variant
 from experiments.weights.errors import ConflictError, StoreUnavailable, WeightsError
 from experiments.weights.etcd import EtcdWeightsStore
@@ -57,30 +47,18 @@ from rollouts import controller
 from rollouts.controller import Decision, Plan, StoreView
 from rollouts.models import RolloutState
 from rollouts.readings import read_step
+from rollouts.webhooks import Webhooks, post_decision
 from samples.factory import sample_store
-from streaming.client import AllowedSyncTransport, tls_verify
-from streaming.egress import Allowlist, EgressError, EgressRefused, check_addresses, ip_literal, split_url
 
 log = logging.getLogger(__name__)
 
 ACTOR = "rollout-controller"
 LEASE_SHARE = 0.9  # of the interval: ticks that arrive a little early still find the lease free
-NOTIFY_TIMEOUT_S = 3.0
 TERMINAL = (controller.COMPLETED, controller.ROLLED_BACK)
 
 
 class RolloutError(Exception):
     """The experiment cannot be rolled out as asked (unknown, no plan)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Webhooks:
-    """How a look sends its webhooks: ``resolve`` answers a host's addresses (asked once per
-    connection; the settings' resolver by default), ``verify`` is the TLS trust (True: the
-    system's CA store; or the path of a CA bundle)."""
-
-    resolve: Callable[[str], Sequence[str]] = resolve_host
-    verify: bool | str = True
 
 
 @dataclasses.dataclass
@@ -234,7 +212,14 @@ def _audit(experiment: Experiment, action: str, before: dict, after: dict, reaso
 
 
 def _snapshot(state: RolloutState) -> dict[str, Any]:
-    return {"status": state.status, "step": state.step, "revision": state.last_seen_revision}
+    """The state an audit entry shows, with the lease of the look that wrote it: its end on the
+    database clock says when that look claimed (``LEASE_SHARE`` of an interval before)."""
+    return {
+        "status": state.status,
+        "step": state.step,
+        "revision": state.last_seen_revision,
+        "lease_until_s": state.lease_until_s,
+    }
 
 
 def _recover(experiment: Experiment, plan: Plan, state: RolloutState, view: StoreView, doc: Any, owner: str):
@@ -371,9 +356,13 @@ def _carry_out(experiment: Experiment, plan: Plan, d: Decision, owner: str, view
         # last wrote after that (rollouts/controller.py, Decision.base_revision).
         expected = d.base_revision if d.base_revision is not None else state.last_seen_revision
         state.pending = {
-            "id": decision_id, "action": d.action, "to_step": d.to_step, "weights": d.weights,
-            "state_after": d.state_after, "expected_revision": expected,
-        }  # fmt: skip
+            "id": decision_id,
+            "action": d.action,
+            "to_step": d.to_step,
+            "weights": d.weights,
+            "state_after": d.state_after,
+            "expected_revision": expected,
+        }
         state.save(update_fields=["pending", "updated_at"])
     reason = f"rollout {d.action}: {d.reason} [decision {decision_id}]"
     try:
@@ -393,9 +382,12 @@ def _carry_out(experiment: Experiment, plan: Plan, d: Decision, owner: str, view
             state.decisions += 1
             state.save()
             _audit(
-                experiment, f"rollout_{d.action}", before,
-                {**_snapshot(state), "weights": d.weights, "decision": payload}, d.reason,
-            )  # fmt: skip
+                experiment,
+                f"rollout_{d.action}",
+                before,
+                {**_snapshot(state), "weights": d.weights, "decision": payload},
+                d.reason,
+            )
         return f"{d.reason} (weights revision {revision})"
     except ConflictError as exc:
         # Someone wrote between our read and our write: theirs stands.
@@ -428,67 +420,11 @@ def _yield_after_conflict(experiment: Experiment, d: Decision, owner: str, exc: 
     return why
 
 
-def webhook_addresses(scheme: str, host: str, addresses: Sequence[str], allow: Allowlist) -> list[str]:
-    """The addresses of ``host`` (as resolved, once) a webhook may be sent to, or EgressRefused
-    saying why not: a host on the variant allowlist (by name, or every address it resolves to)
-    over http(s); any other host only over https and only while every address it resolves to is
-    public (no loopback, private, link-local or reserved address: a name that starts resolving
-    inward is refused)."""
-    try:
-        return check_addresses(host, list(addresses), allow)
-    except EgressRefused as exc:
-        refused = str(exc)
-    if scheme != "https":
-        raise EgressRefused(f"{refused}: plain http goes only to hosts on the allowlist")
-    inward = [a for a in addresses if not ipaddress.ip_address(a.split("%")[0]).is_global]
-    if inward or ip_literal(host) is not None:
-        raise EgressRefused(
-            f"host {host!r} resolves to non-public addresses {inward or list(addresses)}; not on the allowlist"
-        )
-    return list(addresses)
-
-
-def _resolved(host: str, resolve: Callable[[str], Sequence[str]]) -> list[str]:
-    """``host``'s addresses: an IP literal as itself, a name as ``resolve`` answers it now."""
-    literal = ip_literal(host)
-    if literal is not None:
-        return [str(literal)]
-    try:
-        return list(dict.fromkeys(resolve(host)))
-    except OSError as exc:
-        raise EgressRefused(f"host {host!r} does not resolve: {exc}") from None
-
-
-def _post(url: str, body: bytes, out: dict[str, Any], webhooks: Webhooks) -> None:
-    """POST ``body`` to ``url``; the outcome (``status``, ``error``) goes into ``out``, with the
-    URL redacted in any error text."""
-    try:
-        target = split_url(url)
-        allow = variant_allowlist()
-
-        def addresses(host: str, port: int) -> list[str]:
-            # Called by the transport for each new connection: one lookup, checked, dialled.
-            return webhook_addresses(target.scheme, host, _resolved(host, webhooks.resolve), allow)
-
-        transport = AllowedSyncTransport(None, verify=tls_verify(webhooks.verify), addresses=addresses)
-        with httpx.Client(
-            transport=transport, timeout=NOTIFY_TIMEOUT_S, follow_redirects=False, trust_env=False
-        ) as client:
-            resp = client.post(url, content=body, headers={"Content-Type": "application/json"})
-        out["status"] = resp.status_code
-        if resp.status_code >= 300:
-            out["error"] = f"HTTP {resp.status_code}"
-    except (EgressError, EgressRefused) as exc:
-        out["error"] = scrub_url(f"refused by the egress rules: {exc}", url)
-    except Exception as exc:  # every failure is reported, none escapes
-        out["error"] = scrub_url(f"{type(exc).__name__}: {exc}", url)[:300]
-
-
 def _notify(
     experiment: Experiment, plan: Plan, d: Decision, state: RolloutState, webhooks: Webhooks
 ) -> list[dict[str, Any]]:
-    """POST the decision to every webhook at once; wait at most the timeout (plus a margin).
-    The results, the log and the audit entry name each webhook redacted."""
+    """POST the decision to the plan's webhooks (rollouts/webhooks.py); log and audit those
+    that failed. The results, the log and the audit entry name each webhook redacted."""
     message = json_safe(
         {
             "experiment": experiment.key,
@@ -504,28 +440,19 @@ def _notify(
             "numbers": d.numbers,
         }
     )
-    body = json.dumps(message).encode()
-    outcomes: list[dict[str, Any]] = [{} for _ in plan.notify]
-    threads = [
-        threading.Thread(target=_post, args=(url, body, out, webhooks), daemon=True)
-        for url, out in zip(plan.notify, outcomes, strict=True)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(NOTIFY_TIMEOUT_S + 1.0)
-    # A thread still running may yet write into its outcome: read each one once, now.
-    results = [{"url": redact_url(url), **dict(out)} for url, out in zip(plan.notify, outcomes, strict=True)]
-    failed = [r for r in results if "error" in r or "status" not in r]
+    results = post_decision(plan.notify, message, webhooks)
+    failed = [r for r in results if "error" in r]
     for r in failed:
-        r.setdefault("error", "no answer in time")
         log.warning("rollout %s: webhook %s failed: %s", experiment.key, r["url"], r["error"])
     if failed:
         try:
             _audit(
-                experiment, "rollout_notify_failed", {"action": d.action}, {"webhooks": failed},
+                experiment,
+                "rollout_notify_failed",
+                {"action": d.action},
+                {"webhooks": failed},
                 f"{len(failed)} of {len(results)} webhooks failed for the {d.action} decision",
-            )  # fmt: skip
+            )
         except Exception:
             log.exception("rollout %s: could not audit the failed webhooks", experiment.key)
     return results

@@ -39,9 +39,9 @@ def timeline_rows(experiment: Experiment) -> list[dict[str, Any]]:
                 "action": e.action.removeprefix("rollout_"),
                 "by_person": e.action == "set_weights" and e.actor_name != "rollout-controller",
                 "status": after.get("status", ""),
-                "percent": 0 if after.get("status") == "rolled_back" else (
-                    steps[step] if isinstance(step, int) and 0 <= step < len(steps) else None
-                ),
+                "percent": 0
+                if after.get("status") == "rolled_back"
+                else (steps[step] if isinstance(step, int) and 0 <= step < len(steps) else None),
                 "weights": after.get("weights"),
                 "revision": after.get("revision"),
                 "n_control": verdict.get("n_control"),
@@ -49,7 +49,7 @@ def timeline_rows(experiment: Experiment) -> list[dict[str, Any]]:
                 "checks": verdict.get("checks") or [],
                 "reason": e.reason,
             }
-        )  # fmt: skip
+        )
     return rows
 
 

@@ -1,7 +1,8 @@
 """Batches of samples handed from the thread that measures to the thread that writes.
 
-The one queue in front of the sample writer (samples.spool.SpoolingWriter), for the replay's
-sample sink (replay/sink.py) and the live gateway's recorder (gateway/recording.py):
+The one queue in front of the sample writer (samples.spool.SpoolingWriter), inside the flush
+loop (samples/flush.py) that the replay's sample sink (replay/sink.py) and the live gateway's
+recorder (gateway/recording.py) write through:
 
 - ``put(item)`` on the measuring side (an event loop) never blocks and never raises: a queue
   that is full (``capacity`` items in memory) or closed refuses the item and counts it; the

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import marshal
 import math
 import operator
 from array import array
@@ -26,6 +25,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from samples import column_marshal
 
 # split / mirror: a replay (replay.plan); live: real users' traffic measured by the gateway
 # (gateway.recording), one run per gateway process start (gateway.models.LiveRun).
@@ -315,94 +316,23 @@ def _column(col: Column, values: Any, nan_is_null: bool, convert: bool = True) -
     raise _Bad(i, f"out of range [{lo}, {hi}]")
 
 
-# The fast path of numeric columns: one C-level pass (marshal) checks every value's exact type
-# and serialises it, numpy reads the values back from the bytes (per 10k-value float column
-# ~0.15 ms, where set(map(type)) and then array("d") take ~0.45 ms). marshal format 2 writes a
-# list or tuple as a 5-byte head (b"[" or b"(", int32 length), then each item as a type code
-# chosen by exact type (PyFloat_CheckExact, PyLong_CheckExact, None; bool, numpy scalars and
-# subclasses get other codes or cannot be marshalled at all) and that item's bytes:
-#   b"g" + 8 bytes       a float (little-endian double)
-#   b"i" + 4 bytes       an int in [-2**31, 2**31) (little-endian int32)
-#   b"l" + int32 d + d 2-byte digits   any other int: |d| 15-bit digits, least significant
-#                        first, the sign of d is the number's
-#   b"N"                 None
-# Each code fixes the size of its item, so finding the expected code at every offset the items
-# before it lead to, with the bytes adding up exactly, is a full parse: the column holds only
-# values of those exact types. Anything else (or another format) gives None here and takes the
-# per-value path of _column, which also names the bad value.
-_M_HEAD = 5
-_M_LIST = frozenset(b"[(")
-_M_LIST_CODES = np.frombuffer(b"[(", dtype=np.uint8)
-_G, _I, _L, _N = b"gilN"
+# The numeric kinds whose columns are first read from marshal's bytes (samples.column_marshal,
+# the fast path: one C-level pass checks every value's exact type); a column it cannot read takes
+# the per-value path of _column, which also names the bad value.
 _MARSHAL_KINDS = frozenset({"f64", "nf64", "nu64", "u8", "u16", "u32", "u64", "i64", "datetime"})
 
 
 def _marshalled_numbers(kind: str, values: Any) -> np.ndarray | None:
-    """A float or integer column converted by way of marshal (see above), or None: not every
-    value is a float (None too in a nullable float column) or, in an integer column, an int of
-    one marshal width and within the column's range."""
-    n = len(values)
-    if not n or type(values) not in (list, tuple):
-        return None
-    try:
-        data = marshal.dumps(values, 2)
-    except ValueError:  # an object marshal cannot write: not a number anyway
-        return None
-    if data[0] not in _M_LIST or int.from_bytes(data[1:5], "little") != n:
-        return None
-    u8 = np.frombuffer(data, dtype=np.uint8)
-    if kind in _FLOAT_KINDS:
-        if len(data) == _M_HEAD + 9 * n:  # floats only
-            if not (u8[_M_HEAD::9] == _G).all():
-                return None
-            return np.ndarray((n,), "<f8", data, _M_HEAD + 1, (9,)).astype(np.float64)
-        if kind == "f64":
-            return None
-        return _marshalled_nullable_floats(values, data, u8)
-    first = data[_M_HEAD]
-    if first == _I:  # ints of at most 32 bits
-        if len(data) != _M_HEAD + 5 * n or not (u8[_M_HEAD::5] == _I).all():
-            return None
-        ints = np.ndarray((n,), "<i4", data, _M_HEAD + 1, (5,))
-    elif first == _L:  # larger ints (below 2**64), all with the same number of digits
-        digits = int.from_bytes(data[_M_HEAD + 1 : _M_HEAD + 5], "little", signed=True)
-        width = 5 + 2 * digits
-        if not 1 <= digits <= 5 or len(data) != _M_HEAD + width * n:
-            return None
-        recs = u8[_M_HEAD:].reshape(n, width)
-        if not (recs[:, :5] == recs[0, :5]).all():  # every code b"l", every digit count ours
-            return None
-        ints = np.zeros(n, dtype=np.uint64)
-        for k in range(digits):
-            digit = np.ndarray((n,), "<u2", data, _M_HEAD + 5 + 2 * k, (width,))
-            if k == 4 and digit.max() >= 1 << 4:  # 2**64 or more
-                return None
-            ints |= digit.astype(np.uint64) << np.uint64(15 * k)
-    elif kind == "nu64" and len(data) == _M_HEAD + n and data.count(_N, _M_HEAD) == n:  # all NULL
-        return np.full(n, None, dtype=object)
-    else:
-        return None
+    """A float or integer column converted by way of marshal (samples.column_marshal), or None:
+    not every value is a float (None too in a nullable float column) or, in an integer column,
+    an int of one marshal width and within the column's range."""
+    got = column_marshal.numbers(values, floats=kind in _FLOAT_KINDS, nullable=kind in _NULLABLE_KINDS)
+    if got is None or kind in _FLOAT_KINDS or got.dtype == object:  # floats, or all NULL
+        return got
     lo, hi = _INT_RANGES[kind]
-    if int(ints.min()) < lo or int(ints.max()) > hi:
+    if int(got.min()) < lo or int(got.max()) > hi:
         return None  # the per-value path names the first value out of range
-    return ints.astype(_DTYPES[kind])
-
-
-def _marshalled_nullable_floats(values: Any, data: bytes, u8: np.ndarray) -> np.ndarray | None:
-    """A Nullable(Float64) column with None in it (NaN there), read from its marshal bytes:
-    b"N" where the item is None, b"g" + 8 bytes everywhere else, or None."""
-    null = np.frombuffer(bytes([v is None for v in values]), dtype=np.bool_)
-    size = np.where(null, 1, 9)
-    ends = np.cumsum(size)
-    if len(data) != _M_HEAD + int(ends[-1]):
-        return None
-    starts = _M_HEAD + ends - size
-    if not (u8[starts] == np.where(null, _N, _G)).all():
-        return None
-    arr = np.full(len(values), np.nan)
-    present = ~null
-    arr[present] = u8[starts[present, None] + np.arange(1, 9)].view("<f8").ravel()
-    return arr
+    return got.astype(_DTYPES[kind])
 
 
 def _beyond_float(v: int) -> bool:
@@ -468,52 +398,25 @@ def _arrays(values: Any, convert: bool) -> np.ndarray | None:
     """An Array(UInt32) column: per row a list or tuple of integers (or a 1-dimensional numpy
     integer array), each in [0, 2**32 - 1]; bool is not an integer. Converted: an object array
     holding one uint32 array per row. Rows of Python ints (what the replay and the spool hold)
-    are read from marshal's bytes in one pass (_marshalled_arrays); other rows one by one."""
+    are read from marshal's bytes in one pass (samples.column_marshal); other rows one by one."""
     if isinstance(values, np.ndarray):
         if values.ndim != 1 or values.dtype != object:
-            raise _Bad(None, f"needs a 1-dimensional object array of per-row arrays, got {values.dtype} "
-                             f"of shape {values.shape}")  # fmt: skip
+            raise _Bad(
+                None,
+                f"needs a 1-dimensional object array of per-row arrays, got {values.dtype} "
+                f"of shape {values.shape}",
+            )
         values = values.tolist()  # its items (lists or arrays) as they are
     types = set(map(type, values))
     if not types <= _ALLOWED_TYPES["au32"]:
         raise _Bad(_first_not(values, _ALLOWED_TYPES["au32"]), "not a list of integers")
     if types <= _ROW_TYPES and values:
         lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
-        data = _marshalled_arrays(values, lengths)
+        data = column_marshal.array_items(values, lengths)
         if data is not None:
             return _per_row(np.split(data, np.cumsum(lengths)[:-1])) if convert else None
     parts = [_one_array(i, v) for i, v in enumerate(values)]  # names the first bad row
     return _per_row(parts) if convert else None
-
-
-# The fast path of the array column, marshal again (see above): marshal format 2 writes a list
-# of rows as its 5-byte head, then each row as a 5-byte head (b"[" or b"(", int32 length) and its
-# items, an int in [-2**31, 2**31) as b"i" + int32. So when every item is such an int, the bytes
-# after the outer head are 5-byte records throughout, a row's head at record (row + items before
-# it), its items after it: one strided view reads every code and value at once.
-_ARRAY_RECORD = np.dtype([("code", "u1"), ("value", "<i4")])  # packed: 5 bytes
-
-
-def _marshalled_arrays(values: Sequence[Any], lengths: np.ndarray) -> np.ndarray | None:
-    """Every item of rows of Python ints in [0, 2**31), as one uint32 array (rows in order), read
-    from marshal's bytes; None when any item is something else (the per-row path says what)."""
-    n, m = len(values), int(lengths.sum())
-    try:
-        data = marshal.dumps(values, 2)
-    except ValueError:  # an object marshal cannot write: not an int anyway
-        return None
-    if len(data) != _M_HEAD + 5 * (n + m) or data[0] not in _M_LIST:
-        return None
-    records = np.ndarray((n + m,), _ARRAY_RECORD, data, _M_HEAD)
-    head = np.zeros(n + m, dtype=bool)
-    head[np.arange(n) + np.cumsum(lengths) - lengths] = True
-    codes = records["code"]
-    if not (np.isin(codes[head], _M_LIST_CODES).all() and (codes[~head] == _I).all()):
-        return None
-    items = records["value"][~head]
-    if m and int(items.min()) < 0:
-        return None
-    return items.astype(np.uint32)
 
 
 def _one_array(i: int, v: Any) -> np.ndarray:

@@ -469,8 +469,13 @@ class SpoolingWriter:
                 self._report_pending_quietly()
             self._meter(report)
         if report.inserted or report.skipped_stored:
-            log.info("spool %s: flushed %d spooled samples (%d already stored)%s", self.spool.id,
-                     report.inserted, report.skipped_stored, "; more to flush" if self.draining else "")  # fmt: skip
+            log.info(
+                "spool %s: flushed %d spooled samples (%d already stored)%s",
+                self.spool.id,
+                report.inserted,
+                report.skipped_stored,
+                "; more to flush" if self.draining else "",
+            )
         return report
 
     # ---- writing -----------------------------------------------------------------------------
@@ -614,8 +619,12 @@ class SpoolingWriter:
         self.spool.move_to_quarantine(name)
         log.error(
             "unreadable spool file %s (header %s): flushed %d readable rows, lost %s (run: rows), kept it at %s",
-            name, head, len(rows), lost or "nothing", where,
-        )  # fmt: skip
+            name,
+            head,
+            len(rows),
+            lost or "nothing",
+            where,
+        )
         return QuarantinedFile(where, head, len(rows), lost)
 
     def pending(self, run_id: int | None = None) -> int:

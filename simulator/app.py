@@ -134,7 +134,7 @@ class SimulatorApp:
             req = _json_object(await _read_body(receive))
             model = req.get("model")
             if model is not None and model != self.model:
-                raise BadRequest(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+                raise BadRequest(404, self._unknown_model(model), "NotFoundError", "model")
             if "messages" in req:
                 msgs = req["messages"]
                 if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
@@ -200,11 +200,19 @@ class SimulatorApp:
             return forced
         return self.profile.faults.draw(random.Random(f"fault:{self.profile.seed}:{rid}").random())
 
+    def _unknown_model(self, model: Any) -> str:
+        """vLLM's 404 sentence, then the model this simulator does serve and how to serve another:
+        a client pointed at the wrong simulator learns what to change."""
+        return (
+            f"The model `{model}` does not exist. This simulator serves `{self.model}` "
+            "(start it with --model NAME, or --experiment KEY to serve each variant's model)."
+        )
+
     def _parse(self, api: str, raw: bytes) -> dict[str, Any]:
         req = _json_object(raw)
         model = req.get("model")
         if model != self.model:
-            raise BadRequest(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+            raise BadRequest(404, self._unknown_model(model), "NotFoundError", "model")
         if api == "chat":
             msgs = req.get("messages")
             if not isinstance(msgs, list) or not msgs:
@@ -390,9 +398,14 @@ class SimulatorApp:
         await _respond(send, 200, json.dumps(out, ensure_ascii=False).encode(), JSON_HEADERS + echo)
 
     def _observe(
-        self, index: int, seq: Seq, req: dict[str, Any], received_at: float, first_token_at: float | None,
+        self,
+        index: int,
+        seq: Seq,
+        req: dict[str, Any],
+        received_at: float,
+        first_token_at: float | None,
         done_at: float,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """A finished request's series, as vLLM records them: queue = first scheduling - arrival
         at the engine, prefill = first token - first scheduling, decode = last token - first
         token (all on the engine's clock, so queue + prefill <= the TTFT it served)."""
@@ -400,11 +413,17 @@ class SimulatorApp:
         first = seq.first_token_at if seq.first_token_at is not None else admitted
         last = seq.finished_at if seq.finished_at is not None else first
         self.metrics.request_done(
-            index, prompt_tokens=req["prompt_tokens"], generated=seq.generated, max_tokens=req["max_tokens"],
+            index,
+            prompt_tokens=req["prompt_tokens"],
+            generated=seq.generated,
+            max_tokens=req["max_tokens"],
             ttft_s=None if first_token_at is None else first_token_at - received_at,
-            e2e_s=done_at - received_at, queue_s=admitted - seq.arrival, prefill_s=first - admitted,
-            decode_s=last - first, inference_s=last - admitted,
-        )  # fmt: skip
+            e2e_s=done_at - received_at,
+            queue_s=admitted - seq.arrival,
+            prefill_s=first - admitted,
+            decode_s=last - first,
+            inference_s=last - admitted,
+        )
 
 
 async def _watch_disconnect(receive: Any, engine: Engine, run: Any) -> None:

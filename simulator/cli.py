@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int)
     parser.add_argument("--profile", help=f"one of {', '.join(sorted(PROFILES))} (default {DEFAULT})")
     parser.add_argument("--serve", action="append", default=[], metavar="NAME=PORT")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
+    parser.add_argument("--model", help=f"served model name (default {DEFAULT_MODEL})")
     parser.add_argument(
         "--replicas", type=int, default=1, help="engines behind each endpoint (least loaded first)"
     )
@@ -61,7 +61,12 @@ def serve(options: dict) -> None:
     """Serve until interrupted (Ctrl-C returns quietly); ValueError for bad options."""
     pairs = validated(options)
     try:
-        run_forever(pairs, options["model"], options["replicas"], options.get("tokenizer", DEFAULT_TOKENIZER))
+        run_forever(
+            pairs,
+            options["model"] or DEFAULT_MODEL,
+            options["replicas"],
+            options.get("tokenizer", DEFAULT_TOKENIZER),
+        )
     except KeyboardInterrupt:
         pass
 

@@ -29,13 +29,52 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 # vLLM 0.32 vllm/v1/metrics/buckets.py: TIME_TO_FIRST_TOKEN_BUCKETS and REQUEST_LATENCY_BUCKETS.
 TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
 REQUEST_LATENCY_BUCKETS = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 # vLLM's FinishReason strings (vllm/v1/engine/__init__.py); every one is exposed from the start.
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 LABELS = ("model_name", "engine")
@@ -82,9 +121,11 @@ class Metrics:
             "vllm:generation_tokens", "Number of generation tokens processed.", LABELS, registry=r
         )
         self.success = Counter(
-            "vllm:request_success", "Count of successfully processed requests.", (*LABELS, "finished_reason"),
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            (*LABELS, "finished_reason"),
             registry=r,
-        )  # fmt: skip
+        )
         self.failed = Counter(
             "abplat_sim_requests_failed",
             "Requests the simulator failed on purpose or refused (not a vLLM series).",
@@ -95,23 +136,48 @@ class Metrics:
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, LABELS, buckets=buckets, registry=r)
 
-        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                         TTFT_BUCKETS)  # fmt: skip
-        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                        REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.queue = hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
-                          REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.inference = hist("vllm:request_inference_time_seconds",
-                              "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.prefill = hist("vllm:request_prefill_time_seconds",
-                            "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)  # fmt: skip
-        self.decode = hist("vllm:request_decode_time_seconds",
-                           "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)  # fmt: skip
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.e2e = hist(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.queue = hist(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference = hist(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill = hist(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode = hist(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
         # Every labelled child exists from the start (as vLLM creates them), so a scrape before
         # the first request already shows each series at 0.
         for engine in self._engines:
-            for metric in (self.prompt_tokens, self.generation_tokens, self.failed, self.ttft, self.e2e,
-                           self.queue, self.inference, self.prefill, self.decode):  # fmt: skip
+            for metric in (
+                self.prompt_tokens,
+                self.generation_tokens,
+                self.failed,
+                self.ttft,
+                self.e2e,
+                self.queue,
+                self.inference,
+                self.prefill,
+                self.decode,
+            ):
                 metric.labels(model, engine)
             for reason in FINISH_REASONS:
                 self.success.labels(model, engine, reason)

@@ -60,22 +60,41 @@ def build_server(
 
 
 async def serve_many(
-    pairs: list[tuple[str, int]],
+    pairs: list[tuple[str, int]] | list[tuple[str, int, str]],
     model: str = DEFAULT_MODEL,
     replicas: int = 1,
     tokenizer: str = DEFAULT_TOKENIZER,
 ) -> None:
-    """Serve each (profile, port) on 127.0.0.1 from this one event loop until interrupted."""
+    """Serve each (profile, port) on 127.0.0.1 from this one event loop until interrupted; a
+    (profile, port, model) triple serves that model there instead of ``model``. ValueError
+    names a port that is taken."""
     if not pairs:
         raise ValueError("serve_many: no PROFILE=PORT pairs given")
-    servers = [(build_server(name, model, replicas, tokenizer), _bind(port)) for name, port in pairs]
-    for (name, port), _ in zip(pairs, servers):
-        print(f"simulator profile={name} at http://{HOST}:{port}", flush=True)
+    endpoints = [(p[0], p[1], p[2] if len(p) > 2 else model) for p in pairs]
+    servers = []
+    try:
+        for name, port, served in endpoints:
+            servers.append((build_server(name, served, replicas, tokenizer), _bind_or_say(port)))
+    except BaseException:
+        for _, sock in servers:
+            sock.close()
+        raise
+    for (name, port, served), _ in zip(endpoints, servers):
+        print(f"simulator profile={name} model={served} at http://{HOST}:{port}", flush=True)
     await asyncio.gather(*(srv.serve(sockets=[sock]) for srv, sock in servers))
 
 
+def _bind_or_say(port: int) -> socket.socket:
+    try:
+        return _bind(port)
+    except OSError as exc:
+        raise ValueError(
+            f"cannot listen on {HOST}:{port}: {exc.strerror} (is another simulator, or make demo, still serving there?)"
+        ) from None
+
+
 def run_forever(
-    pairs: list[tuple[str, int]],
+    pairs: list[tuple[str, int]] | list[tuple[str, int, str]],
     model: str = DEFAULT_MODEL,
     replicas: int = 1,
     tokenizer: str = DEFAULT_TOKENIZER,

@@ -70,7 +70,9 @@ from stats.clustered import (
     check_cluster_counts,
     check_sums,
     cluster_codes,
+    clustered_difference,
     moment_layout,
+    no_spread,
     normal_p_value,
 )
 
@@ -498,6 +500,37 @@ def adjusted_moments_from_sums(control: ArmMoments, variant: ArmMoments) -> Adju
     return _finish(totals, f, np.float64(variance_cr0), np.float64(variance0_cr0))
 
 
+def fit_arms(control: ArmData | ArmMoments, variant: ArmData | ArmMoments, where: str) -> AdjustedMoments:
+    """The pooled-slope fit of one experiment's two arms (fixed-horizon or anytime-valid), from
+    ArmData (``adjusted_moments``) or ArmMoments (``adjusted_moments_from_sums``).
+
+    Refused first: an arm that is not one experiment's ArmData with at least one request, or an
+    ArmMoments; arms of two kinds; covariates that differ in name or order. A wrong kind is a
+    TypeError, so that callers which read a ValueError as "constant or collinear covariates"
+    (and drop one) do not swallow it. A degenerate fit is the caller's to refuse.
+    """
+    for label, arm in (("control", control), ("variant", variant)):
+        if isinstance(arm, ArmMoments):
+            continue  # one arm with at least one request by construction
+        if not isinstance(arm, ArmData):
+            raise TypeError(f"{where}: {label} must be ArmData or ArmMoments, got {type(arm).__name__}")
+        if arm.n.ndim != 1:
+            raise ValueError(
+                f"{where}: {label} must hold one experiment (clusters on one axis), got {arm.n.shape}"
+            )
+        if arm.n.sum() == 0:
+            raise ValueError(f"{where}: {label} has no requests")
+    if type(control) is not type(variant):
+        raise TypeError(f"{where}: control and variant must be both ArmData or both ArmMoments")
+    if control.covariates != variant.covariates:
+        raise ValueError(
+            f"{where}: the arms' covariates differ (control {control.covariates}, variant {variant.covariates})"
+        )
+    if isinstance(control, ArmMoments) and isinstance(variant, ArmMoments):
+        return adjusted_moments_from_sums(control, variant)
+    return adjusted_moments(control, variant)  # type: ignore[arg-type]
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class AdjustedDifference(AsDict):
     estimate: float  # tau: variant - control after adjustment
@@ -536,27 +569,7 @@ def adjusted_difference(
     """
     where = "adjusted_difference"
     check_conf(conf, where)
-    for label, arm in (("control", control), ("variant", variant)):
-        if isinstance(arm, ArmMoments):
-            continue  # one arm with at least one request by construction
-        if not isinstance(arm, ArmData):
-            raise TypeError(f"{where}: {label} must be ArmData or ArmMoments, got {type(arm).__name__}")
-        if arm.n.ndim != 1:
-            raise ValueError(
-                f"{where}: {label} must hold one experiment (clusters on one axis), got {arm.n.shape}"
-            )
-        if arm.n.sum() == 0:
-            raise ValueError(f"{where}: {label} has no requests")
-    if type(control) is not type(variant):
-        raise TypeError(f"{where}: control and variant must be both ArmData or both ArmMoments")
-    if control.covariates != variant.covariates:
-        raise ValueError(
-            f"{where}: the arms' covariates differ (control {control.covariates}, variant {variant.covariates})"
-        )
-    if isinstance(control, ArmMoments) and isinstance(variant, ArmMoments):
-        fit = adjusted_moments_from_sums(control, variant)
-    else:
-        fit = adjusted_moments(control, variant)  # type: ignore[arg-type]
+    fit = fit_arms(control, variant, where)
     if bool(fit.degenerate):
         raise ValueError(
             f"{where}: the covariates {control.covariates} are constant or collinear over these "
@@ -585,6 +598,29 @@ def adjusted_difference(
             )
     if se is None and not notes:
         notes.append(f"too few requests for {control.p} covariates")
+    p_value = normal_p_value(est, se)
+    if (
+        isinstance(control, ArmMoments)
+        and isinstance(variant, ArmMoments)
+        and lo is not None
+        and hi is not None
+    ):
+        flat = [label for label, arm in (("control", control), ("variant", variant)) if no_spread(arm)]
+        if flat:
+            # A share without events (or all) in an arm: its variance of 0 is no certainty, and
+            # the covariates cannot explain a constant. The interval is at least as wide, on each
+            # side, as the unadjusted difference's from the arms' Wilson intervals
+            # (stats.clustered.clustered_difference), moved to the adjusted estimate.
+            plain = clustered_difference(control.select(()), variant.select(()), conf)
+            if plain.lo is not None and plain.hi is not None:
+                lo = min(lo, est - (plain.estimate - plain.lo))
+                hi = max(hi, est + (plain.hi - plain.estimate))
+                p_value = normal_p_value(est, (hi - lo) / (2.0 * z_of(conf)))
+                notes.append(
+                    f"no events (or all events) in {' and '.join(flat)}: no spread between users to "
+                    "estimate there; the interval is at least the unadjusted one from the arms' "
+                    "Wilson intervals at N"
+                )
     var_iid = float(fit.variance_iid)
     return AdjustedDifference(
         estimate=est,
@@ -592,7 +628,7 @@ def adjusted_difference(
         lo=lo,
         hi=hi,
         conf=conf,
-        p_value=normal_p_value(est, se),
+        p_value=p_value,
         unadjusted=float(fit.unadjusted),
         se_unadjusted=math.sqrt(var0) if math.isfinite(var0) else None,
         variance_reduction=reduction,

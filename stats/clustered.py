@@ -67,6 +67,16 @@ DIFFERENCE_METHOD = (
     "difference of ratio means; delta method over user clusters, per-arm CR1 (G_a/(G_a-1)), "
     "arms independent; normal CI and two-sided z test"
 )
+NEWCOMBE_METHOD = (
+    "difference of shares; an arm without events (or all events) has no spread between users to "
+    "estimate: Newcombe's square-and-add of the arms' Wilson intervals at their effective sample "
+    "sizes (N where the spread is 0), z test at the interval's standard error"
+)
+NO_SPREAD_NOTE = (
+    "no spread between users in {arms} (no events, all events, or every user at one share): the "
+    "spread cannot be estimated, so the interval is the Wilson one at N requests, as if they were "
+    "independent"
+)
 
 
 def cluster_codes(
@@ -376,9 +386,14 @@ class ArmMoments:
                 picked.append(index[part])
         ix = np.asarray(picked)
         return ArmMoments(
-            self.total[ix], self.cross[np.ix_(ix, ix)], self.clusters, self.largest, self.sum_yy,
-            tuple(covariates), self.binary,
-        )  # fmt: skip
+            self.total[ix],
+            self.cross[np.ix_(ix, ix)],
+            self.clusters,
+            self.largest,
+            self.sum_yy,
+            tuple(covariates),
+            self.binary,
+        )
 
     def moments(self) -> RatioMoments:
         """The ratio mean's moments (as ratio_moments gives them from per-user arrays):
@@ -503,6 +518,17 @@ def mean_bounds(
     return lo, hi
 
 
+def no_spread(arm: ClusterSums | ArmMoments) -> bool:
+    """A 0/1 arm whose clustered variance is 0 (no events, all events, or every user at the same
+    share): a variance of 0 is no evidence of certainty, and an interval built on it would be a
+    point. mean_bounds then takes the Wilson interval at N; differences combine those intervals
+    (clustered_difference, stats.sequential.adjusted)."""
+    if not arm.binary:
+        return False
+    var = float(arm.moments().variance)
+    return math.isfinite(var) and var <= 0.0
+
+
 def clustered_mean(arm: ClusterSums | ArmMoments, conf: float = DEFAULT_CONF) -> ClusteredMean:
     """Mean per request of one arm with a user-clustered interval (attainment, error rate, latency).
 
@@ -533,7 +559,8 @@ def clustered_mean(arm: ClusterSums | ArmMoments, conf: float = DEFAULT_CONF) ->
         clusters=g,
         effective_clusters=effective,
         largest_cluster_share=share,
-        note=_arm_note(g, effective, share),
+        note=_arm_note(g, effective, share)
+        or (NO_SPREAD_NOTE.format(arms="this arm") if g >= 2 and no_spread(arm) else None),
         method=BINARY_MEAN_METHOD if arm.binary else MEAN_METHOD,
     )
 
@@ -601,17 +628,31 @@ def clustered_difference(
     notes = [
         f"{label}: {arm.note}" for label, arm in (("control", mc), ("variant", mv)) if arm.note is not None
     ]
+    p_value = normal_p_value(est, se)
+    method = DIFFERENCE_METHOD
+    flat = [label for label, arm in (("control", control), ("variant", variant)) if no_spread(arm)]
+    if flat and se is not None and mc.lo is not None and mv.lo is not None:
+        # 1. each arm's Wilson interval at its effective sample size (N where the spread is 0);
+        # 2. Newcombe's square-and-add, as the request-level difference (stats.comparisons);
+        # 3. the z test at the standard error that interval implies, so a 0 vs 0 is p = 1 and a
+        #    difference of shares without spread is no longer "certain" (p = 0).
+        assert mc.hi is not None and mv.hi is not None
+        lo = est - math.sqrt((mv.estimate - mv.lo) ** 2 + (mc.hi - mc.estimate) ** 2)
+        hi = est + math.sqrt((mv.hi - mv.estimate) ** 2 + (mc.estimate - mc.lo) ** 2)
+        lo, hi = max(-1.0, min(est, lo)), min(1.0, max(est, hi))
+        p_value = normal_p_value(est, (hi - lo) / (2.0 * z_of(conf)))
+        method = NEWCOMBE_METHOD  # the arms' notes say which has no spread
     return ClusteredDifference(
         estimate=est,
         se=se,
         lo=lo,
         hi=hi,
         conf=conf,
-        p_value=normal_p_value(est, se),
+        p_value=p_value,
         se_iid=math.sqrt(var_iid) if math.isfinite(var_iid) else None,
         design_effect=_design_effect(var, var_iid),
         control=mc,
         variant=mv,
         note="; ".join(notes) or None,
-        method=DIFFERENCE_METHOD,
+        method=method,
     )

@@ -1,60 +1,53 @@
-"""The one HTTP wrapper for variant endpoints: stream one request, measure it exactly.
+"""The replay's client of a variant: stream one request, measure it exactly.
 
-One pooled ``httpx.AsyncClient`` per variant. The clock (``time.perf_counter_ns``, Linux
-CLOCK_MONOTONIC) starts just before the request is handed to httpx, which opens or reuses a
-connection and writes it; the body is read as raw bytes and the clock is read as soon as each
-chunk arrives, before any parsing, so parse cost never leaks into the timings.
+Two stacks carry the bytes; one reader (streaming/response.py) says what they mean:
 
-Every phase has its own deadline (connect, response headers, first content token, stall between
-events, total), enforced by one ``asyncio.timeout`` rescheduled as the stream advances, so no
-request can hang a worker. Every way a request can end maps to a distinct ``Outcome``.
+- HTTP/1.1, plain or TLS: the lean asyncio core (streaming/h1.py), the one the live gateway
+  forwards on. Its keep-alive connections stamp every read on arrival (the kernel's receive
+  stamp on plain http, the clock read over TLS) and parse it in the read callback.
+- HTTP/2 (or ``transport="httpx"``, the baseline the benchmarks compare against): one pooled
+  ``httpx.AsyncClient``; the clock is read as soon as each chunk arrives, before any parsing.
+
+The clock (``time.perf_counter_ns``, Linux CLOCK_MONOTONIC) starts just before a connection is
+taken or opened and the request written. Every phase has its own deadline (connect, response
+headers, first content token, stall between events, total), so no request can hang a worker,
+and every way a request can end maps to a distinct ``Outcome``.
 
 Egress (``allow``, streaming/egress.py): with an allowlist, every new connection resolves the
-variant's host itself, checks every address it got, and dials only those checked addresses
-(the lean path passes them to h1; httpx gets a network backend that does the same), so the
-name is resolved once per connection and cannot be rebound between the check and the
-connect. TLS still verifies the certificate against the URL's host name (SNI), and HTTP/2
-still negotiates as before. A refused connection is our side's decision: CLIENT_ERROR.
+variant's host itself, checks every address it got and dials only those (the core's pool; on
+httpx, streaming/transports.py), so the name cannot be rebound between the check and the
+connect. TLS still verifies the certificate against the URL's host name (SNI). A refused
+connection is our side's decision: CLIENT_ERROR.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
-import hashlib
 import json
 import math
-import os
-import ssl
 import time
-import urllib.parse
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import httpcore
 import httpx
 
-from streaming.egress import (
-    Allowlist,
-    EgressError,
-    EgressRefused,
-    allowed_addresses,
-    allowed_addresses_sync,
-    split_url,
-)
+from streaming.egress import Allowlist, EgressRefused
+from streaming.endpoint import Endpoint
 from streaming.h1 import Pool, request_bytes
 from streaming.pacing import pacer_for
+from streaming.response import ResponseReader, timeout_outcome
 from streaming.result import Outcome, StreamCancelled, StreamResult
-from streaming.sse import SSEEvent, SSEParser
 from streaming.timed_exchange import TimedExchange
-from streaming.timing import StreamProtocolError, StreamTimer
+from streaming.timing import StreamTimer
+from streaming.tls import tls_context, tls_verify
+from streaming.trace_context import trace_ids
+from streaming.transports import AllowedTransport, error_text
 
 APIS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 # json.dumps(body, separators=(",", ":")), without building an encoder per request
 _ENCODE_JSON = json.JSONEncoder(separators=(",", ":")).encode
 TRANSPORTS = ("auto", "h1", "httpx")
-_ERROR_BODY_LIMIT = 2048
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -75,19 +68,6 @@ class Timeouts:
                 raise ValueError(f"Timeouts.{f.name}={v!r}: must be a positive number of seconds")
 
 
-def trace_ids(request_id: str) -> tuple[str, str]:
-    """W3C trace-id (32 hex) and parent span-id (16 hex), derived from the request id so a
-    replayed run sends the same traceparent and the join with server logs is reproducible."""
-    h = hashlib.sha256(b"abplat-trace-v1:" + request_id.encode()).hexdigest()
-    trace_id, span_id = h[:32], h[32:48]
-    # All-zero ids are invalid in W3C trace context; vanishingly unlikely, but never send one.
-    if trace_id == "0" * 32:
-        trace_id = "0" * 31 + "1"
-    if span_id == "0" * 16:
-        span_id = "0" * 15 + "1"
-    return trace_id, span_id
-
-
 class VariantClient:
     def __init__(
         self,
@@ -103,9 +83,9 @@ class VariantClient:
         verify: bool | str = True,
         allow: Allowlist | None = None,
     ) -> None:
-        """transport: "auto" streams plain-http HTTP/1.1 variants on the lean asyncio path
-        (h1.py) and HTTP/2 or TLS variants on httpx; "httpx" forces httpx (the baseline the
-        benchmark compares against); "h1" insists on the lean path.
+        """transport: "auto" streams HTTP/1.1 variants, plain or TLS, on the lean asyncio core
+        (h1.py, as the gateway does) and HTTP/2 variants on httpx; "httpx" forces httpx (the
+        baseline the benchmark compares against); "h1" insists on the core.
 
         verify (TLS variants): True checks the server against the system trust store
         (OpenSSL's default paths, so a company CA installed on the worker host is trusted, and
@@ -116,45 +96,31 @@ class VariantClient:
         allow: the variant allowlist every new connection is checked against after name
         resolution (None: no egress policy, for benchmarks and tests of the client itself).
         headers: sent with every request (the variant's Authorization); never logged."""
-        try:
-            split_url(endpoint)  # http(s) only, and no credentials in it
-        except EgressError as exc:
-            # Not the URL itself in the message: it may carry a password.
-            raise ValueError(f"endpoint: {exc}") from None
+        ep = Endpoint.parse(endpoint)
         if api not in APIS:
             raise ValueError(f"api {api!r}: must be one of {sorted(APIS)}")
         if not model:
             raise ValueError("model: must be a non-empty model name")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport {transport!r}: must be one of {TRANSPORTS}")
+        if transport == "h1" and http2:
+            raise ValueError("transport 'h1': only for HTTP/1.1 variants (http2 is set)")
         self.endpoint = endpoint.rstrip("/")
-        # Variants store the OpenAI-style base URL (".../v1"); the API paths carry /v1 themselves.
-        base = self.endpoint[:-3] if self.endpoint.endswith("/v1") else self.endpoint
         self.model = model
         self.api = api
         self.http2 = http2
         self.timeouts = timeouts or Timeouts()
         self._path = APIS[api]
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport {transport!r}: must be one of {TRANSPORTS}")
-        lean_ok = base.startswith("http://") and not http2
-        if transport == "h1" and not lean_ok:
-            raise ValueError("transport 'h1': only for plain http:// variants without http2")
-        self.transport = "h1" if lean_ok and transport != "httpx" else "httpx"
+        self.transport = "h1" if not http2 and transport != "httpx" else "httpx"
         self._default_headers = _checked_headers(headers)
-        url = urllib.parse.urlsplit(base)
-        self._host = url.hostname or ""
-        # Built from host and port, never the netloc: nothing but the host reaches Host.
-        self._host_header = (f"[{self._host}]" if ":" in self._host else self._host) + (
-            f":{url.port}" if url.port else ""
-        )
+        self._ep = ep
         self._allow = allow
-        self._port = url.port or (443 if url.scheme == "https" else 80)
-        self._base_path = url.path.rstrip("/")
-        # The lean path's keep-alive connections (streaming/h1.py): the core the gateway shares.
-        self._pool = Pool(self._host, self._port, allow=allow)
+        tls = tls_verify(verify)  # a bad CA bundle fails here, naming its path
         self._client: httpx.AsyncClient | None = None
-        tls = tls_verify(verify)
+        # The core's keep-alive connections (streaming/h1.py), the gateway's too.
+        self._pool = Pool(ep.host, ep.port, allow=allow, ssl_context=tls_context(tls) if ep.tls else None)
         if self.transport == "httpx":
-            self._client = self._httpx_client(base, http2, max_connections, self._default_headers, tls)
+            self._client = self._httpx_client(ep.root, http2, max_connections, self._default_headers, tls)
 
     def _httpx_client(
         self,
@@ -162,7 +128,7 @@ class VariantClient:
         http2: bool,
         max_connections: int,
         headers: Mapping[str, str] | None,
-        verify: bool | ssl.SSLContext,
+        verify: Any,
     ) -> httpx.AsyncClient:
         t = self.timeouts
         # Plain-http HTTP/2 needs prior knowledge (h2c): disable HTTP/1.1 so httpx does not
@@ -181,8 +147,8 @@ class VariantClient:
             verify=verify,
             http1=http1,
             http2=http2,
-            # Only connect is enforced by httpx; the later phases by our own deadlines, which
-            # know which phase they are in. pool=None: the pool is sized so nobody waits.
+            # Only connect is enforced by httpx; the later phases by the reader's deadlines,
+            # which know which phase they are in. pool=None: the pool is sized so nobody waits.
             timeout=httpx.Timeout(connect=t.connect_s, read=None, write=t.headers_s, pool=None),
             limits=limits,
             transport=transport,
@@ -191,7 +157,7 @@ class VariantClient:
         )
 
     def h1_connections(self) -> list:
-        """The lean path's connections open now (streaming/h1.py), e.g. to read whether their
+        """The core's connections open now (streaming/h1.py), e.g. to read whether their
         reads carry kernel stamps."""
         return self._pool.connections()
 
@@ -258,19 +224,17 @@ class VariantClient:
             "traceparent": traceparent,
         }
         if headers:
-            for name, value in headers.items():
-                if any(c in name or c in value for c in "\r\n\0"):
-                    raise ValueError(f"headers[{name!r}]: name and value must not contain CR, LF or NUL")
-            req_headers.update(headers)
+            req_headers.update(_checked_headers(headers))
         result = StreamResult(request_id=request_id, traceparent=traceparent, trace_id=trace_id)
         if self._client is None:
             all_headers = {**self._default_headers, **req_headers}
             return await self._stream_h1(content, all_headers, result)
         return await self._stream_httpx(content, req_headers, result)
 
-    # the lean HTTP/1.1 path (h1.py) ------------------------------------------------------------
+    # HTTP/1.1 on the core (h1.py) ----------------------------------------------------------------
     async def _stream_h1(self, content: bytes, headers: dict[str, str], result: StreamResult) -> StreamResult:
-        request = request_bytes(self._host_header, self._base_path + self._path, headers, content)
+        ep = self._ep
+        request = request_bytes(ep.host_header, ep.base_path + self._path, headers, content)
         loop = asyncio.get_running_loop()
         t = self.timeouts
         timer = StreamTimer(0, result)
@@ -304,10 +268,10 @@ class VariantClient:
                     return timer.finish(
                         time.perf_counter_ns(),
                         Outcome.CONNECT_TIMEOUT,
-                        f"connect timeout after {budget}s to {self._host_header}",
+                        f"connect timeout after {budget}s to {ep.host_header}",
                     )
                 except OSError as exc:
-                    return timer.finish(time.perf_counter_ns(), Outcome.CONNECT_ERROR, _msg(exc))
+                    return timer.finish(time.perf_counter_ns(), Outcome.CONNECT_ERROR, error_text(exc))
                 timer.connected(c0, c1)
         except asyncio.CancelledError:
             res = timer.finish(time.perf_counter_ns(), Outcome.CANCELLED, "cancelled by caller")
@@ -321,7 +285,7 @@ class VariantClient:
             assert ex.result is not None
             raise StreamCancelled(ex.result) from None
 
-    # the httpx path (HTTP/2, TLS, or transport="httpx") -------------------------------------
+    # HTTP/2 (or transport="httpx") -----------------------------------------------------------------
     async def _stream_httpx(
         self, content: bytes, req_headers: dict[str, str], result: StreamResult
     ) -> StreamResult:
@@ -338,62 +302,61 @@ class VariantClient:
             "POST", self._path, content=content, headers=req_headers, extensions={"trace": trace}
         )
         loop = asyncio.get_running_loop()
-        t = self.timeouts
         timer = StreamTimer(0, result)
-        state = _State()
+        reader = ResponseReader(timer, self.timeouts)
         resp: httpx.Response | None = None
         # The clock starts here, just before httpx acquires a connection and writes.
         start = time.perf_counter_ns()
-        t0 = loop.time()
         timer.start_ns = start
         result.start_ns = start
-        state.total_deadline = t0 + t.total_s
+
+        def due() -> float:  # the reader's deadline on the loop's clock
+            return loop.time() + (reader.deadline_ns() - time.perf_counter_ns()) / 1e9
+
+        ended_at = 0  # when [DONE] came: the record ends there, whatever the drain after it does
         try:
-            async with asyncio.timeout_at(min(t0 + t.headers_s, state.total_deadline)) as cm:
+            async with asyncio.timeout_at(due()) as cm:
                 resp = await self._client.send(request, stream=True)
                 now = time.perf_counter_ns()
-                timer.headers(now, resp.status_code)
                 if "complete" in conn:
                     timer.connected(conn["started"], conn["complete"])
-                status = resp.status_code
-                if status >= 400:
-                    state.phase = "error body"
-                    detail = await _read_some(resp)
-                    outcome = Outcome.HTTP_4XX if status < 500 else Outcome.HTTP_5XX
-                    return timer.finish(time.perf_counter_ns(), outcome, f"HTTP {status}: {detail}")
-                ctype = resp.headers.get("content-type", "")
-                if status != 200 or not ctype.startswith("text/event-stream"):
-                    return timer.finish(
-                        now,
-                        Outcome.MALFORMED,
-                        f"expected HTTP 200 text/event-stream, got {status} {ctype!r}",
-                    )
-                state.phase = "first token"
-                cm.reschedule(min(t0 + t.first_token_s, state.total_deadline))
-                return await self._read_events(resp, timer, cm, loop, state)
+                if reader.head(now, resp.status_code, resp.headers.get("content-type", "")):
+                    return reader.finish(now)
+                cm.reschedule(due())
+                async for chunk in resp.aiter_raw():
+                    if ended_at:
+                        # After [DONE]: read the chunked terminator (under the stall deadline)
+                        # so httpx can reuse the connection; closing a half-read one drops it.
+                        continue
+                    now = time.perf_counter_ns()  # first thing: the arrival time of these bytes
+                    if reader.body(now, chunk):
+                        if reader.outcome is not Outcome.OK:
+                            return reader.finish(now)
+                        ended_at = now
+                    else:
+                        cm.reschedule(due())
+                if ended_at:
+                    return reader.finish(ended_at)
+                now = time.perf_counter_ns()
+                reader.end(now)
+                return reader.finish(now)
         except TimeoutError:
-            now = time.perf_counter_ns()
-            if loop.time() >= state.total_deadline - 1e-3:
-                return timer.finish(now, Outcome.TOTAL_TIMEOUT, f"total timeout {t.total_s}s")
-            outcome, limit = {
-                "headers": (Outcome.HEADERS_TIMEOUT, t.headers_s),
-                "error body": (Outcome.HEADERS_TIMEOUT, t.headers_s),
-                "first token": (Outcome.FIRST_TOKEN_TIMEOUT, t.first_token_s),
-                "stall": (Outcome.STALL, t.stall_s),
-            }[state.phase]
-            return timer.finish(now, outcome, f"{state.phase} timeout after {limit}s")
+            now = ended_at or time.perf_counter_ns()
+            if not reader.timed_out(now):  # fired a hair early on the loop's clock
+                reader.decide(*timeout_outcome(reader.phase, reader.timeouts))
+            return reader.finish(now)
         except EgressRefused as exc:
             return timer.finish(time.perf_counter_ns(), Outcome.CLIENT_ERROR, f"egress refused: {exc}")
         except httpx.ConnectTimeout as exc:
-            return timer.finish(time.perf_counter_ns(), Outcome.CONNECT_TIMEOUT, _msg(exc))
+            return timer.finish(time.perf_counter_ns(), Outcome.CONNECT_TIMEOUT, error_text(exc))
         except httpx.ConnectError as exc:
-            return timer.finish(time.perf_counter_ns(), Outcome.CONNECT_ERROR, _msg(exc))
-        except StreamProtocolError as exc:
-            return timer.finish(time.perf_counter_ns(), Outcome.MALFORMED, str(exc))
+            return timer.finish(time.perf_counter_ns(), Outcome.CONNECT_ERROR, error_text(exc))
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-            return timer.finish(time.perf_counter_ns(), Outcome.DISCONNECT, _msg(exc))
+            if ended_at:  # the connection went after [DONE], with the chunked terminator
+                return reader.finish(ended_at)
+            return timer.finish(time.perf_counter_ns(), Outcome.DISCONNECT, error_text(exc))
         except httpx.TimeoutException as exc:  # write/pool timeouts: the request never got out
-            return timer.finish(time.perf_counter_ns(), Outcome.HEADERS_TIMEOUT, _msg(exc))
+            return timer.finish(time.perf_counter_ns(), Outcome.HEADERS_TIMEOUT, error_text(exc))
         except asyncio.CancelledError:
             res = timer.finish(time.perf_counter_ns(), Outcome.CANCELLED, "cancelled by caller")
             raise StreamCancelled(res) from None
@@ -403,68 +366,6 @@ class VariantClient:
                 # client go away (vLLM aborts the request) instead of streaming into the void.
                 await resp.aclose()
 
-    async def _read_events(
-        self,
-        resp: httpx.Response,
-        timer: StreamTimer,
-        cm: asyncio.Timeout,
-        loop: asyncio.AbstractEventLoop,
-        state: _State,
-    ) -> StreamResult:
-        parser = SSEParser()
-        stall_s = self.timeouts.stall_s
-        total = state.total_deadline
-        finished: StreamResult | None = None
-        async for chunk in resp.aiter_raw():
-            if finished is not None:
-                # After [DONE]: read the chunked terminator (still under the stall deadline)
-                # so httpx can reuse the connection; closing a half-read response drops it.
-                continue
-            now = time.perf_counter_ns()  # first thing: the arrival time of these bytes
-            timer.body_bytes(now)
-            events = parser.feed(chunk)
-            if events:
-                done = self._handle(events, now, timer)
-                if done is not None:
-                    if done.outcome is not Outcome.OK:
-                        return done
-                    finished = done
-                elif timer.first_content_seen:
-                    state.phase = "stall"
-                    cm.reschedule(min(loop.time() + stall_s, total))
-        if finished is not None:
-            return finished
-        now = time.perf_counter_ns()
-        done = self._handle(parser.finish(), now, timer)
-        if done is not None:
-            return done
-        return timer.finish(now, Outcome.DISCONNECT, "stream ended before [DONE]")
-
-    @staticmethod
-    def _handle(events: list[SSEEvent], now: int, timer: StreamTimer) -> StreamResult | None:
-        for ev in events:
-            status = timer.event(now, ev.data)
-            if status == StreamTimer.DONE:
-                return timer.finish(now, Outcome.OK)
-            if status == StreamTimer.ENGINE_ERROR:
-                return timer.finish(now, Outcome.ENGINE_ERROR)
-        return None
-
-
-@dataclasses.dataclass(slots=True)
-class _State:
-    phase: str = "headers"
-    total_deadline: float = 0.0
-
-
-async def _read_some(resp: httpx.Response) -> str:
-    buf = b""
-    async for chunk in resp.aiter_raw():
-        buf += chunk
-        if len(buf) >= _ERROR_BODY_LIMIT:
-            break
-    return buf[:_ERROR_BODY_LIMIT].decode("utf-8", "replace").strip()
-
 
 def _checked_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
     out = dict(headers or {})
@@ -473,165 +374,3 @@ def _checked_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
             # The name only: the value may be a credential.
             raise ValueError(f"headers[{name!r}]: name and value must not contain CR, LF or NUL")
     return out
-
-
-# egress: resolve once, check every address, dial only those ----------------------------------
-class _AllowedBackend(httpcore.AsyncNetworkBackend):
-    """httpcore's asyncio backend, dialling only addresses the allowlist accepts. httpcore
-    hands it the URL's host; TLS is started afterwards with that host as SNI and for the
-    certificate check, so pinning the address changes nothing the server sees."""
-
-    def __init__(self, allow: Allowlist) -> None:
-        self._allow = allow
-        self._inner = httpcore.AnyIOBackend()
-
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        try:
-            async with asyncio.timeout(timeout):
-                addresses = await allowed_addresses(host, port, self._allow)
-        except TimeoutError:
-            raise httpcore.ConnectTimeout(f"resolving {host!r} took over {timeout}s") from None
-        except OSError as exc:
-            raise httpcore.ConnectError(_msg(exc)) from None
-        error: Exception | None = None
-        for address in addresses:
-            try:
-                return await self._inner.connect_tcp(
-                    address, port, timeout=timeout, local_address=local_address, socket_options=socket_options
-                )
-            except httpcore.ConnectError as exc:
-                error = exc
-        assert error is not None
-        raise error
-
-    async def connect_unix_socket(
-        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
-    ) -> httpcore.AsyncNetworkStream:
-        raise EgressRefused("unix sockets are not variant endpoints")
-
-    async def sleep(self, seconds: float) -> None:
-        await self._inner.sleep(seconds)
-
-
-# (host, port) -> the addresses that may be dialled, in order, resolved once; EgressRefused,
-# or the OSError of a failed lookup.
-AddressCheck = Callable[[str, int], Sequence[str]]
-
-
-class _AllowedSyncBackend(httpcore.NetworkBackend):
-    """The blocking twin of _AllowedBackend (the preflight's httpx.Client). ``addresses``
-    replaces the allowlist's rule (allowed_addresses_sync) with another resolve-and-check step
-    (the rollout webhooks' rule), dialled the same way."""
-
-    def __init__(self, allow: Allowlist | None, addresses: AddressCheck | None = None) -> None:
-        if addresses is None:
-            if allow is None:
-                raise ValueError("_AllowedSyncBackend: give an allowlist or an address check")
-            addresses = functools.partial(allowed_addresses_sync, allow=allow)
-        self._addresses = addresses
-        self._inner = httpcore.SyncBackend()
-
-    def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.NetworkStream:
-        try:
-            addresses = self._addresses(host, port)
-        except OSError as exc:
-            raise httpcore.ConnectError(_msg(exc)) from None
-        error: Exception | None = None
-        for address in addresses:
-            try:
-                return self._inner.connect_tcp(
-                    address, port, timeout=timeout, local_address=local_address, socket_options=socket_options
-                )
-            except httpcore.ConnectError as exc:
-                error = exc
-        assert error is not None
-        raise error
-
-    def connect_unix_socket(
-        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
-    ) -> httpcore.NetworkStream:
-        raise EgressRefused("unix sockets are not variant endpoints")
-
-    def sleep(self, seconds: float) -> None:
-        self._inner.sleep(seconds)
-
-
-# httpx's own default pool size, for the clients that do not size theirs.
-DEFAULT_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20)
-
-
-def _pool_options(verify: bool | ssl.SSLContext, http1: bool, http2: bool, limits: httpx.Limits) -> dict:
-    return {
-        "ssl_context": httpx.create_ssl_context(verify=verify, trust_env=False),
-        "max_connections": limits.max_connections,
-        "max_keepalive_connections": limits.max_keepalive_connections,
-        "keepalive_expiry": limits.keepalive_expiry,
-        "http1": http1,
-        "http2": http2,
-    }
-
-
-class AllowedTransport(httpx.AsyncHTTPTransport):
-    """httpx's transport on a pool whose connections pass the egress check. httpcore's pool
-    takes a network backend; httpx's transport does not pass one on, so the pool it built is
-    replaced by the same pool with ours (everything else, errors included, stays httpx's)."""
-
-    def __init__(self, allow: Allowlist, *, verify: bool | ssl.SSLContext, http1: bool = True,
-                 http2: bool = False, limits: httpx.Limits = DEFAULT_LIMITS) -> None:  # fmt: skip
-        super().__init__(verify=verify, http1=http1, http2=http2, limits=limits, trust_env=False)
-        self._pool = httpcore.AsyncConnectionPool(
-            **_pool_options(verify, http1, http2, limits), network_backend=_AllowedBackend(allow)
-        )
-
-
-class AllowedSyncTransport(httpx.HTTPTransport):
-    """The blocking twin of AllowedTransport. ``addresses``: another resolve-and-check step
-    than the allowlist's (``allow`` is then None), e.g. the rollout webhooks' rule."""
-
-    def __init__(self, allow: Allowlist | None, *, verify: bool | ssl.SSLContext, http1: bool = True,
-                 http2: bool = False, limits: httpx.Limits = DEFAULT_LIMITS,
-                 addresses: AddressCheck | None = None) -> None:  # fmt: skip
-        super().__init__(verify=verify, http1=http1, http2=http2, limits=limits, trust_env=False)
-        self._pool = httpcore.ConnectionPool(
-            **_pool_options(verify, http1, http2, limits),
-            network_backend=_AllowedSyncBackend(allow, addresses),
-        )
-
-
-def tls_verify(verify: bool | str) -> bool | ssl.SSLContext:
-    """The ``verify`` argument for httpx. True becomes a context on the system trust store:
-    httpx's own default is certifi's bundle, and with ``trust_env=False`` (set so no proxy
-    from the environment sits in a measurement) it would also ignore SSL_CERT_FILE. A CA
-    bundle path becomes an SSLContext here, since httpx deprecates ``verify=<path>``, and so
-    a missing or unreadable bundle fails when the client is built, naming the path, not as a
-    CONNECT_ERROR on every request."""
-    if verify is True:
-        return ssl.create_default_context()
-    if verify is False:
-        return False
-    if not isinstance(verify, str) or not verify:
-        raise ValueError(f"verify={verify!r}: must be True, False or the path of a CA bundle (PEM)")
-    if not os.path.isfile(verify):
-        raise ValueError(f"verify={verify!r}: no such CA bundle file")
-    try:
-        return ssl.create_default_context(cafile=verify)
-    except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"verify={verify!r}: not a readable PEM CA bundle ({exc})") from None
-
-
-def _msg(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

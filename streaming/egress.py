@@ -428,8 +428,9 @@ def read_bindings(directory: str) -> dict[str, Binding]:
     return parse_bindings(b"".join(chunks))
 
 
-def binding_refusal(bindings: dict[str, Binding], name: str, host: str, team: str, *,
-                    advise: bool = False) -> str | None:  # fmt: skip
+def binding_refusal(
+    bindings: dict[str, Binding], name: str, host: str, team: str, *, advise: bool = False
+) -> str | None:
     """Why secret ``name`` may not go to ``host`` for an experiment of ``team``, or None.
 
     ``advise`` (a document being saved, read by its author): an unbound secret's message shows

@@ -59,6 +59,7 @@ from typing import Any
 import httptools
 
 from streaming.egress import Allowlist, allowed_addresses
+from streaming.rx_clock import realtime_offset, rx_stamp_ns
 
 # Idle keep-alive connections older than this are dropped, not reused: uvicorn (vLLM, the
 # simulator) closes idle connections after 5 s by default, and reusing one the server is closing
@@ -74,12 +75,15 @@ RX_TIMESTAMPS = True
 # architectures (alpha, mips, parisc, sparc) number it differently, so they take the fallback.
 _SO_TIMESTAMPNS = 35
 _RX_STAMPS_SUPPORTED = sys.platform == "linux" and platform.machine() in {
-    "x86_64", "amd64", "aarch64", "arm64", "riscv64",
-}  # fmt: skip
+    "x86_64",
+    "amd64",
+    "aarch64",
+    "arm64",
+    "riscv64",
+}
 _TIMESPEC = struct.Struct("@ll")  # struct timespec: two native longs (64-bit on these machines)
 _CMSG_SPACE = socket.CMSG_SPACE(_TIMESPEC.size) if _RX_STAMPS_SUPPORTED else 0
 _SOL_SOCKET = socket.SOL_SOCKET
-_OFFSET_MAX_AGE_NS = 1_000_000_000
 
 
 def _enable_rx_timestamps(sock: socket.socket) -> bool:
@@ -145,9 +149,11 @@ async def open_connection(
             else:
                 tls = TLSConnection(on_idle, on_close=on_close)
                 await loop.create_connection(
-                    functools.partial(_TLSProtocol, tls), sock=sock, ssl=ssl_context,
+                    functools.partial(_TLSProtocol, tls),
+                    sock=sock,
+                    ssl=ssl_context,
                     server_hostname=server_hostname or host,
-                )  # fmt: skip
+                )
                 conn = tls
             c1 = _perf()
         except OSError as exc:
@@ -277,8 +283,14 @@ class H1Connection:
     ``recv(256 KiB)`` per read, as a plain asyncio Protocol gets, goes through mmap and page
     faults (measured here: ~18 us per read vs ~3 us with a reused 64 KiB buffer)."""
 
-    def __init__(self, sock: socket.socket | None, on_idle: Callable[[H1Connection], None],
-                 rx_timestamps: bool = False, *, on_close: Callable[[H1Connection], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        sock: socket.socket | None,
+        on_idle: Callable[[H1Connection], None],
+        rx_timestamps: bool = False,
+        *,
+        on_close: Callable[[H1Connection], None] | None = None,
+    ) -> None:
         self.loop = asyncio.get_running_loop()
         self.sock = sock  # non-blocking and connected (open_connection); None over TLS
         self._fd = sock.fileno() if sock is not None else -1
@@ -512,8 +524,12 @@ class TLSConnection(H1Connection):
     """The same connection over asyncio's SSL transport: reads come from ``_TLSProtocol``
     stamped by the clock (decrypted bytes carry no kernel stamp), writes go to the transport."""
 
-    def __init__(self, on_idle: Callable[[H1Connection], None], *,
-                 on_close: Callable[[H1Connection], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        on_idle: Callable[[H1Connection], None],
+        *,
+        on_close: Callable[[H1Connection], None] | None = None,
+    ) -> None:
         super().__init__(None, on_idle, False, on_close=on_close)
         self.transport: asyncio.Transport | None = None
 
@@ -598,9 +614,14 @@ class Pool:
         for address in addresses:
             try:
                 conn, c0, c1 = await open_connection(
-                    address, self.port, self._idle.append, self.rx_timestamps, on_close=self._forget,
-                    ssl_context=self.ssl_context, server_hostname=self.host,
-                )  # fmt: skip
+                    address,
+                    self.port,
+                    self._idle.append,
+                    self.rx_timestamps,
+                    on_close=self._forget,
+                    ssl_context=self.ssl_context,
+                    server_hostname=self.host,
+                )
             except OSError as exc:
                 error = exc
                 continue
@@ -639,47 +660,3 @@ def request_bytes(host: str, path: str, headers: dict[str, str], body: bytes) ->
                 raise ValueError(f"header {name!r}: name and value must not contain CR, LF or NUL")
         raise ValueError("path and host must not contain CR, LF or NUL")
     return (head + "\r\n\r\n").encode("latin-1") + body
-
-
-def sample_realtime_offset(tries: int = 5) -> tuple[int, int]:
-    """(CLOCK_REALTIME - perf_counter clock, error bound), in ns. Each try reads perf, realtime,
-    perf back to back; the realtime read lies between the two perf reads, so taking their
-    midpoint is off by at most half the gap. The try with the smallest gap wins."""
-    best_gap = best_offset = -1
-    for _ in range(tries):
-        a = _perf()
-        real = time.time_ns()
-        b = _perf()
-        if best_gap < 0 or b - a < best_gap:
-            best_gap, best_offset = b - a, real - (a + b) // 2
-    return best_offset, (best_gap + 1) // 2
-
-
-_offset_ns, _, _offset_at = *sample_realtime_offset(), _perf()
-
-
-def realtime_offset() -> int:
-    """The cached offset, re-sampled when older than a second: both clocks are slewed alike by
-    NTP, but a step of the realtime clock moves the offset, and this bounds how long a stale one
-    is used."""
-    global _offset_ns, _offset_at
-    now = _perf()
-    if now - _offset_at > _OFFSET_MAX_AGE_NS:
-        _offset_ns = sample_realtime_offset()[0]
-        _offset_at = _perf()
-    return _offset_ns
-
-
-def rx_stamp_ns(rx_realtime_ns: int, offset_ns: int, now_ns: int, floor_ns: int) -> int:
-    """A kernel receive stamp on the perf_counter clock. No stamp (0) gives ``now_ns``, the
-    clock read; the result never lies after ``now_ns`` (bytes cannot arrive after they were
-    read: a later stamp is offset error or a clock step) nor before ``floor_ns`` (the request
-    was written, or an earlier read on the connection was stamped, then)."""
-    if not rx_realtime_ns:
-        return now_ns
-    t = rx_realtime_ns - offset_ns
-    if t > now_ns:
-        return now_ns
-    if t < floor_ns:
-        return floor_ns
-    return t

@@ -35,8 +35,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import httpx
 
-from streaming.client import APIS, AllowedTransport, tls_verify
-from streaming.egress import Allowlist, EgressError, EgressRefused, split_url
+from streaming.client import APIS
+from streaming.egress import Allowlist, EgressRefused
+from streaming.endpoint import Endpoint
+from streaming.transports import egress_client
 
 PROBE_TIMEOUT_S = 5.0
 PROBE_CONCURRENCY = 8  # tokenize calls in flight per variant: a probe, not a load test
@@ -48,8 +50,12 @@ class CountCache:
     """Token counts by (url, model, api, text digest), each kept ``ttl_s``; least recently used
     out past ``entries``. Thread-safe: replays run loops in several threads of one process."""
 
-    def __init__(self, ttl_s: float = COUNT_TTL_S, entries: int = COUNT_CACHE_ENTRIES,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ttl_s: float = COUNT_TTL_S,
+        entries: int = COUNT_CACHE_ENTRIES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.ttl_s, self.entries, self.clock = ttl_s, entries, clock
         self._items: OrderedDict[tuple[str, str, str, bytes], tuple[float, int, int | None]] = OrderedDict()
         self._lock = threading.Lock()
@@ -103,27 +109,29 @@ class TokenCounter:
     user message's content (the chat template's tokens included), for ``completions`` the prompt.
     """
 
-    def __init__(self, endpoint: str, model: str, api: str, *, verify: bool | str | ssl.SSLContext = True,
-                 timeout_s: float = PROBE_TIMEOUT_S, concurrency: int = PROBE_CONCURRENCY,
-                 allow: Allowlist | None = None, headers: Mapping[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        endpoint: str,
+        model: str,
+        api: str,
+        *,
+        verify: bool | str | ssl.SSLContext = True,
+        timeout_s: float = PROBE_TIMEOUT_S,
+        concurrency: int = PROBE_CONCURRENCY,
+        allow: Allowlist | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         if api not in APIS:
             raise ValueError(f"api {api!r}: must be one of {sorted(APIS)}")
-        try:
-            split_url(endpoint)  # http(s) only, and no credentials in it
-        except EgressError as exc:
-            raise ValueError(f"endpoint: {exc}") from None
-        base = endpoint.rstrip("/")
-        base = base[:-3] if base.endswith("/v1") else base  # /tokenize lives at the server root
-        self.url, self.model, self.api = base + "/tokenize", model, api
+        # /tokenize lives at the server's root, not under /v1
+        self.url, self.model, self.api = Endpoint.parse(endpoint).root + "/tokenize", model, api
         self.max_model_len: int | None = None
         self.calls = 0
         self._slots = asyncio.Semaphore(concurrency)
-        tls = verify if isinstance(verify, ssl.SSLContext) else tls_verify(verify)
-        self._client = httpx.AsyncClient(
-            verify=tls,
-            timeout=httpx.Timeout(timeout_s),
-            trust_env=False,
-            transport=None if allow is None else AllowedTransport(allow, verify=tls),
+        self._client = egress_client(
+            allow=allow,
+            verify=verify,
+            timeout_s=timeout_s,
             headers={**(headers or {}), "accept": "application/json"},
         )
 
@@ -170,9 +178,16 @@ class TokenCounter:
         await self._client.aclose()
 
 
-async def token_counter(endpoint: str, model: str, api: str, *, verify: bool | str = True,
-                        timeout_s: float = PROBE_TIMEOUT_S, allow: Allowlist | None = None,
-                        headers: Mapping[str, str] | None = None) -> tuple[TokenCounter | None, str]:  # fmt: skip
+async def token_counter(
+    endpoint: str,
+    model: str,
+    api: str,
+    *,
+    verify: bool | str = True,
+    timeout_s: float = PROBE_TIMEOUT_S,
+    allow: Allowlist | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> tuple[TokenCounter | None, str]:
     """A counter for the variant if its ``/tokenize`` answers a test prompt, else (None, why)."""
     counter = TokenCounter(
         endpoint, model, api, verify=verify, timeout_s=timeout_s, allow=allow, headers=headers

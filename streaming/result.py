@@ -15,7 +15,9 @@ from enum import StrEnum
 
 class Outcome(StrEnum):
     """How a request ended. Every value but OK counts as a miss against the SLA, except
-    CLIENT_ERROR, which says the replay (not the server) failed the request."""
+    CLIENT_ERROR, which says the replay (not the server) failed the request, and an HTTP_4XX
+    whose status is not 408 or 429: a setup error (an unknown model, auth, a bad request), which
+    the report counts apart and leaves out of the SLA (analysis.definitions.SETUP_ERROR)."""
 
     OK = "ok"
     HTTP_4XX = "http_4xx"

@@ -19,8 +19,9 @@ from collections.abc import Mapping
 
 import httpx
 
-from streaming.client import AllowedTransport, tls_verify
-from streaming.egress import Allowlist, EgressError, EgressRefused, split_url
+from streaming.egress import Allowlist, EgressRefused
+from streaming.endpoint import Endpoint
+from streaming.transports import egress_client
 
 SCRAPE_TIMEOUT_S = 2.0
 # vLLM's exposition is a few hundred kB at most (one engine: ~60 kB); far past that is not it.
@@ -33,31 +34,30 @@ class ScrapeError(RuntimeError):
 
 def metrics_url(endpoint: str) -> str:
     """The /metrics URL of a variant whose endpoint is its OpenAI base URL (``.../v1``)."""
-    try:
-        split_url(endpoint)  # http(s) only, no credentials in it
-    except EgressError as exc:
-        raise ValueError(f"endpoint: {exc}") from None
-    base = endpoint.rstrip("/")
-    base = base[:-3] if base.endswith("/v1") else base
-    return base + "/metrics"
+    return Endpoint.parse(endpoint).root + "/metrics"
 
 
 class MetricsFetcher:
     """GETs one variant's /metrics; ``fetch()`` returns the text or raises ScrapeError."""
 
-    def __init__(self, endpoint: str, *, allow: Allowlist | None, verify: bool | str | ssl.SSLContext = True,
-                 headers: Mapping[str, str] | None = None, timeout_s: float = SCRAPE_TIMEOUT_S,
-                 max_bytes: int = SCRAPE_MAX_BYTES) -> None:  # fmt: skip
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        allow: Allowlist | None,
+        verify: bool | str | ssl.SSLContext = True,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float = SCRAPE_TIMEOUT_S,
+        max_bytes: int = SCRAPE_MAX_BYTES,
+    ) -> None:
         if timeout_s <= 0 or max_bytes <= 0:
             raise ValueError(f"timeout_s ({timeout_s}) and max_bytes ({max_bytes}) must be positive")
         self.url = metrics_url(endpoint)
         self.timeout_s, self.max_bytes = timeout_s, max_bytes
-        tls = verify if isinstance(verify, ssl.SSLContext) else tls_verify(verify)
-        self._client = httpx.AsyncClient(
-            verify=tls,
-            timeout=httpx.Timeout(timeout_s),
-            trust_env=False,
-            transport=None if allow is None else AllowedTransport(allow, verify=tls),
+        self._client = egress_client(
+            allow=allow,
+            verify=verify,
+            timeout_s=timeout_s,
             headers={**(headers or {}), "accept": "text/plain"},
             follow_redirects=False,
         )

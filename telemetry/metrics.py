@@ -155,20 +155,23 @@ def _histogram(name: str, doc: str, buckets: Sequence[float], labels: Sequence[s
 ROUTER_SNAPSHOT_REVISION = _gauge(
     "abplat_router_snapshot_revision",
     "Weights store revision of the snapshot the router serves (multiprocess: the lowest of the live processes).",
-    "livemin", ("store",),
-)  # fmt: skip
+    "livemin",
+    ("store",),
+)
 ROUTER_LAST_SYNC = _gauge(
     "abplat_router_last_sync_timestamp_seconds",
     "Unix time the router last knew its snapshot matched the store (a load, or a live watch tick); "
     "time() minus it is the snapshot's age (multiprocess: the oldest of the live processes).",
-    "livemin", ("store",),
-)  # fmt: skip
+    "livemin",
+    ("store",),
+)
 ROUTER_CONNECTED = _gauge(
     "abplat_router_watch_connected",
     "1 while the router's watch on the weights store is registered, 0 while it reconnects "
     "(multiprocess: 0 if any live process is disconnected).",
-    "livemin", ("store",),
-)  # fmt: skip
+    "livemin",
+    ("store",),
+)
 ROUTER_WATCH_RECONNECTS = _counter(
     "abplat_router_watch_reconnects_total",
     "Watches registered again after the store dropped them (an etcd restart, a network cut).",
@@ -212,14 +215,17 @@ REPLAY_COMPLETED = _counter(
     ("experiment", "variant", "outcome"),
 )
 REPLAY_IN_FLIGHT = _gauge(
-    "abplat_replay_requests_in_flight", "Replay requests streaming now (multiprocess: summed).", "livesum",
+    "abplat_replay_requests_in_flight",
+    "Replay requests streaming now (multiprocess: summed).",
+    "livesum",
     ("experiment",),
-)  # fmt: skip
+)
 REPLAY_LAG = _histogram(
     "abplat_replay_schedule_lag_seconds",
     "How late each replay request was sent against its planned time on the trace's schedule.",
-    LAG_BUCKETS, ("experiment",),
-)  # fmt: skip
+    LAG_BUCKETS,
+    ("experiment",),
+)
 REPLAY_SAMPLES_WRITTEN = _counter(
     "abplat_replay_samples_written_total",
     "Samples a replay handed to storage: destination store (inserted) or spool (the store was down).",
@@ -292,6 +298,12 @@ GATEWAY_IN_FLIGHT = _gauge(
     "HTTP requests the gateway processes are answering now (multiprocess: summed).",
     "livesum",
 )
+GATEWAY_LIMIT_FALLBACKS = _counter(
+    "abplat_gateway_limit_fallback_requests_total",
+    "Requests whose client limits a gateway process checked alone because the shared limits' Redis "
+    "(ABPLAT_GATEWAY_LIMITS_URL) timed out, failed, or had just failed (down), by that reason.",
+    ("reason",),
+)
 
 # ---- spool (samples/spool.py) -----------------------------------------------------------------
 SPOOL_ROWS = _gauge(
@@ -343,9 +355,11 @@ HTTP_REQUESTS = _counter(
     ("view", "method", "status"),
 )
 HTTP_DURATION = _histogram(
-    "abplat_http_request_duration_seconds", "Time to answer one web or API request, by view name.",
-    HTTP_BUCKETS, ("view",),
-)  # fmt: skip
+    "abplat_http_request_duration_seconds",
+    "Time to answer one web or API request, by view name.",
+    HTTP_BUCKETS,
+    ("view",),
+)
 
 
 # ---- recording helpers -------------------------------------------------------------------------
@@ -517,6 +531,12 @@ class GatewayMeter:
             if child is None:
                 child = self._upstream[key] = GATEWAY_UPSTREAM.labels(experiment, variant, outcome)
             child.inc()
+        except Exception as exc:  # noqa: BLE001 - never into the request path
+            self._failure(exc)
+
+    def limit_fallback(self, reason: str) -> None:
+        try:
+            GATEWAY_LIMIT_FALLBACKS.labels(reason).inc()
         except Exception as exc:  # noqa: BLE001 - never into the request path
             self._failure(exc)
 

@@ -35,19 +35,16 @@ class MetricsConfigError(Exception):
 def check_dir(raw: str, name: str = SETTING) -> str:
     """``raw`` as an absolute directory this process can write (created if missing), or
     MetricsConfigError naming ``name`` and what is wrong. Writing is tried for real (a file
-    created and removed): a process running as root passes every permission check, and a
-    read-only file system fails only a write."""
+    created and removed): root passes every permission check, and a full disk or a file system
+    that refuses what its permission bits allow fails only a write. App start runs it, through
+    telemetry.metrics; settings check with ``check_dir_would_work``, which writes nothing."""
     path = os.path.abspath(os.path.expanduser(raw))
     try:
         os.makedirs(path, exist_ok=True)
     except FileExistsError:
-        raise MetricsConfigError(
-            f"Unexpected value {name}={raw!r}: {path} exists and is not a directory."
-        ) from None
+        raise _not_a_directory(name, raw, path) from None
     except OSError as exc:
-        raise MetricsConfigError(
-            f"Unexpected value {name}={raw!r}: cannot create the directory {path}: {exc.strerror}."
-        ) from None
+        raise _cannot_create(name, raw, path, exc.strerror) from None
     if not os.path.isdir(path):
         raise MetricsConfigError(f"Unexpected value {name}={raw!r}: {path} is not a directory.")
     try:
@@ -55,23 +52,61 @@ def check_dir(raw: str, name: str = SETTING) -> str:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        what = (
-            "not writable by this process"
-            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
-            else exc.strerror
-        )
-        raise MetricsConfigError(
-            f"Unexpected value {name}={raw!r}: the directory {path} is {what} "
-            f"(every web and worker process writes its metric files there)."
+        refused = exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+        raise _cannot_write(
+            name, raw, path, "not writable by this process" if refused else exc.strerror
         ) from None
     return path
 
 
-def multiprocess_dir(environ: Mapping[str, str]) -> str:
-    """The multiprocess directory ``environ`` asks for through ABPLAT_METRICS_DIR, checked
-    (``check_dir``: created if missing), or "" for in-process metrics. PROMETHEUS_MULTIPROC_DIR
-    alone, or naming another directory, is refused: prometheus_client would read one directory
-    and abplat's scrape another."""
+def check_dir_would_work(raw: str, name: str = SETTING) -> str:
+    """``raw`` as the absolute directory ``check_dir`` would make and accept, judged by reading
+    the disk only: nothing is made or written (settings load with it, abplat/config.py). The
+    directory exists and this process may write in it, or it is missing and its nearest existing
+    ancestor is a directory this process may write in; MetricsConfigError otherwise, with
+    ``check_dir``'s messages. ``os.access`` answers as the kernel would for a write (a read-only
+    file system refuses, root passes the permission bits); what only a real write shows is left
+    to ``check_dir`` at app start."""
+    path = os.path.abspath(os.path.expanduser(raw))
+    existing = path
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if existing == path:
+        if not os.path.isdir(path):
+            raise _not_a_directory(name, raw, path)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise _cannot_write(name, raw, path, "not writable by this process")
+        return path
+    if not os.path.isdir(existing):
+        raise _cannot_create(name, raw, path, os.strerror(errno.ENOTDIR))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
+        raise _cannot_create(name, raw, path, os.strerror(errno.EROFS if read_only else errno.EACCES))
+    return path
+
+
+def _not_a_directory(name: str, raw: str, path: str) -> MetricsConfigError:
+    return MetricsConfigError(f"Unexpected value {name}={raw!r}: {path} exists and is not a directory.")
+
+
+def _cannot_create(name: str, raw: str, path: str, why: str) -> MetricsConfigError:
+    return MetricsConfigError(f"Unexpected value {name}={raw!r}: cannot create the directory {path}: {why}.")
+
+
+def _cannot_write(name: str, raw: str, path: str, what: str) -> MetricsConfigError:
+    return MetricsConfigError(
+        f"Unexpected value {name}={raw!r}: the directory {path} is {what} "
+        f"(every web and worker process writes its metric files there)."
+    )
+
+
+def multiprocess_dir(environ: Mapping[str, str], *, make: bool = True) -> str:
+    """The multiprocess directory ``environ`` asks for through ABPLAT_METRICS_DIR, checked, or ""
+    for in-process metrics. ``make`` (app start, telemetry.metrics): ``check_dir``, which creates
+    it if missing and writes to it; ``make=False`` (settings, abplat/config.py):
+    ``check_dir_would_work``, which only reads the disk. PROMETHEUS_MULTIPROC_DIR alone, or naming
+    another directory, is refused: prometheus_client would read one directory and abplat's scrape
+    another."""
     raw = environ.get(SETTING, "").strip()
     theirs = environ.get(THEIRS, "").strip()
     if not raw:
@@ -81,7 +116,7 @@ def multiprocess_dir(environ: Mapping[str, str]) -> str:
                 f"instead (abplat sets {THEIRS} from it), or unset both for in-process metrics."
             )
         return ""
-    path = check_dir(raw)
+    path = check_dir(raw) if make else check_dir_would_work(raw)
     if theirs and os.path.abspath(theirs) != path:
         raise MetricsConfigError(
             f"{SETTING}={raw!r} and {THEIRS}={theirs!r} name different directories: "

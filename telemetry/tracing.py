@@ -2,7 +2,7 @@
 request it sends, so a variant's own server spans (vLLM ``--otlp-traces-endpoint``) join it.
 
 The replay already sends a W3C ``traceparent`` with every request, its trace id and span id
-derived from the request id (streaming/client.py ``trace_ids``: a replayed run sends the same
+derived from the request id (streaming/trace_context.py ``trace_ids``: a replayed run sends the same
 ones). ``record_request_span`` exports the span that header names: the same trace id and span id,
 a root span (no parent), from the request's start to its end. Nothing here knows the replay: the
 caller passes ids, times and attributes (workers/spans.py maps a sample onto them).

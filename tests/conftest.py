@@ -27,23 +27,35 @@ DEMO_DOCUMENT = {
     "sla": {"ttft_ms": 200, "target": 0.992},
     "variants": [
         {
-            "key": "fp16", "control": True, "weight": 34, "endpoint": "http://127.0.0.1:8100/v1",
-            "model": "tiny-llama", "api": "chat",
-            "factors": {"quantization": "none", "attention": "sdpa"}, "engine_args": {"dtype": "float16"},
+            "key": "fp16",
+            "control": True,
+            "weight": 34,
+            "endpoint": "http://127.0.0.1:8100/v1",
+            "model": "tiny-llama",
+            "api": "chat",
+            "factors": {"quantization": "none", "attention": "sdpa"},
+            "engine_args": {"dtype": "float16"},
         },
         {
-            "key": "awq", "weight": 33, "endpoint": "http://127.0.0.1:8101/v1", "model": "tiny-llama",
-            "api": "chat", "factors": {"quantization": "awq", "attention": "sdpa"},
+            "key": "awq",
+            "weight": 33,
+            "endpoint": "http://127.0.0.1:8101/v1",
+            "model": "tiny-llama",
+            "api": "chat",
+            "factors": {"quantization": "awq", "attention": "sdpa"},
             "engine_args": {"quantization": "awq"},
         },
         {
-            "key": "awq-fa2", "weight": 33, "endpoint": "http://127.0.0.1:8102/v1",
-            "model": "tiny-llama", "api": "completions",
+            "key": "awq-fa2",
+            "weight": 33,
+            "endpoint": "http://127.0.0.1:8102/v1",
+            "model": "tiny-llama",
+            "api": "completions",
             "factors": {"quantization": "awq", "attention": "flash_attn_2"},
             "engine_args": {"quantization": "awq", "attention_backend": "FLASH_ATTN"},
         },
     ],
-}  # fmt: skip
+}
 
 
 DB_FIXTURES = {

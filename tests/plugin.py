@@ -12,6 +12,12 @@ import urllib.parse
 
 import pytest
 
+# A developer's development settings file (.env, `make dev-env`: debug on, say) must not change
+# what the tests see: this session and the processes it starts read none (abplat/env.py).
+# Helpers that start a process without this session's ABPLAT_* settings keep this one
+# (tests/cli.py, own_env).
+os.environ["ABPLAT_ENV_FILE"] = ""
+
 # pytest-xdist's worker id ("gw0", "gw1", ...) in a worker process, "" otherwise. Workers
 # inherit the controller's environment, so what must not be shared is derived per worker here,
 # before Django or any test module reads it: the var directory (chDB allows one process per data
@@ -139,9 +145,17 @@ def _fresh_request_rates():
 # A test that takes one of these fixtures, or runs with one of these parameters (a store "kind"),
 # reaches a real service started by `make services`: it is marked `services`.
 SERVICE_FIXTURES = frozenset(
-    {"clickhouse_server", "etcd_endpoints", "etcd_store", "private_etcd", "etcd_weights", "broker_env",
-     "flaky_server", "cluster_urls"}
-)  # fmt: skip
+    {
+        "clickhouse_server",
+        "etcd_endpoints",
+        "etcd_store",
+        "private_etcd",
+        "etcd_weights",
+        "broker_env",
+        "flaky_server",
+        "cluster_urls",
+    }
+)
 SERVICE_PARAMS = frozenset({"server", "etcd"})
 
 # `make test-fast` sets ABPLAT_TEST_FAST=1 and deselects the tests marked services, process, slow,

@@ -110,7 +110,7 @@ class SessionDatabases:
 
     # ---- internals ------------------------------------------------------------------------
     def _new_name(self) -> str:
-        # "test" in the name: SampleStore.truncate_for_tests works on it
+        # "test" in the name: tests/samples/truncate.py's truncate_for_tests works on it
         worker = os.environ.get("PYTEST_XDIST_WORKER", "") or "main"
         return f"abplat_test_session_{worker}_{uuid.uuid4().hex[:10]}"
 

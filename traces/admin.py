@@ -25,12 +25,30 @@ class UploadTraceForm(forms.Form):
 
 @admin.register(Trace)
 class TraceAdmin(admin.ModelAdmin):
-    list_display = ("name", "format", "rows", "span_s", "rate", "size", "short_sha", "uploaded_by",
-                    "created_at")  # fmt: skip
+    list_display = (
+        "name",
+        "format",
+        "rows",
+        "span_s",
+        "rate",
+        "size",
+        "short_sha",
+        "uploaded_by",
+        "created_at",
+    )
     list_filter = ("format",)
     search_fields = ("name", "sha256")
-    readonly_fields = ("name", "sha256", "size", "format", "rows", "span_s", "rate", "uploaded_by",
-                       "created_at")  # fmt: skip
+    readonly_fields = (
+        "name",
+        "sha256",
+        "size",
+        "format",
+        "rows",
+        "span_s",
+        "rate",
+        "uploaded_by",
+        "created_at",
+    )
 
     @admin.display(description="sha256")
     def short_sha(self, obj: Trace) -> str:
@@ -80,8 +98,14 @@ class TraceAdmin(admin.ModelAdmin):
                 said = "uploaded" if created else "already stored (same content)"
                 self.message_user(request, f"{trace}: {said}", messages.SUCCESS)
                 return redirect("admin:traces_trace_change", trace.pk)
-        context = {**self.admin_site.each_context(request), "opts": self.opts, "form": form,
-                   "title": "Upload a trace", "max_bytes": settings.TRACE_MAX_BYTES, "refusal": refusal}  # fmt: skip
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "form": form,
+            "title": "Upload a trace",
+            "max_bytes": settings.TRACE_MAX_BYTES,
+            "refusal": refusal,
+        }
         return TemplateResponse(
             request, "admin/traces/trace/upload.html", context, status=413 if too_large else 200
         )

@@ -23,8 +23,18 @@ class TraceSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Trace
-        fields = ["name", "sha256", "size", "format", "rows", "span_s", "rate", "uploaded_by", "created_at",
-                  "url"]  # fmt: skip
+        fields = [
+            "name",
+            "sha256",
+            "size",
+            "format",
+            "rows",
+            "span_s",
+            "rate",
+            "uploaded_by",
+            "created_at",
+            "url",
+        ]
         read_only_fields = fields
 
     def get_url(self, obj: Trace) -> str:

@@ -96,9 +96,10 @@ def store(chunks: Iterable[bytes], *, name: str, fmt: str | None = None, user=No
         fmt = fmt or sniff_format(first.split(b"\n", 1)[0])
         if fmt is None:
             raise TraceError(
-                "format", "not given and not recognized: the first line is neither the Azure header "
+                "format",
+                "not given and not recognized: the first line is neither the Azure header "
                 "(TIMESTAMP,ContextTokens,GeneratedTokens) nor a JSON object",
-            )  # fmt: skip
+            )
         existing = Trace.objects.filter(sha256=sha).first()
         if existing is not None:
             if not existing.path.is_file():
@@ -117,9 +118,15 @@ def store(chunks: Iterable[bytes], *, name: str, fmt: str | None = None, user=No
         try:
             with transaction.atomic():
                 trace = Trace.objects.create(
-                    name=name, sha256=sha, size=size, format=fmt, rows=summary.rows, span_s=summary.span_s,
-                    rate=summary.rate, uploaded_by=user if getattr(user, "pk", None) else None,
-                )  # fmt: skip
+                    name=name,
+                    sha256=sha,
+                    size=size,
+                    format=fmt,
+                    rows=summary.rows,
+                    span_s=summary.span_s,
+                    rate=summary.rate,
+                    uploaded_by=user if getattr(user, "pk", None) else None,
+                )
                 os.replace(tmp, directory / sha)
         except IntegrityError:
             # The same content or name committed by a concurrent upload meanwhile.
@@ -180,9 +187,10 @@ def resolve_file(name: str, *, field: str = "source") -> Path:
         )
     if name.startswith(("/", "\\", "~")) or re.match(r"^[A-Za-z]:", name):
         raise TraceError(
-            field, f"{shown} is an absolute path; only traces in the trace directory can be replayed "
+            field,
+            f"{shown} is an absolute path; only traces in the trace directory can be replayed "
             "here: upload it (POST /api/traces/) and give its name",
-        )  # fmt: skip
+        )
     parts = PurePosixPath(name.replace("\\", "/")).parts
     if ".." in parts:
         raise TraceError(field, f"{shown}: '..' is not allowed; name a file inside the trace directory")

@@ -13,8 +13,11 @@ MULTIPART_SLACK = 64 * 1024  # the form's other fields and the boundaries around
 class UploadCap(FileUploadHandler):
     """Put first among a request's upload handlers (``install``), before anything reads the
     body: refuses a body over TRACE_MAX_BYTES by its Content-Length without reading it, and
-    stops reading a file that streams past the cap, so an oversized upload never reaches
-    memory or a temporary file. The view then answers 413 when ``too_large``."""
+    stops reading a file that streams past the cap, so under the web process (WSGI) an
+    oversized upload never reaches memory or a temporary file. Under ``gateway --with-web``
+    (ASGI) Django spools the body before any handler runs: there gateway/with_web.py refuses
+    it by its Content-Length, or at the cap for a chunked one (docs/deploy.md). The view then
+    answers 413 when ``too_large``."""
 
     def __init__(self, request=None, *, cap: int):
         super().__init__(request)
@@ -37,13 +40,19 @@ class UploadCap(FileUploadHandler):
         return None
 
 
+def max_body_bytes() -> int:
+    """The largest upload request body: the trace cap and the form around it (the web process
+    checks it here, `manage.py gateway --with-web` before Django reads the body)."""
+    return settings.TRACE_MAX_BYTES + MULTIPART_SLACK
+
+
 def declared_too_large(request) -> bool:
     """The body says (Content-Length) it is over the cap: refuse it without reading it."""
     try:
         length = int(request.META.get("CONTENT_LENGTH") or 0)
     except ValueError:
         return False
-    return length > settings.TRACE_MAX_BYTES + MULTIPART_SLACK
+    return length > max_body_bytes()
 
 
 def install(request) -> UploadCap:

@@ -1,5 +1,4 @@
 from django import forms
-from django.conf import settings
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.shortcuts import redirect
@@ -10,9 +9,9 @@ from experiments.models import Experiment
 from experiments.teams import visible_experiments
 from replay.arrivals import MODES, Arrival
 from traces.models import Trace
-from workers.api import start_in_background
 from workers.models import ReplayRun, ReplayShard
-from workers.runs import ReplayError, ReplayInputError, cancel_run, create_run
+from workers.runs import ReplayError, ReplayInputError, ReplayRequest, cancel_run
+from workers.service import submit
 
 
 class StartReplayForm(forms.Form):
@@ -36,9 +35,11 @@ class StartReplayForm(forms.Form):
     sample_fraction = forms.FloatField(initial=1.0, min_value=0.0001, max_value=1.0)
     skip_malformed = forms.BooleanField(required=False)
     render_chat = forms.ChoiceField(
-        choices=[("reject", "reject"), ("plain", "plain")], initial="reject", required=False,
+        choices=[("reject", "reject"), ("plain", "plain")],
+        initial="reject",
+        required=False,
         help_text="chat messages for completions variants: reject, or render as plain text",
-    )  # fmt: skip
+    )
     wrap_prompt = forms.BooleanField(
         required=False, help_text="prompt lines to chat variants as one user message"
     )
@@ -56,9 +57,12 @@ class StartReplayForm(forms.Form):
         if not self.errors:
             try:
                 data["arrival_obj"] = Arrival(
-                    mode=data["arrival"], speed=data["speed"], rate=data["rate"], cv=data["cv"],
+                    mode=data["arrival"],
+                    speed=data["speed"],
+                    rate=data["rate"],
+                    cv=data["cv"],
                     concurrency=data["concurrency"],
-                )  # fmt: skip
+                )
             except ValueError as exc:
                 raise forms.ValidationError(str(exc)) from None
         return data
@@ -68,8 +72,21 @@ class ReplayShardInline(admin.TabularInline):
     model = ReplayShard
     extra = 0
     can_delete = False
-    fields = ("index", "status", "attempts", "worker", "planned", "sent", "recorded", "lag_p50_ms",
-              "lag_p99_ms", "lag_max_ms", "started_at", "finished_at", "error")  # fmt: skip
+    fields = (
+        "index",
+        "status",
+        "attempts",
+        "worker",
+        "planned",
+        "sent",
+        "recorded",
+        "lag_p50_ms",
+        "lag_p99_ms",
+        "lag_max_ms",
+        "started_at",
+        "finished_at",
+        "error",
+    )
     readonly_fields = fields
 
     def has_add_permission(self, request, obj=None):
@@ -87,8 +104,17 @@ def cancel_replays(modeladmin, request, queryset):
 
 @admin.register(ReplayRun)
 class ReplayRunAdmin(admin.ModelAdmin):
-    list_display = ("id", "experiment", "status", "mode", "total_requests", "samples_recorded",
-                    "started_by", "created_at", "finished_at")  # fmt: skip
+    list_display = (
+        "id",
+        "experiment",
+        "status",
+        "mode",
+        "total_requests",
+        "samples_recorded",
+        "started_by",
+        "created_at",
+        "finished_at",
+    )
     # Only the experiments whose runs the user sees (their teams'), never every key.
     list_filter = ("status", "mode", ("experiment", admin.RelatedOnlyFieldListFilter))
     search_fields = ("experiment__key", "source")
@@ -127,28 +153,42 @@ class ReplayRunAdmin(admin.ModelAdmin):
         form = StartReplayForm(request.POST or None)
         if request.method == "POST" and form.is_valid():
             d = form.cleaned_data
-            eager = settings.CELERY_TASK_ALWAYS_EAGER
             try:
-                run = create_run(
-                    d["experiment"], trace=d["trace"].sha256 if d["trace"] else None, source=d["source"] or None,
-                    source_format=d["source_format"] or None, local_paths=False, mode=d["mode"], enqueue=not eager,
-                    arrival=d["arrival_obj"], limit=d["limit"], concurrency=d["concurrency"],
-                    on_malformed="skip" if d["skip_malformed"] else "reject",
-                    sample_fraction=d["sample_fraction"], actor=request.user, render_chat=d["render_chat"] or "reject",
-                    wrap_prompt=d["wrap_prompt"], max_duration_s=d["max_duration"], confirm=d["confirm"],
-                )  # fmt: skip
+                run = submit(
+                    ReplayRequest(
+                        d["experiment"],
+                        trace=d["trace"].sha256 if d["trace"] else None,
+                        source=d["source"] or None,
+                        source_format=d["source_format"] or None,
+                        local_paths=False,
+                        mode=d["mode"],
+                        arrival=d["arrival_obj"],
+                        limit=d["limit"],
+                        concurrency=d["concurrency"],
+                        on_malformed="skip" if d["skip_malformed"] else "reject",
+                        sample_fraction=d["sample_fraction"],
+                        actor=request.user,
+                        render_chat=d["render_chat"] or "reject",
+                        wrap_prompt=d["wrap_prompt"],
+                        max_duration_s=d["max_duration"],
+                        confirm=d["confirm"],
+                    ),
+                    detached=True,  # not inside this request
+                ).run
             except ReplayError as exc:
                 field = exc.field if isinstance(exc, ReplayInputError) else None
                 form.add_error(field if field in form.fields else None, str(exc))
             else:
-                if eager:
-                    start_in_background(run.pk)  # not inside this request
                 self.message_user(
                     request, f"run {run.pk} started: {run.total_requests} requests", messages.SUCCESS
                 )
                 return redirect("admin:workers_replayrun_change", run.pk)
-        context = {**self.admin_site.each_context(request), "opts": self.opts, "form": form,
-                   "title": "Start a replay"}  # fmt: skip
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "form": form,
+            "title": "Start a replay",
+        }
         return TemplateResponse(request, "admin/workers/replayrun/start.html", context)
 
     def has_add_permission(self, request):

@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
-import logging
-import threading
-
-from django.conf import settings
-from django.db import connections, transaction
 from django.shortcuts import get_object_or_404
 from django.urls import reverse
-from django.utils import timezone
 from drf_spectacular.utils import extend_schema
 from rest_framework import generics, serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from experiments.api.permissions import require
+from experiments.models import Experiment
 from experiments.teams import visible_experiments
 from replay.arrivals import MODES, Arrival
 from workers.models import ReplayRun
-from workers.runs import ReplayError, ReplayInputError, cancel_run, create_run, describe
-from workers.tasks import start_replay
-
-log = logging.getLogger(__name__)
+from workers.runs import ReplayError, ReplayInputError, ReplayRequest, cancel_run, describe
+from workers.service import submit
 
 CanOperate = require("workers.operate_replay", read_perm="workers.view_replayrun")
 
@@ -58,9 +51,10 @@ class ReplayCreateSerializer(serializers.Serializer):
         required=False, max_length=1000, help_text="an uploaded trace's name or sha256 (GET /api/traces/)"
     )
     source = serializers.CharField(
-        required=False, max_length=1000,
+        required=False,
+        max_length=1000,
         help_text="or a file name inside the trace directory (setting TRACE_DIR); nothing outside it",
-    )  # fmt: skip
+    )
     format = serializers.ChoiceField(
         choices=ReplayRun.SourceFormat.choices, required=False, help_text="default: the trace's, else azure"
     )
@@ -77,16 +71,19 @@ class ReplayCreateSerializer(serializers.Serializer):
     on_malformed = serializers.ChoiceField(choices=["reject", "skip"], default="reject")
     seed = serializers.IntegerField(default=0, min_value=-(2**31), max_value=2**31 - 1)  # the run's column
     render_chat = serializers.ChoiceField(
-        choices=["reject", "plain"], default="reject",
+        choices=["reject", "plain"],
+        default="reject",
         help_text="chat messages for completions variants: reject, or render as plain text (replay/shapes.py)",
-    )  # fmt: skip
+    )
     wrap_prompt = serializers.BooleanField(
         default=False, help_text="prompt lines to chat variants as one user message"
     )
     max_duration = serializers.FloatField(
-        required=False, min_value=0.001, allow_null=True,
+        required=False,
+        min_value=0.001,
+        allow_null=True,
         help_text="seconds; refuse a longer planned schedule (default: setting REPLAY_MAX_DURATION_S, 2 h)",
-    )  # fmt: skip
+    )
     confirm = serializers.BooleanField(default=False, help_text="start even if the plan exceeds max_duration")
     preflight = serializers.BooleanField(default=True, help_text="probe each variant's GET /v1/models first")
 
@@ -106,12 +103,34 @@ class ReplayRunSerializer(serializers.ModelSerializer):
     class Meta:
         model = ReplayRun
         fields = [
-            "id", "experiment", "status", "mode", "source", "source_format", "arrival", "limit", "sample_fraction",
-            "concurrency", "shard_count", "on_malformed", "render_chat", "wrap_prompt", "population_seed",
+            "id",
+            "experiment",
+            "status",
+            "mode",
+            "source",
+            "source_format",
+            "arrival",
+            "limit",
+            "sample_fraction",
+            "concurrency",
+            "shard_count",
+            "on_malformed",
+            "render_chat",
+            "wrap_prompt",
+            "population_seed",
             "cancel_requested",
-            "started_by", "created_at", "started_at", "finished_at", "total_requests",
-            "expected_samples", "samples_recorded", "skipped_lines", "outcomes", "error", "progress",
-        ]  # fmt: skip
+            "started_by",
+            "created_at",
+            "started_at",
+            "finished_at",
+            "total_requests",
+            "expected_samples",
+            "samples_recorded",
+            "skipped_lines",
+            "outcomes",
+            "error",
+            "progress",
+        ]
         read_only_fields = fields
 
     def get_progress(self, obj: ReplayRun) -> dict:
@@ -126,83 +145,92 @@ def refusal(exc: ReplayError) -> dict:
     return body
 
 
-def start_in_background(run_id: int) -> None:
-    """Eager Celery (no broker): start the run once this transaction commits, in a daemon
-    thread of this process (it owns the embedded sample store), so the request that started it
-    answers at once instead of running the whole replay. The thread closes its own database
-    connections; a run that fails before it starts sending ends failed (a run that dies while
-    sending is ended by the periodic check, workers.runs.reap_abandoned)."""
+class ExperimentScopedListView(generics.ListAPIView):
+    """A list of rows that belong to experiments (``queryset``: replay runs; capacity searches,
+    which are replays too): the user's teams' rows only, ``?experiment=KEY`` for one
+    experiment's. A POST starts one for the experiment its body names (``requested``)."""
 
-    def work():
-        try:
-            start_replay(run_id)
-        except Exception as exc:
-            log.exception("run %s: failed to start in the background", run_id)
-            ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.QUEUED).update(
-                status=ReplayRun.Status.FAILED,
-                error=f"failed to start: {exc}"[:4000],
-                finished_at=timezone.now(),
-            )
-        finally:
-            connections.close_all()  # this thread's own connections
-
-    def start():
-        threading.Thread(target=work, name=f"abplat-replay-{run_id}", daemon=True).start()
-
-    transaction.on_commit(start)
-
-
-class ReplayListView(generics.ListAPIView):
     permission_classes = [CanOperate]
-    serializer_class = ReplayRunSerializer
 
     def get_queryset(self):
-        # The shards for every run's progress in one query (ReplayRun.progress reads them).
-        qs = ReplayRun.objects.select_related("experiment", "started_by").prefetch_related("shards")
-        qs = visible_experiments(self.request.user, qs, via="experiment")  # the user's teams' runs
+        qs = visible_experiments(self.request.user, super().get_queryset(), via="experiment")
         if key := self.request.query_params.get("experiment"):
             qs = qs.filter(experiment__key=key)
         return qs
 
-    @extend_schema(request=ReplayCreateSerializer, responses={202: ReplayRunSerializer})
-    def post(self, request):
-        """Start a replay: 202 at once with the run's URL (Location and ``url``); poll it."""
-        body = ReplayCreateSerializer(data=request.data)
+    def requested(self, body_class: type[serializers.Serializer]) -> tuple[dict, Experiment]:
+        """The request's body, validated by ``body_class``, and the experiment it names: one of
+        the user's teams'. Another team's is "no experiment", as a key never made (a 400)."""
+        body = body_class(data=self.request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
-        # Another team's experiment is "no experiment", as a key never made.
-        experiment = visible_experiments(request.user).filter(key=data["experiment"]).first()
+        experiment = visible_experiments(self.request.user).filter(key=data["experiment"]).first()
         if experiment is None:
-            return Response({"experiment": [f"no experiment with key {data['experiment']!r}"]}, status=400)
-        eager = settings.CELERY_TASK_ALWAYS_EAGER
-        try:
-            run = create_run(
-                experiment, trace=data.get("trace"), source=data.get("source"), source_format=data.get("format"),
-                local_paths=False, mode=data["mode"], enqueue=not eager,
-                arrival=Arrival(**data.get("arrival", {})), limit=data.get("limit"),
-                concurrency=data["concurrency"], shard_count=data.get("shards"),
-                on_malformed=data["on_malformed"], population_seed=data["seed"],
-                sample_fraction=data["sample"], actor=request.user, render_chat=data["render_chat"],
-                wrap_prompt=data["wrap_prompt"], max_duration_s=data.get("max_duration"),
-                confirm=data["confirm"], check_variants=data["preflight"],
-            )  # fmt: skip
-        except ReplayError as exc:
-            return Response(refusal(exc), status=status.HTTP_400_BAD_REQUEST)
-        run.refresh_from_db()
-        url = request.build_absolute_uri(reverse("replay-detail", args=[run.pk]))
-        out = {**ReplayRunSerializer(run).data, "url": url}
-        if eager:
-            start_in_background(run.pk)
+            raise serializers.ValidationError(
+                {"experiment": [f"no experiment with key {data['experiment']!r}"]}
+            )
+        return data, experiment
+
+    def accepted(self, row, detail: str) -> Response:
+        """202: ``row`` started, described with its URL (the route ``detail``) in Location and
+        ``url``: the caller polls it."""
+        url = self.request.build_absolute_uri(reverse(detail, args=[row.pk]))
+        out = {**self.get_serializer(row).data, "url": url}
         return Response(out, status=status.HTTP_202_ACCEPTED, headers={"Location": url})
 
 
-class ReplayDetailView(generics.RetrieveAPIView):
+class ExperimentScopedDetailView(generics.RetrieveAPIView):
+    """One row of ``queryset`` of the user's teams' experiments (another team's: 404)."""
+
     permission_classes = [CanOperate]
-    serializer_class = ReplayRunSerializer
 
     def get_queryset(self):
-        qs = ReplayRun.objects.select_related("experiment", "started_by")
-        return visible_experiments(self.request.user, qs, via="experiment")
+        return visible_experiments(self.request.user, super().get_queryset(), via="experiment")
+
+
+class ReplayListView(ExperimentScopedListView):
+    serializer_class = ReplayRunSerializer
+    # The shards for every run's progress in one query (ReplayRun.progress reads them).
+    queryset = ReplayRun.objects.select_related("experiment", "started_by").prefetch_related("shards")
+
+    @extend_schema(request=ReplayCreateSerializer, responses={202: ReplayRunSerializer})
+    def post(self, request):
+        """Start a replay: 202 at once with the run's URL (Location and ``url``); poll it."""
+        data, experiment = self.requested(ReplayCreateSerializer)
+        try:
+            handle = submit(
+                ReplayRequest(
+                    experiment,
+                    trace=data.get("trace"),
+                    source=data.get("source"),
+                    source_format=data.get("format"),
+                    local_paths=False,
+                    mode=data["mode"],
+                    arrival=Arrival(**data.get("arrival", {})),
+                    limit=data.get("limit"),
+                    concurrency=data["concurrency"],
+                    shards=data.get("shards"),
+                    on_malformed=data["on_malformed"],
+                    seed=data["seed"],
+                    sample_fraction=data["sample"],
+                    actor=request.user,
+                    render_chat=data["render_chat"],
+                    wrap_prompt=data["wrap_prompt"],
+                    max_duration_s=data.get("max_duration"),
+                    confirm=data["confirm"],
+                    check_variants=data["preflight"],
+                ),
+                detached=True,  # not inside this request: it answers at once
+            )
+        except ReplayError as exc:
+            return Response(refusal(exc), status=status.HTTP_400_BAD_REQUEST)
+        handle.run.refresh_from_db()
+        return self.accepted(handle.run, "replay-detail")
+
+
+class ReplayDetailView(ExperimentScopedDetailView):
+    serializer_class = ReplayRunSerializer
+    queryset = ReplayRun.objects.select_related("experiment", "started_by")
 
 
 class ReplayCancelView(APIView):

@@ -63,6 +63,7 @@ from pathlib import Path
 from django.conf import settings
 
 from experiments.loading import load_document_file
+from simulator.experiment import served_variants
 from simulator.serve import Handle, start_subprocess
 
 DOCUMENT = "demo/ttft-optimizations.yaml"
@@ -107,8 +108,11 @@ class Slice:
 
     def describe(self) -> str:
         """'1,631 chat-sized requests (prompts up to 384 tokens, answers up to 64; 8,819 in all)'."""
-        fits = [f"{what} up to {n}" for what, n in (("prompts", self.prompt_budget), ("answers", self.answer_budget))
-                if n]  # fmt: skip
+        fits = [
+            f"{what} up to {n}"
+            for what, n in (("prompts", self.prompt_budget), ("answers", self.answer_budget))
+            if n
+        ]
         if not fits:
             return f"{self.of:,} requests"
         return f"{self.rows:,} chat-sized requests ({' tokens, '.join(fits)} tokens; {self.of:,} in all)"
@@ -166,8 +170,9 @@ def repeat_slice(cut: Slice, times: int) -> Path:
         out = csv.writer(fh, lineterminator="\n")
         out.writerow(header)
         for k in range(times):
-            out.writerows([(_azure_time(row[0]) + k * shift).strftime("%Y-%m-%d %H:%M:%S.%f"), *row[1:]]
-                          for row in body)  # fmt: skip
+            out.writerows(
+                [(_azure_time(row[0]) + k * shift).strftime("%Y-%m-%d %H:%M:%S.%f"), *row[1:]] for row in body
+            )
     tmp.replace(path)
     return path
 
@@ -190,21 +195,20 @@ def load_document(replicas: int = REPLICAS) -> dict:
 def start_simulators(
     doc: dict, replicas: int, *, free_ports: bool = False, say: Callable[[str], None] = lambda _: None
 ) -> list[Handle]:
-    """A simulator per variant, its profile named by the variant's key, on the document's port
-    (or a free one when that is taken, or always with ``free_ports``); each endpoint is written
-    back to ``doc``. On a failure the ones already started are stopped."""
+    """A simulator per variant as ``manage.py simulator --experiment`` serves it (its profile
+    named by the variant's key, its model: simulator.experiment), on the document's port (or a
+    free one when that is taken, or always with ``free_ports``); each endpoint is written back
+    to ``doc``. On a failure the ones already started are stopped."""
     sims: list[Handle] = []
     try:
-        for variant in doc["variants"]:
-            wanted = 0 if free_ports else int(variant["endpoint"].rsplit(":", 1)[1].split("/")[0])
+        for variant, served in zip(doc["variants"], served_variants(doc["variants"])):
+            wanted = 0 if free_ports else served.port
             try:
-                handle = start_subprocess(
-                    variant["key"], port=wanted, model=variant["model"], replicas=replicas
-                )
+                handle = start_subprocess(served.profile, port=wanted, model=served.model, replicas=replicas)
             except (OSError, RuntimeError):
                 if not wanted:
                     raise
-                handle = start_subprocess(variant["key"], port=0, model=variant["model"], replicas=replicas)
+                handle = start_subprocess(served.profile, port=0, model=served.model, replicas=replicas)
             variant["endpoint"] = handle.url + "/v1"
             sims.append(handle)
             cost = variant.get("cost")
@@ -256,19 +260,36 @@ def capacity_candidates(variants: list[dict], target: float) -> dict[str, float]
 
 
 def capacity_arguments(
-    trace: Path, step_requests: int = CAPACITY_STEP_REQUESTS, max_steps: int = CAPACITY_MAX_STEPS,
+    trace: Path,
+    step_requests: int = CAPACITY_STEP_REQUESTS,
+    max_steps: int = CAPACITY_MAX_STEPS,
     start_rates: dict[str, float] | None = None,
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """`manage.py capacity KEY ...`'s options for the demo's search of ``trace``."""
     starts = ",".join(f"{k}={r:g}" for k, r in (start_rates or {}).items())
     return [
-        "--trace", str(trace), "--arrival", "poisson", "--start-rate", f"{CAPACITY_MAX_RPS:g}",
+        "--trace",
+        str(trace),
+        "--arrival",
+        "poisson",
+        "--start-rate",
+        f"{CAPACITY_MAX_RPS:g}",
         *(["--start-rates", starts] if starts else []),
-        "--max-rate", f"{CAPACITY_MAX_RPS:g}", "--min-rate", f"{CAPACITY_MIN_RPS:g}",
-        "--max-steps", str(max_steps), "--tolerance", f"{CAPACITY_TOLERANCE:g}",
-        "--step-requests", str(step_requests), "--warmup", f"{CAPACITY_WARMUP_S:g}",
-        "--lag-limit", f"{CAPACITY_LAG_LIMIT_MS:g}",
-    ]  # fmt: skip
+        "--max-rate",
+        f"{CAPACITY_MAX_RPS:g}",
+        "--min-rate",
+        f"{CAPACITY_MIN_RPS:g}",
+        "--max-steps",
+        str(max_steps),
+        "--tolerance",
+        f"{CAPACITY_TOLERANCE:g}",
+        "--step-requests",
+        str(step_requests),
+        "--warmup",
+        f"{CAPACITY_WARMUP_S:g}",
+        "--lag-limit",
+        f"{CAPACITY_LAG_LIMIT_MS:g}",
+    ]
 
 
 def capacity_summary(doc: dict, control: str | None) -> str:

@@ -45,17 +45,20 @@ class ReplayRun(models.Model):
     )
     mode = models.CharField(max_length=8, choices=Mode.choices, default=Mode.SPLIT)
     render_chat = models.CharField(
-        max_length=8, default="reject", choices=[("reject", "reject"), ("plain", "plain")],
+        max_length=8,
+        default="reject",
+        choices=[("reject", "reject"), ("plain", "plain")],
         help_text="chat messages for completions variants: reject the run, or render as plain text",
-    )  # fmt: skip
+    )
     wrap_prompt = models.BooleanField(
         default=False, help_text="prompt lines for chat variants: send each as one user message"
     )
     prompt_plan = models.JSONField(
-        default=dict, blank=True,
+        default=dict,
+        blank=True,
         help_text="each variant's prompt per synthetic request, calibrated on its tokenizer before the "
         "schedule starts: variant -> seq -> [words, pad, tokens, estimated] (replay/calibration.py)",
-    )  # fmt: skip
+    )
     arrival = models.JSONField(
         default=dict, help_text="arrival process: mode, speed, rate, cv, concurrency, seed"
     )
@@ -64,9 +67,10 @@ class ReplayRun(models.Model):
     concurrency = models.PositiveIntegerField(default=512, help_text="requests in flight per shard at most")
     shard_count = models.PositiveSmallIntegerField(default=1, help_text="slots: shards sending at once")
     window_s = models.FloatField(
-        null=True, blank=True,
+        null=True,
+        blank=True,
         help_text="each shard task covers this long a window of the schedule (empty: one window)",
-    )  # fmt: skip
+    )
     population_seed = models.IntegerField(default=0)
     # Mirror runs only: the variants every request goes to (keys); empty: every variant. A
     # capacity search step loads one deployment alone (capacity/).
@@ -132,11 +136,13 @@ class ReplayRun(models.Model):
         sent = sum(s["sent"] for s in shards)
         recorded = sum(s["recorded"] for s in shards)
         return {
-            "sent": sent, "recorded": recorded, "expected": self.expected_samples,
+            "sent": sent,
+            "recorded": recorded,
+            "expected": self.expected_samples,
             "fraction": round(recorded / self.expected_samples, 4) if self.expected_samples else 0.0,
             "shards_done": sum(1 for s in shards if s["status"] == ReplayShard.Status.DONE),
             "shards": len(shards),
-        }  # fmt: skip
+        }
 
 
 class ReplayShard(models.Model):
@@ -186,9 +192,10 @@ class SpoolRecord(models.Model):
     spool = models.CharField(max_length=500, help_text="the spool's id, host:directory (its spool.id file)")
     rows = models.PositiveIntegerField(default=0, help_text="rows of the run waiting there for the store")
     quarantined = models.JSONField(
-        default=dict, blank=True,
+        default=dict,
+        blank=True,
         help_text="quarantined spool file -> rows of the run it held that could not be read",
-    )  # fmt: skip
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

@@ -19,8 +19,9 @@ from collections.abc import Sequence
 
 import httpx
 
-from streaming.client import AllowedSyncTransport, tls_verify
 from streaming.egress import Allowlist, EgressError, EgressRefused, SecretError, split_url
+from streaming.tls import tls_verify
+from streaming.transports import AllowedSyncTransport
 from workers import variants
 
 TIMEOUT = httpx.Timeout(3.0, connect=2.0)
@@ -42,8 +43,13 @@ def models_url(endpoint: str) -> str:
     return f"{base}/v1/models"
 
 
-def probe(target: Target, *, verify: bool | str | ssl.SSLContext = True, allow: Allowlist | None = None,
-          secrets_dir: str | None = None) -> str | None:  # fmt: skip
+def probe(
+    target: Target,
+    *,
+    verify: bool | str | ssl.SSLContext = True,
+    allow: Allowlist | None = None,
+    secrets_dir: str | None = None,
+) -> str | None:
     """None when the variant answers and lists its model; otherwise one line saying what is wrong.
 
     allow, secrets_dir: the variant allowlist and the secrets directory (None: the settings')."""
@@ -84,8 +90,13 @@ def probe(target: Target, *, verify: bool | str | ssl.SSLContext = True, allow: 
     return None
 
 
-def check(targets: Sequence[Target], *, verify: bool | str = True, allow: Allowlist | None = None,
-          secrets_dir: str | None = None) -> list[str]:  # fmt: skip
+def check(
+    targets: Sequence[Target],
+    *,
+    verify: bool | str = True,
+    allow: Allowlist | None = None,
+    secrets_dir: str | None = None,
+) -> list[str]:
     """Probe every variant at once; the problems found, in variant order (empty: all good)."""
     if not targets:
         return []

@@ -1,7 +1,9 @@
-"""Starting, cancelling and describing replay runs (Django glue around replay).
+"""Recording, cancelling and describing replay runs (Django glue around replay).
 
-Imports flow one way inside workers: api, admin, commands -> runs -> tasks -> shard ->
-(replay, streaming, samples, experiments); models below all of them.
+A replay is asked for with a ReplayRequest; ``create_run`` validates it and records the run
+and its shards, and workers.service starts it. Imports flow one way inside workers: api,
+admin, commands -> service -> runs -> tasks -> shard -> (replay, streaming, samples,
+experiments); models below all of them.
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
-from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
 from django.db import transaction
@@ -31,7 +33,7 @@ from traces.models import Trace
 from workers import preflight
 from workers.models import ReplayRun, ReplayShard
 from workers.shard import shard_rows
-from workers.tasks import complete_run, lease_s, maybe_finish, start_replay
+from workers.tasks import complete_run, lease_s, maybe_finish
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +72,19 @@ class Plan:
 
     def __str__(self) -> str:
         a = self.arrival
-        how = {"recorded": f"recorded arrivals x{a.speed:g}", "poisson": f"poisson at {a.rate:g}/s",
-               "gamma": f"gamma at {a.rate:g}/s, cv {a.cv:g}",
-               "closed": f"closed loop, {a.concurrency} in flight"}[a.mode]  # fmt: skip
+        how = {
+            "recorded": f"recorded arrivals x{a.speed:g}",
+            "poisson": f"poisson at {a.rate:g}/s",
+            "gamma": f"gamma at {a.rate:g}/s, cv {a.cv:g}",
+            "closed": f"closed loop, {a.concurrency} in flight",
+        }[a.mode]
         if self.duration_s is None:
             return f"plan: {self.requests} requests ({how}), {self.samples} samples expected"
         rate = "all at once" if self.rate == float("inf") else f"{self.rate:.3g} requests/s on average"
-        return (f"plan: {self.requests} requests over {human_duration(self.duration_s)} ({how}; {rate}), "
-                f"{self.samples} samples expected")  # fmt: skip
+        return (
+            f"plan: {self.requests} requests over {human_duration(self.duration_s)} ({how}; {rate}), "
+            f"{self.samples} samples expected"
+        )
 
 
 def max_duration_default() -> float:
@@ -137,58 +144,100 @@ def resolve_source(
     return Source(path, row.name if row else ref, row)
 
 
-def create_run(experiment: Experiment, *, source: str | None = None, trace: str | None = None,
-               source_format: str | None = None, local_paths: bool = True, mode: str = "split",
-               arrival: Arrival | None = None, limit: int | None = None, concurrency: int = 512,
-               shard_count: int | None = None, on_malformed: str = "reject", population_seed: int = 0,
-               sample_fraction: float = 1.0, actor=None, enqueue: bool = True, render_chat: str = "reject",
-               wrap_prompt: bool = False, max_duration_s: float | None = None, confirm: bool = False,
-               check_variants: bool = True, targets: Sequence[str] = ()) -> ReplayRun:  # fmt: skip
-    """Validate everything, record the run and its shards, and queue it after commit.
+@dataclasses.dataclass(frozen=True)
+class ReplayRequest:
+    """A replay asked for: what to read, how to send it and to whom, and who asks. The
+    defaults are the replay command's. ``local_paths``: read a local path too (the operator's
+    shell and code); whatever takes a source over HTTP sets it off (TRACE_DIR only,
+    ``resolve_source``). ``targets``: in mirror mode, send only to these variants (a capacity
+    step loads one deployment alone). ``shards``: None for the default (``shard_count``)."""
 
-    Before anything is created: the source resolves (``resolve_source``: a local path only with
-    ``local_paths``, for the operator's shell and code; whatever takes a source over HTTP passes
-    ``local_paths=False``: TRACE_DIR only) and loads (streamed, stopping at ``limit``); the caps
-    hold (speed, concurrency, requests: settings REPLAY_MAX_*); every request fits every variant's API
-    (replay.shapes, with ``render_chat`` / ``wrap_prompt``); the planned schedule is at most
-    ``max_duration_s`` (default: the REPLAY_MAX_DURATION_S setting, 2 h) unless ``confirm``;
-    and (``check_variants``) every variant answers ``GET /v1/models`` listing its model
-    (workers.preflight). ``targets``: in mirror mode, send only to these variants (a capacity
-    step loads one deployment alone). The plan is on the returned run as ``run.plan``."""
-    arrival = arrival or Arrival()
-    if experiment.status != Experiment.Status.RUNNING:
-        raise ReplayError(
-            f"experiment {experiment.key!r} is {experiment.status}: only running experiments replay"
-        )
-    if mode not in ReplayRun.Mode.values:
-        raise ReplayError(f"mode must be split or mirror, got {mode!r}")
-    if render_chat not in shapes.RENDERINGS:
-        raise ReplayError(f"render_chat must be one of {', '.join(shapes.RENDERINGS)}, got {render_chat!r}")
-    if on_malformed not in ("reject", "skip"):
-        raise ReplayError(f"on_malformed must be reject or skip, got {on_malformed!r}")
-    if concurrency < 1:
-        raise ReplayError(f"concurrency must be at least 1, got {concurrency}")
-    if limit is not None and limit < 1:
-        raise ReplayError(f"limit must be at least 1, got {limit}")
-    # Caps on one replay: what one sre request may make the workers do.
+    experiment: Experiment
+    source: str | None = None  # a file (``local_paths``) or a file name inside TRACE_DIR
+    trace: str | None = None  # or an uploaded trace's name or sha256
+    source_format: str | None = None  # None: the trace's, else azure
+    local_paths: bool = True
+    mode: str = "split"
+    targets: tuple[str, ...] = ()
+    arrival: Arrival = dataclasses.field(default_factory=Arrival)
+    limit: int | None = None
+    concurrency: int = 512
+    shards: int | None = None
+    seed: int = 0  # the user population's (the run's population_seed)
+    sample_fraction: float = 1.0
+    on_malformed: str = "reject"
+    render_chat: str = "reject"
+    wrap_prompt: bool = False
+    max_duration_s: float | None = None  # None: settings.REPLAY_MAX_DURATION_S
+    confirm: bool = False  # start even if the plan exceeds max_duration_s
+    check_variants: bool = True  # probe every variant's GET /v1/models first (workers.preflight)
+    actor: Any = None
+
+    def shard_count(self) -> int:
+        """``shards``, by default one with eager Celery and settings.REPLAY_SHARDS with a broker."""
+        if self.shards is not None:
+            return self.shards
+        return 1 if settings.CELERY_TASK_ALWAYS_EAGER else settings.REPLAY_SHARDS
+
+    def check(self) -> None:
+        """Refuse what is wrong before anything is read: the experiment must be running; mode,
+        render_chat and on_malformed known; concurrency and limit at least 1 and within the caps
+        (settings REPLAY_MAX_*: what one sre request may make the workers do), like the speed;
+        the shard count in [1, 256], and one with eager Celery."""
+        arrival, experiment = self.arrival, self.experiment
+        if experiment.status != Experiment.Status.RUNNING:
+            raise ReplayError(
+                f"experiment {experiment.key!r} is {experiment.status}: only running experiments replay"
+            )
+        if self.mode not in ReplayRun.Mode.values:
+            raise ReplayError(f"mode must be split or mirror, got {self.mode!r}")
+        if self.render_chat not in shapes.RENDERINGS:
+            raise ReplayError(
+                f"render_chat must be one of {', '.join(shapes.RENDERINGS)}, got {self.render_chat!r}"
+            )
+        if self.on_malformed not in ("reject", "skip"):
+            raise ReplayError(f"on_malformed must be reject or skip, got {self.on_malformed!r}")
+        if self.concurrency < 1:
+            raise ReplayError(f"concurrency must be at least 1, got {self.concurrency}")
+        if self.limit is not None and self.limit < 1:
+            raise ReplayError(f"limit must be at least 1, got {self.limit}")
+        for field, value, cap, name in (
+            ("speed", arrival.speed, settings.REPLAY_MAX_SPEED, "REPLAY_MAX_SPEED"),
+            ("concurrency", self.concurrency, settings.REPLAY_MAX_CONCURRENCY, "REPLAY_MAX_CONCURRENCY"),
+            (
+                "arrival.concurrency",
+                arrival.concurrency,
+                settings.REPLAY_MAX_CONCURRENCY,
+                "REPLAY_MAX_CONCURRENCY",
+            ),
+            ("limit", self.limit or 0, settings.REPLAY_MAX_REQUESTS, "REPLAY_MAX_REQUESTS"),
+        ):
+            if value > cap:
+                got = f"{value:g}" if isinstance(value, float) else value
+                raise ReplayInputError(field, f"{field} must be at most {cap} (setting {name}), got {got}")
+        shard_count = self.shard_count()
+        if not 1 <= shard_count <= 256:
+            raise ReplayError(f"shard count must be in [1, 256], got {shard_count}")
+        if settings.CELERY_TASK_ALWAYS_EAGER and shard_count > 1:
+            # Eager tasks run one after another: later shards would start late and show it as lag.
+            raise ReplayError("with Celery eager (no ABPLAT_BROKER_URL) a replay runs as one shard")
+
+
+def create_run(request: ReplayRequest) -> ReplayRun:
+    """Validate everything and record the run and its shards (workers.service starts it).
+
+    Before anything is created: the request's options hold (``ReplayRequest.check``); the
+    source resolves (``resolve_source``) and loads (streamed, stopping at ``limit``); every
+    request fits every variant's API (replay.shapes, with ``render_chat`` / ``wrap_prompt``);
+    the planned schedule is at most ``max_duration_s`` (default: the REPLAY_MAX_DURATION_S
+    setting, 2 h) unless ``confirm``; the sample store has its tables; and
+    (``check_variants``) every variant answers ``GET /v1/models`` listing its model
+    (workers.preflight). The plan is on the returned run as ``run.plan``."""
+    request.check()
+    experiment, arrival, mode, limit = request.experiment, request.arrival, request.mode, request.limit
     max_requests = settings.REPLAY_MAX_REQUESTS
-    for field, value, cap, name in (
-        ("speed", arrival.speed, settings.REPLAY_MAX_SPEED, "REPLAY_MAX_SPEED"),
-        ("concurrency", concurrency, settings.REPLAY_MAX_CONCURRENCY, "REPLAY_MAX_CONCURRENCY"),
-        ("arrival.concurrency", arrival.concurrency, settings.REPLAY_MAX_CONCURRENCY, "REPLAY_MAX_CONCURRENCY"),
-        ("limit", limit or 0, max_requests, "REPLAY_MAX_REQUESTS"),
-    ):  # fmt: skip
-        if value > cap:
-            got = f"{value:g}" if isinstance(value, float) else value
-            raise ReplayInputError(field, f"{field} must be at most {cap} (setting {name}), got {got}")
-    if shard_count is None:
-        shard_count = 1 if settings.CELERY_TASK_ALWAYS_EAGER else settings.REPLAY_SHARDS
-    if not 1 <= shard_count <= 256:
-        raise ReplayError(f"shard count must be in [1, 256], got {shard_count}")
-    if settings.CELERY_TASK_ALWAYS_EAGER and shard_count > 1:
-        # Eager tasks run one after another: later shards would start late and show it as lag.
-        raise ReplayError("with Celery eager (no ABPLAT_BROKER_URL) a replay runs as one shard")
-    src = resolve_source(source, trace=trace, local_paths=local_paths)
+    source_format = request.source_format
+    src = resolve_source(request.source, trace=request.trace, local_paths=request.local_paths)
     if src.trace is not None:
         if source_format not in (None, src.trace.format):
             raise ReplayInputError(
@@ -198,9 +247,10 @@ def create_run(experiment: Experiment, *, source: str | None = None, trace: str 
         source_format = src.trace.format
         if limit is None and src.trace.rows > max_requests:
             raise ReplayInputError(
-                "limit", f"trace {src.label} has {src.trace.rows} requests, over the cap of {max_requests} "
+                "limit",
+                f"trace {src.label} has {src.trace.rows} requests, over the cap of {max_requests} "
                 "(setting REPLAY_MAX_REQUESTS); give a limit",
-            )  # fmt: skip
+            )
     source_format = source_format or ReplayRun.SourceFormat.AZURE
     if source_format not in ReplayRun.SourceFormat.values:
         raise ReplayInputError("format", f"format must be azure or jsonl, got {source_format!r}")
@@ -209,11 +259,16 @@ def create_run(experiment: Experiment, *, source: str | None = None, trace: str 
         # A malformed source is rejected here, before anything is sent. Streamed: reading stops
         # at the limit (or one past the request cap), a long line or (in TRACE_DIR) a big file.
         loaded = load_requests(
-            path, source_format, on_malformed=on_malformed, limit=limit or max_requests + 1,
-            seed=population_seed, sample_fraction=sample_fraction, name=src.label,
+            path,
+            source_format,
+            on_malformed=request.on_malformed,
+            limit=limit or max_requests + 1,
+            seed=request.seed,
+            sample_fraction=request.sample_fraction,
+            name=src.label,
             max_bytes=settings.TRACE_MAX_BYTES if src.in_trace_dir else None,
             max_line_bytes=settings.TRACE_MAX_LINE_BYTES,
-        )  # fmt: skip
+        )
     except (SourceError, ValueError) as exc:
         raise ReplayError(str(exc)) from None
     if loaded.read > max_requests:
@@ -222,7 +277,7 @@ def create_run(experiment: Experiment, *, source: str | None = None, trace: str 
             f"{src.label} has more than {max_requests} requests (setting REPLAY_MAX_REQUESTS); give a limit",
         )
     variants = list(experiment.variants.order_by("position"))
-    targets = list(dict.fromkeys(targets))
+    targets = list(dict.fromkeys(request.targets))
     if targets:
         unknown = sorted(set(targets) - {v.key for v in variants})
         if unknown:
@@ -231,17 +286,23 @@ def create_run(experiment: Experiment, *, source: str | None = None, trace: str 
             raise ReplayInputError("targets", "targets apply to mirror runs (split mode follows the weights)")
         variants = [v for v in variants if v.key in targets]
     try:
-        shapes.check(loaded.requests, {v.key: v.api for v in variants}, render_chat=render_chat,
-                     wrap_prompt=wrap_prompt)  # fmt: skip
+        shapes.check(
+            loaded.requests,
+            {v.key: v.api for v in variants},
+            render_chat=request.render_chat,
+            wrap_prompt=request.wrap_prompt,
+        )
     except ValueError as exc:
         raise ReplayError(str(exc)) from None
     n_variants = len(variants)
     plan = Plan(
-        requests=len(loaded.requests), samples=expected_samples(len(loaded.requests), mode, n_variants),
-        duration_s=arrival.duration_s([r.offset_s for r in loaded.requests]), arrival=arrival,
-    )  # fmt: skip
-    cap = max_duration_default() if max_duration_s is None else max_duration_s
-    if plan.duration_s is not None and plan.duration_s > cap and not confirm:
+        requests=len(loaded.requests),
+        samples=expected_samples(len(loaded.requests), mode, n_variants),
+        duration_s=arrival.duration_s([r.offset_s for r in loaded.requests]),
+        arrival=arrival,
+    )
+    cap = max_duration_default() if request.max_duration_s is None else request.max_duration_s
+    if plan.duration_s is not None and plan.duration_s > cap and not request.confirm:
         raise ReplayError(
             f"{plan}: the planned duration exceeds the cap of {human_duration(cap)} "
             f"(max_duration {cap:g} s); speed it up (--speed, --rate, --limit), raise the cap "
@@ -257,7 +318,7 @@ def create_run(experiment: Experiment, *, source: str | None = None, trace: str 
         pass
     except StoreError as exc:  # chDB locked by another process, say
         raise ReplayError(f"nothing was sent: the sample store cannot be used: {exc}") from None
-    if check_variants:
+    if request.check_variants:
         verify = settings.VARIANT_CA_BUNDLE or True
         problems = preflight.check(
             [
@@ -274,19 +335,28 @@ def create_run(experiment: Experiment, *, source: str | None = None, trace: str 
     offsets = arrival.offsets([r.offset_s for r in loaded.requests])
     with transaction.atomic():
         run = ReplayRun.objects.create(
-            experiment=experiment, source=str(path), source_format=source_format, mode=mode,
-            arrival=dataclasses.asdict(arrival), limit=limit, sample_fraction=sample_fraction,
-            concurrency=concurrency, shard_count=shard_count, window_s=window_s,
-            on_malformed=on_malformed, population_seed=population_seed,
-            render_chat=render_chat, wrap_prompt=wrap_prompt, targets=targets,
-            started_by=actor if getattr(actor, "pk", None) else None,
-            total_requests=len(loaded.requests), skipped_lines=len(loaded.skipped),
+            experiment=experiment,
+            source=str(path),
+            source_format=source_format,
+            mode=mode,
+            arrival=dataclasses.asdict(arrival),
+            limit=limit,
+            sample_fraction=request.sample_fraction,
+            concurrency=request.concurrency,
+            shard_count=request.shard_count(),
+            window_s=window_s,
+            on_malformed=request.on_malformed,
+            population_seed=request.seed,
+            render_chat=request.render_chat,
+            wrap_prompt=request.wrap_prompt,
+            targets=targets,
+            started_by=request.actor if getattr(request.actor, "pk", None) else None,
+            total_requests=len(loaded.requests),
+            skipped_lines=len(loaded.skipped),
             expected_samples=expected_samples(len(loaded.requests), mode, n_variants),
-        )  # fmt: skip
+        )
         ReplayShard.objects.bulk_create(shard_rows(run, offsets, len(loaded.requests)))
-        audit.record(actor, experiment, "replay_started", after=describe(run))
-        if enqueue:
-            transaction.on_commit(lambda: start_replay.delay(run.pk))
+        audit.record(request.actor, experiment, "replay_started", after=describe(run))
     run.plan = plan
     return run
 
@@ -402,10 +472,29 @@ def reap_abandoned() -> list[int]:
 
 def describe(run: ReplayRun) -> dict:
     return {
-        "run": run.pk, "experiment": run.experiment.key, "status": run.status, "mode": run.mode,
-        "source": run.source, "format": run.source_format, "arrival": run.arrival, "limit": run.limit,
-        "sample_fraction": run.sample_fraction, "render_chat": run.render_chat, "wrap_prompt": run.wrap_prompt,
-        "total_requests": run.total_requests, "expected_samples": run.expected_samples,
-        "samples_recorded": run.samples_recorded, "skipped_lines": run.skipped_lines,
-        "outcomes": run.outcomes, "shards": run.shard_count, "error": run.error, "targets": run.targets,
-    }  # fmt: skip
+        "run": run.pk,
+        "experiment": run.experiment.key,
+        "status": run.status,
+        "mode": run.mode,
+        "source": run.source,
+        "format": run.source_format,
+        "arrival": run.arrival,
+        "limit": run.limit,
+        "sample_fraction": run.sample_fraction,
+        "render_chat": run.render_chat,
+        "wrap_prompt": run.wrap_prompt,
+        "total_requests": run.total_requests,
+        "expected_samples": run.expected_samples,
+        "samples_recorded": run.samples_recorded,
+        "skipped_lines": run.skipped_lines,
+        "outcomes": run.outcomes,
+        "shards": run.shard_count,
+        "error": run.error,
+        "targets": run.targets,
+    }
+
+
+def lag_p99_ms(run: ReplayRun) -> float | None:
+    """The run's schedule lag p99: its worst shard's (None before any shard has sent)."""
+    lags = [x for x in run.shards.values_list("lag_p99_ms", flat=True) if x is not None]
+    return max(lags) if lags else None

@@ -90,8 +90,15 @@ class Scraper:
             except ExpositionError as exc:
                 error = str(exc)
         scraped_ms = int(time.time() * 1000)
-        rows = scrape_rows(self.experiment_key, key, self.run.pk, scraped_ms, samples,
-                           duration_s=time.perf_counter() - started, error=error)  # fmt: skip
+        rows = scrape_rows(
+            self.experiment_key,
+            key,
+            self.run.pk,
+            scraped_ms,
+            samples,
+            duration_s=time.perf_counter() - started,
+            error=error,
+        )
         return rows, error
 
     async def scrape_variant(self, key: str) -> list[dict[str, Any]]:
@@ -132,8 +139,12 @@ class Scraper:
             await asyncio.to_thread(self.store.insert_server_metrics, rows)
         except (StoreError, ValueError) as exc:
             self.write_failures += 1
-            log.warning("run %s: server metrics not stored (%d rows kept for the next try): %s",
-                        self.run.pk, len(rows), exc)  # fmt: skip
+            log.warning(
+                "run %s: server metrics not stored (%d rows kept for the next try): %s",
+                self.run.pk,
+                len(rows),
+                exc,
+            )
             self._pending = rows + self._pending
             if len(self._pending) > MAX_PENDING_ROWS:
                 drop = len(self._pending) - MAX_PENDING_ROWS
@@ -199,8 +210,9 @@ def plan_for(shard: ReplayShard) -> tuple[float, float, float] | None:
 
 
 @contextlib.asynccontextmanager
-async def scraping(plan: tuple[float, float, float] | None, run: ReplayRun,
-                   variants: Sequence[Any]) -> AsyncIterator[Scraper | None]:  # fmt: skip
+async def scraping(
+    plan: tuple[float, float, float] | None, run: ReplayRun, variants: Sequence[Any]
+) -> AsyncIterator[Scraper | None]:
     """Scrape on ``plan`` (plan_for) while the body runs; then write what waits and log the
     counts. A failure in here is logged, never raised into the shard."""
     scraper = None

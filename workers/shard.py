@@ -51,13 +51,26 @@ def run_requests(run: ReplayRun) -> LoadedSource:
         version = (stat.st_size, stat.st_mtime_ns)
     except OSError:
         version = None  # load_requests says what is wrong with it
-    key = (run.source, run.source_format, run.on_malformed, run.limit, run.population_seed,
-           run.sample_fraction, version)  # fmt: skip
+    key = (
+        run.source,
+        run.source_format,
+        run.on_malformed,
+        run.limit,
+        run.population_seed,
+        run.sample_fraction,
+        version,
+    )
     if version is not None and key in _loaded:
         return _loaded[key]
-    loaded = load_requests(run.source, run.source_format, on_malformed=run.on_malformed, limit=run.limit,
-                           seed=run.population_seed, sample_fraction=run.sample_fraction,
-                           max_line_bytes=settings.TRACE_MAX_LINE_BYTES)  # fmt: skip
+    loaded = load_requests(
+        run.source,
+        run.source_format,
+        on_malformed=run.on_malformed,
+        limit=run.limit,
+        seed=run.population_seed,
+        sample_fraction=run.sample_fraction,
+        max_line_bytes=settings.TRACE_MAX_LINE_BYTES,
+    )
     _loaded.clear()
     if version is not None:
         _loaded[key] = loaded
@@ -86,9 +99,10 @@ def plan_run_prompts(run: ReplayRun) -> dict:
 
     async def plan():
         return await plan_prompts(
-            requests, {v.key: (v.endpoint, v.model, v.api) for v in variants},
+            requests,
+            {v.key: (v.endpoint, v.model, v.api) for v in variants},
             counter_for(variants, verify=verify),
-        )  # fmt: skip
+        )
 
     with log_context(experiment=run.experiment.key, run=run.pk):
         plans, report = run_coroutine(plan())
@@ -117,8 +131,13 @@ def shard_positions(run: ReplayRun, shard: ReplayShard, offsets: list[float] | N
     return ()
 
 
-def execute_shard(shard: ReplayShard, *, budget_s: float | None = None,
-                  handoff: Callable[[], None] | None = None, handoff_at_unix: float = 0.0) -> ShardStats:  # fmt: skip
+def execute_shard(
+    shard: ReplayShard,
+    *,
+    budget_s: float | None = None,
+    handoff: Callable[[], None] | None = None,
+    handoff_at_unix: float = 0.0,
+) -> ShardStats:
     """Send the shard's requests (budget_s: start none after this long). ``handoff`` is called
     once, in a thread, at ``handoff_at_unix`` while the shard runs (it queues the next window
     then, so its message is free for any idle worker rather than held by one until due); the
@@ -142,12 +161,21 @@ def execute_shard(shard: ReplayShard, *, budget_s: float | None = None,
         writer.flush()
         recorded = sample_store().recorded_request_ids(run.pk)
     spec = ShardSpec(
-        experiment=experiment.key, run_id=run.pk, mode=run.mode, requests=requests, offsets=offsets,
-        start_at_unix=run.start_at_unix, concurrency=run.concurrency,
-        variants=[v.key for v in variants], attempt=shard.attempts, skip_ids=frozenset(recorded),
-        apis={v.key: v.api for v in variants}, render_chat=run.render_chat, wrap_prompt=run.wrap_prompt,
+        experiment=experiment.key,
+        run_id=run.pk,
+        mode=run.mode,
+        requests=requests,
+        offsets=offsets,
+        start_at_unix=run.start_at_unix,
+        concurrency=run.concurrency,
+        variants=[v.key for v in variants],
+        attempt=shard.attempts,
+        skip_ids=frozenset(recorded),
+        apis={v.key: v.api for v in variants},
+        render_chat=run.render_chat,
+        wrap_prompt=run.wrap_prompt,
         budget_s=budget_s,
-    )  # fmt: skip
+    )
     # 3. The live router: a weight change in the store takes effect mid-run.
     router = live_router() if run.mode == SPLIT else None
     if router is not None:
@@ -216,11 +244,25 @@ def execute_shard(shard: ReplayShard, *, budget_s: float | None = None,
         clients = {key: meter.wrap_client(key, client) for key, client in clients.items()}
         try:
             ahead = run.start_at_unix + shard.start_s - time.time() if run.start_at_unix else 0.0
-            log.info("run %s shard %s (window %s, slot %s): %d requests, ready %.2f s %s its window opens",
-                     run.pk, shard.index, shard.window, shard.slot, len(requests), abs(ahead),
-                     "before" if ahead >= 0 else "AFTER")  # fmt: skip
-            runner = ShardRunner(spec, clients, assign if router else None, meter.put_row(traced(sink.put)),
-                                 should_cancel=should_cancel, revision=revision, on_progress=on_progress)  # fmt: skip
+            log.info(
+                "run %s shard %s (window %s, slot %s): %d requests, ready %.2f s %s its window opens",
+                run.pk,
+                shard.index,
+                shard.window,
+                shard.slot,
+                len(requests),
+                abs(ahead),
+                "before" if ahead >= 0 else "AFTER",
+            )
+            runner = ShardRunner(
+                spec,
+                clients,
+                assign if router else None,
+                meter.put_row(traced(sink.put)),
+                should_cancel=should_cancel,
+                revision=revision,
+                on_progress=on_progress,
+            )
             handing = asyncio.create_task(hand_off()) if handoff is not None else None
             try:
                 # The variants' own /metrics, scraped meanwhile by one shard per window.

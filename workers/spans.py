@@ -74,7 +74,10 @@ def traced(put_row: Callable[[Any], None]) -> Callable[[Any], None]:
         except Exception:  # a trace must never fail the replay; the first failure of a shard is logged
             failed += 1
             if failed == 1:
-                log.warning("request %s: its span was not recorded (later failures of this shard are not logged)",
-                            row["request_id"], exc_info=True)  # fmt: skip
+                log.warning(
+                    "request %s: its span was not recorded (later failures of this shard are not logged)",
+                    row["request_id"],
+                    exc_info=True,
+                )
 
     return put

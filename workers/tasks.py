@@ -96,9 +96,12 @@ class SpooledElsewhere(StoreUnavailable):
 
 
 @shared_task(
-    acks_late=True, reject_on_worker_lost=True, ignore_result=True,
-    soft_time_limit=settings.REPLAY_PLAN_TIME_LIMIT_S, time_limit=settings.REPLAY_PLAN_TIME_LIMIT_S + 60,
-)  # fmt: skip
+    acks_late=True,
+    reject_on_worker_lost=True,
+    ignore_result=True,
+    soft_time_limit=settings.REPLAY_PLAN_TIME_LIMIT_S,
+    time_limit=settings.REPLAY_PLAN_TIME_LIMIT_S + 60,
+)
 @context_from_args(run="run_id")  # log fields of the call (telemetry/logs.py)
 def start_replay(run_id: int) -> None:
     run = (
@@ -115,9 +118,11 @@ def start_replay(run_id: int) -> None:
     scrape_now(run_id, "baseline")  # the variants' /metrics before any request is sent
     # 2. The claim fixes time zero after the plan; a run cancelled meanwhile is not claimed.
     claimed = ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.QUEUED).update(
-        status=ReplayRun.Status.RUNNING, started_at=timezone.now(), start_at_unix=time.time() + START_LEAD_S,
+        status=ReplayRun.Status.RUNNING,
+        started_at=timezone.now(),
+        start_at_unix=time.time() + START_LEAD_S,
         prompt_plan=plan,
-    )  # fmt: skip
+    )
     if not claimed:
         return
     run = ReplayRun.objects.select_related("experiment").get(pk=run_id)
@@ -220,9 +225,11 @@ def run_shard(self, run_id: int, index: int, store_retries: int = 0) -> None:
             # another host are not there yet and would be sent again. Wait for that host's flush.
             check_spooled_elsewhere(run_id, sample_writer().spool.id)
         stats = execute_shard(
-            shard, budget_s=shard_budget_s(shard.run), handoff_at_unix=handoff_at or 0.0,
+            shard,
+            budget_s=shard_budget_s(shard.run),
+            handoff_at_unix=handoff_at or 0.0,
             handoff=None if handoff_at is None else lambda: enqueue_next_window(shard.run, shard.window),
-        )  # fmt: skip
+        )
     except SoftTimeLimitExceeded:
         # A backstop (the budget stops a shard well before): what it recorded stays, the rest
         # resumes in a new task.
@@ -267,12 +274,15 @@ def run_shard(self, run_id: int, index: int, store_retries: int = 0) -> None:
             ReplayRun.objects.filter(pk=run_id).update(cancel_requested=True, error=stats.stop_reason[:4000])
         REPLAY_SHARDS_FINISHED.labels("done").inc()
         ReplayShard.objects.filter(pk=shard.pk).update(
-            status=ReplayShard.Status.DONE, finished_at=timezone.now(),
-            sent=stats.sent + stats.skipped_recorded, recorded=stats.recorded + stats.skipped_recorded,
+            status=ReplayShard.Status.DONE,
+            finished_at=timezone.now(),
+            sent=stats.sent + stats.skipped_recorded,
+            recorded=stats.recorded + stats.skipped_recorded,
             skipped_recorded=stats.skipped_recorded,
-            lag_p50_ms=stats.lag_quantile(0.5), lag_p99_ms=stats.lag_quantile(0.99),
+            lag_p50_ms=stats.lag_quantile(0.5),
+            lag_p99_ms=stats.lag_quantile(0.99),
             lag_max_ms=max(stats.lags_ms, default=0.0),
-        )  # fmt: skip
+        )
     finally:
         close_old_connections()
     enqueue_next_window(shard.run, shard.window)  # after a gap; a no-op once queued
@@ -326,9 +336,12 @@ def maybe_finish(run_id: int) -> None:
 
 
 @shared_task(
-    bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
+    bind=True,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    ignore_result=True,
     max_retries=FINISH_MAX_RETRIES + FINISH_ERROR_RETRIES,
-)  # fmt: skip
+)
 @context_from_args(run="run_id")
 def finish_replay(self, run_id: int, errors: int = 0) -> None:
     """``errors``: how many tries failed other than for a store that is down (the bound on
@@ -426,8 +439,10 @@ def flush_spool() -> int:
     if report.files:
         log.info(
             "flushed the spool: %d samples inserted, %d already stored, %d quarantined file(s)",
-            report.inserted, report.skipped_stored, len(report.quarantined),
-        )  # fmt: skip
+            report.inserted,
+            report.skipped_stored,
+            len(report.quarantined),
+        )
     return report.inserted
 
 
@@ -506,9 +521,12 @@ def complete_run(run_id: int, *, exact_shards: bool = False) -> bool:
     # The catalog first: if the store fails here the run stays flushing and is retried.
     record_catalog(run, str(status), strict=True, finished_ms=int(time.time() * 1000))
     ended = ReplayRun.objects.filter(pk=run_id, status=ReplayRun.Status.FLUSHING).update(
-        status=status, samples_recorded=recorded, outcomes={k: int(v) for k, v in outcomes.items()},
-        finished_at=timezone.now(), error="" if status == ReplayRun.Status.DONE else run.error,
-    )  # fmt: skip
+        status=status,
+        samples_recorded=recorded,
+        outcomes={k: int(v) for k, v in outcomes.items()},
+        finished_at=timezone.now(),
+        error="" if status == ReplayRun.Status.DONE else run.error,
+    )
     if ended:
         announce_finished(store, run)
     return bool(ended)

@@ -59,10 +59,14 @@ def variant_headers(variant: Variant, secrets_dir: str | None = None) -> dict[st
 def client_for(variant: Variant, *, verify: bool | str | None = None) -> VariantClient:
     """The streaming client of one variant (SecretError when its secret is not configured)."""
     return VariantClient(
-        variant.endpoint, variant.model, variant.api, http2=variant.http2,
-        verify=ca_verify() if verify is None else verify, allow=allowlist(),
+        variant.endpoint,
+        variant.model,
+        variant.api,
+        http2=variant.http2,
+        verify=ca_verify() if verify is None else verify,
+        allow=allowlist(),
         headers=variant_headers(variant),
-    )  # fmt: skip
+    )
 
 
 def counter_for(

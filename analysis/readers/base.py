@@ -19,6 +19,8 @@ Result shapes (what the report reads):
 - mirror pairs: {"cells": {both_hit, control_only, variant_only, both_miss}, "diff_values",
   "diff_counts"};
 - failures: {variant: {outcome: {"n", "http_status", "example"}}} of the requests not 'ok';
+- setup errors: {variant: {http status: {"n", "example"}}} of the setup errors
+  (definitions.SETUP_ERROR), which every other query leaves out (analysis.sql.JUDGED);
 - unit moments: {variant: analysis.units.UnitMoments}, the per-user (or per-request) moments of
   the clustered and adjusted statistics;
 - data version: ((run_id, rows, sum(recorded_ms), max(recorded_ms)), ...) in run order.
@@ -74,6 +76,8 @@ class SampleReader(Protocol):
     def mirror_pairs(self, f: Filters, slo: Slo, control: str, variant: str) -> dict[str, Any]: ...
 
     def failures(self, f: Filters) -> dict[str, dict[str, dict[str, Any]]]: ...
+
+    def setup_errors(self, f: Filters) -> dict[str, dict[int, dict[str, Any]]]: ...
 
     def unit_moments(self, f: Filters, slo: Slo, unit: str) -> dict[str, UnitMoments]:
         """{variant: moments} with users (unit "user") or requests (unit "request") as the
@@ -134,6 +138,15 @@ def histogram_rows(rows: Iterable[Sequence[Any]]) -> dict[str, Hist]:
         keys.append(int(key))
         counts.append(int(count))
         tops.append(float(top))
+    return out
+
+
+def p99_rows(rows: Iterable[Sequence[Any]]) -> dict[str, list[tuple[int, int, float]]]:
+    """(variant, bucket start unix s, n, p99) rows, in bucket order, as the p99 chart's series:
+    {variant: [(bucket start, n, p99)]}."""
+    out: dict[str, list[tuple[int, int, float]]] = {}
+    for variant, tb, n, p99 in rows:
+        out.setdefault(variant, []).append((int(tb), int(n), float(p99)))
     return out
 
 

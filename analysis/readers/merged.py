@@ -89,8 +89,12 @@ def merge_summaries(*parts: Mapping[str, Mapping[str, Any]]) -> Summary:
     for part in parts:
         for v, s in part.items():
             if v not in out:
-                out[v] = {**s, "metric_n": dict(s["metric_n"]), "modes": dict(s["modes"]),
-                          "phase_sums": dict(s["phase_sums"])}  # fmt: skip
+                out[v] = {
+                    **s,
+                    "metric_n": dict(s["metric_n"]),
+                    "modes": dict(s["modes"]),
+                    "phase_sums": dict(s["phase_sums"]),
+                }
                 continue
             o = out[v]
             for k in ("n", "errors", "hits", "phase_n", *GAP_REQUESTS):
@@ -187,6 +191,10 @@ class MergedReader:
     def failures(self, f: Filters) -> dict[str, dict[str, dict[str, Any]]]:
         """From the samples: a rollup keeps no error classes (the failed rows are few)."""
         return self.raw.failures(f)
+
+    def setup_errors(self, f: Filters) -> dict[str, dict[int, dict[str, Any]]]:
+        """From the samples, as failures: a rollup keeps none (it leaves them out)."""
+        return self.raw.setup_errors(f)
 
     def p99_over_time(self, f: Filters, bucket_s: int) -> dict[str, list[tuple[int, int, float]]]:
         return self.rollup.p99_over_time(f, bucket_s, self._live(f))

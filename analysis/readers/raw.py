@@ -37,12 +37,21 @@ from analysis.definitions import (
     PHASE_COLUMNS,
     PHASE_ROWS,
     PROMPT_TOKEN_EDGES,
+    SETUP_ERROR,
     Filters,
     QueryError,
     Slo,
 )
 from analysis.phases import phases_from_sums
-from analysis.readers.base import DataVersion, Summary, histogram_rows, run_queries, summary_rows, with_phases
+from analysis.readers.base import (
+    DataVersion,
+    Summary,
+    histogram_rows,
+    p99_rows,
+    run_queries,
+    summary_rows,
+    with_phases,
+)
 from analysis.sql import (
     DISTINCT_USERS,
     GAP,
@@ -263,13 +272,13 @@ class RawReader:
         router assigns, so the unit sample ratio mismatch is tested on. Requests are not
         independent draws (a heavy user sends many, all to one variant), so request counts would
         flag SRM on healthy traffic."""
-        fw, params = from_where(f, [SRM_SAMPLES])
+        fw, params = from_where(f, [SRM_SAMPLES], setup_errors=True)
         sql = f"SELECT config_revision AS rev, variant, {DISTINCT_USERS} AS users {fw} GROUP BY rev, variant"
         return [{"rev": int(r), "variant": v, "n": int(n)} for r, v, n in self.store.query(sql, params)]
 
     def failures(self, f: Filters) -> dict[str, dict[str, dict[str, Any]]]:
         """{variant: {outcome: {"n", "http_status", "example"}}} of the failed requests (outcome
-        other than 'ok'): what broke, by error class, with one HTTP status and error message,
+        other than 'ok'; setup errors are setup_errors'): what broke, by error class, with one HTTP status and error message,
         cut to FAILURE_EXAMPLE_CHARS (a variant's error body may quote the request)."""
         fw, params = from_where(f, ["outcome != 'ok'"])
         sql = f"SELECT variant, outcome, count(), any(http_status), any(error) {fw} GROUP BY variant, outcome"
@@ -278,6 +287,20 @@ class RawReader:
             out.setdefault(v, {})[str(outcome)] = {
                 "n": int(n),
                 "http_status": int(status),
+                "example": str(example)[:FAILURE_EXAMPLE_CHARS],
+            }
+        return out
+
+    def setup_errors(self, f: Filters) -> dict[str, dict[int, dict[str, Any]]]:
+        """{variant: {http status: {"n", "example"}}} of the setup errors (definitions.SETUP_ERROR):
+        the requests every other query leaves out, counted apart, with one error message per
+        status cut to FAILURE_EXAMPLE_CHARS."""
+        fw, params = from_where(f, [SETUP_ERROR], setup_errors=True)
+        sql = f"SELECT variant, http_status, count(), any(error) {fw} GROUP BY variant, http_status"
+        out: dict[str, dict[int, dict[str, Any]]] = {}
+        for v, status, n, example in self.store.query(sql, params):
+            out.setdefault(str(v), {})[int(status)] = {
+                "n": int(n),
                 "example": str(example)[:FAILURE_EXAMPLE_CHARS],
             }
         return out
@@ -305,10 +328,7 @@ class RawReader:
             GROUP BY variant, tb
             ORDER BY variant, tb
         """
-        out: dict[str, list[tuple[int, int, float]]] = {}
-        for variant, tb, n, p99 in self.store.query(sql, params):
-            out.setdefault(variant, []).append((int(tb), int(n), float(p99)))
-        return out
+        return p99_rows(self.store.query(sql, params))
 
     # 5. Mirror mode: pair control and variant by (run_id, seq)
 
@@ -335,9 +355,14 @@ class RawReader:
         diffs: dict[float, int] = {}
         for c_hit, v_hit, paired, d, pairs in rows:
             name = (
-                "both_hit" if c_hit and v_hit else
-                "control_only" if c_hit else "variant_only" if v_hit else "both_miss"
-            )  # fmt: skip
+                "both_hit"
+                if c_hit and v_hit
+                else "control_only"
+                if c_hit
+                else "variant_only"
+                if v_hit
+                else "both_miss"
+            )
             cells[name] += int(pairs)
             if paired:
                 diffs[float(d)] = diffs.get(float(d), 0) + int(pairs)

@@ -27,7 +27,7 @@ from analysis.definitions import (
     Filters,
     QueryError,
 )
-from analysis.readers.base import Summary, histogram_rows, summary_rows
+from analysis.readers.base import Summary, histogram_rows, p99_rows, summary_rows
 from analysis.sql import (
     HIST_KEYS,
     Hist,
@@ -85,9 +85,13 @@ class RollupReader:
         )
         per_metric: dict[str, list[Sequence[Any]]] = {m: [] for m in METRICS}
         for metric, *row in zip(
-            cols.get("metric", []), cols.get("variant", []), cols.get("k", []), cols.get("c", []),
-            cols.get("t", []), strict=True,
-        ):  # fmt: skip
+            cols.get("metric", []),
+            cols.get("variant", []),
+            cols.get("k", []),
+            cols.get("c", []),
+            cols.get("t", []),
+            strict=True,
+        ):
             per_metric[metric].append(row)
         return {m: histogram_rows(rows) for m, rows in per_metric.items()}
 
@@ -226,7 +230,4 @@ class RollupReader:
             GROUP BY variant, tb2, total
             ORDER BY variant, tb2
         """
-        out: dict[str, list[tuple[int, int, float]]] = {}
-        for variant, tb, n, p99 in self.store.query(sql, params):
-            out.setdefault(variant, []).append((int(tb), int(n), float(p99)))
-        return out
+        return p99_rows(self.store.query(sql, params))

@@ -70,7 +70,7 @@ class RolloutSerializer(serializers.Serializer):
 
 
 class AnalysisSerializer(serializers.Serializer):
-    """How the SLA report analyses the experiment (README "Analysis")."""
+    """How the SLA report analyses the experiment (docs/statistics.md)."""
 
     cluster_by_user = serializers.BooleanField(
         default=True, help_text="users as the independent unit (the unit the router assigns), not requests"
@@ -82,7 +82,7 @@ class AnalysisSerializer(serializers.Serializer):
 
 
 class ExperimentDocumentSerializer(serializers.Serializer):
-    """The experiment document (see README). Errors are keyed by field path."""
+    """The experiment document (docs/experiments.md). Errors are keyed by field path."""
 
     key = serializers.SlugField()
     name = serializers.CharField()

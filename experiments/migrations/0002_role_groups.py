@@ -11,13 +11,20 @@ from experiments.roles import grant
 
 ROLES = {
     "product": [
-        "view_experiment", "add_experiment", "change_experiment", "delete_experiment",
-        "run_lifecycle", "view_variant", "add_variant", "change_variant", "delete_variant",
+        "view_experiment",
+        "add_experiment",
+        "change_experiment",
+        "delete_experiment",
+        "run_lifecycle",
+        "view_variant",
+        "add_variant",
+        "change_variant",
+        "delete_variant",
         "view_auditentry",
     ],
     "sre": ["view_experiment", "view_variant", "view_auditentry", "change_weights"],
     "analyst": ["view_experiment", "view_variant", "view_auditentry"],
-}  # fmt: skip
+}
 
 
 def create_groups(apps, schema_editor):

@@ -263,13 +263,19 @@ def _undo_write(
                 "weights of %s: the database change failed (%s) but its store write at revision %d "
                 "could not be undone (%s); the store holds a document the database never committed: "
                 "set the weights again with set_weights",
-                key, why, written, exc,
-            )  # fmt: skip
+                key,
+                why,
+                written,
+                exc,
+            )
             _audit_undo(
-                actor, experiment, "weights_rollback_failed",
-                before={"revision": written, **what}, after=None,
+                actor,
+                experiment,
+                "weights_rollback_failed",
+                before={"revision": written, **what},
+                after=None,
                 reason=f"database change failed ({why}); undoing its store write failed: {exc}",
-            )  # fmt: skip
+            )
             return
         except Exception:  # never mask the failure being handled
             log.exception("weights of %s: undoing the store write at revision %d failed", key, written)
@@ -277,14 +283,19 @@ def _undo_write(
         log.warning(
             "weights of %s: the database change failed (%s); its store write at revision %d was "
             "undone at revision %d",
-            key, why, written, restored,
-        )  # fmt: skip
+            key,
+            why,
+            written,
+            restored,
+        )
         _audit_undo(
-            actor, experiment, "weights_rolled_back",
+            actor,
+            experiment,
+            "weights_rolled_back",
             before={"revision": written, **what},
             after={"revision": restored, "restored_revision": previous.revision if previous else 0},
             reason=f"database change failed ({why}); its store write was undone",
-        )  # fmt: skip
+        )
 
     return undo
 

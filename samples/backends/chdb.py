@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from samples import columns as colmod
+from samples.file_lock import flock_held
 from samples.store import (
     QuerySettings,
     QueryTimeout,
@@ -76,27 +77,22 @@ _warmed = False
 # A value of each column kind (samples.columns) for the one-row batch prepare_for_writes
 # converts: NULL where the column takes it, so every nullable path is exercised.
 _WARM_VALUES: dict[str, Any] = {
-    "str": "", "u8": 0, "u16": 0, "u32": 0, "u64": 0, "i64": 0, "datetime": 0, "f64": 0.0,
-    "nf64": None, "nu64": None, "au32": (),
-}  # fmt: skip
+    "str": "",
+    "u8": 0,
+    "u16": 0,
+    "u32": 0,
+    "u64": 0,
+    "i64": 0,
+    "datetime": 0,
+    "f64": 0.0,
+    "nf64": None,
+    "nu64": None,
+    "au32": (),
+}
 
 
 def _status_locked(path: str) -> bool:
-    import fcntl
-
-    try:
-        fd = os.open(os.path.join(path, "status"), os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
+    return flock_held(os.path.join(path, "status"))
 
 
 def _lock_message(path: str) -> str:
@@ -109,8 +105,9 @@ def _lock_message(path: str) -> str:
         pass
     return (
         f"chDB data directory {path} is locked by another process{holder}: chDB allows one "
-        "process per directory. Stop that process (runserver, celery worker, shell), or set "
-        "ABPLAT_CLICKHOUSE_URL to share a ClickHouse server between processes."
+        "process per directory. Stop that process (runserver, the gateway, a celery worker, a shell), "
+        "read through it (`gateway --with-web` serves the dashboards), or set ABPLAT_CLICKHOUSE_URL to "
+        "share a ClickHouse server between processes."
     )
 
 

@@ -49,9 +49,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stats.adjusted import ArmData, adjusted_moments, adjusted_moments_from_sums
-from stats.clustered import ArmMoments, ClusterSums, clustered_difference_moments
+from stats.adjusted import ArmData, fit_arms
+from stats.clustered import ArmMoments, ClusterSums, clustered_difference_moments, no_spread
 from stats.sequential._base import DEFAULT_ALPHA, SequentialInterval, check_alpha, finite_or_none
+from stats.sequential.means import MeanSequence
 
 # Where the sequence is narrowest, in requests of both arms: a rollout step at 20 req/s decides
 # within minutes to an hour, so ~10^4 requests is where its looks matter most.
@@ -66,6 +67,15 @@ CLUSTERED_MEAN_METHOD = (
 CLUSTERED_METHOD = (
     "anytime-valid (asymptotic): normal-mixture confidence sequence on the difference of ratio "
     "means with its user-clustered variance"
+)
+NO_SPREAD_MEAN_METHOD = (
+    "anytime-valid: no events (or all events), so no spread between users to estimate: the "
+    "beta-binomial mixture sequence at the arm's N requests (stats.sequential.means)"
+)
+NO_SPREAD_DIFFERENCE_METHOD = (
+    "anytime-valid: an arm without events (or all events) has no spread between users to estimate: "
+    "per-arm sequences at alpha/2 each (that arm's beta-binomial one at its N requests, the other's "
+    "user-clustered), [lo_v - hi_c, hi_v - lo_c] (Bonferroni)"
 )
 ADJUSTED_METHOD = (
     "anytime-valid (asymptotic): normal-mixture confidence sequence on the covariate-adjusted "
@@ -193,6 +203,21 @@ def clustered_difference_sequence(
     d = clustered_difference_moments(control, variant)
     clusters = (_clusters(control), _clusters(variant))
     n = float(_requests(control) + _requests(variant))
+    if min(clusters) >= min_clusters and (no_spread(control) or no_spread(variant)):
+        # A variance of 0 is no certainty: each arm at alpha/2 (the one without spread through
+        # the exact sequence at N), their bounds combined as stats.sequential.means does.
+        half = alpha / 2.0
+        c = clustered_mean_sequence(control, half, target_n, min_clusters)
+        v = clustered_mean_sequence(variant, half, target_n, min_clusters)
+        if None not in (c.lo, c.hi, v.lo, v.hi):
+            assert c.lo is not None and c.hi is not None and v.lo is not None and v.hi is not None
+            low, high = (0.0, 1.0)
+            c_lo, c_hi = max(c.lo, low), min(c.hi, high)  # a share's truth lies in [0, 1]
+            v_lo, v_hi = max(v.lo, low), min(v.hi, high)
+            est = float(d.estimate)
+            return SequentialInterval(
+                est, min(est, v_lo - c_hi), max(est, v_hi - c_lo), alpha, NO_SPREAD_DIFFERENCE_METHOD
+            )
     return _interval(
         float(d.estimate), float(d.variance), n, clusters, alpha, target_n, min_clusters, CLUSTERED_METHOD
     )
@@ -217,10 +242,22 @@ def clustered_mean_sequence(
     _check_cluster_arm(arm, where, "arm")
     mo = arm.moments()
     g = int(mo.clusters)
+    if g >= min_clusters and no_spread(arm):
+        # no events (or all): a variance of 0 would give a point; the exact sequence at N instead
+        big_n = int(round(float(mo.n)))
+        hits = int(round(float(mo.estimate) * big_n))
+        iv = MeanSequence(n=big_n, hits=hits, alpha=alpha).interval()
+        return SequentialInterval(iv.estimate, iv.lo, iv.hi, alpha, NO_SPREAD_MEAN_METHOD)
     return _interval(
-        float(mo.estimate), float(mo.variance), float(mo.n), (g, g), alpha, target_n, min_clusters,
+        float(mo.estimate),
+        float(mo.variance),
+        float(mo.n),
+        (g, g),
+        alpha,
+        target_n,
+        min_clusters,
         CLUSTERED_MEAN_METHOD,
-    )  # fmt: skip
+    )
 
 
 class AdjustedLook(NamedTuple):
@@ -247,23 +284,7 @@ def adjusted_difference_look(
     check_alpha(alpha, where)
     _check_target(target_n, where)
     _check_min_clusters(min_clusters, where)
-    for label, arm in (("control", control), ("variant", variant)):
-        if isinstance(arm, ArmMoments):
-            continue
-        if not isinstance(arm, ArmData) or arm.n.ndim != 1:
-            raise ValueError(
-                f"{where}: {label} must be one arm's ArmData or ArmMoments (clusters on one axis)"
-            )
-    if type(control) is not type(variant):
-        raise ValueError(f"{where}: control and variant must be both ArmData or both ArmMoments")
-    if control.covariates != variant.covariates:
-        raise ValueError(
-            f"{where}: the arms' covariates differ (control {control.covariates}, variant {variant.covariates})"
-        )
-    if isinstance(control, ArmMoments) and isinstance(variant, ArmMoments):
-        fit = adjusted_moments_from_sums(control, variant)
-    else:
-        fit = adjusted_moments(control, variant)  # type: ignore[arg-type]
+    fit = fit_arms(control, variant, where)
     if bool(fit.degenerate):
         raise ValueError(f"{where}: the covariates {control.covariates} are constant or collinear")
     clusters = (int(fit.clusters[0]), int(fit.clusters[1]))
@@ -272,6 +293,28 @@ def adjusted_difference_look(
         float(fit.estimate), var, float(fit.n.sum()), clusters, alpha, target_n, min_clusters, ADJUSTED_METHOD
     )
     reduction = 1.0 - var / var0 if math.isfinite(var) and math.isfinite(var0) and var0 > 0 else None
+    if (
+        isinstance(control, ArmMoments)
+        and isinstance(variant, ArmMoments)
+        and interval.lo is not None
+        and interval.hi is not None
+        and (no_spread(control) or no_spread(variant))
+    ):
+        # An arm's share without events (or all): at least as wide, on each side, as the
+        # unadjusted sequence from the arms' own (clustered_difference_sequence), moved to the
+        # adjusted estimate.
+        plain = clustered_difference_sequence(
+            control.select(()), variant.select(()), alpha, target_n, min_clusters
+        )
+        if plain.lo is not None and plain.hi is not None and plain.estimate is not None:
+            est = float(fit.estimate)
+            interval = SequentialInterval(
+                est,
+                min(interval.lo, est - (plain.estimate - plain.lo)),
+                max(interval.hi, est + (plain.hi - plain.estimate)),
+                alpha,
+                ADJUSTED_METHOD + "; " + plain.method,
+            )
     return AdjustedLook(interval, reduction, tuple(float(t) for t in fit.theta))
 
 
@@ -286,6 +329,7 @@ def adjusted_difference_sequence(
 
     Same per-user sums as ``stats.adjusted.adjusted_difference``; the covariates must be fixed
     before the variant sees the request. Bounds are None until each arm has ``min_clusters``
-    users; a constant or collinear covariate set raises ValueError.
+    users; an arm without requests or a constant or collinear covariate set raises ValueError,
+    arms of the wrong kind TypeError (stats.adjusted.fit_arms).
     """
     return adjusted_difference_look(control, variant, alpha, target_n, min_clusters).interval

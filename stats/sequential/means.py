@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Sequence
 
 import numpy as np
 from scipy import special
 
+from stats._common import check_counts
 from stats.sequential._base import (
     DEFAULT_ALPHA,
     DEFAULT_PRIOR,
@@ -187,16 +187,6 @@ def difference_cs_bounds(
     return lv - hc, hv - lc
 
 
-def _check_count_pair(hits: int, n: int, where: str) -> None:
-    for name, value in (("hits", hits), ("n", n)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{where}: {name} must be an integer count, got {value!r}")
-        if value < 0:
-            raise ValueError(f"{where}: {name} must be >= 0, got {value}")
-    if hits > n:
-        raise ValueError(f"{where}: hits ({hits}) cannot exceed n ({n})")
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class MeanSequence:
     """The state of one share's confidence sequence: two counts, updated per batch in O(1).
@@ -212,7 +202,7 @@ class MeanSequence:
     prior: tuple[float, float] = DEFAULT_PRIOR
 
     def __post_init__(self) -> None:
-        _check_count_pair(self.hits, self.n, "MeanSequence")
+        check_counts(self.hits, self.n, "MeanSequence")
         check_alpha(self.alpha, "MeanSequence")
         object.__setattr__(self, "prior", check_prior(self.prior, "MeanSequence"))
         object.__setattr__(self, "n", int(self.n))
@@ -220,7 +210,7 @@ class MeanSequence:
 
     def update(self, hits: int, n: int) -> MeanSequence:
         """Add a batch of ``n`` samples of which ``hits`` were successes."""
-        _check_count_pair(hits, n, "MeanSequence.update")
+        check_counts(hits, n, "MeanSequence.update")
         return dataclasses.replace(self, n=self.n + int(n), hits=self.hits + int(hits))
 
     def bounds(self, alpha: float | None = None) -> tuple[float, float]:

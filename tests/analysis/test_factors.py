@@ -191,6 +191,19 @@ def test_render_reads_a_drop_in_p99_as_a_gain_when_lower_is_better():
     assert render_attribution(entry, LABELS).startswith("AWQ: 60% of the loss")
 
 
+def test_render_says_0_percent_for_a_factor_whose_share_rounds_to_nothing_never_minus_0():
+    entry = {
+        "total": 100.0,
+        "contributions": {"attention": 100.3, "quantization": -0.3},
+        "residual": 0.0,
+        "levels": {
+            "quantization": {"control": "fp16", "variant": "awq"},
+            "attention": {"control": "sdpa", "variant": "fa2"},
+        },
+    }
+    assert render_attribution(entry, LABELS) == "FlashAttention-2: 100% of the gain, AWQ: 0%"
+
+
 def test_variant_with_the_control_levels_has_nothing_to_attribute():
     cells = {"control": Cell(BASE, 0.80), "twin": Cell(BASE, 0.82)}
     out = attribute_factors(cells, "control")["twin"]

@@ -29,15 +29,26 @@ def store(request, shared_store):
 
 def info() -> r.ExperimentInfo:
     return r.ExperimentInfo(
-        key=EXP, name=EXP, slo=SLO, target=0.9,
+        key=EXP,
+        name=EXP,
+        slo=SLO,
+        target=0.9,
         variants=[r.VariantInfo("fp16", True, 50, {}), r.VariantInfo("awq", False, 50, {})],
-    )  # fmt: skip
+    )
 
 
 def result(i: int) -> StreamResult:
-    return StreamResult(outcome=Outcome.OK, http_status=200, ttfb_ms=100.0, first_byte_ms=101.0,
-                        ttft_event_ms=250.0, ttft_ms=260.0 + i // 2 % 10, e2e_ms=900.0, output_tokens=8,
-                        chunks=8)  # fmt: skip
+    return StreamResult(
+        outcome=Outcome.OK,
+        http_status=200,
+        ttfb_ms=100.0,
+        first_byte_ms=101.0,
+        ttft_event_ms=250.0,
+        ttft_ms=260.0 + i // 2 % 10,
+        e2e_ms=900.0,
+        output_tokens=8,
+        chunks=8,
+    )
 
 
 def live_rows(run_id: int, n: int = 40) -> list:
@@ -45,11 +56,25 @@ def live_rows(run_id: int, n: int = 40) -> list:
     rows = []
     for i in range(n):
         variant = ("fp16", "awq")[i % 2]
-        rows.append(row_from(result(i), SampleContext(
-            experiment=EXP, run_id=run_id, seq=i + 1, variant=variant, mode="live",
-            sent_unix_ms=1_732_900_000_000.0 + i, request_id=f"gw-{i}", user_id=f"u{i}", config_revision=3,
-            gateway_ms=GATEWAY_MS[variant], max_tokens=8, worker="gw:1",
-        )))  # fmt: skip
+        rows.append(
+            row_from(
+                result(i),
+                SampleContext(
+                    experiment=EXP,
+                    run_id=run_id,
+                    seq=i + 1,
+                    variant=variant,
+                    mode="live",
+                    sent_unix_ms=1_732_900_000_000.0 + i,
+                    request_id=f"gw-{i}",
+                    user_id=f"u{i}",
+                    config_revision=3,
+                    gateway_ms=GATEWAY_MS[variant],
+                    max_tokens=8,
+                    worker="gw:1",
+                ),
+            )
+        )
     return rows
 
 
@@ -86,10 +111,21 @@ def test_the_rollup_of_a_live_run_splits_its_misses_as_the_raw_samples_do(store)
 def test_live_rows_recorded_before_gateway_ms_read_their_schedule_lag_as_the_gateway_s(store):
     # as the gateway recorded them before sample store migration 7: its time in schedule_lag_ms
     old = [
-        sample_row(i, experiment=EXP, run_id=OLD_LIVE_RUN, mode="live", variant=("fp16", "awq")[i % 2],
-                   schedule_lag_ms=2.5, gateway_ms=0.0, outcome="ok", error="", http_status=200, ttft_ms=300.0)
+        sample_row(
+            i,
+            experiment=EXP,
+            run_id=OLD_LIVE_RUN,
+            mode="live",
+            variant=("fp16", "awq")[i % 2],
+            schedule_lag_ms=2.5,
+            gateway_ms=0.0,
+            outcome="ok",
+            error="",
+            http_status=200,
+            ttft_ms=300.0,
+        )
         for i in range(10)
-    ]  # fmt: skip
+    ]
     store.insert_samples(old)
     rep = r.build_report(store, info(), q.Filters(EXP, mode="live"))
     for variant in ("fp16", "awq"):
@@ -99,12 +135,21 @@ def test_live_rows_recorded_before_gateway_ms_read_their_schedule_lag_as_the_gat
 
 def test_a_replay_s_lateness_stays_its_schedule_lag_and_it_has_no_gateway_phase(store):
     rows = [
-        row_from(result(i), SampleContext(
-            experiment=EXP, run_id=REPLAY_RUN, seq=i, variant=("fp16", "awq")[i % 2], mode="split",
-            sent_unix_ms=1_732_900_000_000.0 + i, user_id=f"u{i}", schedule_lag_ms=3.0,
-        ))
+        row_from(
+            result(i),
+            SampleContext(
+                experiment=EXP,
+                run_id=REPLAY_RUN,
+                seq=i,
+                variant=("fp16", "awq")[i % 2],
+                mode="split",
+                sent_unix_ms=1_732_900_000_000.0 + i,
+                user_id=f"u{i}",
+                schedule_lag_ms=3.0,
+            ),
+        )
         for i in range(20)
-    ]  # fmt: skip
+    ]
     store.insert_samples(rows)
     store.record_run(REPLAY_RUN, EXP, "split", "done")
     rep = r.build_report(store, info(), q.Filters(EXP, mode="split"))

@@ -285,17 +285,34 @@ def test_srm_counts_users_not_requests_so_heavy_users_do_not_fire_it(backend):
     for i in range(3000):
         variant = ("fp16", "awq", "awq-fa2")[i % 3]  # users split evenly: no mismatch by users
         for _ in range(300 if i == 0 else 1):  # user 0 is heavy
-            rows.append(row_from(StreamResult(ttft_ms=50.0), SampleContext(
-                experiment="srm-users", run_id=run_id, seq=seq, variant=variant, mode="split",
-                sent_unix_ms=1.7e12 + seq, user_id=f"user-{i}", config_revision=5,
-            )))  # fmt: skip
+            rows.append(
+                row_from(
+                    StreamResult(ttft_ms=50.0),
+                    SampleContext(
+                        experiment="srm-users",
+                        run_id=run_id,
+                        seq=seq,
+                        variant=variant,
+                        mode="split",
+                        sent_unix_ms=1.7e12 + seq,
+                        user_id=f"user-{i}",
+                        config_revision=5,
+                    ),
+                )
+            )
             seq += 1
     backend.insert_samples(rows)
     exp = r.ExperimentInfo(
-        key="srm-users", name="x", slo=q.Slo(ttft_ms=200.0), target=0.99,
-        variants=[r.VariantInfo("fp16", True, 34, {}), r.VariantInfo("awq", False, 33, {}),
-                  r.VariantInfo("awq-fa2", False, 33, {})],
-    )  # fmt: skip
+        key="srm-users",
+        name="x",
+        slo=q.Slo(ttft_ms=200.0),
+        target=0.99,
+        variants=[
+            r.VariantInfo("fp16", True, 34, {}),
+            r.VariantInfo("awq", False, 33, {}),
+            r.VariantInfo("awq-fa2", False, 33, {}),
+        ],
+    )
     rep = r.build_report(backend, exp, q.Filters("srm-users"))
     assert rep["srm"]["applicable"] and not rep["srm"]["flagged"]
     assert rep["srm"]["revisions"][0]["observed"] == {"fp16": 1000, "awq": 1000, "awq-fa2": 1000}

@@ -167,8 +167,12 @@ def test_a_row_added_after_the_build_sends_the_report_back_to_the_samples(kind, 
             break
         time.sleep(0.2)
     assert left == [0] * len(left)
-    assert store.query(f"SELECT count() FROM {schema.ROLLUP_VALUES_TABLE} WHERE build_id = %(b)s",
-                       {"b": second.build_id})[0][0] > 0  # fmt: skip
+    assert (
+        store.query(
+            f"SELECT count() FROM {schema.ROLLUP_VALUES_TABLE} WHERE build_id = %(b)s", {"b": second.build_id}
+        )[0][0]
+        > 0
+    )
     # a run without samples has nothing to build
     assert rollup.build_run_rollup(store, spec.experiment, 6, SLO) is None
 

@@ -41,10 +41,19 @@ def users_spec() -> synthetic.SyntheticSpec:
     """Users who send many requests (heavy-tailed), each with their own TTFT factor; a tenth of
     the requests without a user; requested output tokens that vary."""
     return synthetic.SyntheticSpec(
-        experiment="ttft-users", n=8_000, seed=21, run_id=RUN, variants=synthetic.demo_variants(),
-        factor_effects=synthetic.DEMO_FACTOR_EFFECTS, duplicate_rate=0.01, duration_s=1200.0,
-        users=400, user_sigma=0.6, no_user_share=0.1, max_tokens=(128, 256, 512, 1024),
-    )  # fmt: skip
+        experiment="ttft-users",
+        n=8_000,
+        seed=21,
+        run_id=RUN,
+        variants=synthetic.demo_variants(),
+        factor_effects=synthetic.DEMO_FACTOR_EFFECTS,
+        duplicate_rate=0.01,
+        duration_s=1200.0,
+        users=400,
+        user_sigma=0.6,
+        no_user_share=0.1,
+        max_tokens=(128, 256, 512, 1024),
+    )
 
 
 def live_spec() -> synthetic.SyntheticSpec:
@@ -61,9 +70,13 @@ def mirror_users_spec() -> synthetic.SyntheticSpec:
 def constant_spec() -> synthetic.SyntheticSpec:
     """Every request asks for the same max_tokens (as the synthetic default): one user per request."""
     return synthetic.SyntheticSpec(
-        experiment="ttft-const", n=4_000, seed=24, run_id=34, variants=synthetic.demo_variants(),
+        experiment="ttft-const",
+        n=4_000,
+        seed=24,
+        run_id=34,
+        variants=synthetic.demo_variants(),
         factor_effects=synthetic.DEMO_FACTOR_EFFECTS,
-    )  # fmt: skip
+    )
 
 
 SPECS = (users_spec, live_spec, mirror_users_spec, constant_spec)
@@ -123,8 +136,9 @@ def close(a, b, rtol):
 
 def report(store, spec_fn=users_spec, *, use_rollup=False, run_id=RUN, **switches):
     spec = spec_fn()
-    return r.build_report(store, info(spec, **switches), q.Filters(spec.experiment, run_id=run_id),
-                          use_rollup=use_rollup)  # fmt: skip
+    return r.build_report(
+        store, info(spec, **switches), q.Filters(spec.experiment, run_id=run_id), use_rollup=use_rollup
+    )
 
 
 def test_clustered_numbers_equal_stats_clustered_on_the_raw_samples(store, datasets):
@@ -139,8 +153,16 @@ def test_clustered_numbers_equal_stats_clustered_on_the_raw_samples(store, datas
             y, _x, users = per_request(c, metric)
             want = clustered_mean(ClusterSums.from_samples(y, users, binary=metric != "mean_ttft_ms"))
             arms[(entry["key"], metric)] = ClusterSums.from_samples(y, users, binary=metric != "mean_ttft_ms")
-            for field in ("estimate", "se", "lo", "hi", "se_iid", "design_effect", "effective_clusters",
-                          "largest_cluster_share"):  # fmt: skip
+            for field in (
+                "estimate",
+                "se",
+                "lo",
+                "hi",
+                "se_iid",
+                "design_effect",
+                "effective_clusters",
+                "largest_cluster_share",
+            ):
                 assert close(got[metric][field], getattr(want, field), 1e-9), (entry["key"], metric, field)
             assert (got[metric]["n"], got[metric]["clusters"]) == (want.n, want.clusters)
         if entry["control"]:
@@ -170,8 +192,18 @@ def test_adjusted_differences_equal_stats_adjusted_on_the_raw_samples(store, dat
             got = adjusted[name]
             assert got["inference"] == "user-clustered"
             assert got["adjusted"]["covariates"] == list(COVARIATES) and got["adjusted"]["not_used"] == {}
-            for field in ("estimate", "se", "lo", "hi", "p_value", "unadjusted", "se_unadjusted", "se_iid",
-                          "control_mean", "variant_mean"):  # fmt: skip
+            for field in (
+                "estimate",
+                "se",
+                "lo",
+                "hi",
+                "p_value",
+                "unadjusted",
+                "se_unadjusted",
+                "se_iid",
+                "control_mean",
+                "variant_mean",
+            ):
                 assert close(got[field], getattr(want, field), 1e-6), (entry["key"], name, field)
             assert abs(got["variance_reduction"] - want.variance_reduction) < 1e-6
             assert got["adjusted"]["variance_reduction"] == got["variance_reduction"]
@@ -218,9 +250,11 @@ def test_requests_without_a_user_are_units_of_their_own(store, datasets):
 
 def _without_unit_keys(rep: dict) -> dict:
     def strip(e: dict) -> dict:
-        return {**{k: v for k, v in e.items() if k != "clustered"},
-                "vs_control": e["vs_control"] and {k: v for k, v in e["vs_control"].items()
-                                                   if k not in ("clustered", "adjusted")}}  # fmt: skip
+        return {
+            **{k: v for k, v in e.items() if k != "clustered"},
+            "vs_control": e["vs_control"]
+            and {k: v for k, v in e["vs_control"].items() if k not in ("clustered", "adjusted")},
+        }
 
     rep = {k: v for k, v in rep.items() if k != "inference"}
     rep["variants"] = [strip(e) for e in rep["variants"]]
@@ -393,9 +427,14 @@ def same_sequence(got, want, rtol, where):
 def test_anytime_clustered_sequences_are_the_normal_mixture_on_the_raw_samples(store, datasets):
     rep = report(store)
     seqs = rep["anytime"]["variants"]
-    assert rep["anytime"]["units"] == {"unit": "user", "cluster_by_user": True, "adjust": True,
-                                       "target_n": TARGET_N, "min_clusters": MIN_USERS,
-                                       "note": rep["anytime"]["units"]["note"]}  # fmt: skip
+    assert rep["anytime"]["units"] == {
+        "unit": "user",
+        "cluster_by_user": True,
+        "adjust": True,
+        "target_n": TARGET_N,
+        "min_clusters": MIN_USERS,
+        "note": rep["anytime"]["units"]["note"],
+    }
     arms = {}
     for entry in rep["variants"]:
         v = entry["key"]
@@ -489,8 +528,9 @@ def test_anytime_unit_sequences_in_mirror_mode_are_per_variant_only(store):
 @pytest.mark.parametrize("kind", ["chdb", "server"])
 def test_anytime_unit_sequences_have_no_bounds_before_enough_users(kind, shared_store):
     store = shared_store(kind)  # the session's migrated database, empty (tests/sample_dbs.py)
-    spec = dataclasses.replace(users_spec(), experiment="ttft-few", n=600, users=30, no_user_share=0.0,
-                               duplicate_rate=0.0)  # fmt: skip
+    spec = dataclasses.replace(
+        users_spec(), experiment="ttft-few", n=600, users=30, no_user_share=0.0, duplicate_rate=0.0
+    )
     store.insert_columns(synthetic.generate(spec).columns)
     rep = r.build_report(store, info(spec), q.Filters(spec.experiment))
     for entry in rep["variants"]:

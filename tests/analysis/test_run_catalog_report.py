@@ -20,8 +20,16 @@ def cols(run_id: int, mode: str, n: int, *, start_ms: float, skew: bool = False)
             synthetic.VariantSpec(v.key, w, v.factors, control=v.control)
             for v, w in zip(variants, (80, 10, 10))
         ]
-    spec = synthetic.SyntheticSpec(experiment=EXP, mode=mode, n=n, seed=run_id, run_id=run_id,
-                                   variants=variants, duration_s=60.0, start_unix_ms=start_ms)  # fmt: skip
+    spec = synthetic.SyntheticSpec(
+        experiment=EXP,
+        mode=mode,
+        n=n,
+        seed=run_id,
+        run_id=run_id,
+        variants=variants,
+        duration_s=60.0,
+        start_unix_ms=start_ms,
+    )
     return synthetic.generate(spec).columns
 
 
@@ -32,10 +40,15 @@ def store(shared_store):
 
 def info(**over) -> r.ExperimentInfo:
     return r.ExperimentInfo(
-        key=EXP, name=EXP, slo=q.Slo(200.0), target=0.9,
-        variants=[r.VariantInfo(v.key, v.control, v.weight, dict(v.factors)) for v in synthetic.demo_variants()],
+        key=EXP,
+        name=EXP,
+        slo=q.Slo(200.0),
+        target=0.9,
+        variants=[
+            r.VariantInfo(v.key, v.control, v.weight, dict(v.factors)) for v in synthetic.demo_variants()
+        ],
         **over,
-    )  # fmt: skip
+    )
 
 
 T0 = synthetic.DEFAULT_START_MS
@@ -99,8 +112,11 @@ def test_one_run_without_a_catalog_row_is_read_as_before(store):
 def test_audit_markers_only_inside_the_window(store):
     store.insert_columns(cols(1, "split", 300, start_ms=T0))
     iso = lambda ms: dt.datetime.fromtimestamp(ms / 1000, dt.UTC).isoformat().replace("+00:00", "Z")  # noqa: E731
-    changes = [{"at": iso(T0 - 86_400_000), "label": "before"}, {"at": iso(T0 + 30_000), "label": "inside"},
-               {"at": iso(T0 + 86_400_000), "label": "after"}]  # fmt: skip
+    changes = [
+        {"at": iso(T0 - 86_400_000), "label": "before"},
+        {"at": iso(T0 + 30_000), "label": "inside"},
+        {"at": iso(T0 + 86_400_000), "label": "after"},
+    ]
     rep = r.build_report(store, info(weight_changes=changes), q.Filters(EXP))
     assert [m["label"] for m in rep["timeseries"]["markers"] if m["kind"] == "audit"] == ["inside"]
     since = dt.datetime.fromtimestamp(T0 / 1000 + 40, dt.UTC)

@@ -20,9 +20,16 @@ T0 = synthetic.DEFAULT_START_MS
 def cols(run_id: int, mode: str, n: int, *, start_ms: float) -> dict:
     """n requests of one run. Live traffic is split by the weights, one variant a request, so a
     live run is generated as a split one and its rows say mode live, as the gateway's do."""
-    spec = synthetic.SyntheticSpec(experiment=EXP, mode="split" if mode == "live" else mode, n=n,
-                                   seed=run_id % 10_000, run_id=run_id, variants=synthetic.demo_variants(),
-                                   duration_s=60.0, start_unix_ms=start_ms)  # fmt: skip
+    spec = synthetic.SyntheticSpec(
+        experiment=EXP,
+        mode="split" if mode == "live" else mode,
+        n=n,
+        seed=run_id % 10_000,
+        run_id=run_id,
+        variants=synthetic.demo_variants(),
+        duration_s=60.0,
+        start_unix_ms=start_ms,
+    )
     columns = synthetic.generate(spec).columns
     columns["mode"] = np.full(len(columns["mode"]), mode, dtype=object)
     return columns
@@ -35,9 +42,14 @@ def store(shared_store):
 
 def info() -> r.ExperimentInfo:
     return r.ExperimentInfo(
-        key=EXP, name=EXP, slo=q.Slo(200.0), target=0.9,
-        variants=[r.VariantInfo(v.key, v.control, v.weight, dict(v.factors)) for v in synthetic.demo_variants()],
-    )  # fmt: skip
+        key=EXP,
+        name=EXP,
+        slo=q.Slo(200.0),
+        target=0.9,
+        variants=[
+            r.VariantInfo(v.key, v.control, v.weight, dict(v.factors)) for v in synthetic.demo_variants()
+        ],
+    )
 
 
 def n_read(rep: dict) -> int:

@@ -13,9 +13,14 @@ from samples import synthetic
 
 def _rows(mode: str, n: int, *, seed: int = 3, run_id: int = 5, experiment: str = "small") -> dict:
     spec = synthetic.SyntheticSpec(
-        experiment=experiment, mode=mode, n=n, seed=seed, run_id=run_id,
-        variants=synthetic.demo_variants(), duration_s=60.0,
-    )  # fmt: skip
+        experiment=experiment,
+        mode=mode,
+        n=n,
+        seed=seed,
+        run_id=run_id,
+        variants=synthetic.demo_variants(),
+        duration_s=60.0,
+    )
     return synthetic.generate(spec).columns
 
 
@@ -26,8 +31,19 @@ def fail_variant(cols: dict, variant: str, outcome: str = "connect_error", statu
     out["outcome"][pick] = outcome
     out["http_status"][pick] = status
     out["error"][pick] = f"{outcome}: synthetic"
-    for c in ("connect_ms", "ttfb_ms", "first_byte_ms", "ttft_event_ms", "ttft_ms", "itl_mean_ms",
-              "itl_p50_ms", "itl_p99_ms", "itl_max_ms", "tpot_ms", "e2e_ms"):  # fmt: skip
+    for c in (
+        "connect_ms",
+        "ttfb_ms",
+        "first_byte_ms",
+        "ttft_event_ms",
+        "ttft_ms",
+        "itl_mean_ms",
+        "itl_p50_ms",
+        "itl_p99_ms",
+        "itl_max_ms",
+        "tpot_ms",
+        "e2e_ms",
+    ):
         out[c] = out[c].astype(float)
         out[c][pick] = np.nan
     out["output_tokens"][pick] = 0
@@ -41,9 +57,14 @@ def chdb_store(shared_store):
 
 def info(experiment: str = "small") -> r.ExperimentInfo:
     return r.ExperimentInfo(
-        key=experiment, name=experiment, slo=q.Slo(200.0), target=0.9,
-        variants=[r.VariantInfo(v.key, v.control, v.weight, dict(v.factors)) for v in synthetic.demo_variants()],
-    )  # fmt: skip
+        key=experiment,
+        name=experiment,
+        slo=q.Slo(200.0),
+        target=0.9,
+        variants=[
+            r.VariantInfo(v.key, v.control, v.weight, dict(v.factors)) for v in synthetic.demo_variants()
+        ],
+    )
 
 
 def test_mirror_report_with_a_variant_that_never_succeeds(chdb_store):

@@ -94,8 +94,9 @@ def test_headers_cell_folds_a_family_of_three_or_more(bench):
 
 
 def litellm_sh(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(ROOT / "scripts" / "litellm.sh"), *args], capture_output=True, text=True,
-                          timeout=30)  # fmt: skip
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "litellm.sh"), *args], capture_output=True, text=True, timeout=30
+    )
 
 
 @pytest.mark.process

@@ -33,9 +33,19 @@ TIMEOUT_S = 180  # a hang guard, not a timing check: each bench's own, from its 
 # On 2 cores 3 at once take about as long in all as 4 and a third less than 2; all 14 at once
 # starved their neighbours and the ClickHouse server (timeouts, the hang guard's kills).
 QUICK_PARALLEL = int(os.environ.get("ABPLAT_TEST_QUICK_BENCHES_PARALLEL") or "3")
-LONGEST_FIRST = ("bench_long_replay.py", "bench_capacity.py", "bench_split.py", "bench_gateway.py",
-                 "bench_itl.py", "bench_replay_cpu.py", "bench_observability.py", "bench_replay.py",
-                 "bench_report.py", "bench_sequential.py", "bench_server_metrics.py")  # fmt: skip
+LONGEST_FIRST = (
+    "bench_long_replay.py",
+    "bench_capacity.py",
+    "bench_split.py",
+    "bench_gateway.py",
+    "bench_itl.py",
+    "bench_replay_cpu.py",
+    "bench_observability.py",
+    "bench_replay.py",
+    "bench_report.py",
+    "bench_sequential.py",
+    "bench_server_metrics.py",
+)
 
 pytestmark = pytest.mark.services
 
@@ -55,9 +65,12 @@ def bench_env(database: str, var: pathlib.Path) -> dict[str, str]:
 def bench_args(name: str, database: str) -> list[str]:
     """The ClickHouse URL on each bench's own command line, where it takes one there."""
     url = server_url_for(database)
-    return {"bench_replay.py": ["--clickhouse-url", url], "bench_insert.py": ["--url", url],
-            "bench_observability.py": ["--clickhouse-url", url],
-            "bench_gateway.py": ["--clickhouse-url", url, "--floor"]}.get(name, [])  # fmt: skip
+    return {
+        "bench_replay.py": ["--clickhouse-url", url],
+        "bench_insert.py": ["--url", url],
+        "bench_observability.py": ["--clickhouse-url", url],
+        "bench_gateway.py": ["--clickhouse-url", url, "--floor"],
+    }.get(name, [])
 
 
 def has_table(text: str) -> bool:
@@ -115,8 +128,12 @@ def quick_runs(tmp_path_factory):
         with (logs / f"{name}.out").open("wb") as out, (logs / f"{name}.err").open("wb") as err:
             proc = subprocess.Popen(
                 [sys.executable, str(ROOT / "bench" / name), "--quick", *bench_args(name, database)],
-                cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True,
-            )  # fmt: skip
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
         running[name] = (proc, time.monotonic())
 
     def finish(name: str, killed: bool) -> None:
@@ -208,8 +225,13 @@ def test_quick_bench_replay_prints_every_table_with_exact_sample_counts(quick_ru
     assert code == 0, f"bench failed ({code}):\n{out}\n{err}"
     assert "2 cores" in out or "cores" in out.splitlines()[0]
     assert "| run | workers | target/s |" in out
-    for label in ("| floor | 1 | 50 | 50 |", "| no network | 1 | 50 | 50 |", "| real | 1 | 50 | 50 |",
-                  "| real | 2 | 50 | 50 |", "| real, prompts prebuilt | 1 | 50 | 50 |"):  # fmt: skip
+    for label in (
+        "| floor | 1 | 50 | 50 |",
+        "| no network | 1 | 50 | 50 |",
+        "| real | 1 | 50 | 50 |",
+        "| real | 2 | 50 | 50 |",
+        "| real, prompts prebuilt | 1 | 50 | 50 |",
+    ):
         assert label in out, f"missing part 1 row {label!r}:\n{out}"
     assert "highest sustained rate" in out
     # Part 2: the trace's first 60 requests, one sample each (split) and three each (mirror),
@@ -222,12 +244,14 @@ def test_quick_bench_sequential_prints_false_rollbacks_coverage_and_time_to_dete
     # The bench fails unless the sequences keep alpha and peeked fixed-horizon tests exceed it.
     code, out, err = quick_run(quick_runs, "bench_sequential.py")
     assert code == 0, f"bench failed ({code}):\n{out}\n{err}"
-    for header in ("| guardrail (A/A at the limit) | anytime-valid (ours) | fixed-horizon, peeked | fixed / ours |",
-                   "| quantity | truth | anytime-valid (ours) | fixed-horizon, peeked | fixed / ours |",
-                   "| step | candidate req/s | rolled back (regressed) | median min |",
-                   # with users: the clustered guardrails' A/A, the adjustment's time to roll back
-                   "| guardrail (A/A at the limit) | users: clustered (ours) | requests as independent (before) |",
-                   "| differences read as | rolled back within the horizon | median requests |"):  # fmt: skip
+    for header in (
+        "| guardrail (A/A at the limit) | anytime-valid (ours) | fixed-horizon, peeked | fixed / ours |",
+        "| quantity | truth | anytime-valid (ours) | fixed-horizon, peeked | fixed / ours |",
+        "| step | candidate req/s | rolled back (regressed) | median min |",
+        # with users: the clustered guardrails' A/A, the adjustment's time to roll back
+        "| guardrail (A/A at the limit) | users: clustered (ours) | requests as independent (before) |",
+        "| differences read as | rolled back within the horizon | median requests |",
+    ):
         assert header in out, f"missing table {header!r}:\n{out}"
     for step in ("| 1% |", "| 5% |", "| 25% |", "| 50% |"):
         assert step in out, f"no row for step {step}:\n{out}"
@@ -292,8 +316,10 @@ def test_quick_bench_gateway_prints_every_path_side_by_side_with_its_bytes_and_r
             assert re.search(rf"\| {path} \| {api} \| 200 \| \d+ \| yes \| ", out), f"{path} {api}:\n{out}"
     assert "| gateway | /v1/chat/completions | 429 | " in out, out  # the upstream's error, passed through
     assert "| yes | traceparent, x-abplat-variant, x-request-id |" in out, out
-    header = ("| streams | path | requests | TTFT p50 ms | TTFT p99 ms | hop p50 ms | hop p99 ms | "
-              "added TTFT p50 ms | added TTFT p99 ms | proxy CPU us/token |")  # fmt: skip
+    header = (
+        "| streams | path | requests | TTFT p50 ms | TTFT p99 ms | hop p50 ms | hop p99 ms | "
+        "added TTFT p50 ms | added TTFT p99 ms | proxy CPU us/token |"
+    )
     assert header in out, out
     for streams in (1, 64):
         assert f"| {streams} | direct | " in out and "| (baseline) | (baseline) | - |" in out, out
@@ -301,32 +327,54 @@ def test_quick_bench_gateway_prints_every_path_side_by_side_with_its_bytes_and_r
             assert f"| {streams} | {path} | {streams + 20} | " in out, f"no {path} row at {streams}:\n{out}"
     assert "target (simulator `fast` (its own process)): p99 added TTFT under 1 ms at 64 streams" in out, out
     assert "the bare Python relay (simulator `fast` (its own process)) at 64 streams: added TTFT " in out, out
-    assert re.search(r"gateway's recording \(.*\): (\d+) samples for \1 requests, .* dropped 0, rejected 0; "
-                     r"its run closed", out), out  # fmt: skip
+    assert re.search(
+        r"gateway's recording \(.*\): (\d+) samples for \1 requests, .* dropped 0, rejected 0; "
+        r"its run closed",
+        out,
+    ), out
 
 
 # A broken precondition: each bench exits 1 at once, naming what failed, and prints no table.
 DEAD = [
-    ("bench_replay.py", ["--quick", "--clickhouse-url", "clickhouse://default:@127.0.0.1:1/abplat_dead"],
-     "ClickHouse server at clickhouse://127.0.0.1:1/abplat_dead is not usable"),
+    (
+        "bench_replay.py",
+        ["--quick", "--clickhouse-url", "clickhouse://default:@127.0.0.1:1/abplat_dead"],
+        "ClickHouse server at clickhouse://127.0.0.1:1/abplat_dead is not usable",
+    ),
     ("bench_split.py", ["--quick", "--etcd", "127.0.0.1:1"], "etcd at 127.0.0.1:1 not reachable"),
-    ("bench_observability.py", ["--quick", "--clickhouse-url", "clickhouse://default:@127.0.0.1:1/abplat_dead"],
-     "ClickHouse server at clickhouse://127.0.0.1:1/abplat_dead is not usable"),
-    ("bench_capacity.py", ["--quick", "--clickhouse-url", "clickhouse://default:@127.0.0.1:1/abplat_dead"],
-     "ClickHouse server at clickhouse://127.0.0.1:1/abplat_dead is not usable"),
-    ("bench_streaming.py", ["--skip-sim", "--vllm-url", "http://127.0.0.1:1"],
-     "vLLM (--vllm-url) at http://127.0.0.1:1 not healthy"),
-    ("bench_gateway.py", ["--quick", "--clickhouse-url", "clickhouse://default:@127.0.0.1:1/abplat_dead"],
-     "ClickHouse server at clickhouse://127.0.0.1:1/abplat_dead is not usable"),
-]  # fmt: skip
+    (
+        "bench_observability.py",
+        ["--quick", "--clickhouse-url", "clickhouse://default:@127.0.0.1:1/abplat_dead"],
+        "ClickHouse server at clickhouse://127.0.0.1:1/abplat_dead is not usable",
+    ),
+    (
+        "bench_capacity.py",
+        ["--quick", "--clickhouse-url", "clickhouse://default:@127.0.0.1:1/abplat_dead"],
+        "ClickHouse server at clickhouse://127.0.0.1:1/abplat_dead is not usable",
+    ),
+    (
+        "bench_streaming.py",
+        ["--skip-sim", "--vllm-url", "http://127.0.0.1:1"],
+        "vLLM (--vllm-url) at http://127.0.0.1:1 not healthy",
+    ),
+    (
+        "bench_gateway.py",
+        ["--quick", "--clickhouse-url", "clickhouse://default:@127.0.0.1:1/abplat_dead"],
+        "ClickHouse server at clickhouse://127.0.0.1:1/abplat_dead is not usable",
+    ),
+]
 
 
 @pytest.mark.parametrize("name, args, message", DEAD, ids=[d[0] for d in DEAD])
 def test_a_bench_whose_target_is_down_exits_1_naming_it(name, args, message, tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / name), *args], cwd=ROOT, capture_output=True, text=True,
-        timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT), "ABPLAT_VAR": str(tmp_path)},
-    )  # fmt: skip
+        [sys.executable, str(ROOT / "bench" / name), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "ABPLAT_VAR": str(tmp_path)},
+    )
     assert proc.returncode == 1, f"{name} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     assert f"bench FAILED: {message}" in proc.stderr, proc.stderr
     assert "\n|" not in proc.stdout  # no table of failures
@@ -352,8 +400,15 @@ def test_bench_replay_fails_on_a_simulator_that_is_down_or_requests_that_failed(
         bench.BenchFailed, match=r"before the run: simulator not healthy: b \(http://127.0.0.1:1"
     ):
         bench.require_healthy({"b": "http://127.0.0.1:1"}, "before the run")
-    run = {"requests": 400, "expected": 400, "outcomes": {"connect_error": 400}, "count": 0, "final": 0,
-           "recorded": 400, "run_id": 7}  # fmt: skip
+    run = {
+        "requests": 400,
+        "expected": 400,
+        "outcomes": {"connect_error": 400},
+        "count": 0,
+        "final": 0,
+        "recorded": 400,
+        "run_id": 7,
+    }
     with pytest.raises(bench.BenchFailed, match="part 1, real.*outcomes connect_error=400, expected ok=400"):
         bench.check_run(run, "part 1, real, 1 worker(s) at 100 req/s", stored=True)
     run["outcomes"] = {"ok": 400}

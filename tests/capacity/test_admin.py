@@ -34,9 +34,22 @@ def test_sre_starts_a_search_from_the_admin_and_others_cannot(weights_backend, l
     listing = client.get("/admin/capacity/capacitysearch/")
     assert listing.status_code == 200 and b"Start a capacity search" in listing.content
     assert client.get("/admin/capacity/capacitysearch/start/").status_code == 200
-    form = {"experiment": exp.pk, "trace": trace.pk, "variants": "awq-fa2", "arrival": "poisson", "cv": 1.0,
-            "max_rate": 20, "min_rate": 0.5, "tolerance": 0.05, "max_steps": 6, "step_requests": 300,
-            "warmup": 2, "seed": 0, "alpha": 0.05, "lag_limit": 5}  # fmt: skip
+    form = {
+        "experiment": exp.pk,
+        "trace": trace.pk,
+        "variants": "awq-fa2",
+        "arrival": "poisson",
+        "cv": 1.0,
+        "max_rate": 20,
+        "min_rate": 0.5,
+        "tolerance": 0.05,
+        "max_steps": 6,
+        "step_requests": 300,
+        "warmup": 2,
+        "seed": 0,
+        "alpha": 0.05,
+        "lag_limit": 5,
+    }
     bad = client.post("/admin/capacity/capacitysearch/start/", {**form, "cv": 3.0})
     assert bad.status_code == 200 and b"cv applies to gamma arrivals" in bad.content
     bad = client.post("/admin/capacity/capacitysearch/start/", {**form, "variants": "zzz"})

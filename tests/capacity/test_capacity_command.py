@@ -5,84 +5,86 @@ request at a time per engine in two 25 ms steps (the first token, then the secon
 under evenly spaced arrivals, which alternate between the engines, it keeps up exactly to 40
 req/s: below, every first token comes 25 ms after its request; above, the queues grow without
 bound and TTFT with them. The search must find 40 req/s within 10%, store every step as a replay
-run the report can read, and price the capacity."""
+run the report can read, and price the capacity; its page reads cleanly in headless Chromium."""
 
 from __future__ import annotations
 
 import io
 import json
-import signal
-import subprocess
-import sys
-import types
-from pathlib import Path
+import re
+from html import escape
 
 import pytest
 from django.core.management import call_command
 
 from capacity.models import CapacitySearch
+from capacity.search import rate_text
 from experiments import services
-from serving.children import free_port, spawn, wait_healthy
+from tests.browser import ARTIFACTS, NARROW, WIDE, at_widths, launch, watch_errors
+from tests.capacity.conftest import SATURATION_RPS
 from workers.models import ReplayRun
 
-ROOT = Path(__file__).resolve().parents[2]
 
-ENGINES = 2
-# the "saturating" profile: two 25 ms steps a request, one at a time per engine
-SATURATION_RPS = ENGINES * 1000.0 / (2 * 25.0)
-
-
-@pytest.fixture(scope="module")
-def edge_sim():
-    """The simulator in a process of its own, so the replay's client in this process does not
-    slow its clock (both would share one interpreter lock)."""
-    port = free_port()
-    proc = spawn([sys.executable, "manage.py", "simulator", "--profile", "saturating", "--port", str(port),
-                  "--model", "tiny-llama", "--replicas", str(ENGINES)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, 30, proc)
-        yield types.SimpleNamespace(url=url)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-@pytest.fixture
-def trace(tmp_path):
-    path = tmp_path / "even.jsonl"
-    path.write_text("".join(
-        json.dumps({"timestamp": i * 0.1, "prompt": "Say two words.", "max_tokens": 2}) + "\n" for i in range(600)
-    ))  # fmt: skip
-    return path
-
-
+@pytest.mark.browser
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("weights_backend", ["local"], indirect=True)
 @pytest.mark.engine
 def test_the_search_finds_a_known_saturation_point_within_10_percent(
-    weights_backend, ch_store, edge_sim, trace, document, users, client
+    weights_backend, ch_store, edge_sim, trace, document, users, client, live_server
 ):
     document["sla"] = {"ttft_ms": 200, "target": 0.95}
     document["variants"] = [
-        {"key": "edge", "control": True, "weight": 100, "endpoint": edge_sim.url + "/v1", "model": "tiny-llama",
-         "api": "completions", "cost": {"per_hour": 3.6, "currency": "USD"}},
+        {
+            "key": "edge",
+            "control": True,
+            "weight": 100,
+            "endpoint": edge_sim.url + "/v1",
+            "model": "tiny-llama",
+            "api": "completions",
+            "cost": {"per_hour": 3.6, "currency": "USD"},
+        },
         # a second deployment, not searched here (--variants edge)
-        {"key": "other", "weight": 0, "endpoint": edge_sim.url + "/v1", "model": "tiny-llama", "api": "completions"},
-    ]  # fmt: skip
+        {
+            "key": "other",
+            "weight": 0,
+            "endpoint": edge_sim.url + "/v1",
+            "model": "tiny-llama",
+            "api": "completions",
+        },
+    ]
     exp = services.apply_document(document, actor=users["product"]).experiment
     services.transition(exp, "start", users["product"])
-    out = io.StringIO()
+    out, log = io.StringIO(), io.StringIO()
     call_command(
-        "capacity", exp.key, "--trace", str(trace), "--format", "jsonl", "--arrival", "recorded",
-        "--start-rate", "32", "--max-rate", "128", "--min-rate", "4", "--step-requests", "600",
-        "--warmup", "2", "--tolerance", "0.05", "--variants", "edge", "--json",
+        "capacity",
+        exp.key,
+        "--trace",
+        str(trace),
+        "--format",
+        "jsonl",
+        "--arrival",
+        "recorded",
+        "--start-rate",
+        "32",
+        "--max-rate",
+        "128",
+        "--min-rate",
+        "4",
+        "--step-requests",
+        "600",
+        "--warmup",
+        "2",
+        "--tolerance",
+        "0.05",
+        "--variants",
+        "edge",
+        "--json",
         # a 2-core CI machine running other tests lags a few ms: this test is about the edge
-        "--lag-limit", "50", stdout=out, stderr=io.StringIO(),
-    )  # fmt: skip
+        "--lag-limit",
+        "50",
+        stdout=out,
+        stderr=log,
+    )
     doc = json.loads(out.getvalue())
     assert list(doc["variants"]) == ["edge"] and doc["ranking"] == ["edge"]
     r = doc["variants"]["edge"]
@@ -108,6 +110,31 @@ def test_the_search_finds_a_known_saturation_point_within_10_percent(
     some = r["steps"][0]["run_id"]
     call_command("sla_report", exp.key, "--run", str(some), "--status", "all", "--json", stdout=rep)
     assert json.loads(rep.getvalue())["variants"][0]["n"] == runs[some].samples_recorded
+    # and names every step as a capacity step at its rate, with its verdict: a step that decided
+    # and stopped its own run is not a "cancelled run", nor partial
+    label = {
+        s[
+            "run_id"
+        ]: f"capacity step run {s['run_id']} (edge at {rate_text(s['rate_rps'])} req/s: {s['verdict']})"
+        for s in r["steps"]
+        if s.get("counted", True) and not s.get("note", "").startswith("void")
+    }
+    stopped = [i for i in label if runs[i].status == "cancelled"]
+    text = io.StringIO()
+    call_command("sla_report", exp.key, "--run", str(stopped[0]), stdout=text)
+    assert f"runs read: {label[stopped[0]]}" in text.getvalue(), text.getvalue()
+    assert "cancelled run" not in text.getvalue() and "partial" not in text.getvalue()
+    text = io.StringIO()
+    call_command("sla_report", exp.key, "--json", stdout=text)
+    notes = " ".join(json.loads(text.getvalue())["runs"]["notes"])
+    assert all(label[i] in notes for i in stopped) and "cancelled run" not in notes, notes
+    # the step log, the table and the message say a rate as the search sent it, with one word
+    # for the rate above the capacity that did not meet the target
+    said = log.getvalue()
+    assert f"edge: {rate_text(r['steps'][0]['rate_rps'])} req/s {r['steps'][0]['verdict']} (" in said
+    assert "not met at" in said and "edge below" not in said
+    assert re.search(r"\d\.0+ req/s|\d\.0+ +[-\d]", said) is None, said  # no "128.000" anywhere
+    assert f"not met at {rate_text(r['upper_rps'])} req/s" in r["message"]
     # cost at capacity: 3.6 USD/h at C req/s
     c = r["cost"]
     assert c["per_million_requests"] == pytest.approx(3.6 / (r["capacity_rps"] * 3600) * 1e6)
@@ -129,10 +156,57 @@ def test_the_search_finds_a_known_saturation_point_within_10_percent(
     assert [x["id"] for x in client.get(f"/api/capacity/?experiment={exp.key}").json()["results"]] == [
         stored.pk
     ]
-    assert (
-        f'href="/capacity/{exp.key}/">SLA capacity</a>'
-        in client.get(f"/dashboards/{exp.key}/").content.decode()
-    )
+    dashboard = client.get(f"/dashboards/{exp.key}/").content.decode()
+    assert f'href="/capacity/{exp.key}/">SLA capacity</a>' in dashboard
+    # the dashboard's sources name each step as a capacity step, linked to read it alone
+    for i in stopped:
+        assert f'<a href="?run={i}">{escape(label[i])}</a> (not read)' in dashboard, dashboard
+    # and the page reads cleanly in a real browser (one search serves both: each costs ~50 s)
+    check_capacity_page_in_chromium(live_server.url, exp.key, stored)
+
+
+def check_capacity_page_in_chromium(base_url: str, key: str, search: CapacitySearch) -> None:
+    """The capacity page of ``search`` in headless Chromium: it reads cleanly
+    (tests/browser.layout_problems), draws both charts, names every step's run as a capacity
+    step, prints rates as sent and money at two decimals; a screenshot in test-artifacts/."""
+    from playwright.sync_api import sync_playwright
+
+    steps = search.result["edge"]["steps"]
+    assert len(steps) >= 3, search.result
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = launch(p)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            watch_errors(page, errors)
+            page.goto(f"{base_url}/admin/login/?next=/capacity/{key}/")
+            page.fill("#id_username", "ana")
+            page.fill("#id_password", "pw-ana")
+            page.click("input[type=submit]")
+            page.wait_for_url(f"**/capacity/{key}/", timeout=60_000)
+            page.wait_for_function(
+                "document.querySelectorAll('[data-chart] .main-svg').length >= 2", timeout=60_000
+            )
+            assert at_widths(page) == {WIDE: [], NARROW: []}
+            for chart in ("capacity-attainment", "capacity-ttft"):
+                assert page.evaluate("id => document.getElementById('chart-' + id).data.length", chart) >= 1
+            table = page.inner_text("#capacity-table")
+            assert "not met at (req/s)" in table and "edge below" not in table
+            assert re.search(r"\b\d+\.000\b", page.inner_text("body")) is None  # no "128.000"
+            cap = search.result["edge"]["capacity_rps"]
+            row = page.inner_text("#capacity-table tr:nth-child(2)")
+            assert row.split("\t")[:2] == ["edge", rate_text(cap)], row
+            money = search.result["edge"]["cost"]["per_million_requests"]
+            assert f"{money:,.2f} USD" in row
+            listed = page.inner_text("#capacity-steps")
+            for s in steps:  # each step, at its rate as sent, with its run named as a step
+                assert f"capacity step run {s['run_id']}" in listed and rate_text(s["rate_rps"]) in listed
+            assert page.locator("#capacity-steps tr").count() == len(steps) + 1
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "capacity.png"), full_page=True)
+        finally:
+            browser.close()
+    assert errors == [], f"console errors: {errors}"
 
 
 @pytest.mark.django_db
@@ -141,8 +215,10 @@ def test_the_command_names_what_is_wrong(weights_backend, document, users):
     from django.core.management.base import CommandError
 
     exp = services.apply_document(document, actor=users["product"]).experiment
-    with pytest.raises(CommandError, match="no experiment with key 'nope'"):
+    with pytest.raises(CommandError, match="no experiment 'nope'; `manage.py experiment list` lists them"):
         call_command("capacity", "nope", "--trace", "x.csv")
+    with pytest.raises(CommandError, match=rf"no experiment '{exp.key}x'; did you mean '{exp.key}'\?"):
+        call_command("capacity", exp.key + "x", "--trace", "x.csv")
     with pytest.raises(CommandError, match="--cv applies to --arrival gamma"):
         call_command("capacity", exp.key, "--trace", "x.csv", "--cv", "2")
     with pytest.raises(CommandError, match=r"--variants: no variant \['zzz'\]"):
@@ -167,9 +243,13 @@ def test_the_command_names_what_is_wrong(weights_backend, document, users):
 @pytest.mark.parametrize("weights_backend", ["local"], indirect=True)
 @pytest.mark.parametrize(
     "sla, given, limit",
-    [({"ttft_ms": 200}, None, 10.0), ({"ttft_ms": 2000, "e2e_ms": 30000}, None, 100.0),
-     ({"ttft_ms": 200, "tpot_ms": 40}, None, 5.0), ({"ttft_ms": 200}, 50.0, 50.0)],
-)  # fmt: skip
+    [
+        ({"ttft_ms": 200}, None, 10.0),
+        ({"ttft_ms": 2000, "e2e_ms": 30000}, None, 100.0),
+        ({"ttft_ms": 200, "tpot_ms": 40}, None, 5.0),
+        ({"ttft_ms": 200}, 50.0, 50.0),
+    ],
+)
 def test_the_lag_limit_is_a_share_of_the_tightest_slo_unless_one_is_given(
     weights_backend, document, users, sla, given, limit
 ):
@@ -200,9 +280,19 @@ def test_the_api_starts_a_search_in_the_background_and_refuses_bad_input(
         v.update(endpoint=edge_sim.url + "/v1", api="completions")
     exp = services.apply_document(document, actor=users["product"]).experiment
     services.transition(exp, "start", users["product"])
-    body = {"experiment": exp.key, "trace": "even", "variants": ["fp16"], "arrival": "recorded",
-            "start_rate": 16, "max_rate": 32, "min_rate": 8, "max_steps": 2, "step_requests": 500,
-            "warmup": 1, "lag_limit": 10_000}  # fmt: skip
+    body = {
+        "experiment": exp.key,
+        "trace": "even",
+        "variants": ["fp16"],
+        "arrival": "recorded",
+        "start_rate": 16,
+        "max_rate": 32,
+        "min_rate": 8,
+        "max_steps": 2,
+        "step_requests": 500,
+        "warmup": 1,
+        "lag_limit": 10_000,
+    }
     # The lag limit at its maximum: this test is about the API and the step budget, and on a
     # loaded CI host a lag spike over a lower limit voids the first step, whose retry at 16 then
     # takes the budget's second step (the void rule: tests/capacity/test_search.py).

@@ -229,9 +229,16 @@ def test_a_void_step_on_the_last_step_the_budget_allows_is_not_run_again():
 
 @pytest.mark.parametrize(
     "thresholds, limit",
-    [((200.0,), 10.0), ((200.0, None, None), 10.0), ((2000.0, None, 30_000.0), 100.0), ((200.0, 50.0), 5.0),
-     ((80.0,), 5.0), ((), 5.0), ((None,), 5.0)],
-)  # fmt: skip
+    [
+        ((200.0,), 10.0),
+        ((200.0, None, None), 10.0),
+        ((2000.0, None, 30_000.0), 100.0),
+        ((200.0, 50.0), 5.0),
+        ((80.0,), 5.0),
+        ((), 5.0),
+        ((None,), 5.0),
+    ],
+)
 def test_the_default_lag_limit_is_a_share_of_the_tightest_slo_threshold_but_at_least_5_ms(thresholds, limit):
     assert s.default_lag_limit_ms(*thresholds) == pytest.approx(limit)
     assert s.SearchSpec(0.99, 1.0, 2.0).lag_limit_ms == s.LAG_FLOOR_MS == 5.0
@@ -298,9 +305,13 @@ def test_cost_at_capacity():
 # --- against the simulator's latency model on a virtual clock ---------------------------------
 
 PROFILE = Profile(
-    name="capacity-model", prefill_ms_per_token=0.05, prefill_base_ms=4.0, decode_base_ms=12.0,
-    decode_ms_per_seq=1.5, max_num_seqs=8,
-)  # fmt: skip
+    name="capacity-model",
+    prefill_ms_per_token=0.05,
+    prefill_base_ms=4.0,
+    decode_base_ms=12.0,
+    decode_ms_per_seq=1.5,
+    max_num_seqs=8,
+)
 SLA_MS, TARGET = 200.0, 0.95
 
 
@@ -338,8 +349,9 @@ def test_the_search_finds_the_latency_models_edge_within_10_percent():
 
     def probe(rate):
         hits, n, p99 = model_attainment(rate, 10_000, 7)
-        return s.StepResult(rate, s.step_verdict(hits, n, TARGET, spec.step_alpha), n, hits,
-                            lag_p99_ms=0.2, ttft_p99_ms=p99)  # fmt: skip
+        return s.StepResult(
+            rate, s.step_verdict(hits, n, TARGET, spec.step_alpha), n, hits, lag_p99_ms=0.2, ttft_p99_ms=p99
+        )
 
     spec = s.SearchSpec(TARGET, start_rps=2.0, max_rps=64.0, rel_tol=0.05, max_steps=14)
     cap = s.run_search(spec, probe)

@@ -30,12 +30,30 @@ from samples import factory, synthetic
 from samples.backends.clickhouse import ClickHouseServerBackend
 from tests.plugin import server_url_for
 
-LATENCY = ("connect_ms", "ttfb_ms", "first_byte_ms", "ttft_event_ms", "ttft_ms", "itl_mean_ms", "itl_p50_ms",
-           "itl_p99_ms", "itl_max_ms", "tpot_ms", "e2e_ms")  # fmt: skip
+LATENCY = (
+    "connect_ms",
+    "ttfb_ms",
+    "first_byte_ms",
+    "ttft_event_ms",
+    "ttft_ms",
+    "itl_mean_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "itl_max_ms",
+    "tpot_ms",
+    "e2e_ms",
+)
 # fault -> (the arm it hits, outcome, HTTP status, error message, keeps headers time)
 FAULTS = {
     "down": ("awq", "connect_error", 0, "connect: [Errno 111] Connection refused", False),
-    "wrong_model": ("awq", "http_4xx", 404, "404: The model `nope` does not exist.", True),
+    "wrong_model": (
+        "awq",
+        "http_4xx",
+        404,
+        "404: The model `nope` does not exist. This simulator serves `tiny-llama` "
+        "(start it with --model NAME, or --experiment KEY to serve each variant's model).",
+        True,
+    ),
     "all_5xx": ("awq", "http_5xx", 500, "500 Internal Server Error", True),
     "in_stream": ("awq", "engine_error", 200, "engine error: EngineDeadError", True),
     "zero": ("awq", None, 0, "", False),
@@ -53,10 +71,14 @@ def cell_key(fault: str, mode: str) -> str:
 def cell_columns(fault: str, mode: str, run_id: int) -> dict[str, np.ndarray]:
     arm, outcome, status, message, headers = FAULTS[fault]
     spec = synthetic.SyntheticSpec(
-        experiment=cell_key(fault, mode), mode="mirror" if fault == "one_per_arm" else mode,
-        n=1 if fault == "one_per_arm" else N, seed=run_id, run_id=run_id,
-        variants=synthetic.demo_variants(), duration_s=30.0,
-    )  # fmt: skip
+        experiment=cell_key(fault, mode),
+        mode="mirror" if fault == "one_per_arm" else mode,
+        n=1 if fault == "one_per_arm" else N,
+        seed=run_id,
+        run_id=run_id,
+        variants=synthetic.demo_variants(),
+        duration_s=30.0,
+    )
     cols = {k: v.copy() for k, v in synthetic.generate(spec).columns.items()}
     if fault == "one_per_arm":  # one request per arm, in either mode
         cols["mode"][:] = mode
@@ -83,6 +105,8 @@ def expected_arm(fault: str, mode: str) -> dict:
         return {}
     if outcome is None:
         return {"key": arm, "n": 0}
+    if outcome == "http_4xx" and _status not in (408, 429):  # a setup error: counted apart, never judged
+        return {"key": arm, "setup": _status}
     return {"key": arm, "errors_all": True, "outcome": outcome}
 
 
@@ -138,10 +162,14 @@ def check_report(rep: dict, fault: str, mode: str) -> None:
         assert (arm["n"], arm["attainment"], arm["vs_control"]) == (0, None, None)
         assert arm["verdict"]["verdict"] == "not enough data"
         return
+    if want.get("setup"):
+        check_setup_arm(rep, arm, want["setup"], N if mode == "mirror" else None)
+        return
     assert arm["n"] > 0 and arm["errors"] == arm["n"] and arm["hits"] == 0
     assert arm["attainment"]["estimate"] == 0.0 and arm["error_rate"] == 1.0
-    assert arm["failures"] == {want["outcome"]: {"n": arm["n"], "http_status": FAULTS[fault][2],
-                                                 "example": FAULTS[fault][3]}}  # fmt: skip
+    assert arm["failures"] == {
+        want["outcome"]: {"n": arm["n"], "http_status": FAULTS[fault][2], "example": FAULTS[fault][3]}
+    }
     assert arm["verdict"]["verdict"] in ("misses", "not enough data")
     assert all(e["value"] is None for e in arm["percentiles"]["ttft_ms"])  # no successful latency
     if fault == "control_down":
@@ -159,6 +187,18 @@ def check_report(rep: dict, fault: str, mode: str) -> None:
             assert paired["attainment"]["variant_attainment"] == 0.0 and paired["wilcoxon_ttft"] is None
 
 
+def check_setup_arm(rep: dict, arm: dict, status: int, requests: int | None) -> None:
+    """A variant that refused every request as configured (a wrong model): nothing judged, the
+    requests counted apart with their status, a banner, no comparison and no attribution."""
+    setup = arm["setup_errors"]
+    assert setup["n"] > 0 and (requests is None or setup["n"] == requests)
+    assert list(setup["by_status"]) == [str(status)] and setup["by_status"][str(status)]["n"] == setup["n"]
+    assert (arm["n"], arm["errors"], arm["attainment"], arm["vs_control"]) == (0, 0, None, None)
+    assert arm["verdict"]["verdict"] == "cannot be judged" and arm["failures"] == {}
+    assert [b for b in rep["banners"] if b.startswith(f"Setup errors on variant {arm['key']}: {setup['n']} ")]
+    assert all(arm["key"] not in rep["attribution"][q] for q in ("attainment", "p99_ttft_ms"))
+
+
 def check_surfaces(client, key: str, rep: dict, fault: str) -> None:
     """The page, every CSV, the API and sla_report (text, --json) for one experiment."""
     page = client.get(f"/dashboards/{key}/")
@@ -168,6 +208,8 @@ def check_surfaces(client, key: str, rep: dict, fault: str) -> None:
     want = expected_arm(fault, "")
     if want.get("outcome"):
         assert 'id="failures"' in html and want["outcome"] in html
+    if want.get("setup"):
+        assert "Setup errors on variant" in html and "cannot be judged" in html
     for table in tables.TABLES:
         resp = client.get(f"/dashboards/{key}/export/{table}.csv")
         assert resp.status_code == 200, (table, resp.content[:300])
@@ -184,6 +226,8 @@ def check_surfaces(client, key: str, rep: dict, fault: str) -> None:
     assert "TTFT < 200 ms" in text and "runs read:" in text
     if want.get("outcome"):
         assert "Failures by error class" in text and want["outcome"] in text
+    if want.get("setup"):
+        assert "!! Setup errors on variant" in text and "cannot be judged" in text
     docs = [api.json(), json.loads(js.getvalue()), copy.deepcopy(rep)]
     for doc in docs:
         doc.pop("generated_at"), doc.pop("timing")
@@ -235,18 +279,33 @@ def test_a_mirror_replay_with_a_broken_variant_reports_what_broke(
     services.transition(experiment, "start", users["product"])
     out = io.StringIO()
     call_command(
-        "replay", "ttft-opt", "--trace", "data/traces/azure_llm_2023_code.csv", "--limit", "20",
-        "--mode", "mirror", "--arrival", "poisson", "--rate", "10", "--no-preflight", "--yes", stdout=out,
-    )  # fmt: skip
+        "replay",
+        "ttft-opt",
+        "--trace",
+        "data/traces/azure_llm_2023_code.csv",
+        "--limit",
+        "20",
+        "--mode",
+        "mirror",
+        "--arrival",
+        "poisson",
+        "--rate",
+        "10",
+        "--no-preflight",
+        "--yes",
+        stdout=out,
+    )
     rep = report_for(experiment, Filters("ttft-opt"))
     by = {v["key"]: v for v in rep["variants"]}
-    assert by["fp16"]["n"] == by["awq"]["n"] == by["awq-fa2"]["n"] == 20, out.getvalue()
+    judged_awq = 0 if fault == "wrong_model" else 20
+    assert (by["fp16"]["n"], by["awq"]["n"], by["awq-fa2"]["n"]) == (20, judged_awq, 20), out.getvalue()
     arm = by["awq"]
-    assert (arm["errors"], arm["hits"], arm["attainment"]["estimate"]) == (20, 0, 0.0)
-    outcome = "connect_error" if fault == "down" else "http_4xx"
-    assert list(arm["failures"]) == [outcome] and arm["failures"][outcome]["n"] == 20
-    if fault == "wrong_model":
-        assert arm["failures"][outcome]["http_status"] == 404
-    assert arm["vs_control"]["paired"]["wilcoxon_ttft"] is None
+    if fault == "wrong_model":  # a setup error: the 404 names the model the simulator serves
+        check_setup_arm(rep, arm, 404, 20)
+        assert "does not exist" in arm["setup_errors"]["by_status"]["404"]["example"]
+    else:
+        assert (arm["errors"], arm["hits"], arm["attainment"]["estimate"]) == (20, 0, 0.0)
+        assert list(arm["failures"]) == ["connect_error"] and arm["failures"]["connect_error"]["n"] == 20
+        assert arm["vs_control"]["paired"]["wilcoxon_ttft"] is None
     client.force_login(users["analyst"])
     check_surfaces(client, "ttft-opt", rep, fault)

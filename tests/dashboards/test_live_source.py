@@ -22,8 +22,15 @@ T0 = synthetic.DEFAULT_START_MS
 def load(store, run_id: int, mode: str, n: int, start_ms: float) -> None:
     """n requests; a live run is split by the weights as the gateway's traffic is, its rows
     saying mode live."""
-    spec = synthetic.SyntheticSpec(mode="split", n=n, seed=run_id % 10_000, run_id=run_id, duration_s=60.0,
-                                   variants=synthetic.demo_variants(), start_unix_ms=start_ms)  # fmt: skip
+    spec = synthetic.SyntheticSpec(
+        mode="split",
+        n=n,
+        seed=run_id % 10_000,
+        run_id=run_id,
+        duration_s=60.0,
+        variants=synthetic.demo_variants(),
+        start_unix_ms=start_ms,
+    )
     columns = synthetic.generate(spec).columns
     columns["mode"] = np.full(len(columns["mode"]), mode, dtype=object)
     store.insert_columns(columns)

@@ -26,9 +26,13 @@ FIRST, SECOND = 31, 32
 
 def _data(run_id: int, n: int, seed: int) -> synthetic.Synthetic:
     spec = synthetic.SyntheticSpec(
-        run_id=run_id, n=n, seed=seed, variants=synthetic.demo_variants(),
-        factor_effects=synthetic.DEMO_FACTOR_EFFECTS, duration_s=600.0,
-    )  # fmt: skip
+        run_id=run_id,
+        n=n,
+        seed=seed,
+        variants=synthetic.demo_variants(),
+        factor_effects=synthetic.DEMO_FACTOR_EFFECTS,
+        duration_s=600.0,
+    )
     return synthetic.generate(spec)
 
 

@@ -19,8 +19,9 @@ ENDLESS = "SELECT sum(number) FROM numbers(10000000000)"
 
 @pytest.fixture
 def loaded(sample_store, experiment):
-    spec = synthetic.SyntheticSpec(mode="split", n=200, seed=1, run_id=1, duration_s=60.0,
-                                   variants=synthetic.demo_variants())  # fmt: skip
+    spec = synthetic.SyntheticSpec(
+        mode="split", n=200, seed=1, run_id=1, duration_s=60.0, variants=synthetic.demo_variants()
+    )
     sample_store.insert_columns(synthetic.generate(spec).columns)
     sample_store.record_run(1, "ttft-opt", "split", "done")
     return sample_store

@@ -15,8 +15,15 @@ pytestmark = pytest.mark.django_db
 
 
 def load(store, run_id: int, mode: str, n: int, start_ms: float) -> None:
-    spec = synthetic.SyntheticSpec(mode=mode, n=n, seed=run_id, run_id=run_id, duration_s=60.0,
-                                   variants=synthetic.demo_variants(), start_unix_ms=start_ms)  # fmt: skip
+    spec = synthetic.SyntheticSpec(
+        mode=mode,
+        n=n,
+        seed=run_id,
+        run_id=run_id,
+        duration_s=60.0,
+        variants=synthetic.demo_variants(),
+        start_unix_ms=start_ms,
+    )
     store.insert_columns(synthetic.generate(spec).columns)
 
 
@@ -75,8 +82,9 @@ def test_an_unknown_run_is_an_error_not_an_empty_report(client_for, client, user
 
     other = dict(document, key="other-exp")
     apply_document(other, actor=users["product"])
-    spec = synthetic.SyntheticSpec(experiment="other-exp", n=10, seed=77, run_id=77,
-                                   variants=synthetic.demo_variants())  # fmt: skip
+    spec = synthetic.SyntheticSpec(
+        experiment="other-exp", n=10, seed=77, run_id=77, variants=synthetic.demo_variants()
+    )
     two_runs.insert_columns(synthetic.generate(spec).columns)
     two_runs.record_run(88, "ttft-opt", "split", "failed")  # a catalog row without samples is known
     api = client_for("analyst")

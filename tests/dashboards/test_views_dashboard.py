@@ -38,8 +38,9 @@ def test_dashboard_page_renders_for_viewer_roles(client, users, experiment, samp
     resp = _login(client, users, role).get("/dashboards/ttft-opt/")
     assert resp.status_code == 200
     html = resp.content.decode()
-    for chart in ("attainment", "cdf", "percentiles", "p99-time", "attribution", "phases", "srm"):
+    for chart in ("attainment", "cdf", "p99-time", "attribution-awq", "attribution-awq-fa2", "phases", "srm"):
         assert f'id="chart-{chart}"' in html
+    assert 'id="percentiles"' in html
     assert "/dashboards/assets/plotly-" in html
     assert "for 99.2% of requests" in html  # the target as set, not rounded
     assert len(resp.content) < 1_000_000
@@ -99,7 +100,7 @@ def test_report_api_returns_the_command_json(client_for, experiment, samples_db)
     for doc in (api, cmd):
         doc.pop("generated_at"), doc.pop("timing")
     assert api == cmd
-    assert api["schema_version"] == 2  # 2: itl_ms over every gap
+    assert api["schema_version"] == 3  # 3: setup errors apart (docs/report-json.md)
     assert [v["key"] for v in api["variants"]] == ["fp16", "awq"]
     bad = client_for("analyst").get("/api/experiments/ttft-opt/report?run=-1")
     assert bad.status_code == 400 and "run" in bad.json()["filters"]
@@ -111,7 +112,7 @@ def test_sla_report_command_prints_a_table_and_writes_csv(experiment, samples_db
     text = out.getvalue()
     assert "attainment [95% CI]" in text and "awq-fa2" in text and "Why awq-fa2" in text
     assert (tmp_path / "variants.csv").read_text().startswith("variant,control,n,")
-    with pytest.raises(Exception, match="no experiment with key 'nope'"):
+    with pytest.raises(Exception, match="no experiment 'nope'"):
         call_command("sla_report", "nope")
 
 
@@ -119,7 +120,7 @@ def test_sla_report_command_prints_a_table_and_writes_csv(experiment, samples_db
 def test_the_page_shows_the_anytime_intervals_labelled_beside_the_fixed_horizon_ones(
     client, users, experiment, samples_db
 ):
-    from dashboards.tables import interval_text
+    from dashboards.summaries import interval_text
     from experiments.models import Experiment
 
     _login(client, users, "analyst")
@@ -177,8 +178,8 @@ def test_the_page_labels_itl_as_every_gap_and_says_what_its_ci_assumes(client, u
     _login(client, users, "analyst")
     report = client.get("/api/experiments/ttft-opt/report").json()
     html = client.get("/dashboards/ttft-opt/").content.decode()
-    table = json.loads(html[html.index('id="percentiles"') :].split(">", 1)[1].split("</script>", 1)[0])
-    labels = table["data"][0]["cells"]["values"][1]
+    table = html[html.index('id="percentiles"') :].split("</table>", 1)[0]
+    labels = [re.findall(r"<td>(.*?)</td>", tr)[1] for tr in table.split("<tr>")[2:]]
     assert "ITL (all gaps)" in labels and "TPOT" in labels and "ITL (per-request mean)" not in labels
     note = html[html.index('id="itl-note"') :].split("</div>", 1)[0]
     assert "independent draws, which they are not within one request" in note
@@ -189,7 +190,7 @@ def test_the_page_labels_itl_as_every_gap_and_says_what_its_ci_assumes(client, u
 def test_the_page_shows_per_user_and_adjusted_differences_beside_the_unadjusted(
     client, users, experiment, samples_db
 ):
-    from dashboards.tables import interval_text, percent_text
+    from dashboards.summaries import interval_text, percent_text
 
     _login(client, users, "analyst")
     report = client.get("/api/experiments/ttft-opt/report").json()
@@ -254,19 +255,34 @@ def users_spec() -> synthetic.SyntheticSpec:
     """Users who send many correlated requests (heavy-tailed), a tenth of the requests without a
     user, requested output tokens that vary: enough users per arm for every sequence's bounds."""
     return synthetic.SyntheticSpec(
-        experiment="ttft-users", n=8_000, seed=21, run_id=USERS_RUN, variants=synthetic.demo_variants(),
-        factor_effects=synthetic.DEMO_FACTOR_EFFECTS, duration_s=1200.0, users=400, user_sigma=0.6,
-        no_user_share=0.1, max_tokens=(128, 256, 512, 1024),
-    )  # fmt: skip
+        experiment="ttft-users",
+        n=8_000,
+        seed=21,
+        run_id=USERS_RUN,
+        variants=synthetic.demo_variants(),
+        factor_effects=synthetic.DEMO_FACTOR_EFFECTS,
+        duration_s=1200.0,
+        users=400,
+        user_sigma=0.6,
+        no_user_share=0.1,
+        max_tokens=(128, 256, 512, 1024),
+    )
 
 
 def few_spec() -> synthetic.SyntheticSpec:
     """30 users in all: fewer than the unit sequences' minimum per arm, so they have no bounds."""
     return synthetic.SyntheticSpec(
-        experiment="ttft-few", n=600, seed=22, run_id=FEW_RUN, variants=synthetic.demo_variants(),
-        factor_effects=synthetic.DEMO_FACTOR_EFFECTS, duration_s=600.0, users=30, user_sigma=0.6,
+        experiment="ttft-few",
+        n=600,
+        seed=22,
+        run_id=FEW_RUN,
+        variants=synthetic.demo_variants(),
+        factor_effects=synthetic.DEMO_FACTOR_EFFECTS,
+        duration_s=600.0,
+        users=30,
+        user_sigma=0.6,
         max_tokens=(128, 256, 512, 1024),
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")
@@ -314,31 +330,42 @@ def by_kind(rows: list[dict], variant: str) -> dict[str, dict]:
 def test_the_anytime_table_shows_the_user_clustered_and_adjusted_sequences_of_the_report(
     client, users, users_db, tmp_path
 ):
-    from dashboards.tables import interval_text, sequence_text
+    from dashboards.summaries import interval_text, sequence_text
 
     _login(client, users, "analyst")
     report = client.get("/api/experiments/ttft-users/report").json()
     assert report["anytime"]["units"]["unit"] == "user"
     rows = anytime_table(client.get("/dashboards/ttft-users/").content.decode())
     assert [r["kind"] for r in rows] == [
-        "requests", "clustered",                # the control: no differences, so none adjusted
-        "requests", "clustered", "adjusted",
-        "requests", "clustered", "adjusted",
-    ]  # fmt: skip
+        "requests",
+        "clustered",  # the control: no differences, so none adjusted
+        "requests",
+        "clustered",
+        "adjusted",
+        "requests",
+        "clustered",
+        "adjusted",
+    ]
     for v, e in report["anytime"]["variants"].items():
         got = by_kind(rows, v)
         # the request-level row as before: p99 TTFT, no mean TTFT
         assert got["requests"]["cells"][1:6] == [
-            "requests", interval_text(e["attainment"], ".4f"), interval_text(e["error_rate"], ".4f"),
-            interval_text(e["p99_ttft_ms"], ".1f"), "",
-        ]  # fmt: skip
+            "requests",
+            interval_text(e["attainment"], ".4f"),
+            interval_text(e["error_rate"], ".4f"),
+            interval_text(e["p99_ttft_ms"], ".1f"),
+            "",
+        ]
         per = e["clustered"]
         assert per["inference"] == "user-clustered" and per["attainment"]["lo"] is not None
         # user-clustered: mean TTFT, no p99 (per request only)
         assert got["clustered"]["cells"][1:6] == [
-            "user-clustered", sequence_text(per["attainment"], ".4f"), sequence_text(per["error_rate"], ".4f"),
-            "", sequence_text(per["mean_ttft_ms"], ".1f"),
-        ]  # fmt: skip
+            "user-clustered",
+            sequence_text(per["attainment"], ".4f"),
+            sequence_text(per["error_rate"], ".4f"),
+            "",
+            sequence_text(per["mean_ttft_ms"], ".1f"),
+        ]
         assert got["clustered"]["notes"] == [] and "—" not in "".join(got["clustered"]["cells"])
         vs = e["vs_control"]
         if vs is None:
@@ -346,21 +373,31 @@ def test_the_anytime_table_shows_the_user_clustered_and_adjusted_sequences_of_th
             continue
         cd, ad = vs["clustered"], vs["adjusted"]
         assert got["clustered"]["cells"][6:10] == [
-            sequence_text(cd["attainment_difference"], "+.4f"), sequence_text(cd["error_rate_difference"], "+.4f"),
-            "", sequence_text(cd["mean_ttft_difference"], "+.1f"),
-        ]  # fmt: skip
+            sequence_text(cd["attainment_difference"], "+.4f"),
+            sequence_text(cd["error_rate_difference"], "+.4f"),
+            "",
+            sequence_text(cd["mean_ttft_difference"], "+.1f"),
+        ]
         assert ad["inference"] == "user-clustered"
         assert ad["mean_ttft_difference"]["adjusted"]["covariates"] == ["prompt_tokens", "max_tokens"]
         assert got["adjusted"]["cells"][1:] == [
-            "user-clustered, adjusted", "", "", "", "",
-            sequence_text(ad["attainment_difference"], "+.4f"), sequence_text(ad["error_rate_difference"], "+.4f"),
-            "", sequence_text(ad["mean_ttft_difference"], "+.1f"), "prompt_tokens, max_tokens",
-        ]  # fmt: skip
+            "user-clustered, adjusted",
+            "",
+            "",
+            "",
+            "",
+            sequence_text(ad["attainment_difference"], "+.4f"),
+            sequence_text(ad["error_rate_difference"], "+.4f"),
+            "",
+            sequence_text(ad["mean_ttft_difference"], "+.1f"),
+            "prompt_tokens, max_tokens",
+        ]
         # the request-level differences are where they were, p99 among them
         assert got["requests"]["cells"][6:9] == [
-            interval_text(vs["attainment_difference"], "+.4f"), interval_text(vs["error_rate_difference"], "+.4f"),
+            interval_text(vs["attainment_difference"], "+.4f"),
+            interval_text(vs["error_rate_difference"], "+.4f"),
             interval_text(vs["p99_ttft_difference"], "+.1f"),
-        ]  # fmt: skip
+        ]
 
     # the same numbers in anytime.csv, labelled with their inference, and in sla_report
     out = io.StringIO()
@@ -403,7 +440,7 @@ def test_the_anytime_table_shows_the_user_clustered_and_adjusted_sequences_of_th
 
 @pytest.mark.services  # users_db: the session's ClickHouse server database
 def test_anytime_sequences_without_bounds_show_a_dash_and_the_note(client, users, users_db, tmp_path):
-    from dashboards.tables import sequence_text
+    from dashboards.summaries import sequence_text
 
     _login(client, users, "analyst")
     report = client.get("/api/experiments/ttft-few/report").json()
@@ -431,14 +468,17 @@ def test_anytime_sequences_without_bounds_show_a_dash_and_the_note(client, users
     csv_rows = list(csv.DictReader(io.StringIO((tmp_path / "anytime.csv").read_text())))
     unit_rows = [r for r in csv_rows if r["inference"] == "user-clustered"]
     assert unit_rows and all(r["lo"] == r["hi"] == "" and r["note"] == note for r in unit_rows)
-    assert all(r["note"] == "" and r["lo"] != "" for r in csv_rows if r["quantity"] == "attainment_difference"
-               and r["inference"] == "requests")  # fmt: skip
+    assert all(
+        r["note"] == "" and r["lo"] != ""
+        for r in csv_rows
+        if r["quantity"] == "attainment_difference" and r["inference"] == "requests"
+    )
 
 
 def test_mirror_mode_shows_each_arms_user_clustered_sequences_and_no_such_differences(
     client, users, samples_db, document, tmp_path
 ):
-    from dashboards.tables import MIRROR_UNITS_NOTE, interval_text
+    from dashboards.summaries import MIRROR_UNITS_NOTE, interval_text
     from experiments.services import apply_document
 
     apply_document({**document, "key": "ttft-mirror"}, actor=users["product"])
@@ -470,6 +510,8 @@ def test_mirror_mode_shows_each_arms_user_clustered_sequences_and_no_such_differ
     assert block.count("Δ vs control") == 2 and MIRROR_UNITS_NOTE in block
     csv_rows = list(csv.DictReader(io.StringIO((tmp_path / "anytime.csv").read_text())))
     assert {r["quantity"] for r in csv_rows if r["inference"] == "user-clustered"} == {
-        "attainment", "error_rate", "mean_ttft_ms",
-    }  # fmt: skip
+        "attainment",
+        "error_rate",
+        "mean_ttft_ms",
+    }
     assert not [r for r in csv_rows if r["quantity"].endswith("_adjusted")]

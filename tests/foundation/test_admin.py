@@ -22,12 +22,18 @@ def admin_client(user) -> Client:
 
 def form_data(document, experiment=None) -> dict:
     data = {
-        "key": document["key"], "name": document["name"], "hypothesis": document["hypothesis"],
-        "sla_ttft_ms": document["sla"]["ttft_ms"], "sla_target": document["sla"]["target"],
-        "sla_tpot_ms": "", "sla_e2e_ms": "",
-        "variants-TOTAL_FORMS": len(document["variants"]), "variants-INITIAL_FORMS": 0,
-        "variants-MIN_NUM_FORMS": 2, "variants-MAX_NUM_FORMS": 1000,
-    }  # fmt: skip
+        "key": document["key"],
+        "name": document["name"],
+        "hypothesis": document["hypothesis"],
+        "sla_ttft_ms": document["sla"]["ttft_ms"],
+        "sla_target": document["sla"]["target"],
+        "sla_tpot_ms": "",
+        "sla_e2e_ms": "",
+        "variants-TOTAL_FORMS": len(document["variants"]),
+        "variants-INITIAL_FORMS": 0,
+        "variants-MIN_NUM_FORMS": 2,
+        "variants-MAX_NUM_FORMS": 1000,
+    }
     # the Analysis checkboxes as the form renders them (a browser posts only the checked ones)
     analysis = document.get("analysis") or {}
     for name in ("cluster_by_user", "adjust"):
@@ -37,12 +43,17 @@ def form_data(document, experiment=None) -> dict:
     data["variants-INITIAL_FORMS"] = len(existing)
     for i, v in enumerate(document["variants"]):
         prefix = f"variants-{i}-"
-        data.update({
-            prefix + "key": v["key"], prefix + "weight": v["weight"], prefix + "endpoint": v["endpoint"],
-            prefix + "model": v["model"], prefix + "api": v.get("api", "chat"),
-            prefix + "factors": json.dumps(v.get("factors", {})),
-            prefix + "engine_args": json.dumps(v.get("engine_args", {})),
-        })  # fmt: skip
+        data.update(
+            {
+                prefix + "key": v["key"],
+                prefix + "weight": v["weight"],
+                prefix + "endpoint": v["endpoint"],
+                prefix + "model": v["model"],
+                prefix + "api": v.get("api", "chat"),
+                prefix + "factors": json.dumps(v.get("factors", {})),
+                prefix + "engine_args": json.dumps(v.get("engine_args", {})),
+            }
+        )
         if v.get("control"):
             data[prefix + "control"] = "on"
         if v["key"] in existing:

@@ -24,21 +24,33 @@ def admin_form(document, experiment) -> dict:
     """The experiment change form as the admin posts it (existing variants only)."""
     rows = {v.key: v.pk for v in experiment.variants.all()}
     data = {
-        "key": document["key"], "name": document["name"], "hypothesis": document["hypothesis"],
-        "sla_ttft_ms": document["sla"]["ttft_ms"], "sla_target": document["sla"]["target"],
-        "sla_tpot_ms": "", "sla_e2e_ms": "",
-        "variants-TOTAL_FORMS": len(document["variants"]), "variants-INITIAL_FORMS": len(rows),
-        "variants-MIN_NUM_FORMS": 2, "variants-MAX_NUM_FORMS": 1000,
-    }  # fmt: skip
+        "key": document["key"],
+        "name": document["name"],
+        "hypothesis": document["hypothesis"],
+        "sla_ttft_ms": document["sla"]["ttft_ms"],
+        "sla_target": document["sla"]["target"],
+        "sla_tpot_ms": "",
+        "sla_e2e_ms": "",
+        "variants-TOTAL_FORMS": len(document["variants"]),
+        "variants-INITIAL_FORMS": len(rows),
+        "variants-MIN_NUM_FORMS": 2,
+        "variants-MAX_NUM_FORMS": 1000,
+    }
     for i, v in enumerate(document["variants"]):
         p = f"variants-{i}-"
-        data.update({
-            p + "key": v["key"], p + "weight": v["weight"], p + "endpoint": v["endpoint"],
-            p + "model": v["model"], p + "api": v.get("api", "chat"),
-            p + "factors": json.dumps(v.get("factors", {})),
-            p + "engine_args": json.dumps(v.get("engine_args", {})),
-            p + "id": rows[v["key"]], p + "experiment": experiment.pk,
-        })  # fmt: skip
+        data.update(
+            {
+                p + "key": v["key"],
+                p + "weight": v["weight"],
+                p + "endpoint": v["endpoint"],
+                p + "model": v["model"],
+                p + "api": v.get("api", "chat"),
+                p + "factors": json.dumps(v.get("factors", {})),
+                p + "engine_args": json.dumps(v.get("engine_args", {})),
+                p + "id": rows[v["key"]],
+                p + "experiment": experiment.pk,
+            }
+        )
         if v.get("control"):
             data[p + "control"] = "on"
     return data
@@ -160,8 +172,9 @@ def test_a_paused_experiment_may_change_them_audited_before_and_after(experiment
     now = {v["key"]: v for v in entry.after["variants"]}["awq"]
     assert (was["endpoint"], now["endpoint"]) == ("http://127.0.0.1:8101/v1", "http://127.0.0.1:9101/v1")
     assert (was["engine_args"], now["engine_args"]) == (
-        {"quantization": "awq"}, {"quantization": "awq", "max_num_seqs": 8},
-    )  # fmt: skip
+        {"quantization": "awq"},
+        {"quantization": "awq", "max_num_seqs": 8},
+    )
 
 
 @pytest.mark.engine

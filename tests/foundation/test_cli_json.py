@@ -69,8 +69,17 @@ def test_set_weights_json_errors_name_the_fields_and_change_nothing(started):
         "set_weights", "ttft-opt", "fp16=50", "awq=50", "awq-fa2=0", "--reason", "x", "--as", "eve"
     )
     assert doc["error"] == {"message": "--as: no user named 'eve'", "field": "--as", "errors": []}
-    _, doc = failing("set_weights", "ttft-opt", "fp16=50", "awq=50", "awq-fa2=0", "--reason", "x",
-                     "--expected-revision", str(revision + 5))  # fmt: skip
+    _, doc = failing(
+        "set_weights",
+        "ttft-opt",
+        "fp16=50",
+        "awq=50",
+        "awq-fa2=0",
+        "--reason",
+        "x",
+        "--expected-revision",
+        str(revision + 5),
+    )
     assert doc["error"]["field"] == "--expected-revision" and doc["current_revision"] == revision
     assert current_weights("ttft-opt")[1] == revision
 
@@ -87,11 +96,15 @@ def test_assign_json_summarizes_exactly_the_assignments_it_would_print(started, 
     doc = as_json("assign", "ttft-opt", stdin=io.StringIO(lines))
     _, revision = current_weights("ttft-opt")
     assert doc == {
-        "experiment": "ttft-opt", "revision": revision, "hash_version": 1,
-        "weights": {"fp16": 34, "awq": 33, "awq-fa2": 33}, "users": 500,
+        "experiment": "ttft-opt",
+        "revision": revision,
+        "hash_version": 1,
+        "weights": {"fp16": 34, "awq": 33, "awq-fa2": 33},
+        "users": 500,
         "by_variant": {v: expected.get(v, 0) for v in ("fp16", "awq", "awq-fa2")},
-        "skipped_empty_lines": 2, "output": None,
-    }  # fmt: skip
+        "skipped_empty_lines": 2,
+        "output": None,
+    }
     assert all(n > 100 for n in doc["by_variant"].values())  # 500 users over 34/33/33
     # --output: the assignments go to the file, the summary to stdout
     target = tmp_path / "assignments.tsv"
@@ -115,8 +128,10 @@ def test_apply_and_export_json(tmp_path, document):
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(document))
     assert as_json("apply_experiment", str(path)) == {
-        "experiment": "ttft-opt", "result": "created", "changes": ["created with variants fp16, awq, awq-fa2"]
-    }  # fmt: skip
+        "experiment": "ttft-opt",
+        "result": "created",
+        "changes": ["created with variants fp16, awq, awq-fa2"],
+    }
     assert as_json("apply_experiment", str(path)) == {
         "experiment": "ttft-opt",
         "result": "unchanged",
@@ -132,7 +147,11 @@ def test_apply_and_export_json(tmp_path, document):
     assert exported == services.export_document(Experiment.objects.get(key="ttft-opt"))
     assert exported["hypothesis"] == "sharper"
     _, doc = failing("export_experiment", "nope")
-    assert doc["error"] == {"message": "no experiment with key 'nope'", "field": "key", "errors": []}
+    assert doc["error"] == {
+        "message": "no experiment 'nope'; `manage.py experiment list` lists them",
+        "field": "key",
+        "errors": [],
+    }
     _, doc = failing("export_experiment", "ttft-opt", "--format", "yaml")
     assert doc["error"]["field"] == "--format"
 
@@ -153,7 +172,8 @@ def test_a_rejected_document_lists_every_field_error(tmp_path, document):
 @pytest.mark.django_db
 def test_sla_report_json_error_names_the_experiment(db):
     _, doc = failing("sla_report", "nope")
-    assert doc == {"error": {"message": "no experiment with key 'nope'", "field": "key", "errors": []}}
+    message = "no experiment 'nope'; there are none yet: `manage.py apply_experiment FILE` makes one"
+    assert doc == {"error": {"message": message, "field": "key", "errors": []}}
 
 
 @pytest.mark.process
@@ -176,8 +196,10 @@ def test_on_the_real_command_line_stdout_is_one_document_and_the_exit_code_says_
     code, doc, err = command("set_weights", "ttft-opt", "fp16=100", "--json")
     assert code == 2 and "usage:" in err
     assert doc["error"] == {
-        "message": "the following arguments are required: --reason", "field": "--reason", "errors": []
-    }  # fmt: skip
+        "message": "the following arguments are required: --reason",
+        "field": "--reason",
+        "errors": [],
+    }
     code, doc, _ = command("experiment", "show", "ttft-opt", "--json", "--bogus")
     assert code == 2 and doc["error"]["message"] == "unrecognized arguments: --bogus"
     code, doc, _ = command("experiment", "list", "--status", "maybe", "--json")
@@ -193,14 +215,22 @@ def test_on_the_real_command_line_stdout_is_one_document_and_the_exit_code_says_
 def test_add_trace_json_lists_the_stored_trace(settings, tmp_path):
     settings.TRACE_DIR = tmp_path / "traces"
     local = tmp_path / "local.csv"
-    local.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
-                     "2023-11-16 18:15:50.6805900,396,109\n")  # fmt: skip
+    local.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.6805900,396,109\n"
+    )
     doc = as_json("add_trace", str(local))
     stored = Trace.objects.get()
     assert doc == {
-        "name": "local.csv", "created": True, "rows": 2, "span_s": 4.0, "rate": 0.5, "format": "azure",
-        "size": local.stat().st_size, "sha256": stored.sha256,
-    }  # fmt: skip
+        "name": "local.csv",
+        "created": True,
+        "rows": 2,
+        "span_s": 4.0,
+        "rate": 0.5,
+        "format": "azure",
+        "size": local.stat().st_size,
+        "sha256": stored.sha256,
+    }
     assert as_json("add_trace", str(local), "--name", "again")["created"] is False
     _, doc = failing("add_trace", str(tmp_path / "missing.csv"))
     assert doc["error"]["field"] == "path"

@@ -35,9 +35,14 @@ def audit_of(key: str) -> list[tuple]:
 def test_the_whole_lifecycle_is_audited_under_the_acting_user(experiment, users):
     started = run_json("start", "ttft-opt", "--as", "sam", "--reason", "ramp up")
     assert started["transition"] | {"at": None} == {
-        "action": "start", "from": "draft", "to": "running", "reason": "ramp up", "actor": "sam",
-        "audit_id": AuditEntry.objects.get(action="start").pk, "at": None,
-    }  # fmt: skip
+        "action": "start",
+        "from": "draft",
+        "to": "running",
+        "reason": "ramp up",
+        "actor": "sam",
+        "audit_id": AuditEntry.objects.get(action="start").pk,
+        "at": None,
+    }
     assert started["experiment"]["status"] == "running"
     assert started["experiment"]["allowed_actions"] == ["pause", "conclude"]
     doc, revision = current_weights("ttft-opt")  # starting published the weights
@@ -55,9 +60,11 @@ def test_the_whole_lifecycle_is_audited_under_the_acting_user(experiment, users)
         entry[:3] for entry in audit_of("ttft-opt") if entry[0] in ("start", "pause", "resume", "conclude")
     ]
     assert moves == [
-        ("start", "sam", "ramp up"), ("pause", "sam", ""), ("resume", "system", ""),
+        ("start", "sam", "ramp up"),
+        ("pause", "sam", ""),
+        ("resume", "system", ""),
         ("conclude", "ana", "awq-fa2 meets the SLA"),
-    ]  # fmt: skip
+    ]
     assert AuditEntry.objects.get(action="conclude").actor == users["analyst"]
     assert [e[3:] for e in audit_of("ttft-opt") if e[0] == "conclude"] == [
         ({"status": "running"}, {"status": "concluded"})
@@ -67,10 +74,15 @@ def test_the_whole_lifecycle_is_audited_under_the_acting_user(experiment, users)
 @pytest.mark.django_db
 @pytest.mark.parametrize(
     "status, action, allowed",
-    [("draft", "pause", "start"), ("draft", "conclude", "start"), ("running", "start", "pause, conclude"),
-     ("running", "resume", "pause, conclude"), ("paused", "pause", "resume, conclude"),
-     ("concluded", "resume", "none (concluded is final)")],
-)  # fmt: skip
+    [
+        ("draft", "pause", "start"),
+        ("draft", "conclude", "start"),
+        ("running", "start", "pause, conclude"),
+        ("running", "resume", "pause, conclude"),
+        ("paused", "pause", "resume, conclude"),
+        ("concluded", "resume", "none (concluded is final)"),
+    ],
+)
 def test_an_illegal_move_names_the_state_and_the_allowed_moves_and_changes_nothing(
     experiment, users, status, action, allowed
 ):
@@ -107,7 +119,11 @@ def test_a_conclusion_needs_a_reason_and_a_named_actor_must_exist(experiment, us
     message, doc = refused("pause", "ttft-opt", "--as", "mallory")
     assert doc == {"error": {"message": "--as: no user named 'mallory'", "field": "--as", "errors": []}}
     message, doc = refused("pause", "nope")
-    assert doc["error"] == {"message": "no experiment with key 'nope'", "field": "key", "errors": []}
+    assert doc["error"] == {
+        "message": "no experiment 'nope'; `manage.py experiment list` lists them",
+        "field": "key",
+        "errors": [],
+    }
     assert Experiment.objects.get(key="ttft-opt").status == "running" and audit_of("ttft-opt") == before
 
 

@@ -11,9 +11,20 @@ from telemetry.progress import Progress, eta, format_duration, format_rate, prog
 
 @pytest.mark.parametrize(
     "seconds, text",
-    [(0, "0s"), (7.4, "7s"), (59.6, "1m00s"), (185, "3m05s"), (3599, "59m59s"), (3725, "1h02m"),
-     (90061, "25h01m"), (-3, "0s"), (None, "?"), (float("inf"), "?"), (float("nan"), "?")],
-)  # fmt: skip
+    [
+        (0, "0s"),
+        (7.4, "7s"),
+        (59.6, "1m00s"),
+        (185, "3m05s"),
+        (3599, "59m59s"),
+        (3725, "1h02m"),
+        (90061, "25h01m"),
+        (-3, "0s"),
+        (None, "?"),
+        (float("inf"), "?"),
+        (float("nan"), "?"),
+    ],
+)
 def test_durations_read_at_a_glance(seconds, text):
     assert format_duration(seconds) == text
 
@@ -137,10 +148,14 @@ class Terminal(io.StringIO):
 
 @pytest.mark.parametrize(
     "stream, option, enabled, tty",
-    [(io.StringIO, None, False, False), (io.StringIO, True, True, False), (Terminal, None, True, True),
-     (Terminal, False, False, True)],
+    [
+        (io.StringIO, None, False, False),
+        (io.StringIO, True, True, False),
+        (Terminal, None, True, True),
+        (Terminal, False, False, True),
+    ],
     ids=["pipe", "pipe --progress", "terminal", "terminal --no-progress"],
-)  # fmt: skip
+)
 def test_commands_draw_progress_on_a_terminal_or_when_asked(stream, option, enabled, tty):
     err = stream()
     command = JsonCommand(stderr=err)

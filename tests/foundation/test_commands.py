@@ -72,7 +72,7 @@ def test_syntax_error_says_where(tmp_path):
 def test_missing_file_and_unknown_experiment():
     with pytest.raises(CommandError, match="cannot read"):
         run("apply_experiment", "/nonexistent/x.yaml")
-    with pytest.raises(CommandError, match="no experiment with key 'nope'"):
+    with pytest.raises(CommandError, match="no experiment 'nope'"):
         run("export_experiment", "nope")
 
 

@@ -20,8 +20,23 @@ DEPLOY_FILES = [
     *sorted((ROOT / "docs" / "deploy").iterdir()),
 ]
 NAME = re.compile(r"\bABPLAT_[A-Z0-9_]*[A-Z0-9]\b")
-SOURCE_DIRS = ("abplat", "dashboards", "workers", "traces", "serving", "simulator", "analysis", "replay",
-               "experiments", "samples", "streaming", "stats", "telemetry", "rollouts", "capacity")  # fmt: skip
+SOURCE_DIRS = (
+    "abplat",
+    "dashboards",
+    "workers",
+    "traces",
+    "serving",
+    "simulator",
+    "analysis",
+    "replay",
+    "experiments",
+    "samples",
+    "streaming",
+    "stats",
+    "telemetry",
+    "rollouts",
+    "capacity",
+)
 
 
 def _read_settings() -> set[str]:
@@ -52,14 +67,22 @@ def test_every_setting_the_deploy_files_name_is_read_by_the_code():
 
 
 def _check_deploy(tmp_path: Path, **override: str) -> subprocess.CompletedProcess:
-    base = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    base = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "ABPLAT_ENV_FILE": ""}  # no .env: tests/plugin.py
     # the example's paths live under /var/lib/abplat: here under tmp_path
-    where = {"ABPLAT_VAR": str(tmp_path), "ABPLAT_STATIC_ROOT": str(tmp_path / "static"),
-             "ABPLAT_SPOOL_DIR": str(tmp_path / "spool"), "ABPLAT_METRICS_DIR": str(tmp_path / "metrics")}  # fmt: skip
+    where = {
+        "ABPLAT_VAR": str(tmp_path),
+        "ABPLAT_STATIC_ROOT": str(tmp_path / "static"),
+        "ABPLAT_SPOOL_DIR": str(tmp_path / "spool"),
+        "ABPLAT_METRICS_DIR": str(tmp_path / "metrics"),
+    }
     return subprocess.run(
         [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
-        cwd=ROOT, env={**base, **_example_env(), **where, **override}, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        env={**base, **_example_env(), **where, **override},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.process

@@ -67,8 +67,11 @@ def test_the_api_reads_and_changes_it_and_names_a_bad_field(client_for, experime
     client = client_for("product")
     body = client.get(f"/api/experiments/{experiment.key}/").json()
     assert body["document"]["analysis"] == {"cluster_by_user": True, "adjust": True}
-    bad = client.put(f"/api/experiments/{experiment.key}/", {**document, "analysis": {"cluster_by_user": "no"}},
-                     format="json")  # fmt: skip
+    bad = client.put(
+        f"/api/experiments/{experiment.key}/",
+        {**document, "analysis": {"cluster_by_user": "no"}},
+        format="json",
+    )
     assert bad.status_code == 400 and bad.json() == {"analysis.cluster_by_user": ["must be true or false"]}
     ok = client.patch(
         f"/api/experiments/{experiment.key}/", {"analysis": {"cluster_by_user": False}}, format="json"

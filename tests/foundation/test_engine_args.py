@@ -28,14 +28,20 @@ def test_engine_args_render_to_sorted_kebab_flags():
         allow_risky={"compilation_config"},
     )
     assert argv == [
-        "--compilation-config", '{"level":0}',
-        "--cudagraph-capture-sizes", "1", "2",
+        "--compilation-config",
+        '{"level":0}',
+        "--cudagraph-capture-sizes",
+        "1",
+        "2",
         "--no-enable-prefix-caching",  # false turns an on-by-default flag off, never dropped
         "--enforce-eager",
-        "--gpu-memory-utilization", "0.9",
-        "--max-model-len", "512",
-        "--quantization", "awq",
-    ]  # fmt: skip
+        "--gpu-memory-utilization",
+        "0.9",
+        "--max-model-len",
+        "512",
+        "--quantization",
+        "awq",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -56,8 +62,16 @@ def test_bad_engine_args_name_the_key(args, message):
 
 def test_serve_argv_for_vllm_serve_and_for_the_python_module():
     assert serve_argv(["vllm", "serve"], "m", {}, host="h", port=1, served_model_name="n") == [
-        "vllm", "serve", "m", "--host", "h", "--port", "1", "--served-model-name", "n",
-    ]  # fmt: skip
+        "vllm",
+        "serve",
+        "m",
+        "--host",
+        "h",
+        "--port",
+        "1",
+        "--served-model-name",
+        "n",
+    ]
     argv = serve_argv(["py", "-m", "api"], "m", {"dtype": "float32"}, host="h", port=2)
     assert argv == ["py", "-m", "api", "--model", "m", "--host", "h", "--port", "2", "--dtype", "float32"]
     with pytest.raises(ValueError, match="port"):
@@ -69,12 +83,23 @@ def test_serve_argv_for_vllm_serve_and_for_the_python_module():
 
 def test_the_performance_knobs_the_docs_and_demo_use_are_allowed():
     args = {
-        "dtype": "float16", "quantization": "awq", "attention_backend": "FLASH_ATTN",
-        "max_model_len": 4096, "max_num_seqs": 128, "max_num_batched_tokens": 8192,
-        "enable_chunked_prefill": True, "enable_prefix_caching": True, "gpu_memory_utilization": 0.9,
-        "block_size": 16, "kv_cache_dtype": "fp8", "tensor_parallel_size": 2,
-        "pipeline_parallel_size": 1, "enforce_eager": True, "swap_space": 4, "seed": 0,
-    }  # fmt: skip
+        "dtype": "float16",
+        "quantization": "awq",
+        "attention_backend": "FLASH_ATTN",
+        "max_model_len": 4096,
+        "max_num_seqs": 128,
+        "max_num_batched_tokens": 8192,
+        "enable_chunked_prefill": True,
+        "enable_prefix_caching": True,
+        "gpu_memory_utilization": 0.9,
+        "block_size": 16,
+        "kv_cache_dtype": "fp8",
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 1,
+        "enforce_eager": True,
+        "swap_space": 4,
+        "seed": 0,
+    }
     assert check_engine_args(args) == []
     assert "--attention-backend" in render_engine_args(args)
 
@@ -142,8 +167,10 @@ def test_every_problem_is_reported_at_once():
 
 def test_the_operator_option_accepts_flag_spellings_and_rejects_typos():
     assert parse_allow_risky(["trust-remote-code,--download-dir", "tokenizer_revision"]) == {
-        "trust_remote_code", "download_dir", "tokenizer_revision",
-    }  # fmt: skip
+        "trust_remote_code",
+        "download_dir",
+        "tokenizer_revision",
+    }
     assert parse_allow_risky([""]) == frozenset()
     with pytest.raises(ValueError, match="--trust-remote-cod is not a risky engine flag"):
         parse_allow_risky(["trust-remote-cod"])

@@ -36,20 +36,29 @@ def _free_port() -> int:
 def _server_env(tmp: Path, **extra: str) -> dict[str, str]:
     """Production settings on plain loopback HTTP: debug off, a secret key, the manifest
     storage, a private ABPLAT_VAR and STATIC_ROOT; nothing else of the test session's."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("ABPLAT_")}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ABPLAT_") or k == "ABPLAT_ENV_FILE"}
     return {
-        **base, "ABPLAT_VAR": str(tmp / "var"), "ABPLAT_STATIC_ROOT": str(tmp / "static"),
-        "ABPLAT_DEBUG": "false", "ABPLAT_SECRET_KEY": os.environ["ABPLAT_SECRET_KEY"],
-        "ABPLAT_SSL_REDIRECT": "false", "ABPLAT_SECURE_COOKIES": "false",
-        "ABPLAT_STATIC_STORAGE": "manifest", **extra,
-    }  # fmt: skip
+        **base,
+        "ABPLAT_VAR": str(tmp / "var"),
+        "ABPLAT_STATIC_ROOT": str(tmp / "static"),
+        "ABPLAT_DEBUG": "false",
+        "ABPLAT_SECRET_KEY": os.environ["ABPLAT_SECRET_KEY"],
+        "ABPLAT_SSL_REDIRECT": "false",
+        "ABPLAT_SECURE_COOKIES": "false",
+        "ABPLAT_STATIC_STORAGE": "manifest",
+        **extra,
+    }
 
 
 def _gunicorn(env: dict[str, str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "gunicorn", "-c", str(ROOT / "gunicorn.conf.py"), "abplat.wsgi"],
-        cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -71,8 +80,13 @@ def server(tmp_path_factory):
     env = _server_env(tmp, ABPLAT_WEB_BIND=f"127.0.0.1:{port}")
     manage(env, "migrate", "-v0")
     manage(env, "collectstatic", "--noinput", "-v0")
-    manage(env, "shell", "-c", "from django.contrib.auth.models import User; "
-           f"User.objects.create_superuser({USER!r}, 'ops@example.com', {PASSWORD!r})")  # fmt: skip
+    manage(
+        env,
+        "shell",
+        "-c",
+        "from django.contrib.auth.models import User; "
+        f"User.objects.create_superuser({USER!r}, 'ops@example.com', {PASSWORD!r})",
+    )
     log = tmp / "gunicorn.log"
     proc = _gunicorn(env, log)
     url = f"http://127.0.0.1:{port}"
@@ -163,8 +177,12 @@ def test_several_workers_on_the_embedded_store_are_refused(tmp_path):
     env = _server_env(tmp_path, ABPLAT_WEB_BIND=f"127.0.0.1:{_free_port()}", ABPLAT_WEB_WORKERS="3")
     result = subprocess.run(
         [sys.executable, "-m", "gunicorn", "-c", str(ROOT / "gunicorn.conf.py"), "abplat.wsgi"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0
     assert "3 web workers need a ClickHouse server (ABPLAT_CLICKHOUSE_URL)" in result.stderr
 
@@ -174,8 +192,12 @@ def test_a_bad_web_setting_stops_gunicorn_naming_it(tmp_path):
     env = _server_env(tmp_path, ABPLAT_WEB_THREADS="many")
     result = subprocess.run(
         [sys.executable, "-m", "gunicorn", "-c", str(ROOT / "gunicorn.conf.py"), "abplat.wsgi"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0
     assert "ABPLAT_WEB_THREADS='many': use a whole number" in result.stderr
 

@@ -1,5 +1,5 @@
 """Variant secrets are bound to hosts and teams by the operator (``_bindings.json`` in
-ABPLAT_VARIANT_SECRETS_DIR, README "Security"): a document naming a secret is refused at save
+ABPLAT_VARIANT_SECRETS_DIR, docs/security.md): a document naming a secret is refused at save
 unless the binding lets its team send it to the variant's host, and the one function that reads
 a secret for a connection refuses too, so the gateway, replays, the preflight, prompt planning and
 metric scrapes never send a token where its binding does not allow."""
@@ -51,9 +51,14 @@ BINDING = {
 
 @pytest.mark.parametrize(
     "url",
-    ["http://vllm-a.internal:8000/v1", "https://VLLM-A.internal./v1", "http://b.serving.internal/v1",
-     "http://10.20.3.4:8000/v1", "http://[::ffff:10.20.0.9]:80/v1"],
-)  # fmt: skip
+    [
+        "http://vllm-a.internal:8000/v1",
+        "https://VLLM-A.internal./v1",
+        "http://b.serving.internal/v1",
+        "http://10.20.3.4:8000/v1",
+        "http://[::ffff:10.20.0.9]:80/v1",
+    ],
+)
 def test_a_bound_secret_goes_to_the_hosts_of_its_binding(tmp_path, url):
     assert _bearer(_secrets(tmp_path, BINDING), url=url) == {"Authorization": f"Bearer {TOKEN}"}
 
@@ -206,8 +211,12 @@ def test_no_secrets_directory_refuses_a_secret_at_save(settings, client_for, doc
 @pytest.mark.django_db
 def test_moving_a_bound_variant_to_another_host_or_team_is_refused(secrets, client_for, document, users):
     assert _post(client_for, document).status_code == 201
-    patched = {"variants": [{**document["variants"][0], "endpoint": "http://127.0.0.2:8100/v1"},
-                            *document["variants"][1:]]}  # fmt: skip
+    patched = {
+        "variants": [
+            {**document["variants"][0], "endpoint": "http://127.0.0.2:8100/v1"},
+            *document["variants"][1:],
+        ]
+    }
     response = client_for("product").patch("/api/experiments/ttft-opt/", patched, format="json")
     assert response.status_code == 400 and "variants[0].auth.secret" in response.json()
     from experiments.models import Team

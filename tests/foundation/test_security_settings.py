@@ -31,8 +31,12 @@ DEPLOY_KEY = "deploy-" + "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOP"
 
 
 def test_debug_is_off_unless_asked_for_and_then_a_key_is_required(tmp_path):
-    # one line naming the variable, as for any bad setting
-    assert refusal({"ABPLAT_VAR": str(tmp_path)}).startswith("ABPLAT_SECRET_KEY is not set")
+    # Required by what signs (the web processes refuse to start without it: test_secret_key.py),
+    # and a weak one is refused everywhere, as any bad setting.
+    assert settings_from({"ABPLAT_VAR": str(tmp_path)})["SECRET_KEY"] == ""
+    assert refusal({"ABPLAT_VAR": str(tmp_path), "ABPLAT_SECRET_KEY": "short"}).startswith(
+        "ABPLAT_SECRET_KEY is too weak"
+    )
     assert settings_from({"ABPLAT_VAR": str(tmp_path), "ABPLAT_DEBUG": "true"})["DEBUG"] is True
     assert settings_from({"ABPLAT_VAR": str(tmp_path), "ABPLAT_SECRET_KEY": DEPLOY_KEY})["DEBUG"] is False
 
@@ -63,8 +67,11 @@ def test_the_debug_page_shows_no_password_whatever_the_setting_is_called(setting
     settings.ANALYTICS_STORE = f"clickhouse://default:{PASSWORD}@ch.internal:9000/abplat"  # innocent name
     settings.REPLICAS = {"primary": {"HOST": "db", "LOCATION": f"redis://:{PASSWORD}@cache:6379/0"}}
     settings.CELERY_BROKER_URL = f"amqp://abplat:{PASSWORD}@mq.internal//"
-    page = _technical_500(settings, ABPLAT_CLICKHOUSE_URL=f"clickhouse://u:{PASSWORD}@h/db",
-                          HTTP_X_MIRROR=f"https://u:{PASSWORD}@mirror.internal/")  # fmt: skip
+    page = _technical_500(
+        settings,
+        ABPLAT_CLICKHOUSE_URL=f"clickhouse://u:{PASSWORD}@h/db",
+        HTTP_X_MIRROR=f"https://u:{PASSWORD}@mirror.internal/",
+    )
     assert "boom" in page and "ch.internal" in page  # the page is there, and shows the hosts
     assert PASSWORD not in page
 
@@ -243,8 +250,9 @@ def test_healthz_runs_the_checks_at_once_and_does_not_wait_for_a_hung_one(monkey
         return "ok"
 
     monkeypatch.setattr(health, "CHECK_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(health, "CHECKS", {"a": meets_the_others, "b": meets_the_others,
-                                           "c": meets_the_others, "d": hung})  # fmt: skip
+    monkeypatch.setattr(
+        health, "CHECKS", {"a": meets_the_others, "b": meets_the_others, "c": meets_the_others, "d": hung}
+    )
     try:
         healthy, report = health.run_checks()  # waiting for "d" would make it "ok" after 30 s
     finally:

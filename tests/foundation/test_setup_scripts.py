@@ -54,7 +54,7 @@ def _bogus(port: int) -> dict[str, str]:
         "ABPLAT_TEST_ETCD_ENDPOINTS": f"127.0.0.1:{port}",
         "ABPLAT_TEST_CLICKHOUSE_URL": f"clickhouse://default:@127.0.0.1:{port}/abplat_test",
         "ABPLAT_TEST_CLICKHOUSE_CLUSTER_URLS": f"clickhouse://default:@127.0.0.1:{port}/a,clickhouse://default:@127.0.0.1:{port}/b",
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize(
@@ -69,9 +69,13 @@ def test_the_doctor_names_every_service_that_does_not_answer_and_its_variable(py
     result = _doctor("--only", "services", python=python, **_bogus(port))
     assert result.returncode == 1
     lines = _lines(result)
-    for label, var in [("postgresql", "TEST_POSTGRES_URL"), ("redis", "ABPLAT_TEST_REDIS_URL"),
-                       ("etcd", "ABPLAT_TEST_ETCD_ENDPOINTS"), ("clickhouse", "ABPLAT_TEST_CLICKHOUSE_URL"),
-                       ("clickhouse cluster", "ABPLAT_TEST_CLICKHOUSE_CLUSTER_URLS")]:  # fmt: skip
+    for label, var in [
+        ("postgresql", "TEST_POSTGRES_URL"),
+        ("redis", "ABPLAT_TEST_REDIS_URL"),
+        ("etcd", "ABPLAT_TEST_ETCD_ENDPOINTS"),
+        ("clickhouse", "ABPLAT_TEST_CLICKHOUSE_URL"),
+        ("clickhouse cluster", "ABPLAT_TEST_CLICKHOUSE_CLUSTER_URLS"),
+    ]:
         line = lines[label]
         assert line.startswith("MISSING"), line
         assert f"127.0.0.1:{port}" in line and var in line, line
@@ -154,9 +158,10 @@ def _path_without_apt_get(tmp_path: Path) -> str:
 def test_clickhouse_script_fails_clearly_where_it_cannot_install(tmp_path):
     result = _run(
         ["/bin/bash", "scripts/clickhouse.sh", "start"],
-        PATH=_path_without_apt_get(tmp_path), ABPLAT_VAR=str(tmp_path / "var"),
+        PATH=_path_without_apt_get(tmp_path),
+        ABPLAT_VAR=str(tmp_path / "var"),
         ABPLAT_CLICKHOUSE_SERVER=str(tmp_path / "no-clickhouse-server"),
-    )  # fmt: skip
+    )
     assert result.returncode == 1
     assert "clickhouse-server is not installed" in result.stderr
     assert "apt-get install clickhouse-server clickhouse-client" in result.stderr
@@ -167,8 +172,9 @@ def test_clickhouse_script_fails_clearly_where_it_cannot_install(tmp_path):
 def test_vllm_script_fails_clearly_without_its_python(tmp_path):
     result = _run(
         ["bash", "scripts/vllm_cpu.sh"],
-        ABPLAT_VLLM_VENV=str(tmp_path / "vllm"), ABPLAT_VLLM_PYTHON="python3.11-not-here",
-    )  # fmt: skip
+        ABPLAT_VLLM_VENV=str(tmp_path / "vllm"),
+        ABPLAT_VLLM_PYTHON="python3.11-not-here",
+    )
     assert result.returncode == 1
     assert "python3.11-not-here not found" in result.stderr and "ABPLAT_VLLM_PYTHON" in result.stderr
     assert not (tmp_path / "vllm").exists()

@@ -56,15 +56,19 @@ def _no_rate_fallback():
 
 def _process_env(tmp_path, url: str, **extra: str) -> dict[str, str]:
     """Another process of the platform: its own ABPLAT_VAR, the same Redis cache."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("ABPLAT_")}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ABPLAT_") or k == "ABPLAT_ENV_FILE"}
     return {**base, "ABPLAT_VAR": str(tmp_path / "other"), "ABPLAT_CACHE_URL": url, **extra}
 
 
 def _loaded(store) -> None:
     spec = synthetic.SyntheticSpec(
-        run_id=41, n=2000, seed=3, variants=synthetic.demo_variants(),
-        factor_effects=synthetic.DEMO_FACTOR_EFFECTS, duration_s=600.0,
-    )  # fmt: skip
+        run_id=41,
+        n=2000,
+        seed=3,
+        variants=synthetic.demo_variants(),
+        factor_effects=synthetic.DEMO_FACTOR_EFFECTS,
+        duration_s=600.0,
+    )
     synthetic.insert(store, synthetic.generate(spec))
 
 

@@ -1,5 +1,5 @@
 """Teams own experiments: a product user acts only on their teams' experiments, an analyst reads
-only theirs, sre and superusers act on all (README "Roles"). Every path: the API (another team's
+only theirs, sre and superusers act on all (docs/security.md, "Roles"). Every path: the API (another team's
 experiment is a 404, so its name does not leak), the admin, documents (apply_document), the
 commands' ``--as``, dashboards, reports, rollouts, capacity and replays."""
 

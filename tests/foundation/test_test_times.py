@@ -23,10 +23,15 @@ def junit(path: Path, cases: list[tuple[str, str, float]]) -> Path:
 
 
 def test_times_add_up_per_file_and_directory_and_compare_with_another_run(tmp_path, capsys):
-    now = junit(tmp_path / "now.xml", [
-        ("tests.samples.test_spool", "test_a", 2.0), ("tests.samples.test_spool", "test_b[chdb]", 1.5),
-        ("tests.samples.test_spool.TestGroup", "test_c", 0.5), ("tests.gateway.test_proxy", "test_d", 10.0),
-    ])  # fmt: skip
+    now = junit(
+        tmp_path / "now.xml",
+        [
+            ("tests.samples.test_spool", "test_a", 2.0),
+            ("tests.samples.test_spool", "test_b[chdb]", 1.5),
+            ("tests.samples.test_spool.TestGroup", "test_c", 0.5),
+            ("tests.gateway.test_proxy", "test_d", 10.0),
+        ],
+    )
     old = junit(tmp_path / "old.xml", [("tests.samples.test_spool", "test_a", 1.0)])
     assert test_times.file_times(now) == {
         "tests/samples/test_spool.py": 4.0,

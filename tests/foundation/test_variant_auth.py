@@ -147,8 +147,19 @@ def test_a_replay_sends_the_secret_and_records_no_trace_of_it(
     caplog.set_level(logging.DEBUG)
     services.transition(with_secret.experiment, "start", users["product"])
     out = io.StringIO()
-    call_command("replay", "ttft-opt", "--trace", TRACE, "--limit", "12", "--speed", "200", "--mode", "mirror",
-                 stdout=out)  # fmt: skip
+    call_command(
+        "replay",
+        "ttft-opt",
+        "--trace",
+        TRACE,
+        "--limit",
+        "12",
+        "--speed",
+        "200",
+        "--mode",
+        "mirror",
+        stdout=out,
+    )
     run = ReplayRun.objects.get()
     assert run.status == "done", (run.error, out.getvalue())
     sent = [auth for path, auth in seen if path == "/v1/chat/completions"]

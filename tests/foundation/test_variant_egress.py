@@ -119,8 +119,20 @@ def test_api_follows_the_configured_allowlist(client_for, document, settings):
 @pytest.mark.django_db
 def test_patch_cannot_slip_an_internal_host_into_an_existing_experiment(client_for, experiment):
     variants = experiment.variants.order_by("position")
-    body = {"variants": [{"key": v.key, "control": v.control, "weight": v.weight, "model": v.model,
-                          "api": v.api, "factors": v.factors, "endpoint": v.endpoint} for v in variants]}  # fmt: skip
+    body = {
+        "variants": [
+            {
+                "key": v.key,
+                "control": v.control,
+                "weight": v.weight,
+                "model": v.model,
+                "api": v.api,
+                "factors": v.factors,
+                "endpoint": v.endpoint,
+            }
+            for v in variants
+        ]
+    }
     body["variants"][0]["endpoint"] = "http://169.254.169.254/latest"
     response = client_for("product").patch(f"/api/experiments/{experiment.key}/", body, format="json")
     assert response.status_code == 400 and "variants[0].endpoint" in response.json()

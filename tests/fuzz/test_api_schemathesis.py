@@ -125,7 +125,7 @@ def world(users, experiment, document, sample_store, settings, tmp_path, monkeyp
     settings.API_THROTTLE_USER = settings.API_THROTTLE_ANON = "1000000/min"
     settings.TRACE_DIR = tmp_path / "traces"
     # A replay the fuzzer starts is recorded, never sent (the preflight still probes loopback).
-    monkeypatch.setattr("workers.api.start_in_background", lambda run_id: None)
+    monkeypatch.setattr("workers.service.start_in_background", lambda handle, daemon: None)
     # Likewise a capacity search: recorded, never run.
     monkeypatch.setattr("capacity.tasks.start_in_background", lambda search_id: None)
     # Generated endpoints name random hosts: no lookup of them leaves the machine.

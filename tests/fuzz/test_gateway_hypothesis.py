@@ -66,7 +66,7 @@ def _gateway() -> Gateway:
             "m",
             MappingProxyType({}),
             error=f"secret {SECRET_NAME!r} is not bound to host '127.0.0.1'",
-        ),  # fmt: skip
+        ),
     }
     targets = {"exp": ExperimentTargets("exp", "running", "ctl", MappingProxyType(variants), team="t")}
     config = GatewayConfig(
@@ -80,8 +80,9 @@ def _gateway() -> Gateway:
         tenant_streams=8,
         body_timeout_s=5,
     )
-    return Gateway(config, router=_Router(), directory=Directory(targets), recorder=_Recorder(),
-                   refresh_variants=False)  # fmt: skip
+    return Gateway(
+        config, router=_Router(), directory=Directory(targets), recorder=_Recorder(), refresh_variants=False
+    )
 
 
 GATEWAY = _gateway()
@@ -132,8 +133,18 @@ raw_bodies = st.one_of(
     st.binary(max_size=64),
     st.integers(1, 5000).map(lambda n: b'{"model":"exp","x":' + b"[" * n + b"]" * n + b"}"),
 )
-paths = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/team/v1/chat/completions", "/v1/models",
-                         "/healthz", "/v1/embeddings", "/team/v1/models", "/../v1/completions"])  # fmt: skip
+paths = st.sampled_from(
+    [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/team/v1/chat/completions",
+        "/v1/models",
+        "/healthz",
+        "/v1/embeddings",
+        "/team/v1/models",
+        "/../v1/completions",
+    ]
+)
 auths = st.sampled_from([f"Bearer {KEY}".encode(), b"Bearer sk-wrong-key-000000000000", b"", b"Basic x"])
 
 
@@ -165,9 +176,13 @@ def test_no_request_is_a_500_whatever_its_method_path_key_and_length(method, pat
 
 routable = st.fixed_dictionaries(
     {"model": st.sampled_from(["exp", "alias"]), "messages": st.just([{"role": "user", "content": "hi"}])},
-    optional={"user": st.text(max_size=12), "stream": st.booleans(), "max_tokens": st.integers(1, 10),
-              "x": json_values},
-).map(lambda b: json.dumps(b).encode())  # fmt: skip
+    optional={
+        "user": st.text(max_size=12),
+        "stream": st.booleans(),
+        "max_tokens": st.integers(1, 10),
+        "x": json_values,
+    },
+).map(lambda b: json.dumps(b).encode())
 
 
 @FUZZ

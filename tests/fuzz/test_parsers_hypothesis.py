@@ -64,17 +64,34 @@ JSONISH = st.recursive(
 )
 ALLOW = parse_allowlist(["localhost", "127.0.0.0/8", "::1/128"])
 VALID_DOCUMENT = {
-    "key": "ttft-opt", "name": "TTFT optimizations", "hypothesis": "AWQ keeps TTFT",
+    "key": "ttft-opt",
+    "name": "TTFT optimizations",
+    "hypothesis": "AWQ keeps TTFT",
     "sla": {"ttft_ms": 200, "tpot_ms": 50, "target": 0.992},
     "variants": [
-        {"key": "fp16", "control": True, "weight": 50, "endpoint": "http://127.0.0.1:8100/v1",
-         "model": "tiny-llama", "api": "chat", "factors": {"quantization": "none"},
-         "engine_args": {"dtype": "float16"}},
-        {"key": "awq", "weight": 50, "endpoint": "http://localhost:8101/v1", "model": "tiny-llama",
-         "api": "completions", "http2": True, "factors": {"quantization": "awq"},
-         "engine_args": {"--max-model-len": 2048}, "auth": {"secret": "awq-token"}},
+        {
+            "key": "fp16",
+            "control": True,
+            "weight": 50,
+            "endpoint": "http://127.0.0.1:8100/v1",
+            "model": "tiny-llama",
+            "api": "chat",
+            "factors": {"quantization": "none"},
+            "engine_args": {"dtype": "float16"},
+        },
+        {
+            "key": "awq",
+            "weight": 50,
+            "endpoint": "http://localhost:8101/v1",
+            "model": "tiny-llama",
+            "api": "completions",
+            "http2": True,
+            "factors": {"quantization": "awq"},
+            "engine_args": {"--max-model-len": 2048},
+            "auth": {"secret": "awq-token"},
+        },
     ],
-}  # fmt: skip
+}
 
 
 def containers(value, path=()):
@@ -191,9 +208,13 @@ def test_any_bytes_as_a_stored_weights_document_are_refused_by_field(raw):
 @example(raw={**VALID_WEIGHTS.to_json(), "weights": {"fp16": 10**400, "awq": -(10**400) + 100}})
 @example(raw=VALID_WEIGHTS.to_json())
 @example(
-    raw={**VALID_WEIGHTS.to_json(), "weights": {"x": 100}, "control": "x",
-         "allocation": {"n_buckets": 10**12, "variants": ["x"], "runs": [[0, 10**12]]}},
-)  # fmt: skip
+    raw={
+        **VALID_WEIGHTS.to_json(),
+        "weights": {"x": 100},
+        "control": "x",
+        "allocation": {"n_buckets": 10**12, "variants": ["x"], "runs": [[0, 10**12]]},
+    },
+)
 def test_a_mutated_weights_document_is_accepted_or_refused_by_field(raw):
     try:
         doc = parse_document(json.dumps(raw).encode())
@@ -209,8 +230,9 @@ def test_a_mutated_weights_document_is_accepted_or_refused_by_field(raw):
 def test_any_weights_change_is_built_or_refused_by_field(weights):
     # PUT /api/experiments/{key}/weights hands the body's "weights" to build_document.
     try:
-        build_document("ttft-opt", weights, salt="s", control="fp16", actor="sam", reason="r",
-                       previous=VALID_WEIGHTS)  # fmt: skip
+        build_document(
+            "ttft-opt", weights, salt="s", control="fp16", actor="sam", reason="r", previous=VALID_WEIGHTS
+        )
     except WeightsError as exc:
         check_weights_errors(exc)
 
@@ -336,9 +358,20 @@ def test_an_excerpt_is_short_quoted_and_printable(value, limit):
 # ---- report filters -----------------------------------------------------------------------
 
 PARAM = st.text(max_size=30) | st.sampled_from(
-    ["1", "0", "1" * 30, "2024-11-29T17:00", "2024-11-29T17:00:00Z", "9999-12-31T23:59:59-23:59",
-     "0001-01-01T00:00:00+14:00", "all", "done,failed", "split", "mirror"]
-)  # fmt: skip
+    [
+        "1",
+        "0",
+        "1" * 30,
+        "2024-11-29T17:00",
+        "2024-11-29T17:00:00Z",
+        "9999-12-31T23:59:59-23:59",
+        "0001-01-01T00:00:00+14:00",
+        "all",
+        "done,failed",
+        "split",
+        "mirror",
+    ]
+)
 
 
 @FUZZ

@@ -67,16 +67,22 @@ class Served:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0, **kwargs)
 
 
-def serve(gateway: Gateway) -> tuple[str, callable]:
+def serve(gateway: Gateway, config=None) -> tuple[str, callable]:
+    """uvicorn serving ``gateway`` (or ``config``, a uvicorn.Config of any app) in a thread."""
     import uvicorn
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(
-        gateway, loop="uvloop", http="httptools", lifespan="on", log_level="warning",
-        server_header=False, date_header=False,
-    )  # fmt: skip
+    config = config or uvicorn.Config(
+        gateway,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        log_level="warning",
+        server_header=False,
+        date_header=False,
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
     thread.start()
@@ -107,9 +113,14 @@ def make_gateway():
         directory.refresh()
         recorder = FakeRecorder()
         gateway = Gateway(
-            config, router=process.live_router(), directory=directory, recorder=recorder,
-            allow=parse_allowlist(["127.0.0.0/8"]), refresh_variants=False, ssl_context=ssl_context,
-        )  # fmt: skip
+            config,
+            router=process.live_router(),
+            directory=directory,
+            recorder=recorder,
+            allow=parse_allowlist(["127.0.0.0/8"]),
+            refresh_variants=False,
+            ssl_context=ssl_context,
+        )
         url, stop = serve(gateway)
         stops.append(stop)
         return Served(gateway, recorder, url)

@@ -98,8 +98,9 @@ def test_an_unknown_model_is_a_404_or_the_default_experiments_control(running_wi
     assert info.value.code == "model_not_found"
     gw2 = make_gateway(routes=parse_routes([], "ttft-opt"))
     user = user_on(process.live_router(), "ttft-opt", "awq")
-    raw = gw2.client().chat.completions.with_raw_response.create(model="gpt-9", messages=MESSAGES, user=user,
-                                                                 max_tokens=2)  # fmt: skip
+    raw = gw2.client().chat.completions.with_raw_response.create(
+        model="gpt-9", messages=MESSAGES, user=user, max_tokens=2
+    )
     assert raw.headers["x-abplat-variant"] == "fp16"
     assert gw2.gateway.counts["default"] == 1
 
@@ -109,12 +110,14 @@ def test_routes_by_model_name_and_path_prefix(running_with, make_gateway):
     gw = make_gateway(routes=parse_routes(["llama-chat=ttft-opt", "/team-a=ttft-opt"]))
     user = user_on(process.live_router(), "ttft-opt", "awq")
     client = gw.client()
-    raw = client.chat.completions.with_raw_response.create(model="llama-chat", messages=MESSAGES, user=user,
-                                                           max_tokens=2)  # fmt: skip
+    raw = client.chat.completions.with_raw_response.create(
+        model="llama-chat", messages=MESSAGES, user=user, max_tokens=2
+    )
     assert raw.headers["x-abplat-variant"] == "awq"
     prefixed = openai.OpenAI(base_url=gw.url + "/team-a/v1", api_key=KEY, max_retries=0)
-    raw = prefixed.chat.completions.with_raw_response.create(model="anything", messages=MESSAGES, user=user,
-                                                             max_tokens=2)  # fmt: skip
+    raw = prefixed.chat.completions.with_raw_response.create(
+        model="anything", messages=MESSAGES, user=user, max_tokens=2
+    )
     assert raw.headers["x-abplat-variant"] == "awq"
     models = {m.id for m in client.models.list()}
     assert {"ttft-opt", "llama-chat"} <= models
@@ -137,8 +140,9 @@ def test_the_user_header_and_the_api_key_name_the_user(running_with, make_gatewa
     running_with()
     gw = make_gateway(user_header="x-end-user")
     client = gw.client()
-    client.chat.completions.create(model="ttft-opt", messages=MESSAGES, max_tokens=2,
-                                   extra_headers={"x-end-user": "from-header"})  # fmt: skip
+    client.chat.completions.create(
+        model="ttft-opt", messages=MESSAGES, max_tokens=2, extra_headers={"x-end-user": "from-header"}
+    )
     client.chat.completions.create(model="ttft-opt", messages=MESSAGES, max_tokens=2)
     a, b = gw.recorder.wait_for(2)
     assert a["user_id"] == "from-header"
@@ -169,8 +173,9 @@ def test_a_paused_experiment_keeps_serving_its_users_variants(running_with, make
     services.transition(experiment, "pause", users["product"])
     gw = make_gateway()
     process.live_router().refresh()
-    raw = gw.client().chat.completions.with_raw_response.create(model="ttft-opt", messages=MESSAGES, user=user,
-                                                                max_tokens=2)  # fmt: skip
+    raw = gw.client().chat.completions.with_raw_response.create(
+        model="ttft-opt", messages=MESSAGES, user=user, max_tokens=2
+    )
     assert raw.headers["x-abplat-variant"] == "awq"  # pausing stops replays, not the users' variants
     assert gw.gateway.counts["assigned"] == 1
 
@@ -187,3 +192,57 @@ def test_parse_keys_is_strict_and_never_echoes_a_key():
         with pytest.raises(ValueError, match=why) as info:
             parse_keys(text)
         assert "sk-0123456789abcdef" not in str(info.value)
+
+
+def test_a_new_user_past_the_bound_costs_no_scan_of_every_bucket():
+    """Past max_keys each new user id drops one bucket, the least recently used: the work of one
+    take is counted (lines run in gateway/limits.py), not timed, and does not grow with the table."""
+    import sys
+
+    from gateway import limits
+    from gateway.limits import TokenBuckets
+
+    def lines_run(buckets: TokenBuckets, key: str, now: float) -> int:
+        count = 0
+
+        def trace(frame, event, arg):
+            nonlocal count
+            if frame.f_code.co_filename == limits.__file__:
+                count += event == "line"
+                return trace
+            return None
+
+        sys.settrace(trace)
+        try:
+            buckets.take(key, now)
+        finally:
+            sys.settrace(None)
+        return count
+
+    for size in (100, 2000):
+        b = TokenBuckets(rate=1, burst=5, max_keys=size)
+        for i in range(size):
+            b.take(f"u{i}", 0.0)  # every bucket recently used, none refilled
+        assert len(b) == size
+        work = lines_run(b, "newcomer", 0.5)
+        assert work < 40, f"{work} lines for one new user past {size} buckets"
+        assert len(b) == size  # still bounded: the least recently used one went
+        assert b.take("u0", 0.5) == 0.0 and len(b) == size  # u0 was dropped: back full
+        assert b.wait("u1", 0.5) == 0.0  # the others keep their place
+
+
+def test_a_request_for_no_model_costs_its_user_no_token_and_leaves_no_bucket(running_with, make_gateway):
+    running_with()
+    gw = make_gateway(user_rate=1, user_burst=1)
+    client = gw.client()
+    for i in range(3):  # fresh user ids asking for a model nobody serves
+        with pytest.raises(openai.NotFoundError) as info:
+            client.chat.completions.create(model="gpt-9", messages=MESSAGES, user=f"fresh-{i}", max_tokens=2)
+        assert info.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=MESSAGES, user="eager", max_tokens=2)
+    # the user's one token is still there for a request that has somewhere to go
+    client.chat.completions.create(model="ttft-opt", messages=MESSAGES, user="eager", max_tokens=2)
+    assert len(gw.gateway.limits.users) == 1  # eager's: none for the ids that asked for no model
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(model="ttft-opt", messages=MESSAGES, user="eager", max_tokens=2)

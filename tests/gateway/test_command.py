@@ -65,9 +65,12 @@ def start_gateway_command(
         **env_overrides,
     }
     child = subprocess.Popen(
-        [sys.executable, "manage.py", "gateway", "--port", str(port), *args], cwd=ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [sys.executable, "manage.py", "gateway", "--port", str(port), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -131,6 +134,11 @@ def test_the_gateway_command_serves_records_and_drains_on_sigterm(
         assert len(got) >= 150  # every token arrived (plus the role event)
         # uvicorn shuts down cleanly (lifespan: the recorder drains), then re-raises SIGTERM
         assert child.wait(60) in (0, -signal.SIGTERM)
+        # a person (or a script) is told when to send the first request, and where
+        assert (
+            f"gateway: serving {url}/v1 (OpenAI-compatible), 1 worker process(es)"
+            in child.stdout.read().decode()
+        )
     finally:
         if child.poll() is None:
             child.kill()
@@ -155,9 +163,13 @@ def test_with_web_one_process_serves_the_gateway_and_the_report_on_the_embedded_
     token = Token.objects.create(user=users["analyst"]).key
     embedded = {"ABPLAT_CLICKHOUSE_URL": "", "ABPLAT_VAR": str(tmp_path / "var")}
     migrate = subprocess.run(
-        [sys.executable, "manage.py", "clickhouse_migrate"], cwd=ROOT, capture_output=True, text=True,
-        env={**os.environ, "ABPLAT_DEBUG": "true", "ABPLAT_DATABASE_URL": database_url(), **embedded}, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "manage.py", "clickhouse_migrate"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ABPLAT_DEBUG": "true", "ABPLAT_DATABASE_URL": database_url(), **embedded},
+        timeout=120,
+    )
     assert migrate.returncode == 0, migrate.stdout + migrate.stderr
     child, url = start_gateway_command(settings, tmp_path, "--with-web", **embedded)
     try:
@@ -204,11 +216,17 @@ def test_with_web_routes_the_gateways_paths_to_it_and_the_rest_to_the_web_app():
     gateway = app("gateway")
     gateway.config = GatewayConfig(keys=None, routes=parse_routes(["/team-a=exp"]))
     both = GatewayAndWeb(gateway, app("web"))
-    for scope in [{"type": "lifespan"}, {"type": "http", "path": "/v1/chat/completions"},
-                  {"type": "http", "path": "/v1/models"}, {"type": "http", "path": "/team-a/v1/completions"},
-                  {"type": "http", "path": "/healthz"}, {"type": "http", "path": "/admin/"},
-                  {"type": "http", "path": "/v10/x"}, {"type": "http", "path": "/team-a/admin"},
-                  {"type": "http", "path": "/api/experiments/"}]:  # fmt: skip
+    for scope in [
+        {"type": "lifespan"},
+        {"type": "http", "path": "/v1/chat/completions"},
+        {"type": "http", "path": "/v1/models"},
+        {"type": "http", "path": "/team-a/v1/completions"},
+        {"type": "http", "path": "/healthz"},
+        {"type": "http", "path": "/admin/"},
+        {"type": "http", "path": "/v10/x"},
+        {"type": "http", "path": "/team-a/admin"},
+        {"type": "http", "path": "/api/experiments/"},
+    ]:
         asyncio.run(both(scope, None, None))
     assert [name for name, *_ in calls] == [
         "gateway",
@@ -258,8 +276,16 @@ def test_bad_gateway_settings_stop_it_at_start_naming_the_setting(settings, tmp_
 def test_the_settings_parse_strictly():
     env = {**os.environ, "ABPLAT_DEBUG": "true", "ABPLAT_GATEWAY_USER_RATE": "fast"}
     done = subprocess.run(
-        [sys.executable, "-c", "import django, os; os.environ['DJANGO_SETTINGS_MODULE']='abplat.settings'; django.setup()"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import django, os; os.environ['DJANGO_SETTINGS_MODULE']='abplat.settings'; django.setup()",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode != 0
     assert "ABPLAT_GATEWAY_USER_RATE='fast'" in done.stderr

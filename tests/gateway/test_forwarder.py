@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from gateway.forwarder import Forwarder
+from gateway.upstream import Deadlines
+from streaming.response import ResponseReader
 from streaming.result import Outcome, StreamResult
 from streaming.timing import StreamTimer
 
@@ -31,6 +33,7 @@ class _Conn:
 class _Exchange:
     status = 200
     headers = [(b"content-type", b"text/event-stream")]
+    headers_ns = 0
     defer_reads = False
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -46,7 +49,8 @@ def _stream(loop: asyncio.AbstractEventLoop, log: list) -> tuple[Forwarder, Stre
         log.append(message.get("body", message["type"]))
 
     timer = StreamTimer(0, StreamResult(request_id="r"))
-    fwd = Forwarder(send, timer, [], take_5xx=True, state={"done": False})
+    reader = ResponseReader(timer, Deadlines(), whole_ok=True)
+    fwd = Forwarder(send, reader, [], take_5xx=True, state={"done": False})
     fwd.on_head(_Exchange(loop))  # type: ignore[arg-type]
     return fwd, timer
 
@@ -64,10 +68,10 @@ def test_a_burst_of_reads_is_forwarded_before_any_is_measured_with_its_own_arriv
             _event("tok2") + b"data: [DONE]\n\n"
         ]
         assert [t.first_content_seen for _, t in streams] == [False, False, False]
-        assert streams[2][0].ended is None  # its [DONE] not parsed yet
+        assert streams[2][0].reader.outcome is None  # its [DONE] not parsed yet
         await asyncio.sleep(0)  # the loop's next pass measures them
         assert [t.first_content_seen for _, t in streams] == [True, True, True]
-        assert streams[2][0].ended is Outcome.OK and streams[0][0].ended is None
+        assert streams[2][0].reader.outcome is Outcome.OK and streams[0][0].reader.outcome is None
         for k, (_fwd, timer) in enumerate(streams):  # the arrival stamps, not the measuring time
             r = timer.finish(50 * MS, Outcome.OK)
             assert r.ttft_ms == r.first_byte_ms == float(k + 1)
@@ -82,7 +86,7 @@ def test_measure_catches_up_at_once_and_the_loop_does_not_measure_a_read_twice()
         fwd(2 * MS, _event("a"))
         fwd(3 * MS, _event("b") + b"data: [DONE]\n\n")
         fwd.measure()  # what the request's task does before it reads the figures
-        assert fwd.ended is Outcome.OK
+        assert fwd.reader.outcome is Outcome.OK
         await asyncio.sleep(0)  # the pass's own call must not feed the same reads again
         r = timer.finish(9 * MS, Outcome.OK)
         assert (r.ttft_ms, r.e2e_ms, r.chunks, r.itl_gaps_us) == (2.0, 3.0, 2, [1000])

@@ -87,8 +87,9 @@ def test_requests_without_a_user_are_counted_unassigned_under_the_experiment(run
     running_with()
     gw = make_gateway(keys=None)  # no API key, no user: nothing to assign by
     d = Deltas()
-    r = httpx.post(gw.url + "/v1/chat/completions",
-                   json={"model": "ttft-opt", "messages": MESSAGES, "max_tokens": 3})  # fmt: skip
+    r = httpx.post(
+        gw.url + "/v1/chat/completions", json={"model": "ttft-opt", "messages": MESSAGES, "max_tokens": 3}
+    )
     assert r.status_code == 200 and r.headers["x-abplat-variant"] == "fp16"
     gw.recorder.wait_for(1)
     assert d.delta(REQUESTS, experiment="ttft-opt", route="unassigned") == 1
@@ -145,8 +146,13 @@ def test_an_upstream_error_is_counted_for_its_variant(running_with, make_gateway
     user = user_on(process.live_router(), "ttft-opt", "awq-fa2")
     d = Deltas()
     with pytest.raises(openai.InternalServerError):
-        gw.client().chat.completions.create(model="ttft-opt", messages=MESSAGES, user=user, max_tokens=4,
-                                            extra_headers={"x-abplat-fault": "http_error"})  # fmt: skip
+        gw.client().chat.completions.create(
+            model="ttft-opt",
+            messages=MESSAGES,
+            user=user,
+            max_tokens=4,
+            extra_headers={"x-abplat-fault": "http_error"},
+        )
     gw.recorder.wait_for(1)
     assert d.changed() == {
         (REQUESTS, (("experiment", "ttft-opt"), ("route", "assigned"))): 1,
@@ -166,9 +172,16 @@ def test_a_request_is_in_flight_while_the_gateway_holds_it(running_with, make_ga
         yield b'"messages":[{"role":"user","content":"Hi"}],"user":"u-flight"}'
 
     answers: list[httpx.Response] = []
-    sender = threading.Thread(target=lambda: answers.append(httpx.post(
-        gw.url + "/v1/chat/completions", content=body(), headers={"authorization": f"Bearer {KEY}"}, timeout=30,
-    )))  # fmt: skip
+    sender = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(
+                gw.url + "/v1/chat/completions",
+                content=body(),
+                headers={"authorization": f"Bearer {KEY}"},
+                timeout=30,
+            )
+        )
+    )
     sender.start()
     try:
         wait_for(lambda: d.delta(IN_FLIGHT) == 1, "the request in flight")

@@ -83,12 +83,17 @@ def test_a_rollout_is_rolled_back_by_the_controller_on_live_traffic(
 
     directory = Directory()
     directory.refresh()
-    recorder = LiveRecorder(worker="gateway-test", store=ch_store, spool_dir=str(tmp_path / "spool"),
-                            batch_rows=50, flush_ms=50)  # fmt: skip
+    recorder = LiveRecorder(
+        worker="gateway-test", store=ch_store, spool_dir=str(tmp_path / "spool"), batch_rows=50, flush_ms=50
+    )
     gateway = Gateway(
-        GatewayConfig(keys=parse_keys(f"acme {API_KEY}\n")), router=router, directory=directory,
-        recorder=recorder, allow=parse_allowlist(["127.0.0.0/8"]), refresh_variants=False,
-    )  # fmt: skip
+        GatewayConfig(keys=parse_keys(f"acme {API_KEY}\n")),
+        router=router,
+        directory=directory,
+        recorder=recorder,
+        allow=parse_allowlist(["127.0.0.0/8"]),
+        refresh_variants=False,
+    )
     url, stop = serve(gateway)
     client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
 

@@ -54,8 +54,14 @@ def test_streaming_completions_and_the_variants_model_name(running_with, make_ga
     running_with(rename)
     gw = make_gateway()
     user = user_on(process.live_router(), "ttft-opt", "fp16")
-    stream = gw.client().completions.create(model="ttft-opt", prompt="Once upon", stream=True, user=user,
-                                            max_tokens=10, stream_options={"include_usage": True})  # fmt: skip
+    stream = gw.client().completions.create(
+        model="ttft-opt",
+        prompt="Once upon",
+        stream=True,
+        user=user,
+        max_tokens=10,
+        stream_options={"include_usage": True},
+    )
     parts = list(stream)
     assert "".join(p.choices[0].text for p in parts if p.choices)
     # the variant's model name replaced the client's
@@ -91,8 +97,11 @@ def test_the_stream_is_forwarded_byte_for_byte(running_with, make_gateway, sims)
     )
     # The simulator's text follows the request id: ask it directly with the one the gateway sent.
     rid = through.headers["x-request-id"]
-    direct = httpx.post(sims["fp16"].url + "/v1/chat/completions", json={**body, "model": "tiny-llama"},
-                        headers={"x-request-id": rid})  # fmt: skip
+    direct = httpx.post(
+        sims["fp16"].url + "/v1/chat/completions",
+        json={**body, "model": "tiny-llama"},
+        headers={"x-request-id": rid},
+    )
     assert through.status_code == direct.status_code == 200
 
     def without_created(data: bytes) -> bytes:  # the one field that is the wall clock
@@ -109,12 +118,22 @@ def test_upstream_errors_pass_through_with_their_status(running_with, make_gatew
     gw = make_gateway(forward_headers=frozenset({"x-abplat-fault"}))
     client = gw.client()
     with pytest.raises(openai.InternalServerError) as info:
-        client.chat.completions.create(model="ttft-opt", messages=MESSAGES, user="u-1", max_tokens=5,
-                                       extra_headers={"x-abplat-fault": "http_error"})  # fmt: skip
+        client.chat.completions.create(
+            model="ttft-opt",
+            messages=MESSAGES,
+            user="u-1",
+            max_tokens=5,
+            extra_headers={"x-abplat-fault": "http_error"},
+        )
     assert info.value.status_code == 500
     with pytest.raises(openai.RateLimitError) as info:
-        client.chat.completions.create(model="ttft-opt", messages=MESSAGES, user="u-1", max_tokens=5,
-                                       extra_headers={"x-abplat-fault": "rate_limited"})  # fmt: skip
+        client.chat.completions.create(
+            model="ttft-opt",
+            messages=MESSAGES,
+            user="u-1",
+            max_tokens=5,
+            extra_headers={"x-abplat-fault": "rate_limited"},
+        )
     assert info.value.status_code == 429
     with pytest.raises(openai.BadRequestError) as info:  # the simulator refuses it, not the gateway
         client.chat.completions.create(model="ttft-opt", messages=[], user="u-1", max_tokens=5)
@@ -162,8 +181,11 @@ def test_a_finished_request_leaves_no_reference_cycle_of_the_gateways_behind(run
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
         for i in range(6):
-            list(client.chat.completions.create(model="ttft-opt", messages=MESSAGES, stream=True,
-                                                user=f"u{i}", max_tokens=8))  # fmt: skip
+            list(
+                client.chat.completions.create(
+                    model="ttft-opt", messages=MESSAGES, stream=True, user=f"u{i}", max_tokens=8
+                )
+            )
             client.completions.create(model="ttft-opt", prompt="Once upon", user=f"u{i}", max_tokens=4)
         assert len(gw.recorder.wait_for(13)) == 13
         gc.collect()

@@ -4,8 +4,8 @@ drains. Every test runs on chDB and on the real ClickHouse server."""
 
 from __future__ import annotations
 
+import functools
 import signal
-import threading
 import time
 from typing import Any
 
@@ -18,12 +18,12 @@ from gateway.models import LIVE_RUN_ID_BASE, LiveRun, live_runs
 from gateway.recording import LiveRecorder
 from samples.columns import row_key
 from samples.schema import SAMPLES_FROM
-from samples.store import StoreUnavailable
 from simulator.serve import start_in_thread
 from streaming.result import Outcome, StreamResult
-from tests.gateway.conftest import KEY
+from tests.gateway.conftest import KEY, FakeRecorder
 from tests.gateway.test_command import start_gateway_command
-from tests.samples.conftest import flaky_server, make_store  # noqa: F401 - fixtures
+from tests.samples import conftest as samples_conftest
+from tests.samples.conftest import flaky_server, hang_inserts, make_store, physical, switch_off  # noqa: F401 - fixtures
 
 # the recorder's thread has its own connection
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.engine]
@@ -36,12 +36,28 @@ def store(request, shared_store):
 
 def result(i: int, **over: Any) -> StreamResult:
     fields: dict[str, Any] = dict(
-        outcome=Outcome.OK, http_status=200, new_connection=i == 0, connect_ms=0.5 if i == 0 else None,
-        ttfb_ms=2.0 + i, first_byte_ms=2.1 + i, ttft_event_ms=9.0 + i, ttft_ms=10.0 + i,
-        itl_mean_ms=4.0, itl_p50_ms=4.0, itl_p99_ms=5.0, itl_max_ms=5.0, itl_gaps_us=[4000, 5000],
-        tpot_ms=4.5, e2e_ms=30.0 + i, output_tokens=3, prompt_tokens=17, usage_reported=True, chunks=3,
-        finish_reason="stop", start_ns=10**12 + i,
-    )  # fmt: skip
+        outcome=Outcome.OK,
+        http_status=200,
+        new_connection=i == 0,
+        connect_ms=0.5 if i == 0 else None,
+        ttfb_ms=2.0 + i,
+        first_byte_ms=2.1 + i,
+        ttft_event_ms=9.0 + i,
+        ttft_ms=10.0 + i,
+        itl_mean_ms=4.0,
+        itl_p50_ms=4.0,
+        itl_p99_ms=5.0,
+        itl_max_ms=5.0,
+        itl_gaps_us=[4000, 5000],
+        tpot_ms=4.5,
+        e2e_ms=30.0 + i,
+        output_tokens=3,
+        prompt_tokens=17,
+        usage_reported=True,
+        chunks=3,
+        finish_reason="stop",
+        start_ns=10**12 + i,
+    )
     fields.update(over)
     return StreamResult(**fields)
 
@@ -51,51 +67,44 @@ def record(
 ) -> str:
     rid = f"req-{i:06d}"
     ctx: dict[str, Any] = dict(
-        experiment=experiment, variant=variant or ("fp16", "awq")[i % 2], user_id=f"user-{i % 7}",
-        config_revision=41 + i % 2, sent_unix_ms=1_764_640_000_000.0 + i, request_id=rid,
-        prompt_tokens=20, max_tokens=64, gateway_ms=0.25,
-    )  # fmt: skip
+        experiment=experiment,
+        variant=variant or ("fp16", "awq")[i % 2],
+        user_id=f"user-{i % 7}",
+        config_revision=41 + i % 2,
+        sent_unix_ms=1_764_640_000_000.0 + i,
+        request_id=rid,
+        prompt_tokens=20,
+        max_tokens=64,
+        gateway_ms=0.25,
+    )
     ctx.update(over)
     rec.record(result(i), **ctx)
     return rid
 
 
 def stored(store, run_id: int) -> list[dict[str, Any]]:
-    cols = ["experiment", "variant", "run_id", "seq", "request_id", "mode", "user_id", "config_revision",
-            "sent_unix_ms", "schedule_lag_ms", "gateway_ms", "worker", "attempt",
-            "ttft_ms", "prompt_tokens", "itl_gaps_us"]  # fmt: skip
+    cols = [
+        "experiment",
+        "variant",
+        "run_id",
+        "seq",
+        "request_id",
+        "mode",
+        "user_id",
+        "config_revision",
+        "sent_unix_ms",
+        "schedule_lag_ms",
+        "gateway_ms",
+        "worker",
+        "attempt",
+        "ttft_ms",
+        "prompt_tokens",
+        "itl_gaps_us",
+    ]
     rows = store.query(
         f"SELECT {', '.join(cols)} FROM samples WHERE run_id = %(r)s ORDER BY seq", {"r": run_id}
     )
     return [dict(zip(cols, r, strict=True)) for r in rows]
-
-
-def physical(store, run_id: int) -> tuple[int, int]:
-    """(rows on disk, distinct keys) of a run, without FINAL: a duplicate shows as a difference."""
-    [(n, keys)] = store.query(
-        "SELECT count(), uniqExact(experiment, variant, run_id, request_id) FROM samples WHERE run_id = %(r)s",
-        {"r": run_id},
-    )
-    return int(n), int(keys)
-
-
-def switch_off(store, monkeypatch) -> threading.Event:
-    """While the returned event is set, the store's writes and key lookups raise
-    StoreUnavailable, as a store that went away does (tests/samples' `down`, switchable)."""
-    real = {name: getattr(store, name) for name in ("insert_columns", "insert_samples", "existing_keys")}
-    down = threading.Event()
-
-    def failing(name):
-        def call(*a, **k):
-            if down.is_set():
-                raise StoreUnavailable("the store is down (test)")
-            return real[name](*a, **k)
-
-        return call
-
-    for name in real:
-        monkeypatch.setattr(store, name, failing(name))
-    return down
 
 
 def recorder(store, tmp_path, **kw) -> LiveRecorder:
@@ -174,20 +183,19 @@ def test_the_store_down_during_traffic_spools_and_flushes_later_exactly_once(
 
 
 def test_row_key_is_the_experiment_variant_run_and_request_id():
-    assert row_key({"experiment": "e", "variant": "v", "run_id": LIVE_RUN_ID_BASE + 1, "request_id": "x"}) == (
-        "e", "v", LIVE_RUN_ID_BASE + 1, "x",
-    )  # fmt: skip
+    assert row_key(
+        {"experiment": "e", "variant": "v", "run_id": LIVE_RUN_ID_BASE + 1, "request_id": "x"}
+    ) == (
+        "e",
+        "v",
+        LIVE_RUN_ID_BASE + 1,
+        "x",
+    )
     assert SAMPLES_FROM.endswith("FINAL")
 
 
-def wait_until(predicate, what: str, limit_s: float = 60.0) -> None:
-    """Poll until predicate() (a hang fails with `what`, not a timing claim)."""
-    import time
-
-    deadline = time.monotonic() + limit_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.01)
+# the recorder's waits include heartbeats and spool retries: a longer limit for a hang
+wait_until = functools.partial(samples_conftest.wait_until, limit_s=60.0)
 
 
 def test_the_recorder_s_own_retry_stores_what_it_spooled_once_the_store_is_back(store, tmp_path, monkeypatch):
@@ -210,33 +218,23 @@ def test_the_recorder_s_own_retry_stores_what_it_spooled_once_the_store_is_back(
     assert run.spooled >= 50
 
 
-def test_a_hung_store_never_holds_record_and_a_full_queue_spills_then_counts_what_it_drops(
-    store, tmp_path, monkeypatch
-):
-    real_insert = store.insert_columns
-    entered, gate = threading.Event(), threading.Event()
-
-    def hanging(cols):
-        entered.set()
-        gate.wait()
-        return real_insert(cols)
-
-    monkeypatch.setattr(store, "insert_columns", hanging)
+def test_a_hung_store_never_holds_record_and_nothing_is_dropped_while_it_hangs(store, tmp_path, monkeypatch):
+    entered, gate = hang_inserts(store, monkeypatch)
     # batches leave only when full: the first holds exactly the first 10
-    rec = recorder(store, tmp_path, batch_rows=10, queue_rows=40, flush_ms=60_000.0)
+    rec = recorder(store, tmp_path, batch_rows=10, flush_ms=60_000.0)
     rec.start()
     ids = [record(rec, i) for i in range(10)]
-    entered.wait()  # the flusher holds those 10 in an insert that does not return
-    ids += [record(rec, i) for i in range(10, 60)]  # each returns: 30 fit in memory, 20 do not
-    assert rec.queued() == 40 and rec.counts()["dropped"] == 20
+    entered.wait()  # the recorder holds those 10 in an insert that does not return
+    ids += [record(rec, i) for i in range(10, 60)]  # each returns at once: in the queue file
+    # (the memory queue of old refused all but 30 of these 50, counted as dropped)
+    assert rec.queued() == 60 and rec.counts()["dropped"] == 0
     gate.set()
     assert rec.close() is True
     run = LiveRun.for_run_id(rec.run_id)
-    # the 10 went to the store; the 30 behind them were above the high-water mark: spooled
-    assert (run.recorded, run.stored, run.spooled, run.dropped) == (40, 10, 30, 20)
+    assert (run.recorded, run.stored + run.spooled, run.dropped) == (60, 60, 0)
     rec.writer.flush()
-    assert [r["request_id"] for r in stored(store, rec.run_id)] == ids[:40]
-    assert physical(store, rec.run_id) == (40, 40)
+    assert [r["request_id"] for r in stored(store, rec.run_id)] == ids
+    assert physical(store, rec.run_id) == (60, 60)
 
 
 def test_close_drains_every_queued_sample_and_later_ones_are_counted_not_kept(store, tmp_path):
@@ -339,8 +337,10 @@ def test_a_real_server_unreachable_mid_traffic_then_back_gets_every_sample_once(
     wait_until(lambda: rec.counts()["spooled"] == 100, "the 100 spooled")
     proxy.up()
     ids += [record(rec, i) for i in range(140, 160)]
-    wait_until(lambda: rec.writer.pending() == 0 and rec.counts()["stored"] + rec.counts()["spooled"] == 160,
-               "the spool flushed by the recorder's retry")  # fmt: skip
+    wait_until(
+        lambda: rec.writer.pending() == 0 and rec.counts()["stored"] + rec.counts()["spooled"] == 160,
+        "the spool flushed by the recorder's retry",
+    )
     assert rec.close() is True
     assert [r["request_id"] for r in stored(store, rec.run_id)] == ids
     assert physical(store, rec.run_id) == (160, 160)
@@ -395,7 +395,7 @@ def test_a_long_spool_is_flushed_a_file_at_a_time_while_new_samples_keep_coming(
     down = switch_off(store, monkeypatch)
     down.set()
     # flush_budget_s=0: every flush stops after one file, so draining takes many loops
-    rec = recorder(store, tmp_path, batch_rows=5, queue_rows=1000, flush_budget_s=0.0)
+    rec = recorder(store, tmp_path, batch_rows=5, flush_budget_s=0.0)
     rec.start()
     ids = []
     for i in range(12):
@@ -404,8 +404,10 @@ def test_a_long_spool_is_flushed_a_file_at_a_time_while_new_samples_keep_coming(
     assert len(rec.writer.spool.pending_files()) == 12
     down.clear()
     ids += [record(rec, i) for i in range(12, 40)]  # while the spool drains
-    wait_until(lambda: rec.writer.spool.pending_files() == [] and len(stored(store, rec.run_id)) == 40,
-               "the spool drained and every sample stored")  # fmt: skip
+    wait_until(
+        lambda: rec.writer.spool.pending_files() == [] and len(stored(store, rec.run_id)) == 40,
+        "the spool drained and every sample stored",
+    )
     assert rec.close() is True
     assert [r["request_id"] for r in stored(store, rec.run_id)] == ids
     assert physical(store, rec.run_id) == (40, 40)
@@ -432,9 +434,12 @@ def test_a_second_signal_during_the_drain_still_closes_the_recorder(
         child, url = start_gateway_command(settings, tmp_path)
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         stream = client.chat.completions.create(
-            model="ttft-opt", messages=[{"role": "user", "content": "Tell me a long story"}], user="u-2",
-            max_tokens=400, stream=True,
-        )  # fmt: skip
+            model="ttft-opt",
+            messages=[{"role": "user", "content": "Tell me a long story"}],
+            user="u-2",
+            max_tokens=400,
+            stream=True,
+        )
         chunks = iter(stream)
         next(chunks)  # the stream is under way: the drain will wait for it
         reply = client.chat.completions.with_raw_response.create(
@@ -470,3 +475,54 @@ def test_a_second_signal_during_the_drain_still_closes_the_recorder(
     assert done_id in stored_ids
     # who closed it: the exit hook only when uvicorn skipped the lifespan shutdown
     assert ("closing the recorder" in out) is (signame == "SIGINT"), out[-3000:]
+
+
+def test_the_sample_is_handed_over_before_the_response_s_end_goes_out(running, make_gateway):
+    """The gateway's ASGI messages and its recorder's calls, in one order: the sample is in the
+    queue file before the client can see its response end (gateway/attempts.py), so a process
+    killed after that end loses no sample of a completed request."""
+    import asyncio
+    import json
+
+    served = make_gateway()
+    order: list[str] = []
+
+    class Ordered(FakeRecorder):
+        def record(self, result, **fields) -> None:
+            order.append("record")
+            super().record(result, **fields)
+
+    served.gateway.attempts.recorder = Ordered()
+    body = json.dumps(
+        {"model": running.key, "messages": [{"role": "user", "content": "hi"}], "user": "u-1", "stream": True}
+    ).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "headers": [(b"authorization", f"Bearer {KEY}".encode()), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 80),
+    }
+
+    async def exchange() -> None:
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+        forever = asyncio.get_running_loop().create_future()
+
+        async def receive():
+            return messages.pop() if messages else await forever
+
+        async def send(message):
+            if message["type"] == "http.response.body":
+                order.append("body" if message.get("more_body") else "end")
+
+        await served.gateway(scope, receive, send)
+
+    asyncio.run(exchange())
+    assert order.count("record") == 1 and order[-1] == "end" and "body" in order
+    assert order.index("record") < order.index("end"), order

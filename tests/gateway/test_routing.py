@@ -75,9 +75,19 @@ def test_decisions():
 
 @pytest.mark.parametrize(
     "entries",
-    [["x"], ["=exp"], ["m="], ["/v1=exp"], ["/healthz=exp"], ["/a//b=exp"], ["/=exp"], ["m=a", "m=b"],
-     ["/p=a", "/p/=b"], ["m=bad key"]],
-)  # fmt: skip
+    [
+        ["x"],
+        ["=exp"],
+        ["m="],
+        ["/v1=exp"],
+        ["/healthz=exp"],
+        ["/a//b=exp"],
+        ["/=exp"],
+        ["m=a", "m=b"],
+        ["/p=a", "/p/=b"],
+        ["m=bad key"],
+    ],
+)
 def test_bad_routes_name_the_setting(entries):
     with pytest.raises(ValueError, match="ABPLAT_GATEWAY_ROUTES"):
         parse_routes(entries)

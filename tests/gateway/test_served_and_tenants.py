@@ -112,9 +112,10 @@ def test_a_tenants_rate_holds_whatever_user_ids_it_sends(running_with, make_gate
             assert "API key" in r.json()["error"]["message"]
     assert codes[:3] == [200, 200, 200] and codes[3:] == [429, 429]
     other = httpx.post(  # another tenant has its own bucket
-        gw.url + "/v1/chat/completions", json={"model": "ttft-opt", "messages": MESSAGES, "max_tokens": 2},
+        gw.url + "/v1/chat/completions",
+        json={"model": "ttft-opt", "messages": MESSAGES, "max_tokens": 2},
         headers={"authorization": f"Bearer {OTHER_KEY}"},
-    )  # fmt: skip
+    )
     assert other.status_code == 200
     assert gw.gateway.counts["refused_429"] == 2
 
@@ -179,5 +180,11 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408_and_frees_its_slot(running
         reply = _read_response(s)
     assert reply.startswith(b"HTTP/1.1 408"), reply
     assert b"did not arrive within 0.3 s" in reply
-    assert httpx.post(gw.url + "/v1/chat/completions", json={**{"model": "ttft-opt"}, "messages": MESSAGES,
-                                                             "max_tokens": 2}, headers=AUTH).status_code == 200  # fmt: skip
+    assert (
+        httpx.post(
+            gw.url + "/v1/chat/completions",
+            json={**{"model": "ttft-opt"}, "messages": MESSAGES, "max_tokens": 2},
+            headers=AUTH,
+        ).status_code
+        == 200
+    )

@@ -94,8 +94,13 @@ def test_a_5xx_before_the_first_byte_is_retried_on_the_control(running_with, mak
     # The fault header goes to both attempts: the control fails the same way, and its 500 is
     # what the user gets (one retry, never more).
     with pytest.raises(openai.InternalServerError):
-        gw.client().chat.completions.create(model="ttft-opt", messages=MESSAGES, user=user, max_tokens=4,
-                                            extra_headers={"x-abplat-fault": "http_error"})  # fmt: skip
+        gw.client().chat.completions.create(
+            model="ttft-opt",
+            messages=MESSAGES,
+            user=user,
+            max_tokens=4,
+            extra_headers={"x-abplat-fault": "http_error"},
+        )
     recs = gw.recorder.wait_for(2)
     assert [(r["variant"], r["attempt"], r["result"].outcome) for r in recs] == [
         ("awq-fa2", 1, Outcome.HTTP_5XX),
@@ -173,7 +178,7 @@ def test_a_user_going_away_before_the_headers_cancels_the_upstream_request(runni
 
 def test_a_tls_variant_is_verified_against_the_configured_ca(running_with, make_gateway, pki):
     from simulator.serve import start_in_thread
-    from streaming.client import tls_verify
+    from streaming.tls import tls_verify
 
     tls_sim = start_in_thread("fast", model="tiny-llama", tls=(pki.certfile, pki.keyfile))
     try:
@@ -220,15 +225,27 @@ def test_a_stream_cut_by_the_gateways_own_stop_is_recorded_once(running_with, db
     recorder = FakeRecorder()
     gateway = Gateway(
         GatewayConfig(keys=parse_keys(f"acme {KEY}\n"), forward_headers=frozenset({"x-abplat-fault"})),
-        router=process.live_router(), directory=directory, recorder=recorder,
-        allow=parse_allowlist(["127.0.0.0/8"]), refresh_variants=False,
-    )  # fmt: skip
+        router=process.live_router(),
+        directory=directory,
+        recorder=recorder,
+        allow=parse_allowlist(["127.0.0.0/8"]),
+        refresh_variants=False,
+    )
     user = user_on(process.live_router(), "ttft-opt", "fp16")
-    body = json.dumps({"model": "ttft-opt", "messages": MESSAGES, "user": user, "max_tokens": 50,
-                       "stream": True}).encode()  # fmt: skip
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": [
-        (b"authorization", f"Bearer {KEY}".encode()), (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()), (b"x-abplat-fault", b"stall")]}  # fmt: skip
+    body = json.dumps(
+        {"model": "ttft-opt", "messages": MESSAGES, "user": user, "max_tokens": 50, "stream": True}
+    ).encode()
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [
+            (b"authorization", f"Bearer {KEY}".encode()),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"x-abplat-fault", b"stall"),
+        ],
+    }
 
     async def go():
         sent, first_body = [], asyncio.Event()

@@ -144,8 +144,12 @@ def test_each_variant_gets_prompts_for_its_own_tokenizer_and_shared_targets_coun
             return None, "HTTP 404"
         return FakeCounter({"http://a": subword, "http://b": linear}[endpoint]), ""
 
-    targets = {"a": ("http://a", "m", "chat"), "a2": ("http://a", "m", "chat"), "b": ("http://b", "m", "chat"),
-               "n": ("http://none", "m", "chat")}  # fmt: skip
+    targets = {
+        "a": ("http://a", "m", "chat"),
+        "a2": ("http://a", "m", "chat"),
+        "b": ("http://b", "m", "chat"),
+        "n": ("http://none", "m", "chat"),
+    }
     inner = {v: Recorder() for v in targets}
     clients, report = asyncio.run(
         calibrate_streamers(
@@ -182,8 +186,16 @@ def test_a_log_of_texts_needs_no_calibration():
     text_only = [
         SimpleNamespace(seq=1, prompt_tokens=0, messages=({"role": "user", "content": "x"},), prompt=None)
     ]
-    clients, report = asyncio.run(calibrate_streamers({"a": Recorder()}, text_only, run_id=1, mode=SPLIT,
-                                                      targets={"a": ("e", "m", "chat")}, open_counter=open_counter))  # fmt: skip
+    clients, report = asyncio.run(
+        calibrate_streamers(
+            {"a": Recorder()},
+            text_only,
+            run_id=1,
+            mode=SPLIT,
+            targets={"a": ("e", "m", "chat")},
+            open_counter=open_counter,
+        )
+    )
     assert report == [] and isinstance(clients["a"], Recorder)
 
 
@@ -204,7 +216,15 @@ def test_a_counter_failing_midway_falls_back_to_the_estimate_and_the_run_goes_on
         return Flaky(), ""
 
     reqs = [SimpleNamespace(seq=1, prompt_tokens=64, messages=None, prompt=None)]
-    clients, (rep,) = asyncio.run(calibrate_streamers({"a": Recorder()}, reqs, run_id=1, mode=SPLIT,
-                                                      targets={"a": ("e", "m", "chat")}, open_counter=open_counter))  # fmt: skip
+    clients, (rep,) = asyncio.run(
+        calibrate_streamers(
+            {"a": Recorder()},
+            reqs,
+            run_id=1,
+            mode=SPLIT,
+            targets={"a": ("e", "m", "chat")},
+            open_counter=open_counter,
+        )
+    )
     assert rep.estimated == 1 and "ReadTimeout" in rep.why_not
     assert clients["a"].prompts[request_id(1, 1)].text == synth_words(1, 64)

@@ -21,8 +21,10 @@ def sims():
 
 
 def requests(n, gap_s=0.01):
-    return [TraceRequest(seq=i, offset_s=i * gap_s, user_id=f"user-{i % 7}", prompt_tokens=20 + i, max_tokens=4)
-            for i in range(n)]  # fmt: skip
+    return [
+        TraceRequest(seq=i, offset_s=i * gap_s, user_id=f"user-{i % 7}", prompt_tokens=20 + i, max_tokens=4)
+        for i in range(n)
+    ]
 
 
 def run(spec, sims, **kw):
@@ -41,9 +43,17 @@ def run(spec, sims, **kw):
 
 
 def spec_for(reqs, mode="split", **kw):
-    return ShardSpec(experiment="exp", run_id=9, mode=mode, requests=reqs,
-                     offsets=[r.offset_s for r in reqs], start_at_unix=time.time() + 0.2,
-                     concurrency=kw.pop("concurrency", 64), variants=kw.pop("variants", ["a", "b"]), **kw)  # fmt: skip
+    return ShardSpec(
+        experiment="exp",
+        run_id=9,
+        mode=mode,
+        requests=reqs,
+        offsets=[r.offset_s for r in reqs],
+        start_at_unix=time.time() + 0.2,
+        concurrency=kw.pop("concurrency", 64),
+        variants=kw.pop("variants", ["a", "b"]),
+        **kw,
+    )
 
 
 def test_split_sends_each_request_once_to_its_assigned_variant(sims):
@@ -89,8 +99,13 @@ def test_closed_loop_keeps_concurrency(sims):
 def test_cancel_stops_sending_and_keeps_what_was_sent(sims):
     reqs = requests(200, gap_s=0.02)  # 4 s of schedule
     started = time.monotonic()
-    stats, rows = run(spec_for(reqs), sims, assign=lambda u: ("a", 1),
-                      should_cancel=lambda: time.monotonic() - started > 0.8, progress_interval_s=0.1)  # fmt: skip
+    stats, rows = run(
+        spec_for(reqs),
+        sims,
+        assign=lambda u: ("a", 1),
+        should_cancel=lambda: time.monotonic() - started > 0.8,
+        progress_interval_s=0.1,
+    )
     assert stats.cancelled and 0 < stats.recorded < 200
     assert stats.recorded + stats.not_sent == 200 and len(rows) == stats.recorded
 
@@ -213,8 +228,10 @@ def test_a_shape_mismatch_is_refused_before_anything_is_sent():
     and were recorded as malformed (a server fault); now nothing is sent."""
     from replay.shapes import ShapeError
 
-    reqs = [TraceRequest(i, 0.0, "u", 0, 4, messages=({"role": "user", "content": "x"},), line=i + 1)
-            for i in range(3)]  # fmt: skip
+    reqs = [
+        TraceRequest(i, 0.0, "u", 0, 4, messages=({"role": "user", "content": "x"},), line=i + 1)
+        for i in range(3)
+    ]
     comp = _Recorder("completions")
     with pytest.raises(ShapeError, match=r"3 line\(s\) \(1, 2, 3\).*variant\(s\) b take completions"):
         ShardRunner(spec_for(reqs, mode="mirror"), {"a": _Recorder(), "b": comp}, None, lambda r: None)
@@ -268,9 +285,13 @@ def test_after_a_cancel_requests_in_flight_get_a_grace_then_are_recorded_cancell
     started = time.monotonic()
     t0 = time.monotonic()
     stats, rows, _ = run_fake(
-        spec_for(reqs, variants=["a"]), {"a": _Recorder(hold=30.0)}, lambda u: ("a", 1),
-        should_cancel=lambda: time.monotonic() - started > 0.3, progress_interval_s=0.05, cancel_grace_s=0.2,
-    )  # fmt: skip
+        spec_for(reqs, variants=["a"]),
+        {"a": _Recorder(hold=30.0)},
+        lambda u: ("a", 1),
+        should_cancel=lambda: time.monotonic() - started > 0.3,
+        progress_interval_s=0.05,
+        cancel_grace_s=0.2,
+    )
     assert time.monotonic() - t0 < 5.0
     assert stats.cancelled and stats.recorded == stats.sent == 6 == len(rows)
     assert {r["outcome"] for r in rows} == {"cancelled"}
@@ -282,9 +303,13 @@ def test_a_full_closed_loop_stops_at_a_cancel_instead_of_sending_when_a_slot_fre
     spec.offsets = None
     started = time.monotonic()
     stats, rows, _ = run_fake(
-        spec, {"a": _Recorder(hold=0.1)}, lambda u: ("a", 1),
-        should_cancel=lambda: time.monotonic() - started > 0.35, progress_interval_s=0.05, cancel_grace_s=5.0,
-    )  # fmt: skip
+        spec,
+        {"a": _Recorder(hold=0.1)},
+        lambda u: ("a", 1),
+        should_cancel=lambda: time.monotonic() - started > 0.35,
+        progress_interval_s=0.05,
+        cancel_grace_s=5.0,
+    )
     assert stats.cancelled and stats.recorded + stats.not_sent == 40 and stats.recorded < 20
     assert {r["outcome"] for r in rows} == {"ok"}  # in flight within the grace: they finished
 
@@ -326,9 +351,12 @@ def test_a_cancel_wakes_the_send_loop_from_a_long_wait_at_once():
     reqs = requests(3, gap_s=30.0)  # the second request is due in 30 s
     started = time.monotonic()
     stats, rows, unretrieved = run_fake(
-        spec_for(reqs, variants=["a"]), {"a": _Recorder()}, lambda u: ("a", 1),
-        should_cancel=lambda: time.monotonic() - started > 0.3, progress_interval_s=0.05,
-    )  # fmt: skip
+        spec_for(reqs, variants=["a"]),
+        {"a": _Recorder()},
+        lambda u: ("a", 1),
+        should_cancel=lambda: time.monotonic() - started > 0.3,
+        progress_interval_s=0.05,
+    )
     assert time.monotonic() - started < 5.0
     assert stats.cancelled and stats.recorded == 1 and stats.not_sent == 2
     assert not unretrieved

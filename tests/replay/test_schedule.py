@@ -34,11 +34,17 @@ def test_closed_loop_has_no_schedule():
 
 @pytest.mark.parametrize(
     "kwargs, says",
-    [({"mode": "warp"}, "mode must be"), ({"speed": 0}, "speed must be at least 1e-06"), ({"speed": 1e-300}, "speed must be at least"),
-     ({"mode": "poisson"}, "rate must be 1e-06 to"), ({"mode": "gamma", "rate": 1, "cv": 0}, "cv must be"),
-     ({"mode": "gamma", "rate": 1, "cv": 1e300}, "cv must be 0.001 to 1000"), ({"mode": "poisson", "rate": 1e9}, "rate must be"),
-     ({"mode": "closed"}, "concurrency must be")],
-)  # fmt: skip
+    [
+        ({"mode": "warp"}, "mode must be"),
+        ({"speed": 0}, "speed must be at least 1e-06"),
+        ({"speed": 1e-300}, "speed must be at least"),
+        ({"mode": "poisson"}, "rate must be 1e-06 to"),
+        ({"mode": "gamma", "rate": 1, "cv": 0}, "cv must be"),
+        ({"mode": "gamma", "rate": 1, "cv": 1e300}, "cv must be 0.001 to 1000"),
+        ({"mode": "poisson", "rate": 1e9}, "rate must be"),
+        ({"mode": "closed"}, "concurrency must be"),
+    ],
+)
 def test_bad_arrival_settings_named(kwargs, says):
     with pytest.raises(ValueError, match=says):
         Arrival(**kwargs)
@@ -96,12 +102,17 @@ def test_shard_lag_quantiles_are_exact_order_statistics():
 
 @pytest.mark.parametrize(
     "kwargs, says",
-    [({"mode": "recorded", "rate": 10}, "rate applies to poisson or gamma arrivals, not recorded"),
-     ({"mode": "closed", "concurrency": 4, "rate": 5}, "rate applies to poisson or gamma arrivals, not closed"),
-     ({"mode": "poisson", "rate": 10, "cv": 3}, "cv applies to gamma arrivals, not poisson"),
-     ({"mode": "recorded", "cv": 2}, "cv applies to gamma arrivals, not recorded"),
-     ({"mode": "poisson", "rate": 10, "speed": 20}, "speed applies to recorded arrivals, not poisson")],
-)  # fmt: skip
+    [
+        ({"mode": "recorded", "rate": 10}, "rate applies to poisson or gamma arrivals, not recorded"),
+        (
+            {"mode": "closed", "concurrency": 4, "rate": 5},
+            "rate applies to poisson or gamma arrivals, not closed",
+        ),
+        ({"mode": "poisson", "rate": 10, "cv": 3}, "cv applies to gamma arrivals, not poisson"),
+        ({"mode": "recorded", "cv": 2}, "cv applies to gamma arrivals, not recorded"),
+        ({"mode": "poisson", "rate": 10, "speed": 20}, "speed applies to recorded arrivals, not poisson"),
+    ],
+)
 def test_contradictory_arrival_options_are_rejected_not_ignored(kwargs, says):
     """--rate was silently ignored without --arrival poisson|gamma, --cv with poisson; now refused."""
     with pytest.raises(ValueError, match=says):
@@ -139,9 +150,12 @@ def test_no_windows_or_closed_loop_is_one_window_per_slot():
 
 @pytest.mark.parametrize(
     ("args", "says"),
-    [(([0.0], 1, 0, 5.0), "slot count"), (([0.0, 1.0], 1, 1, 5.0), "2 offsets for 1"),
-     (([0.0], 1, 1, 0.0), "window_s must be > 0")],
-)  # fmt: skip
+    [
+        (([0.0], 1, 0, 5.0), "slot count"),
+        (([0.0, 1.0], 1, 1, 5.0), "2 offsets for 1"),
+        (([0.0], 1, 1, 0.0), "window_s must be > 0"),
+    ],
+)
 def test_bad_window_cuts_named(args, says):
     with pytest.raises(ValueError, match=says):
         plan.window_shards(*args)

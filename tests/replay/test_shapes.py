@@ -11,8 +11,16 @@ CHAT_MSGS = ({"role": "system", "content": "Be brief."}, {"role": "user", "conte
 
 
 def req(seq, *, messages=None, prompt=None, line=None):
-    return TraceRequest(seq=seq, offset_s=0.0, user_id="u", prompt_tokens=0 if messages or prompt else 12,
-                        max_tokens=4, messages=messages, prompt=prompt, line=line or seq + 1)  # fmt: skip
+    return TraceRequest(
+        seq=seq,
+        offset_s=0.0,
+        user_id="u",
+        prompt_tokens=0 if messages or prompt else 12,
+        max_tokens=4,
+        messages=messages,
+        prompt=prompt,
+        line=line or seq + 1,
+    )
 
 
 def test_chat_messages_to_a_completions_variant_are_refused_naming_lines_and_variants():

@@ -12,8 +12,9 @@ import time
 import pytest
 
 from replay.runner import ShardRunner, ShardSpec
-from replay.sink import BatchSink, InvalidRows
+from replay.sink import BatchSink
 from replay.sources import TraceRequest
+from samples.flush import InvalidRows
 from samples.rows import row_from
 from samples.spool import SpoolingWriter
 from streaming.result import StreamResult
@@ -69,7 +70,7 @@ def test_after_a_bad_row_put_refuses_more_and_the_batch_is_not_retried():
     for seq in range(3):  # a full batch: written now
         sink.put(row_from(full_result(ttft_ms=math.nan if seq == 1 else 21.5), context(seq)))
     deadline = time.monotonic() + 10
-    while sink._error is None and time.monotonic() < deadline:
+    while sink.error is None and time.monotonic() < deadline:
         time.sleep(0.01)
     with pytest.raises(RuntimeError, match=r"request 'r7-1' \(seq 1, variant 'awq'\): column ttft_ms"):
         sink.put(row_from(full_result(), context(9)))
@@ -96,8 +97,7 @@ def test_a_write_that_raises_is_not_retried_by_the_sink_and_its_rows_are_counted
     assert first_taken.wait(10)  # the first batch is the writer's: the next two make the second
     for seq in (2, 3):
         sink.put(row_from(full_result(), context(seq)))
-    sink._thread.join(10)  # the sink's thread ends at the failure, without retrying
-    assert not sink._thread.is_alive()
+    assert sink.loop.wait_stopped(10)  # the sink's thread ends at the failure, without retrying
     with pytest.raises(RuntimeError, match="No space left"):
         sink.put(row_from(full_result(), context(4)))
     with pytest.raises(RuntimeError, match="with 2 rows unwritten: No space left"):
@@ -112,8 +112,14 @@ class _Client:
 
     async def stream(self, request_id, prompt, max_tokens, extra=None):
         bad = request_id == "r7-2"
-        return StreamResult(request_id=request_id, output_tokens=max_tokens, chunks=max_tokens, ttft_ms=1.0,
-                            e2e_ms=-math.inf if bad else 5.0, start_ns=time.perf_counter_ns())  # fmt: skip
+        return StreamResult(
+            request_id=request_id,
+            output_tokens=max_tokens,
+            chunks=max_tokens,
+            ttft_ms=1.0,
+            e2e_ms=-math.inf if bad else 5.0,
+            start_ns=time.perf_counter_ns(),
+        )
 
     async def aclose(self):
         pass
@@ -125,8 +131,16 @@ def test_a_replay_with_a_bad_row_stores_the_others_and_its_sink_names_the_row(st
     reqs = [
         TraceRequest(seq=i, offset_s=0.0, user_id=f"u{i}", prompt_tokens=8, max_tokens=3) for i in range(6)
     ]
-    spec = ShardSpec(experiment="ttft-opt", run_id=7, mode="split", requests=reqs, offsets=[0.0] * 6,
-                     start_at_unix=time.time(), concurrency=8, variants=["awq"])  # fmt: skip
+    spec = ShardSpec(
+        experiment="ttft-opt",
+        run_id=7,
+        mode="split",
+        requests=reqs,
+        offsets=[0.0] * 6,
+        start_at_unix=time.time(),
+        concurrency=8,
+        variants=["awq"],
+    )
     writer = SpoolingWriter(store, str(tmp_path / "spool"))
     sink = BatchSink(writer.write, max_age_s=30)
     stats = asyncio.run(ShardRunner(spec, {"awq": _Client()}, lambda user: ("awq", 1), sink.put).run())

@@ -15,8 +15,13 @@ ROLLOUT_DOCUMENT = {
     "name": "AWQ + FA2 rollout",
     "sla": {"ttft_ms": 200, "target": 0.95},
     "variants": [
-        {"key": "fp16", "control": True, "weight": 100, "endpoint": "http://127.0.0.1:8100/v1",
-         "model": "tiny-llama"},
+        {
+            "key": "fp16",
+            "control": True,
+            "weight": 100,
+            "endpoint": "http://127.0.0.1:8100/v1",
+            "model": "tiny-llama",
+        },
         {"key": "awq-fa2", "weight": 0, "endpoint": "http://127.0.0.1:8102/v1", "model": "tiny-llama"},
     ],
     "rollout": {
@@ -31,7 +36,7 @@ ROLLOUT_DOCUMENT = {
         ],
         "on_breach": "rollback",
     },
-}  # fmt: skip
+}
 
 
 @pytest.fixture
@@ -109,10 +114,21 @@ def insert_step(store, key: str, revision: int, arms: dict, *, run_id: int = 1, 
                 if ttft is None
                 else StreamResult(ttft_ms=float(ttft), e2e_ms=float(ttft) + 50.0)
             )
-            rows.append(row_from(result, SampleContext(
-                experiment=key, run_id=run_id, seq=seq, variant=variant, mode="split",
-                sent_unix_ms=now, user_id=f"u{run_id}-{seq}", config_revision=revision,
-            )))  # fmt: skip
+            rows.append(
+                row_from(
+                    result,
+                    SampleContext(
+                        experiment=key,
+                        run_id=run_id,
+                        seq=seq,
+                        variant=variant,
+                        mode="split",
+                        sent_unix_ms=now,
+                        user_id=f"u{run_id}-{seq}",
+                        config_revision=revision,
+                    ),
+                )
+            )
             seq += 1
     store.insert_samples(rows)
     return seq

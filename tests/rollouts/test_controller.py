@@ -11,7 +11,7 @@ import pytest
 from experiments.document import validate_document
 from rollouts import controller as c
 from rollouts.controller import Plan, State, StepReading, StoreView, decide_step
-from stats.sequential.guardrails import ArmSnapshot, UserSums
+from stats.sequential.arm_snapshot import ArmSnapshot, UserSums
 from stats.sequential.quantiles import LatencyHistogram, latency_edges
 
 EDGES = latency_edges(2_000.0, 1.0)
@@ -54,34 +54,129 @@ GOOD = StoreView({"fp16": 90, "awq-fa2": 10}, 7)
 @pytest.mark.parametrize(
     ("name", "state", "store", "read", "now", "action", "to_step", "weights", "words"),
     [
-        ("first look starts", State(), StoreView({"fp16": 100, "awq-fa2": 0}, 3), None, 0,
-         c.START, 0, {"fp16": 90, "awq-fa2": 10}, "starting the rollout at 10%"),
-        ("weights store down", State(step=0, last_seen_revision=7), StoreView(None, None, "etcd down"), None, 0,
-         c.HOLD, 0, None, "weights store unavailable (etcd down)"),
-        ("sample store down", State(step=0, last_seen_revision=7), GOOD, StepReading(error="EOF"), 0,
-         c.HOLD, 0, None, "never promoting blind"),
-        ("a person changed the weights", State(step=0, last_seen_revision=7),
-         StoreView({"fp16": 80, "awq-fa2": 20}, 9), None, 0, c.YIELD, 0, None, "a person is in charge"),
-        ("same weights, newer revision", State(step=0, last_seen_revision=7),
-         StoreView({"fp16": 90, "awq-fa2": 10}, 8), None, 0, c.YIELD, 0, None, "revision 7 -> 8"),
-        ("too few samples", State(step=0, step_started_s=0, last_seen_revision=7), GOOD,
-         reading(arm(441), arm(49)), 10, c.HOLD, 0, None, "candidate has 49 of 50"),
-        ("healthy: promote", State(step=0, step_started_s=0, last_seen_revision=7), GOOD,
-         reading(arm(900), arm(100)), 10, c.PROMOTE, 1, {"fp16": 50, "awq-fa2": 50}, "promoting to 50%"),
-        ("healthy before 100: complete", State(step=1, step_started_s=0, last_seen_revision=7),
-         StoreView({"fp16": 50, "awq-fa2": 50}, 7), reading(arm(500), arm(500)), 10,
-         c.COMPLETE, 2, {"fp16": 0, "awq-fa2": 100}, "awq-fa2 to 100%"),
-        ("slow candidate: rollback", State(step=0, step_started_s=0, last_seen_revision=7), GOOD,
-         reading(arm(900), arm(100, miss=0.6)), 10, c.ROLLBACK, None, {"fp16": 100, "awq-fa2": 0},
-         "guardrail breached"),
-        ("failing candidate: rollback", State(step=0, step_started_s=0, last_seen_revision=7), GOOD,
-         reading(arm(900), arm(100, err=0.5)), 10, c.ROLLBACK, None, {"fp16": 100, "awq-fa2": 0},
-         "error_rate"),
-        ("split broken: pause", State(step=0, step_started_s=0, last_seen_revision=7), GOOD,
-         reading(arm(900), arm(100), users={"fp16": 500, "awq-fa2": 500}), 10, c.PAUSE, 0, None,
-         "Sample ratio mismatch"),
+        (
+            "first look starts",
+            State(),
+            StoreView({"fp16": 100, "awq-fa2": 0}, 3),
+            None,
+            0,
+            c.START,
+            0,
+            {"fp16": 90, "awq-fa2": 10},
+            "starting the rollout at 10%",
+        ),
+        (
+            "weights store down",
+            State(step=0, last_seen_revision=7),
+            StoreView(None, None, "etcd down"),
+            None,
+            0,
+            c.HOLD,
+            0,
+            None,
+            "weights store unavailable (etcd down)",
+        ),
+        (
+            "sample store down",
+            State(step=0, last_seen_revision=7),
+            GOOD,
+            StepReading(error="EOF"),
+            0,
+            c.HOLD,
+            0,
+            None,
+            "never promoting blind",
+        ),
+        (
+            "a person changed the weights",
+            State(step=0, last_seen_revision=7),
+            StoreView({"fp16": 80, "awq-fa2": 20}, 9),
+            None,
+            0,
+            c.YIELD,
+            0,
+            None,
+            "a person is in charge",
+        ),
+        (
+            "same weights, newer revision",
+            State(step=0, last_seen_revision=7),
+            StoreView({"fp16": 90, "awq-fa2": 10}, 8),
+            None,
+            0,
+            c.YIELD,
+            0,
+            None,
+            "revision 7 -> 8",
+        ),
+        (
+            "too few samples",
+            State(step=0, step_started_s=0, last_seen_revision=7),
+            GOOD,
+            reading(arm(441), arm(49)),
+            10,
+            c.HOLD,
+            0,
+            None,
+            "candidate has 49 of 50",
+        ),
+        (
+            "healthy: promote",
+            State(step=0, step_started_s=0, last_seen_revision=7),
+            GOOD,
+            reading(arm(900), arm(100)),
+            10,
+            c.PROMOTE,
+            1,
+            {"fp16": 50, "awq-fa2": 50},
+            "promoting to 50%",
+        ),
+        (
+            "healthy before 100: complete",
+            State(step=1, step_started_s=0, last_seen_revision=7),
+            StoreView({"fp16": 50, "awq-fa2": 50}, 7),
+            reading(arm(500), arm(500)),
+            10,
+            c.COMPLETE,
+            2,
+            {"fp16": 0, "awq-fa2": 100},
+            "awq-fa2 to 100%",
+        ),
+        (
+            "slow candidate: rollback",
+            State(step=0, step_started_s=0, last_seen_revision=7),
+            GOOD,
+            reading(arm(900), arm(100, miss=0.6)),
+            10,
+            c.ROLLBACK,
+            None,
+            {"fp16": 100, "awq-fa2": 0},
+            "guardrail breached",
+        ),
+        (
+            "failing candidate: rollback",
+            State(step=0, step_started_s=0, last_seen_revision=7),
+            GOOD,
+            reading(arm(900), arm(100, err=0.5)),
+            10,
+            c.ROLLBACK,
+            None,
+            {"fp16": 100, "awq-fa2": 0},
+            "error_rate",
+        ),
+        (
+            "split broken: pause",
+            State(step=0, step_started_s=0, last_seen_revision=7),
+            GOOD,
+            reading(arm(900), arm(100), users={"fp16": 500, "awq-fa2": 500}),
+            10,
+            c.PAUSE,
+            0,
+            None,
+            "Sample ratio mismatch",
+        ),
     ],
-)  # fmt: skip
+)
 def test_decisions(plan, name, state, store, read, now, action, to_step, weights, words):
     d = decide_step(plan, state, store, read, now)
     assert d.action == action, (name, d.reason)
@@ -91,8 +186,13 @@ def test_decisions(plan, name, state, store, read, now, action, to_step, weights
 
 def test_breach_with_pause_in_the_plan_pauses_and_keeps_the_weights(rollout_document):
     plan = plan_of(rollout_document, on_breach="pause")
-    d = decide_step(plan, State(step=0, step_started_s=0, last_seen_revision=7), GOOD,
-                    reading(arm(900), arm(100, miss=0.6)), 10)  # fmt: skip
+    d = decide_step(
+        plan,
+        State(step=0, step_started_s=0, last_seen_revision=7),
+        GOOD,
+        reading(arm(900), arm(100, miss=0.6)),
+        10,
+    )
     assert d.action == c.PAUSE and d.weights is None and d.state_after == c.PAUSED
     assert "paused per plan" in d.reason
 
@@ -109,14 +209,24 @@ def test_a_young_step_holds_until_min_duration(rollout_document):
 def test_a_breach_needs_no_minimum(rollout_document):
     # Breaches are decided at any look: the sequences allow it.
     plan = plan_of(rollout_document, min_samples=10_000, min_duration="1h")
-    d = decide_step(plan, State(step=0, step_started_s=0, last_seen_revision=7), GOOD,
-                    reading(arm(900), arm(100, err=0.6)), 1)  # fmt: skip
+    d = decide_step(
+        plan,
+        State(step=0, step_started_s=0, last_seen_revision=7),
+        GOOD,
+        reading(arm(900), arm(100, err=0.6)),
+        1,
+    )
     assert d.action == c.ROLLBACK
 
 
 def test_the_decision_carries_the_numbers(plan):
-    d = decide_step(plan, State(step=0, step_started_s=0, last_seen_revision=7), GOOD,
-                    reading(arm(900, miss=0.01), arm(100, miss=0.6)), 12)  # fmt: skip
+    d = decide_step(
+        plan,
+        State(step=0, step_started_s=0, last_seen_revision=7),
+        GOOD,
+        reading(arm(900, miss=0.01), arm(100, miss=0.6)),
+        12,
+    )
     v = d.numbers["verdict"]
     assert v["n_control"] == 900 and v["n_candidate"] == 100 and v["elapsed_s"] == 12
     attainment = next(ch for ch in v["checks"] if ch["metric"] == "attainment")
@@ -173,13 +283,15 @@ def users_arm(rng, users: int, n: int, miss_of_long: float = 0.0) -> ArmSnapshot
         return np.bincount(code, weights=v, minlength=g)
 
     sums = UserSums(
-        per_user(np.ones(n)).astype(int), per_user(hit).astype(int), per_user(failed).astype(int),
+        per_user(np.ones(n)).astype(int),
+        per_user(hit).astype(int),
+        per_user(failed).astype(int),
         ("prompt_tokens", "max_tokens"),
         np.stack([per_user(x[:, k]) for k in range(2)], 1),
         np.stack([np.stack([per_user(x[:, k] * x[:, m]) for m in range(2)], 1) for k in range(2)], 1),
         np.stack([per_user(x[:, k] * hit) for k in range(2)], 1),
         np.stack([per_user(x[:, k] * failed) for k in range(2)], 1),
-    )  # fmt: skip
+    )
     hist = LatencyHistogram(EDGES).update(np.where(hit, 100.0, 400.0)[~failed])
     return ArmSnapshot(n, int(hit.sum()), int(failed.sum()), {"ttft_ms": hist}, sums)
 
@@ -189,15 +301,23 @@ def test_the_decision_json_names_the_inference_of_each_guardrail(rollout_documen
     rollout_document["rollout"]["guardrails"].append({"metric": "attainment", "at_least_over_control": -0.01})
     plan = plan_of(rollout_document)
     control, cand = users_arm(rng, 900, 9000), users_arm(rng, 100, 1000, miss_of_long=0.8)
-    d = decide_step(plan, State(step=0, step_started_s=0, last_seen_revision=7), GOOD,
-                    reading(control, cand, {"fp16": 900, "awq-fa2": 100}), 10)  # fmt: skip
+    d = decide_step(
+        plan,
+        State(step=0, step_started_s=0, last_seen_revision=7),
+        GOOD,
+        reading(control, cand, {"fp16": 900, "awq-fa2": 100}),
+        10,
+    )
     assert d.action == c.ROLLBACK, d.reason
     out = json.loads(json.dumps(d.as_dict(), allow_nan=False))
     assert out["numbers"]["analysis"] == {"cluster_by_user": True, "adjust": True}
     checks = out["numbers"]["verdict"]["checks"]
     assert [ch["inference"] for ch in checks] == [
-        "user-clustered", "user-clustered, adjusted", "order statistics", "user-clustered, adjusted",
-    ]  # fmt: skip
+        "user-clustered",
+        "user-clustered, adjusted",
+        "order statistics",
+        "user-clustered, adjusted",
+    ]
     attainment_over = checks[3]
     assert attainment_over["status"] == "breach"
     assert attainment_over["covariates"] == ["prompt_tokens", "max_tokens"]
@@ -212,14 +332,24 @@ def test_the_decision_json_names_the_inference_of_each_guardrail(rollout_documen
         sla_target=0.95,
         analysis={"adjust": False},
     )
-    d = decide_step(off, State(step=0, step_started_s=0, last_seen_revision=7), GOOD,
-                    reading(control, cand, {"fp16": 900, "awq-fa2": 100}), 10)  # fmt: skip
+    d = decide_step(
+        off,
+        State(step=0, step_started_s=0, last_seen_revision=7),
+        GOOD,
+        reading(control, cand, {"fp16": 900, "awq-fa2": 100}),
+        10,
+    )
     checks = d.as_dict()["numbers"]["verdict"]["checks"]
     assert d.numbers["analysis"] == {"cluster_by_user": True, "adjust": False}
     assert checks[3]["inference"] == "user-clustered" and "analysis.adjust" in checks[3]["inference_note"]
     # A reading without per-user aggregates (cluster_by_user off): every share read per request.
     bare = [ArmSnapshot(a.n, a.hits, a.errors, a.latencies) for a in (control, cand)]
-    d = decide_step(plan, State(step=0, step_started_s=0, last_seen_revision=7), GOOD,
-                    reading(*bare, {"fp16": 900, "awq-fa2": 100}), 10)  # fmt: skip
+    d = decide_step(
+        plan,
+        State(step=0, step_started_s=0, last_seen_revision=7),
+        GOOD,
+        reading(*bare, {"fp16": 900, "awq-fa2": 100}),
+        10,
+    )
     inference = [ch["inference"] for ch in d.as_dict()["numbers"]["verdict"]["checks"]]
     assert inference == ["requests", "requests", "order statistics", "requests"]

@@ -53,9 +53,21 @@ def replay_batch(seed: int) -> None:
     wait_for(lambda: live_router().document(KEY)[1] >= revision, timeout=10)
     out = io.StringIO()
     call_command(
-        "replay", KEY, "--trace", TRACE, "--arrival", "poisson", "--rate", "150",
-        "--limit", str(BATCH), "--seed", str(seed), "--no-preflight", stdout=out,
-    )  # fmt: skip
+        "replay",
+        KEY,
+        "--trace",
+        TRACE,
+        "--arrival",
+        "poisson",
+        "--rate",
+        "150",
+        "--limit",
+        str(BATCH),
+        "--seed",
+        str(seed),
+        "--no-preflight",
+        stdout=out,
+    )
     assert f"done: {BATCH}/{BATCH} samples" in out.getvalue(), out.getvalue()
 
 

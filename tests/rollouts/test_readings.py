@@ -16,7 +16,9 @@ from analysis.sql import SAMPLES, hit_expr
 from rollouts.controller import Plan
 from rollouts.readings import read_step
 from samples import synthetic
-from stats.sequential.guardrails import ArmSnapshot, Guardrail, UserMoments, UserSums, check_guardrail
+from stats.sequential.arm_snapshot import ArmSnapshot, UserMoments, UserSums
+from stats.sequential.guardrail_spec import Guardrail
+from stats.sequential.guardrails import check_guardrail
 
 pytestmark = pytest.mark.services
 
@@ -30,9 +32,14 @@ def store(request, shared_store):
 
 def live(n: int, *, seed: int) -> dict:
     spec = synthetic.SyntheticSpec(
-        experiment=EXP, mode="split", n=n, seed=seed, run_id=RUN, config_revisions=(REV,),
+        experiment=EXP,
+        mode="split",
+        n=n,
+        seed=seed,
+        run_id=RUN,
+        config_revisions=(REV,),
         variants=[synthetic.VariantSpec("base", 50, {}, control=True), synthetic.VariantSpec("cand", 50, {})],
-    )  # fmt: skip
+    )
     c = synthetic.generate(spec).columns
     c["mode"] = np.full(len(c["mode"]), "live", dtype=object)
     return c
@@ -48,8 +55,17 @@ def test_a_step_counts_the_users_the_router_assigned_not_the_retries_on_the_cont
     retries["seq"] = retries["seq"] + 10**6
     retries["request_id"] = np.array([f"gw-retry-{i}" for i in range(k)], dtype=object)
     store.insert_columns(retries)
-    plan = Plan(candidate="cand", control="base", steps=(5, 50, 100), min_samples=100, min_duration_s=0.0,
-                guardrails=(), on_breach="rollback", notify=(), alpha=0.05)  # fmt: skip
+    plan = Plan(
+        candidate="cand",
+        control="base",
+        steps=(5, 50, 100),
+        min_samples=100,
+        min_duration_s=0.0,
+        guardrails=(),
+        on_breach="rollback",
+        notify=(),
+        alpha=0.05,
+    )
     reading = read_step(store, EXP, REV, plan, Slo(200.0))
     assert reading.error == ""
     users = {v: int(np.sum(assigned["variant"] == v)) for v in ("base", "cand")}
@@ -90,10 +106,15 @@ def legacy_user_sums(store, experiment: str, revision: int, slo: Slo) -> dict[st
             for m in range(k, 2):
                 sxx[:, k, m] = sxx[:, m, k] = col(f"xx{k}{m}")
         out[arm] = UserSums(
-            col("n").astype(np.int64), col("hits").astype(np.int64), col("errors").astype(np.int64),
-            ("prompt_tokens", "max_tokens"), np.stack([col("x0"), col("x1")], 1), sxx,
-            np.stack([col("xh0"), col("xh1")], 1), np.stack([col("xe0"), col("xe1")], 1),
-        )  # fmt: skip
+            col("n").astype(np.int64),
+            col("hits").astype(np.int64),
+            col("errors").astype(np.int64),
+            ("prompt_tokens", "max_tokens"),
+            np.stack([col("x0"), col("x1")], 1),
+            sxx,
+            np.stack([col("xh0"), col("xh1")], 1),
+            np.stack([col("xe0"), col("xe1")], 1),
+        )
     return out
 
 
@@ -148,10 +169,17 @@ def step_samples(exp: str, rev: int, seed: int, run_id: int, constant_max_tokens
     one variant), 10% of the requests without a user (each its own), prompts and requested
     tokens that vary (or max_tokens the same for all), and errors."""
     spec = synthetic.SyntheticSpec(
-        experiment=exp, mode="split", n=4000, seed=seed, run_id=run_id, config_revisions=(rev,),
-        variants=[synthetic.VariantSpec("base", 50, {}, control=True),
-                  synthetic.VariantSpec("cand", 50, {}, ttft_scale=1.5, error_rate=0.05)],
-    )  # fmt: skip
+        experiment=exp,
+        mode="split",
+        n=4000,
+        seed=seed,
+        run_id=run_id,
+        config_revisions=(rev,),
+        variants=[
+            synthetic.VariantSpec("base", 50, {}, control=True),
+            synthetic.VariantSpec("cand", 50, {}, ttft_scale=1.5, error_rate=0.05),
+        ],
+    )
     c = synthetic.generate(spec).columns
     rng = np.random.default_rng(seed)
     n = len(c["variant"])
@@ -180,8 +208,17 @@ def test_a_step_reads_one_row_per_arm_and_decides_as_the_per_user_rows_did(store
     c = step_samples(exp, rev, seed=4, run_id=RUN + 1, constant_max_tokens=constant_max_tokens)
     store.insert_columns(c)
     store.insert_columns(step_samples(exp, rev + 1, seed=5, run_id=RUN + 2))  # the next step's: not read
-    plan = Plan(candidate="cand", control="base", steps=(5, 50, 100), min_samples=100, min_duration_s=0.0,
-                guardrails=(), on_breach="rollback", notify=(), alpha=0.05)  # fmt: skip
+    plan = Plan(
+        candidate="cand",
+        control="base",
+        steps=(5, 50, 100),
+        min_samples=100,
+        min_duration_s=0.0,
+        guardrails=(),
+        on_breach="rollback",
+        notify=(),
+        alpha=0.05,
+    )
     counting = RowCounting(store)
     reading = read_step(counting, exp, rev, plan, Slo(200.0))
     assert reading.error == ""
@@ -207,8 +244,10 @@ def test_a_step_reads_one_row_per_arm_and_decides_as_the_per_user_rows_did(store
         reading.candidate.errors > 0
         and reading.candidate.hits < reading.candidate.n - reading.candidate.errors
     )
-    before = [ArmSnapshot(s.n, s.hits, s.errors, {}, legacy[v]) for v, s in
-              (("base", reading.control), ("cand", reading.candidate))]  # fmt: skip
+    before = [
+        ArmSnapshot(s.n, s.hits, s.errors, {}, legacy[v])
+        for v, s in (("base", reading.control), ("cand", reading.candidate))
+    ]
     guardrails = [
         Guardrail("attainment", "at_least", 0.5),
         Guardrail("attainment", "at_least_over_control", -0.05),
@@ -221,8 +260,11 @@ def test_a_step_reads_one_row_per_arm_and_decides_as_the_per_user_rows_did(store
             want = check_guardrail(g, *before, 0.0125, adjust=adjust)
             got = check_guardrail(g, reading.control, reading.candidate, 0.0125, adjust=adjust)
             assert (got.status, got.inference, got.inference_note, got.covariates) == (
-                want.status, want.inference, want.inference_note, want.covariates,
-            )  # fmt: skip
+                want.status,
+                want.inference,
+                want.inference_note,
+                want.covariates,
+            )
             for field in ("estimate", "lo", "hi"):
                 assert close(getattr(got.interval, field), getattr(want.interval, field)), (g, adjust, field)
             assert close(got.variance_reduction, want.variance_reduction), (g, adjust)
@@ -233,18 +275,30 @@ def test_a_step_reads_one_row_per_arm_and_decides_as_the_per_user_rows_did(store
     plain = read_step(store, exp, rev, dataclasses.replace(plan, cluster_by_user=False), Slo(200.0))
     assert plain.control.per_user is None and plain.candidate.per_user is None
     assert (plain.candidate.n, plain.candidate.hits, plain.candidate.errors) == (
-        reading.candidate.n, reading.candidate.hits, reading.candidate.errors,
-    )  # fmt: skip
+        reading.candidate.n,
+        reading.candidate.hits,
+        reading.candidate.errors,
+    )
 
 
 def test_an_arm_without_requests_in_the_step_reads_as_no_users(store):
     c = step_samples("roll-empty", 3, seed=6, run_id=RUN + 3)
     keep = c["variant"] == "base"
     store.insert_columns({k: v[keep] for k, v in c.items()})
-    plan = Plan(candidate="cand", control="base", steps=(5, 50, 100), min_samples=100, min_duration_s=0.0,
-                guardrails=(), on_breach="rollback", notify=(), alpha=0.05)  # fmt: skip
+    plan = Plan(
+        candidate="cand",
+        control="base",
+        steps=(5, 50, 100),
+        min_samples=100,
+        min_duration_s=0.0,
+        guardrails=(),
+        on_breach="rollback",
+        notify=(),
+        alpha=0.05,
+    )
     reading = read_step(store, "roll-empty", 3, plan, Slo(200.0))
     assert reading.error == "" and reading.candidate.n == 0 and reading.candidate.per_user.users == 0
-    check = check_guardrail(Guardrail("attainment", "at_least_over_control", -0.05), reading.control,
-                            reading.candidate, 0.05)  # fmt: skip
+    check = check_guardrail(
+        Guardrail("attainment", "at_least_over_control", -0.05), reading.control, reading.candidate, 0.05
+    )
     assert check.inference == "requests" and "candidate has 0 users" in check.inference_note

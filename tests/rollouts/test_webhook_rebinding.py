@@ -18,6 +18,7 @@ import pytest
 from experiments import services
 from rollouts import controller as c
 from rollouts import service
+from rollouts.webhooks import Webhooks
 
 pytestmark = [pytest.mark.django_db, pytest.mark.engine]
 
@@ -160,7 +161,7 @@ def test_the_look_uses_the_resolver_it_is_given_once_per_webhook(
         asked.append(host)
         return ["127.0.0.1"] if len(asked) == 1 else ["127.0.0.2"]
 
-    r = service.look(KEY, interval_s=0, webhooks=service.Webhooks(resolve=resolve))
+    r = service.look(KEY, interval_s=0, webhooks=Webhooks(resolve=resolve))
 
     assert r.notified[0].get("status") == 200, r.notified
     assert asked == [NAME] and len(receiver.bodies) == 1
@@ -181,9 +182,7 @@ def test_tls_to_the_checked_address_verifies_the_certificate_for_the_name(
         [f"https://localhost:{server.port}/hook", f"https://webhook.test:{server.port}/hook"],
     )
 
-    r = service.look(
-        KEY, interval_s=0, webhooks=service.Webhooks(resolve=lambda host: ["127.0.0.1"], verify=pki.ca)
-    )
+    r = service.look(KEY, interval_s=0, webhooks=Webhooks(resolve=lambda host: ["127.0.0.1"], verify=pki.ca))
 
     assert r.notified[0].get("status") == 200, r.notified
     assert "CERTIFICATE_VERIFY_FAILED" in r.notified[1]["error"]

@@ -120,14 +120,21 @@ def test_entries_written_before_are_served_redacted(client_for, users, rollout_d
     redacted when the API or the admin shows it."""
     experiment = applied(rollout_document, users)
     AuditEntry.objects.create(
-        experiment=experiment, experiment_key=KEY, actor_name="pat", action="update",
-        before={"rollout": {"notify": [HOOK]}}, after={"rollout": {"notify": [HOOK, DEAD]}},
-    )  # fmt: skip
+        experiment=experiment,
+        experiment_key=KEY,
+        actor_name="pat",
+        action="update",
+        before={"rollout": {"notify": [HOOK]}},
+        after={"rollout": {"notify": [HOOK, DEAD]}},
+    )
     AuditEntry.objects.create(
-        experiment=experiment, experiment_key=KEY, actor_name="rollout-controller", action="rollout_notify_failed",
+        experiment=experiment,
+        experiment_key=KEY,
+        actor_name="rollout-controller",
+        action="rollout_notify_failed",
         before={"action": "start"},
         after={"webhooks": [{"url": DEAD, "error": f"ConnectError: POST /hooks/{TOKEN} refused"}]},
-    )  # fmt: skip
+    )
     body = client_for("analyst").get("/api/audit/").json()
     assert TOKEN not in json.dumps(body) and SHOWN in json.dumps(body) and DEAD_SHOWN in json.dumps(body)
     admin = Client()

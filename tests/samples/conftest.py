@@ -11,6 +11,8 @@ directory per process, so the whole session shares one directory (the root conft
 
 from __future__ import annotations
 
+import threading
+import time
 import urllib.parse
 import uuid
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ import pytest
 
 from samples.backends.chdb import ChdbBackend
 from samples.backends.clickhouse import ClickHouseServerBackend
-from samples.store import SampleStore
+from samples.store import SampleStore, StoreUnavailable
 from tests.plugin import SERVER_URL, FlakyProxy, server_url_for
 
 
@@ -157,3 +159,55 @@ def make_rows():
         return [sample_row(i, **over) for i in range(start, start + n)]
 
     return make
+
+
+def switch_off(store: SampleStore, monkeypatch, error: type[Exception] = StoreUnavailable) -> threading.Event:
+    """While the returned event is set, the store's writes and key lookups raise ``error``:
+    StoreUnavailable as a store that went away does, or another StoreError as a store that
+    refuses rows."""
+    real = {name: getattr(store, name) for name in ("insert_columns", "insert_samples", "existing_keys")}
+    down = threading.Event()
+
+    def failing(name):
+        def call(*a, **k):
+            if down.is_set():
+                raise error("the store is down (test)")
+            return real[name](*a, **k)
+
+        return call
+
+    for name in real:
+        monkeypatch.setattr(store, name, failing(name))
+    return down
+
+
+def hang_inserts(store: SampleStore, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """(entered, gate): the store's inserts set ``entered`` and wait for ``gate`` before they
+    insert, as a store that does not answer (until the test sets the gate)."""
+    real_insert = store.insert_columns
+    entered, gate = threading.Event(), threading.Event()
+
+    def hanging(cols):
+        entered.set()
+        gate.wait()
+        return real_insert(cols)
+
+    monkeypatch.setattr(store, "insert_columns", hanging)
+    return entered, gate
+
+
+def physical(store: SampleStore, run_id: int) -> tuple[int, int]:
+    """(rows on disk, distinct keys) of a run, without FINAL: a duplicate shows as a difference."""
+    [(n, keys)] = store.query(
+        "SELECT count(), uniqExact(experiment, variant, run_id, request_id) FROM samples WHERE run_id = %(r)s",
+        {"r": run_id},
+    )
+    return int(n), int(keys)
+
+
+def wait_until(predicate, what: str, limit_s: float = 30.0) -> None:
+    """Poll until predicate() (a hang fails with `what`, not a timing claim)."""
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.005)

@@ -8,6 +8,7 @@ import pytest
 
 from samples import columns, schema
 from samples.store import StoreError
+from tests.samples.truncate import truncate_for_tests
 
 
 def _columns(make_rows, n: int = 6, **over) -> dict[str, list]:
@@ -20,7 +21,7 @@ def test_insert_columns_matches_insert_samples_row_for_row(store, make_rows):
     read = f"SELECT {names} FROM {schema.SAMPLES_TABLE} ORDER BY seq"
     assert store.insert_columns(columns.to_columns(rows)) == 5
     bulk = store.query(read)
-    store.truncate_for_tests()
+    truncate_for_tests(store)
     store.insert_samples(rows)
     assert bulk == store.query(read)
     assert len(bulk) == 5

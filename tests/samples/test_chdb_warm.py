@@ -52,8 +52,24 @@ def test_the_first_insert_of_a_fresh_process_loads_nothing():
 
 def test_no_code_outside_the_backends_names_the_arrow_or_pandas_modules():
     pattern = re.compile(r"\b(import|from)\s+(pyarrow|pandas)\b|[\"'](pyarrow|pandas)[\"']")
-    packages = ("abplat", "analysis", "capacity", "dashboards", "experiments", "gateway", "replay", "rollouts",
-                "samples", "serving", "simulator", "stats", "streaming", "telemetry", "traces", "workers")  # fmt: skip
+    packages = (
+        "abplat",
+        "analysis",
+        "capacity",
+        "dashboards",
+        "experiments",
+        "gateway",
+        "replay",
+        "rollouts",
+        "samples",
+        "serving",
+        "simulator",
+        "stats",
+        "streaming",
+        "telemetry",
+        "traces",
+        "workers",
+    )
     found = [
         str(p.relative_to(ROOT))
         for package in packages

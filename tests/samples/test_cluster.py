@@ -28,6 +28,7 @@ from samples.backends.clickhouse import ClickHouseServerBackend
 from samples.backends.cluster import ClickHouseClusterBackend
 from samples.store import NotMigrated, SchemaMismatch, StoreError
 from tests.plugin import SERVER_URL, server_url_for
+from tests.samples.truncate import truncate_for_tests
 
 pytestmark = pytest.mark.services
 
@@ -189,10 +190,12 @@ def test_migration_7_adds_gateway_ms_on_every_server_and_keeps_the_rows(
     assert local_rows(servers) == before  # every row where it was
     for server in servers:
         for table in ("samples", "samples_local"):
-            got = dict(server.query(
-                "SELECT name, type FROM system.columns WHERE database = %(db)s AND table = %(t)s",
-                {"db": CLUSTER_DB, "t": table},
-            ))  # fmt: skip
+            got = dict(
+                server.query(
+                    "SELECT name, type FROM system.columns WHERE database = %(db)s AND table = %(t)s",
+                    {"db": CLUSTER_DB, "t": table},
+                )
+            )
             assert got["gateway_ms"] == "Float64", (server.url_safe, table)
     assert cstore.query("SELECT count(), sum(gateway_ms), sum(schedule_lag_ms) FROM samples") == [
         (40, 0.0, 60.0)
@@ -302,7 +305,7 @@ def test_run_catalog_and_truncate_through_the_cluster(cstore, servers, make_rows
     ]
     assert min(local_rows(servers, schema.RUNS_TABLE)) > 0
     cstore.insert_samples(make_rows(50))
-    cstore.truncate_for_tests()  # a Distributed table ignores TRUNCATE: it runs on every shard
+    truncate_for_tests(cstore)  # a Distributed table ignores TRUNCATE: it runs on every shard
     assert local_rows(servers) == [0, 0] and local_rows(servers, schema.RUNS_TABLE) == [0, 0]
 
 
@@ -338,23 +341,37 @@ def test_the_report_through_the_cluster_equals_one_servers(cstore, servers, sing
     common = dict(variants=synthetic.demo_variants(), factor_effects=synthetic.DEMO_FACTOR_EFFECTS)
     specs = [
         synthetic.SyntheticSpec(
-            n=6_000, seed=6, run_id=11, config_revisions=(101, 102), duplicate_rate=0.02, duration_s=900.0,
+            n=6_000,
+            seed=6,
+            run_id=11,
+            config_revisions=(101, 102),
+            duplicate_rate=0.02,
+            duration_s=900.0,
             **common,
         ),
         # mirror mode: the report pairs control and variant rows (a JOIN of two subqueries)
         synthetic.SyntheticSpec(
-            experiment="ttft-mirror", mode="mirror", n=800, seed=7, run_id=12, duplicate_rate=0.02,
-            duration_s=300.0, **common,
+            experiment="ttft-mirror",
+            mode="mirror",
+            n=800,
+            seed=7,
+            run_id=12,
+            duplicate_rate=0.02,
+            duration_s=300.0,
+            **common,
         ),
-    ]  # fmt: skip
+    ]
     datasets = [synthetic.generate(spec) for spec in specs]
     exps = [
         r.ExperimentInfo(
-            key=spec.experiment, name=spec.experiment, slo=q.Slo(200.0), target=0.9,
+            key=spec.experiment,
+            name=spec.experiment,
+            slo=q.Slo(200.0),
+            target=0.9,
             variants=[r.VariantInfo(v.key, v.control, v.weight, dict(v.factors)) for v in spec.variants],
         )
         for spec in specs
-    ]  # fmt: skip
+    ]
     reports: dict[str, list] = {}
     for name, store in (("single", single), ("cluster", cstore)):
         store.migrate()
@@ -406,9 +423,16 @@ def test_an_eager_replay_writes_to_both_shards_exactly_once(
         call_command("migrate", verbosity=0)  # the Django database and the cluster's tables
         out = io.StringIO()
         call_command(
-            "replay", "ttft-opt", "--trace", "data/traces/azure_llm_2023_code.csv", "--limit", "120",
-            "--speed", "200", stdout=out,
-        )  # fmt: skip
+            "replay",
+            "ttft-opt",
+            "--trace",
+            "data/traces/azure_llm_2023_code.csv",
+            "--limit",
+            "120",
+            "--speed",
+            "200",
+            stdout=out,
+        )
         run = ReplayRun.objects.get()
         assert run.status == "done", (run.error, out.getvalue())
         store = factory.sample_store()

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from samples import columns, schema
+from samples import column_marshal, columns, schema
 from samples.columns import SampleError, validate_columns, validate_row, validate_rows, validate_samples
 from samples.sql import ParamError, bind, quote
 from tests.samples.conftest import GAPS_US, sample_row
@@ -310,8 +310,11 @@ def test_gap_arrays_come_out_as_one_uint32_array_per_row_from_lists_tuples_and_n
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ([1, -1], r"rows row 2: column itl_gaps_us \(Array\(UInt32\)\) cannot hold \[1, -1\]: holds an integer "
-                  r"out of range \[0, 4294967295\]"),
+        (
+            [1, -1],
+            r"rows row 2: column itl_gaps_us \(Array\(UInt32\)\) cannot hold \[1, -1\]: holds an integer "
+            r"out of range \[0, 4294967295\]",
+        ),
         ([2**32], "holds an integer out of range"),
         ([1, 2.5], r"cannot hold \[1, 2.5\]: not a list of integers"),
         ([True], "not a list of integers"),
@@ -319,9 +322,12 @@ def test_gap_arrays_come_out_as_one_uint32_array_per_row_from_lists_tuples_and_n
         (None, r"cannot hold None: not a list of integers"),
         (12, "not a list of integers"),
         (np.array([1.5]), r"not an array of integers \(dtype float64"),
-        (list(range(10_000, 10_100)) + [-5], r"cannot hold \[10000, 10001, .*\.\.\.: holds an integer out of range"),
+        (
+            list(range(10_000, 10_100)) + [-5],
+            r"cannot hold \[10000, 10001, .*\.\.\.: holds an integer out of range",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_gap_array_is_named_with_its_row(value, message):
     rows = [sample_row(i) for i in range(4)]
     rows[2]["itl_gaps_us"] = value
@@ -344,20 +350,49 @@ def test_a_gap_column_must_be_an_object_array_of_rows():
 def test_ordinary_gap_rows_take_the_marshal_path_and_anything_else_the_checked_one():
     rows = [[3900, 4100, 0], [], (7,), [2**31 - 1]]
     lengths = np.array([len(r) for r in rows])
-    got = columns._marshalled_arrays(rows, lengths)
+    got = column_marshal.array_items(rows, lengths)
     assert got is not None and got.dtype == np.uint32 and got.tolist() == [3900, 4100, 0, 7, 2**31 - 1]
     for odd in ([True], [2**31], [-1], [1.0], ["1"]):  # each goes the per-row way (which names it)
-        assert columns._marshalled_arrays([[1], odd], np.array([1, len(odd)])) is None
+        assert column_marshal.array_items([[1], odd], np.array([1, len(odd)])) is None
     assert [a.tolist() for a in validate_rows([sample_row(1, itl_gaps_us=[2**31])])["itl_gaps_us"]] == [
         [2**31]
     ]
 
 
 _HOSTILE = [
-    "", "x", 0, 1, -1, 2**8, 2**16, 2**31, 2**32, 2**63, 2**64, -(2**63) - 1, 10**400, True, False, None,
-    0.0, -0.0, 1.5, math.inf, -math.inf, math.nan, 1e308, b"x", [1], (), [], np.int64(3), np.uint64(2**64 - 1),
-    np.float64(1.5), np.int64(-1), object(),
-]  # fmt: skip
+    "",
+    "x",
+    0,
+    1,
+    -1,
+    2**8,
+    2**16,
+    2**31,
+    2**32,
+    2**63,
+    2**64,
+    -(2**63) - 1,
+    10**400,
+    True,
+    False,
+    None,
+    0.0,
+    -0.0,
+    1.5,
+    math.inf,
+    -math.inf,
+    math.nan,
+    1e308,
+    b"x",
+    [1],
+    (),
+    [],
+    np.int64(3),
+    np.uint64(2**64 - 1),
+    np.float64(1.5),
+    np.int64(-1),
+    object(),
+]
 
 
 @pytest.mark.parametrize("name", [c.name for c in columns.COLUMNS])

@@ -88,11 +88,16 @@ def test_the_run_catalog_table_is_verified_like_the_others(make_store, kind):
 def test_the_run_catalog_declares_its_columns():
     assert schema.declared_tables(schema.MIGRATIONS[2]) == {
         schema.RUNS_TABLE: [
-            ("run_id", "UInt64"), ("experiment", "LowCardinality(String)"), ("mode", "LowCardinality(String)"),
-            ("source", "LowCardinality(String)"), ("status", "LowCardinality(String)"),
-            ("started_ms", "UInt64"), ("finished_ms", "UInt64"), ("version", "UInt64"),
+            ("run_id", "UInt64"),
+            ("experiment", "LowCardinality(String)"),
+            ("mode", "LowCardinality(String)"),
+            ("source", "LowCardinality(String)"),
+            ("status", "LowCardinality(String)"),
+            ("started_ms", "UInt64"),
+            ("finished_ms", "UInt64"),
+            ("version", "UInt64"),
         ]
-    }  # fmt: skip
+    }
 
 
 # ---- migration 5: columns added by ALTER TABLE, verified like tables --------------------------
@@ -140,8 +145,12 @@ def test_migration_5_interrupted_after_its_first_alter_runs_again(make_store, mo
     _migrated_before_gaps(store, monkeypatch)
     store.execute(schema.ADD_ITL_GAPS)  # ... and then the process died, before the record
     assert store.migrate() == [m.version for m in schema.MIGRATIONS[4:]]  # 5 and every later one
-    cols = dict(store.query(f"SELECT name, type FROM system.columns WHERE database = '{store.database}' "
-                            "AND table = 'rollup_cells'"))  # fmt: skip
+    cols = dict(
+        store.query(
+            f"SELECT name, type FROM system.columns WHERE database = '{store.database}' "
+            "AND table = 'rollup_cells'"
+        )
+    )
     assert cols["n_itl_requests"] == cols["n_itl_unrecorded"] == "UInt64"
 
 
@@ -151,8 +160,12 @@ def test_a_recorded_column_that_is_gone_is_added_again_and_one_of_another_type_i
     store.migrate()
     store.execute("ALTER TABLE samples DROP COLUMN itl_gaps_us")
     assert store.migrate() == [5]
-    names = [n for (n,) in store.query(f"SELECT name FROM system.columns WHERE database = '{store.database}' "
-                                       "AND table = 'samples'")]  # fmt: skip
+    names = [
+        n
+        for (n,) in store.query(
+            f"SELECT name FROM system.columns WHERE database = '{store.database}' AND table = 'samples'"
+        )
+    ]
     assert names == list(columns.COLUMN_NAMES)  # back at its place, after itl_max_ms
     store.execute("ALTER TABLE samples DROP COLUMN itl_gaps_us")
     store.execute("ALTER TABLE samples ADD COLUMN itl_gaps_us Array(Float32)")
@@ -212,8 +225,12 @@ def test_a_store_of_older_code_gets_gateway_ms_and_keeps_its_rows(make_store, ma
     assert store.query(
         "SELECT request_id, mode, schedule_lag_ms, gateway_ms, ttft_ms FROM samples ORDER BY seq"
     ) == [("r1-0", "split", 1.5, 0.0, 40.0), ("gw-1", "live", 0.5, 0.0, 30.0)]
-    names = [n for (n,) in store.query(f"SELECT name FROM system.columns WHERE database = '{store.database}' "
-                                       "AND table = 'samples'")]  # fmt: skip
+    names = [
+        n
+        for (n,) in store.query(
+            f"SELECT name FROM system.columns WHERE database = '{store.database}' AND table = 'samples'"
+        )
+    ]
     assert names == list(columns.COLUMN_NAMES)  # gateway_ms right after schedule_lag_ms
     live = make_rows(2, mode="live", run_id=10**12 + 2, schedule_lag_ms=0.0, gateway_ms=2.25)
     assert store.insert_samples(live) == 2
@@ -231,7 +248,11 @@ def test_migration_7_interrupted_after_its_first_alter_runs_again(make_store, mo
     _migrated_before_gateway(store, monkeypatch)
     store.execute(schema.ADD_GATEWAY_MS)  # ... and then the process died, before the record
     assert store.migrate() == [7]
-    cols = dict(store.query(f"SELECT name, type FROM system.columns WHERE database = '{store.database}' "
-                            "AND table = 'rollup_cells'"))  # fmt: skip
+    cols = dict(
+        store.query(
+            f"SELECT name, type FROM system.columns WHERE database = '{store.database}' "
+            "AND table = 'rollup_cells'"
+        )
+    )
     assert cols["s_gateway"] == "Float64"
     assert store.query("SELECT count(), sum(gateway_ms) FROM samples") == [(2, 0.0)]

@@ -236,11 +236,22 @@ def test_a_row_from_row_from_is_what_the_sample_tests_store(build):
 def live_context(seq_: int, **over: Any) -> SampleContext:
     """What the gateway knows of a live request (gateway.recording builds the same)."""
     fields: dict[str, Any] = dict(
-        experiment="ttft-opt", run_id=10**12 + 1, seq=seq_, variant="awq", mode="live",
-        sent_unix_ms=1_764_640_000_000.0 + seq_, request_id=f"gw-{seq_}", user_id="user-1",
-        config_revision=42, scheduled_offset_ms=1_000.0 + seq_, gateway_ms=0.625, prompt_tokens=20,
-        prompt_tokens_estimated=True, max_tokens=64, worker="gw:1",
-    )  # fmt: skip
+        experiment="ttft-opt",
+        run_id=10**12 + 1,
+        seq=seq_,
+        variant="awq",
+        mode="live",
+        sent_unix_ms=1_764_640_000_000.0 + seq_,
+        request_id=f"gw-{seq_}",
+        user_id="user-1",
+        config_revision=42,
+        scheduled_offset_ms=1_000.0 + seq_,
+        gateway_ms=0.625,
+        prompt_tokens=20,
+        prompt_tokens_estimated=True,
+        max_tokens=64,
+        worker="gw:1",
+    )
     fields.update(over)
     return SampleContext(**fields)
 

@@ -28,9 +28,17 @@ class FakeEngine:
 
 def observe(m: Metrics, engine: int, queue_s: float, prefill_s: float) -> None:
     m.request_done(
-        engine, prompt_tokens=10, generated=4, max_tokens=4, ttft_s=queue_s + prefill_s + 0.01, e2e_s=1.0,
-        queue_s=queue_s, prefill_s=prefill_s, decode_s=0.5, inference_s=prefill_s + 0.5,
-    )  # fmt: skip
+        engine,
+        prompt_tokens=10,
+        generated=4,
+        max_tokens=4,
+        ttft_s=queue_s + prefill_s + 0.01,
+        e2e_s=1.0,
+        queue_s=queue_s,
+        prefill_s=prefill_s,
+        decode_s=0.5,
+        inference_s=prefill_s + 0.5,
+    )
 
 
 def scrape(m: Metrics, t_ms: int, run_id: int = 7, variant: str = "awq") -> list[dict]:
@@ -67,8 +75,13 @@ def test_scrapes_are_stored_and_read_back_as_increases_on_both_backends(store):
     q = got["hist"]["queue"]
     assert q["count"] == pytest.approx(4) and q["sum"] == pytest.approx(0.1 + 0.2 + 0.9 + 0.4)
     assert q["buckets"]["0.3"] == pytest.approx(2) and q["buckets"]["+Inf"] == pytest.approx(4)
-    assert got["scrapes"] == {"ok": 3, "failed": 1, "last_error": 'timeout "after" 2 s',
-                              "first_ms": T0, "last_ms": T0 + 15_000}  # fmt: skip
+    assert got["scrapes"] == {
+        "ok": 3,
+        "failed": 1,
+        "last_error": 'timeout "after" 2 s',
+        "first_ms": T0,
+        "last_ms": T0 + 15_000,
+    }
     assert got["counters"]["generation_tokens"] == pytest.approx(16)
     # gauges: per scrape, running summed over the engines, KV usage averaged
     assert got["gauges"]["running"] == [3.0, 3.0, 3.0]

@@ -11,6 +11,7 @@ import pytest
 from samples import schema
 from tests.sample_dbs import KINDS, SessionDatabases, open_store
 from tests.samples.conftest import sample_row
+from tests.samples.truncate import truncate_for_tests
 
 TABLES = {
     schema.SAMPLES_TABLE,
@@ -54,9 +55,20 @@ def write_everywhere(store) -> None:
     store.insert_samples([sample_row(i) for i in range(3)])
     store.record_run(7, "ttft-opt", "split", "done")
     store.insert_server_metrics(
-        [dict(experiment="e", variant="v", run_id=7, metric="m", sample="m", labels="", le="",
-              scraped_ms=1, value=1.0)]
-    )  # fmt: skip
+        [
+            dict(
+                experiment="e",
+                variant="v",
+                run_id=7,
+                metric="m",
+                sample="m",
+                labels="",
+                le="",
+                scraped_ms=1,
+                value=1.0,
+            )
+        ]
+    )
     store.execute(f"INSERT INTO {schema.ROLLUP_VALUES_TABLE} SELECT 1, 'v', 'ttft_ms', 0, 1.5")
 
 
@@ -134,5 +146,5 @@ def test_the_session_end_drops_every_database(chdb_dir, kind):
 def test_truncate_for_tests_accepts_the_session_database(dbs, kind, chdb_dir):
     store = on(kind, dbs.acquire(kind, "t"), chdb_dir)
     store.insert_samples([sample_row(1)])
-    store.truncate_for_tests()  # the name holds "test"
+    truncate_for_tests(store)  # the name holds "test"
     assert store.count(7) == 0

@@ -218,12 +218,16 @@ def test_spool_files_written_before_gateway_ms_flush_as_rows_without_gateway_tim
     assert complete and [r["gateway_ms"] for r in read] == [0.0] * 4
     report = writer.flush()
     assert (report.files, report.inserted, report.torn_files, report.lost) == (1, 4, [], 0)
-    got = store.query(f"SELECT request_id, mode, schedule_lag_ms, gateway_ms FROM {SAMPLES_FROM} "
-                      "WHERE run_id = 7 ORDER BY seq")  # fmt: skip
+    got = store.query(
+        f"SELECT request_id, mode, schedule_lag_ms, gateway_ms FROM {SAMPLES_FROM} "
+        "WHERE run_id = 7 ORDER BY seq"
+    )
     assert got == [
-        ("r7-0", "split", 0.75, 0.0), ("r7-1", "split", 0.75, 0.0),
-        ("r7-2", "live", 0.5, 0.0), ("r7-3", "live", 0.5, 0.0),
-    ]  # fmt: skip
+        ("r7-0", "split", 0.75, 0.0),
+        ("r7-1", "split", 0.75, 0.0),
+        ("r7-2", "live", 0.5, 0.0),
+        ("r7-3", "live", 0.5, 0.0),
+    ]
     assert writer.pending(7) == 0
 
 

@@ -7,8 +7,9 @@ import datetime as dt
 import pytest
 
 from samples import columns, schema
-from samples.store import SchemaMismatch, StoreError
+from samples.store import SampleStore, SchemaMismatch, StoreError
 from tests.samples.conftest import sample_row
+from tests.samples.truncate import truncate_for_tests
 
 
 @pytest.mark.services
@@ -131,8 +132,22 @@ def test_insert_rejects_a_malformed_row_before_sending(store, make_rows):
 
 def test_truncate_for_tests_empties_the_table(store, make_rows):
     store.insert_samples(make_rows(5))
-    store.truncate_for_tests()
+    truncate_for_tests(store)
     assert store.count(7) == 0
+
+
+def test_truncate_for_tests_refuses_a_database_without_test_in_its_name():
+    sent = []
+
+    class Production(SampleStore):
+        database = "abplat"
+
+        def _command(self, sql: str) -> None:
+            sent.append(sql)
+
+    with pytest.raises(StoreError, match="refuses database 'abplat': name must contain 'test'"):
+        truncate_for_tests(Production())
+    assert sent == []
 
 
 def test_ping_answers(store):

@@ -82,9 +82,12 @@ def test_a_child_started_from_an_ended_pool_thread_stays_up():
 @pytest.mark.process
 def test_a_killed_parent_takes_its_simulator_with_it(script):
     parent = subprocess.Popen(
-        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+    )
     try:
         pid_text, url = parent.stdout.readline().split()
         child = int(pid_text)
@@ -109,8 +112,9 @@ def test_a_child_that_exits_early_is_reported_at_once():
     url = f"http://127.0.0.1:{children.free_port()}"
     t0 = time.monotonic()
     with pytest.raises(children.ChildExited, match=r"exited with code 3.*tail: boom"):
-        children.start([sys.executable, "-c", "import sys; sys.exit(3)"], url, ready_s=30,
-                       detail=lambda: "; tail: boom")  # fmt: skip
+        children.start(
+            [sys.executable, "-c", "import sys; sys.exit(3)"], url, ready_s=30, detail=lambda: "; tail: boom"
+        )
     assert time.monotonic() - t0 < 10  # not the 30 s deadline
 
 
@@ -140,8 +144,9 @@ def test_stop_reaches_the_childs_own_children_when_it_has_its_own_group():
         "print(g.pid, flush=True)\n"
         "time.sleep(60)\n"
     )
-    proc = children.spawn([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                          start_new_session=True)  # fmt: skip
+    proc = children.spawn(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     grandchild = int(proc.stdout.readline())
     children.stop(proc, 5, group=True)
     deadline = time.monotonic() + 5

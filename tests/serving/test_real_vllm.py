@@ -232,12 +232,26 @@ def test_a_replay_against_real_vllm_stores_and_reports_its_queue_and_prefill(
         experiment = services.apply_document(document, actor=users["product"]).experiment
         services.transition(experiment, "start", users["product"])
         trace = tmp_path / "prompts.jsonl"
-        trace.write_text("".join(
-            json.dumps({"timestamp": i * 0.15, "prompt": f"Tell me about the number {i}.", "max_tokens": 6}) + "\n"
-            for i in range(10)
-        ))  # fmt: skip
-        call_command("replay", "ttft-opt", "--trace", str(trace), "--format", "jsonl", "--mode", "mirror",
-                     stdout=io.StringIO())  # fmt: skip
+        trace.write_text(
+            "".join(
+                json.dumps(
+                    {"timestamp": i * 0.15, "prompt": f"Tell me about the number {i}.", "max_tokens": 6}
+                )
+                + "\n"
+                for i in range(10)
+            )
+        )
+        call_command(
+            "replay",
+            "ttft-opt",
+            "--trace",
+            str(trace),
+            "--format",
+            "jsonl",
+            "--mode",
+            "mirror",
+            stdout=io.StringIO(),
+        )
     finally:
         sim.stop()
     run = ReplayRun.objects.get()

@@ -55,9 +55,15 @@ def test_a_risky_flag_is_not_served_without_the_operators_option(experiment, cap
     assert message.startswith("variant ttft-opt/awq: engine_args.trust_remote_code:")
     assert "--allow-risky-engine-args trust-remote-code" in message
     call_command(
-        "serve_variant", experiment.key, "awq", "--port", "8123", "--dry-run",
-        "--allow-risky-engine-args", "trust-remote-code",
-    )  # fmt: skip
+        "serve_variant",
+        experiment.key,
+        "awq",
+        "--port",
+        "8123",
+        "--dry-run",
+        "--allow-risky-engine-args",
+        "trust-remote-code",
+    )
     assert "--trust-remote-code" in capsys.readouterr().out
 
 

@@ -25,8 +25,15 @@ def test_the_engine_gets_no_abplat_or_django_settings(monkeypatch, tmp_path):
         return Child()
 
     monkeypatch.setattr(vllm.children, "start", start)
-    vllm.start(["vllm"], "m", 8001, engine_args={}, served_model_name="m", log_path=tmp_path / "v.log",
-               env={"EXTRA": "1"})  # fmt: skip
+    vllm.start(
+        ["vllm"],
+        "m",
+        8001,
+        engine_args={},
+        served_model_name="m",
+        log_path=tmp_path / "v.log",
+        env={"EXTRA": "1"},
+    )
     assert not [k for k in seen if k.startswith(("ABPLAT_", "DJANGO_"))]
     assert "s3cret" not in repr(seen)
     assert seen["PATH_FOR_TEST"] == "kept" and seen["EXTRA"] == "1" and seen["HF_HUB_OFFLINE"] == "1"

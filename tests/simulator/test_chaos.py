@@ -1,4 +1,4 @@
-"""A chaos drill reaches every documented error class (README, "Measuring requests").
+"""A chaos drill reaches every documented error class (docs/measuring.md).
 
 The slow faults last longer than the client's deadline for the phase they slow, so they end as
 timeouts; the drill runs on scaled-down deadlines (and faults scaled with them) to stay fast.

@@ -37,11 +37,19 @@ def test_health_models_and_unknown_routes(sim):
     [
         (b"{not json", 400, "not valid JSON"),
         (b'{"model": "abplat-sim", "messages": []}', 400, "messages"),
-        (b'{"model": "abplat-sim", "messages": [{"role":"user","content":"x"}], "max_tokens": 0}', 400, "max_tokens"),
-        (b'{"model": "abplat-sim", "messages": [{"role":"user","content":"x"}], "max_tokens": 99999}', 400, "maximum context length"),
+        (
+            b'{"model": "abplat-sim", "messages": [{"role":"user","content":"x"}], "max_tokens": 0}',
+            400,
+            "max_tokens",
+        ),
+        (
+            b'{"model": "abplat-sim", "messages": [{"role":"user","content":"x"}], "max_tokens": 99999}',
+            400,
+            "maximum context length",
+        ),
         (b'{"model": "other", "messages": [{"role":"user","content":"x"}]}', 404, "does not exist"),
     ],
-)  # fmt: skip
+)
 def test_bad_requests_get_vllm_style_errors(sim, body, status, message):
     r = httpx.post(sim.url + "/v1/chat/completions", content=body, trust_env=False)
     assert r.status_code == status
@@ -137,8 +145,13 @@ def test_replicas_share_the_load_so_queueing_falls():
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
 
             async def one(i: int) -> float:
-                body = {"model": "abplat-sim", "prompt": "x " * 2000, "max_tokens": 2, "stream": True,
-                        "stream_options": {"include_usage": True}}  # fmt: skip
+                body = {
+                    "model": "abplat-sim",
+                    "prompt": "x " * 2000,
+                    "max_tokens": 2,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
                 async with client.stream("POST", "/v1/completions", json=body) as r:
                     text = b"".join([c async for c in r.aiter_bytes()]).decode()
                 marker = '"server_ttft_ms":'

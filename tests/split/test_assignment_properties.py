@@ -83,9 +83,15 @@ def test_same_user_gets_same_variant_in_another_process_with_another_hash_seed()
     # A different PYTHONHASHSEED proves Python's randomized hash() plays no part.
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
-        [sys.executable, "-c", code], input=payload, capture_output=True, text=True, env=env,
-        cwd=ROOT, check=True, timeout=60,
-    )  # fmt: skip
+        [sys.executable, "-c", code],
+        input=payload,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        check=True,
+        timeout=60,
+    )
     assert json.loads(out.stdout) == here
 
 

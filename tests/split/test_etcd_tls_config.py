@@ -91,7 +91,7 @@ def test_the_password_never_appears_in_an_error(files):
 
 
 def manage(*args: str, **env: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("ABPLAT_")}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ABPLAT_") or k == "ABPLAT_ENV_FILE"}
     return subprocess.run(
         [sys.executable, "manage.py", *args],
         cwd=ROOT,
@@ -105,11 +105,18 @@ def manage(*args: str, **env: str) -> subprocess.CompletedProcess:
 def test_a_bad_etcd_setting_stops_the_process_at_start_with_one_line(files, tmp_path):
     # Refused by the settings in this process: manage.py prints that one line and stops (tested
     # once, tests/foundation/test_settings.py).
-    message = refusal({
-        "ABPLAT_VAR": str(tmp_path), "ABPLAT_DEBUG": "true", "ABPLAT_ETCD_ENDPOINTS": "127.0.0.1:2379",
-        "ABPLAT_ETCD_CA_CERT": files.ca, "ABPLAT_ETCD_CERT": files.client_cert,
-        "ABPLAT_ETCD_KEY": str(tmp_path / "missing.key"), "ABPLAT_ETCD_USER": "abplat", "ABPLAT_ETCD_PASSWORD": "pw",
-    })  # fmt: skip
+    message = refusal(
+        {
+            "ABPLAT_VAR": str(tmp_path),
+            "ABPLAT_DEBUG": "true",
+            "ABPLAT_ETCD_ENDPOINTS": "127.0.0.1:2379",
+            "ABPLAT_ETCD_CA_CERT": files.ca,
+            "ABPLAT_ETCD_CERT": files.client_cert,
+            "ABPLAT_ETCD_KEY": str(tmp_path / "missing.key"),
+            "ABPLAT_ETCD_USER": "abplat",
+            "ABPLAT_ETCD_PASSWORD": "pw",
+        }
+    )
     assert message.startswith("Unexpected value ABPLAT_ETCD_KEY=") and "no such file" in message
 
 

@@ -272,8 +272,14 @@ def test_admin_form_shows_current_weights_then_previews_then_saves(running, sre,
 
 def test_admin_form_rejects_bad_weights_on_the_field_and_writes_nothing(running, sre, weights_admin):
     before = stored()
-    form = {"weight__fp16": 50, "weight__awq": 30, "weight__awq-fa2": 30, "reason": "x",
-            "expected_revision": before[1], "_save": "1"}  # fmt: skip
+    form = {
+        "weight__fp16": 50,
+        "weight__awq": 30,
+        "weight__awq-fa2": 30,
+        "reason": "x",
+        "expected_revision": before[1],
+        "_save": "1",
+    }
     page = weights_admin.weights_view(admin_request(sre, "post", form), str(running.pk)).render()
     assert "must sum to 100, got 110" in page.content.decode()
     assert stored() == before
@@ -282,8 +288,14 @@ def test_admin_form_rejects_bad_weights_on_the_field_and_writes_nothing(running,
 @pytest.mark.engine
 def test_admin_form_stale_revision_is_a_conflict(running, sre, weights_admin):
     before = stored()
-    form = {"weight__fp16": 50, "weight__awq": 30, "weight__awq-fa2": 20, "reason": "x",
-            "expected_revision": before[1] - 1, "_save": "1"}  # fmt: skip
+    form = {
+        "weight__fp16": 50,
+        "weight__awq": 30,
+        "weight__awq-fa2": 20,
+        "reason": "x",
+        "expected_revision": before[1] - 1,
+        "_save": "1",
+    }
     page = weights_admin.weights_view(admin_request(sre, "post", form), str(running.pk)).render()
     assert "changed concurrently" in page.content.decode()
     assert stored() == before

@@ -417,6 +417,35 @@ def test_sequences_wait_for_min_clusters_and_match_the_fixed_horizon_fit():
         )
 
 
+@pytest.mark.parametrize(
+    ("where", "fit"),
+    [
+        ("adjusted_difference", lambda c, v: adjusted_difference(c, v)),
+        ("adjusted_difference_sequence", lambda c, v: adjusted_difference_look(c, v, ALPHA)),
+    ],
+)
+def test_the_fixed_and_the_anytime_fit_refuse_the_same_arms_the_same_way(where, fit):
+    # An arm of the wrong kind is a TypeError: the callers (guardrails, analysis.units) read a
+    # ValueError as collinear covariates and drop one, which would hide it. An arm without
+    # requests has no slope to fit: refused, not a look with NaN slopes.
+    rng = np.random.default_rng(21)
+    yc, xc, uc = raw_arm(rng, 20)
+    yv, xv, uv = raw_arm(rng, 20)
+    c, v = ArmData.from_samples(yc, xc[:, 0], uc), ArmData.from_samples(yv, xv[:, 0], uv)
+    with pytest.raises(TypeError, match=f"^{where}: control must be ArmData or ArmMoments, got ClusterSums$"):
+        fit(ClusterSums.from_samples(yc, uc), v)
+    with pytest.raises(
+        TypeError, match=f"^{where}: control and variant must be both ArmData or both ArmMoments$"
+    ):
+        fit(c, v.arm_moments())
+    with pytest.raises(ValueError, match=f"^{where}: variant has no requests$"):
+        fit(c, ArmData(n=[0, 0], sum_y=[0.0, 0.0], sum_x=[0.0, 0.0], sum_xx=[0.0, 0.0], sum_xy=[0.0, 0.0]))
+    with pytest.raises(
+        ValueError, match=rf"^{where}: variant must hold one experiment \(clusters on one axis\)"
+    ):
+        fit(c, ArmData(n=[[1], [1]], sum_y=[[1.0], [2.0]]))
+
+
 def test_the_mean_sequence_and_the_adjusted_look_are_the_boundary_on_the_fixed_horizon_fit():
     # One arm's mean (a rollout's "candidate attainment >= x"): the boundary around the
     # clustered ratio mean over that arm's requests; the adjusted look carries the same

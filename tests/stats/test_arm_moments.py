@@ -40,8 +40,16 @@ def test_clustered_mean_and_difference_from_moments_equal_the_per_user_path(bina
     arms = [ClusterSums.from_samples(y, u, binary=binary) for y, u in ((yc, uc), (yv, uv))]
     for arm in arms:
         want, got = clustered_mean(arm), clustered_mean(arm.arm_moments())
-        for field in ("estimate", "se", "lo", "hi", "se_iid", "design_effect", "effective_clusters",
-                      "largest_cluster_share"):  # fmt: skip
+        for field in (
+            "estimate",
+            "se",
+            "lo",
+            "hi",
+            "se_iid",
+            "design_effect",
+            "effective_clusters",
+            "largest_cluster_share",
+        ):
             assert close(getattr(want, field), getattr(got, field)), field
         assert (want.n, want.clusters, want.note, want.method) == (got.n, got.clusters, got.note, got.method)
         assert want.design_effect > 1.5  # the users' requests are correlated
@@ -60,14 +68,26 @@ def test_adjusted_difference_from_moments_equals_the_per_user_path():
         c, v = ArmData.from_samples(a, xc, uc, names), ArmData.from_samples(b, xv, uv, names)
         want = adjusted_difference(c, v)
         got = adjusted_difference(c.arm_moments(binary), v.arm_moments(binary))
-        for field in ("estimate", "se", "lo", "hi", "p_value", "unadjusted", "se_unadjusted", "se_iid",
-                      "control_mean", "variant_mean"):  # fmt: skip
+        for field in (
+            "estimate",
+            "se",
+            "lo",
+            "hi",
+            "p_value",
+            "unadjusted",
+            "se_unadjusted",
+            "se_iid",
+            "control_mean",
+            "variant_mean",
+        ):
             assert close(getattr(want, field), getattr(got, field), 1e-8), field
         assert abs(want.variance_reduction - got.variance_reduction) < 1e-9
         assert np.allclose(want.theta, got.theta, rtol=1e-8)
         assert (want.covariates, want.control_clusters, want.variant_n) == (
-            got.covariates, got.control_clusters, got.variant_n,
-        )  # fmt: skip
+            got.covariates,
+            got.control_clusters,
+            got.variant_n,
+        )
         assert want.variance_reduction > 0.05 or binary  # the prompt explains much of TTFT
 
 
@@ -107,8 +127,13 @@ def test_requests_without_a_user_are_clusters_of_one_in_the_moments():
     ],
 )
 def test_bad_moments_are_refused_naming_the_field(change, message):
-    fields = {"total": np.array([2.0, 1.0]), "cross": np.array([[4.0, 2.0], [2.0, 1.0]]), "clusters": 1,
-              "largest": 2, **change}  # fmt: skip
+    fields = {
+        "total": np.array([2.0, 1.0]),
+        "cross": np.array([[4.0, 2.0], [2.0, 1.0]]),
+        "clusters": 1,
+        "largest": 2,
+        **change,
+    }
     with pytest.raises(ValueError, match=message):
         ArmMoments(**fields)
 

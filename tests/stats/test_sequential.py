@@ -21,23 +21,17 @@ from scipy import stats as sps
 
 from stats.comparisons import attainment_difference, attainment_difference_bounds
 from stats.proportions import wilson_bounds
+from stats.sequential.arm_snapshot import ArmSnapshot, UserMoments, UserSums
+from stats.sequential.guardrail_spec import Guardrail
 from stats.sequential.guardrails import (
-    ADJUSTED,
     ALL_CONFIRMED,
     BREACH,
-    CLUSTERED,
-    CLUSTERED_SHARE,
     HALT,
     OK,
     ORDER_STATISTICS,
     PASS,
-    REQUESTS,
     UNCLEAR,
     UNDECIDED,
-    ArmSnapshot,
-    Guardrail,
-    UserMoments,
-    UserSums,
     check_guardrail,
     decide,
 )
@@ -58,6 +52,7 @@ from stats.sequential.quantiles import (
     quantile_difference_interval,
     quantile_interval_from_order_stats,
 )
+from stats.sequential.share_reading import ADJUSTED, CLUSTERED, CLUSTERED_SHARE, REQUESTS
 from stats.sequential.srm import SrmSequence, srm_log_e_values
 
 ALPHA = 0.05
@@ -364,8 +359,13 @@ def test_alpha_outside_0_1_is_a_value_error_naming_alpha(alpha):
         lambda: difference_cs_bounds(1, 2, 1, 2, alpha),
         lambda: quantile_cs_ranks(10, 0.99, alpha),
         lambda: SrmSequence({"a": 1}, alpha=alpha),
-        lambda: decide([Guardrail("attainment", "at_least", 0.9)], ArmSnapshot(1, 1, 0), ArmSnapshot(1, 1, 0), alpha=alpha),
-    ):  # fmt: skip
+        lambda: decide(
+            [Guardrail("attainment", "at_least", 0.9)],
+            ArmSnapshot(1, 1, 0),
+            ArmSnapshot(1, 1, 0),
+            alpha=alpha,
+        ),
+    ):
         with pytest.raises(ValueError, match="alpha must be strictly between 0 and 1"):
             call()
 
@@ -593,9 +593,15 @@ class StepUsers:
             sums = None
             if per_user:
                 sums = UserSums(
-                    self.n[s], self.hits[s], self.errors[s], COVARIATES,
-                    self.sx[s], self.sxx[s], self.sxh[s], self.sxe[s],
-                )  # fmt: skip
+                    self.n[s],
+                    self.hits[s],
+                    self.errors[s],
+                    COVARIATES,
+                    self.sx[s],
+                    self.sxx[s],
+                    self.sxh[s],
+                    self.sxe[s],
+                )
             out.append(
                 ArmSnapshot(
                     int(self.n[s].sum()), int(self.hits[s].sum()), int(self.errors[s].sum()), {}, sums
@@ -719,8 +725,15 @@ def test_each_guardrail_says_how_it_was_read_and_the_alpha_it_used():
     # No per-user aggregates: the whole alpha to the exact sequence, as before.
     plain = check_guardrail(specs[2], *step.arms(per_user=False), a)
     assert plain.inference == REQUESTS and plain.interval.alpha == pytest.approx(a)
-    assert plain.interval == check_guardrail(specs[2], ArmSnapshot(control.n, control.hits, control.errors),
-                                             ArmSnapshot(cand.n, cand.hits, cand.errors), a).interval  # fmt: skip
+    assert (
+        plain.interval
+        == check_guardrail(
+            specs[2],
+            ArmSnapshot(control.n, control.hits, control.errors),
+            ArmSnapshot(cand.n, cand.hits, cand.errors),
+            a,
+        ).interval
+    )
 
 
 def constant_max_tokens(u: UserSums) -> UserSums:
@@ -730,9 +743,15 @@ def constant_max_tokens(u: UserSums) -> UserSums:
     sxx[:, 0, 1] = sxx[:, 1, 0] = 256.0 * u.sum_x[:, 0]
     sxx[:, 1, 1] = 256.0**2 * u.n
     return UserSums(
-        u.n, u.hits, u.errors, u.covariates, sx, sxx,
-        np.stack([u.sum_x_hits[:, 0], 256.0 * u.hits], 1), np.stack([u.sum_x_errors[:, 0], 256.0 * u.errors], 1),
-    )  # fmt: skip
+        u.n,
+        u.hits,
+        u.errors,
+        u.covariates,
+        sx,
+        sxx,
+        np.stack([u.sum_x_hits[:, 0], 256.0 * u.hits], 1),
+        np.stack([u.sum_x_errors[:, 0], 256.0 * u.errors], 1),
+    )
 
 
 def reduced(snap: ArmSnapshot) -> ArmSnapshot:
@@ -742,8 +761,11 @@ def reduced(snap: ArmSnapshot) -> ArmSnapshot:
 
 def same_check(want, got, rtol=1e-9) -> None:
     assert (got.status, got.inference, got.inference_note, got.covariates) == (
-        want.status, want.inference, want.inference_note, want.covariates,
-    )  # fmt: skip
+        want.status,
+        want.inference,
+        want.inference_note,
+        want.covariates,
+    )
     for field in ("estimate", "lo", "hi"):
         a, b = getattr(want.interval, field), getattr(got.interval, field)
         assert (a is None) == (b is None) and (a is None or abs(a - b) <= rtol * max(abs(a), 1e-12)), field
@@ -771,8 +793,14 @@ def test_every_guardrail_reads_the_same_from_the_per_user_rows_and_from_their_su
     constant = [dataclasses.replace(x, per_user=constant_max_tokens(x.per_user)) for x in (control, cand)]
     few = StepUsers(rng, 60, 1.0)
     few.add(3000)
-    empty = ArmSnapshot(0, 0, 0, per_user=UserSums([], [], [], COVARIATES, np.zeros((0, 2)), np.zeros((0, 2, 2)),
-                                                   np.zeros((0, 2)), np.zeros((0, 2))))  # fmt: skip
+    empty = ArmSnapshot(
+        0,
+        0,
+        0,
+        per_user=UserSums(
+            [], [], [], COVARIATES, np.zeros((0, 2)), np.zeros((0, 2, 2)), np.zeros((0, 2)), np.zeros((0, 2))
+        ),
+    )
     seen = set()
     for arms in ((control, cand), constant, few.arms(), (empty, cand)):
         for g in specs:
@@ -784,8 +812,11 @@ def test_every_guardrail_reads_the_same_from_the_per_user_rows_and_from_their_su
     assert seen == {CLUSTERED, ADJUSTED, REQUESTS}
     u = cand.per_user.reduced()
     assert (u.requests, u.events("attainment"), u.events("error_rate"), u.users) == (
-        cand.n, cand.hits, cand.errors, cand.per_user.users,
-    )  # fmt: skip
+        cand.n,
+        cand.hits,
+        cand.errors,
+        cand.per_user.users,
+    )
     nothing = empty.per_user.reduced()
     assert nothing.users == nothing.requests == 0 and nothing.attainment is nothing.error_rate is None
     with pytest.raises(TypeError, match="of one kind"):
@@ -806,5 +837,13 @@ def test_per_user_aggregates_must_add_up_to_the_totals():
     with pytest.raises(ValueError, match="covariates \\('prompt_tokens',\\) named but no sum_x"):
         UserSums([1], [1], [0], ("prompt_tokens",))
     with pytest.raises(ValueError, match="sum_x has shape"):
-        UserSums([1], [1], [0], ("prompt_tokens",), np.zeros((2, 1)), np.zeros((1, 1, 1)), np.zeros((1, 1)),
-                 np.zeros((1, 1)))  # fmt: skip
+        UserSums(
+            [1],
+            [1],
+            [0],
+            ("prompt_tokens",),
+            np.zeros((2, 1)),
+            np.zeros((1, 1, 1)),
+            np.zeros((1, 1)),
+            np.zeros((1, 1)),
+        )

@@ -192,10 +192,20 @@ def test_cancelling_returns_the_partial_record_and_the_server_aborts(slow):
 
 def test_every_outcome_is_covered_by_a_test_above():
     names = {
-        "OK", "HTTP_4XX", "HTTP_5XX", "CONNECT_ERROR", "CONNECT_TIMEOUT", "HEADERS_TIMEOUT",
-        "FIRST_TOKEN_TIMEOUT", "STALL", "DISCONNECT", "MALFORMED", "ENGINE_ERROR",
-        "TOTAL_TIMEOUT", "CANCELLED",
-    }  # fmt: skip
+        "OK",
+        "HTTP_4XX",
+        "HTTP_5XX",
+        "CONNECT_ERROR",
+        "CONNECT_TIMEOUT",
+        "HEADERS_TIMEOUT",
+        "FIRST_TOKEN_TIMEOUT",
+        "STALL",
+        "DISCONNECT",
+        "MALFORMED",
+        "ENGINE_ERROR",
+        "TOTAL_TIMEOUT",
+        "CANCELLED",
+    }
     # CLIENT_ERROR is the replay's own failure, never the client's outcome of a request it sent:
     # tests/replay/test_runner.py covers it (a variant the experiment lacks).
     assert {o.name for o in Outcome} == names | {"CLIENT_ERROR"}
@@ -258,12 +268,14 @@ def test_concurrent_streams_each_get_their_own_exact_record(fast):
         assert r.start_ns + r.ttft_ms * 1e6 >= r.server_first_content_ns
 
 
-def test_auto_transport_picks_the_lean_path_only_for_plain_http1():
+def test_auto_transport_takes_the_core_for_http1_plain_or_tls_and_httpx_for_http2():
     assert VariantClient("http://127.0.0.1:1", "m").transport == "h1"
+    assert VariantClient("https://127.0.0.1:1", "m", verify=False).transport == "h1"
     assert VariantClient("http://127.0.0.1:1", "m", http2=True).transport == "httpx"
-    assert VariantClient("https://127.0.0.1:1", "m").transport == "httpx"
+    assert VariantClient("https://127.0.0.1:1", "m", http2=True, verify=False).transport == "httpx"
+    assert VariantClient("https://127.0.0.1:1", "m", transport="httpx", verify=False).transport == "httpx"
     with pytest.raises(ValueError, match="transport 'h1'"):
-        VariantClient("https://127.0.0.1:1", "m", transport="h1")
+        VariantClient("https://127.0.0.1:1", "m", http2=True, transport="h1")
     with pytest.raises(ValueError, match="must be one of"):
         VariantClient("http://127.0.0.1:1", "m", transport="curl")
 

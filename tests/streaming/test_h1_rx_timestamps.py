@@ -11,8 +11,9 @@ import pytest
 
 from streaming import h1
 from streaming.client import Timeouts
-from streaming.h1 import H1Connection, open_connection, request_bytes, rx_stamp_ns
+from streaming.h1 import H1Connection, open_connection, request_bytes
 from streaming.result import Outcome
+from streaming.rx_clock import rx_stamp_ns, sample_realtime_offset
 from streaming.timed_exchange import TimedExchange
 from streaming.timing import StreamTimer
 
@@ -117,7 +118,7 @@ def test_a_stamp_is_converted_and_clamped_between_the_floor_and_the_read(rx, exp
 
 
 def test_the_realtime_offset_lies_within_its_error_of_an_independent_bracket():
-    offset, err = h1.sample_realtime_offset()
+    offset, err = sample_realtime_offset()
     a = time.perf_counter_ns()
     real = time.time_ns()
     b = time.perf_counter_ns()

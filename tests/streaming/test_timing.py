@@ -154,8 +154,14 @@ def outcome(timer: StreamTimer, t_ns: int, data: str) -> tuple:
 
 
 def state(timer: StreamTimer) -> tuple:
-    return (timer._token_times, timer._first_event_ns, timer._first_content_ns, timer._end_ns, timer.done,
-            dataclasses.asdict(timer.r))  # fmt: skip
+    return (
+        timer._token_times,
+        timer._first_event_ns,
+        timer._first_content_ns,
+        timer._end_ns,
+        timer.done,
+        dataclasses.asdict(timer.r),
+    )
 
 
 def same_as_json_loads(events: list[str]) -> StreamTimer:
@@ -218,12 +224,42 @@ def _token(text_json: str) -> str:
 @pytest.mark.parametrize(
     "middle",
     [
-        '""', '"a"', '"\\u00e9"', '"\\ud83d\\ude00"', '"\\ud800"', '"\u2028"', '"😀"', '"\\"', '"a\\"',
-        '"\\q"', '"\\u12"', '"\\u12g4"', '"a\x01"', '"a\x7f"', '"\t"', 'null', '1', '"a" ', ' "a"', '"a","x":1',
-        '"a","text":"b"', '"a"}]},{"x":"', '"a', 'a"', '"', '"a""b"', '"\\/\\b\\f\\n\\r\\t\\\\"', "'a'",
-        '"a"\n', 'NaN', '["a"]', '{"a":1}', '"a\\\\"', '"\\\\\\""',
+        '""',
+        '"a"',
+        '"\\u00e9"',
+        '"\\ud83d\\ude00"',
+        '"\\ud800"',
+        '"\u2028"',
+        '"😀"',
+        '"\\"',
+        '"a\\"',
+        '"\\q"',
+        '"\\u12"',
+        '"\\u12g4"',
+        '"a\x01"',
+        '"a\x7f"',
+        '"\t"',
+        "null",
+        "1",
+        '"a" ',
+        ' "a"',
+        '"a","x":1',
+        '"a","text":"b"',
+        '"a"}]},{"x":"',
+        '"a',
+        'a"',
+        '"',
+        '"a""b"',
+        '"\\/\\b\\f\\n\\r\\t\\\\"',
+        "'a'",
+        '"a"\n',
+        "NaN",
+        '["a"]',
+        '{"a":1}',
+        '"a\\\\"',
+        '"\\\\\\""',
     ],
-)  # fmt: skip
+)
 def test_hostile_events_after_a_learned_template_are_exactly_json_loads(middle):
     assert same_as_json_loads([_token('"first"'), _token(middle), _token('"last"')])._template is not None
 

@@ -84,8 +84,9 @@ def test_metrics_is_not_redirected_to_https_when_everything_else_is(web, setting
 @pytest.mark.engine
 def test_runs_by_status_are_read_from_the_database(web, experiment):
     for status in ("running", "running", "done", "failed"):
-        ReplayRun.objects.create(experiment=experiment, source="t.csv", status=status, total_requests=1,
-                                 expected_samples=1)  # fmt: skip
+        ReplayRun.objects.create(
+            experiment=experiment, source="t.csv", status=status, total_requests=1, expected_samples=1
+        )
     series = parse(get(web).content.decode())
     assert total(series, "abplat_replay_runs", status="running") == 2
     assert total(series, "abplat_replay_runs", status="done") == 1

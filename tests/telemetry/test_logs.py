@@ -50,8 +50,15 @@ def record(msg="hello %s", args=("world",), exc_info=None, **extra):
 def test_a_json_line_has_time_level_logger_message_and_context():
     with logs.log_context(experiment="ttft-opt", run=7, shard=2):
         out = one_object(logs.JsonFormatter().format(record()))
-    assert out == {"ts": "2026-12-01T10:54:41.045Z", "level": "WARNING", "logger": "workers.shard",
-                   "message": "hello world", "experiment": "ttft-opt", "run": 7, "shard": 2}  # fmt: skip
+    assert out == {
+        "ts": "2026-12-01T10:54:41.045Z",
+        "level": "WARNING",
+        "logger": "workers.shard",
+        "message": "hello world",
+        "experiment": "ttft-opt",
+        "run": 7,
+        "shard": 2,
+    }
     assert TS.match(out["ts"])
 
 
@@ -87,8 +94,15 @@ def test_user_values_cannot_forge_fields_or_lines():
 
 
 def test_extra_fields_never_replace_the_fixed_ones_and_odd_values_stay_valid_json():
-    rec = record(level="DEBUG", logger="fake", ts="0", ratio=float("nan"), big=float("inf"), obj=object(),
-                 nested={"x": [float("-inf")]})  # fmt: skip
+    rec = record(
+        level="DEBUG",
+        logger="fake",
+        ts="0",
+        ratio=float("nan"),
+        big=float("inf"),
+        obj=object(),
+        nested={"x": [float("-inf")]},
+    )
     out = one_object(logs.JsonFormatter().format(rec))
     assert (out["level"], out["logger"], out["ts"]) == (
         "WARNING",
@@ -251,14 +265,17 @@ def manage_py(*args: str, **env: str) -> subprocess.CompletedProcess:
 
     full = {k: v for k, v in os.environ.items() if not k.startswith("ABPLAT_LOG")}
     full.update(env)
-    return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=full, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=ROOT, env=full, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.process
 def test_log_format_json_makes_every_line_an_object_and_a_bad_value_stops_the_process():
-    code = ("import logging; from telemetry.logs import log_context\n"
-            "with log_context(run=4): logging.getLogger('workers.x').warning('hi %s', 'there')")  # fmt: skip
+    code = (
+        "import logging; from telemetry.logs import log_context\n"
+        "with log_context(run=4): logging.getLogger('workers.x').warning('hi %s', 'there')"
+    )
     done = manage_py("shell", "-c", code, ABPLAT_LOG_FORMAT="json")
     assert done.returncode == 0, done.stderr
     [line] = [x for x in done.stderr.splitlines() if x.startswith("{")]
@@ -283,8 +300,20 @@ def test_a_celery_worker_logs_json_with_the_task_s_fields(broker_env, tmp_path):
     try:
         start_demo_experiment(env, tmp_path, sims)
         workers = [start_worker(env, log)]
-        manage(env, "replay", "ttft-optimizations", "--trace", TRACE, "--limit", "30", "--speed", "100",
-               "--shards", "2", "--wait")  # fmt: skip
+        manage(
+            env,
+            "replay",
+            "ttft-optimizations",
+            "--trace",
+            TRACE,
+            "--limit",
+            "30",
+            "--speed",
+            "100",
+            "--shards",
+            "2",
+            "--wait",
+        )
         # the run's last task has ended (stopping the worker earlier would interrupt it)
         wait_for(lambda: re.search(r"finish_replay\[[^]]+\] succeeded", log.read_text()), timeout=60)
     finally:
@@ -294,8 +323,13 @@ def test_a_celery_worker_logs_json_with_the_task_s_fields(broker_env, tmp_path):
     assert not re.search(r"^\[\d{4}-\d\d-\d\d [^]]*: (INFO|WARNING|ERROR)/", text, re.M), text[-3000:]
     lines = [one_object(x) for x in text.splitlines() if x.startswith("{")]
     assert any(x["logger"].startswith("celery.") for x in lines), text[-3000:]  # celery's lines, as JSON
-    summaries = [x for x in lines if x["logger"] == "workers.shard" and "shard" in x
-                 and x["message"].startswith(f"run 1 shard {x['shard']}: {{")]  # fmt: skip
+    summaries = [
+        x
+        for x in lines
+        if x["logger"] == "workers.shard"
+        and "shard" in x
+        and x["message"].startswith(f"run 1 shard {x['shard']}: {{")
+    ]
     assert sorted(x["shard"] for x in summaries) == [0, 1], text[-3000:]
     for x in summaries:
         assert (x["experiment"], x["run"]) == ("ttft-optimizations", 1)

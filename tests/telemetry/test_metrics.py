@@ -29,10 +29,35 @@ DOC = (ROOT / "docs" / "metrics.md").read_text()
 DASHBOARD = json.loads((ROOT / "docs" / "grafana" / "abplat.json").read_text())
 # Labels that would make a series per request, user or run, or could carry a secret.
 FORBIDDEN_LABELS = {"run", "run_id", "request_id", "user", "user_id", "shard", "path", "url", "token", "key"}
-UNITS = ("seconds", "bytes", "rows", "requests", "samples", "files", "flushes", "shards", "runs",
-         "revision", "connected", "errors", "reconnects", "loads", "applied", "rejected", "requeued",
-         "finished", "running", "in_flight", "written", "completed", "sent", "spooled", "flushed",
-         "quarantined", "inserted")  # fmt: skip
+UNITS = (
+    "seconds",
+    "bytes",
+    "rows",
+    "requests",
+    "samples",
+    "files",
+    "flushes",
+    "shards",
+    "runs",
+    "revision",
+    "connected",
+    "errors",
+    "reconnects",
+    "loads",
+    "applied",
+    "rejected",
+    "requeued",
+    "finished",
+    "running",
+    "in_flight",
+    "written",
+    "completed",
+    "sent",
+    "spooled",
+    "flushed",
+    "quarantined",
+    "inserted",
+)
 
 
 def families() -> dict[str, str]:
@@ -140,8 +165,14 @@ def test_replay_meter_counts_sends_outcomes_lag_and_writes():
         api = "chat"
 
         async def stream(self, request_id, prompt, max_tokens, extra=None):
-            assert total(parse(generate_latest(metrics.REGISTRY).decode()), "abplat_replay_requests_in_flight",
-                         experiment="meter-exp") == 1  # fmt: skip
+            assert (
+                total(
+                    parse(generate_latest(metrics.REGISTRY).decode()),
+                    "abplat_replay_requests_in_flight",
+                    experiment="meter-exp",
+                )
+                == 1
+            )
             return StreamResult(request_id=request_id)
 
         async def aclose(self):
@@ -156,8 +187,20 @@ def test_replay_meter_counts_sends_outcomes_lag_and_writes():
     assert client.inner.closed
     rows = []
     put = meter.put_row(rows.append)
-    put(row_from(StreamResult(), SampleContext(experiment="meter-exp", run_id=1, seq=0, variant="v1", mode="split",
-                                               sent_unix_ms=time.time() * 1000, schedule_lag_ms=30.0)))  # fmt: skip
+    put(
+        row_from(
+            StreamResult(),
+            SampleContext(
+                experiment="meter-exp",
+                run_id=1,
+                seq=0,
+                variant="v1",
+                mode="split",
+                sent_unix_ms=time.time() * 1000,
+                schedule_lag_ms=30.0,
+            ),
+        )
+    )
     meter.written(1, "spool")
     after = parse(generate_latest(metrics.REGISTRY).decode())
 
@@ -236,9 +279,20 @@ class FakeStore:
 
 
 def sample_rows(n):
-    return [row_from(StreamResult(ttft_ms=5.0, e2e_ms=9.0), SampleContext(
-        experiment="spool-exp", run_id=7, seq=i, variant="a", mode="split",
-        sent_unix_ms=time.time() * 1000)) for i in range(n)]  # fmt: skip
+    return [
+        row_from(
+            StreamResult(ttft_ms=5.0, e2e_ms=9.0),
+            SampleContext(
+                experiment="spool-exp",
+                run_id=7,
+                seq=i,
+                variant="a",
+                mode="split",
+                sent_unix_ms=time.time() * 1000,
+            ),
+        )
+        for i in range(n)
+    ]
 
 
 def test_spool_depth_rises_while_the_store_is_down_and_drains_with_the_flush(tmp_path):

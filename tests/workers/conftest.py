@@ -63,9 +63,12 @@ def broker_env(tmp_path, clickhouse_server):
         pytest.fail(f"Redis not reachable at {REDIS_URL} ({exc}); start it (scripts/services.sh start)")
     with fresh_database(clickhouse_server) as url:
         yield subprocess_env(
-            ABPLAT_VAR=str(tmp_path), ABPLAT_BROKER_URL=REDIS_URL, ABPLAT_CLICKHOUSE_URL=url,
-            ABPLAT_VISIBILITY_TIMEOUT="5", ABPLAT_LOG_LEVEL="INFO",
-        )  # fmt: skip
+            ABPLAT_VAR=str(tmp_path),
+            ABPLAT_BROKER_URL=REDIS_URL,
+            ABPLAT_CLICKHOUSE_URL=url,
+            ABPLAT_VISIBILITY_TIMEOUT="5",
+            ABPLAT_LOG_LEVEL="INFO",
+        )
 
 
 @pytest.fixture(scope="session")

@@ -26,8 +26,12 @@ def test_the_demo_starts_each_search_from_the_main_replays_verdict():
 
 
 def _variant(key, verdict, estimate, control=False):
-    return {"key": key, "control": control, "verdict": {"verdict": verdict},
-            "attainment": None if estimate is None else {"estimate": estimate}}  # fmt: skip
+    return {
+        "key": key,
+        "control": control,
+        "verdict": {"verdict": verdict},
+        "attainment": None if estimate is None else {"estimate": estimate},
+    }
 
 
 def test_the_demo_searches_the_control_and_the_variants_that_met():
@@ -46,8 +50,11 @@ def test_when_no_variant_met_the_demo_still_searches_the_closest_one():
     # a burst measured late leaves the best deployment at "not enough data" in the main replay:
     # the search still prices it against the control, from the top when its estimate is above
     # the target, from half when below
-    rows = [_variant("fp16", "misses", 0.89, True), _variant("awq", "misses", 0.97),
-            _variant("awq-fa2", "not enough data", 0.9964)]  # fmt: skip
+    rows = [
+        _variant("fp16", "misses", 0.89, True),
+        _variant("awq", "misses", 0.97),
+        _variant("awq-fa2", "not enough data", 0.9964),
+    ]
     assert demo.capacity_candidates(rows, 0.992) == {"fp16": 64.0, "awq-fa2": 128.0}
     rows[2] = _variant("awq-fa2", "not enough data", 0.990)
     assert demo.capacity_candidates(rows, 0.992) == {"fp16": 64.0, "awq-fa2": 64.0}
@@ -58,18 +65,30 @@ def test_when_no_variant_met_the_demo_still_searches_the_closest_one():
 
 def _searched(capacity, upper, limited_by, per_million=None, rates=()):
     cost = {"per_million_requests": per_million, "currency": "USD"} if per_million else None
-    return {"capacity_rps": capacity, "upper_rps": upper, "limited_by": limited_by, "cost": cost,
-            "steps": [{"rate_rps": r} for r in rates]}  # fmt: skip
+    return {
+        "capacity_rps": capacity,
+        "upper_rps": upper,
+        "limited_by": limited_by,
+        "cost": cost,
+        "steps": [{"rate_rps": r} for r in rates],
+    }
 
 
 def test_the_demos_last_line_states_the_ratio_as_the_brackets_allow():
-    doc = {"ranking": ["awq-fa2", "fp16"], "variants": {
-        "awq-fa2": _searched(128.0, None, "max_rate", 34.72), "fp16": _searched(32.0, 64.0, "steps", 138.89)}}  # fmt: skip
+    doc = {
+        "ranking": ["awq-fa2", "fp16"],
+        "variants": {
+            "awq-fa2": _searched(128.0, None, "max_rate", 34.72),
+            "fp16": _searched(32.0, 64.0, "steps", 138.89),
+        },
+    }
     line = demo.capacity_summary(doc, "fp16")
     # awq-fa2 >= 128, fp16 in [32, 64): the ratio is at least 128 / 64, not 128 / 32
-    assert line == ("awq-fa2 carries at least 128 req/s within the SLA (the most this search sends), at least "
-                    "2.0x fp16 (fp16 meets it at 32, not at 64 req/s), at 34.72 USD per million requests "
-                    "(fp16: 138.89).")  # fmt: skip
+    assert line == (
+        "awq-fa2 carries at least 128 req/s within the SLA (the most this search sends), at least "
+        "2.0x fp16 (fp16 meets it at 32, not at 64 req/s), at 34.72 USD per million requests "
+        "(fp16: 138.89)."
+    )
     doc["variants"]["awq-fa2"] = _searched(181.0, 215.0, "sla", 12.28)
     assert "2.8x to 6.7x fp16" in demo.capacity_summary(doc, "fp16")  # 181 / 64 and 215 / 32
     doc["variants"]["fp16"] = _searched(None, 8.0, "min_rate", None, rates=(64.0, 32.0, 16.0, 8.0))
@@ -85,8 +104,10 @@ def test_the_demos_last_line_states_the_ratio_as_the_brackets_allow():
 
 
 def test_a_capacity_the_load_generator_capped_says_so():
-    doc = {"ranking": ["awq-fa2", "fp16"], "variants": {
-        "awq-fa2": _searched(64.0, 128.0, "generator"), "fp16": _searched(32.0, 64.0, "steps")}}  # fmt: skip
+    doc = {
+        "ranking": ["awq-fa2", "fp16"],
+        "variants": {"awq-fa2": _searched(64.0, 128.0, "generator"), "fp16": _searched(32.0, 64.0, "steps")},
+    }
     line = demo.capacity_summary(doc, "fp16")
     assert line.startswith(
         "awq-fa2 carries at least 64 req/s within the SLA (the most the load generator sent within its lag limit), "
@@ -96,8 +117,13 @@ def test_a_capacity_the_load_generator_capped_says_so():
 
 def test_a_control_whose_step_above_was_not_judged_has_no_upper_end():
     # fp16 met at 32; at 64 the replay lagged past its limit, so 64 says nothing about fp16
-    doc = {"ranking": ["awq-fa2", "fp16"], "variants": {
-        "awq-fa2": _searched(128.0, None, "max_rate"), "fp16": _searched(32.0, 64.0, "generator")}}  # fmt: skip
+    doc = {
+        "ranking": ["awq-fa2", "fp16"],
+        "variants": {
+            "awq-fa2": _searched(128.0, None, "max_rate"),
+            "fp16": _searched(32.0, 64.0, "generator"),
+        },
+    }
     line = demo.capacity_summary(doc, "fp16")
     assert line == (
         "awq-fa2 carries at least 128 req/s within the SLA (the most this search sends) (fp16 meets it at 32 "

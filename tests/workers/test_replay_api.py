@@ -161,8 +161,9 @@ def file_content_leaks(response, environ: bool = True, given: str = "") -> list[
     ],
 )
 @pytest.mark.parametrize("field", ["source", "trace"])
-def test_a_path_outside_the_trace_directory_is_refused_without_reading_it(client_for, running, source, says,
-                                                                          field):  # fmt: skip
+def test_a_path_outside_the_trace_directory_is_refused_without_reading_it(
+    client_for, running, source, says, field
+):
     """`source=/proc/self/environ` returned the process environment,
     `/etc/passwd` its first line, and `/dev/zero` would have exhausted memory."""
     payload = body(**{"trace": None, field: source})
@@ -236,9 +237,17 @@ def test_cancel_of_a_queued_run_ends_it(client_for, running):
 
 def start_form(experiment, **kw) -> dict:
     return {
-        "experiment": experiment.pk, "source_format": "", "mode": "split", "arrival": "recorded", "speed": 1,
-        "rate": 0, "cv": 1, "concurrency": 8, "sample_fraction": 1, **kw,
-    }  # fmt: skip
+        "experiment": experiment.pk,
+        "source_format": "",
+        "mode": "split",
+        "arrival": "recorded",
+        "speed": 1,
+        "rate": 0,
+        "cv": 1,
+        "concurrency": 8,
+        "sample_fraction": 1,
+        **kw,
+    }
 
 
 @pytest.mark.django_db
@@ -295,8 +304,9 @@ def test_the_api_preflight_names_a_dead_variant(client_for, running):
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.engine
-def test_a_replay_started_over_http_answers_at_once_and_runs_in_the_background(client_for, started,
-                                                                             sample_store):  # fmt: skip
+def test_a_replay_started_over_http_answers_at_once_and_runs_in_the_background(
+    client_for, started, sample_store
+):
     """With eager Celery the replay ran inside the request (minutes for a big one).
     Now the request answers 202 with the run's URL at once, and the run goes on in a thread."""
     client = client_for("sre")

@@ -19,8 +19,9 @@ from workers.models import ReplayRun
 @pytest.mark.engine
 def test_replay_json_counts_every_planned_request_and_progress_stays_on_stderr(running, sample_store):
     err = io.StringIO()
-    doc = as_json("replay", "ttft-opt", "--trace", TRACE, "--limit", "60", "--speed", "200", "--progress",
-                  stderr=err)  # fmt: skip
+    doc = as_json(
+        "replay", "ttft-opt", "--trace", TRACE, "--limit", "60", "--speed", "200", "--progress", stderr=err
+    )
     run = ReplayRun.objects.get()
     assert set(doc) == {"run", "plan"}
     assert doc["plan"]["requests"] == doc["plan"]["samples"] == 60 and doc["plan"]["duration_s"] > 0
@@ -61,7 +62,11 @@ def test_replay_progress_is_off_without_a_terminal_and_the_plain_output_is_uncha
 @pytest.mark.engine
 def test_replay_json_refusals_name_the_option(running, sample_store, settings):
     _, doc = failing("replay", "nope", "--trace", TRACE)
-    assert doc["error"] == {"message": "no experiment with key 'nope'", "field": "key", "errors": []}
+    assert doc["error"] == {
+        "message": "no experiment 'nope'; `manage.py experiment list` lists them",
+        "field": "key",
+        "errors": [],
+    }
     settings.REPLAY_MAX_REQUESTS = 10
     _, doc = failing("replay", "ttft-opt", "--trace", TRACE, "--limit", "11")
     assert doc["error"]["field"] == "--limit" and "REPLAY_MAX_REQUESTS" in doc["error"]["message"]
@@ -75,15 +80,15 @@ def test_replay_json_refusals_name_the_option(running, sample_store, settings):
 def test_a_replay_that_does_not_end_done_exits_non_zero_with_its_run(running, sample_store, monkeypatch):
     """Cancelled before its first send (as by the API's cancel): the error document still
     carries the run and its plan."""
-    from workers.management.commands import replay as command
+    from workers import service
 
-    def cancelled_at_once(*a, **kw):
-        run = create_run(*a, **kw)
+    def cancelled_at_once(request):
+        run = create_run(request)
         ReplayRun.objects.filter(pk=run.pk).update(cancel_requested=True)
         return run
 
-    create_run = command.create_run
-    monkeypatch.setattr(command, "create_run", cancelled_at_once)
+    create_run = service.create_run
+    monkeypatch.setattr(service, "create_run", cancelled_at_once)
     _, doc = failing("replay", "ttft-opt", "--trace", TRACE, "--limit", "30", "--speed", "1")
     run = ReplayRun.objects.get()
     assert run.status == "cancelled"
@@ -127,9 +132,14 @@ def test_flush_samples_json_counts_the_rows_it_wrote(db, sample_store, tmp_path)
     err = io.StringIO()
     doc = as_json("flush_samples", "--spool-dir", spool.dir, "--progress", stderr=err)
     assert doc == {
-        "spool": spool.id, "forgotten": None, "files": 2, "flushed": 35, "already_stored": 5,
-        "quarantined": [], "runs": [],
-    }  # fmt: skip
+        "spool": spool.id,
+        "forgotten": None,
+        "files": 2,
+        "flushed": 35,
+        "already_stored": 5,
+        "quarantined": [],
+        "runs": [],
+    }
     assert sample_store.count(7) == 40 and spool.pending_files() == []
     assert "2/2 files 100%" in err.getvalue()
     _, doc = failing("flush_samples", "--spool-dir", str(tmp_path))
@@ -144,9 +154,22 @@ def test_demo_json_prints_its_replay_report_and_capacity(tmp_path):
     code, doc, _ = command_line(env, "demo", "--json")  # it would serve forever after the document
     assert code == 1 and doc["error"]["field"] == "--json"
     code, doc, err = command_line(
-        env, "demo", "--json", "--no-serve", "--limit", "20", "--speed", "50", "--replicas", "1", "--progress",
-        "--capacity-steps", "2", "--capacity-requests", "50",
-    )  # fmt: skip
+        env,
+        "demo",
+        "--json",
+        "--no-serve",
+        "--limit",
+        "20",
+        "--speed",
+        "50",
+        "--replicas",
+        "1",
+        "--progress",
+        "--capacity-steps",
+        "2",
+        "--capacity-requests",
+        "50",
+    )
     assert code == 0, err[-3000:]
     assert doc["experiment"] == "ttft-optimizations"
     assert doc["trace"]["prompt_budget"] == 384 and doc["trace"]["answer_budget"] == 32
@@ -182,8 +205,20 @@ def test_demo_json_prints_its_replay_report_and_capacity(tmp_path):
 @pytest.mark.services
 def test_replay_json_without_wait_on_a_broker_prints_the_queued_run(demo_env):
     """Real workers, no --wait: the document is the run as queued, at once (no worker needed)."""
-    doc = json.loads(manage(demo_env, "replay", "ttft-optimizations", "--trace", TRACE, "--limit", "25",
-                            "--shards", "2", "--json"))  # fmt: skip
+    doc = json.loads(
+        manage(
+            demo_env,
+            "replay",
+            "ttft-optimizations",
+            "--trace",
+            TRACE,
+            "--limit",
+            "25",
+            "--shards",
+            "2",
+            "--json",
+        )
+    )
     assert doc["run"]["status"] == "queued" and doc["run"]["shards"] == 2
     assert doc["run"]["total_requests"] == doc["run"]["expected_samples"] == doc["plan"]["samples"] == 25
     assert doc["run"]["samples_recorded"] == 0 and doc["run"]["url"] == f"/api/replays/{doc['run']['run']}/"

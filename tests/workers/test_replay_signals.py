@@ -27,8 +27,9 @@ from tests.workers.background import (
 
 @pytest.fixture
 def env(tmp_path, clickhouse_database, demo_template):
-    env = subprocess_env(ABPLAT_VAR=str(tmp_path), ABPLAT_CLICKHOUSE_URL=clickhouse_database,
-                         ABPLAT_LOG_LEVEL="WARNING")  # fmt: skip
+    env = subprocess_env(
+        ABPLAT_VAR=str(tmp_path), ABPLAT_CLICKHOUSE_URL=clickhouse_database, ABPLAT_LOG_LEVEL="WARNING"
+    )
     install_demo(env, demo_template)
     return env
 
@@ -39,18 +40,35 @@ def run_state(env) -> dict:
     )
     shards = db_rows(env, "SELECT sent, recorded, status FROM workers_replayshard WHERE run_id = ?", run_id)
     return {
-        "status": status, "recorded": recorded, "error": error, "outcomes": json.loads(outcomes),
-        "sent_shards": sum(s[0] for s in shards), "recorded_shards": sum(s[1] for s in shards),
+        "status": status,
+        "recorded": recorded,
+        "error": error,
+        "outcomes": json.loads(outcomes),
+        "sent_shards": sum(s[0] for s in shards),
+        "recorded_shards": sum(s[1] for s in shards),
         "shard_status": [s[2] for s in shards],
-    }  # fmt: skip
+    }
 
 
 def start_replay(env, tmp_path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "manage.py", "replay", "ttft-optimizations", "--trace",
-         "data/traces/azure_llm_2023_code.csv", "--limit", "100", "--speed", "10"],  # ~19 s of schedule
-        cwd=ROOT, env=env, stdout=(tmp_path / "out.txt").open("w"), stderr=(tmp_path / "err.txt").open("w"),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "manage.py",
+            "replay",
+            "ttft-optimizations",
+            "--trace",
+            "data/traces/azure_llm_2023_code.csv",
+            "--limit",
+            "100",
+            "--speed",
+            "10",
+        ],  # ~19 s of schedule
+        cwd=ROOT,
+        env=env,
+        stdout=(tmp_path / "out.txt").open("w"),
+        stderr=(tmp_path / "err.txt").open("w"),
+    )
 
 
 def wait_recorded(env, proc, tmp_path, n=15):
@@ -110,9 +128,16 @@ def test_a_killed_replay_is_found_by_its_lease_and_ended_with_exact_counts(env, 
     # owner may still be alive: the run is left alone.
     out = manage({**env, "ABPLAT_REPLAY_LEASE_S": "3600"}, "flush_samples")
     assert "owner lost" not in out
-    # Under a 2 s lease it has expired (that heartbeat is older: a Django start-up at least).
-    ((beat,),) = db_rows(env, "SELECT coalesce(max(s.heartbeat_at), r.started_at) FROM workers_replayshard s "
-                              "JOIN workers_replayrun r ON r.id = s.run_id")  # fmt: skip
+    # Under a 2 s lease it has expired once that heartbeat is over 2 s old. A Django start-up
+    # usually takes that long already; on a fast host the rest (at most 2 s) is waited out here,
+    # since the lease is read against the database's clock in another process.
+    ((beat,),) = db_rows(
+        env,
+        "SELECT coalesce(max(s.heartbeat_at), r.started_at) FROM workers_replayshard s "
+        "JOIN workers_replayrun r ON r.id = s.run_id",
+    )
+    expired_at = db_time(beat) + dt.timedelta(seconds=2.2)
+    time.sleep(max(0.0, (expired_at - dt.datetime.now(dt.UTC)).total_seconds()))
     assert db_time(beat) < dt.datetime.now(dt.UTC) - dt.timedelta(seconds=2)
     out = manage({**env, "ABPLAT_REPLAY_LEASE_S": "2"}, "flush_samples")
     state = run_state(env)

@@ -29,11 +29,19 @@ def replay(*args, trace=TRACE) -> str:
 
 def chat_log(tmp_path, n=12):
     path = tmp_path / "chat.jsonl"
-    path.write_text("".join(
-        json.dumps({"timestamp": i * 0.01, "messages": [{"role": "user", "content": f"question {i}"}],
-                    "max_tokens": 4}) + "\n"
-        for i in range(n)
-    ))  # fmt: skip
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": i * 0.01,
+                    "messages": [{"role": "user", "content": f"question {i}"}],
+                    "max_tokens": 4,
+                }
+            )
+            + "\n"
+            for i in range(n)
+        )
+    )
     return path
 
 
@@ -60,8 +68,11 @@ def test_chat_log_to_a_completions_variant_is_refused_before_anything_is_sent(
 @pytest.mark.django_db(transaction=True)
 def test_prompt_lines_go_to_chat_variants_only_when_asked(running, sample_store, tmp_path):
     log = tmp_path / "prompts.jsonl"
-    log.write_text("".join(json.dumps({"timestamp": i * 0.01, "prompt": f"p {i}", "max_tokens": 4}) + "\n"
-                           for i in range(5)))  # fmt: skip
+    log.write_text(
+        "".join(
+            json.dumps({"timestamp": i * 0.01, "prompt": f"p {i}", "max_tokens": 4}) + "\n" for i in range(5)
+        )
+    )
     with pytest.raises(CommandError, match=r"5 line\(s\) .* give a completions `prompt`.*--wrap-prompt"):
         replay("--format", "jsonl", trace=log)
     assert not ReplayRun.objects.exists()
@@ -124,15 +135,32 @@ def abandoned_run(experiment, store, *, samples=7, age_s=None):
     from samples.rows import SampleContext, row_from
     from streaming.result import StreamResult
 
-    run = ReplayRun.objects.create(experiment=experiment, source=TRACE, status="running", total_requests=50,
-                                   expected_samples=50, started_at=timezone.now() - dt.timedelta(seconds=60))  # fmt: skip
+    run = ReplayRun.objects.create(
+        experiment=experiment,
+        source=TRACE,
+        status="running",
+        total_requests=50,
+        expected_samples=50,
+        started_at=timezone.now() - dt.timedelta(seconds=60),
+    )
     old = timezone.now() - dt.timedelta(seconds=lease_s() + 5 if age_s is None else age_s)
     ReplayShard.objects.create(
         run=run, index=0, status="running", planned=50, sent=3, recorded=3, heartbeat_at=old
     )
-    rows = [row_from(StreamResult(ttft_ms=5.0, e2e_ms=9.0), SampleContext(
-        experiment=experiment.key, run_id=run.pk, seq=i, variant="fp16", mode="split",
-        sent_unix_ms=time.time() * 1000)) for i in range(samples)]  # fmt: skip
+    rows = [
+        row_from(
+            StreamResult(ttft_ms=5.0, e2e_ms=9.0),
+            SampleContext(
+                experiment=experiment.key,
+                run_id=run.pk,
+                seq=i,
+                variant="fp16",
+                mode="split",
+                sent_unix_ms=time.time() * 1000,
+            ),
+        )
+        for i in range(samples)
+    ]
     store.insert_samples(rows)
     return run
 
@@ -198,8 +226,12 @@ def test_preflight_names_a_dead_variant_and_a_wrong_model(running, sample_store)
 @pytest.mark.parametrize("sample_store", ["chdb"], indirect=True)
 def test_a_plan_longer_than_the_cap_is_refused_unless_confirmed(running, sample_store, tmp_path):
     log = tmp_path / "ms.jsonl"  # epoch milliseconds where seconds were meant: days of schedule
-    log.write_text("".join(json.dumps({"timestamp": 1_700_000_000_000 + i * 1000, "prompt": "p",
-                                       "max_tokens": 2}) + "\n" for i in range(20)))  # fmt: skip
+    log.write_text(
+        "".join(
+            json.dumps({"timestamp": 1_700_000_000_000 + i * 1000, "prompt": "p", "max_tokens": 2}) + "\n"
+            for i in range(20)
+        )
+    )
     with pytest.raises(CommandError) as info:
         replay("--format", "jsonl", "--wrap-prompt", trace=log)
     message = str(info.value)
@@ -215,10 +247,15 @@ def test_a_plan_longer_than_the_cap_is_refused_unless_confirmed(running, sample_
 @pytest.mark.parametrize("sample_store", ["chdb"], indirect=True)
 @pytest.mark.parametrize(
     "args, says",
-    [(["--rate", "10"], "rate applies to poisson or gamma arrivals, not recorded"),
-     (["--arrival", "poisson", "--rate", "10", "--cv", "3"], "--cv applies to --arrival gamma, not poisson"),
-     (["--arrival", "poisson", "--rate", "10", "--speed", "5"], "speed applies to recorded arrivals")],
-)  # fmt: skip
+    [
+        (["--rate", "10"], "rate applies to poisson or gamma arrivals, not recorded"),
+        (
+            ["--arrival", "poisson", "--rate", "10", "--cv", "3"],
+            "--cv applies to --arrival gamma, not poisson",
+        ),
+        (["--arrival", "poisson", "--rate", "10", "--speed", "5"], "speed applies to recorded arrivals"),
+    ],
+)
 def test_contradictory_options_are_rejected(running, sample_store, args, says):
     with pytest.raises(CommandError, match=says):
         replay("--limit", "5", *args)

@@ -39,8 +39,20 @@ def running_tls(db, document, tls_sims, users, monkeypatch):
 
 
 def _replay(*args) -> ReplayRun:
-    call_command("replay", "ttft-opt", "--trace", TRACE, "--limit", "30", "--speed", "200",
-                 "--mode", "mirror", *args, stdout=io.StringIO())  # fmt: skip
+    call_command(
+        "replay",
+        "ttft-opt",
+        "--trace",
+        TRACE,
+        "--limit",
+        "30",
+        "--speed",
+        "200",
+        "--mode",
+        "mirror",
+        *args,
+        stdout=io.StringIO(),
+    )
     return ReplayRun.objects.latest("pk")
 
 

@@ -47,8 +47,12 @@ def shard_table(env) -> list[tuple]:
 
 @pytest.fixture
 def windowed(demo_env):
-    return {**demo_env, "ABPLAT_TASK_SOFT_TIME_LIMIT_S": str(SOFT_LIMIT_S), "ABPLAT_REPLAY_WINDOW_S": str(WINDOW_S),
-            "ABPLAT_VISIBILITY_TIMEOUT": "60"}  # fmt: skip
+    return {
+        **demo_env,
+        "ABPLAT_TASK_SOFT_TIME_LIMIT_S": str(SOFT_LIMIT_S),
+        "ABPLAT_REPLAY_WINDOW_S": str(WINDOW_S),
+        "ABPLAT_VISIBILITY_TIMEOUT": "60",
+    }
 
 
 def test_schedule_several_time_limits_long_replays_window_by_window_with_exact_counts(windowed, tmp_path):
@@ -58,8 +62,21 @@ def test_schedule_several_time_limits_long_replays_window_by_window_with_exact_c
     try:
         workers = [start_worker(env, log), start_worker(env, log)]
         # 480 requests at 20/s (Poisson, its seed fixed): 24 s of schedule, three soft limits.
-        manage(env, "replay", "ttft-optimizations", "--trace", "data/traces/azure_llm_2023_code.csv",
-               "--limit", "480", "--arrival", "poisson", "--rate", "20", "--shards", "2")  # fmt: skip
+        manage(
+            env,
+            "replay",
+            "ttft-optimizations",
+            "--trace",
+            "data/traces/azure_llm_2023_code.csv",
+            "--limit",
+            "480",
+            "--arrival",
+            "poisson",
+            "--rate",
+            "20",
+            "--shards",
+            "2",
+        )
         assert wait_final(env, log, 180) == "done", log.read_text()[-3000:]
         assert run_fields(env, "expected_samples", "samples_recorded") == (480, 480)
         per_seq = dict(query(env, "SELECT seq, count() FROM samples GROUP BY seq"))
@@ -87,14 +104,30 @@ def test_cancel_between_windows_ends_the_run_without_the_windows_not_yet_open(wi
     log = tmp_path / "worker.log"
     workers = []
     # Django starts while the replay runs; the cancel then lands the moment it is asked for.
-    cancel = Standby(env, "from workers.models import ReplayRun; from workers.runs import cancel_run; "
-                          "cancel_run(ReplayRun.objects.get())")  # fmt: skip
+    cancel = Standby(
+        env,
+        "from workers.models import ReplayRun; from workers.runs import cancel_run; "
+        "cancel_run(ReplayRun.objects.get())",
+    )
     try:
         workers = [start_worker(env, log)]
         # 360 requests at 30/s (Poisson): four 3 s windows of about 90. The cancel lands in the
         # second while it sends; the last two have not opened.
-        manage(env, "replay", "ttft-optimizations", "--trace", "data/traces/azure_llm_2023_code.csv",
-               "--limit", "360", "--arrival", "poisson", "--rate", "30", "--shards", "1")  # fmt: skip
+        manage(
+            env,
+            "replay",
+            "ttft-optimizations",
+            "--trace",
+            "data/traces/azure_llm_2023_code.csv",
+            "--limit",
+            "360",
+            "--arrival",
+            "poisson",
+            "--rate",
+            "30",
+            "--shards",
+            "1",
+        )
         wait_for(lambda: store_count(env) >= 100, 90, poll=0.1, message=lambda: log.read_text()[-3000:])
         cancel.go()
         assert wait_final(env, log, 60) == "cancelled", log.read_text()[-3000:]

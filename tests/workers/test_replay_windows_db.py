@@ -10,7 +10,7 @@ from django.utils import timezone
 from replay.arrivals import Arrival
 from workers import tasks
 from workers.models import ReplayRun, ReplayShard
-from workers.runs import cancel_run, create_run, stale_shards
+from workers.runs import ReplayRequest, cancel_run, create_run, stale_shards
 
 pytestmark = pytest.mark.engine
 
@@ -23,8 +23,11 @@ def windowed_run(running, settings):
     run with a broker would be (not queued)."""
     settings.CELERY_TASK_ALWAYS_EAGER = False
     settings.REPLAY_WINDOW_S = 2
-    run = create_run(running, source=TRACE, limit=400, arrival=Arrival(speed=20), shard_count=2,
-                     enqueue=False, check_variants=False)  # fmt: skip
+    run = create_run(
+        ReplayRequest(
+            running, source=TRACE, limit=400, arrival=Arrival(speed=20), shards=2, check_variants=False
+        )
+    )
     settings.CELERY_TASK_ALWAYS_EAGER = True
     return run
 
@@ -46,8 +49,15 @@ def test_a_run_is_cut_into_window_slot_shards_covering_every_request_once(window
 @pytest.mark.django_db(transaction=True)
 def test_each_shard_of_a_window_is_queued_by_exactly_one_caller(windowed_run, monkeypatch):
     queued = []
-    monkeypatch.setattr(tasks, "group", lambda sigs: type("G", (), {
-        "apply_async": lambda self, countdown=0: queued.append(([s.args for s in sigs], countdown))})())  # fmt: skip
+    monkeypatch.setattr(
+        tasks,
+        "group",
+        lambda sigs: type(
+            "G",
+            (),
+            {"apply_async": lambda self, countdown=0: queued.append(([s.args for s in sigs], countdown))},
+        )(),
+    )
     run = windowed_run
     run.start_at_unix = time.time()
     assert tasks.enqueue_window(run, 4) == 2

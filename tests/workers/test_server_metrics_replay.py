@@ -127,8 +127,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         type(self).seen.append({"path": self.path, **{k.lower(): v for k, v in self.headers.items()}})
         if self.mode == "slow":
             time.sleep(1.5)
-        body = {"ok": b"# TYPE x gauge\nx 1.0\n", "big": b"x 1.0\n" * 50_000, "slow": b"x 1\n",
-                "404": b"no"}[self.mode]  # fmt: skip
+        body = {"ok": b"# TYPE x gauge\nx 1.0\n", "big": b"x 1.0\n" * 50_000, "slow": b"x 1\n", "404": b"no"}[
+            self.mode
+        ]
         self.send_response(404 if self.mode == "404" else 200)
         self.send_header("content-length", str(len(body)))
         self.end_headers()
@@ -188,15 +189,34 @@ def test_the_fetch_is_bounded_checked_and_carries_the_variants_secret(metrics_se
 
 @pytest.mark.services
 def test_windowed_shards_scrape_one_at_a_time_and_count_every_request_once(demo_env, tmp_path):
-    env = {**demo_env, "ABPLAT_TASK_SOFT_TIME_LIMIT_S": "8", "ABPLAT_REPLAY_WINDOW_S": "3",
-           "ABPLAT_VISIBILITY_TIMEOUT": "60", "ABPLAT_SERVER_METRICS_INTERVAL_S": "1"}  # fmt: skip
+    env = {
+        **demo_env,
+        "ABPLAT_TASK_SOFT_TIME_LIMIT_S": "8",
+        "ABPLAT_REPLAY_WINDOW_S": "3",
+        "ABPLAT_VISIBILITY_TIMEOUT": "60",
+        "ABPLAT_SERVER_METRICS_INTERVAL_S": "1",
+    }
     log = tmp_path / "worker.log"
     workers = []
     try:
         workers = [start_worker(env, log), start_worker(env, log)]
         # 240 requests at 20/s: 12 s of schedule, four 3 s windows of two slots each
-        manage(env, "replay", "ttft-optimizations", "--trace", TRACE, "--limit", "240",
-               "--arrival", "poisson", "--rate", "20", "--shards", "2", "--wait")  # fmt: skip
+        manage(
+            env,
+            "replay",
+            "ttft-optimizations",
+            "--trace",
+            TRACE,
+            "--limit",
+            "240",
+            "--arrival",
+            "poisson",
+            "--rate",
+            "20",
+            "--shards",
+            "2",
+            "--wait",
+        )
         store = ClickHouseServerBackend(env["ABPLAT_CLICKHOUSE_URL"])
         ((run_id, status),) = store.query("SELECT run_id, argMax(status, version) FROM runs GROUP BY run_id")
         assert status == "done", log.read_text()[-3000:]
@@ -208,9 +228,14 @@ def test_windowed_shards_scrape_one_at_a_time_and_count_every_request_once(demo_
         )
         # one scraper at a time per variant: no two scrapes of a variant overlap in time
         for variant in served:
-            spans = sorted((t - d * 1000, t) for t, d in store.query(
-                "SELECT scraped_ms, any(value) FROM server_metrics WHERE run_id = %(r)s AND variant = %(v)s "
-                "AND sample = 'abplat:scrape_duration_seconds' GROUP BY scraped_ms", {"r": run_id, "v": variant}))  # fmt: skip
+            spans = sorted(
+                (t - d * 1000, t)
+                for t, d in store.query(
+                    "SELECT scraped_ms, any(value) FROM server_metrics WHERE run_id = %(r)s AND variant = %(v)s "
+                    "AND sample = 'abplat:scrape_duration_seconds' GROUP BY scraped_ms",
+                    {"r": run_id, "v": variant},
+                )
+            )
             assert len(spans) >= 10, (variant, spans)
             assert all(a_end <= b_start for (_a, a_end), (b_start, _b) in zip(spans, spans[1:])), spans
     finally:

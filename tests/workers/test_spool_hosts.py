@@ -34,9 +34,14 @@ WORKER_A = "worker-a:/var/lib/abplat/spool"
 
 def make_run(experiment, *, status="flushing", expected=10, shard="done", **fields) -> ReplayRun:
     run = ReplayRun.objects.create(
-        experiment=experiment, source=TRACE, status=status, total_requests=expected,
-        expected_samples=expected, started_at=timezone.now(), **fields,
-    )  # fmt: skip
+        experiment=experiment,
+        source=TRACE,
+        status=status,
+        total_requests=expected,
+        expected_samples=expected,
+        started_at=timezone.now(),
+        **fields,
+    )
     ReplayShard.objects.create(run=run, index=0, status=shard, planned=expected)
     return run
 
@@ -44,9 +49,20 @@ def make_run(experiment, *, status="flushing", expected=10, shard="done", **fiel
 def rows_of(run, seqs, *, experiment: str | None = None) -> list:
     """Sample rows of ``run`` (a ReplayRun, or a bare run id with ``experiment``)."""
     run_id, key = (run, experiment) if experiment else (run.pk, run.experiment.key)
-    return [row_from(StreamResult(ttft_ms=5.0, e2e_ms=9.0), SampleContext(
-        experiment=key, run_id=run_id, seq=i, variant="fp16", mode="split",
-        sent_unix_ms=time.time() * 1000)) for i in seqs]  # fmt: skip
+    return [
+        row_from(
+            StreamResult(ttft_ms=5.0, e2e_ms=9.0),
+            SampleContext(
+                experiment=key,
+                run_id=run_id,
+                seq=i,
+                variant="fp16",
+                mode="split",
+                sent_unix_ms=time.time() * 1000,
+            ),
+        )
+        for i in seqs
+    ]
 
 
 @pytest.fixture

@@ -21,8 +21,19 @@ def test_killed_worker_shard_resumes_with_exactly_one_sample_per_request(demo_en
     log = tmp_path / "worker.log"
     workers = [start_worker(env, log)]  # it starts while the replay below is planned and queued
     try:
-        manage(env, "replay", "ttft-optimizations", "--trace", "data/traces/azure_llm_2023_code.csv",
-               "--limit", "300", "--speed", "20", "--shards", "2")  # about 6 s of schedule  # fmt: skip
+        manage(
+            env,
+            "replay",
+            "ttft-optimizations",
+            "--trace",
+            "data/traces/azure_llm_2023_code.csv",
+            "--limit",
+            "300",
+            "--speed",
+            "20",
+            "--shards",
+            "2",
+        )  # about 6 s of schedule
         wait_for(lambda: store_count(env) >= 60, 90, poll=0.1, message=lambda: log.read_text()[-3000:])
         os.killpg(workers[0].pid, signal.SIGKILL)  # the whole worker: parent and children
         workers[0].wait()

@@ -31,10 +31,9 @@ import re
 from pathlib import Path
 
 from analysis.definitions import METRIC_LABELS, MODES, QueryError
-from dashboards import tables
+from dashboards import summaries, tables
 from dashboards.reports import report_for_params, report_time_limit_s, timeout_message
-from experiments.cli import CliError, JsonCommand, add_json_argument
-from experiments.models import Experiment
+from experiments.cli import CliError, JsonCommand, add_json_argument, experiment_named
 from samples.store import QueryTimeout
 
 # A QueryError that starts "run=..." is about --run (dashboards.filters words them for the URL).
@@ -64,10 +63,7 @@ class Command(JsonCommand):
         parser.add_argument("--csv", metavar="DIR", help="write one CSV per table into DIR")
 
     def handle(self, *args, **opts):
-        try:
-            experiment = Experiment.objects.get(key=opts["key"])
-        except Experiment.DoesNotExist:
-            raise CliError(f"no experiment with key {opts['key']!r}", field="key") from None
+        experiment = experiment_named(opts["key"])
         params = {k: opts[k] or "" for k in ("since", "until", "mode")} | {"run": opts["run"] or ""}
         try:
             _filters, report = report_for_params(experiment, params, opts["variant"], opts["status"])
@@ -115,7 +111,7 @@ def anytime_lines(report) -> list[str]:
         "fixed-horizon: read them when the run is over:",
         f"  {'variant':<14}{'inference':<28}{'attainment':<28}{'error rate':<28}TTFT ms",
     ]
-    summary = tables.anytime_summary(report)
+    summary = summaries.anytime_summary(report)
     by_variant: dict[str, list[dict]] = {}
     for r in summary["rows"]:
         by_variant.setdefault(r["variant"], []).append(r)
@@ -151,7 +147,7 @@ def unit_lines(report) -> list[str]:
     """The statistics at the unit of randomization: per-user intervals, and the unadjusted and
     covariate-adjusted differences side by side with the variance reduction (or that the
     experiment turned them off)."""
-    summary = tables.unit_summary(report)
+    summary = summaries.unit_summary(report)
     info = summary["info"]
     if not info:
         return []
@@ -209,7 +205,10 @@ def render_text(report) -> str:
     sla = exp["sla"]
     runs = report.get("runs") or {}
     read = (
-        ", ".join(f"{r['run_id']} ({run_status(r, runs.get('mode'))})" for r in runs.get("read", []))
+        ", ".join(
+            r.get("label") or f"{r['run_id']} ({run_status(r, runs.get('mode'))})"
+            for r in runs.get("read", [])
+        )
         or "none"
     )
     lines = [

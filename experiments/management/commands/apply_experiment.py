@@ -19,9 +19,10 @@ class Command(JsonCommand):
     def add_arguments(self, parser):
         parser.add_argument("file", help="path to the document, or - for standard input")
         parser.add_argument(
-            "--as", dest="username",
+            "--as",
+            dest="username",
             help="the user who acts (recorded in the audit log; bound by their teams and permissions)",
-        )  # fmt: skip
+        )
         add_json_argument(parser)
 
     def handle(self, *args, file, username=None, **options):
@@ -30,9 +31,10 @@ class Command(JsonCommand):
             raw = load_document_text(sys.stdin.read(), "stdin") if file == "-" else load_document_file(file)
             result = services.apply_document(raw, actor=actor)
         except DocumentError as exc:
-            lines = "\n".join(f"  {e}" for e in exc.errors)
+            # One error is one line; several are listed a line each under it.
+            lines = f" {exc.errors[0]}" if len(exc.errors) == 1 else "".join(f"\n  {e}" for e in exc.errors)
             raise CliError(
-                f"{file}: rejected, nothing changed:\n{lines}",
+                f"{file}: rejected, nothing changed:{lines}",
                 errors=[(e.path, e.message) for e in exc.errors],
             ) from None
         key = result.experiment.key

@@ -15,7 +15,7 @@ import functools
 import sys
 from collections import Counter
 
-from experiments.cli import CliError, JsonCommand, add_json_argument
+from experiments.cli import CliError, JsonCommand, add_json_argument, experiment_named
 from experiments.weights.errors import StoreUnavailable
 from experiments.weights.process import weights_store
 from experiments.weights.publish import why_not_assigned
@@ -56,6 +56,7 @@ class Command(JsonCommand):
         except StoreUnavailable as exc:
             raise CliError(f"weights store unavailable: {exc}") from None
         except UnknownExperiment as exc:
+            experiment_named(key)  # a key no experiment has: say so, and the closest one
             raise CliError(why_not_assigned(key) or str(exc), field="key") from None
         try:
             sink = open(output, "w", encoding="utf-8") if output else None  # closed in the finally below

@@ -26,7 +26,14 @@ from __future__ import annotations
 
 from experiments import lifecycle, services
 from experiments.api.serializers import ActionSerializer, ExperimentSerializer
-from experiments.cli import CliError, JsonCommand, actor_for, add_json_argument, check_acts_on
+from experiments.cli import (
+    CliError,
+    JsonCommand,
+    actor_for,
+    add_json_argument,
+    check_acts_on,
+    experiment_named,
+)
 from experiments.models import AuditEntry, Experiment
 from experiments.weights.errors import ConflictError as WeightsConflict
 from experiments.weights.errors import StoreUnavailable, WeightsError
@@ -57,9 +64,12 @@ class Command(JsonCommand):
             )
             move.add_argument("key")
             move.add_argument(
-                "--reason", required=action == "conclude", default="",
-                help="why (kept in the audit log)" + ("; required: a conclusion is final" if action == "conclude" else ""),
-            )  # fmt: skip
+                "--reason",
+                required=action == "conclude",
+                default="",
+                help="why (kept in the audit log)"
+                + ("; required: a conclusion is final" if action == "conclude" else ""),
+            )
             move.add_argument(
                 "--as", "--user", dest="username", help="user recorded in the audit log (must exist)"
             )
@@ -68,9 +78,7 @@ class Command(JsonCommand):
     def handle(self, *args, action: str, **options):
         if action == "list":
             return self.list(options.get("status"))
-        experiment = Experiment.objects.prefetch_related("variants").filter(key=options["key"]).first()
-        if experiment is None:
-            raise CliError(f"no experiment with key {options['key']!r}", field="key")
+        experiment = experiment_named(options["key"], Experiment.objects.prefetch_related("variants"))
         if action == "show":
             return self.show(experiment)
         return self.move(experiment, action, options["reason"], options.get("username"))
@@ -141,14 +149,20 @@ class Command(JsonCommand):
             ) from None
         entry = AuditEntry.objects.filter(experiment_key=experiment.key, action=action).first()
         if self.json:
-            self.emit({
-                "transition": {
-                    "action": action, "from": before, "to": experiment.status, "reason": reason,
-                    "actor": entry.actor_name if entry else None, "audit_id": entry.pk if entry else None,
-                    "at": entry.at if entry else None,
-                },
-                "experiment": ExperimentSerializer(experiment).data,
-            })  # fmt: skip
+            self.emit(
+                {
+                    "transition": {
+                        "action": action,
+                        "from": before,
+                        "to": experiment.status,
+                        "reason": reason,
+                        "actor": entry.actor_name if entry else None,
+                        "audit_id": entry.pk if entry else None,
+                        "at": entry.at if entry else None,
+                    },
+                    "experiment": ExperimentSerializer(experiment).data,
+                }
+            )
             return
         allowed = ", ".join(lifecycle.allowed_actions(experiment.status)) or "none (concluded is final)"
         who = entry.actor_name if entry else "system"

@@ -7,8 +7,7 @@ Prints the experiment's document (the shape apply_experiment and the API take). 
 
 import yaml
 
-from experiments.cli import CliError, JsonCommand, add_json_argument, dumps
-from experiments.models import Experiment
+from experiments.cli import CliError, JsonCommand, add_json_argument, dumps, experiment_named
 from experiments.services import export_document
 
 
@@ -23,9 +22,7 @@ class Command(JsonCommand):
     def handle(self, *args, key, format, **options):
         if self.json and format == "yaml":
             raise CliError("--json prints JSON: leave out --format yaml", field="--format")
-        experiment = Experiment.objects.filter(key=key).first()
-        if experiment is None:
-            raise CliError(f"no experiment with key {key!r}", field="key")
+        experiment = experiment_named(key)
         doc = export_document(experiment)
         if self.json:
             self.emit(doc)

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from experiments.api.weights import field_errors
-from experiments.cli import CliError, JsonCommand, actor_for, add_json_argument, check_acts_on
-from experiments.models import Experiment
+from experiments.cli import (
+    CliError,
+    JsonCommand,
+    actor_for,
+    add_json_argument,
+    check_acts_on,
+    experiment_named,
+)
 from experiments.weights.errors import ConflictError, StoreUnavailable, WeightsError
 from experiments.weights.publish import (
     UnknownExperimentError,
@@ -74,9 +80,8 @@ class Command(JsonCommand):
 
     def handle(self, *args, key, weights, reason, username=None, **options):
         actor = actor_for(username)
-        experiment = Experiment.objects.filter(key=key).first()
-        if experiment is not None:  # an unknown key is preview_move's to name
-            check_acts_on(actor, experiment)
+        experiment = experiment_named(key)
+        check_acts_on(actor, experiment)
         wanted = parse_pairs(weights)
         expected = options.get("expected_revision")
         dry_run = bool(options.get("dry_run"))
@@ -107,9 +112,10 @@ class Command(JsonCommand):
             ) from None
         except ConflictError as exc:
             raise CliError(
-                f"conflict, nothing changed: {exc}", field="--expected-revision",
+                f"conflict, nothing changed: {exc}",
+                field="--expected-revision",
                 context={"current_revision": exc.actual_revision},
-            ) from None  # fmt: skip
+            ) from None
         except StoreUnavailable as exc:
             raise CliError(f"weights store unavailable, nothing changed: {exc}") from None
         if self.json:

@@ -6,7 +6,7 @@ import time
 
 from django.conf import settings
 
-from experiments.cli import CliError, JsonCommand, add_json_argument
+from experiments.cli import CliError, JsonCommand, add_json_argument, experiment_named
 from rollouts import controller
 from rollouts.service import LookResult, RolloutError, look
 
@@ -43,9 +43,11 @@ class Command(JsonCommand):
         parser.add_argument("key", help="experiment key")
         parser.add_argument("--once", action="store_true", help="one look, then exit")
         parser.add_argument(
-            "--interval", type=float, default=None,
+            "--interval",
+            type=float,
+            default=None,
             help="seconds between decisions (default ABPLAT_ROLLOUT_INTERVAL_S)",
-        )  # fmt: skip
+        )
         add_json_argument(parser)
 
     def handle(self, *args, **options):
@@ -54,6 +56,7 @@ class Command(JsonCommand):
             interval = float(settings.ROLLOUT_INTERVAL_S)
         if interval < 0:
             raise CliError(f"--interval: must be >= 0 seconds, got {interval}", field="interval")
+        experiment_named(options["key"])
         while True:
             try:
                 result = look(options["key"], interval_s=interval)

@@ -19,9 +19,11 @@ import os
 import pathlib
 import shlex
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from experiments import services
+from experiments.cli import Command as AbplatCommand
+from experiments.cli import experiment_named
 from experiments.document import DocumentError
 from experiments.engine_args import RISKY_TEXT, parse_allow_risky, serve_argv
 from experiments.models import Experiment, Variant
@@ -40,7 +42,7 @@ def endpoint_document(variant: Variant, endpoint: str) -> dict:
     return doc
 
 
-class Command(BaseCommand):
+class Command(AbplatCommand):
     help = "Start vLLM for an experiment's variant and record its endpoint on the variant."
 
     def add_arguments(self, parser) -> None:
@@ -60,13 +62,15 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, **opts) -> None:
+        experiment = experiment_named(opts["experiment"], option="experiment")
         try:
             variant = Variant.objects.select_related("experiment").get(
-                experiment__key=opts["experiment"], key=opts["variant"]
+                experiment=experiment, key=opts["variant"]
             )
         except Variant.DoesNotExist:
+            keys = ", ".join(experiment.variants.order_by("key").values_list("key", flat=True)) or "none"
             raise CommandError(
-                f"no variant {opts['variant']!r} in experiment {opts['experiment']!r}"
+                f"no variant {opts['variant']!r} in experiment {experiment.key!r} (its variants: {keys})"
             ) from None
         name = f"{variant.experiment.key}/{variant.key}"
         try:

@@ -29,10 +29,18 @@ class Command(JsonCommand):
         except OSError as exc:
             raise CliError(str(exc), field="path") from None
         if self.json:
-            self.emit({
-                "name": trace.name, "created": created, "rows": trace.rows, "span_s": trace.span_s,
-                "rate": trace.rate, "format": trace.format, "size": trace.size, "sha256": trace.sha256,
-            })  # fmt: skip
+            self.emit(
+                {
+                    "name": trace.name,
+                    "created": created,
+                    "rows": trace.rows,
+                    "span_s": trace.span_s,
+                    "rate": trace.rate,
+                    "format": trace.format,
+                    "size": trace.size,
+                    "sha256": trace.sha256,
+                }
+            )
             return
         rate = "-" if trace.rate is None else f"{trace.rate:.3g}/s"
         said = "stored" if created else "already stored (same content)"

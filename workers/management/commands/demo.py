@@ -34,7 +34,13 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 
 from experiments import services
-from experiments.cli import CliError, JsonCommand, add_json_argument, add_progress_arguments
+from experiments.cli import (
+    CliError,
+    JsonCommand,
+    add_json_argument,
+    add_progress_arguments,
+    require_secret_key,
+)
 from experiments.models import Experiment
 from traces.storage import TraceError, store_file
 from workers import demo
@@ -59,19 +65,35 @@ class Command(JsonCommand):
         parser.add_argument(
             "--replicas", type=int, default=demo.REPLICAS, help="engines per simulated deployment"
         )
-        parser.add_argument("--prompt-budget", type=int, default=demo.PROMPT_BUDGET,
-                            help="replay the requests with prompts up to this many tokens (0: any)")  # fmt: skip
-        parser.add_argument("--answer-budget", type=int, default=demo.ANSWER_BUDGET,
-                            help="... and answers up to this many tokens (0: any)")  # fmt: skip
-        parser.add_argument("--capacity-steps", type=int, default=demo.CAPACITY_MAX_STEPS,
-                            help="steps per variant of the capacity search (0: no search)")  # fmt: skip
-        parser.add_argument("--capacity-requests", type=int,
-                            help=f"requests per capacity step at most (default {demo.CAPACITY_STEP_REQUESTS})")  # fmt: skip
+        parser.add_argument(
+            "--prompt-budget",
+            type=int,
+            default=demo.PROMPT_BUDGET,
+            help="replay the requests with prompts up to this many tokens (0: any)",
+        )
+        parser.add_argument(
+            "--answer-budget",
+            type=int,
+            default=demo.ANSWER_BUDGET,
+            help="... and answers up to this many tokens (0: any)",
+        )
+        parser.add_argument(
+            "--capacity-steps",
+            type=int,
+            default=demo.CAPACITY_MAX_STEPS,
+            help="steps per variant of the capacity search (0: no search)",
+        )
+        parser.add_argument(
+            "--capacity-requests",
+            type=int,
+            help=f"requests per capacity step at most (default {demo.CAPACITY_STEP_REQUESTS})",
+        )
         parser.add_argument("--no-serve", action="store_true", help="stop after the SLA and capacity tables")
         parser.add_argument(
-            "--create-demo-user", action="store_true",
+            "--create-demo-user",
+            action="store_true",
             help="create the demo/demo superuser even on a configured database (ABPLAT_DATABASE_URL)",
-        )  # fmt: skip
+        )
         add_json_argument(parser)
         add_progress_arguments(parser)
 
@@ -86,6 +108,8 @@ class Command(JsonCommand):
             raise CliError(f"--capacity-steps must be 0 or 2 to 100, got {steps}", field="--capacity-steps")
         if replicas < 1:
             raise CliError(f"--replicas must be at least 1, got {replicas}", field="--replicas")
+        if not no_serve:  # the admin it serves at the end signs sessions: said now, not then
+            require_secret_key("manage.py demo", instead=", or pass --no-serve")
         call_command("migrate", verbosity=0)
         call_command("clickhouse_migrate", verbosity=0)
         demo_user = self.demo_user(options["create_demo_user"])
@@ -112,16 +136,28 @@ class Command(JsonCommand):
             if experiment is None:
                 stop(sims)
                 return
-            simulators = [{"variant": v["key"], "url": h.url, "profile": h.profile, "replicas": replicas}
-                          for v, h in zip(doc["variants"], sims)]  # fmt: skip
+            simulators = [
+                {"variant": v["key"], "url": h.url, "profile": h.profile, "replicas": replicas}
+                for v, h in zip(doc["variants"], sims)
+            ]
             # 4. The main job.
             shown = min(limit, cut.rows) if limit else cut.rows
             which = f"the first {shown:,} of the" if shown < cut.rows else "the"
-            self.say(f"\nreplaying {which} {cut.describe()} of {TRACE}, at {speed:g}x, to every variant at once "
-                     f"(mirror: each sees the same requests) through {experiment.key}")  # fmt: skip
+            self.say(
+                f"\nreplaying {which} {cut.describe()} of {TRACE}, at {speed:g}x, to every variant at once "
+                f"(mirror: each sees the same requests) through {experiment.key}"
+            )
             progress = {None: [], True: ["--progress"], False: ["--no-progress"]}[options.get("progress")]
-            replay_args = ["replay", experiment.key, "--trace", str(cut.path), "--mode", "mirror",
-                           "--speed", str(speed)]  # fmt: skip
+            replay_args = [
+                "replay",
+                experiment.key,
+                "--trace",
+                str(cut.path),
+                "--mode",
+                "mirror",
+                "--speed",
+                str(speed),
+            ]
             if limit:
                 replay_args += ["--limit", str(limit)]
             replayed = None
@@ -170,13 +206,25 @@ class Command(JsonCommand):
         if self.json or no_serve:
             stop(sims)
         if self.json:
-            self.emit({
-                "experiment": experiment.key,
-                "trace": {"source": TRACE, "path": str(cut.path), "rows": cut.rows, "of": cut.of,
-                          "prompt_budget": prompts or None, "answer_budget": answers or None},
-                "simulators": simulators, "replay": replayed, "report": report, "capacity": capacity,
-                "warnings": warnings, "seconds": seconds,
-            })  # fmt: skip
+            self.emit(
+                {
+                    "experiment": experiment.key,
+                    "trace": {
+                        "source": TRACE,
+                        "path": str(cut.path),
+                        "rows": cut.rows,
+                        "of": cut.of,
+                        "prompt_budget": prompts or None,
+                        "answer_budget": answers or None,
+                    },
+                    "simulators": simulators,
+                    "replay": replayed,
+                    "report": report,
+                    "capacity": capacity,
+                    "warnings": warnings,
+                    "seconds": seconds,
+                }
+            )
             return
         self.stdout.write(f"\ndemo job took {seconds:.0f} s")
         if no_serve:
@@ -212,8 +260,14 @@ class Command(JsonCommand):
             services.transition(experiment, "resume", demo_user, reason="demo")
         return experiment
 
-    def capacity(self, experiment: Experiment, cut: demo.Slice, starts: dict[str, float], steps: int,
-                 step_requests: int | None) -> dict:  # fmt: skip
+    def capacity(
+        self,
+        experiment: Experiment,
+        cut: demo.Slice,
+        starts: dict[str, float],
+        steps: int,
+        step_requests: int | None,
+    ) -> dict:
         """manage.py capacity of ``variants`` on the slice (twice over); its document, the
         search's wall time and the sentence the demo ends with."""
         t0 = time.monotonic()
@@ -221,10 +275,15 @@ class Command(JsonCommand):
         step_requests = min(step_requests or demo.CAPACITY_STEP_REQUESTS, cut.rows * demo.CAPACITY_PASSES)
         out = io.StringIO()
         call_command(
-            "capacity", experiment.key, *demo.capacity_arguments(trace, max(step_requests, 50), steps, starts),
-            "--variants", ",".join(starts), "--json",
-            stdout=out, stderr=_Lines(lambda line: self.stderr.write(line), STEP_LINE),
-        )  # fmt: skip
+            "capacity",
+            experiment.key,
+            *demo.capacity_arguments(trace, max(step_requests, 50), steps, starts),
+            "--variants",
+            ",".join(starts),
+            "--json",
+            stdout=out,
+            stderr=_Lines(lambda line: self.stderr.write(line), STEP_LINE),
+        )
         doc = json.loads(out.getvalue())
         doc["seconds"] = round(time.monotonic() - t0, 1)
         doc["summary"] = summary(doc, experiment)
@@ -289,8 +348,10 @@ def _rate(x) -> str:
 
 def render_capacity(doc: dict, replicas: int) -> str:
     """The demo's capacity table, best value first (capacity per unit of price)."""
-    head = (f"{'variant':<10}{'engines':>8}{'capacity req/s':>16}{'not met at':>12}{'limited by':>12}"
-            f"{'price/h':>10}{'per 1M requests':>17}{'per 1M out tok':>16}{'steps':>7}{'search s':>10}")  # fmt: skip
+    head = (
+        f"{'variant':<10}{'engines':>8}{'capacity req/s':>16}{'not met at':>12}{'limited by':>12}"
+        f"{'price/h':>10}{'per 1M requests':>17}{'per 1M out tok':>16}{'steps':>7}{'search s':>10}"
+    )
     lines = [
         f"SLA capacity (search {doc['search']}, {doc['seconds']:.0f} s): the highest rate each deployment "
         f"carries alone, under steady arrivals, with {doc['target']:.2%} of requests within the SLA with "
@@ -310,7 +371,7 @@ def render_capacity(doc: dict, replicas: int) -> str:
             f"{v:<10}{replicas:>8}{_rate(r['capacity_rps']):>16}{_rate(r['upper_rps']):>12}{r['limited_by']:>12}"
             f"{money(c.get('per_hour')):>10}{money(c.get('per_million_requests')):>17}"
             f"{money(c.get('per_million_output_tokens')):>16}{len(r['steps']):>7}{r['search_s']:>10.0f}"
-        )  # fmt: skip
+        )
     return "\n".join(lines)
 
 

@@ -27,15 +27,17 @@ class Command(JsonCommand):
 
     def add_arguments(self, parser):
         parser.add_argument(
-            "--spool-dir", metavar="PATH",
+            "--spool-dir",
+            metavar="PATH",
             help="flush this spool directory instead of this host's (ABPLAT_SPOOL_DIR): a retired "
             "worker's spool, copied or mounted here whole (with its spool.id file, which names it)",
-        )  # fmt: skip
+        )
         parser.add_argument(
-            "--forget-spool", metavar="ID",
+            "--forget-spool",
+            metavar="ID",
             help="give up a spool that is gone for good (its disk lost), by the id the run's error "
             "names (host:directory): its rows count as lost and its runs end failed, naming them",
-        )  # fmt: skip
+        )
         add_json_argument(parser)
         add_progress_arguments(parser)
 
@@ -85,15 +87,24 @@ class Command(JsonCommand):
             runs.append(_run(run, "owner_lost"))
             self.say(f"run {run.pk}: owner lost, {run.status}, {run.samples_recorded} samples")
         if self.json:
-            self.emit({
-                "spool": writer.spool.id, "forgotten": forgotten, "files": report.files,
-                "flushed": report.inserted, "already_stored": report.skipped_stored,
-                "quarantined": quarantined, "runs": runs,
-            })  # fmt: skip
+            self.emit(
+                {
+                    "spool": writer.spool.id,
+                    "forgotten": forgotten,
+                    "files": report.files,
+                    "flushed": report.inserted,
+                    "already_stored": report.skipped_stored,
+                    "quarantined": quarantined,
+                    "runs": runs,
+                }
+            )
 
 
 def _run(run: ReplayRun, result: str, note: str = "") -> dict:
     return {
-        "run_id": run.pk, "result": result, "status": run.status, "samples_recorded": run.samples_recorded,
+        "run_id": run.pk,
+        "result": result,
+        "status": run.status,
+        "samples_recorded": run.samples_recorded,
         "note": note or run.error,
-    }  # fmt: skip
+    }

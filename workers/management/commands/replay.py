@@ -8,7 +8,9 @@ expected_samples, samples_recorded, skipped_lines, outcomes, shards, error) and 
 planned requests, samples, duration_s (null: closed loop) and rate. A run that ends other than
 done exits 1 with {"error": {...}, "run": ..., "plan": ...}; a refused replay with the error
 alone, ``field`` naming the option. Without --wait on real workers the document is the queued
-run. Progress (samples recorded, rate, ETA) is drawn on stderr (experiments.cli).
+run. Progress (samples recorded, rate, ETA) is drawn on stderr (experiments.cli). With --wait, a
+run no worker has taken NO_WORKER_AFTER_S after it was queued is said so on stderr, once, with
+the command that starts a worker; the command keeps waiting for one.
 """
 
 import signal
@@ -16,34 +18,53 @@ import threading
 import time
 
 from django.conf import settings
-from django.db import connections
 
-from experiments.cli import CliError, JsonCommand, add_json_argument, add_progress_arguments
-from experiments.models import Experiment
+from experiments.cli import (
+    CliError,
+    JsonCommand,
+    add_json_argument,
+    add_progress_arguments,
+    broker_name,
+    experiment_named,
+)
 from replay.arrivals import Arrival
 from telemetry.logs import bind as bind_log_fields
 from telemetry.logs import log_context
 from workers.models import ReplayRun
-from workers.runs import ReplayError, ReplayInputError, cancel_run, create_run, describe, reap_abandoned
-from workers.tasks import start_replay
+from workers.runs import ReplayError, ReplayInputError, ReplayRequest, describe, lag_p99_ms, reap_abandoned
+from workers.service import ReplayHandle, submit
 
 # The option behind each field a refusal names (workers.runs words them as the API does).
 OPTION_OF = {
-    "trace": "--trace", "source": "--trace", "format": "--format", "limit": "--limit", "speed": "--speed",
-    "concurrency": "--concurrency", "arrival.concurrency": "--concurrency", "sample_fraction": "--sample",
-}  # fmt: skip
+    "trace": "--trace",
+    "source": "--trace",
+    "format": "--format",
+    "limit": "--limit",
+    "speed": "--speed",
+    "concurrency": "--concurrency",
+    "arrival.concurrency": "--concurrency",
+    "sample_fraction": "--sample",
+}
+
+# How long a queued run may wait for a worker before --wait says that none has taken it.
+NO_WORKER_AFTER_S = 10.0
+WORKER_COMMAND = "celery -A abplat worker"
 
 
 class Command(JsonCommand):
     help = "Replay recorded traffic through an experiment's variants and record one sample per request."
+    # The follow loop's clock and pause between polls (tests move a clock of their own).
+    clock = staticmethod(time.monotonic)
+    pause = staticmethod(time.sleep)
 
     def add_arguments(self, parser):
         parser.add_argument("key", help="experiment key (must be running)")
         parser.add_argument(
-            "--trace", required=True,
+            "--trace",
+            required=True,
             help="trace or log: a local file (this shell's, or the project's data/traces/...), or an uploaded "
             "trace's name or sha256",
-        )  # fmt: skip
+        )
         parser.add_argument(
             "--format", choices=["azure", "jsonl"], help="default: an uploaded trace's format, else azure"
         )
@@ -66,23 +87,29 @@ class Command(JsonCommand):
         parser.add_argument("--seed", type=int, default=0, help="user population and arrival seed")
         parser.add_argument("--wait", action="store_true", help="wait for the end (always with eager Celery)")
         parser.add_argument(
-            "--render-chat", choices=["reject", "plain"], default="reject",
+            "--render-chat",
+            choices=["reject", "plain"],
+            default="reject",
             help="chat `messages` for completions variants: reject the run (default), or render them "
             "as 'role: content' blocks ending in 'assistant:' (replay/shapes.py)",
-        )  # fmt: skip
+        )
         parser.add_argument(
-            "--wrap-prompt", action="store_true",
+            "--wrap-prompt",
+            action="store_true",
             help="send `prompt` lines to chat variants as one user message (default: reject the run)",
-        )  # fmt: skip
+        )
         parser.add_argument(
-            "--max-duration", type=float, metavar="SECONDS",
+            "--max-duration",
+            type=float,
+            metavar="SECONDS",
             help="refuse a planned schedule longer than this (default: setting REPLAY_MAX_DURATION_S, 2 h)",
-        )  # fmt: skip
+        )
         parser.add_argument("--yes", action="store_true", help="run even if the plan exceeds --max-duration")
         parser.add_argument(
-            "--no-preflight", action="store_true",
+            "--no-preflight",
+            action="store_true",
             help="skip probing each variant's GET /v1/models before the run starts",
-        )  # fmt: skip
+        )
         add_json_argument(parser)
         add_progress_arguments(parser)
 
@@ -92,35 +119,52 @@ class Command(JsonCommand):
             return super().execute(*args, **options)
 
     def handle(self, *args, **o):
-        experiment = Experiment.objects.filter(key=o["key"]).first()
-        if experiment is None:
-            raise CliError(f"no experiment with key {o['key']!r}", field="key")
+        experiment = experiment_named(o["key"])
         try:
             cv = 1.0 if o["cv"] is None else o["cv"]
             if o["cv"] is not None and o["arrival"] != "gamma":
                 raise ReplayError(
                     f"--cv applies to --arrival gamma, not {o['arrival']} (poisson gaps have cv 1)"
                 )
-            arrival = Arrival(mode=o["arrival"], speed=o["speed"], rate=o["rate"], cv=cv,
-                              concurrency=o["concurrency"], seed=o["seed"])  # fmt: skip
+            arrival = Arrival(
+                mode=o["arrival"],
+                speed=o["speed"],
+                rate=o["rate"],
+                cv=cv,
+                concurrency=o["concurrency"],
+                seed=o["seed"],
+            )
             eager = settings.CELERY_TASK_ALWAYS_EAGER
             if eager:
                 # The periodic check of eager mode: end runs whose owner process died.
                 for ended in reap_abandoned():
                     self.stderr.write(f"run {ended}: its owner had died; ended")
-            run = create_run(
-                experiment, source=o["trace"], local_paths=True, source_format=o["format"], mode=o["mode"],
-                arrival=arrival,
-                limit=o["limit"], concurrency=o["concurrency"], shard_count=o["shards"],
-                on_malformed="skip" if o["skip_malformed"] else "reject", population_seed=o["seed"],
-                sample_fraction=o["sample"], render_chat=o["render_chat"], wrap_prompt=o["wrap_prompt"],
-                max_duration_s=o["max_duration"], confirm=o["yes"], check_variants=not o["no_preflight"],
-                enqueue=not eager,
-            )  # fmt: skip
+            handle = submit(
+                ReplayRequest(
+                    experiment,
+                    source=o["trace"],
+                    local_paths=True,
+                    source_format=o["format"],
+                    mode=o["mode"],
+                    arrival=arrival,
+                    limit=o["limit"],
+                    concurrency=o["concurrency"],
+                    shards=o["shards"],
+                    on_malformed="skip" if o["skip_malformed"] else "reject",
+                    seed=o["seed"],
+                    sample_fraction=o["sample"],
+                    render_chat=o["render_chat"],
+                    wrap_prompt=o["wrap_prompt"],
+                    max_duration_s=o["max_duration"],
+                    confirm=o["yes"],
+                    check_variants=not o["no_preflight"],
+                )
+            )
         except ReplayInputError as exc:
             raise CliError(str(exc), field=OPTION_OF.get(exc.field, exc.field)) from None
         except (ReplayError, ValueError) as exc:
             raise CliError(str(exc)) from None
+        run = handle.run
         bind_log_fields(run=run.pk)  # until execute() ends
         plan = run.plan
         self.say(str(plan))
@@ -130,31 +174,22 @@ class Command(JsonCommand):
         )
         progress = self.progress(o, unit="samples")
         if eager:
-            # Eager Celery: run in a thread of this process (it owns the embedded sample store)
-            # while this thread draws the progress bar.
-            failure: list[BaseException] = []
-
-            def work():
-                try:
-                    start_replay(run.pk)
-                except BaseException as exc:
-                    failure.append(exc)
-                finally:
-                    connections.close_all()  # this thread's own database connections
-
-            worker = threading.Thread(target=work, name="abplat-replay")
+            # Eager Celery: the run goes on in a thread of this process (it owns the embedded
+            # sample store, workers.service) while this thread draws the progress bar.
             with self._stop_on_signals():
-                worker.start()
-                self._follow(run, lambda: worker.is_alive(), progress)
-                worker.join()
-            if failure:
+                self._follow(handle, progress)
+                handle.wait()
+            if handle.failure:
                 run.refresh_from_db()
-                raise CliError(f"run {run.pk} failed: {failure[0]}", context=result_document(run, plan))
+                raise CliError(f"run {run.pk} failed: {handle.failure}", context=result_document(run, plan))
         elif o["wait"]:
             with self._stop_on_signals():
-                self._follow(run, lambda: True, progress)
+                self._follow(handle, progress)
         else:
-            self.say(f"queued; follow it with the API /api/replays/{run.pk}/ or the admin")
+            self.say(
+                f"queued on {broker_name(settings.CELERY_BROKER_URL)} for a worker (`{WORKER_COMMAND}`); "
+                f"follow it with the API /api/replays/{run.pk}/ or the admin, or pass --wait"
+            )
             if self.json:
                 run.refresh_from_db()
                 self.emit(result_document(run, plan))
@@ -215,22 +250,32 @@ class Command(JsonCommand):
     def _stop_on_signals(self):
         return self._StopOnSignals(self)
 
-    def _follow(self, run: ReplayRun, alive, progress) -> None:
+    def _follow(self, handle: ReplayHandle, progress) -> None:
         """Poll the run until it ends (or its eager thread does), drawing progress on stderr,
-        and cancel it once when a signal came."""
+        cancel it once when a signal came, and say once when no worker has taken it."""
+        run = handle.run
+        queued_at, told = self.clock(), False
         while True:
-            run.refresh_from_db()
+            ended = handle.ended()
             p = run.progress()
             progress.update(p["recorded"], p["expected"], run.status, detail=f"{p['sent']} sent")
-            if run.is_final or not alive():
+            if ended:
                 break
+            waited = self.clock() - queued_at
+            queued = run.status == ReplayRun.Status.QUEUED and not settings.CELERY_TASK_ALWAYS_EAGER
+            if queued and not told and waited >= NO_WORKER_AFTER_S:
+                told = True
+                self.stderr.write(
+                    f"\nrun {run.pk}: queued on {broker_name(settings.CELERY_BROKER_URL)}, no worker has "
+                    f"taken it after {waited:.0f} s: start one with `{WORKER_COMMAND}` (still waiting)"
+                )
             if self._signal and not run.cancel_requested:
                 self.stderr.write(
                     f"\n{self._signal}: cancelling run {run.pk}; waiting for requests in flight"
                 )
-                cancel_run(run)
+                handle.cancel()
                 continue
-            time.sleep(0.5)
+            self.pause(0.5)
         run.refresh_from_db()
         p = run.progress()
         progress.finish(p["recorded"], p["expected"], run.status, detail=f"{p['sent']} sent")
@@ -238,11 +283,14 @@ class Command(JsonCommand):
 
 def result_document(run: ReplayRun, plan) -> dict:
     """replay --json (module docstring)."""
-    lags = [s for s in run.shards.values_list("lag_p99_ms", flat=True) if s is not None]
     rate = plan.rate
     return {
-        "run": {**describe(run), "lag_p99_ms": max(lags) if lags else None, "url": f"/api/replays/{run.pk}/"},
+        "run": {**describe(run), "lag_p99_ms": lag_p99_ms(run), "url": f"/api/replays/{run.pk}/"},
         # rate: None for a closed loop, and for a schedule of no duration (all at once)
-        "plan": {"requests": plan.requests, "samples": plan.samples, "duration_s": plan.duration_s,
-                 "rate": rate if rate is not None and rate != float("inf") else None},
-    }  # fmt: skip
+        "plan": {
+            "requests": plan.requests,
+            "samples": plan.samples,
+            "duration_s": plan.duration_s,
+            "rate": rate if rate is not None and rate != float("inf") else None,
+        },
+    }

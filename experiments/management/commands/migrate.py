@@ -18,11 +18,14 @@ from django.core.management import call_command
 from django.core.management.base import CommandError, CommandParser
 from django.core.management.commands.migrate import Command as DjangoMigrate
 
+from experiments.cli import Command as AbplatCommand
 from samples.factory import sample_store
 from samples.store import StoreError
 
 
-class Command(DjangoMigrate):
+class Command(AbplatCommand, DjangoMigrate):
+    """Django's migrate with abplat's errors: a refusal is one line (experiments.cli)."""
+
     help = (
         "Update the database schema (Django's migrate), then apply the sample store's ClickHouse "
         "migrations (as clickhouse_migrate does)."
@@ -50,8 +53,8 @@ class Command(DjangoMigrate):
             call_command("clickhouse_migrate", verbosity=options["verbosity"], stdout=self.stdout)
         except CommandError as e:
             raise CommandError(
-                f"the database is migrated, the sample store is not: {e}. Fix that and run "
-                "`python manage.py clickhouse_migrate` (or migrate again)."
+                f"the database is migrated, the sample store is not: {str(e).rstrip('.')}. Fix that and run "
+                "`.venv/bin/python manage.py clickhouse_migrate` (or migrate again)."
             ) from e
 
     def _check_sample_store(self, verbosity: int) -> None:

@@ -2,13 +2,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
+from experiments.cli import Command as AbplatCommand
 from samples.factory import sample_store
 from samples.store import StoreError
 
 
-class Command(BaseCommand):
+class Command(AbplatCommand):
     help = (
         "Apply the sample store's ClickHouse schema migrations (ClickHouse server or cluster, or "
         "chDB). `migrate` runs this too, after the Django database."

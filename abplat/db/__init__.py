@@ -1,0 +1,1 @@
+"""abplat's own database backends, named by their package in DATABASES (abplat/config.py)."""
