@@ -2,7 +2,10 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /tokenize, GET /v1/models,
 GET /health, GET /metrics. Prompt lengths (usage and ``/tokenize`` alike) follow the app's
-tokenizer rule (simulator/tokens.py). A request may force a fault with the header ``x-abplat-fault: KIND`` (one of
+tokenizer rule (simulator/tokens.py). What a request is answered comes from simulator/answers.py:
+keyed on its prompt (and, when it samples, its seed or else its id), departing from the reference
+answer at the profile's ``divergence_rate``; the usage event's ``abplat.diverged_at`` says where.
+A request may force a fault with the header ``x-abplat-fault: KIND`` (one of
 ``Faults.KINDS``); otherwise it draws one from the profile's rates, seeded by the profile seed
 and the request's X-Request-Id, so a replayed run faults the same requests.
 """
@@ -16,18 +19,13 @@ import random
 import time
 from typing import Any
 
+from simulator import answers
 from simulator.framing import DONE, ENGINE_ERROR, Framer, error_body
 from simulator.latency import Faults, Profile, Seq
 from simulator.metrics import CONTENT_TYPE, Metrics
 from simulator.runtime import Engine
 from simulator.tokens import DEFAULT_TOKENIZER, check, prompt_tokens, token_ids
 
-_WORDS = (
-    " the a of to and in is it that for on with as was at by be this from or an are not "
-    "model token latency server batch queue prefill decode cache stream request GPU fast slow "
-    "test binary icode enum md so per address bu nce iltin ader vo"
-).split(" ")[1:]
-_MULTIBYTE = ("你好", "世界", "模型", "延迟", "吞吐", "😀", "🚀", "✨", "café", "naïve", "Ж", "λ")
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -172,9 +170,14 @@ class SimulatorApp:
             req = self._parse(api, body)
             req["rid"] = headers.get("x-request-id") or f"{rng_id(self.profile.seed, rid):016x}"
             fault = self._fault(rid, headers.get("x-abplat-fault", ""))
+            key = answers.answer_key(
+                req["prompt_key"], temperature=req["temperature"], seed=req["seed"], request_id=rid
+            )
         except BadRequest as e:
             self.metrics.request_failed()
             return await _respond(send, e.status, error_body(e.message, e.err_type, e.status, e.param))
+        # The request's own draws (where a fault strikes, the texts a split_utf8 fault sends):
+        # keyed on the profile seed and request id, apart from the answer.
         rng = random.Random(f"{self.profile.seed}:{rid}")
         if fault == "http_error":
             self.metrics.request_failed()
@@ -185,9 +188,10 @@ class SimulatorApp:
             msg = "simulated rate limit: too many requests"
             return await _respond(send, 429, error_body(msg, "RateLimitError", 429))
         echo = [(b"x-request-id", rid.encode("latin-1"))]
+        answer = answers.answer(key, self.profile, req["max_tokens"])
         if not req["stream"]:
-            return await self._complete(api, req, rng, send, echo, received_at)
-        await self._stream(api, req, rng, fault, received_ns, receive, send, echo, received_at)
+            return await self._complete(api, req, answer, rng, send, echo, received_at)
+        await self._stream(api, req, answer, rng, fault, received_ns, receive, send, echo, received_at)
 
     def _fault(self, rid: str, forced: str) -> str:
         if forced:
@@ -218,6 +222,7 @@ class SimulatorApp:
             if not isinstance(msgs, list) or not msgs:
                 raise BadRequest(400, "messages: a non-empty list is required", "BadRequestError")
             n_prompt = prompt_tokens(self.tokenizer, messages=msgs)
+            key = answers.prompt_key(messages=msgs)
             max_tokens = req.get("max_completion_tokens", req.get("max_tokens"))
         else:
             prompt = req.get("prompt")
@@ -225,6 +230,7 @@ class SimulatorApp:
                 prompt, str
             ):
                 n_prompt = prompt_tokens(self.tokenizer, prompt=prompt)
+                key = answers.prompt_key(prompt=prompt)
             else:
                 raise BadRequest(400, "prompt: a string is required", "BadRequestError")
             max_tokens = req.get("max_tokens", 16)
@@ -242,28 +248,32 @@ class SimulatorApp:
                 "completion.",
                 "BadRequestError",
             )
+        # Sampling as vLLM's OpenAI server reads it: temperature absent is its default 1.0.
+        try:
+            temperature = answers.check_temperature(req.get("temperature"))
+        except ValueError as e:
+            raise BadRequest(400, str(e), "BadRequestError", "temperature") from None
+        try:
+            seed = answers.check_seed(req.get("seed"))
+        except ValueError as e:
+            raise BadRequest(400, str(e), "BadRequestError", "seed") from None
         opts = req.get("stream_options") or {}
         return {
             "model": model,
             "prompt_tokens": n_prompt,
+            "prompt_key": key,
+            "temperature": temperature,
+            "seed": seed,
             "max_tokens": max_tokens,
             "stream": bool(req.get("stream", False)),
             "usage": bool(isinstance(opts, dict) and opts.get("include_usage")),
         }
 
-    def _text(self, rng: random.Random) -> str:
-        p = self.profile
-        u = rng.random()
-        if u < p.empty_token_rate:
-            return ""
-        if u < p.empty_token_rate + p.multibyte_rate:
-            return rng.choice(_MULTIBYTE)
-        return " " + rng.choice(_WORDS)
-
     async def _stream(
         self,
         api: str,
         req: dict[str, Any],
+        answer: answers.Answer,
         rng: random.Random,
         fault: str,
         received_ns: int,
@@ -325,7 +335,8 @@ class SimulatorApp:
                             await _body(send, framer.role())
                     emitted += 1
                     split = fault == "split_utf8" and emitted <= 4  # the first tokens
-                    text = rng.choice(_MULTIBYTE[:5]) if split else self._text(rng)
+                    # The fault replaces the first tokens' texts with multi-byte ones to split.
+                    text = rng.choice(answers.MULTIBYTE[:5]) if split else answer.texts[emitted - 1]
                     finish = "length" if emitted == max_tokens else None
                     data = framer.token(text, finish)
                     if text and first_content_ns is None:
@@ -346,6 +357,7 @@ class SimulatorApp:
                     "received_ns": received_ns,
                     "queue_ms": round(((seq.admitted_at or seq.arrival) - seq.arrival) * 1e3, 6),
                     "fault": fault,
+                    "diverged_at": answer.diverged_at,
                 }
                 await _body(send, framer.usage(req["prompt_tokens"], emitted, truth))
             await _body(send, DONE, more=False)
@@ -359,6 +371,7 @@ class SimulatorApp:
         self,
         api: str,
         req: dict[str, Any],
+        answer: answers.Answer,
         rng: random.Random,
         send: Any,
         echo: list[tuple[bytes, bytes]],
@@ -371,11 +384,14 @@ class SimulatorApp:
             await run.wait_tokens(run.ready)
         now = asyncio.get_running_loop().time()
         self._observe(index, seq, req, received_at, seq.first_token_at, now)
-        text = "".join(self._text(rng) for _ in range(seq.generated))
+        text = "".join(answer.texts[: seq.generated])
         usage = {
             "prompt_tokens": req["prompt_tokens"],
             "total_tokens": req["prompt_tokens"] + seq.generated,
             "completion_tokens": seq.generated,
+            # The answer's ground truth, as the stream's usage event carries it (no timings: a
+            # whole response has no first content event to time).
+            "abplat": {"diverged_at": answer.diverged_at},
         }
         if api == "chat":
             choice: dict[str, Any] = {

@@ -91,6 +91,8 @@ class Profile:
     seed: int = 0
     empty_token_rate: float = 0.0  # tokens that decode to "" (real vLLM does this)
     multibyte_rate: float = 0.0  # tokens that are CJK or emoji
+    # The share of requests whose answer departs from the reference answer (simulator/answers.py).
+    divergence_rate: float = 0.0
     faults: Faults = Faults()
     description: str = ""
     # The KV cache's size in tokens, for vllm:kv_cache_usage_perc only (blocks the running
@@ -107,9 +109,10 @@ class Profile:
             raise ValueError(f"Profile {self.name!r}: max_num_seqs must be at least 1")
         if self.chunked_prefill_tokens < 0:
             raise ValueError(f"Profile {self.name!r}: chunked_prefill_tokens must be >= 0")
-        for name in ("empty_token_rate", "multibyte_rate"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"Profile {self.name!r}: {name} must be within [0, 1]")
+        for name in ("empty_token_rate", "multibyte_rate", "divergence_rate"):
+            rate = getattr(self, name)
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"Profile {self.name!r}: {name}={rate!r} must be within [0, 1]")
         if self.kv_cache_tokens < KV_BLOCK_TOKENS:
             raise ValueError(f"Profile {self.name!r}: kv_cache_tokens must be at least {KV_BLOCK_TOKENS}")
 
