@@ -49,6 +49,10 @@ from stats.quantiles import nearest_rank
 from streaming.result import Outcome, StreamCancelled, StreamResult
 from telemetry import logs
 
+# What a mirror run sends as `temperature`: greedy decoding, so two variants given the same
+# prompt give the same answer unless their numerics differ (fidelity/compare.py).
+GREEDY_TEMPERATURE = 0
+
 
 class Streamer(Protocol):
     async def stream(
@@ -174,8 +178,12 @@ class ShardRunner:
         self._sleeper: asyncio.Future[None] | None = None  # the send loop's wait, woken by _stop
         self._error: BaseException | None = None
         self._api_set = tuple(sorted(set(self.apis.values())))
-        # One read-only mapping for every request (the clients only read it).
-        self._extra = types.MappingProxyType({"ignore_eos": True}) if spec.ignore_eos else None
+        # One read-only mapping for every request (the clients only read it). A mirror run asks
+        # every variant greedily (temperature 0) so their answers can be compared (fidelity).
+        extra: dict[str, Any] = {"ignore_eos": True} if spec.ignore_eos else {}
+        if spec.mode == MIRROR:
+            extra["temperature"] = GREEDY_TEMPERATURE
+        self._extra = types.MappingProxyType(extra) if extra else None
 
     async def run(self) -> ShardStats:
         spec = self.spec

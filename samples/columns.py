@@ -9,9 +9,9 @@ column at a time (validate_columns) and comes out as the numpy arrays both store
 
 Types are the subset that works on ClickHouse 18.16 (CI) and chDB 4.4 alike: no DateTime64, Bool,
 Map or JSON. Booleans are UInt8 0/1; exact send time is kept as Float64 unix milliseconds next to a
-second-resolution DateTime('UTC') used for partitioning and time buckets. One array column,
-itl_gaps_us (Array(UInt32)): a row holds a list of ints there, the validator returns an object
-array of uint32 arrays (one per row).
+second-resolution DateTime('UTC') used for partitioning and time buckets. Two array columns,
+itl_gaps_us and token_fps (Array(UInt32)): a row holds a list of ints there, the validator returns
+an object array of uint32 arrays (one per row).
 """
 
 from __future__ import annotations
@@ -104,6 +104,10 @@ COLUMNS: tuple[Column, ...] = (
     # host CLOCK_MONOTONIC ns: comparable only between rows recorded on the same host
     _c("start_ns", "UInt64", "u64"),
     _c("server_first_content_ns", "Nullable(UInt64)", "nu64"),
+    # What the answer said, as fingerprints (fidelity/fingerprints.py; schema migration 8): a
+    # mirror replay's successful requests; 0 and [] elsewhere.
+    _c("output_fp", "UInt64", "u64"),
+    _c("token_fps", "Array(UInt32)", "au32"),
     # --- bookkeeping: ReplacingMergeTree version; the latest recording of a request wins
     _c("recorded_ms", "UInt64", "u64"),
 )
@@ -114,7 +118,7 @@ BY_NAME: dict[str, Column] = {c.name: c for c in COLUMNS}
 # row written before them holds there: an older spool file's rows are read with these. (A live
 # row written before gateway_ms held the gateway's time in schedule_lag_ms: the report reads it
 # as the gateway's, analysis.definitions.PHASE_COLUMNS.)
-ADDED_DEFAULTS: dict[str, Any] = {"itl_gaps_us": (), "gateway_ms": 0.0}
+ADDED_DEFAULTS: dict[str, Any] = {"itl_gaps_us": (), "gateway_ms": 0.0, "output_fp": 0, "token_fps": ()}
 
 _INT_RANGES = {
     "u8": (0, 2**8 - 1),

@@ -390,6 +390,17 @@ ROLLUP_BUILD_TABLES = (ROLLUP_VALUES_TABLE, ROLLUP_GAPS_TABLE, ROLLUP_MOMENTS_TA
 ADD_GATEWAY_MS = f"ALTER TABLE {SAMPLES_TABLE} ADD COLUMN gateway_ms Float64 AFTER schedule_lag_ms"
 ADD_ROLLUP_GATEWAY = f"ALTER TABLE {ROLLUP_CELLS_TABLE} ADD COLUMN s_gateway Float64 AFTER s_schedule_lag"
 
+# ---- answer fingerprints: fidelity beside latency -----------------------------------------
+# Who writes: a mirror replay (streaming.timing with fingerprint on, through samples.rows.row_from);
+# who reads: the SLA report's fidelity (analysis.readers.raw fidelity_pairs), which pairs each
+# variant's answer with the control's for the same request (fidelity/fingerprints.py).
+# - samples.output_fp UInt64: the whole answer's fingerprint; 0 where none was taken (split and
+#   live samples, failed requests, rows recorded before the column).
+# - samples.token_fps Array(UInt32): one fingerprint per token chunk, for the position of the
+#   first divergence; [] where output_fp is 0. About 4 bytes a token: random bits do not compress.
+ADD_OUTPUT_FP = f"ALTER TABLE {SAMPLES_TABLE} ADD COLUMN output_fp UInt64 AFTER server_first_content_ns"
+ADD_TOKEN_FPS = f"ALTER TABLE {SAMPLES_TABLE} ADD COLUMN token_fps Array(UInt32) AFTER output_fp"
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "create samples", (CREATE_SAMPLES_TABLE,)),
     Migration(
@@ -413,6 +424,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(6, "per-unit moments", (CREATE_ROLLUP_MOMENTS,)),
     Migration(7, "gateway time", (ADD_GATEWAY_MS, ADD_ROLLUP_GATEWAY)),
+    Migration(8, "answer fingerprints", (ADD_OUTPUT_FP, ADD_TOKEN_FPS)),
 )
 
 

@@ -273,6 +273,8 @@ def generate(spec: SyntheticSpec) -> Synthetic:
         "server_ttft_ms": np.full(n, np.nan),
         "start_ns": np.zeros(n, dtype=np.uint64),
         "server_first_content_ns": np.full(n, np.nan),
+        "output_fp": np.zeros(n, dtype=np.uint64),  # no answers compared (no mirror pairs here)
+        "token_fps": _per_row([np.zeros(0, dtype=np.uint32)] * n),
         "recorded_ms": (sent_ms + 10_000).astype(np.uint64),
     }
     is_dup = np.zeros(n, dtype=bool)

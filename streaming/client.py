@@ -82,6 +82,7 @@ class VariantClient:
         transport: str = "auto",
         verify: bool | str = True,
         allow: Allowlist | None = None,
+        fingerprint: bool = False,
     ) -> None:
         """transport: "auto" streams HTTP/1.1 variants, plain or TLS, on the lean asyncio core
         (h1.py, as the gateway does) and HTTP/2 variants on httpx; "httpx" forces httpx (the
@@ -95,7 +96,9 @@ class VariantClient:
 
         allow: the variant allowlist every new connection is checked against after name
         resolution (None: no egress policy, for benchmarks and tests of the client itself).
-        headers: sent with every request (the variant's Authorization); never logged."""
+        headers: sent with every request (the variant's Authorization); never logged.
+        fingerprint: each answer's fingerprints go into its StreamResult (output_fp, token_fps:
+        fidelity/fingerprints.py), for a mirror replay that compares the variants' answers."""
         ep = Endpoint.parse(endpoint)
         if api not in APIS:
             raise ValueError(f"api {api!r}: must be one of {sorted(APIS)}")
@@ -109,6 +112,7 @@ class VariantClient:
         self.model = model
         self.api = api
         self.http2 = http2
+        self.fingerprint = fingerprint
         self.timeouts = timeouts or Timeouts()
         self._path = APIS[api]
         self.transport = "h1" if not http2 and transport != "httpx" else "httpx"
@@ -237,7 +241,7 @@ class VariantClient:
         request = request_bytes(ep.host_header, ep.base_path + self._path, headers, content)
         loop = asyncio.get_running_loop()
         t = self.timeouts
-        timer = StreamTimer(0, result)
+        timer = StreamTimer(0, result, fingerprint=self.fingerprint)
         conn = self._pool.take(loop)
         if conn is None:
             # A new connection waits its turn in a start burst (pacing.py), before its clock
@@ -302,7 +306,7 @@ class VariantClient:
             "POST", self._path, content=content, headers=req_headers, extensions={"trace": trace}
         )
         loop = asyncio.get_running_loop()
-        timer = StreamTimer(0, result)
+        timer = StreamTimer(0, result, fingerprint=self.fingerprint)
         reader = ResponseReader(timer, self.timeouts)
         resp: httpx.Response | None = None
         # The clock starts here, just before httpx acquires a connection and writes.

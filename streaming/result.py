@@ -66,6 +66,10 @@ class StreamResult:
     usage_reported: bool = False  # False: output_tokens is a chunk count
     chunks: int = 0
     finish_reason: str = ""
+    # what the answer said, for fidelity (fidelity/fingerprints.py): only when the client was asked
+    # to fingerprint (a mirror replay); otherwise 0 and []
+    output_fp: int = 0  # 64-bit fingerprint of the whole answer's text; 0: not fingerprinted
+    token_fps: list[int] = dataclasses.field(default_factory=list)  # one 32-bit one per token chunk
     # correlation
     request_id: str = ""  # X-Request-Id sent
     traceparent: str = ""  # W3C traceparent sent

@@ -35,6 +35,7 @@ import json
 import re
 from typing import Any
 
+from fidelity.fingerprints import output_fp, token_fp
 from stats.quantiles import nearest_rank
 from streaming.result import Outcome, StreamResult
 from streaming.sse import DONE
@@ -114,7 +115,11 @@ class StreamTimer:
     DONE = 1
     ENGINE_ERROR = 2
 
-    def __init__(self, start_ns: int, result: StreamResult | None = None) -> None:
+    def __init__(
+        self, start_ns: int, result: StreamResult | None = None, *, fingerprint: bool = False
+    ) -> None:
+        """``fingerprint``: keep each token chunk's text for the answer's fingerprints
+        (fidelity/fingerprints.py), what a mirror replay compares between variants."""
         self.start_ns = start_ns
         self.r = result if result is not None else StreamResult()
         self.r.start_ns = start_ns
@@ -125,6 +130,7 @@ class StreamTimer:
         self.done = False
         self._template: _Template | None = None
         self._learn = True
+        self._texts: list[str] | None = [] if fingerprint else None
 
     def _ms(self, t_ns: int) -> float:
         return (t_ns - self.start_ns) / _NS_PER_MS
@@ -155,6 +161,9 @@ class StreamTimer:
                 self._token_times.append(t_ns)
                 if text != '""' and self._first_content_ns is None:
                     self._first_content_ns = t_ns
+                if self._texts is not None:
+                    # the JSON string's text: its inner bytes unless it holds an escape
+                    self._texts.append(json.loads(text) if "\\" in text else text[1:-1])
                 return self.MORE
         if data == DONE:
             self.done = True
@@ -206,6 +215,8 @@ class StreamTimer:
             raise StreamProtocolError(f"content is not a string: {data[:120]!r}")
         if not role_only:
             self._token_times.append(t_ns)
+            if self._texts is not None:
+                self._texts.append(text)
         if text and self._first_content_ns is None:
             self._first_content_ns = t_ns
         reason = choice.get("finish_reason")
@@ -246,6 +257,10 @@ class StreamTimer:
             r.ttft_ms = self._ms(self._first_content_ns)
         times = self._token_times
         r.chunks = len(times)
+        texts = self._texts
+        if texts is not None and outcome is Outcome.OK:  # only a whole answer is compared
+            r.token_fps = [token_fp(t) for t in texts]
+            r.output_fp = output_fp(texts)
         if not r.usage_reported:
             r.output_tokens = len(times)
         if len(times) >= 2:

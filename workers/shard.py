@@ -22,7 +22,7 @@ from experiments.weights.process import live_router
 from experiments.weights.router import UnknownExperiment
 from replay.arrivals import Arrival
 from replay.calibration import plan_from_json, plan_prompts, plan_to_json, wrap_streamers
-from replay.plan import SPLIT, window_shards
+from replay.plan import MIRROR, SPLIT, window_shards
 from replay.runner import ShardRunner, ShardSpec, ShardStats, StopReplay
 from replay.sink import BatchSink
 from replay.sources import LoadedSource, load_requests
@@ -232,7 +232,9 @@ def execute_shard(
 
     async def main() -> ShardStats:
         verify = settings.VARIANT_CA_BUNDLE or True  # True: the system trust store
-        clients = {v.key: client_for(v, verify=verify) for v in variants}
+        # A mirror run sends every request to every variant: their answers are compared (fidelity).
+        fingerprint = run.mode == MIRROR
+        clients = {v.key: client_for(v, verify=verify, fingerprint=fingerprint) for v in variants}
         # Synthetic prompts of the trace's length on each variant's tokenizer, planned once per
         # run before its schedule started (plan_run_prompts): no /tokenize call on the send path.
         clients = wrap_streamers(

@@ -56,8 +56,11 @@ def variant_headers(variant: Variant, secrets_dir: str | None = None) -> dict[st
     return auth_headers(variant.auth_secret, secrets_dir, endpoint=variant.endpoint, team=team_of(variant))
 
 
-def client_for(variant: Variant, *, verify: bool | str | None = None) -> VariantClient:
-    """The streaming client of one variant (SecretError when its secret is not configured)."""
+def client_for(
+    variant: Variant, *, verify: bool | str | None = None, fingerprint: bool = False
+) -> VariantClient:
+    """The streaming client of one variant (SecretError when its secret is not configured);
+    ``fingerprint``: its answers' fingerprints are recorded (a mirror replay's, for fidelity)."""
     return VariantClient(
         variant.endpoint,
         variant.model,
@@ -66,6 +69,7 @@ def client_for(variant: Variant, *, verify: bool | str | None = None) -> Variant
         verify=ca_verify() if verify is None else verify,
         allow=allowlist(),
         headers=variant_headers(variant),
+        fingerprint=fingerprint,
     )
 
 

@@ -92,6 +92,8 @@ def flaky_server(clickhouse_server: str) -> Iterator[tuple[FlakyProxy, str]]:
 # The inter-token gaps of the row below (27 token chunks: 26 gaps, microseconds), with the
 # extremes of Array(UInt32): 0 and 2**32 - 1.
 GAPS_US = [3900, 4100, 0, 15500, 2**32 - 1, *range(3000, 3021)]
+# Its answer's token fingerprints: Array(UInt32)'s extremes and the empty text's (fidelity.fingerprints).
+TOKEN_FPS = [0x9E3779B9, 0, 2**32 - 1, 17]
 
 
 def sample_row(seq_: int, **over: Any) -> dict[str, Any]:
@@ -143,6 +145,8 @@ def sample_row(seq_: int, **over: Any) -> dict[str, Any]:
         server_ttft_ms=19.0,
         start_ns=2**62 + 17,
         server_first_content_ns=2**62 + 19_000_017,
+        output_fp=2**64 - 3,  # the extremes of UInt64 and Array(UInt32) again
+        token_fps=list(TOKEN_FPS),
         recorded_ms=1_732_900_001_000 + seq_,
     )
     row.update(over)

@@ -12,7 +12,7 @@ import pytest
 from samples import column_marshal, columns, schema
 from samples.columns import SampleError, validate_columns, validate_row, validate_rows, validate_samples
 from samples.sql import ParamError, bind, quote
-from tests.samples.conftest import GAPS_US, sample_row
+from tests.samples.conftest import GAPS_US, TOKEN_FPS, sample_row
 
 
 def test_frozen_migration_creates_exactly_the_declared_columns():
@@ -25,7 +25,7 @@ def test_frozen_migration_creates_exactly_the_declared_columns():
     ]
     # the migrations after it add the rest, each at its place
     assert schema.table_columns(schema.SAMPLES_TABLE) == [(c.name, c.ch_type) for c in columns.COLUMNS]
-    assert added == ["gateway_ms", "itl_gaps_us"]  # migrations 7 and 5
+    assert added == ["gateway_ms", "itl_gaps_us", "output_fp", "token_fps"]  # migrations 7, 5 and 8
 
 
 def test_validate_row_names_unknown_and_missing_columns():
@@ -158,7 +158,8 @@ def test_sample_rows_validate_like_dict_rows_and_read_by_name():
     for name in columns.COLUMN_NAMES:
         assert got[name].dtype == want[name].dtype
         if columns.BY_NAME[name].kind == "au32":
-            assert [a.tolist() for a in got[name]] == [a.tolist() for a in want[name]] == [GAPS_US] * 3
+            expected = {"itl_gaps_us": GAPS_US, "token_fps": TOKEN_FPS}[name]
+            assert [a.tolist() for a in got[name]] == [a.tolist() for a in want[name]] == [expected] * 3
         else:
             np.testing.assert_array_equal(got[name], want[name])
     assert validate_samples([tuple(r) for r in rows]).keys() == want.keys()  # plain tuples too
@@ -187,7 +188,10 @@ def test_a_bad_sample_row_is_named(column, value, message):
 def test_a_sample_row_of_the_wrong_length_is_named():
     rows = [tuple(sample_row(i).values()) for i in range(3)]
     rows[2] = rows[2][:-1]
-    with pytest.raises(SampleError, match=r"^rows row 2: expected 45 values in column order, got 44$"):
+    width = len(columns.COLUMN_NAMES)
+    with pytest.raises(
+        SampleError, match=rf"^rows row 2: expected {width} values in column order, got {width - 1}$"
+    ):
         validate_samples(rows)
 
 

@@ -25,8 +25,8 @@ def test_a_recorded_migration_whose_table_is_gone_is_repaired(make_store, make_r
     store.execute(f"DROP TABLE {schema.SAMPLES_TABLE}")
     store.execute(f"DROP TABLE {schema.ROLLUP_HIST_TABLE}")
     assert [m["applied"] for m in store.migration_status()] == [True] * len(ALL)  # the record still says so
-    # both re-applied: their tables were missing; then 5 and 7, whose columns the new tables lack
-    assert store.migrate() == [1, 2, 5, 7]
+    # both re-applied: their tables were missing; then 5, 7 and 8, whose columns the new tables lack
+    assert store.migrate() == [1, 2, 5, 7, 8]
     assert store.insert_samples(make_rows(3)) == 3
     assert store.count(7) == 3
     assert store.query(f"SELECT count() FROM {schema.ROLLUP_HIST_TABLE}") == [(0,)]
@@ -220,11 +220,13 @@ def _migrated_before_gateway(store, monkeypatch) -> None:
 def test_a_store_of_older_code_gets_gateway_ms_and_keeps_its_rows(make_store, make_rows, monkeypatch, kind):
     store = make_store(kind)
     _migrated_before_gateway(store, monkeypatch)
-    assert store.migrate() == [7]
+    assert store.migrate() == [7, 8]
     # the rows recorded before are all there, as they were, with no gateway time of their own
     assert store.query(
         "SELECT request_id, mode, schedule_lag_ms, gateway_ms, ttft_ms FROM samples ORDER BY seq"
     ) == [("r1-0", "split", 1.5, 0.0, 40.0), ("gw-1", "live", 0.5, 0.0, 30.0)]
+    # ... and no answer fingerprints (migration 8): nothing to compare, as the report reads it
+    assert store.query("SELECT output_fp, length(token_fps) FROM samples") == [(0, 0), (0, 0)]
     names = [
         n
         for (n,) in store.query(
@@ -247,7 +249,7 @@ def test_migration_7_interrupted_after_its_first_alter_runs_again(make_store, mo
     store = make_store(kind)
     _migrated_before_gateway(store, monkeypatch)
     store.execute(schema.ADD_GATEWAY_MS)  # ... and then the process died, before the record
-    assert store.migrate() == [7]
+    assert store.migrate() == [7, 8]
     cols = dict(
         store.query(
             f"SELECT name, type FROM system.columns WHERE database = '{store.database}' "

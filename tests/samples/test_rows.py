@@ -14,7 +14,7 @@ from samples import columns, rows
 from samples.columns import SampleError
 from samples.rows import SampleContext, request_id, row_from
 from streaming.result import Outcome, StreamResult
-from tests.samples.conftest import GAPS_US
+from tests.samples.conftest import GAPS_US, TOKEN_FPS
 
 
 def full_result(**over: Any) -> StreamResult:
@@ -47,6 +47,8 @@ def full_result(**over: Any) -> StreamResult:
         server_ttft_ms=19.0,
         start_ns=2**62 + 17,
         server_first_content_ns=2**62 + 19_000_017,
+        output_fp=2**64 - 3,
+        token_fps=list(TOKEN_FPS),
     )
     fields.update(over)
     return StreamResult(**fields)

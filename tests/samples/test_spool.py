@@ -177,13 +177,15 @@ def test_spool_files_written_before_the_gaps_flush_as_rows_without_gaps(store, m
     from samples.columns import COLUMN_NAMES
     from samples.spool import FORMAT_2_COLUMNS
 
-    # format 2 is older than both added columns (the gaps, then gateway_ms)
-    assert len(FORMAT_2_COLUMNS) == len(COLUMN_NAMES) - 2
-    assert "itl_gaps_us" not in FORMAT_2_COLUMNS and "gateway_ms" not in FORMAT_2_COLUMNS
+    # format 2 is older than every added column (the gaps, gateway_ms, the answer fingerprints)
+    added = ("itl_gaps_us", "gateway_ms", "output_fp", "token_fps")
+    assert len(FORMAT_2_COLUMNS) == len(COLUMN_NAMES) - len(added)
+    assert not set(added) & set(FORMAT_2_COLUMNS)
     writer = SpoolingWriter(store, str(tmp_path / "spool"))
     older = make_rows(4)
     for r in older:
-        del r["itl_gaps_us"], r["gateway_ms"]  # what code before the gaps column wrote
+        for name in added:
+            del r[name]  # what code before the gaps column wrote
     with open(os.path.join(writer.spool.dir, "000000000001.jsonl"), "w", encoding="utf-8") as f:
         f.write(json.dumps({"spool": 2, "seq": 1, "rows": 2, "runs": [7], "counts": {"7": 2}}) + "\n")
         for r in older[:2]:
@@ -196,6 +198,7 @@ def test_spool_files_written_before_the_gaps_flush_as_rows_without_gaps(store, m
     report = writer.flush()
     assert (report.files, report.inserted, report.torn_files, report.lost) == (2, 4, [], 0)
     assert _stored_gaps(store) == {r["request_id"]: [] for r in older}
+    assert store.query("SELECT DISTINCT output_fp, length(token_fps) FROM samples") == [(0, 0)]
 
 
 def test_spool_files_written_before_gateway_ms_flush_as_rows_without_gateway_time(store, make_rows, tmp_path):

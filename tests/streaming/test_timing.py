@@ -315,3 +315,34 @@ def test_random_texts_in_the_template_are_exactly_json_loads():
 def test_odd_first_events_learn_no_template_or_a_correct_one(first):
     variants = [first.replace('"a"', m, 1) for m in ('""', '"zz"', '"q"', "null", '"\\u0041"', '"x\x01"')]
     same_as_json_loads([first, *variants, first.replace('"b"', '"y"'), first])
+
+
+def _fingerprinted(events: list[str], fingerprint: bool = True, outcome: Outcome = Outcome.OK):
+    t = StreamTimer(0, fingerprint=fingerprint)
+    for i, data in enumerate(events):
+        t.event((i + 1) * MS, data)
+    return t.finish((len(events) + 1) * MS, outcome)
+
+
+def test_fingerprints_are_those_of_the_texts_on_the_template_path_and_off_it():
+    """Token events after the first take the template path (no json.loads); their texts, escapes
+    included, fingerprint exactly as the decoded texts do."""
+    from fidelity.fingerprints import output_fp, token_fp
+
+    texts = ["", "He", "llo", ' "quoted"', "\\back", "日本", "\n", "é"]
+    r = _fingerprinted([chat(role=True)] + [chat(t) for t in texts] + ["[DONE]"])
+    assert r.token_fps == [token_fp(t) for t in texts]
+    assert r.output_fp == output_fp(texts) != 0
+    assert token_fp("") != 0  # an empty text is not a missing position
+    # the same answer cut into other chunks: the same output_fp, other token fingerprints
+    other = _fingerprinted([chat("Hello"), chat(' "quoted"\\back日本\né'), "[DONE]"])
+    assert other.output_fp == r.output_fp and other.token_fps != r.token_fps
+    assert _fingerprinted([chat("Hellp"), "[DONE]"]).output_fp != r.output_fp
+
+
+def test_no_fingerprints_unless_asked_or_when_the_answer_is_not_whole():
+    events = [chat("a"), chat("b"), "[DONE]"]
+    off = _fingerprinted(events, fingerprint=False)
+    assert (off.output_fp, off.token_fps) == (0, [])
+    cut = _fingerprinted(events[:2], outcome=Outcome.DISCONNECT)
+    assert (cut.output_fp, cut.token_fps) == (0, [])
