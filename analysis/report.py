@@ -30,8 +30,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from analysis import answer_fidelity, units
 from analysis import server_metrics as servermod
-from analysis import units
 from analysis.anytime import NOTE as ANYTIME_NOTE
 from analysis.anytime import anytime_intervals, anytime_srm, p99_ranks, unit_sequences
 from analysis.control_comparisons import P99, attribution, compare_with_control
@@ -183,6 +183,7 @@ def build_report(
     if control in present:
         for v in mirror_with:
             jobs[f"pairs_{v}"] = lambda v=v: reader.mirror_pairs(filters, exp.slo, control, v)
+            jobs[f"fidelity_{v}"] = lambda v=v: reader.fidelity_pairs(filters, exp.unit, control, v)
     got = run_queries(par, jobs)
     order_stats: dict[tuple[str, str], dict[int, float]] = {}
     for name, value in got.items():
@@ -190,6 +191,11 @@ def build_report(
             order_stats.update({(v, name[len("os_") :]): by_rank for v, by_rank in value.items()})
     cdf = cdf_points(hist)
     pairs = {k[len("pairs_") :]: p for k, p in got.items() if k.startswith("pairs_")}
+    fidelity = {
+        k[len("fidelity_") :]: answer_fidelity.fidelity_entry(p["moments"], p["kinds"], control, DEFAULT_CONF)
+        for k, p in got.items()
+        if k.startswith("fidelity_")
+    }
     cells, series = got["cells"], got["series"]
 
     def estimate(v: str, m: str, quant: float, conf: float = DEFAULT_CONF) -> Any:
@@ -221,6 +227,8 @@ def build_report(
             "clustered": None,
             # what broke: error classes of the failed requests (streaming.result.Outcome values)
             "failures": got["failures"].get(v, {}),
+            # the variant's answers against the control's in mirror replays (analysis.answer_fidelity)
+            "fidelity": fidelity.get(v),
         }
         if not s["n"] and entry["setup_errors"]["n"]:
             entry["verdict"] = unjudged_verdict(entry["setup_errors"], exp.target)

@@ -22,9 +22,9 @@ uniform over its max_tokens. So the share of a variant's answers identical to fp
    fingerprinted as the replay fingerprints a stream (fidelity.fingerprints: token_fp per token,
    output_fp of the text) and paired with fp16's as analysis.answer_fidelity's SQL pairs them
    (identical: the same output_fp; first divergence: the first token fingerprint that differs).
-   The pairs become exactly the rows the report's two selects return (moments_select: clusters,
-   the largest, sums of n, s, n^2, n s, s^2 over user clusters; kinds_select: pairs by kind and
-   position), which go to analysis.answer_fidelity.fidelity_entry, the report's own function
+   The pairs become exactly what the report's one select returns (pairs_select: clusters, the
+   largest, sums of n, s, n^2, n s, s^2 over user clusters, and the pairs by kind and position,
+   read by kinds_of), which go to analysis.answer_fidelity.fidelity_entry, the report's own function
    (computed in Python, not on chDB: 1,600 store round trips would take minutes for the same
    numbers; part 2 runs the SQL). The truth, 1 - divergence_rate, is covered when
    lo <= truth <= hi of the entry's 95% interval (stats.clustered: a user-clustered share,
@@ -112,7 +112,7 @@ def first_divergence(ref: list[int], got: list[int]) -> int:
 def report_rows(
     clusters: list[str], same: list[bool], positions: list[int]
 ) -> tuple[tuple[Any, ...], list[tuple[Any, ...]]]:
-    """What moments_select and kinds_select return for these pairs (every one compared, each
+    """What pairs_select returns for these pairs (after kinds_of) (every one compared, each
     streamed one token per chunk): per cluster n pairs and s identical, summed over clusters;
     pairs by position (-1: identical)."""
     per: dict[str, list[int]] = {}

@@ -158,8 +158,15 @@ def chdb_methods(
     head = f"INSERT INTO samples ({', '.join(COLUMN_NAMES)}) VALUES "
     tuples = [tuple(r) for r in rows]
 
+    def value(v: Any) -> str:
+        # an array column's value (a tuple or list, maybe empty: token_fps of an answer not
+        # fingerprinted) is an Array literal; quote() keeps tuples for IN and refuses empty ones
+        if isinstance(v, list | tuple):
+            return "[" + ", ".join(quote(x) for x in v) + "]"
+        return quote(v)
+
     def literal(ts: list[tuple]) -> str:
-        return ", ".join("(" + ", ".join(quote(v) for v in t) + ")" for t in ts)
+        return ", ".join("(" + ", ".join(value(v) for v in t) + ")" for t in ts)
 
     tuple_batches, row_batches = batches(tuples, batch), batches(rows, batch)
     return {

@@ -130,3 +130,84 @@ def ttft_vs_rate(result: Mapping[str, Any]) -> dict[str, Any]:
     # whole numbers at 1, 2 and 5 per decade: plotly's own log ticks label 20 and 50 as "2", "5"
     fig.update_yaxes(title="TTFT (ms)", type="log", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks or ()])
     return _finish(fig, "TTFT p50 and p99 against load")
+
+
+def capacity_vs_fidelity(
+    result: Mapping[str, Any], fidelity: Mapping[str, Mapping[str, Any] | None], control: str
+) -> dict[str, Any]:
+    """What a variant carries against what it answers: SLA capacity (req/s) on the y axis, the
+    share of its answers identical to the control's in the mirror replay on the x axis (with
+    its interval as error bars; the control is the reference, 100%). Buttons switch the y axis
+    to the cost per million requests. A variant without a capacity or without compared answers
+    is left out (the table says why)."""
+    fig = go.Figure()
+    ys: dict[str, list[float | None]] = {"capacity": [], "cost": []}
+    for i, (v, r) in enumerate(result.items()):
+        ident = ((fidelity.get(v) or {}).get("identical")) if v != control else None
+        if v == control:
+            x, lo, hi = 1.0, 1.0, 1.0
+        elif ident:
+            x = ident["estimate"]
+            lo = ident["lo"] if ident["lo"] is not None else x
+            hi = ident["hi"] if ident["hi"] is not None else x
+        else:
+            continue
+        capacity = r.get("capacity_rps")
+        cost = (r.get("cost") or {}).get("per_million_requests")
+        if capacity is None and cost is None:
+            continue
+        currency = (r.get("cost") or {}).get("currency", "")
+        ys["capacity"].append(capacity)
+        ys["cost"].append(cost)
+        label = "reference" if v == control else f"{x:.1%} identical"
+        fig.add_trace(
+            go.Scatter(
+                x=[x],
+                y=[capacity],
+                error_x=dict(type="data", symmetric=False, array=[hi - x], arrayminus=[x - lo], width=4),
+                mode="markers+text",
+                marker=dict(size=12, color=series_color(i)),
+                text=[v],
+                textposition="top center",
+                name=v,
+                hovertemplate=(
+                    f"{v}: {label}; capacity {'-' if capacity is None else f'{capacity:g} req/s'}; "
+                    f"{'-' if cost is None else f'{cost:,.2f} {currency}'.strip()} per 1M requests<extra></extra>"
+                ),
+            )
+        )
+    fig.update_xaxes(title=f"answers identical to {control}'s", tickformat=".0%")
+    fig.update_yaxes(title="SLA capacity (req/s)", rangemode="tozero")
+    if fig.data:
+        fig.update_layout(
+            updatemenus=[
+                dict(
+                    type="buttons",
+                    direction="right",
+                    x=1.0,
+                    xanchor="right",
+                    y=1.12,
+                    yanchor="bottom",
+                    showactive=True,
+                    buttons=[
+                        dict(
+                            label="capacity",
+                            method="update",
+                            args=[
+                                {"y": [[y] for y in ys["capacity"]]},
+                                {"yaxis.title.text": "SLA capacity (req/s)"},
+                            ],
+                        ),
+                        dict(
+                            label="cost",
+                            method="update",
+                            args=[
+                                {"y": [[y] for y in ys["cost"]]},
+                                {"yaxis.title.text": "cost per 1M requests"},
+                            ],
+                        ),
+                    ],
+                )
+            ]
+        )
+    return _finish(fig, "Capacity against answers identical to the control")

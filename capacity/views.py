@@ -12,13 +12,17 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
+from analysis.definitions import QueryError
 from capacity import charts
 from capacity.labels import step_label
 from capacity.models import CapacitySearch
 from capacity.search import NOT_MET_AT, UNDECIDED, rate_text
 from capacity.service import ranking
+from dashboards.reports import report_for_params
+from dashboards.summaries import identical_text
 from dashboards.views import plotly_url
 from experiments.teams import visible_experiments
+from samples.store import StoreError
 
 VIEW_PERM = "experiments.view_experiment"
 # Capacity.limited_by as the page says it
@@ -114,6 +118,21 @@ def step_rows(result: Mapping[str, Any], search: CapacitySearch) -> list[dict[st
     return rows
 
 
+def mirror_fidelity(experiment: Any) -> tuple[dict[str, Any], str]:
+    """({variant: report variants[].fidelity}, a note) of the experiment's latest mirror replay:
+    the capacity steps replay each variant alone, so what each answers against the control comes
+    from the mirror run's report (cached like the dashboard's). ({}, why) when it cannot be read."""
+    try:
+        _filters, report = report_for_params(experiment, {"mode": "mirror"}, [])
+    except (QueryError, StoreError) as exc:
+        return {}, f"answers against the control: not available ({exc})"
+    runs = ", ".join(str(r["run_id"]) for r in (report.get("runs") or {}).get("read", []))
+    fidelity = {v["key"]: v.get("fidelity") for v in report["variants"]}
+    if not any(fidelity.values()):
+        return {}, ""
+    return fidelity, f"answers identical to the control's: from the mirror replay's report (run {runs})"
+
+
 @login_required
 @permission_required(VIEW_PERM, raise_exception=True)
 @require_GET
@@ -128,6 +147,8 @@ def capacity_page(request: HttpRequest, key: str) -> HttpResponse:
             )
         shown = get_object_or_404(searches, pk=int(wanted))
     rows, steps, figures = [], [], []
+    control = next((v.key for v in experiment.variants.all() if v.control), "")
+    fidelity, fidelity_note = mirror_fidelity(experiment) if shown is not None else ({}, "")
     if shown is not None:
         result = shown.result or {}
         rows = [variant_row(v, result[v], shown) for v in ranking(result)]
@@ -139,6 +160,18 @@ def capacity_page(request: HttpRequest, key: str) -> HttpResponse:
         ]
         for fig in figures:
             fig["empty"] = charts.why_empty(fig["figure"], shown.status)
+        if any(fidelity.values()):
+            figures.append(
+                {
+                    "id": "capacity-fidelity",
+                    "figure": charts.capacity_vs_fidelity(result, fidelity, control),
+                    "empty": "",
+                }
+            )
+        for row in rows:
+            row["identical"] = (
+                "reference" if row["variant"] == control else identical_text(fidelity.get(row["variant"]))
+            )
     context = {
         "experiment": experiment,
         "search": shown,
@@ -148,6 +181,9 @@ def capacity_page(request: HttpRequest, key: str) -> HttpResponse:
         "others": searches.exclude(pk=getattr(shown, "pk", None))[:20],
         "plotly_url": plotly_url(),
         "not_met_at": NOT_MET_AT,
+        "fidelity": any(fidelity.values()),
+        "fidelity_note": fidelity_note,
+        "control": control,
         "undecided": UNDECIDED,
         "target": f"{experiment.sla_target * 100:.4g}%",
         "step_requests": shown.params.get("step_requests") if shown else None,

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from statistics import NormalDist
 from typing import Any
 
+from analysis.answer_fidelity import identical_line
 from analysis.definitions import METRIC_LABELS
 from dashboards.tables import (
     ANYTIME_DIFFERENCES,
@@ -265,6 +266,7 @@ def answer(report: Mapping[str, Any]) -> dict[str, Any]:
                 "errors": e["errors"],
                 "setup_errors": _count(e.get("setup_errors")),
                 "message": v["message"],
+                "identical": identical_text(e.get("fidelity")) if not e["control"] else "reference",
             }
         )
     share = f"{conf:.0%}" if conf else "95%"
@@ -273,7 +275,64 @@ def answer(report: Mapping[str, Any]) -> dict[str, Any]:
         f"(meets: the whole attainment interval at or above the target; misses: below it); read them "
         f"once the run is over."
     )
-    return {"rows": rows, "inference": inference}
+    fidelity = any(e.get("fidelity") for e in report["variants"])
+    return {"rows": rows, "inference": inference, "fidelity": fidelity}
+
+
+def identical_text(fid: Mapping[str, Any] | None) -> str:
+    """The share of identical answers with its interval, "94.0% [92.1%, 95.5%]"; "-" where no
+    pair was compared (no mirror replay, or none fingerprinted)."""
+    if not fid or not fid.get("identical"):
+        return "-"
+    iv = fid["identical"]
+    if iv["lo"] is None:
+        return f"{iv['estimate']:.1%} (no interval)"
+    return f"{iv['estimate']:.1%} [{iv['lo']:.1%}, {iv['hi']:.1%}]"
+
+
+def fidelity_summary(report: Mapping[str, Any]) -> dict[str, Any]:
+    """Answers against the control's, per variant compared (analysis.answer_fidelity): the
+    identical share with its interval, how many were compared, how many parted and where (median
+    and p90 of the first divergence), the pairs not compared and why; and what was compared."""
+    rows = []
+    notes: list[str] = []
+    for e in report["variants"]:
+        fid = e.get("fidelity")
+        if not fid:
+            continue
+        pos = fid["first_divergence"]
+        ident = fid.get("identical") or {}
+        rows.append(
+            {
+                "variant": e["key"],
+                "identical": identical_text(fid),
+                "compared": fid["compared"],
+                "clusters": ident.get("clusters"),
+                "diverged": fid["diverged"],
+                "where": "-"
+                if pos["median"] is None
+                else f"median {pos['unit']} {pos['median']}, p90 {pos['p90']}",
+                "failed": fid["failed"],
+                "unrecorded": fid["unrecorded"],
+                "line": identical_line(e["key"], fid),
+                "note": ident.get("note"),
+            }
+        )
+        if fid["unrecorded"]:
+            notes.append(
+                f"{e['key']}: {fid['unrecorded']:,} answered pairs carry no fingerprint (samples written "
+                "before fingerprints were kept, or not a mirror replay): not compared"
+            )
+    if not rows:
+        return {"rows": [], "compares": None, "reference": None, "notes": [], "kl": None}
+    first = next(e["fidelity"] for e in report["variants"] if e.get("fidelity"))
+    return {
+        "rows": rows,
+        "reference": first["reference"],
+        "compares": first["compares"],
+        "notes": notes,
+        "kl": first["kl_note"],
+    }
 
 
 def _count(entry: Any) -> int | None:

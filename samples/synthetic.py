@@ -17,11 +17,21 @@ prefill), scaled so that their mean is the TPOT, as it is in a real stream; itl_
 are those gaps' own statistics. They come from a random stream of their own, so every other
 column is what the same seed gave before gaps existed (``gaps=False``: no gaps, as rows recorded
 before the samples kept gaps).
+
+Answers (``answers=True``, mirror mode): every request gets one reference answer, a list of
+random 32-bit token fingerprints as long as the request's output (the same length for every
+variant: they answer the same request), and each variant's successful answer is that one except
+with probability ``VariantSpec.divergence_rate``, where it parts at a position drawn uniformly
+over the answer and continues with other tokens. ``output_fp`` and ``token_fps`` are filled as
+the replay fills them (fidelity.fingerprints), and ``Synthetic.diverged_at`` keeps the truth: the
+0-based position per row, -1 where the answer is the reference's or failed. From a stream of
+its own, as the gaps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,6 +52,7 @@ class VariantSpec:
     ttft_scale: float = 1.0  # multiplies TTFT on top of factor effects (a non-factor effect)
     error_rate: float = 0.01
     control: bool = False
+    divergence_rate: float = 0.0  # share of answers that part from the reference (answers=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +87,7 @@ class SyntheticSpec:
     user_sigma: float = 0.0
     no_user_share: float = 0.0
     max_tokens: Sequence[int] = (256,)  # requested output tokens, drawn per request when several
+    answers: bool = False  # mirror mode: fingerprinted answers, some diverging (module docstring)
 
 
 def demo_variants() -> list[VariantSpec]:
@@ -95,6 +107,9 @@ class Synthetic:
     spec: SyntheticSpec
     columns: dict[str, np.ndarray]  # every samples column, duplicates included
     is_duplicate: np.ndarray  # bool per row: an older recording that reads must not see
+    # per row, the 0-based position where the answer parts from the request's reference answer;
+    # -1 where it does not (or failed, or answers were not generated)
+    diverged_at: np.ndarray | None = None
 
     @property
     def n_rows(self) -> int:
@@ -132,8 +147,12 @@ def _check(spec: SyntheticSpec) -> None:
     if not 0 <= spec.duplicate_rate <= 1:
         raise ValueError(f"SyntheticSpec.duplicate_rate must be in [0, 1], got {spec.duplicate_rate}")
     for v in spec.variants:
-        if not 0 <= v.error_rate < 1 or v.weight < 0:
-            raise ValueError(f"variant {v.key!r}: error_rate in [0, 1) and weight >= 0 needed")
+        if not 0 <= v.error_rate < 1 or v.weight < 0 or not 0 <= v.divergence_rate <= 1:
+            raise ValueError(
+                f"variant {v.key!r}: error_rate in [0, 1), weight >= 0 and divergence_rate in [0, 1] needed"
+            )
+    if spec.answers and spec.mode != "mirror":
+        raise ValueError("SyntheticSpec.answers needs mode 'mirror' (answers are compared per request)")
 
 
 def generate(spec: SyntheticSpec) -> Synthetic:
@@ -196,6 +215,8 @@ def generate(spec: SyntheticSpec) -> Synthetic:
     ttft_event = np.round(ttfb + rest * PHASE_SHARES["headers_to_first_event"], spec.round_ms)
     ttft_event = np.minimum(ttft_event, ttft)
     out_tokens = rng.integers(16, 256, n).astype(np.uint32)
+    if spec.answers:  # one answer length per request: every variant answers the same request
+        out_tokens = out_tokens[req]
     tpot = np.round(rng.lognormal(np.log(12.0), 0.2, n) * mult, spec.round_ms)
     itl_mean = np.round(tpot * rng.uniform(0.95, 1.05, n), spec.round_ms)  # drawn either way
     itl_p50, itl_p99, itl_max = (
@@ -273,10 +294,13 @@ def generate(spec: SyntheticSpec) -> Synthetic:
         "server_ttft_ms": np.full(n, np.nan),
         "start_ns": np.zeros(n, dtype=np.uint64),
         "server_first_content_ns": np.full(n, np.nan),
-        "output_fp": np.zeros(n, dtype=np.uint64),  # no answers compared (no mirror pairs here)
+        "output_fp": np.zeros(n, dtype=np.uint64),  # filled below with answers=True
         "token_fps": _per_row([np.zeros(0, dtype=np.uint32)] * n),
         "recorded_ms": (sent_ms + 10_000).astype(np.uint64),
     }
+    diverged_at = np.full(n, -1, dtype=np.int64)
+    if spec.answers:
+        cols["output_fp"], cols["token_fps"], diverged_at = _answers(spec, arm, req, out_tokens, error)
     is_dup = np.zeros(n, dtype=bool)
 
     # 4. older recordings of some requests with wrong values: a correct read never sees them
@@ -289,9 +313,42 @@ def generate(spec: SyntheticSpec) -> Synthetic:
         dup["outcome"] = np.full(n_dup, "ok", dtype=object)
         cols = {k: np.concatenate([cols[k], dup[k]]) for k in cols}
         is_dup = np.concatenate([is_dup, np.ones(n_dup, dtype=bool)])
+        diverged_at = np.concatenate([diverged_at, diverged_at[pick]])
     missing = set(colmod.COLUMN_NAMES) ^ set(cols)
     assert not missing, f"synthetic columns out of sync with samples.columns: {missing}"
-    return Synthetic(spec, {k: cols[k] for k in colmod.COLUMN_NAMES}, is_dup)
+    return Synthetic(spec, {k: cols[k] for k in colmod.COLUMN_NAMES}, is_dup, diverged_at)
+
+
+def _answers(
+    spec: SyntheticSpec, arm: np.ndarray, req: np.ndarray, out_tokens: np.ndarray, error: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(output_fp, token_fps, diverged_at) per row (module docstring, Answers)."""
+    arng = np.random.default_rng([spec.seed, 37])
+    n = arm.size
+    # mirror rows are the first arm's requests 0..n-1, then the next arm's, ...: row r is request r
+    reference = [arng.integers(1, 2**32, int(k), dtype=np.uint32) for k in out_tokens[: spec.n]]
+    rate = np.array([v.divergence_rate for v in spec.variants])[arm]
+    parts = arng.random(n) < rate
+    where = np.floor(arng.random(n) * out_tokens).astype(np.int64)
+    output_fp = np.zeros(n, dtype=np.uint64)
+    fps: list[np.ndarray] = []
+    diverged_at = np.full(n, -1, dtype=np.int64)
+    for i in range(n):
+        if error[i]:
+            fps.append(np.zeros(0, dtype=np.uint32))
+            continue
+        tokens = reference[int(req[i])]
+        if parts[i] and tokens.size:
+            d = int(where[i])
+            tail = arng.integers(1, 2**32, tokens.size - d, dtype=np.uint32)
+            tail[0] ^= np.uint32(1) if tail[0] == tokens[d] else np.uint32(0)  # the first differs
+            tokens = np.concatenate([tokens[:d], tail])
+            diverged_at[i] = d
+        fps.append(tokens)
+        output_fp[i] = (
+            int.from_bytes(hashlib.blake2b(tokens.tobytes(), digest_size=8).digest(), "little") or 1
+        )
+    return output_fp, _per_row(fps), diverged_at
 
 
 def _gaps(

@@ -389,6 +389,12 @@ def check_analyst(run: Run) -> None:
     [printed] = run.printed  # the python block reading report.json
     for key in ("fp16", "awq", "awq-fa2"):
         assert re.search(rf"^{key} \d+ samples, attainment", printed, flags=re.M), printed
+    # the mirror replay's answers: each variant against fp16's, fp16 not against itself
+    shares = re.findall(
+        r"^(\S+) \d+ samples.*\n  (\d+\.\d)% of its answers identical to fp16's$", printed, re.M
+    )
+    assert [key for key, _ in shares] == ["awq", "awq-fa2"], printed
+    assert all(80.0 <= float(share) < 100.0 for _, share in shares), printed
 
 
 def check_live_dashboard(run: Run) -> None:

@@ -292,9 +292,10 @@ def capacity_arguments(
     ]
 
 
-def capacity_summary(doc: dict, control: str | None) -> str:
+def capacity_summary(doc: dict, control: str | None, fidelity: dict[str, dict | None] | None = None) -> str:
     """The demo's last line, from ``manage.py capacity --json``: what the best deployment carries
-    within the SLA, against the control, and at what price.
+    within the SLA, against the control, at what price, and (``fidelity``: the mirror replay's
+    report's ``variants[].fidelity`` by variant) how many of its answers are the control's.
 
     A search's capacity is a bracket: it meets at ``capacity_rps`` and not at ``upper_rps`` (no
     upper end: it met at the most the search sends). So the ratio to the control is a range too,
@@ -337,7 +338,18 @@ def capacity_summary(doc: dict, control: str | None) -> str:
         base_cost = (base or {}).get("cost") or {}
         if base_cost.get("per_million_requests") is not None:
             text += f" ({control}: {base_cost['per_million_requests']:,.2f})"
+    ident = ((fidelity or {}).get(best) or {}).get("identical")
+    if ident:
+        text += f"; {100 * ident['estimate']:.1f}% of its answers identical to {control}'s"
     return text + "."
+
+
+def identical_share(fid: dict | None) -> str:
+    """A variant's share of answers identical to the control's for the capacity table, "92.3%";
+    "-" where nothing was compared."""
+    if not fid or not fid.get("identical"):
+        return "-"
+    return f"{100 * fid['identical']['estimate']:.1f}%"
 
 
 def _missed_at(result: dict) -> float | None:

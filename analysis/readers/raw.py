@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from analysis import units
+from analysis import answer_fidelity, units
 from analysis.definitions import (
     GAP_METRICS,
     GAP_REQUESTS,
@@ -368,7 +368,19 @@ class RawReader:
                 diffs[float(d)] = diffs.get(float(d), 0) + int(pairs)
         return {"cells": cells, "diff_values": list(diffs), "diff_counts": list(diffs.values())}
 
-    # 6. Data version (the report cache's key)
+    # 6. Mirror mode: the variant's answers against the control's (analysis.answer_fidelity)
+
+    def fidelity_pairs(self, f: Filters, unit: str, control: str, variant: str) -> dict[str, Any]:
+        """{"moments": the identical share's per-cluster sums, "kinds": pair counts by kind and
+        first divergence}: one pass over the pairs, one row back."""
+        sql, params = answer_fidelity.pairs_select(f, unit, control, variant)
+        rows = self.store.query(sql, params)
+        if not rows:
+            return {"moments": None, "kinds": []}
+        *moments, (keys, counts) = rows[0]
+        return {"moments": tuple(moments), "kinds": answer_fidelity.kinds_of(keys, counts)}
+
+    # 7. Data version (the report cache's key)
 
     def data_version(self, experiment: str) -> DataVersion:
         """(run_id, rows, sum and max of recorded_ms) per run of an experiment, in run order.

@@ -161,11 +161,15 @@ def test_migrate_is_idempotent_and_repairs_one_server(cstore, servers):
     assert cstore.migrate() == VERSIONS
     assert cstore.migrate() == []
     servers[1].execute(f"DROP TABLE {cluster.local_name(schema.SAMPLES_TABLE)}")
-    # the second server's local samples table was gone: re-created (1), then its columns added (5, 7)
-    assert cstore.migrate() == [1, 5, 7]
-    assert ("itl_gaps_us", "Array(UInt32)") in servers[1].query(
+    # the second server's local samples table was gone: re-created (1), then its columns added
+    # (5, 7, 8)
+    assert cstore.migrate() == [1, 5, 7, 8]
+    local_columns = servers[1].query(
         "SELECT name, type FROM system.columns WHERE database = %(db)s AND table = 'samples_local'",
         {"db": CLUSTER_DB},
+    )
+    assert {("itl_gaps_us", "Array(UInt32)"), ("output_fp", "UInt64"), ("token_fps", "Array(UInt32)")} <= set(
+        local_columns
     )
     assert cstore.migrate() == []
     assert local_rows(servers) == [0, 0]
@@ -186,7 +190,7 @@ def test_migration_7_adds_gateway_ms_on_every_server_and_keeps_the_rows(
     )
     before = local_rows(servers)
     assert sum(before) == 40 and min(before) > 0
-    assert cstore.migrate() == [7]
+    assert cstore.migrate() == [7, 8]  # and the answer fingerprints after it
     assert local_rows(servers) == before  # every row where it was
     for server in servers:
         for table in ("samples", "samples_local"):
@@ -197,6 +201,10 @@ def test_migration_7_adds_gateway_ms_on_every_server_and_keeps_the_rows(
                 )
             )
             assert got["gateway_ms"] == "Float64", (server.url_safe, table)
+            assert (got["output_fp"], got["token_fps"]) == ("UInt64", "Array(UInt32)"), (
+                server.url_safe,
+                table,
+            )
     assert cstore.query("SELECT count(), sum(gateway_ms), sum(schedule_lag_ms) FROM samples") == [
         (40, 0.0, 60.0)
     ]

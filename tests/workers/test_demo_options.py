@@ -129,3 +129,29 @@ def test_a_control_whose_step_above_was_not_judged_has_no_upper_end():
         "awq-fa2 carries at least 128 req/s within the SLA (the most this search sends) (fp16 meets it at 32 "
         "req/s; at 64 the load generator lagged too much to judge)."
     )
+
+
+def test_the_demos_last_line_and_table_carry_the_answers_identical_to_the_control():
+    doc = {
+        "search": "halving",
+        "seconds": 40.0,
+        "target": 0.992,
+        "ranking": ["awq-fa2", "fp16"],
+        "variants": {
+            "awq-fa2": {**_searched(128.0, None, "max_rate", 34.72), "search_s": 20.0},
+            "fp16": {**_searched(32.0, 64.0, "steps", 138.89), "search_s": 20.0},
+        },
+    }
+    fid = {"identical": {"estimate": 0.9236}}
+    line = demo.capacity_summary(doc, "fp16", {"fp16": None, "awq-fa2": fid})
+    assert line.endswith("(fp16: 138.89); 92.4% of its answers identical to fp16's.")
+    # nothing compared (a split replay, or rows without fingerprints): the line says nothing of it
+    assert "identical" not in demo.capacity_summary(doc, "fp16", {"awq-fa2": {"identical": None}})
+    assert "identical" not in demo.capacity_summary(doc, "fp16")
+    from workers.management.commands.demo import render_capacity
+
+    table = render_capacity(doc, 4, {"awq-fa2": fid, "fp16": None}, "fp16").splitlines()
+    assert "identical" in table[1]
+    row = {line.split()[0]: line for line in table[3:]}
+    assert " 92.4% " in row["awq-fa2"] and " ref " in row["fp16"]
+    assert demo.identical_share(None) == "-" == demo.identical_share({"identical": None})

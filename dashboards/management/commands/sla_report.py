@@ -193,6 +193,28 @@ def itl_lines(report) -> list[str]:
     return lines
 
 
+def fidelity_lines(report) -> list[str]:
+    """Answers against the control's in mirror replays: the identical share per variant with its
+    interval, where the others part, and what was not compared."""
+    summary = summaries.fidelity_summary(report)
+    if not summary["rows"]:
+        return []
+    lines = ["", f"Answers against {summary['reference']} ({summary['compares']}):"]
+    for r in summary["rows"]:
+        line = f"  {r['variant']:<12}identical {r['identical']:<26}of {r['compared']:,} compared"
+        if r["clusters"]:
+            line += f" ({r['clusters']:,} clusters)"
+        line += f"; {r['diverged']:,} diverged ({r['where']})"
+        if r["failed"]:
+            line += f"; {r['failed']:,} not compared (either side failed)"
+        lines.append(line)
+        if r["note"]:
+            lines.append(f"  {'':<12}{r['note']}")
+    lines += [f"  {note}" for note in summary["notes"]]
+    lines.append(f"  KL divergence: {summary['kl']}")
+    return lines
+
+
 def run_status(run, mode: str | None) -> str:
     """A run as the report lists it: its catalog status, "live" for the gateway's runs."""
     if (run.get("mode") or mode) != "live":
@@ -241,6 +263,7 @@ def render_text(report) -> str:
         lines += [
             f"  {v:<12}{o:<20}{f['n']:>8}  HTTP {f['http_status']}  {f['example'][:80]}" for v, o, f in failed
         ]
+    lines += fidelity_lines(report)
     lines += ["", "Percentiles (ms, [95% CI]) of successful requests (ITL: of their inter-token gaps):"]
     for e in report["variants"]:
         for metric, ests in e["percentiles"].items():

@@ -33,6 +33,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 
+from analysis.answer_fidelity import identical_line
 from experiments import services
 from experiments.cli import (
     CliError,
@@ -180,6 +181,12 @@ class Command(JsonCommand):
             if not self.json:
                 self.stdout.write("")
                 call_command("sla_report", experiment.key, "--run", str(run.pk))
+            fidelity = {v["key"]: v.get("fidelity") for v in report["variants"]}
+            lines = [identical_line(k, f) for k, f in fidelity.items()]
+            if any(lines):
+                self.say("")
+                for line in filter(None, lines):
+                    self.say(line)
 
             # 6. Capacity: of the control and of every variant that met the target.
             capacity = None
@@ -195,9 +202,9 @@ class Command(JsonCommand):
                     f"each deployment alone, steady (Poisson) arrivals of the same requests, "
                     f"{firsts}, then halving or doubling up to {demo.CAPACITY_MAX_RPS:g} req/s, {steps} steps at most"
                 )
-                capacity = self.capacity(experiment, cut, starts, steps, step_requests)
+                capacity = self.capacity(experiment, cut, starts, steps, step_requests, fidelity)
                 self.say("")
-                self.say(render_capacity(capacity, replicas))
+                self.say(render_capacity(capacity, replicas, fidelity, report["experiment"]["control"]))
                 self.say(capacity["summary"])
         except BaseException:
             stop(sims)
@@ -267,9 +274,11 @@ class Command(JsonCommand):
         starts: dict[str, float],
         steps: int,
         step_requests: int | None,
+        fidelity: dict[str, dict | None],
     ) -> dict:
         """manage.py capacity of ``variants`` on the slice (twice over); its document, the
-        search's wall time and the sentence the demo ends with."""
+        search's wall time and the sentence the demo ends with (``fidelity``: the mirror replay's
+        answers against the control's, by variant)."""
         t0 = time.monotonic()
         trace = demo.repeat_slice(cut, demo.CAPACITY_PASSES)
         step_requests = min(step_requests or demo.CAPACITY_STEP_REQUESTS, cut.rows * demo.CAPACITY_PASSES)
@@ -286,7 +295,7 @@ class Command(JsonCommand):
         )
         doc = json.loads(out.getvalue())
         doc["seconds"] = round(time.monotonic() - t0, 1)
-        doc["summary"] = summary(doc, experiment)
+        doc["summary"] = summary(doc, experiment, fidelity)
         return doc
 
     def demo_user(self, create: bool):
@@ -346,11 +355,12 @@ def _rate(x) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
-def render_capacity(doc: dict, replicas: int) -> str:
-    """The demo's capacity table, best value first (capacity per unit of price)."""
+def render_capacity(doc: dict, replicas: int, fidelity: dict[str, dict | None], control: str) -> str:
+    """The demo's capacity table, best value first (capacity per unit of price), with each
+    variant's answers identical to the control's in the mirror replay ("ref": the control)."""
     head = (
         f"{'variant':<10}{'engines':>8}{'capacity req/s':>16}{'not met at':>12}{'limited by':>12}"
-        f"{'price/h':>10}{'per 1M requests':>17}{'per 1M out tok':>16}{'steps':>7}{'search s':>10}"
+        f"{'price/h':>10}{'per 1M requests':>17}{'per 1M out tok':>16}{'identical':>11}{'steps':>7}{'search s':>10}"
     )
     lines = [
         f"SLA capacity (search {doc['search']}, {doc['seconds']:.0f} s): the highest rate each deployment "
@@ -370,12 +380,14 @@ def render_capacity(doc: dict, replicas: int) -> str:
         lines.append(
             f"{v:<10}{replicas:>8}{_rate(r['capacity_rps']):>16}{_rate(r['upper_rps']):>12}{r['limited_by']:>12}"
             f"{money(c.get('per_hour')):>10}{money(c.get('per_million_requests')):>17}"
-            f"{money(c.get('per_million_output_tokens')):>16}{len(r['steps']):>7}{r['search_s']:>10.0f}"
+            f"{money(c.get('per_million_output_tokens')):>16}"
+            f"{'ref' if v == control else demo.identical_share(fidelity.get(v)):>11}"
+            f"{len(r['steps']):>7}{r['search_s']:>10.0f}"
         )
     return "\n".join(lines)
 
 
-def summary(doc: dict, experiment: Experiment) -> str:
+def summary(doc: dict, experiment: Experiment, fidelity: dict[str, dict | None]) -> str:
     """The demo's last line (workers.demo.capacity_summary) for this experiment's control."""
     control = next((v.key for v in experiment.variants.all() if v.control), None)
-    return demo.capacity_summary(doc, control)
+    return demo.capacity_summary(doc, control, fidelity)
