@@ -97,7 +97,7 @@ def attainment_vs_rate(result: Mapping[str, Any], target: float) -> dict[str, An
             fig.add_vline(x=r["capacity_rps"], line=dict(color=series_color(i), dash="dot", width=1))
     fig.add_hline(y=target, line=dict(color="#000", dash="dash"), annotation_text=f"target {target:.2%}")
     fig.update_xaxes(title="request rate (req/s)", type="log")
-    fig.update_yaxes(title="SLA attainment", tickformat=".0%")
+    fig.update_yaxes(title="SLA attainment", tickformat=".1%")
     return _finish(fig, "Attainment against load (dotted: SLA capacity)")
 
 
@@ -142,6 +142,8 @@ def capacity_vs_fidelity(
     is left out (the table says why)."""
     fig = go.Figure()
     ys: dict[str, list[float | None]] = {"capacity": [], "cost": []}
+    currencies = {(r.get("cost") or {}).get("currency") for r in result.values()} - {None, ""}
+    cost_title = "cost per 1M requests" + (f" ({next(iter(currencies))})" if len(currencies) == 1 else "")
     for i, (v, r) in enumerate(result.items()):
         ident = ((fidelity.get(v) or {}).get("identical")) if v != control else None
         if v == control:
@@ -176,8 +178,14 @@ def capacity_vs_fidelity(
                 ),
             )
         )
+
+    def room(values: list[float | None]) -> list[float]:
+        # from 0 to a quarter above the highest point: the variant's name above it stays inside
+        top = max((v for v in values if v is not None), default=1.0)
+        return [0.0, 1.25 * top]
+
     fig.update_xaxes(title=f"answers identical to {control}'s", tickformat=".0%")
-    fig.update_yaxes(title="SLA capacity (req/s)", rangemode="tozero")
+    fig.update_yaxes(title="SLA capacity (req/s)", range=room(ys["capacity"]))
     if fig.data:
         fig.update_layout(
             updatemenus=[
@@ -195,7 +203,10 @@ def capacity_vs_fidelity(
                             method="update",
                             args=[
                                 {"y": [[y] for y in ys["capacity"]]},
-                                {"yaxis.title.text": "SLA capacity (req/s)"},
+                                {
+                                    "yaxis.title.text": "SLA capacity (req/s)",
+                                    "yaxis.range": room(ys["capacity"]),
+                                },
                             ],
                         ),
                         dict(
@@ -203,7 +214,7 @@ def capacity_vs_fidelity(
                             method="update",
                             args=[
                                 {"y": [[y] for y in ys["cost"]]},
-                                {"yaxis.title.text": "cost per 1M requests"},
+                                {"yaxis.title.text": cost_title, "yaxis.range": room(ys["cost"])},
                             ],
                         ),
                     ],

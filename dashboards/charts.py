@@ -443,6 +443,43 @@ def srm(report: Mapping[str, Any]) -> Drawn:
     return finish_figure(fig, None)
 
 
+def divergence(report: Mapping[str, Any]) -> Drawn:
+    """Per variant compared with the control in a mirror replay: the share of its compared
+    answers that have parted from the control's by each token position (a step curve rising to
+    1 - identical share), so where answers part reads off the x axis and how many off the y."""
+    rows = [(e["key"], e["fidelity"]) for e in report["variants"] if e.get("fidelity")]
+    rows = [(k, f) for k, f in rows if f["compared"]]
+    if not rows:
+        return (
+            "No answers compared with the control's: a mirror replay fingerprints them (docs/report-json.md)."
+        )
+    fig = go.Figure()
+    unit = "token"
+    order = [e["key"] for e in report["variants"]]  # each variant's colour, as on the other charts
+    for key, fid in rows:
+        i = order.index(key)
+        pos = fid["first_divergence"]
+        unit = pos["unit"] if pos["unit"] != "token" else unit
+        x, y, seen = [0], [0.0], 0
+        for p, c in zip(pos["positions"], pos["counts"], strict=True):
+            seen += c
+            x.append(p)
+            y.append(seen / fid["compared"])
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=y,
+                mode="lines",
+                line=dict(shape="hv", color=series_color(i)),
+                name=f"{key} ({fid['diverged']:,} of {fid['compared']:,})",
+                hovertemplate=f"{key}: %{{y:.2%}} parted by position %{{x}}<extra></extra>",
+            )
+        )
+    fig.update_xaxes(title=f"position of the first differing {unit}", rangemode="tozero")
+    fig.update_yaxes(title="share of answers parted", tickformat=".0%", rangemode="tozero")
+    return finish_figure(fig, None)
+
+
 # ---- the page's charts --------------------------------------------------------------------
 
 
@@ -458,6 +495,10 @@ ATTRIBUTION_CAPTION = (
 SERVER_SPLIT_CAPTION = (
     "An interval estimate: each missed request gets the mean queue and prefill time of the "
     "requests its server finished around it (the server's histograms), not its own."
+)
+DIVERGENCE_CAPTION = (
+    "Greedy answers of the same requests in the mirror replay, compared by fingerprint: each curve "
+    "rises at the positions where answers first differ, to the share that differ at all."
 )
 WIDE = ("p99-time",)  # charts that take the page's width: time runs along x
 SECTION_TITLES = {"why": "Why", "latency": "TTFT and traffic"}
@@ -515,6 +556,16 @@ def all_figures(report: Mapping[str, Any]) -> list[dict[str, Any]]:
                 "why",
                 "Which factors moved attainment against the control?",
                 f"{why[0].upper()}{why[1:]}.",
+            )
+        )
+    if any(e.get("fidelity") for e in report["variants"]):
+        charts.append(
+            _chart(
+                "divergence",
+                "why",
+                f"Where do the answers part from {control}'s?",
+                divergence(report),
+                DIVERGENCE_CAPTION,
             )
         )
     charts += [

@@ -147,6 +147,14 @@ def test_the_report_counts_identical_answers_and_divergences_as_they_were_made(s
         f"p90 {pos['p90']}); {fid['failed']:,} not compared (either side failed)"
     ) in text.splitlines()
     assert f"  KL divergence: {af.NO_KL}" in text
+    # the dashboard's curve: rises at each first divergence to the share that parted at all
+    from dashboards import charts
+
+    drawn = {c["id"]: c for c in charts.all_figures(rep)}["divergence"]["figure"]
+    curve = {t["name"].split(" ")[0]: t for t in drawn["data"]}
+    assert set(curve) == {"awq", "awq-fa2"}
+    assert curve["awq-fa2"]["x"] == [0, *pos["positions"]]
+    assert curve["awq-fa2"]["y"][-1] == pytest.approx(fid["diverged"] / fid["compared"])
 
 
 def test_rows_without_fingerprints_are_counted_unrecorded_not_compared(store):
@@ -167,6 +175,9 @@ def test_split_runs_have_no_fidelity(store):
     synthetic.insert(store, split)
     rep = r.build_report(store, info(split.spec), q.Filters("fid"))
     assert all(v["fidelity"] is None for v in rep["variants"])
+    from dashboards import charts
+
+    assert "divergence" not in {c["id"] for c in charts.all_figures(rep)}  # no empty section either
 
 
 def test_prefixes_and_chunking_are_placed_where_they_part(store):

@@ -80,8 +80,14 @@ def test_the_page_shows_identical_answers_beside_capacity_and_draws_them(
     assert err["arrayminus"][0] == pytest.approx(ident["estimate"] - ident["lo"])
     assert err["array"][0] == pytest.approx(ident["hi"] - ident["estimate"])
     # the buttons switch the y axis to the cost per million requests, in the traces' order
-    cost = figure["layout"]["updatemenus"][0]["buttons"][1]["args"][0]["y"]
-    assert cost == [[result[t["name"]]["cost"]["per_million_requests"]] for t in figure["data"]]
+    restyle, relayout = figure["layout"]["updatemenus"][0]["buttons"][1]["args"]
+    costs = [result[t["name"]]["cost"]["per_million_requests"] for t in figure["data"]]
+    assert restyle["y"] == [[c] for c in costs]
+    assert relayout == {
+        "yaxis.title.text": "cost per 1M requests (USD)",
+        "yaxis.range": [0.0, 1.25 * max(costs)],
+    }
+    assert figure["layout"]["yaxis"]["range"] == [0.0, 1.25 * max(result[v]["capacity_rps"] for v in result)]
     assert (
         "from the mirror replay&#x27;s report (run " in html
         or "from the mirror replay's report (run " in html
