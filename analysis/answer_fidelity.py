@@ -205,3 +205,11 @@ def identical_line(key: str, fid: dict[str, Any] | None) -> str | None:
     else:
         ci = f" ({fid['compared']:,} compared, no interval)"
     return f"{key}: {100 * ident['estimate']:.1f}% of answers identical to {fid['reference']}{ci}"
+
+
+def identical_share(fid: dict | None) -> str:
+    """A variant's share of answers identical to the control's for the capacity table, "92.3%";
+    "-" where nothing was compared."""
+    if not fid or not fid.get("identical"):
+        return "-"
+    return f"{100 * fid['identical']['estimate']:.1f}%"

@@ -12,7 +12,7 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
-from analysis.definitions import slo_of
+from analysis.definitions import QueryError, slo_of
 from capacity.models import CapacitySearch
 from capacity.search import (
     Capacity,
@@ -23,8 +23,10 @@ from capacity.search import (
     run_search,
 )
 from capacity.steps import ARRIVALS, StepPlan, run_step
+from dashboards.reports import report_for_params
 from experiments.models import Experiment
 from replay.sources import load_requests
+from samples.store import StoreError
 from workers.runs import ReplayError, resolve_source
 
 log = logging.getLogger(__name__)
@@ -261,3 +263,18 @@ def ranking(result: dict[str, Any]) -> list[str]:
         return (per is None, -(per or 0.0), -(r.get("capacity_rps") or 0.0), v)
 
     return [v for v, _ in sorted(result.items(), key=key)]
+
+
+def mirror_fidelity(experiment: Any) -> tuple[dict[str, Any], str]:
+    """({variant: report variants[].fidelity}, a note) of the experiment's latest mirror replay:
+    the capacity steps replay each variant alone, so what each answers against the control comes
+    from the mirror run's report (cached like the dashboard's). ({}, why) when it cannot be read."""
+    try:
+        _filters, report = report_for_params(experiment, {"mode": "mirror"}, [])
+    except (QueryError, StoreError) as exc:
+        return {}, f"answers against the control: not available ({exc})"
+    runs = ", ".join(str(r["run_id"]) for r in (report.get("runs") or {}).get("read", []))
+    fidelity = {v["key"]: v.get("fidelity") for v in report["variants"]}
+    if not any(fidelity.values()):
+        return {}, ""
+    return fidelity, f"answers identical to the control's: from the mirror replay's report (run {runs})"

@@ -12,17 +12,14 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
-from analysis.definitions import QueryError
 from capacity import charts
 from capacity.labels import step_label
 from capacity.models import CapacitySearch
 from capacity.search import NOT_MET_AT, UNDECIDED, rate_text
-from capacity.service import ranking
-from dashboards.reports import report_for_params
+from capacity.service import mirror_fidelity, ranking
 from dashboards.summaries import identical_text
 from dashboards.views import plotly_url
 from experiments.teams import visible_experiments
-from samples.store import StoreError
 
 VIEW_PERM = "experiments.view_experiment"
 # Capacity.limited_by as the page says it
@@ -116,21 +113,6 @@ def step_rows(result: Mapping[str, Any], search: CapacitySearch) -> list[dict[st
                 }
             )
     return rows
-
-
-def mirror_fidelity(experiment: Any) -> tuple[dict[str, Any], str]:
-    """({variant: report variants[].fidelity}, a note) of the experiment's latest mirror replay:
-    the capacity steps replay each variant alone, so what each answers against the control comes
-    from the mirror run's report (cached like the dashboard's). ({}, why) when it cannot be read."""
-    try:
-        _filters, report = report_for_params(experiment, {"mode": "mirror"}, [])
-    except (QueryError, StoreError) as exc:
-        return {}, f"answers against the control: not available ({exc})"
-    runs = ", ".join(str(r["run_id"]) for r in (report.get("runs") or {}).get("read", []))
-    fidelity = {v["key"]: v.get("fidelity") for v in report["variants"]}
-    if not any(fidelity.values()):
-        return {}, ""
-    return fidelity, f"answers identical to the control's: from the mirror replay's report (run {runs})"
 
 
 @login_required

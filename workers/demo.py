@@ -344,14 +344,6 @@ def capacity_summary(doc: dict, control: str | None, fidelity: dict[str, dict | 
     return text + "."
 
 
-def identical_share(fid: dict | None) -> str:
-    """A variant's share of answers identical to the control's for the capacity table, "92.3%";
-    "-" where nothing was compared."""
-    if not fid or not fid.get("identical"):
-        return "-"
-    return f"{100 * fid['identical']['estimate']:.1f}%"
-
-
 def _missed_at(result: dict) -> float | None:
     """The rate a search's variant did not meet the target at, its capacity's upper end: none
     when it met at the most the search sends, or when the rate above was one the load

@@ -92,3 +92,24 @@ def test_the_page_shows_identical_answers_beside_capacity_and_draws_them(
         "from the mirror replay&#x27;s report (run " in html
         or "from the mirror replay's report (run " in html
     )
+
+
+def test_the_commands_table_carries_the_identical_share_and_says_whence():
+    from capacity.management.commands.capacity import render_table
+
+    result = {"fp16": capacity(20.0), "awq-fa2": capacity(50.0)}
+    for r in result.values():
+        r["search_s"] = 3.0
+    doc = {"experiment": "ttft-opt", "target": 0.95, "ranking": ["awq-fa2", "fp16"], "variants": result}
+    plain = render_table(doc).splitlines()
+    assert "identical" not in plain[1]  # no mirror replay: no column
+    doc.update(
+        control="fp16",
+        fidelity={"fp16": None, "awq-fa2": {"identical": {"estimate": 0.9345}}},
+        fidelity_note="answers identical to the control's: from the mirror replay's report (run 1)",
+    )
+    lines = render_table(doc).splitlines()
+    assert lines[1].endswith(" identical") and len(lines[1]) == len(plain[1]) + 11
+    assert lines[3].startswith("awq-fa2") and lines[3].endswith(" 93.5%")
+    assert lines[4].startswith("fp16") and lines[4].endswith(" ref")
+    assert lines[-1] == "  answers identical to the control's: from the mirror replay's report (run 1)"

@@ -154,4 +154,6 @@ def test_the_demos_last_line_and_table_carry_the_answers_identical_to_the_contro
     assert "identical" in table[1]
     row = {line.split()[0]: line for line in table[3:]}
     assert " 92.4% " in row["awq-fa2"] and " ref " in row["fp16"]
-    assert demo.identical_share(None) == "-" == demo.identical_share({"identical": None})
+    from analysis.answer_fidelity import identical_share
+
+    assert identical_share(None) == "-" == identical_share({"identical": None})

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import argparse
 
+from analysis.answer_fidelity import identical_share
 from capacity.search import NOT_MET_AT, UNDECIDED, rate_text
-from capacity.service import Options, ranking, search_experiment
+from capacity.service import Options, mirror_fidelity, ranking, search_experiment
 from experiments.cli import (
     CliError,
     JsonCommand,
@@ -137,12 +138,18 @@ class Command(JsonCommand):
             record = search_experiment(experiment, opts, actor=actor, say=self.say)
         except (ReplayError, ValueError) as exc:
             raise CliError(str(exc)) from None
+        fidelity, note = mirror_fidelity(experiment)
         doc = {
             "search": record.pk,
             "experiment": experiment.key,
             "target": experiment.sla_target,
             "ranking": ranking(record.result),
             "variants": record.result,
+            # the answers each variant gives against the control's, from the mirror replay's report
+            # (the steps replay each variant alone): {variant: variants[].fidelity}, and whence
+            "control": next((v.key for v in experiment.variants.all() if v.control), None),
+            "fidelity": fidelity,
+            "fidelity_note": note,
         }
         self.say(render_table(doc))
         if self.json:
@@ -162,6 +169,9 @@ def render_table(doc: dict) -> str:
         f"{'variant':<14}{'capacity req/s':>16}{NOT_MET_AT:>12}{'limited by':>12}{'knee':>8}"
         f"{'steps':>7}{'search s':>10}{'per 1M req':>14}{'per 1M out tok':>16}{'req/s per $/h':>15}"
     )
+    fidelity = doc.get("fidelity") or {}
+    if fidelity:
+        head += f"{'identical':>11}"
     lines = [
         f"SLA capacity of {doc['experiment']} (target {doc['target']:.2%}), best value first:",
         head,
@@ -177,10 +187,17 @@ def render_table(doc: dict) -> str:
             f"{(_f(c.get('per_million_requests'), ',.2f') + ' ' + cur).strip():>14}"
             f"{(_f(c.get('per_million_output_tokens'), ',.2f') + ' ' + cur).strip():>16}"
             f"{_f(c.get('capacity_per_currency_hour'), '.3g'):>15}"
+            + (
+                f"{'ref' if v == doc.get('control') else identical_share(fidelity.get(v)):>11}"
+                if fidelity
+                else ""
+            )
         )
     lines += [f"  {v}: {doc['variants'][v]['message']}" for v in doc["ranking"]]
     lines.append(
         f"  {NOT_MET_AT}: the lowest rate tried above the capacity that did not meet the target with "
         f"confidence (missed, or {UNDECIDED})"
     )
+    if doc.get("fidelity_note"):
+        lines.append(f"  {doc['fidelity_note']}")
     return "\n".join(lines)

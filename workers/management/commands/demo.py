@@ -33,7 +33,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 
-from analysis.answer_fidelity import identical_line
+from analysis.answer_fidelity import identical_line, identical_share
 from experiments import services
 from experiments.cli import (
     CliError,
@@ -381,7 +381,7 @@ def render_capacity(doc: dict, replicas: int, fidelity: dict[str, dict | None], 
             f"{v:<10}{replicas:>8}{_rate(r['capacity_rps']):>16}{_rate(r['upper_rps']):>12}{r['limited_by']:>12}"
             f"{money(c.get('per_hour')):>10}{money(c.get('per_million_requests')):>17}"
             f"{money(c.get('per_million_output_tokens')):>16}"
-            f"{'ref' if v == control else demo.identical_share(fidelity.get(v)):>11}"
+            f"{'ref' if v == control else identical_share(fidelity.get(v)):>11}"
             f"{len(r['steps']):>7}{r['search_s']:>10.0f}"
         )
     return "\n".join(lines)
