@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 import subprocess
 import tempfile
 import urllib.request
@@ -125,6 +126,8 @@ def runs():
         "sequences": [{"ids": [*a.prompt_ids, *a.answer_ids], "start": len(a.prompt_ids)} for a in reference],
     }
     direct = json.loads(_venv_python(venv, "logprobs", stdin=json.dumps(request)))
+    for path in models.values():  # 9 MB each; the servers' logs stay in `work`
+        shutil.rmtree(path)
     return {"answers": answers, "scored": scored, "direct": direct["sequences"]}
 
 
