@@ -4,9 +4,10 @@ from the reference answer (pure: the standard library and the profile).
 A serving change that alters the numbers a model computes (AWQ quantization, a kernel) may change
 its answers; the platform measures that as fidelity. The simulator models it so:
 
-1. ``prompt_key``: a blake2b digest of the prompt as the request states it: a completion's
-   ``prompt`` string or token-id list, a chat's ``messages`` as canonical JSON (sorted keys,
-   compact separators). The same prompt has the same key on every variant.
+1. ``prompt_key``: a blake2b digest of the prompt: a completion's token ids as unsigned 64-bit
+   big-endian integers (the app passes a ``prompt`` string through its tokenizer,
+   simulator/tokens.py, so a text and its ids answer alike), a chat's ``messages`` as canonical
+   JSON (sorted keys, compact separators). The same prompt has the same key on every variant.
 2. ``answer_key``: what the answer is drawn from, with vLLM's sampling semantics. Greedy decoding
    (``temperature`` below vLLM's 1e-5) answers from the prompt key alone. Sampling (``temperature``
    absent, which is vLLM's default 1.0, or above 0) answers from the prompt key, the temperature
@@ -36,6 +37,7 @@ import itertools
 import json
 import math
 import random
+import struct
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -48,6 +50,8 @@ WORDS = (
 ).split(" ")
 MULTIBYTE = ("你好", "世界", "模型", "延迟", "吞吐", "😀", "🚀", "✨", "café", "naïve", "Ж", "λ")
 _WORD_TOKENS = tuple(" " + w for w in WORDS)  # a word token carries its leading space
+# Every token text an answer can hold: what the model generates (simulator/tokens.py numbers them).
+VOCABULARY = ("", *_WORD_TOKENS, *MULTIBYTE)
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy decoding.
 GREEDY_BELOW = 1e-5
 DEFAULT_TEMPERATURE = 1.0  # vLLM's default when neither the request nor the model says otherwise
@@ -71,7 +75,18 @@ def prompt_key(*, prompt: str | list[int] | None = None, messages: list[Any] | N
         return _digest(b"chat:" + json.dumps(messages, sort_keys=True, separators=(",", ":")).encode())
     if isinstance(prompt, str):
         return _digest(b"text:" + prompt.encode("utf-8", "surrogatepass"))
-    return _digest(b"ids:" + json.dumps(prompt, separators=(",", ":")).encode())
+    return _digest(b"ids:" + struct.pack(f">{len(prompt)}Q", *prompt))
+
+
+def prefix_keys(ids: list[int]) -> list[str]:
+    """``prompt_key(prompt=ids[:s])`` for every s from 0 to len(ids), in one pass, the digest
+    extended id by id (simulator/logprobs.py keys every context of a scored sequence so)."""
+    h = hashlib.blake2b(b"ids:", digest_size=16)
+    keys = [h.hexdigest()]
+    for token in ids:
+        h.update(struct.pack(">Q", token))
+        keys.append(h.hexdigest())
+    return keys
 
 
 def is_greedy(temperature: float | None) -> bool:

@@ -3,8 +3,10 @@
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /tokenize, GET /v1/models,
 GET /health, GET /metrics. Prompt lengths (usage and ``/tokenize`` alike) follow the app's
 tokenizer rule (simulator/tokens.py). What a request is answered comes from simulator/answers.py:
-keyed on its prompt (and, when it samples, its seed or else its id), departing from the reference
-answer at the profile's ``divergence_rate``; the usage event's ``abplat.diverged_at`` says where.
+keyed on its prompt's token ids (and, when it samples, its seed or else its id), departing from the
+reference answer at the profile's ``divergence_rate``; the usage event's ``abplat.diverged_at`` says
+where. Token ids come from simulator/tokens.py (``return_token_ids``, a prompt given as ids), and
+``prompt_logprobs`` from the model of simulator/logprobs.py.
 A request may force a fault with the header ``x-abplat-fault: KIND`` (one of
 ``Faults.KINDS``); otherwise it draws one from the profile's rates, seeded by the profile seed
 and the request's X-Request-Id, so a replayed run faults the same requests.
@@ -19,12 +21,14 @@ import random
 import time
 from typing import Any
 
-from simulator import answers
+from simulator import answers, logprobs
 from simulator.framing import DONE, ENGINE_ERROR, Framer, error_body
 from simulator.latency import Faults, Profile, Seq
 from simulator.metrics import CONTENT_TYPE, Metrics
 from simulator.runtime import Engine
-from simulator.tokens import DEFAULT_TOKENIZER, check, prompt_tokens, token_ids
+from simulator.tokens import DEFAULT_TOKENIZER, VOCAB_SIZE, answer_id, check, prompt_ids, prompt_tokens
+
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -59,12 +63,19 @@ class SimulatorApp:
         model: str = "abplat-sim",
         replicas: int = 1,
         tokenizer: str = DEFAULT_TOKENIZER,
+        max_logprobs: int = MAX_LOGPROBS,
     ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {replicas}")
+        if not 0 <= max_logprobs <= logprobs.SUPPORT:
+            raise ValueError(
+                f"max_logprobs={max_logprobs}: must be within [0, {logprobs.SUPPORT}], the tokens the "
+                "simulated model can generate"
+            )
         self.profile = profile
         self.model = model
         self.tokenizer = check(tokenizer)
+        self.max_logprobs = max_logprobs
         # A deployment of N identical engines behind one endpoint, as behind a load balancer
         # that sends each request to the replica with the fewest outstanding requests.
         self.engines = [Engine(profile) for _ in range(replicas)]
@@ -139,16 +150,14 @@ class SimulatorApp:
                     raise BadRequest(
                         400, "messages: a list of message objects is required", "BadRequestError"
                     )
-                text = json.dumps(msgs, sort_keys=True)
-                count = prompt_tokens(self.tokenizer, messages=msgs)
+                ids = prompt_ids(self.tokenizer, messages=msgs)
             elif isinstance(req.get("prompt"), str):
-                text = req["prompt"]
-                count = prompt_tokens(self.tokenizer, prompt=text)
+                ids = prompt_ids(self.tokenizer, prompt=req["prompt"])
             else:
                 raise BadRequest(400, "prompt: a string (or messages) is required", "BadRequestError")
         except BadRequest as e:
             return await _respond(send, e.status, error_body(e.message, e.err_type, e.status, e.param))
-        body = {"count": count, "max_model_len": self.profile.max_model_len, "tokens": token_ids(text, count)}
+        body = {"count": len(ids), "max_model_len": self.profile.max_model_len, "tokens": ids}
         return await _respond(send, 200, json.dumps(body).encode())
 
     async def _generate(self, api: str, scope: dict, receive: Any, send: Any) -> None:
@@ -214,25 +223,44 @@ class SimulatorApp:
 
     def _parse(self, api: str, raw: bytes) -> dict[str, Any]:
         req = _json_object(raw)
+        # What vLLM's request model checks first (pydantic, before the model's name).
+        stream = bool(req.get("stream", False))
+        k = _prompt_logprobs(req.get("prompt_logprobs"), stream)
+        with_ids = _lax_bool(req.get("return_token_ids"), "return_token_ids")
         model = req.get("model")
         if model != self.model:
             raise BadRequest(404, self._unknown_model(model), "NotFoundError", "model")
+        ids: list[int] | None = None
         if api == "chat":
             msgs = req.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 raise BadRequest(400, "messages: a non-empty list is required", "BadRequestError")
             n_prompt = prompt_tokens(self.tokenizer, messages=msgs)
+            if with_ids or k is not None:
+                ids = prompt_ids(self.tokenizer, messages=msgs)
             key = answers.prompt_key(messages=msgs)
             max_tokens = req.get("max_completion_tokens", req.get("max_tokens"))
         else:
+            # A text prompt answers as its token ids do: the model sees only the ids (as on vLLM,
+            # where a prompt and its ids from /tokenize get the same answer).
             prompt = req.get("prompt")
-            if (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)) or isinstance(
-                prompt, str
-            ):
-                n_prompt = prompt_tokens(self.tokenizer, prompt=prompt)
-                key = answers.prompt_key(prompt=prompt)
+            if isinstance(prompt, str):
+                ids = prompt_ids(self.tokenizer, prompt=prompt)
+            elif isinstance(prompt, list) and not any(isinstance(t, list) for t in prompt):
+                ids = _token_ids(prompt)
+            elif isinstance(prompt, list):
+                raise BadRequest(
+                    400,
+                    "prompt: the simulator answers one prompt a request (a string or a list of token "
+                    "ids), not a batch of them",
+                    "BadRequestError",
+                )
             else:
-                raise BadRequest(400, "prompt: a string is required", "BadRequestError")
+                raise BadRequest(
+                    400, "prompt: a string or a list of token ids is required", "BadRequestError"
+                )
+            n_prompt = len(ids)
+            key = answers.prompt_key(prompt=ids)
             max_tokens = req.get("max_tokens", 16)
         limit = self.profile.max_model_len
         if max_tokens is None:
@@ -257,15 +285,28 @@ class SimulatorApp:
             seed = answers.check_seed(req.get("seed"))
         except ValueError as e:
             raise BadRequest(400, str(e), "BadRequestError", "seed") from None
+        if k:
+            # vLLM checks it against --max-logprobs when it builds the sampling parameters.
+            asked = VOCAB_SIZE if k == -1 else k
+            if asked > self.max_logprobs:
+                raise _vllm_error(
+                    f"Requested prompt logprobs of {asked}, which is greater than max allowed: "
+                    f"{self.max_logprobs}",
+                    "prompt_logprobs",
+                    asked,
+                )
         opts = req.get("stream_options") or {}
         return {
             "model": model,
             "prompt_tokens": n_prompt,
             "prompt_key": key,
+            "prompt_ids": ids,
+            "return_token_ids": with_ids,
+            "prompt_logprobs": None if stream else k,
             "temperature": temperature,
             "seed": seed,
             "max_tokens": max_tokens,
-            "stream": bool(req.get("stream", False)),
+            "stream": stream,
             "usage": bool(isinstance(opts, dict) and opts.get("include_usage")),
         }
 
@@ -329,16 +370,21 @@ class SimulatorApp:
                             await asyncio.sleep(p.faults.stall_ms / 1000.0)
                         if fault == "malformed":
                             await _body(send, framer.malformed())
+                    # With return_token_ids, vLLM sends the prompt's ids once, in the first event
+                    # (chat: its role event), and each token event its token's id.
+                    echoed = req["prompt_ids"] if req["return_token_ids"] and emitted == 0 else None
                     if emitted == 0:
                         first_token_at = loop.time()  # handed to the stream: the server's TTFT
                         if api == "chat":
-                            await _body(send, framer.role())
+                            await _body(send, framer.role(echoed))
+                            echoed = None
                     emitted += 1
                     split = fault == "split_utf8" and emitted <= 4  # the first tokens
                     # The fault replaces the first tokens' texts with multi-byte ones to split.
                     text = rng.choice(answers.MULTIBYTE[:5]) if split else answer.texts[emitted - 1]
                     finish = "length" if emitted == max_tokens else None
-                    data = framer.token(text, finish)
+                    ids = [answer_id(text)] if req["return_token_ids"] else None
+                    data = framer.token(text, finish, ids, echoed)
                     if text and first_content_ns is None:
                         first_content_ns = perf()  # ground truth: just before the write
                     if split:
@@ -384,7 +430,16 @@ class SimulatorApp:
             await run.wait_tokens(run.ready)
         now = asyncio.get_running_loop().time()
         self._observe(index, seq, req, received_at, seq.first_token_at, now)
-        text = "".join(answer.texts[: seq.generated])
+        texts = answer.texts[: seq.generated]
+        text = "".join(texts)
+        with_ids = req["return_token_ids"]
+        token_ids = [answer_id(t) for t in texts] if with_ids else None
+        echoed = req["prompt_ids"] if with_ids else None
+        scored = None
+        if req["prompt_logprobs"] is not None:
+            # Pure Python at ~0.2 ms a position: off the event loop, which keeps streaming other
+            # requests' tokens meanwhile.
+            scored = await asyncio.to_thread(self._prompt_logprobs, req["prompt_ids"], req["prompt_logprobs"])
         usage = {
             "prompt_tokens": req["prompt_tokens"],
             "total_tokens": req["prompt_tokens"] + seq.generated,
@@ -393,16 +448,17 @@ class SimulatorApp:
             # whole response has no first content event to time).
             "abplat": {"diverged_at": answer.diverged_at},
         }
+        # vLLM's fields in vLLM's order: a chat carries the prompt's ids and log-probabilities
+        # beside its choices, a completion in its choice.
+        common = {"logprobs": None, "finish_reason": "length", "stop_reason": None, "token_ids": token_ids}
+        prompt_fields = {"prompt_logprobs": scored, "prompt_token_ids": echoed}
         if api == "chat":
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": "length",
-            }
-            obj, rid = "chat.completion", "chatcmpl-"
+            message = {"role": "assistant", "content": text}
+            choice: dict[str, Any] = {"index": 0, "message": message, **common}
+            obj, rid, top = "chat.completion", "chatcmpl-", prompt_fields
         else:
-            choice = {"index": 0, "text": text, "finish_reason": "length"}
-            obj, rid = "text_completion", "cmpl-"
+            choice = {"index": 0, "text": text, **common, **prompt_fields}
+            obj, rid, top = "text_completion", "cmpl-", {}
         out = {
             "id": rid + f"{rng.getrandbits(64):016x}",
             "object": obj,
@@ -410,8 +466,12 @@ class SimulatorApp:
             "model": req["model"],
             "choices": [choice],
             "usage": usage,
+            **top,
         }
         await _respond(send, 200, json.dumps(out, ensure_ascii=False).encode(), JSON_HEADERS + echo)
+
+    def _prompt_logprobs(self, ids: list[int], k: int) -> list[dict | None]:
+        return logprobs.as_vllm(logprobs.prompt_logprobs(ids, self.profile, k))
 
     def _observe(
         self,
@@ -493,3 +553,87 @@ def _inside_multibyte(data: bytes) -> int:
         if b >= 0xC0:
             return i + 1
     return len(data) // 2
+
+
+def _vllm_error(message: str, parameter: str | None = None, value: Any = None) -> BadRequest:
+    """A 400 as vLLM sends its VLLMValidationError: the message ends with the parameter and
+    value it names, in parentheses."""
+    extras = [f"{name}={v}" for name, v in (("parameter", parameter), ("value", value)) if v is not None]
+    suffix = f" ({', '.join(extras)})" if extras else ""
+    return BadRequest(400, message + suffix, "BadRequestError", parameter)
+
+
+def _invalid(loc: str, kind: str, msg: str, value: Any, **ctx: Any) -> BadRequest:
+    """A 400 as vLLM sends a request its pydantic model rejects: type "Bad Request", ``param``
+    the field's location, the error in pydantic's words. (vLLM lists the error of every branch
+    of a union-typed field such as ``prompt``; the simulator names the first.)"""
+    error = {"type": kind, "loc": loc, "msg": msg, "input": str(value)}
+    if ctx:
+        error["ctx"] = ctx
+    return BadRequest(400, f"1 validation error:\n  {error}", "Bad Request", loc)
+
+
+def _prompt_logprobs(value: Any, stream: bool) -> int | None:
+    """A request's ``prompt_logprobs`` as vLLM's request model checks it (None when absent); its
+    bound, the server's --max-logprobs, is checked later, as vLLM does."""
+    if value is None:
+        return None
+    if not isinstance(value, int | float):
+        raise _vllm_error("`prompt_logprobs` must be an integer.", "prompt_logprobs", value)
+    if stream and (value > 0 or value == -1):
+        raise _vllm_error("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    if value < 0 and value != -1:
+        raise _vllm_error("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs", value)
+    if isinstance(value, float) and not value.is_integer():
+        raise _invalid(
+            "body.prompt_logprobs",
+            "int_from_float",
+            "Input should be a valid integer, got a number with a fractional part",
+            value,
+        )
+    return int(value)
+
+
+_TRUE, _FALSE = {"1", "on", "t", "true", "y", "yes"}, {"0", "off", "f", "false", "n", "no"}
+
+
+def _lax_bool(value: Any, field: str) -> bool:
+    """A boolean field as pydantic reads JSON in lax mode (false when absent)."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    kind = "bool_parsing" if isinstance(value, str) else "bool_type"
+    raise _invalid(f"body.{field}", kind, "Input should be a valid boolean", value)
+
+
+def _token_ids(prompt: list[Any]) -> list[int]:
+    """A prompt given as token ids, checked as vLLM checks it: integers (pydantic's lax ones:
+    booleans, integral floats and integer strings pass), not negative, not empty, within the
+    vocabulary."""
+    ids = []
+    for i, token in enumerate(prompt):
+        loc = f"body.prompt.{i}"
+        if isinstance(token, float) and not token.is_integer():
+            msg = "Input should be a valid integer, got a number with a fractional part"
+            raise _invalid(loc, "int_from_float", msg, token)
+        if isinstance(token, str):
+            try:
+                token = int(token)
+            except ValueError:
+                msg = "Input should be a valid integer, unable to parse string as an integer"
+                raise _invalid(loc, "int_parsing", msg, token) from None
+        if not isinstance(token, int | float):
+            raise _invalid(loc, "int_type", "Input should be a valid integer", token)
+        if token < 0:
+            raise _invalid(
+                loc, "greater_than_equal", "Input should be greater than or equal to 0", token, ge=0
+            )
+        ids.append(int(token))
+    if not ids:
+        raise _vllm_error("The decoder prompt cannot be empty")
+    if max(ids) >= VOCAB_SIZE:
+        raise _vllm_error(f"Token id {max(ids)} is out of vocabulary")
+    return ids

@@ -2,13 +2,15 @@
 ``python manage.py simulator`` (simulator/management/commands/simulator.py) both use it.
 
     --port P [--profile NAME] [--serve NAME=PORT ...] [--model NAME] [--replicas N]
-    [--tokenizer bytes4|small-vocab]
+    [--tokenizer bytes4|small-vocab] [--max-logprobs K]
 """
 
 from __future__ import annotations
 
 import argparse
 
+from simulator.app import MAX_LOGPROBS
+from simulator.logprobs import SUPPORT
 from simulator.profiles import DEFAULT, PROFILES
 from simulator.serve import DEFAULT_MODEL, parse_serve_pair, run_forever
 from simulator.tokens import DEFAULT_TOKENIZER, TOKENIZERS
@@ -33,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_TOKENIZER,
         help=f"prompt-length rule for usage and /tokenize (simulator/tokens.py; default {DEFAULT_TOKENIZER})",
     )
+    parser.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=MAX_LOGPROBS,
+        help=f"the largest prompt_logprobs a request may ask, as vLLM's flag (default {MAX_LOGPROBS})",
+    )
 
 
 def pairs_from_args(port: int | None, profile: str | None, serve: list[str]) -> list[tuple[str, int]]:
@@ -54,7 +62,17 @@ def validated(options: dict) -> list[tuple[str, int]]:
     pairs = pairs_from_args(options["port"], options["profile"], options["serve"])
     if options["replicas"] < 1:
         raise ValueError(f"--replicas must be at least 1, got {options['replicas']}")
+    check_max_logprobs(options.get("max_logprobs", MAX_LOGPROBS))
     return pairs
+
+
+def check_max_logprobs(value: int) -> int:
+    """``--max-logprobs`` if the simulated model can give that many, else ValueError saying why."""
+    if not 0 <= value <= SUPPORT:
+        raise ValueError(
+            f"--max-logprobs {value}: must be within [0, {SUPPORT}], the tokens the simulated model generates"
+        )
+    return value
 
 
 def serve(options: dict) -> None:
@@ -66,6 +84,7 @@ def serve(options: dict) -> None:
             options["model"] or DEFAULT_MODEL,
             options["replicas"],
             options.get("tokenizer", DEFAULT_TOKENIZER),
+            options.get("max_logprobs", MAX_LOGPROBS),
         )
     except KeyboardInterrupt:
         pass

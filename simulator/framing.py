@@ -23,6 +23,10 @@ def _s(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def _ids(ids: list[int] | None) -> str:
+    return "null" if ids is None else json.dumps(ids, separators=(",", ":"))
+
+
 class Framer:
     def __init__(self, api: str, request_id: str, created: int, model: str) -> None:
         if api not in ("chat", "completions"):
@@ -34,24 +38,35 @@ class Framer:
             f'"model":{_s(model)},"choices":'
         )
 
-    def role(self) -> bytes:
+    def role(self, prompt_ids: list[int] | None = None) -> bytes:
+        """The chat's first event; ``prompt_ids`` with ``return_token_ids``."""
         return (
             self._head + '[{"index":0,"delta":{"role":"assistant","content":""},'
-            '"logprobs":null,"finish_reason":null}],"prompt_token_ids":null,"prompt_text":null}\n\n'
+            f'"logprobs":null,"finish_reason":null}}],"prompt_token_ids":{_ids(prompt_ids)},'
+            '"prompt_text":null}\n\n'
         ).encode()
 
-    def token(self, text: str, finish_reason: str | None = None) -> bytes:
+    def token(
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        token_ids: list[int] | None = None,
+        prompt_ids: list[int] | None = None,
+    ) -> bytes:
+        """One token event; with ``return_token_ids`` its ``token_ids``, and a completion's first
+        event ``prompt_ids`` (a chat sends those in its role event)."""
+        ids = _ids(token_ids)
         if self.api == "chat":
             if finish_reason is None:
-                tail = '"finish_reason":null,"token_ids":null}]}\n\n'
+                tail = f'"finish_reason":null,"token_ids":{ids}}}]}}\n\n'
             else:
-                tail = f'"finish_reason":{_s(finish_reason)},"stop_reason":null,"token_ids":null}}]}}\n\n'
+                tail = f'"finish_reason":{_s(finish_reason)},"stop_reason":null,"token_ids":{ids}}}]}}\n\n'
             body = f'[{{"index":0,"delta":{{"content":{_s(text)}}},"logprobs":null,{tail}'
         else:
             reason = "null" if finish_reason is None else _s(finish_reason)
             body = (
                 f'[{{"index":0,"text":{_s(text)},"logprobs":null,"finish_reason":{reason},'
-                '"stop_reason":null,"prompt_token_ids":null,"token_ids":null}]}\n\n'
+                f'"stop_reason":null,"prompt_token_ids":{_ids(prompt_ids)},"token_ids":{ids}}}]}}\n\n'
             )
         return (self._head + body).encode()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import random
 from collections import deque
 from collections.abc import Iterable
@@ -93,6 +94,9 @@ class Profile:
     multibyte_rate: float = 0.0  # tokens that are CJK or emoji
     # The share of requests whose answer departs from the reference answer (simulator/answers.py).
     divergence_rate: float = 0.0
+    # How much a numerical change perturbs the model's logits: the standard deviation, in nats, of
+    # the noise added to the reference's (simulator/logprobs.py; 0 for the reference itself).
+    logit_noise: float = 0.0
     faults: Faults = Faults()
     description: str = ""
     # The KV cache's size in tokens, for vllm:kv_cache_usage_perc only (blocks the running
@@ -113,6 +117,10 @@ class Profile:
             rate = getattr(self, name)
             if not 0.0 <= rate <= 1.0:
                 raise ValueError(f"Profile {self.name!r}: {name}={rate!r} must be within [0, 1]")
+        if not 0.0 <= self.logit_noise < math.inf:
+            raise ValueError(
+                f"Profile {self.name!r}: logit_noise={self.logit_noise!r} must be a finite number >= 0"
+            )
         if self.kv_cache_tokens < KV_BLOCK_TOKENS:
             raise ValueError(f"Profile {self.name!r}: kv_cache_tokens must be at least {KV_BLOCK_TOKENS}")
 

@@ -6,6 +6,9 @@
 (simulator/answers.py): ``fp16`` is the reference (``divergence_rate`` 0); ``awq`` departs from it
 on 6% of requests and ``awq-fa2`` on 8%. The three share their text rates, so a request that does
 not diverge gets the reference's text exactly. Every other profile has ``divergence_rate`` 0.
+Their log-probabilities (simulator/logprobs.py): ``fp16``'s are the model's own (``logit_noise``
+0); ``awq`` and ``awq-fa2`` perturb them by the noise whose flips keep a 16-token answer the
+reference's as often as their answers do (``logprobs.noise_for``: 0.0069 and 0.0093 nats).
 
 ``saturating`` has a known saturation point (capacity tests). ``chaos`` is a fault drill: every
 fault kind at a few percent, and each slow fault lasts longer
@@ -16,6 +19,7 @@ client's default timeouts records every server-side error class (``chaos_faults`
 from __future__ import annotations
 
 from simulator.latency import Faults, Profile
+from simulator.logprobs import noise_for
 from streaming.client import Timeouts
 
 # How far past the client's deadline a slow fault lasts: a timeout fires, never a late success.
@@ -77,6 +81,7 @@ PROFILES: dict[str, Profile] = {
             decode_ms_per_seq=0.2,
             seed=4,
             divergence_rate=0.06,
+            logit_noise=noise_for(0.06),
             description="AWQ 4-bit weights: mean TTFT ~99 ms at moderate load; "
             "6% of answers depart from fp16's",
         ),
@@ -88,6 +93,7 @@ PROFILES: dict[str, Profile] = {
             decode_ms_per_seq=0.2,
             seed=42,
             divergence_rate=0.08,
+            logit_noise=noise_for(0.08),
             description="AWQ + FlashAttention-2: mean TTFT ~63 ms at moderate load; "
             "8% of answers depart from fp16's",
         ),

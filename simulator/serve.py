@@ -15,7 +15,7 @@ import uvicorn
 
 from serving import children
 from serving.children import HOST, free_port
-from simulator.app import SimulatorApp
+from simulator.app import MAX_LOGPROBS, SimulatorApp
 from simulator.latency import Profile
 from simulator.profiles import get_profile
 from simulator.tokens import DEFAULT_TOKENIZER, check
@@ -42,10 +42,14 @@ def _bind(port: int) -> socket.socket:
 
 
 def build_server(
-    profile: str | Profile, model: str = DEFAULT_MODEL, replicas: int = 1, tokenizer: str = DEFAULT_TOKENIZER
+    profile: str | Profile,
+    model: str = DEFAULT_MODEL,
+    replicas: int = 1,
+    tokenizer: str = DEFAULT_TOKENIZER,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> uvicorn.Server:
     prof = profile if isinstance(profile, Profile) else get_profile(profile)
-    app = SimulatorApp(prof, model=model, replicas=replicas, tokenizer=tokenizer)
+    app = SimulatorApp(prof, model=model, replicas=replicas, tokenizer=tokenizer, max_logprobs=max_logprobs)
     config = uvicorn.Config(
         app,
         http="httptools",
@@ -64,6 +68,7 @@ async def serve_many(
     model: str = DEFAULT_MODEL,
     replicas: int = 1,
     tokenizer: str = DEFAULT_TOKENIZER,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> None:
     """Serve each (profile, port) on 127.0.0.1 from this one event loop until interrupted; a
     (profile, port, model) triple serves that model there instead of ``model``. ValueError
@@ -74,7 +79,8 @@ async def serve_many(
     servers = []
     try:
         for name, port, served in endpoints:
-            servers.append((build_server(name, served, replicas, tokenizer), _bind_or_say(port)))
+            server = build_server(name, served, replicas, tokenizer, max_logprobs)
+            servers.append((server, _bind_or_say(port)))
     except BaseException:
         for _, sock in servers:
             sock.close()
@@ -98,10 +104,11 @@ def run_forever(
     model: str = DEFAULT_MODEL,
     replicas: int = 1,
     tokenizer: str = DEFAULT_TOKENIZER,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> None:
     import uvloop
 
-    uvloop.run(serve_many(pairs, model, replicas, tokenizer))
+    uvloop.run(serve_many(pairs, model, replicas, tokenizer, max_logprobs))
 
 
 @dataclasses.dataclass
@@ -124,11 +131,12 @@ def start_in_thread(
     replicas: int = 1,
     tls: tuple[str, str] | None = None,
     tokenizer: str = DEFAULT_TOKENIZER,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> Handle:
     """Serve in a daemon thread with its own event loop; port 0 picks a free port.
     tls=(certfile, keyfile) serves https (HTTP/1.1) instead of plain http. tokenizer: the
-    prompt-length rule (simulator/tokens.py)."""
-    server = build_server(profile, model, replicas, tokenizer)
+    prompt-length rule (simulator/tokens.py); max_logprobs: vLLM's --max-logprobs."""
+    server = build_server(profile, model, replicas, tokenizer, max_logprobs)
     sock = _bind(port)
     real_port = sock.getsockname()[1]
     if tls is not None:
@@ -163,6 +171,7 @@ def start_subprocess(
     ready_s: float = 20.0,
     replicas: int = 1,
     tokenizer: str = DEFAULT_TOKENIZER,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> Handle:
     """Serve in a child process (its own core: what benchmarks need); ready when /health is.
     The child dies with this process, whichever thread started it (serving.children)."""
@@ -171,6 +180,7 @@ def start_subprocess(
     port = port or free_port()
     cmd = [sys.executable, "-m", "simulator", "--port", str(port), "--profile", profile]
     cmd += ["--model", model, "--replicas", str(replicas), "--tokenizer", tokenizer]
+    cmd += ["--max-logprobs", str(max_logprobs)]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     child = children.start(cmd, f"http://{HOST}:{port}", ready_s=ready_s, name="simulator", env=env)

@@ -46,8 +46,8 @@ def test_an_endpoint_the_simulator_cannot_serve_is_named(document, endpoint, why
 def test_the_command_serves_the_experiments_variants(experiment, monkeypatch, capsys):
     served = {}
 
-    def run_forever(endpoints, replicas, tokenizer):
-        served.update(endpoints=endpoints, replicas=replicas, tokenizer=tokenizer)
+    def run_forever(endpoints, replicas, tokenizer, max_logprobs):
+        served.update(endpoints=endpoints, replicas=replicas, tokenizer=tokenizer, max_logprobs=max_logprobs)
 
     monkeypatch.setattr("simulator.management.commands.simulator.run_forever", run_forever)
     call_command("simulator", "--experiment", experiment.key, "--replicas", "4")
@@ -59,6 +59,7 @@ def test_the_command_serves_the_experiments_variants(experiment, monkeypatch, ca
         ],
         "replicas": 4,
         "tokenizer": "bytes4",
+        "max_logprobs": 20,
     }
     assert "ttft-opt: variant awq -> profile awq, model tiny-llama, port 8101" in capsys.readouterr().out
 

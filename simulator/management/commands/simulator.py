@@ -11,6 +11,7 @@ from experiments.cli import Command as AbplatCommand
 from experiments.cli import experiment_named
 from experiments.services import export_document
 from simulator import cli
+from simulator.app import MAX_LOGPROBS
 from simulator.experiment import served_variants
 from simulator.serve import run_forever
 from simulator.tokens import DEFAULT_TOKENIZER
@@ -50,6 +51,7 @@ class Command(AbplatCommand):
             raise ValueError(f"--serve with --experiment {key}: the experiment's variants say where and what")
         if opts["replicas"] < 1:
             raise ValueError(f"--replicas must be at least 1, got {opts['replicas']}")
+        max_logprobs = cli.check_max_logprobs(opts.get("max_logprobs", MAX_LOGPROBS))
         experiment = experiment_named(key, option="--experiment")
         served = served_variants(export_document(experiment)["variants"])
         for s in served:
@@ -62,6 +64,7 @@ class Command(AbplatCommand):
                 [(s.profile, s.port, s.model) for s in served],
                 replicas=opts["replicas"],
                 tokenizer=opts.get("tokenizer") or DEFAULT_TOKENIZER,
+                max_logprobs=max_logprobs,
             )
         except KeyboardInterrupt:
             pass
