@@ -10,6 +10,12 @@ answers of the same request, the control's and a variant's, are paired on (run_i
 - *first divergence*: the 0-based chunk position of the first chunk that differs; where one
   answer is a prefix of the other, the position where the shorter ends.
 
+Texts: the answers themselves are kept only where the experiment's document allows it
+(``fidelity: {store_answers: true}``, samples.answer_text, at most 16 KiB each). Then the entry
+holds a few diverged pairs as examples (``examples_select``): the first ones by (run_id, seq)
+whose both texts are stored, each cut to a window around the first character where they differ.
+Otherwise ``examples`` is empty and ``examples_note`` says the experiment stores no answers.
+
 Pairs are counted in three kinds: compared (both answered and both fingerprinted), failed (either
 side did not answer: no answer, nothing to compare; the latency report counts these), and
 unrecorded (both answered, a fingerprint missing: samples written before fingerprints were kept,
@@ -32,6 +38,7 @@ import numpy as np
 
 from analysis.sql import from_where
 from analysis.units import UNITS
+from fidelity.fingerprints import output_fp
 from stats.clustered import ArmMoments, clustered_mean
 
 COMPARED, FAILED, UNRECORDED = "compared", "failed", "unrecorded"
@@ -53,6 +60,27 @@ _KEY_SQL = (
 )
 
 
+# Examples of diverged answers (stored texts only): how many per variant, and how many characters
+# of each text around the first differing one (before it, and from it on).
+MAX_EXAMPLES = 3
+EXAMPLE_CONTEXT_CHARS = 160
+NOT_STORED = (
+    "the experiment does not store answers (its document's fidelity.store_answers is false): "
+    "only their fingerprints, enough for identical or not and where answers part"
+)
+
+
+def _divergence_sql(c_fps: str, v_fps: str) -> str:
+    """SQL: the 0-based position of the first token chunk where two fingerprint arrays differ;
+    where one is a prefix of the other, where the shorter ends; -1 where they are equal."""
+    common = f"least(length({c_fps}), length({v_fps}))"
+    first = (
+        f"arrayFirstIndex((a, b) -> a != b, arraySlice({c_fps}, 1, {common}), "
+        f"arraySlice({v_fps}, 1, {common}))"
+    )
+    return f"if({first} > 0, toInt64({first}) - 1, if(length({c_fps}) != length({v_fps}), toInt64({common}), -1))"
+
+
 def _pairs_sql(f: Any, unit: str) -> tuple[str, dict[str, Any]]:
     """One row per (run_id, seq) pair of the control and the variant, with its kind, whether the
     answers are identical, the first divergence (-1 where there is none) and the cluster key."""
@@ -68,18 +96,11 @@ def _pairs_sql(f: Any, unit: str) -> tuple[str, dict[str, Any]]:
         if unit == "user"
         else "cityHash64(run_id, seq)"
     )
-    # the first index where the common prefix differs, else where the shorter answer ends
-    common = "least(length(c_fps), length(v_fps))"
-    first = (
-        f"arrayFirstIndex((a, b) -> a != b, arraySlice(c_fps, 1, {common}), arraySlice(v_fps, 1, {common}))"
-    )
     sql = f"""
         SELECT {key} AS cluster,
                multiIf(NOT (c_ok AND v_ok), '{FAILED}', c_fp = 0 OR v_fp = 0, '{UNRECORDED}', '{COMPARED}') AS kind,
                toUInt8(kind = '{COMPARED}' AND c_fp = v_fp) AS identical,
-               if(kind != '{COMPARED}' OR identical, -1,
-                  if({first} > 0, toInt64({first}) - 1,
-                     if(length(c_fps) != length(v_fps), toInt64({common}), -1))) AS position,
+               if(kind != '{COMPARED}' OR identical, -1, {_divergence_sql("c_fps", "v_fps")}) AS position,
                toUInt8(length(c_fps) = c_tokens AND length(v_fps) = v_tokens) AS token_chunks
         FROM ({side.format(p="c", fw=fw)}) AS c
         ALL INNER JOIN ({side.format(p="v", fw=fw)}) AS v
@@ -105,6 +126,97 @@ def pairs_select(f: Any, unit: str, control: str, variant: str) -> tuple[str, di
               FROM ({pairs}) GROUP BY cluster)
     """
     return sql, {**params, "c_variant": control, "v_variant": variant}
+
+
+def examples_select(f: Any, control: str, variant: str) -> tuple[str, dict[str, Any]]:
+    """Up to MAX_EXAMPLES diverged pairs whose both answers have their text stored, the first
+    by (run_id, seq): one row each of (run_id, seq, first divergence position, control's text,
+    variant's text, control's output_fp, variant's output_fp), in that order.
+
+    The pairs are picked on fingerprints and a stored-or-not flag (no text is held while the
+    pairs are joined); only the picked requests' texts are then read. A request recorded twice
+    (a run still writing) counts once, its latest recording."""
+    fw, params = from_where(f, ["mode = 'mirror'", "outcome = 'ok'", "output_fp != 0"])
+    side = (
+        "SELECT run_id, seq, output_fp AS {p}_fp, answer_text != '' AS {p}_kept "
+        "{fw} AND variant = %({p}_variant)s"
+    )
+    pick = f"""
+        SELECT DISTINCT run_id, seq
+        FROM ({side.format(p="c", fw=fw)}) AS c
+        ALL INNER JOIN ({side.format(p="v", fw=fw)}) AS v
+        USING (run_id, seq)
+        WHERE c_fp != v_fp AND c_kept AND v_kept
+        ORDER BY run_id, seq
+        LIMIT {MAX_EXAMPLES}
+    """
+
+    def latest(column: str, p: str) -> str:
+        return f"argMaxIf({column}, recorded_ms, variant = %({p}_variant)s)"
+
+    sql = f"""
+        SELECT run_id, seq, {_divergence_sql("c_fps", "v_fps")} AS position, c_text, v_text, c_fp, v_fp
+        FROM (SELECT run_id, seq,
+                     {latest("token_fps", "c")} AS c_fps, {latest("token_fps", "v")} AS v_fps,
+                     {latest("answer_text", "c")} AS c_text, {latest("answer_text", "v")} AS v_text,
+                     {latest("output_fp", "c")} AS c_fp, {latest("output_fp", "v")} AS v_fp
+              {fw} AND variant IN (%(c_variant)s, %(v_variant)s) AND (run_id, seq) IN ({pick})
+              GROUP BY run_id, seq)
+        ORDER BY run_id, seq
+    """
+    return sql, {**params, "c_variant": control, "v_variant": variant}
+
+
+def _answer_window(text: str, fp: int, start: int, end: int) -> dict[str, Any]:
+    return {
+        "text": text[start:end],
+        "chars": len(text),
+        # the stored text is not the whole answer the fingerprint was taken of: cut at the cap
+        # (streaming.result.ANSWER_TEXT_MAX_BYTES)
+        "capped": output_fp([text]) != int(fp),
+    }
+
+
+def example_of(row: Sequence[Any]) -> dict[str, Any]:
+    """One of examples_select's rows as a report example: where the texts part (the token chunk
+    ``position``, as first_divergence counts it, and the character ``char``), and both texts
+    cut to the same window, ``start`` to ``start`` + up to 2 * EXAMPLE_CONTEXT_CHARS characters
+    around ``char``."""
+    run_id, seq, position, c_text, v_text, c_fp, v_fp = row
+    char = next((i for i, (a, b) in enumerate(zip(c_text, v_text)) if a != b), min(len(c_text), len(v_text)))
+    start = max(0, char - EXAMPLE_CONTEXT_CHARS)
+    end = char + EXAMPLE_CONTEXT_CHARS
+    return {
+        "run_id": int(run_id),
+        "seq": int(seq),
+        "position": int(position) if int(position) >= 0 else None,
+        "char": char,
+        "start": start,
+        "control": _answer_window(c_text, c_fp, start, end),
+        "variant": _answer_window(v_text, v_fp, start, end),
+    }
+
+
+def with_examples(
+    entry: dict[str, Any] | None, store_answers: bool, rows: Sequence[Sequence[Any]] | None
+) -> dict[str, Any] | None:
+    """``entry`` (fidelity_entry's) with the switch's state and the examples of examples_select's
+    ``rows`` (None: not asked, the switch being off)."""
+    if entry is None:
+        return None
+    examples = [example_of(r) for r in rows or ()] if store_answers else []
+    if not store_answers:
+        note = NOT_STORED
+    elif examples:
+        note = (
+            f"the first {len(examples)} diverged pair(s) by run and seq whose both answers are stored, "
+            f"each cut to {EXAMPLE_CONTEXT_CHARS} characters before and from the first that differs"
+        )
+    elif entry["diverged"]:
+        note = "no diverged pair has both answers stored (recorded while the experiment stored none)"
+    else:
+        note = "no diverged pair"
+    return {**entry, "store_answers": bool(store_answers), "examples": examples, "examples_note": note}
 
 
 def kinds_of(keys: Sequence[int], counts: Sequence[int]) -> list[tuple[str, int, int, int]]:

@@ -1,5 +1,6 @@
 """The experiment as the SLA report reads it: its variants, SLO and target, the weights in force
-per config revision, and how its statistics are asked for (the unit, regression adjustment).
+per config revision, how its statistics are asked for (the unit, regression adjustment), and
+whether its answers' texts are stored.
 
 Plain values built by the caller (dashboards.reports from the models, tests and benches by hand)
 and given to analysis.report.build_report, which needs no Django.
@@ -37,6 +38,9 @@ class ExperimentInfo:
     # adjustment on pre-request covariates (analysis.units); off: request-level statistics only
     cluster_by_user: bool = True
     adjust: bool = True
+    # the document's fidelity.store_answers: mirror replays keep answers' texts, and the report
+    # shows a few diverged ones (analysis.answer_fidelity); off: fingerprints only
+    store_answers: bool = False
 
     @property
     def unit(self) -> str:

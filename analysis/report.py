@@ -183,7 +183,9 @@ def build_report(
     if control in present:
         for v in mirror_with:
             jobs[f"pairs_{v}"] = lambda v=v: reader.mirror_pairs(filters, exp.slo, control, v)
-            jobs[f"fidelity_{v}"] = lambda v=v: reader.fidelity_pairs(filters, exp.unit, control, v)
+            jobs[f"fidelity_{v}"] = lambda v=v: reader.fidelity_pairs(
+                filters, exp.unit, control, v, examples=exp.store_answers
+            )
     got = run_queries(par, jobs)
     order_stats: dict[tuple[str, str], dict[int, float]] = {}
     for name, value in got.items():
@@ -192,7 +194,11 @@ def build_report(
     cdf = cdf_points(hist)
     pairs = {k[len("pairs_") :]: p for k, p in got.items() if k.startswith("pairs_")}
     fidelity = {
-        k[len("fidelity_") :]: answer_fidelity.fidelity_entry(p["moments"], p["kinds"], control, DEFAULT_CONF)
+        k[len("fidelity_") :]: answer_fidelity.with_examples(
+            answer_fidelity.fidelity_entry(p["moments"], p["kinds"], control, DEFAULT_CONF),
+            exp.store_answers,
+            p.get("examples"),
+        )
         for k, p in got.items()
         if k.startswith("fidelity_")
     }

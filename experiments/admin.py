@@ -51,7 +51,7 @@ def variant_document(row: dict) -> dict:
 def document_from_admin(experiment: Experiment, variant_rows: list[dict]) -> dict:
     """The document the change form describes. The admin has no field for the rollout plan:
     the stored plan goes with the document unchanged (a document without it would remove it).
-    The analysis block comes from the form's Analysis fields."""
+    The analysis and fidelity blocks come from the form's Analysis and Answers fields."""
     doc = {
         "key": experiment.key,
         "name": experiment.name,
@@ -63,8 +63,9 @@ def document_from_admin(experiment: Experiment, variant_rows: list[dict]) -> dic
         doc["team"] = experiment.team.name
     if experiment.rollout:
         doc["rollout"] = experiment.rollout
-    # the form's Analysis checkboxes, as the document's analysis block
+    # the form's Analysis and Answers checkboxes, as the document's analysis and fidelity blocks
     doc["analysis"] = experiment.analysis()
+    doc["fidelity"] = experiment.fidelity()
     return doc
 
 
@@ -218,6 +219,7 @@ class ExperimentAdmin(WeightsAdminMixin, admin.ModelAdmin):
         (None, {"fields": ("key", "name", "team", "hypothesis", "status", "owner", "dashboard")}),
         ("SLA", {"fields": ("sla_ttft_ms", "sla_tpot_ms", "sla_e2e_ms", "sla_target")}),
         ("Analysis", {"fields": ("analysis_cluster_by_user", "analysis_adjust")}),
+        ("Answers", {"fields": ("fidelity_store_answers",)}),
         ("Assignment", {"fields": ("salt", "hash_version", "weights_link")}),
         ("Timeline", {"fields": ("created_at", "updated_at", "started_at", "concluded_at")}),
     )
@@ -256,6 +258,7 @@ class ExperimentAdmin(WeightsAdminMixin, admin.ModelAdmin):
                 "sla_target",
                 "analysis_cluster_by_user",
                 "analysis_adjust",
+                "fidelity_store_answers",
             ]
         return fields
 

@@ -40,7 +40,7 @@ WEIGHT_TOTAL = 100  # weights are integer percentages
 MAX_VARIANTS = 26
 MAX_SLO_MS = 3_600_000.0
 
-TOP_FIELDS = {"key", "name", "team", "hypothesis", "sla", "variants", "rollout", "analysis"}
+TOP_FIELDS = {"key", "name", "team", "hypothesis", "sla", "variants", "rollout", "analysis", "fidelity"}
 SLA_FIELDS = {"ttft_ms", "tpot_ms", "e2e_ms", "target"}
 VARIANT_FIELDS = {
     "key",
@@ -59,6 +59,11 @@ AUTH_FIELDS = {"secret"}
 # How the report analyses the experiment (analysis.units): users as the independent unit, and
 # regression adjustment on pre-request covariates. Both on unless a document turns them off.
 ANALYSIS_FIELDS = {"cluster_by_user": True, "adjust": True}
+# What a mirror replay keeps of the variants' answers (analysis.answer_fidelity): fingerprints
+# always (enough for "identical" and where answers part); the texts themselves only where the
+# document allows it, store_answers: true. Off unless a document turns it on: answers are what
+# users' prompts made the model say, and the sample store is read by every analyst.
+FIDELITY_FIELDS = {"store_answers": False}
 COST_FIELDS = {"per_hour", "currency"}
 CURRENCY_RE = re.compile(r"^[A-Z]{3}$")  # ISO 4217 codes: USD, EUR, JPY
 MAX_COST_PER_HOUR = 1_000_000.0
@@ -296,21 +301,33 @@ def _validate_cost(c: _Collector, raw: Any, path: str) -> dict | None:
     return {"per_hour": float(per_hour), "currency": currency}
 
 
-def _validate_analysis(c: _Collector, raw: Any) -> dict[str, Any]:
-    """``analysis: {cluster_by_user: true, adjust: true}``; a field left out keeps its default."""
+def _validate_switches(c: _Collector, raw: Any, block: str, fields: dict[str, bool]) -> dict[str, Any]:
+    """A block of true/false switches (``analysis``, ``fidelity``); a field left out keeps its
+    default."""
     if raw is None:
-        return dict(ANALYSIS_FIELDS)
+        return dict(fields)
     if not isinstance(raw, dict):
-        c.add("analysis", "must be a mapping: {cluster_by_user: true, adjust: true}")
-        return dict(ANALYSIS_FIELDS)
-    _unknown(c, raw, set(ANALYSIS_FIELDS), "analysis")
+        shape = ", ".join(f"{name}: {str(default).lower()}" for name, default in fields.items())
+        c.add(block, f"must be a mapping: {{{shape}}}")
+        return dict(fields)
+    _unknown(c, raw, set(fields), block)
     out: dict[str, Any] = {}
-    for field, default in ANALYSIS_FIELDS.items():
+    for field, default in fields.items():
         value = raw.get(field, default)
         if not isinstance(value, bool):
-            c.add(f"analysis.{field}", "must be true or false")
+            c.add(f"{block}.{field}", "must be true or false")
         out[field] = value
     return out
+
+
+def _validate_analysis(c: _Collector, raw: Any) -> dict[str, Any]:
+    """``analysis: {cluster_by_user: true, adjust: true}``."""
+    return _validate_switches(c, raw, "analysis", ANALYSIS_FIELDS)
+
+
+def _validate_fidelity(c: _Collector, raw: Any) -> dict[str, Any]:
+    """``fidelity: {store_answers: false}``: whether mirror replays keep each answer's text."""
+    return _validate_switches(c, raw, "fidelity", FIDELITY_FIELDS)
 
 
 def _validate_variant(
@@ -386,6 +403,7 @@ def validate_document(raw: Any, *, allow: Allowlist | None = None, resolve: Reso
     if raw.get("rollout") is not None:
         doc["rollout"] = _validate_rollout(c, raw["rollout"], doc, allow, resolve)
     doc["analysis"] = _validate_analysis(c, raw.get("analysis"))
+    doc["fidelity"] = _validate_fidelity(c, raw.get("fidelity"))
     if c.errors:
         raise DocumentError(c.errors)
     return doc

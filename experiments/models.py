@@ -87,6 +87,16 @@ class Experiment(models.Model):
         default=True,
         help_text="differences adjusted on prompt_tokens and max_tokens (regression; means only, not p99)",
     )
+    # The document's ``fidelity:`` block: whether mirror replays store each answer's text beside
+    # its fingerprints (samples.answer_text). A privacy setting: off by default; it changes no
+    # traffic and no measurement, so it may change at any status but concluded, audited with the
+    # rest of the document, and takes effect at the next shard a replay starts.
+    fidelity_store_answers = models.BooleanField(
+        "fidelity: store answer texts",
+        default=False,
+        help_text="mirror replays keep each successful answer's text (up to 16 KiB) for the report's "
+        "examples; off: fingerprints only (identical or not, where answers part)",
+    )
     concluded_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
@@ -119,6 +129,10 @@ class Experiment(models.Model):
     def analysis(self) -> dict[str, bool]:
         """The document's ``analysis`` block."""
         return {"cluster_by_user": self.analysis_cluster_by_user, "adjust": self.analysis_adjust}
+
+    def fidelity(self) -> dict[str, bool]:
+        """The document's ``fidelity`` block."""
+        return {"store_answers": self.fidelity_store_answers}
 
 
 class Variant(models.Model):

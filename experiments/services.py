@@ -159,6 +159,7 @@ def export_document(experiment: Experiment) -> dict:
     if experiment.rollout:
         doc["rollout"] = experiment.rollout
     doc["analysis"] = experiment.analysis()
+    doc["fidelity"] = experiment.fidelity()
     return doc
 
 
@@ -258,10 +259,11 @@ def diff_documents(before: dict | None, after: dict) -> list[str]:
     for field in sorted(set(before["sla"]) | set(after["sla"])):
         if before["sla"].get(field) != after["sla"].get(field):
             changes.append(f"sla.{field}: {before['sla'].get(field)} -> {after['sla'].get(field)}")
-    was, now = before.get("analysis") or {}, after.get("analysis") or {}
-    for field in sorted(set(was) | set(now)):
-        if was.get(field) != now.get(field):
-            changes.append(f"analysis.{field}: {was.get(field)} -> {now.get(field)}")
+    for block in ("analysis", "fidelity"):
+        was, now = before.get(block) or {}, after.get(block) or {}
+        for field in sorted(set(was) | set(now)):
+            if was.get(field) != now.get(field):
+                changes.append(f"{block}.{field}: {was.get(field)} -> {now.get(field)}")
     if before.get("rollout") != after.get("rollout"):
         # Webhook URLs are shown redacted: this line reaches the API's answer and the admin.
         was, now = redact_rollout(before.get("rollout")), redact_rollout(after.get("rollout"))
@@ -555,6 +557,7 @@ def apply_document(raw, actor=None, reason: str = "") -> ApplyResult:
         experiment.rollout = doc.get("rollout")
         experiment.analysis_cluster_by_user = doc["analysis"]["cluster_by_user"]
         experiment.analysis_adjust = doc["analysis"]["adjust"]
+        experiment.fidelity_store_answers = doc["fidelity"]["store_answers"]
         experiment.save()
         _write_variants(experiment, doc)
         audit.record(

@@ -108,6 +108,10 @@ COLUMNS: tuple[Column, ...] = (
     # mirror replay's successful requests; 0 and [] elsewhere.
     _c("output_fp", "UInt64", "u64"),
     _c("token_fps", "Array(UInt32)", "au32"),
+    # What the answer said, as text (schema migration 9): only a mirror replay's successful
+    # answers, and only where the experiment's document allows it (fidelity.store_answers), at
+    # most streaming.result.ANSWER_TEXT_MAX_BYTES of UTF-8, cut at a character; "" elsewhere.
+    _c("answer_text", "String", "str"),
     # --- bookkeeping: ReplacingMergeTree version; the latest recording of a request wins
     _c("recorded_ms", "UInt64", "u64"),
 )
@@ -118,7 +122,13 @@ BY_NAME: dict[str, Column] = {c.name: c for c in COLUMNS}
 # row written before them holds there: an older spool file's rows are read with these. (A live
 # row written before gateway_ms held the gateway's time in schedule_lag_ms: the report reads it
 # as the gateway's, analysis.definitions.PHASE_COLUMNS.)
-ADDED_DEFAULTS: dict[str, Any] = {"itl_gaps_us": (), "gateway_ms": 0.0, "output_fp": 0, "token_fps": ()}
+ADDED_DEFAULTS: dict[str, Any] = {
+    "itl_gaps_us": (),
+    "gateway_ms": 0.0,
+    "output_fp": 0,
+    "token_fps": (),
+    "answer_text": "",
+}
 
 _INT_RANGES = {
     "u8": (0, 2**8 - 1),

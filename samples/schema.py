@@ -401,6 +401,15 @@ ADD_ROLLUP_GATEWAY = f"ALTER TABLE {ROLLUP_CELLS_TABLE} ADD COLUMN s_gateway Flo
 ADD_OUTPUT_FP = f"ALTER TABLE {SAMPLES_TABLE} ADD COLUMN output_fp UInt64 AFTER server_first_content_ns"
 ADD_TOKEN_FPS = f"ALTER TABLE {SAMPLES_TABLE} ADD COLUMN token_fps Array(UInt32) AFTER output_fp"
 
+# ---- answer texts: where the experiment's document allows them ---------------------------
+# Who writes: a mirror replay of an experiment with fidelity.store_answers on (streaming.timing's
+# keep_text, through samples.rows.row_from); who reads: the SLA report's fidelity examples
+# (analysis.answer_fidelity examples_select), a few diverged pairs' texts around where they part.
+# - samples.answer_text String: the successful answer's text, at most 16 KiB of UTF-8 cut at a
+#   character (streaming.result.capped_answer); "" where none is kept (the switch off, split and
+#   live samples, failed requests, rows recorded before the column).
+ADD_ANSWER_TEXT = f"ALTER TABLE {SAMPLES_TABLE} ADD COLUMN answer_text String AFTER token_fps"
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "create samples", (CREATE_SAMPLES_TABLE,)),
     Migration(
@@ -425,6 +434,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(6, "per-unit moments", (CREATE_ROLLUP_MOMENTS,)),
     Migration(7, "gateway time", (ADD_GATEWAY_MS, ADD_ROLLUP_GATEWAY)),
     Migration(8, "answer fingerprints", (ADD_OUTPUT_FP, ADD_TOKEN_FPS)),
+    Migration(9, "answer texts", (ADD_ANSWER_TEXT,)),
 )
 
 

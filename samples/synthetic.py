@@ -25,7 +25,11 @@ with probability ``VariantSpec.divergence_rate``, where it parts at a position d
 over the answer and continues with other tokens. ``output_fp`` and ``token_fps`` are filled as
 the replay fills them (fidelity.fingerprints), and ``Synthetic.diverged_at`` keeps the truth: the
 0-based position per row, -1 where the answer is the reference's or failed. From a stream of
-its own, as the gaps.
+its own, as the gaps. ``answer_texts=True`` also stores each answered row's text, as a mirror
+replay of an experiment that allows it does (``answer_text``): each token written as its
+fingerprint's 8 hex digits and a middle dot (two bytes of UTF-8), so two texts part at the
+first differing hex digit of the first differing token (``answer_text_of``), and ``output_fp``
+is the text's fingerprint, as the replay takes it (fidelity.fingerprints).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from fidelity import fingerprints
 from samples import columns as colmod
 
 DEFAULT_START_MS = 1_732_900_000_000.0  # 2024-11-29, well inside one monthly partition
@@ -88,6 +93,7 @@ class SyntheticSpec:
     no_user_share: float = 0.0
     max_tokens: Sequence[int] = (256,)  # requested output tokens, drawn per request when several
     answers: bool = False  # mirror mode: fingerprinted answers, some diverging (module docstring)
+    answer_texts: bool = False  # with answers: each answer's text too (module docstring)
 
 
 def demo_variants() -> list[VariantSpec]:
@@ -153,6 +159,8 @@ def _check(spec: SyntheticSpec) -> None:
             )
     if spec.answers and spec.mode != "mirror":
         raise ValueError("SyntheticSpec.answers needs mode 'mirror' (answers are compared per request)")
+    if spec.answer_texts and not spec.answers:
+        raise ValueError("SyntheticSpec.answer_texts needs answers=True (a text is its answer's tokens)")
 
 
 def generate(spec: SyntheticSpec) -> Synthetic:
@@ -296,11 +304,18 @@ def generate(spec: SyntheticSpec) -> Synthetic:
         "server_first_content_ns": np.full(n, np.nan),
         "output_fp": np.zeros(n, dtype=np.uint64),  # filled below with answers=True
         "token_fps": _per_row([np.zeros(0, dtype=np.uint32)] * n),
+        "answer_text": np.full(n, "", dtype=object),  # filled below with answer_texts=True
         "recorded_ms": (sent_ms + 10_000).astype(np.uint64),
     }
     diverged_at = np.full(n, -1, dtype=np.int64)
     if spec.answers:
         cols["output_fp"], cols["token_fps"], diverged_at = _answers(spec, arm, req, out_tokens, error)
+    if spec.answer_texts:  # the texts, and output_fp as the replay takes it: of the text
+        texts = [answer_text_of(t) if fp else "" for t, fp in zip(cols["token_fps"], cols["output_fp"])]
+        cols["answer_text"] = np.array(texts, dtype=object)
+        cols["output_fp"] = np.array(
+            [fingerprints.output_fp([t]) if t else 0 for t in texts], dtype=np.uint64
+        )
     is_dup = np.zeros(n, dtype=bool)
 
     # 4. older recordings of some requests with wrong values: a correct read never sees them
@@ -349,6 +364,11 @@ def _answers(
             int.from_bytes(hashlib.blake2b(tokens.tobytes(), digest_size=8).digest(), "little") or 1
         )
     return output_fp, _per_row(fps), diverged_at
+
+
+def answer_text_of(tokens: Sequence[int]) -> str:
+    """The synthetic text of an answer's tokens: each fingerprint's 8 hex digits and "·"."""
+    return "".join(f"{int(t):08x}\u00b7" for t in tokens)
 
 
 def _gaps(

@@ -83,6 +83,7 @@ class VariantClient:
         verify: bool | str = True,
         allow: Allowlist | None = None,
         fingerprint: bool = False,
+        keep_text: bool = False,
     ) -> None:
         """transport: "auto" streams HTTP/1.1 variants, plain or TLS, on the lean asyncio core
         (h1.py, as the gateway does) and HTTP/2 variants on httpx; "httpx" forces httpx (the
@@ -98,7 +99,9 @@ class VariantClient:
         resolution (None: no egress policy, for benchmarks and tests of the client itself).
         headers: sent with every request (the variant's Authorization); never logged.
         fingerprint: each answer's fingerprints go into its StreamResult (output_fp, token_fps:
-        fidelity/fingerprints.py), for a mirror replay that compares the variants' answers."""
+        fidelity/fingerprints.py), for a mirror replay that compares the variants' answers.
+        keep_text (with fingerprint): each answer's text too, capped (StreamResult.answer_text),
+        for an experiment whose document allows storing answers (fidelity.store_answers)."""
         ep = Endpoint.parse(endpoint)
         if api not in APIS:
             raise ValueError(f"api {api!r}: must be one of {sorted(APIS)}")
@@ -108,11 +111,16 @@ class VariantClient:
             raise ValueError(f"transport {transport!r}: must be one of {TRANSPORTS}")
         if transport == "h1" and http2:
             raise ValueError("transport 'h1': only for HTTP/1.1 variants (http2 is set)")
+        if keep_text and not fingerprint:
+            raise ValueError(
+                "keep_text: answers' texts are kept only with their fingerprints (fingerprint=True)"
+            )
         self.endpoint = endpoint.rstrip("/")
         self.model = model
         self.api = api
         self.http2 = http2
         self.fingerprint = fingerprint
+        self.keep_text = keep_text
         self.timeouts = timeouts or Timeouts()
         self._path = APIS[api]
         self.transport = "h1" if not http2 and transport != "httpx" else "httpx"
@@ -241,7 +249,7 @@ class VariantClient:
         request = request_bytes(ep.host_header, ep.base_path + self._path, headers, content)
         loop = asyncio.get_running_loop()
         t = self.timeouts
-        timer = StreamTimer(0, result, fingerprint=self.fingerprint)
+        timer = StreamTimer(0, result, fingerprint=self.fingerprint, keep_text=self.keep_text)
         conn = self._pool.take(loop)
         if conn is None:
             # A new connection waits its turn in a start burst (pacing.py), before its clock
@@ -306,7 +314,7 @@ class VariantClient:
             "POST", self._path, content=content, headers=req_headers, extensions={"trace": trace}
         )
         loop = asyncio.get_running_loop()
-        timer = StreamTimer(0, result, fingerprint=self.fingerprint)
+        timer = StreamTimer(0, result, fingerprint=self.fingerprint, keep_text=self.keep_text)
         reader = ResponseReader(timer, self.timeouts)
         resp: httpx.Response | None = None
         # The clock starts here, just before httpx acquires a connection and writes.

@@ -12,6 +12,23 @@ import asyncio
 import dataclasses
 from enum import StrEnum
 
+# The most of an answer's text a sample keeps (StreamResult.answer_text): 16 KiB of UTF-8, cut
+# at the last whole character within it. Thousands of tokens of prose, far more than the report
+# shows (a few hundred characters around the first divergence), and a bound on what one answer
+# adds to a row.
+ANSWER_TEXT_MAX_BYTES = 16 * 1024
+
+
+def capped_answer(text: str, max_bytes: int | None = None) -> str:
+    """``text`` as a sample keeps it: whole when its UTF-8 takes at most ``max_bytes``
+    (ANSWER_TEXT_MAX_BYTES), else its longest prefix of whole characters that does. A lone
+    surrogate (JSON can escape one; it is no character and UTF-8 cannot hold it) becomes "?"."""
+    limit = ANSWER_TEXT_MAX_BYTES if max_bytes is None else max_bytes
+    if text.isascii():  # a byte a character: nothing to encode
+        return text[:limit]
+    # cut at the byte limit; "ignore" drops only the bytes of a last character cut in two
+    return text.encode("utf-8", "replace")[:limit].decode("utf-8", "ignore")
+
 
 class Outcome(StrEnum):
     """How a request ended. Every value but OK counts as a miss against the SLA, except
@@ -70,6 +87,9 @@ class StreamResult:
     # to fingerprint (a mirror replay); otherwise 0 and []
     output_fp: int = 0  # 64-bit fingerprint of the whole answer's text; 0: not fingerprinted
     token_fps: list[int] = dataclasses.field(default_factory=list)  # one 32-bit one per token chunk
+    # the answer's text, capped (capped_answer): only when the client was asked to keep it (a
+    # mirror replay of an experiment whose document allows it, fidelity.store_answers); else ""
+    answer_text: str = ""
     # correlation
     request_id: str = ""  # X-Request-Id sent
     traceparent: str = ""  # W3C traceparent sent

@@ -37,7 +37,7 @@ from typing import Any
 
 from fidelity.fingerprints import output_fp, token_fp
 from stats.quantiles import nearest_rank
-from streaming.result import Outcome, StreamResult
+from streaming.result import Outcome, StreamResult, capped_answer
 from streaming.sse import DONE
 
 _NS_PER_MS = 1_000_000.0
@@ -116,10 +116,19 @@ class StreamTimer:
     ENGINE_ERROR = 2
 
     def __init__(
-        self, start_ns: int, result: StreamResult | None = None, *, fingerprint: bool = False
+        self,
+        start_ns: int,
+        result: StreamResult | None = None,
+        *,
+        fingerprint: bool = False,
+        keep_text: bool = False,
     ) -> None:
         """``fingerprint``: keep each token chunk's text for the answer's fingerprints
-        (fidelity/fingerprints.py), what a mirror replay compares between variants."""
+        (fidelity/fingerprints.py), what a mirror replay compares between variants.
+        ``keep_text`` (with ``fingerprint``): a whole answer's text, those chunks joined and
+        capped (streaming.result.capped_answer), goes into the result's ``answer_text`` too."""
+        if keep_text and not fingerprint:
+            raise ValueError("keep_text: the text is joined from the chunks fingerprint keeps; set both")
         self.start_ns = start_ns
         self.r = result if result is not None else StreamResult()
         self.r.start_ns = start_ns
@@ -131,6 +140,7 @@ class StreamTimer:
         self._template: _Template | None = None
         self._learn = True
         self._texts: list[str] | None = [] if fingerprint else None
+        self._keep_text = keep_text
 
     def _ms(self, t_ns: int) -> float:
         return (t_ns - self.start_ns) / _NS_PER_MS
@@ -261,6 +271,8 @@ class StreamTimer:
         if texts is not None and outcome is Outcome.OK:  # only a whole answer is compared
             r.token_fps = [token_fp(t) for t in texts]
             r.output_fp = output_fp(texts)
+            if self._keep_text:
+                r.answer_text = capped_answer("".join(texts))
         if not r.usage_reported:
             r.output_tokens = len(times)
         if len(times) >= 2:

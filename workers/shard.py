@@ -232,9 +232,15 @@ def execute_shard(
 
     async def main() -> ShardStats:
         verify = settings.VARIANT_CA_BUNDLE or True  # True: the system trust store
-        # A mirror run sends every request to every variant: their answers are compared (fidelity).
+        # A mirror run sends every request to every variant: their answers are compared (fidelity),
+        # by fingerprints; by their texts too where the experiment's document allows storing them
+        # (fidelity.store_answers, read as this shard starts: a change takes effect at the next).
         fingerprint = run.mode == MIRROR
-        clients = {v.key: client_for(v, verify=verify, fingerprint=fingerprint) for v in variants}
+        keep_text = fingerprint and experiment.fidelity_store_answers
+        clients = {
+            v.key: client_for(v, verify=verify, fingerprint=fingerprint, keep_text=keep_text)
+            for v in variants
+        }
         # Synthetic prompts of the trace's length on each variant's tokenizer, planned once per
         # run before its schedule started (plan_run_prompts): no /tokenize call on the send path.
         clients = wrap_streamers(

@@ -57,10 +57,15 @@ def variant_headers(variant: Variant, secrets_dir: str | None = None) -> dict[st
 
 
 def client_for(
-    variant: Variant, *, verify: bool | str | None = None, fingerprint: bool = False
+    variant: Variant,
+    *,
+    verify: bool | str | None = None,
+    fingerprint: bool = False,
+    keep_text: bool = False,
 ) -> VariantClient:
     """The streaming client of one variant (SecretError when its secret is not configured);
-    ``fingerprint``: its answers' fingerprints are recorded (a mirror replay's, for fidelity)."""
+    ``fingerprint``: its answers' fingerprints are recorded (a mirror replay's, for fidelity);
+    ``keep_text``: their texts too (the experiment's fidelity.store_answers)."""
     return VariantClient(
         variant.endpoint,
         variant.model,
@@ -70,6 +75,7 @@ def client_for(
         allow=allowlist(),
         headers=variant_headers(variant),
         fingerprint=fingerprint,
+        keep_text=keep_text,
     )
 
 

@@ -18,6 +18,7 @@ Result shapes (what the report reads):
 - p99 over time: {variant: [(bucket start unix s, n, p99)]};
 - mirror pairs: {"cells": {both_hit, control_only, variant_only, both_miss}, "diff_values",
   "diff_counts"};
+- fidelity pairs: {"moments", "kinds"} (analysis.answer_fidelity), "examples" when asked;
 - failures: {variant: {outcome: {"n", "http_status", "example"}}} of the requests not 'ok';
 - setup errors: {variant: {http status: {"n", "example"}}} of the setup errors
   (definitions.SETUP_ERROR), which every other query leaves out (analysis.sql.JUDGED);
@@ -75,8 +76,11 @@ class SampleReader(Protocol):
 
     def mirror_pairs(self, f: Filters, slo: Slo, control: str, variant: str) -> dict[str, Any]: ...
 
-    def fidelity_pairs(self, f: Filters, unit: str, control: str, variant: str) -> dict[str, Any]:
-        """{"moments": row or None, "kinds": rows} of analysis.answer_fidelity's two selects."""
+    def fidelity_pairs(
+        self, f: Filters, unit: str, control: str, variant: str, *, examples: bool = False
+    ) -> dict[str, Any]:
+        """{"moments": row or None, "kinds": rows} of analysis.answer_fidelity's pairs_select,
+        and with ``examples`` "examples": the rows of its examples_select."""
         ...
 
     def failures(self, f: Filters) -> dict[str, dict[str, dict[str, Any]]]: ...

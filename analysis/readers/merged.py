@@ -219,9 +219,11 @@ class MergedReader:
         """From the samples: pairs are per request, a rollup keeps none."""
         return self.raw.mirror_pairs(f, slo, control, variant)
 
-    def fidelity_pairs(self, f: Filters, unit: str, control: str, variant: str) -> dict[str, Any]:
+    def fidelity_pairs(
+        self, f: Filters, unit: str, control: str, variant: str, *, examples: bool = False
+    ) -> dict[str, Any]:
         """From the samples: answers are compared per request, a rollup keeps none."""
-        return self.raw.fidelity_pairs(f, unit, control, variant)
+        return self.raw.fidelity_pairs(f, unit, control, variant, examples=examples)
 
     def data_version(self, experiment: str) -> DataVersion:
         return self.raw.data_version(experiment)

@@ -370,15 +370,22 @@ class RawReader:
 
     # 6. Mirror mode: the variant's answers against the control's (analysis.answer_fidelity)
 
-    def fidelity_pairs(self, f: Filters, unit: str, control: str, variant: str) -> dict[str, Any]:
+    def fidelity_pairs(
+        self, f: Filters, unit: str, control: str, variant: str, *, examples: bool = False
+    ) -> dict[str, Any]:
         """{"moments": the identical share's per-cluster sums, "kinds": pair counts by kind and
-        first divergence}: one pass over the pairs, one row back."""
+        first divergence}: one pass over the pairs, one row back. With ``examples`` (the
+        experiment stores answers), "examples": a few diverged pairs' texts, from a second query
+        that reads only theirs (answer_fidelity.examples_select)."""
         sql, params = answer_fidelity.pairs_select(f, unit, control, variant)
         rows = self.store.query(sql, params)
-        if not rows:
-            return {"moments": None, "kinds": []}
-        *moments, (keys, counts) = rows[0]
-        return {"moments": tuple(moments), "kinds": answer_fidelity.kinds_of(keys, counts)}
+        out: dict[str, Any] = {"moments": None, "kinds": []}
+        if rows:
+            *moments, (keys, counts) = rows[0]
+            out = {"moments": tuple(moments), "kinds": answer_fidelity.kinds_of(keys, counts)}
+        if examples:
+            out["examples"] = self.store.query(*answer_fidelity.examples_select(f, control, variant))
+        return out
 
     # 7. Data version (the report cache's key)
 

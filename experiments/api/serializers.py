@@ -81,6 +81,16 @@ class AnalysisSerializer(serializers.Serializer):
     )
 
 
+class FidelitySerializer(serializers.Serializer):
+    """What mirror replays keep of the variants' answers (docs/experiments.md, "Answers")."""
+
+    store_answers = serializers.BooleanField(
+        default=False,
+        help_text="keep each successful answer's text (up to 16 KiB of UTF-8) for the report's "
+        "examples; false: fingerprints only",
+    )
+
+
 class ExperimentDocumentSerializer(serializers.Serializer):
     """The experiment document (docs/experiments.md). Errors are keyed by field path."""
 
@@ -95,6 +105,7 @@ class ExperimentDocumentSerializer(serializers.Serializer):
     variants = VariantDocumentSerializer(many=True)
     rollout = RolloutSerializer(required=False, allow_null=True)
     analysis = AnalysisSerializer(required=False, help_text="default: both true")
+    fidelity = FidelitySerializer(required=False, help_text="default: store_answers false")
 
     def to_internal_value(self, data):
         try:

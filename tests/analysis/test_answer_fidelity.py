@@ -13,6 +13,7 @@ import pytest
 from analysis import answer_fidelity as af
 from analysis import definitions as q
 from analysis import report as r
+from fidelity import fingerprints
 from samples import synthetic
 from stats.clustered import ArmMoments, clustered_mean
 
@@ -36,7 +37,16 @@ def spec(**over) -> synthetic.SyntheticSpec:
     return synthetic.SyntheticSpec(**{**base, **over})
 
 
-def info(s: synthetic.SyntheticSpec, cluster_by_user: bool = True) -> r.ExperimentInfo:
+def few(n: int, **over) -> synthetic.Synthetic:
+    """``n`` requests, every one answered by every variant, without users: a test writes the
+    answers it needs into a copy of the columns."""
+    no_errors = [dataclasses.replace(v, error_rate=0.0) for v in spec().variants]
+    return synthetic.generate(spec(n=n, users=0, no_user_share=0.0, variants=no_errors, **over))
+
+
+def info(
+    s: synthetic.SyntheticSpec, cluster_by_user: bool = True, store_answers: bool = False
+) -> r.ExperimentInfo:
     return r.ExperimentInfo(
         key=s.experiment,
         name=s.experiment,
@@ -44,6 +54,7 @@ def info(s: synthetic.SyntheticSpec, cluster_by_user: bool = True) -> r.Experime
         target=0.9,
         variants=[r.VariantInfo(v.key, v.control, v.weight, dict(v.factors)) for v in s.variants],
         cluster_by_user=cluster_by_user,
+        store_answers=store_answers,
     )
 
 
@@ -183,14 +194,7 @@ def test_split_runs_have_no_fidelity(store):
 def test_prefixes_and_chunking_are_placed_where_they_part(store):
     # four requests, all answered: fp16's answer [1, 2, 3] each time; awq's: the same, a prefix,
     # a longer answer, one differing in the middle
-    small = synthetic.generate(
-        spec(
-            n=4,
-            users=0,
-            no_user_share=0.0,
-            variants=[dataclasses.replace(v, error_rate=0.0) for v in spec().variants],
-        )
-    )
+    small = few(4)
     cols = {k: v.copy() for k, v in small.columns.items()}
     answers = {"fp16": [[1, 2, 3]] * 4, "awq": [[1, 2, 3], [1, 2], [1, 2, 3, 4], [1, 9, 3]]}
     answers["awq-fa2"] = answers["fp16"]
@@ -219,6 +223,135 @@ def test_prefixes_and_chunking_are_placed_where_they_part(store):
     rep = r.build_report(store, info(small.spec), q.Filters("fid"))
     awq = next(v for v in rep["variants"] if v["key"] == "awq")["fidelity"]
     assert awq["first_divergence"]["unit"] == af.POSITION_UNIT_CHUNKS and awq["compared"] == 4
+
+
+# ---- examples: the texts of a few diverged pairs, where the experiment stores them --------------
+
+
+def diverged_truth(data: synthetic.Synthetic, variant: str) -> list[dict]:
+    """Every diverged pair of ``variant`` by seq, from the generated columns and the truth they
+    were made with: where the tokens part, and the character where the texts then part."""
+    cols, dv = data.columns, data.diverged_at
+    rows = {(str(v), int(q_)): i for i, (v, q_) in enumerate(zip(cols["variant"], cols["seq"]))}
+    out = []
+    for seq in range(data.spec.n):
+        ci, vi = rows[("fp16", seq)], rows[(variant, seq)]
+        if cols["outcome"][ci] != "ok" or cols["outcome"][vi] != "ok" or dv[vi] < 0:
+            continue
+        d = int(dv[vi])
+        a, b = (f"{int(cols['token_fps'][i][d]):08x}" for i in (ci, vi))
+        digit = next(k for k in range(8) if a[k] != b[k])
+        out.append({"seq": seq, "position": d, "char": 9 * d + digit, "texts": (ci, vi)})
+    return out
+
+
+def test_the_report_shows_a_few_diverged_answers_only_where_the_experiment_stores_them(store):
+    data = synthetic.generate(spec(n=400, answer_texts=True))
+    synthetic.insert(store, data)
+    off = r.build_report(store, info(data.spec), q.Filters("fid"))
+    for v in off["variants"][1:]:
+        fid = v["fidelity"]
+        assert (fid["store_answers"], fid["examples"], fid["examples_note"]) == (False, [], af.NOT_STORED)
+    on = r.build_report(store, info(data.spec, store_answers=True), q.Filters("fid"))
+    rows = {v["key"]: v["fidelity"] for v in on["variants"]}
+    assert rows["fp16"] is None
+    texts = data.columns["answer_text"]
+    for key in ("awq", "awq-fa2"):
+        fid, want = rows[key], diverged_truth(data, key)[: af.MAX_EXAMPLES]
+        assert fid["store_answers"] is True and len(want) == af.MAX_EXAMPLES
+        assert fid["examples_note"].startswith(f"the first {af.MAX_EXAMPLES} diverged pair(s) by run and seq")
+        # the same counts as without the switch: examples add to the entry, they change nothing
+        assert {k: fid[k] for k in ("compared", "diverged", "identical", "first_divergence")} == {
+            k: off["variants"][[v["key"] for v in off["variants"]].index(key)]["fidelity"][k]
+            for k in ("compared", "diverged", "identical", "first_divergence")
+        }
+        assert [e["seq"] for e in fid["examples"]] == [w["seq"] for w in want]  # the lowest seqs
+        for ex, w in zip(fid["examples"], want, strict=True):
+            ci, vi = w["texts"]
+            start = max(0, w["char"] - af.EXAMPLE_CONTEXT_CHARS)
+            end = w["char"] + af.EXAMPLE_CONTEXT_CHARS
+            assert (ex["run_id"], ex["position"], ex["char"], ex["start"]) == (
+                31,
+                w["position"],
+                w["char"],
+                start,
+            )
+            assert ex["control"] == {"text": texts[ci][start:end], "chars": len(texts[ci]), "capped": False}
+            assert ex["variant"] == {"text": texts[vi][start:end], "chars": len(texts[vi]), "capped": False}
+            assert ex["control"]["text"][: w["char"] - start] == ex["variant"]["text"][: w["char"] - start]
+            assert ex["control"]["text"][w["char"] - start] != ex["variant"]["text"][w["char"] - start]
+
+
+def test_examples_need_both_texts_and_say_when_a_text_was_capped(store):
+    # three requests, all diverged at token 1: the first without the variant's text (recorded
+    # before the switch was on), the second's control text capped (not the answer its output_fp
+    # is of), the third whole
+    small = few(3, answer_texts=True)
+    cols = {k: v.copy() for k, v in small.columns.items()}
+    for i in range(cols["seq"].size):
+        tokens = [7, 8, 9] if cols["variant"][i] == "fp16" else [7, 5, 9]
+        cols["token_fps"][i] = np.asarray(tokens, dtype=np.uint32)
+        cols["answer_text"][i] = synthetic.answer_text_of(tokens)
+        cols["output_fp"][i] = fingerprints.output_fp([cols["answer_text"][i]])
+        cols["output_tokens"][i] = 3
+    awq = cols["variant"] == "awq"
+    cols["answer_text"][awq & (cols["seq"] == 0)] = ""
+    capped = (cols["variant"] == "fp16") & (cols["seq"] == 1)
+    cols["answer_text"][capped] = cols["answer_text"][capped][0][:12]
+    store.insert_columns(cols)
+    rep = r.build_report(store, info(small.spec, store_answers=True), q.Filters("fid"))
+    fid = next(v for v in rep["variants"] if v["key"] == "awq")["fidelity"]
+    assert fid["diverged"] == 3 and [e["seq"] for e in fid["examples"]] == [1, 2]
+    first, second = fid["examples"]
+    # the tokens part at 1 (00000008 / 00000005: the 8th hex digit); the capped text ends before
+    assert (second["position"], second["char"], second["start"]) == (1, 9 + 7, 0)
+    assert (first["position"], first["char"]) == (1, 12)
+    assert first["control"] == {"text": "00000007\u00b7000", "chars": 12, "capped": True}
+    assert first["variant"]["capped"] is False and second["control"]["capped"] is False
+    # awq-fa2 answered as awq did, with every text: three examples, and none when nothing parted
+    assert len(next(v for v in rep["variants"] if v["key"] == "awq-fa2")["fidelity"]["examples"]) == 3
+    cols["token_fps"] = cols["token_fps"].copy()
+    for i in np.flatnonzero(cols["variant"] != "fp16"):
+        cols["token_fps"][i] = np.asarray([7, 8, 9], dtype=np.uint32)
+        cols["answer_text"][i] = synthetic.answer_text_of([7, 8, 9])
+        cols["output_fp"][i] = fingerprints.output_fp([cols["answer_text"][i]])
+    cols["recorded_ms"] = cols["recorded_ms"] + 1  # the newer recordings replace the older
+    store.insert_columns(cols)
+    store.deduplicate()
+    rep = r.build_report(store, info(small.spec, store_answers=True), q.Filters("fid"))
+    fid = next(v for v in rep["variants"] if v["key"] == "awq")["fidelity"]
+    assert (fid["examples"], fid["examples_note"]) == ([], "no diverged pair")
+
+
+def test_the_examples_query_reads_texts_only_when_the_switch_is_on(store):
+    from analysis.readers.raw import RawReader
+
+    data = synthetic.generate(spec(n=50, answer_texts=True))
+    synthetic.insert(store, data)
+    calls = []
+    query = store.query
+    store.query = lambda sql, params=None, **kw: calls.append(sql) or query(sql, params, **kw)
+    off = RawReader(store).fidelity_pairs(q.Filters("fid"), "user", "fp16", "awq")
+    assert "examples" not in off and not any("answer_text" in sql for sql in calls)
+    on = RawReader(store).fidelity_pairs(q.Filters("fid"), "user", "fp16", "awq", examples=True)
+    assert len(on["examples"]) == min(af.MAX_EXAMPLES, len(diverged_truth(data, "awq")))
+    assert on["moments"] == off["moments"] and on["kinds"] == off["kinds"]
+
+
+def test_an_example_is_cut_around_where_the_texts_part():
+    c_text = "a" * 500 + "é" * 10 + "b" * 500
+    v_text = "a" * 500 + "é" * 5 + "ç" + "b" * 20
+    fp = fingerprints.output_fp
+    ex = af.example_of((4, 17, 123, c_text, v_text, fp([c_text]), fp([c_text])))
+    assert (ex["run_id"], ex["seq"], ex["position"], ex["char"]) == (4, 17, 123, 505)
+    assert ex["start"] == 505 - af.EXAMPLE_CONTEXT_CHARS
+    assert ex["control"]["text"] == c_text[ex["start"] : 505 + af.EXAMPLE_CONTEXT_CHARS]
+    assert ex["variant"]["text"] == v_text[ex["start"] :]  # shorter than the window
+    assert (ex["control"]["capped"], ex["variant"]["capped"]) == (False, True)
+    # a prefix parts where it ends; a collision of fingerprints has no position
+    ex = af.example_of((1, 0, -1, "abc", "abcd", fp(["abc"]), fp(["abcd"])))
+    assert (ex["char"], ex["start"], ex["position"]) == (3, 0, None)
+    assert af.with_examples(None, True, []) is None
 
 
 # ---- the pure part ---------------------------------------------------------------------------

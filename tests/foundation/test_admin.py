@@ -39,6 +39,8 @@ def form_data(document, experiment=None) -> dict:
     for name in ("cluster_by_user", "adjust"):
         if analysis.get(name, True):
             data[f"analysis_{name}"] = "on"
+    if (document.get("fidelity") or {}).get("store_answers", False):  # the Answers checkbox
+        data["fidelity_store_answers"] = "on"
     existing = {v.key: v.pk for v in experiment.variants.all()} if experiment else {}
     data["variants-INITIAL_FORMS"] = len(existing)
     for i, v in enumerate(document["variants"]):

@@ -1,6 +1,6 @@
 """The document's analysis block (how the SLA report analyses the experiment): validated with
-field errors, stored, exported and applied back, changed through the API and the admin, and
-handed to the report."""
+field errors, stored, exported and applied back, changed through the API (with the fidelity
+block: the switch blocks share one shape) and the admin, and handed to the report."""
 
 import pytest
 from django.test import Client
@@ -63,23 +63,42 @@ def test_a_running_experiment_may_change_it_audited(experiment, document, users)
 
 @pytest.mark.django_db
 @pytest.mark.engine
-def test_the_api_reads_and_changes_it_and_names_a_bad_field(client_for, experiment, document):
+@pytest.mark.parametrize(
+    "block, default, bad, change, stored",
+    [
+        (
+            "analysis",
+            {"cluster_by_user": True, "adjust": True},
+            {"cluster_by_user": "no"},
+            {"cluster_by_user": False},
+            ("analysis_cluster_by_user", False),
+        ),
+        # the privacy switch of answers' texts (tests/foundation/test_document_fidelity.py)
+        (
+            "fidelity",
+            {"store_answers": False},
+            {"store_answers": "on"},
+            {"store_answers": True},
+            ("fidelity_store_answers", True),
+        ),
+    ],
+)
+def test_the_api_reads_and_changes_a_block_and_names_a_bad_field(
+    client_for, experiment, document, block, default, bad, change, stored
+):
     client = client_for("product")
     body = client.get(f"/api/experiments/{experiment.key}/").json()
-    assert body["document"]["analysis"] == {"cluster_by_user": True, "adjust": True}
-    bad = client.put(
-        f"/api/experiments/{experiment.key}/",
-        {**document, "analysis": {"cluster_by_user": "no"}},
-        format="json",
-    )
-    assert bad.status_code == 400 and bad.json() == {"analysis.cluster_by_user": ["must be true or false"]}
-    ok = client.patch(
-        f"/api/experiments/{experiment.key}/", {"analysis": {"cluster_by_user": False}}, format="json"
-    )
-    assert ok.status_code == 200 and "analysis.cluster_by_user: True -> False" in ok.json()["changes"]
-    assert not Experiment.objects.get(pk=experiment.pk).analysis_cluster_by_user
+    assert body["document"][block] == default
+    refused = client.put(f"/api/experiments/{experiment.key}/", {**document, block: bad}, format="json")
+    assert refused.status_code == 400
+    assert refused.json() == {f"{block}.{name}": ["must be true or false"] for name in bad}
+    ok = client.patch(f"/api/experiments/{experiment.key}/", {block: change}, format="json")
+    [(name, value)] = change.items()
+    assert ok.status_code == 200 and f"{block}.{name}: {default[name]} -> {value}" in ok.json()["changes"]
+    column, now = stored
+    assert getattr(Experiment.objects.get(pk=experiment.pk), column) is now
     schema = client.get("/api/schema/", HTTP_ACCEPT="application/json").json()
-    assert set(schema["components"]["schemas"]["Analysis"]["properties"]) == {"cluster_by_user", "adjust"}
+    assert set(schema["components"]["schemas"][block.capitalize()]["properties"]) == set(default)
 
 
 @pytest.mark.django_db

@@ -94,6 +94,8 @@ def flaky_server(clickhouse_server: str) -> Iterator[tuple[FlakyProxy, str]]:
 GAPS_US = [3900, 4100, 0, 15500, 2**32 - 1, *range(3000, 3021)]
 # Its answer's token fingerprints: Array(UInt32)'s extremes and the empty text's (fidelity.fingerprints).
 TOKEN_FPS = [0x9E3779B9, 0, 2**32 - 1, 17]
+# Its answer's text (kept where the experiment allows it): unicode, quotes, escapes, a NUL.
+ANSWER_TEXT = "Grüße, 日本語 «answer» 'quoted' \\ back\nslash\x00 and 🙂"
 
 
 def sample_row(seq_: int, **over: Any) -> dict[str, Any]:
@@ -147,6 +149,7 @@ def sample_row(seq_: int, **over: Any) -> dict[str, Any]:
         server_first_content_ns=2**62 + 19_000_017,
         output_fp=2**64 - 3,  # the extremes of UInt64 and Array(UInt32) again
         token_fps=list(TOKEN_FPS),
+        answer_text=ANSWER_TEXT,
         recorded_ms=1_732_900_001_000 + seq_,
     )
     row.update(over)

@@ -162,35 +162,48 @@ def test_migrate_is_idempotent_and_repairs_one_server(cstore, servers):
     assert cstore.migrate() == []
     servers[1].execute(f"DROP TABLE {cluster.local_name(schema.SAMPLES_TABLE)}")
     # the second server's local samples table was gone: re-created (1), then its columns added
-    # (5, 7, 8)
-    assert cstore.migrate() == [1, 5, 7, 8]
+    # (5, 7, 8, 9)
+    assert cstore.migrate() == [1, 5, 7, 8, 9]
     local_columns = servers[1].query(
         "SELECT name, type FROM system.columns WHERE database = %(db)s AND table = 'samples_local'",
         {"db": CLUSTER_DB},
     )
-    assert {("itl_gaps_us", "Array(UInt32)"), ("output_fp", "UInt64"), ("token_fps", "Array(UInt32)")} <= set(
-        local_columns
-    )
+    assert {
+        ("itl_gaps_us", "Array(UInt32)"),
+        ("output_fp", "UInt64"),
+        ("token_fps", "Array(UInt32)"),
+        ("answer_text", "String"),
+    } <= set(local_columns)
     assert cstore.migrate() == []
     assert local_rows(servers) == [0, 0]
     records = [s.query(f"SELECT count() FROM {schema.MIGRATIONS_TABLE}") for s in servers]
     assert records == [[(len(VERSIONS),)]] * len(servers)  # recorded once, not again
 
 
-def test_migration_7_adds_gateway_ms_on_every_server_and_keeps_the_rows(
-    cstore, servers, make_rows, monkeypatch
-):
+def _rows_of_older_code(cstore, servers, monkeypatch, migrated: int, columns: str, values: str) -> list[int]:
+    """The cluster as the code of migration ``migrated`` left it, with 40 rows of run 1 (seq
+    0-39) whose ``columns`` beyond their identity take ``values`` (SQL; ``number`` is the seq),
+    spread over both servers; returns each server's local row count."""
     with monkeypatch.context() as m:
-        m.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:6])
-        assert cstore.migrate() == VERSIONS[:6]
+        m.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:migrated])
+        assert cstore.migrate() == VERSIONS[:migrated]
     cstore.execute(
-        "INSERT INTO samples (experiment, variant, run_id, seq, request_id, mode, schedule_lag_ms, outcome, "
-        "recorded_ms, sent_at) SELECT 'e', 'v', 1, number, concat('r1-', toString(number)), 'split', 1.5, "
-        "'ok', 1, toDateTime(1732900000, 'UTC') FROM system.numbers LIMIT 40"
+        f"INSERT INTO samples (experiment, variant, run_id, seq, request_id, recorded_ms, sent_at, {columns}) "
+        "SELECT 'e', 'v', 1, number, concat('r1-', toString(number)), 1, toDateTime(1732900000, 'UTC'), "
+        f"{values} FROM system.numbers LIMIT 40"
     )
     before = local_rows(servers)
     assert sum(before) == 40 and min(before) > 0
-    assert cstore.migrate() == [7, 8]  # and the answer fingerprints after it
+    return before
+
+
+def test_migration_7_adds_gateway_ms_on_every_server_and_keeps_the_rows(
+    cstore, servers, make_rows, monkeypatch
+):
+    before = _rows_of_older_code(
+        cstore, servers, monkeypatch, 6, "mode, schedule_lag_ms, outcome", "'split', 1.5, 'ok'"
+    )
+    assert cstore.migrate() == [7, 8, 9]  # and the answers' fingerprints and texts after it
     assert local_rows(servers) == before  # every row where it was
     for server in servers:
         for table in ("samples", "samples_local"):
@@ -211,6 +224,40 @@ def test_migration_7_adds_gateway_ms_on_every_server_and_keeps_the_rows(
     live = make_rows(10, mode="live", run_id=10**12 + 1, schedule_lag_ms=0.0, gateway_ms=0.5)
     assert cstore.insert_samples(live) == 10
     assert cstore.query("SELECT sum(gateway_ms) FROM samples WHERE mode = 'live'") == [(5.0,)]
+    assert cstore.migrate() == []
+
+
+def test_migration_9_adds_answer_text_on_every_server_and_keeps_the_rows(
+    cstore, servers, make_rows, monkeypatch
+):
+    before = _rows_of_older_code(
+        cstore,
+        servers,
+        monkeypatch,
+        8,
+        "mode, outcome, output_fp, token_fps",
+        "'mirror', 'ok', number + 1, [toUInt32(number)]",
+    )
+    assert cstore.migrate() == [9]
+    assert local_rows(servers) == before  # every row where it was
+    for server in servers:
+        for table in ("samples", "samples_local"):
+            names = [
+                n
+                for (n,) in server.query(
+                    "SELECT name FROM system.columns WHERE database = %(db)s AND table = %(t)s",
+                    {"db": CLUSTER_DB, "t": table},
+                )
+            ]
+            assert names.index("answer_text") == names.index("token_fps") + 1, (server.url_safe, table)
+    assert cstore.query("SELECT count(), sum(output_fp), countIf(answer_text != '') FROM samples") == [
+        (40, 820, 0)
+    ]
+    rows = make_rows(10, mode="mirror", run_id=2)
+    assert cstore.insert_samples(rows) == 10
+    assert cstore.query("SELECT seq, answer_text FROM samples WHERE run_id = 2 ORDER BY seq") == [
+        (r["seq"], r["answer_text"]) for r in rows
+    ]
     assert cstore.migrate() == []
 
 

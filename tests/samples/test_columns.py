@@ -25,7 +25,8 @@ def test_frozen_migration_creates_exactly_the_declared_columns():
     ]
     # the migrations after it add the rest, each at its place
     assert schema.table_columns(schema.SAMPLES_TABLE) == [(c.name, c.ch_type) for c in columns.COLUMNS]
-    assert added == ["gateway_ms", "itl_gaps_us", "output_fp", "token_fps"]  # migrations 7, 5 and 8
+    # migrations 7, 5, 8 and 9
+    assert added == ["gateway_ms", "itl_gaps_us", "output_fp", "token_fps", "answer_text"]
 
 
 def test_validate_row_names_unknown_and_missing_columns():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from samples import columns, schema
+from samples.sql import quote
 from samples.store import SchemaMismatch
 
 KINDS = ("chdb", "server")
@@ -25,8 +26,8 @@ def test_a_recorded_migration_whose_table_is_gone_is_repaired(make_store, make_r
     store.execute(f"DROP TABLE {schema.SAMPLES_TABLE}")
     store.execute(f"DROP TABLE {schema.ROLLUP_HIST_TABLE}")
     assert [m["applied"] for m in store.migration_status()] == [True] * len(ALL)  # the record still says so
-    # both re-applied: their tables were missing; then 5, 7 and 8, whose columns the new tables lack
-    assert store.migrate() == [1, 2, 5, 7, 8]
+    # both re-applied: their tables were missing; then 5, 7, 8 and 9, whose columns the new tables lack
+    assert store.migrate() == [1, 2, 5, 7, 8, 9]
     assert store.insert_samples(make_rows(3)) == 3
     assert store.count(7) == 3
     assert store.query(f"SELECT count() FROM {schema.ROLLUP_HIST_TABLE}") == [(0,)]
@@ -220,7 +221,7 @@ def _migrated_before_gateway(store, monkeypatch) -> None:
 def test_a_store_of_older_code_gets_gateway_ms_and_keeps_its_rows(make_store, make_rows, monkeypatch, kind):
     store = make_store(kind)
     _migrated_before_gateway(store, monkeypatch)
-    assert store.migrate() == [7, 8]
+    assert store.migrate() == [7, 8, 9]
     # the rows recorded before are all there, as they were, with no gateway time of their own
     assert store.query(
         "SELECT request_id, mode, schedule_lag_ms, gateway_ms, ttft_ms FROM samples ORDER BY seq"
@@ -249,7 +250,7 @@ def test_migration_7_interrupted_after_its_first_alter_runs_again(make_store, mo
     store = make_store(kind)
     _migrated_before_gateway(store, monkeypatch)
     store.execute(schema.ADD_GATEWAY_MS)  # ... and then the process died, before the record
-    assert store.migrate() == [7, 8]
+    assert store.migrate() == [7, 8, 9]
     cols = dict(
         store.query(
             f"SELECT name, type FROM system.columns WHERE database = '{store.database}' "
@@ -258,3 +259,61 @@ def test_migration_7_interrupted_after_its_first_alter_runs_again(make_store, mo
     )
     assert cols["s_gateway"] == "Float64"
     assert store.query("SELECT count(), sum(gateway_ms) FROM samples") == [(2, 0.0)]
+
+
+# ---- migration 9: answers' texts, where the experiment's document allows them ------------------
+
+
+def test_migration_9_adds_the_answer_text_after_the_fingerprints():
+    m9 = schema.MIGRATIONS[8]
+    assert (m9.version, m9.name) == (9, "answer texts")
+    assert schema.added_columns(m9) == {schema.SAMPLES_TABLE: [("answer_text", "String")]}
+    assert schema.declared_tables(m9) == {}
+    assert columns.ADDED_DEFAULTS["answer_text"] == ""  # what a row spooled before it holds there
+    names = [n for n, _t in schema.table_columns(schema.SAMPLES_TABLE)]
+    assert names.index("answer_text") == names.index("token_fps") + 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_fresh_store_takes_answer_texts_as_they_were_written(make_store, make_rows, kind):
+    store = make_store(kind)
+    assert store.migrate() == ALL and ALL[-1] == 9
+    rows = make_rows(2) + make_rows(1, start=2, answer_text="")
+    assert store.insert_samples(rows) == 3
+    got = store.query("SELECT seq, answer_text FROM samples ORDER BY seq")
+    assert got == [(0, rows[0]["answer_text"]), (1, rows[1]["answer_text"]), (2, "")]
+    assert "日本語" in got[0][1] and "\x00" in got[0][1]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_store_at_migration_8_gets_answer_texts_and_keeps_its_rows(
+    make_store, make_rows, monkeypatch, kind
+):
+    store = make_store(kind)
+    with monkeypatch.context() as m:
+        m.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:8])
+        assert store.migrate() == ALL[:8]
+    # rows of code before migration 9: every column of theirs, fingerprints included
+    older = make_rows(3)
+    names = [n for n in columns.COLUMN_NAMES if n != "answer_text"]
+    for r in older:  # INSERT ... SELECT: the server's driver takes no VALUES in the statement
+        values = ", ".join(quote(list(r[n]) if n in ("itl_gaps_us", "token_fps") else r[n]) for n in names)
+        store.execute(f"INSERT INTO samples ({', '.join(names)}) SELECT {values}")
+    assert store.migrate() == [9]
+    names_now = [
+        n
+        for (n,) in store.query(
+            f"SELECT name FROM system.columns WHERE database = '{store.database}' AND table = 'samples'"
+        )
+    ]
+    assert names_now == list(columns.COLUMN_NAMES)  # answer_text right after token_fps
+    # the rows recorded before are all there, fingerprints as they were, and no text
+    assert store.query("SELECT seq, output_fp, token_fps, answer_text FROM samples ORDER BY seq") == [
+        (r["seq"], r["output_fp"], r["token_fps"], "") for r in older
+    ]
+    newer = make_rows(2, start=3)
+    assert store.insert_samples(newer) == 2
+    assert store.query("SELECT answer_text FROM samples WHERE seq >= 3 ORDER BY seq") == [
+        (r["answer_text"],) for r in newer
+    ]
+    assert store.migrate() == []

@@ -14,7 +14,7 @@ from samples import columns, rows
 from samples.columns import SampleError
 from samples.rows import SampleContext, request_id, row_from
 from streaming.result import Outcome, StreamResult
-from tests.samples.conftest import GAPS_US, TOKEN_FPS
+from tests.samples.conftest import ANSWER_TEXT, GAPS_US, TOKEN_FPS
 
 
 def full_result(**over: Any) -> StreamResult:
@@ -49,6 +49,7 @@ def full_result(**over: Any) -> StreamResult:
         server_first_content_ns=2**62 + 19_000_017,
         output_fp=2**64 - 3,
         token_fps=list(TOKEN_FPS),
+        answer_text=ANSWER_TEXT,
     )
     fields.update(over)
     return StreamResult(**fields)

@@ -177,8 +177,9 @@ def test_spool_files_written_before_the_gaps_flush_as_rows_without_gaps(store, m
     from samples.columns import COLUMN_NAMES
     from samples.spool import FORMAT_2_COLUMNS
 
-    # format 2 is older than every added column (the gaps, gateway_ms, the answer fingerprints)
-    added = ("itl_gaps_us", "gateway_ms", "output_fp", "token_fps")
+    # format 2 is older than every added column (the gaps, gateway_ms, the answers' fingerprints
+    # and texts)
+    added = ("itl_gaps_us", "gateway_ms", "output_fp", "token_fps", "answer_text")
     assert len(FORMAT_2_COLUMNS) == len(COLUMN_NAMES) - len(added)
     assert not set(added) & set(FORMAT_2_COLUMNS)
     writer = SpoolingWriter(store, str(tmp_path / "spool"))
@@ -198,7 +199,9 @@ def test_spool_files_written_before_the_gaps_flush_as_rows_without_gaps(store, m
     report = writer.flush()
     assert (report.files, report.inserted, report.torn_files, report.lost) == (2, 4, [], 0)
     assert _stored_gaps(store) == {r["request_id"]: [] for r in older}
-    assert store.query("SELECT DISTINCT output_fp, length(token_fps) FROM samples") == [(0, 0)]
+    assert store.query("SELECT DISTINCT output_fp, length(token_fps), answer_text FROM samples") == [
+        (0, 0, "")
+    ]
 
 
 def test_spool_files_written_before_gateway_ms_flush_as_rows_without_gateway_time(store, make_rows, tmp_path):

@@ -1,0 +1,110 @@
+"""The document's fidelity block, the privacy switch of answers' texts: off by default, validated
+with field errors, stored, exported and applied back, changed through the admin
+(audited, as every change of a document). Through the API: tests/foundation/
+test_document_analysis.py, with the analysis block; what a replay then stores:
+tests/workers/test_replay_answers.py."""
+
+import pytest
+from django.test import Client
+
+from experiments import services
+from experiments.document import DocumentError, validate_document
+from experiments.models import AuditEntry, Experiment
+from tests.foundation.test_admin import change_url, form_data
+
+
+def errors_of(doc) -> dict[str, list[str]]:
+    with pytest.raises(DocumentError) as info:
+        validate_document(doc)
+    return info.value.as_dict()
+
+
+def test_answers_are_not_stored_unless_the_document_says_so(document):
+    assert "fidelity" not in document
+    assert validate_document(document)["fidelity"] == {"store_answers": False}
+    document["fidelity"] = {}  # a field left out keeps its default
+    assert validate_document(document)["fidelity"] == {"store_answers": False}
+    document["fidelity"] = {"store_answers": True}
+    assert validate_document(document)["fidelity"] == {"store_answers": True}
+
+
+@pytest.mark.parametrize(
+    "fidelity, path, message",
+    [
+        ({"store_answers": "yes"}, "fidelity.store_answers", "must be true or false"),
+        ({"store_answers": 1}, "fidelity.store_answers", "must be true or false"),
+        ({"store_answers": None}, "fidelity.store_answers", "must be true or false"),
+        ({"store_texts": True}, "fidelity.store_texts", "unknown field; allowed: store_answers"),
+        (True, "fidelity", "must be a mapping: {store_answers: false}"),
+        (["store_answers"], "fidelity", "must be a mapping: {store_answers: false}"),
+    ],
+)
+def test_a_bad_block_is_refused_naming_the_field(document, fidelity, path, message):
+    document["fidelity"] = fidelity
+    assert errors_of(document) == {path: [message]}
+
+
+def test_an_unknown_top_level_field_names_the_block_among_the_allowed(document):
+    document["fidelty"] = {"store_answers": True}
+    assert "fidelity" in errors_of(document)["fidelty"][0].split("allowed: ")[1].split(", ")
+
+
+@pytest.mark.django_db
+@pytest.mark.engine
+def test_the_switch_is_stored_exported_and_applies_back_unchanged(document):
+    exp = services.apply_document(document).experiment
+    assert exp.fidelity_store_answers is False  # the default, stored
+    document["fidelity"] = {"store_answers": True}
+    exp = services.apply_document(document).experiment
+    assert Experiment.objects.get(pk=exp.pk).fidelity_store_answers is True
+    exported = services.export_document(exp)
+    assert exported["fidelity"] == {"store_answers": True}
+    again = services.apply_document(exported)
+    assert not again.created and again.changes == []
+
+
+@pytest.mark.django_db
+@pytest.mark.engine
+def test_a_running_experiment_may_turn_it_on_and_off_audited(experiment, document, users):
+    Experiment.objects.filter(pk=experiment.pk).update(status="running")
+    document["fidelity"] = {"store_answers": True}
+    on = services.apply_document(document, actor=users["product"], reason="examples for the review")
+    assert on.changes == ["fidelity.store_answers: False -> True"]
+    entry = AuditEntry.objects.filter(action="update").get()
+    assert entry.before["fidelity"] == {"store_answers": False}
+    assert entry.after["fidelity"] == {"store_answers": True} and entry.reason == "examples for the review"
+    del document["fidelity"]  # a document without the block turns it off again
+    off = services.apply_document(document, actor=users["product"])
+    assert off.changes == ["fidelity.store_answers: True -> False"]
+    assert AuditEntry.objects.filter(action="update").count() == 2
+
+
+@pytest.mark.django_db
+@pytest.mark.engine
+def test_a_concluded_experiment_keeps_it(experiment, document):
+    Experiment.objects.filter(pk=experiment.pk).update(status="concluded")
+    document["fidelity"] = {"store_answers": True}
+    with pytest.raises(DocumentError, match="is concluded and cannot be changed"):
+        services.apply_document(document)
+    assert Experiment.objects.get(pk=experiment.pk).fidelity_store_answers is False
+
+
+@pytest.mark.django_db
+@pytest.mark.engine
+def test_the_admin_form_sets_it(users, experiment, document):
+    client = Client()
+    client.force_login(users["product"])
+    page = client.get(change_url(experiment)).content.decode()
+    assert 'name="fidelity_store_answers"' in page
+    data = form_data({**document, "fidelity": {"store_answers": True}}, experiment)
+    assert data["fidelity_store_answers"] == "on"
+    response = client.post(change_url(experiment), data)
+    assert response.status_code == 302, response.content.decode()[:3000]
+    experiment.refresh_from_db()
+    assert experiment.fidelity_store_answers is True
+    assert AuditEntry.objects.filter(action="update").get().after["fidelity"] == {"store_answers": True}
+    # unticked: a browser posts nothing for it, and it is off again
+    response = client.post(change_url(experiment), form_data(document, experiment))
+    assert response.status_code == 302, response.content.decode()[:3000]
+    experiment.refresh_from_db()
+    assert experiment.fidelity_store_answers is False
