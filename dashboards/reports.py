@@ -79,6 +79,7 @@ def experiment_info(experiment: Any) -> ExperimentInfo:
         weight_changes=changes,
         cluster_by_user=experiment.analysis_cluster_by_user,
         adjust=experiment.analysis_adjust,
+        store_answers=experiment.fidelity_store_answers,
     )
 
 

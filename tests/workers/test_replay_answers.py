@@ -96,8 +96,9 @@ def test_the_report_shows_where_real_answers_part(db, document, users, sample_st
     by = {(v, s): (fps, text) for v, s, _o, _fp, fps, text in stored(sample_store, run)}
     diverged = sorted(s for (v, s), (fps, _t) in by.items() if v == "awq" and fps != by[("fp16", s)][0])
     assert len(diverged) >= 3
-    # the experiment's switch, as the report is told it (analysis.experiment_info)
-    exp = dataclasses.replace(report.experiment_info(experiment), store_answers=True)
+    # the experiment's switch, as the report is told it (dashboards.reports.experiment_info)
+    exp = report.experiment_info(experiment)
+    assert exp.store_answers is True
     fid = {
         v["key"]: v["fidelity"]
         for v in report.build_report(sample_store, exp, Filters("ttft-opt"))["variants"]
@@ -116,3 +117,17 @@ def test_the_report_shows_where_real_answers_part(db, document, users, sample_st
             and ex["variant"]["text"] == v_text[start : char + 160]
         )
         assert not ex["control"]["capped"] and not ex["variant"]["capped"]
+    # the path of the page, the API and sla_report reads the switch the same way
+    _filters, through = report.report_for_params(experiment, {"mode": "mirror"}, [])
+    shown = next(v for v in through["variants"] if v["key"] == "awq")["fidelity"]
+    assert shown["store_answers"] is True and shown["examples"] == awq["examples"]
+    # sla_report prints each example from the first character that differs
+    from dashboards.management.commands.sla_report import render_text
+
+    text = render_text(through).splitlines()
+    for ex in awq["examples"]:
+        c_text, v_text = by[("fp16", ex["seq"])][1], by[("awq", ex["seq"])][1]
+        assert (
+            f"  awq         run {run.pk} request {ex['seq']} parts at token {ex['position']}: "
+            f"fp16 {c_text[ex['char'] : ex['char'] + 40]!r}, awq {v_text[ex['char'] : ex['char'] + 40]!r}"
+        ) in text

@@ -211,8 +211,29 @@ def fidelity_lines(report) -> list[str]:
         if r["note"]:
             lines.append(f"  {'':<12}{r['note']}")
     lines += [f"  {note}" for note in summary["notes"]]
+    for e in report["variants"]:
+        for ex in (e.get("fidelity") or {}).get("examples", []):
+            lines.append(example_line(e["key"], summary["reference"], ex))
     lines.append(f"  KL divergence: {summary['kl']}")
     return lines
+
+
+EXAMPLE_CHARS = 40  # of each text shown from the first character that differs
+
+
+def example_line(variant: str, reference: str, ex) -> str:
+    """One stored diverged pair as a line: where it parts, and each text from the first
+    character that differs (the report keeps more around it)."""
+    where = f"token {ex['position']}" if ex["position"] is not None else f"character {ex['char']}"
+    cut = ex["char"] - ex["start"]
+
+    def text(side) -> str:
+        return repr(side["text"][cut : cut + EXAMPLE_CHARS])
+
+    return (
+        f"  {variant:<12}run {ex['run_id']} request {ex['seq']} parts at {where}: "
+        f"{reference} {text(ex['control'])}, {variant} {text(ex['variant'])}"
+    )
 
 
 def run_status(run, mode: str | None) -> str:
