@@ -74,7 +74,7 @@ def test_a_long_answer_is_capped_at_the_stated_size_never_inside_a_character():
 
 def test_a_lone_surrogate_is_stored_as_a_question_mark():
     # JSON may escape half of a surrogate pair; it is no character and UTF-8 cannot hold it
-    r = streamed([chat("a"), '{"choices":[{"index":0,"delta":{"content":"\\ud800b"}}]}', "[DONE]"],
-                 fingerprint=True, keep_text=True)  # fmt: skip
+    half = '{"choices":[{"index":0,"delta":{"content":"\\ud800b"}}]}'
+    r = streamed([chat("a"), half, "[DONE]"], fingerprint=True, keep_text=True)
     assert r.answer_text == "a?b"
     assert capped_answer("\ud83d\ude42 and \udc00", 9) == "?? and ?"
