@@ -40,6 +40,7 @@ from analysis.sql import from_where
 from analysis.units import UNITS
 from fidelity.fingerprints import output_fp
 from stats.clustered import ArmMoments, clustered_mean
+from stats.quantiles import quantile_rank
 
 COMPARED, FAILED, UNRECORDED = "compared", "failed", "unrecorded"
 COMPARES = (
@@ -247,17 +248,13 @@ def arm_moments(row: Sequence[Any]) -> ArmMoments | None:
 
 
 def _quantile(positions: Sequence[int], counts: Sequence[int], q: float) -> int | None:
-    """The lower q-quantile of a distribution given as sorted values and counts (rank ceil(q n))."""
+    """The q-quantile of a distribution given as ascending values and their counts, at the
+    project's one rank, stats.quantiles.quantile_rank (ceil(q n) in exact arithmetic)."""
     total = sum(counts)
     if not total:
         return None
-    rank = max(1, int(np.ceil(q * total)))
-    seen = 0
-    for p, c in zip(positions, counts):
-        seen += c
-        if seen >= rank:
-            return p
-    return positions[-1]
+    rank, seen = quantile_rank(total, q), 0
+    return next(p for p, c in zip(positions, counts, strict=True) if (seen := seen + c) >= rank)
 
 
 def fidelity_entry(

@@ -417,3 +417,18 @@ def test_the_kind_keys_read_back_as_written():
         ("failed", -1, 3, 0),
         ("unrecorded", -1, 4, 4),
     ]
+
+
+def test_divergence_quantiles_take_the_projects_one_rank_whatever_the_count():
+    # positions with counts read as the expanded values do through stats.quantiles.nearest_rank
+    # (ceil(q n) in exact arithmetic: in floats 0.9 * n lands above an integer for some n)
+    from stats.quantiles import nearest_rank
+
+    rng = np.random.default_rng(3)
+    for total in range(1, 400):
+        counts = np.bincount(rng.integers(0, 40, total), minlength=40)
+        positions = [int(p) for p in np.flatnonzero(counts)]
+        kept = [int(counts[p]) for p in positions]
+        values = [p for p, c in zip(positions, kept) for _ in range(c)]
+        for level in (0.5, 0.9):
+            assert af._quantile(positions, kept, level) == nearest_rank(values, level), (total, level)
