@@ -129,7 +129,7 @@ def capacity_page(request: HttpRequest, key: str) -> HttpResponse:
             )
         shown = get_object_or_404(searches, pk=int(wanted))
     rows, steps, figures = [], [], []
-    control = next((v.key for v in experiment.variants.all() if v.control), "")
+    control = experiment.control_key() or ""
     fidelity, fidelity_note = mirror_fidelity(experiment) if shown is not None else ({}, "")
     if shown is not None:
         result = shown.result or {}

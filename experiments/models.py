@@ -126,6 +126,10 @@ class Experiment(models.Model):
     def weights(self) -> dict[str, int]:
         return {v.key: v.weight for v in self.variants.all()}
 
+    def control_key(self) -> str | None:
+        """The control variant's key (a constraint allows one); None before it has one."""
+        return next((v.key for v in self.variants.all() if v.control), None)
+
     def analysis(self) -> dict[str, bool]:
         """The document's ``analysis`` block."""
         return {"cluster_by_user": self.analysis_cluster_by_user, "adjust": self.analysis_adjust}

@@ -147,7 +147,7 @@ class Command(JsonCommand):
             "variants": record.result,
             # the answers each variant gives against the control's, from the mirror replay's report
             # (the steps replay each variant alone): {variant: variants[].fidelity}, and whence
-            "control": next((v.key for v in experiment.variants.all() if v.control), None),
+            "control": experiment.control_key(),
             "fidelity": fidelity,
             "fidelity_note": note,
         }

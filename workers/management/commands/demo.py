@@ -389,5 +389,5 @@ def render_capacity(doc: dict, replicas: int, fidelity: dict[str, dict | None], 
 
 def summary(doc: dict, experiment: Experiment, fidelity: dict[str, dict | None]) -> str:
     """The demo's last line (workers.demo.capacity_summary) for this experiment's control."""
-    control = next((v.key for v in experiment.variants.all() if v.control), None)
+    control = experiment.control_key()
     return demo.capacity_summary(doc, control, fidelity)
