@@ -219,7 +219,17 @@ class ExperimentAdmin(WeightsAdminMixin, admin.ModelAdmin):
         (None, {"fields": ("key", "name", "team", "hypothesis", "status", "owner", "dashboard")}),
         ("SLA", {"fields": ("sla_ttft_ms", "sla_tpot_ms", "sla_e2e_ms", "sla_target")}),
         ("Analysis", {"fields": ("analysis_cluster_by_user", "analysis_adjust")}),
-        ("Answers", {"fields": ("fidelity_store_answers",)}),
+        (
+            "Answers",
+            {
+                "fields": (
+                    "fidelity_store_answers",
+                    "fidelity_score_share",
+                    "fidelity_score_top_k",
+                    "fidelity_shadow_share",
+                )
+            },
+        ),
         ("Assignment", {"fields": ("salt", "hash_version", "weights_link")}),
         ("Timeline", {"fields": ("created_at", "updated_at", "started_at", "concluded_at")}),
     )
@@ -259,6 +269,9 @@ class ExperimentAdmin(WeightsAdminMixin, admin.ModelAdmin):
                 "analysis_cluster_by_user",
                 "analysis_adjust",
                 "fidelity_store_answers",
+                "fidelity_score_share",
+                "fidelity_score_top_k",
+                "fidelity_shadow_share",
             ]
         return fields
 

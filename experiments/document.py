@@ -63,7 +63,14 @@ ANALYSIS_FIELDS = {"cluster_by_user": True, "adjust": True}
 # always (enough for "identical" and where answers part); the texts themselves only where the
 # document allows it, store_answers: true. Off unless a document turns it on: answers are what
 # users' prompts made the model say, and the sample store is read by every analyst.
-FIDELITY_FIELDS = {"store_answers": False}
+# score_share: the share of a mirror run's requests scored afterwards by teacher forcing (the
+# control's greedy answer scored under every variant with prompt_logprobs: a top-k truncated KL,
+# score_top_k at most vLLM's default --max-logprobs, 20). shadow_share: the share of live requests a
+# non-control variant serves that the gateway re-sends greedily to the control, off the user's
+# path, to compare the answers (the rollout guardrail identical_answers reads them).
+FIDELITY_FIELDS = {"store_answers": False, "score_share": 0.0, "score_top_k": 20, "shadow_share": 0.0}
+FIDELITY_SWITCHES = {"store_answers": False}
+MAX_SCORE_TOP_K = 20
 COST_FIELDS = {"per_hour", "currency"}
 CURRENCY_RE = re.compile(r"^[A-Z]{3}$")  # ISO 4217 codes: USD, EUR, JPY
 MAX_COST_PER_HOUR = 1_000_000.0
@@ -326,8 +333,37 @@ def _validate_analysis(c: _Collector, raw: Any) -> dict[str, Any]:
 
 
 def _validate_fidelity(c: _Collector, raw: Any) -> dict[str, Any]:
-    """``fidelity: {store_answers: false}``: whether mirror replays keep each answer's text."""
-    return _validate_switches(c, raw, "fidelity", FIDELITY_FIELDS)
+    """``fidelity: {store_answers: false, score_share: 0, score_top_k: 20, shadow_share: 0}``:
+    whether mirror replays keep each answer's text, the share of their requests scored by teacher
+    forcing (and its top-k), and the share of live requests shadowed to the control."""
+    if raw is None:
+        return dict(FIDELITY_FIELDS)
+    if not isinstance(raw, dict):
+        c.add(
+            "fidelity",
+            "must be a mapping: {store_answers: false, score_share: 0, score_top_k: 20, shadow_share: 0}",
+        )
+        return dict(FIDELITY_FIELDS)
+    _unknown(c, raw, set(FIDELITY_FIELDS), "fidelity")
+    out = _validate_switches(
+        c, {k: v for k, v in raw.items() if k in FIDELITY_SWITCHES}, "fidelity", FIDELITY_SWITCHES
+    )
+    for field in ("score_share", "shadow_share"):
+        value = raw.get(field, FIDELITY_FIELDS[field])
+        ok = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+        if not ok or not 0.0 <= value <= 1.0:
+            c.add(f"fidelity.{field}", f"must be a share from 0 to 1 (0.05 = 5% of requests), got {value!r}")
+            value = FIDELITY_FIELDS[field]
+        out[field] = float(value)
+    top_k = raw.get("score_top_k", FIDELITY_FIELDS["score_top_k"])
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_SCORE_TOP_K:
+        c.add(
+            "fidelity.score_top_k",
+            f"must be a whole number from 1 to {MAX_SCORE_TOP_K} (vLLM's default --max-logprobs), got {top_k!r}",
+        )
+        top_k = FIDELITY_FIELDS["score_top_k"]
+    out["score_top_k"] = int(top_k)
+    return out
 
 
 def _validate_variant(
@@ -404,9 +440,27 @@ def validate_document(raw: Any, *, allow: Allowlist | None = None, resolve: Reso
         doc["rollout"] = _validate_rollout(c, raw["rollout"], doc, allow, resolve)
     doc["analysis"] = _validate_analysis(c, raw.get("analysis"))
     doc["fidelity"] = _validate_fidelity(c, raw.get("fidelity"))
+    _check_shadow_guardrails(c, doc)
     if c.errors:
         raise DocumentError(c.errors)
     return doc
+
+
+# The rollout guardrail on answers: it reads the live requests the gateway shadows to the control
+# (fidelity.shadow_share), so a plan that names it without a share would never see a sample.
+IDENTICAL_ANSWERS = "identical_answers"
+
+
+def _check_shadow_guardrails(c: _Collector, doc: dict) -> None:
+    rollout = doc.get("rollout") or {}
+    share = (doc.get("fidelity") or {}).get("shadow_share", 0.0)
+    for i, spec in enumerate(rollout.get("guardrails") or ()):
+        if isinstance(spec, dict) and spec.get("metric") == IDENTICAL_ANSWERS and not share > 0:
+            c.add(
+                f"rollout.guardrails[{i}]",
+                f"{IDENTICAL_ANSWERS} reads live requests shadowed to the control: set "
+                "fidelity.shadow_share above 0 (e.g. 0.05) so the gateway sends some",
+            )
 
 
 def _check_across_variants(c: _Collector, variants: list[dict]) -> None:

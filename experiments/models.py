@@ -1,9 +1,10 @@
 from __future__ import annotations
 
 import secrets
+from typing import Any
 
 from django.conf import settings
-from django.core.validators import RegexValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.db.models import Q
 
@@ -97,6 +98,29 @@ class Experiment(models.Model):
         help_text="mirror replays keep each successful answer's text (up to 16 KiB) for the report's "
         "examples; off: fingerprints only (identical or not, where answers part)",
     )
+    # The rest of the block: what a mirror replay scores afterwards by teacher forcing (a share of
+    # its requests, top-k log-probabilities) and the share of live requests on a non-control
+    # variant the gateway shadows to the control. Measurements only, like store_answers.
+    fidelity_score_share = models.FloatField(
+        "fidelity: share of mirror requests scored (KL)",
+        default=0.0,
+        validators=[MinValueValidator(0.0), MaxValueValidator(1.0)],
+        help_text="0 to 1: after a mirror run, this share of its requests has the control's answer "
+        "scored under every variant (prompt_logprobs, top-k truncated KL); 0: none",
+    )
+    fidelity_score_top_k = models.PositiveSmallIntegerField(
+        "fidelity: top-k of the KL",
+        default=20,
+        validators=[MinValueValidator(1), MaxValueValidator(20)],
+        help_text="1 to 20 (vLLM's default --max-logprobs): log-probabilities per position the KL reads",
+    )
+    fidelity_shadow_share = models.FloatField(
+        "fidelity: share of live requests shadowed",
+        default=0.0,
+        validators=[MinValueValidator(0.0), MaxValueValidator(1.0)],
+        help_text="0 to 1: of the live requests a non-control variant serves, this share is sent "
+        "again greedily to the control after the user's answer, to compare the answers; 0: none",
+    )
     concluded_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
@@ -134,9 +158,14 @@ class Experiment(models.Model):
         """The document's ``analysis`` block."""
         return {"cluster_by_user": self.analysis_cluster_by_user, "adjust": self.analysis_adjust}
 
-    def fidelity(self) -> dict[str, bool]:
+    def fidelity(self) -> dict[str, Any]:
         """The document's ``fidelity`` block."""
-        return {"store_answers": self.fidelity_store_answers}
+        return {
+            "store_answers": self.fidelity_store_answers,
+            "score_share": self.fidelity_score_share,
+            "score_top_k": self.fidelity_score_top_k,
+            "shadow_share": self.fidelity_shadow_share,
+        }
 
 
 class Variant(models.Model):

@@ -558,6 +558,9 @@ def apply_document(raw, actor=None, reason: str = "") -> ApplyResult:
         experiment.analysis_cluster_by_user = doc["analysis"]["cluster_by_user"]
         experiment.analysis_adjust = doc["analysis"]["adjust"]
         experiment.fidelity_store_answers = doc["fidelity"]["store_answers"]
+        experiment.fidelity_score_share = doc["fidelity"]["score_share"]
+        experiment.fidelity_score_top_k = doc["fidelity"]["score_top_k"]
+        experiment.fidelity_shadow_share = doc["fidelity"]["shadow_share"]
         experiment.save()
         _write_variants(experiment, doc)
         audit.record(

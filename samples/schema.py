@@ -410,6 +410,76 @@ ADD_TOKEN_FPS = f"ALTER TABLE {SAMPLES_TABLE} ADD COLUMN token_fps Array(UInt32)
 #   live samples, failed requests, rows recorded before the column).
 ADD_ANSWER_TEXT = f"ALTER TABLE {SAMPLES_TABLE} ADD COLUMN answer_text String AFTER token_fps"
 
+# ---- teacher-forced scores: the KL beside identical and where answers part ----------------
+# Who writes: the scoring pass after a mirror run (a share of its requests, the document's
+# fidelity.score_share): the control's greedy answer is scored under the control and under each
+# variant with vLLM's prompt_logprobs (top_k per position), fidelity.scoring.score compares them.
+# Who reads: the report's variants[].fidelity.kl (mean KL with a user-clustered interval).
+# - One row per (run, request, variant); the control's own row is the scoring's noise floor (its
+#   answer scored under itself: 0 on a deterministic server). kl_sum over `positions` scored
+#   positions (mean = kl_sum / positions), kl_max the largest, top1_agree the positions whose
+#   most likely token is the same under both. outcome "ok" or why no score (error names it).
+# - ReplacingMergeTree(scored_ms) on the request's key: a pass run again replaces its rows.
+FIDELITY_SCORES_TABLE = "fidelity_scores"
+CREATE_FIDELITY_SCORES = f"""
+CREATE TABLE IF NOT EXISTS {FIDELITY_SCORES_TABLE} (
+    experiment LowCardinality(String),
+    variant LowCardinality(String),
+    run_id UInt64,
+    seq UInt32,
+    user_id String,
+    control LowCardinality(String),
+    top_k UInt8,
+    outcome LowCardinality(String),
+    error String,
+    positions UInt32,
+    kl_sum Float64,
+    kl_max Float64,
+    top1_agree UInt32,
+    scored_ms UInt64
+)
+ENGINE = ReplacingMergeTree(scored_ms)
+ORDER BY (experiment, variant, run_id, seq)
+""".strip()
+
+# ---- live shadows: a share of live answers compared with the control's -------------------
+# Who writes: the gateway, for a share of the live requests a non-control variant serves (the
+# document's fidelity.shadow_share), after the user's answer is complete and off the user's path:
+# the request is sent again greedily (temperature 0) to the control and, when the live request
+# was not greedy itself, to the variant too; the two answers' fingerprints are compared there.
+# Who reads: the rollout guardrail identical_answers (per user, under the step's config_revision)
+# and the report's live fidelity.
+# - One row per shadowed live request (request_id is the live sample's). compared: "live" (the
+#   live answer was greedy and is compared as served) or "greedy_pair" (both re-sent greedily).
+#   outcome "ok" or what failed (control_error, variant_error, ...); identical and
+#   first_divergence (-1: none) only mean something where outcome is "ok".
+FIDELITY_SHADOWS_TABLE = "fidelity_shadows"
+CREATE_FIDELITY_SHADOWS = f"""
+CREATE TABLE IF NOT EXISTS {FIDELITY_SHADOWS_TABLE} (
+    experiment LowCardinality(String),
+    variant LowCardinality(String),
+    control LowCardinality(String),
+    request_id String,
+    user_id String,
+    config_revision Int64,
+    sent_at DateTime('UTC'),
+    compared LowCardinality(String),
+    outcome LowCardinality(String),
+    error String,
+    identical UInt8,
+    first_divergence Int32,
+    unit LowCardinality(String),
+    variant_tokens UInt32,
+    control_tokens UInt32,
+    variant_fp UInt64,
+    control_fp UInt64,
+    recorded_ms UInt64
+)
+ENGINE = ReplacingMergeTree(recorded_ms)
+PARTITION BY toYYYYMM(sent_at)
+ORDER BY (experiment, variant, request_id)
+""".strip()
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "create samples", (CREATE_SAMPLES_TABLE,)),
     Migration(
@@ -435,6 +505,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(7, "gateway time", (ADD_GATEWAY_MS, ADD_ROLLUP_GATEWAY)),
     Migration(8, "answer fingerprints", (ADD_OUTPUT_FP, ADD_TOKEN_FPS)),
     Migration(9, "answer texts", (ADD_ANSWER_TEXT,)),
+    Migration(10, "answer scores and live shadows", (CREATE_FIDELITY_SCORES, CREATE_FIDELITY_SHADOWS)),
 )
 
 

@@ -34,6 +34,7 @@ from samples.store_errors import (
     StoreLocked,
     StoreUnavailable,
 )
+from samples.store_fidelity import FidelityWrites
 from samples.store_migrations import StoreMigrations
 from samples.store_reads import SampleReads
 from samples.store_server_metrics import ServerMetricsWrites
@@ -55,6 +56,6 @@ __all__ = [
 ]
 
 
-class SampleStore(StoreMigrations, SampleWrites, SampleReads, RunCatalog, ServerMetricsWrites):
+class SampleStore(StoreMigrations, SampleWrites, SampleReads, RunCatalog, ServerMetricsWrites, FidelityWrites):
     """Backend-independent API: every part above, on one backend (a subclass implementing the
     hooks of StoreBase)."""

@@ -89,6 +89,21 @@ class FidelitySerializer(serializers.Serializer):
         help_text="keep each successful answer's text (up to 16 KiB of UTF-8) for the report's "
         "examples; false: fingerprints only",
     )
+    score_share = serializers.FloatField(
+        default=0.0,
+        min_value=0.0,
+        max_value=1.0,
+        help_text="share of a mirror run's requests scored afterwards by teacher forcing (top-k KL)",
+    )
+    score_top_k = serializers.IntegerField(
+        default=20, min_value=1, max_value=20, help_text="log-probabilities per position the KL reads"
+    )
+    shadow_share = serializers.FloatField(
+        default=0.0,
+        min_value=0.0,
+        max_value=1.0,
+        help_text="share of live requests on a non-control variant sent again greedily to the control",
+    )
 
 
 class ExperimentDocumentSerializer(serializers.Serializer):
@@ -105,7 +120,10 @@ class ExperimentDocumentSerializer(serializers.Serializer):
     variants = VariantDocumentSerializer(many=True)
     rollout = RolloutSerializer(required=False, allow_null=True)
     analysis = AnalysisSerializer(required=False, help_text="default: both true")
-    fidelity = FidelitySerializer(required=False, help_text="default: store_answers false")
+    fidelity = FidelitySerializer(
+        required=False,
+        help_text="default: store_answers false, score_share 0, score_top_k 20, shadow_share 0",
+    )
 
     def to_internal_value(self, data):
         try:

@@ -39,8 +39,12 @@ def form_data(document, experiment=None) -> dict:
     for name in ("cluster_by_user", "adjust"):
         if analysis.get(name, True):
             data[f"analysis_{name}"] = "on"
-    if (document.get("fidelity") or {}).get("store_answers", False):  # the Answers checkbox
+    fidelity = document.get("fidelity") or {}
+    if fidelity.get("store_answers", False):  # the Answers checkbox
         data["fidelity_store_answers"] = "on"
+    data["fidelity_score_share"] = fidelity.get("score_share", 0.0)
+    data["fidelity_score_top_k"] = fidelity.get("score_top_k", 20)
+    data["fidelity_shadow_share"] = fidelity.get("shadow_share", 0.0)
     existing = {v.key: v.pk for v in experiment.variants.all()} if experiment else {}
     data["variants-INITIAL_FORMS"] = len(existing)
     for i, v in enumerate(document["variants"]):

@@ -76,7 +76,7 @@ def test_a_running_experiment_may_change_it_audited(experiment, document, users)
         # the privacy switch of answers' texts (tests/foundation/test_document_fidelity.py)
         (
             "fidelity",
-            {"store_answers": False},
+            {"store_answers": False, "score_share": 0.0, "score_top_k": 20, "shadow_share": 0.0},
             {"store_answers": "on"},
             {"store_answers": True},
             ("fidelity_store_answers", True),

@@ -19,13 +19,27 @@ def errors_of(doc) -> dict[str, list[str]]:
     return info.value.as_dict()
 
 
+DEFAULTS = {"store_answers": False, "score_share": 0.0, "score_top_k": 20, "shadow_share": 0.0}
+
+
 def test_answers_are_not_stored_unless_the_document_says_so(document):
     assert "fidelity" not in document
-    assert validate_document(document)["fidelity"] == {"store_answers": False}
+    assert validate_document(document)["fidelity"] == DEFAULTS
     document["fidelity"] = {}  # a field left out keeps its default
-    assert validate_document(document)["fidelity"] == {"store_answers": False}
+    assert validate_document(document)["fidelity"] == DEFAULTS
     document["fidelity"] = {"store_answers": True}
-    assert validate_document(document)["fidelity"] == {"store_answers": True}
+    assert validate_document(document)["fidelity"] == {**DEFAULTS, "store_answers": True}
+    document["fidelity"] = {"score_share": 1, "score_top_k": 5, "shadow_share": 0.05}
+    assert validate_document(document)["fidelity"] == {
+        **DEFAULTS,
+        "score_share": 1.0,
+        "score_top_k": 5,
+        "shadow_share": 0.05,
+    }
+
+
+MAPPING = "{store_answers: false, score_share: 0, score_top_k: 20, shadow_share: 0}"
+TOP_K = "must be a whole number from 1 to 20 (vLLM's default --max-logprobs), got "
 
 
 @pytest.mark.parametrize(
@@ -34,9 +48,41 @@ def test_answers_are_not_stored_unless_the_document_says_so(document):
         ({"store_answers": "yes"}, "fidelity.store_answers", "must be true or false"),
         ({"store_answers": 1}, "fidelity.store_answers", "must be true or false"),
         ({"store_answers": None}, "fidelity.store_answers", "must be true or false"),
-        ({"store_texts": True}, "fidelity.store_texts", "unknown field; allowed: store_answers"),
-        (True, "fidelity", "must be a mapping: {store_answers: false}"),
-        (["store_answers"], "fidelity", "must be a mapping: {store_answers: false}"),
+        (
+            {"store_texts": True},
+            "fidelity.store_texts",
+            "unknown field; allowed: score_share, score_top_k, shadow_share, store_answers",
+        ),
+        (True, "fidelity", "must be a mapping: " + MAPPING),
+        (["store_answers"], "fidelity", "must be a mapping: " + MAPPING),
+        (
+            {"score_share": 1.5},
+            "fidelity.score_share",
+            "must be a share from 0 to 1 (0.05 = 5% of requests), got 1.5",
+        ),
+        (
+            {"shadow_share": -0.1},
+            "fidelity.shadow_share",
+            "must be a share from 0 to 1 (0.05 = 5% of requests), got -0.1",
+        ),
+        (
+            {"shadow_share": True},
+            "fidelity.shadow_share",
+            "must be a share from 0 to 1 (0.05 = 5% of requests), got True",
+        ),
+        (
+            {"shadow_share": float("nan")},
+            "fidelity.shadow_share",
+            "must be a share from 0 to 1 (0.05 = 5% of requests), got nan",
+        ),
+        (
+            {"score_share": "5%"},
+            "fidelity.score_share",
+            "must be a share from 0 to 1 (0.05 = 5% of requests), got '5%'",
+        ),
+        ({"score_top_k": 21}, "fidelity.score_top_k", TOP_K + "21"),
+        ({"score_top_k": 0}, "fidelity.score_top_k", TOP_K + "0"),
+        ({"score_top_k": 5.0}, "fidelity.score_top_k", TOP_K + "5.0"),
     ],
 )
 def test_a_bad_block_is_refused_naming_the_field(document, fidelity, path, message):
@@ -54,11 +100,27 @@ def test_an_unknown_top_level_field_names_the_block_among_the_allowed(document):
 def test_the_switch_is_stored_exported_and_applies_back_unchanged(document):
     exp = services.apply_document(document).experiment
     assert exp.fidelity_store_answers is False  # the default, stored
-    document["fidelity"] = {"store_answers": True}
+    document["fidelity"] = {
+        "store_answers": True,
+        "score_share": 0.25,
+        "score_top_k": 8,
+        "shadow_share": 0.01,
+    }
     exp = services.apply_document(document).experiment
-    assert Experiment.objects.get(pk=exp.pk).fidelity_store_answers is True
+    stored = Experiment.objects.get(pk=exp.pk)
+    assert stored.fidelity_store_answers is True
+    assert (stored.fidelity_score_share, stored.fidelity_score_top_k, stored.fidelity_shadow_share) == (
+        0.25,
+        8,
+        0.01,
+    )
     exported = services.export_document(exp)
-    assert exported["fidelity"] == {"store_answers": True}
+    assert exported["fidelity"] == {
+        "store_answers": True,
+        "score_share": 0.25,
+        "score_top_k": 8,
+        "shadow_share": 0.01,
+    }
     again = services.apply_document(exported)
     assert not again.created and again.changes == []
 
@@ -71,8 +133,11 @@ def test_a_running_experiment_may_turn_it_on_and_off_audited(experiment, documen
     on = services.apply_document(document, actor=users["product"], reason="examples for the review")
     assert on.changes == ["fidelity.store_answers: False -> True"]
     entry = AuditEntry.objects.filter(action="update").get()
-    assert entry.before["fidelity"] == {"store_answers": False}
-    assert entry.after["fidelity"] == {"store_answers": True} and entry.reason == "examples for the review"
+    assert entry.before["fidelity"] == DEFAULTS
+    assert (
+        entry.after["fidelity"] == {**DEFAULTS, "store_answers": True}
+        and entry.reason == "examples for the review"
+    )
     del document["fidelity"]  # a document without the block turns it off again
     off = services.apply_document(document, actor=users["product"])
     assert off.changes == ["fidelity.store_answers: True -> False"]
@@ -102,7 +167,7 @@ def test_the_admin_form_sets_it(users, experiment, document):
     assert response.status_code == 302, response.content.decode()[:3000]
     experiment.refresh_from_db()
     assert experiment.fidelity_store_answers is True
-    assert AuditEntry.objects.filter(action="update").get().after["fidelity"] == {"store_answers": True}
+    assert AuditEntry.objects.filter(action="update").get().after["fidelity"] == {**DEFAULTS, "store_answers": True}
     # unticked: a browser posts nothing for it, and it is off again
     response = client.post(change_url(experiment), form_data(document, experiment))
     assert response.status_code == 302, response.content.decode()[:3000]

@@ -203,7 +203,7 @@ def test_migration_7_adds_gateway_ms_on_every_server_and_keeps_the_rows(
     before = _rows_of_older_code(
         cstore, servers, monkeypatch, 6, "mode, schedule_lag_ms, outcome", "'split', 1.5, 'ok'"
     )
-    assert cstore.migrate() == [7, 8, 9]  # and the answers' fingerprints and texts after it
+    assert cstore.migrate() == [7, 8, 9, 10]  # and the fidelity migrations after it
     assert local_rows(servers) == before  # every row where it was
     for server in servers:
         for table in ("samples", "samples_local"):
@@ -238,7 +238,7 @@ def test_migration_9_adds_answer_text_on_every_server_and_keeps_the_rows(
         "mode, outcome, output_fp, token_fps",
         "'mirror', 'ok', number + 1, [toUInt32(number)]",
     )
-    assert cstore.migrate() == [9]
+    assert cstore.migrate() == [9, 10]  # and the fidelity tables after it
     assert local_rows(servers) == before  # every row where it was
     for server in servers:
         for table in ("samples", "samples_local"):
@@ -552,3 +552,48 @@ def test_what_a_distributed_table_refuses_runs_on_the_local_tables():
         "INSERT INTO samples SELECT * FROM samples",
     ):
         assert cluster.per_shard_form(sql, tables) is None, sql
+
+
+def test_migration_10_creates_the_fidelity_tables_on_every_server_and_spreads_their_rows(cstore, servers):
+    cstore.migrate()
+    for server in servers:
+        tables = {
+            n
+            for (n,) in server.query(
+                "SELECT name FROM system.tables WHERE database = %(db)s", {"db": CLUSTER_DB}
+            )
+        }
+        assert {
+            "fidelity_scores",
+            "fidelity_scores_local",
+            "fidelity_shadows",
+            "fidelity_shadows_local",
+        } <= tables
+    rows = [
+        {
+            "experiment": "e",
+            "variant": "awq",
+            "control": "fp16",
+            "request_id": f"r{i}",
+            "user_id": f"u{i % 7}",
+            "config_revision": 3,
+            "sent_at": 1_780_000_000 + i,
+            "compared": "live",
+            "outcome": "ok",
+            "error": "",
+            "identical": int(i % 4 != 0),
+            "first_divergence": -1 if i % 4 else 2,
+            "unit": "token",
+            "variant_tokens": 8,
+            "control_tokens": 8,
+            "variant_fp": i,
+            "control_fp": i,
+        }
+        for i in range(40)
+    ]
+    assert cstore.insert_fidelity_shadows(rows) == 40
+    assert cstore.query("SELECT count(), sum(identical) FROM fidelity_shadows") == [(40, 30)]
+    per_server = [
+        s.query("SELECT count() FROM fidelity_shadows_local WHERE experiment = 'e'")[0][0] for s in servers
+    ]
+    assert sum(per_server) == 40 and all(n > 0 for n in per_server)  # sharded by the request's key
