@@ -112,6 +112,9 @@ def _settings(env: Reader) -> dict[str, Any]:
     # A running shard whose worker wrote no heartbeat (one a second) for this long is presumed
     # dead: a redelivered message may claim it, flush_samples ends its run (workers.tasks).
     REPLAY_LEASE_S = env.env_int("ABPLAT_REPLAY_LEASE_S", 10, minimum=2, maximum=3600)
+    # A mirror run's scoring pass (workers/fidelity_scores.py): at most this many calls to the
+    # variants in flight at once, after the run has ended (never beside its latency sampling).
+    FIDELITY_SCORE_CONCURRENCY = env.env_int("ABPLAT_FIDELITY_SCORE_CONCURRENCY", 4, minimum=1, maximum=64)
     # TLS variants: empty trusts the system store; a PEM bundle path trusts exactly its CAs.
     VARIANT_CA_BUNDLE = env.env_str("ABPLAT_VARIANT_CA_BUNDLE", "")
     # ---- hardening: docs/security.md says what each one guards ----
@@ -260,6 +263,9 @@ def _settings(env: Reader) -> dict[str, Any]:
     GATEWAY_DRAIN_S = env.env_int("ABPLAT_GATEWAY_DRAIN_S", 30, minimum=0, maximum=3600)
     # How often the variants' endpoints, models and secrets are re-read from the database.
     GATEWAY_VARIANTS_REFRESH_S = env.env_int("ABPLAT_GATEWAY_VARIANTS_REFRESH_S", 5, minimum=1, maximum=3600)
+    # Shadows (answers re-sent to the control, docs/gateway.md) in flight at most per gateway
+    # process; one more is skipped and counted, never queued. 0: no shadow is sent.
+    GATEWAY_SHADOWS_IN_FLIGHT = env.env_int("ABPLAT_GATEWAY_SHADOWS_IN_FLIGHT", 8, minimum=0, maximum=10_000)
 
     # ---- checks between values, and values built from them ----
     if CLICKHOUSE_CLUSTER and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", CLICKHOUSE_CLUSTER):

@@ -36,9 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from analysis.sql import from_where
+from analysis.sql import from_where, run_conditions
 from analysis.units import UNITS
+from fidelity.compare import TRUNCATION
 from fidelity.fingerprints import output_fp
+from samples.schema import FIDELITY_SCORES_TABLE
 from stats.clustered import ArmMoments, clustered_mean
 from stats.quantiles import quantile_rank
 
@@ -50,7 +52,15 @@ COMPARES = (
 )
 POSITION_UNIT_TOKENS = "token"  # every compared answer streamed one token per chunk
 POSITION_UNIT_CHUNKS = "chunk"  # some chunk held several tokens (speculative decoding, a proxy)
-NO_KL = "not measured: the replay did not ask the variants for log-probabilities"
+NO_KL = (
+    "not measured: no request of the runs read was scored by teacher forcing (the experiment's "
+    "fidelity.score_share is 0, or no mirror run has ended since it was set)"
+)
+NO_KL_SHARE_0 = (
+    "not measured: the experiment scores no request (its document's fidelity.score_share is 0); "
+    "set it above 0 and the next mirror run's requests are scored by teacher forcing"
+)
+KL_UNIT = "nats per answer token: each scored request's mean over its answer's tokens, averaged over requests"
 # A pair's kind, first divergence and chunking as one number for sumMap: kind * 2^40 +
 # (position + 1) * 2 + one token per chunk (positions stay far below 2^39).
 KINDS = (COMPARED, FAILED, UNRECORDED)
@@ -322,3 +332,166 @@ def identical_share(fid: dict | None) -> str:
     if not fid or not fid.get("identical"):
         return "-"
     return f"{100 * fid['identical']['estimate']:.1f}%"
+
+
+# ---- teacher-forced KL (the scoring pass's rows: samples.schema.FIDELITY_SCORES_TABLE) --------
+#
+# After a mirror run, a share of its requests is scored (fidelity/scores.py, workers/
+# fidelity_scores.py): per request and variant, the KL of the variant's next-token distributions
+# from the control's along the control's answer, summed over the answer's tokens. The report's
+# unit is the request: y = kl_sum / positions, the request's mean KL per answer token, averaged
+# over the scored requests with the same user-clustered interval as the identical share (a
+# ratio mean over clusters, normal). Per request, not per token pooled over requests: a token of
+# a long answer then counts less than one of a short answer, but the requests, not the tokens,
+# are the independent draws, so the interval is honest; and requests of a user share its prompts,
+# so they are clustered by user as everything else.
+
+
+def _scores_latest(f: Any, control: str) -> tuple[str, dict[str, Any]]:
+    """One row per (variant, run, request) of the scores of the runs in scope whose reference is
+    ``control``, its latest writing (a pass run again replaces its rows; the table's merges
+    may not have caught up): uid, oc, err, pos, ks, km, agree, k and y, the request's mean KL
+    per answer token. A time window (since/until) does not apply: the table has no send time."""
+    params: dict[str, Any] = {"experiment": f.experiment, "kl_control": control}
+    conds = ["experiment = %(experiment)s", "control = %(kl_control)s", *run_conditions(f, params)]
+    if f.variants:
+        conds.append("variant IN %(variants)s")
+        params["variants"] = tuple(f.variants)
+    sql = f"""
+        SELECT variant, run_id, seq,
+               argMax(user_id, scored_ms) AS uid, argMax(outcome, scored_ms) AS oc,
+               argMax(error, scored_ms) AS err, argMax(positions, scored_ms) AS pos,
+               argMax(kl_sum, scored_ms) AS ks, argMax(kl_max, scored_ms) AS km,
+               argMax(top1_agree, scored_ms) AS agree, argMax(top_k, scored_ms) AS k,
+               if(pos > 0, ks / pos, 0.) AS y
+        FROM {FIDELITY_SCORES_TABLE}
+        WHERE {" AND ".join(conds)}
+        GROUP BY variant, run_id, seq
+    """
+    return sql, params
+
+
+def kl_select(f: Any, unit: str, control: str) -> tuple[str, dict[str, Any]]:
+    """Per variant (the control included: its noise floor), from one pass over the latest scores:
+    variant, the clusters with a scored request, the largest cluster's count, the sums over
+    clusters of n, s, n^2, n s, s^2 (n scored requests, s the sum of their y), the sum of y^2 over
+    requests, the answer tokens scored, those whose most likely token agreed, the largest KL at
+    one token."""
+    if unit not in UNITS:
+        raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
+    latest, params = _scores_latest(f, control)
+    key = (
+        "cityHash64(if(uid = '', concat(toString(run_id), ':', toString(seq)), uid))"
+        if unit == "user"
+        else "cityHash64(run_id, seq)"
+    )
+    sql = f"""
+        SELECT variant, countIf(n > 0), max(n), sum(n), sum(s), sum(n * n), sum(n * s), sum(s * s),
+               sum(yy), sum(tokens), sum(agreed), max(top)
+        FROM (SELECT variant, {key} AS cluster,
+                     toFloat64(countIf(oc = 'ok')) AS n, sumIf(y, oc = 'ok') AS s,
+                     sumIf(y * y, oc = 'ok') AS yy, sumIf(pos, oc = 'ok') AS tokens,
+                     sumIf(agree, oc = 'ok') AS agreed, maxIf(km, oc = 'ok') AS top
+              FROM ({latest}) GROUP BY variant, cluster)
+        GROUP BY variant
+    """
+    return sql, params
+
+
+def kl_outcomes_select(f: Any, control: str) -> tuple[str, dict[str, Any]]:
+    """Per variant and outcome of the latest scores: variant, outcome, requests, an example
+    error, the smallest and largest top_k."""
+    latest, params = _scores_latest(f, control)
+    sql = f"""
+        SELECT variant, oc, count(), any(err), min(k), max(k)
+        FROM ({latest}) GROUP BY variant, oc ORDER BY variant, oc
+    """
+    return sql, params
+
+
+def kl_rows(moments: Sequence[Sequence[Any]], outcomes: Sequence[Sequence[Any]]) -> dict[str, dict[str, Any]]:
+    """kl_select's and kl_outcomes_select's rows as {variant: {"moments": row without the
+    variant, "outcomes": {outcome: (requests, example error, min top_k, max top_k)}}}."""
+    out: dict[str, dict[str, Any]] = {}
+    for variant, *row in moments:
+        out.setdefault(str(variant), {"moments": None, "outcomes": {}})["moments"] = tuple(row)
+    for variant, outcome, n, error, k_min, k_max in outcomes:
+        entry = out.setdefault(str(variant), {"moments": None, "outcomes": {}})
+        entry["outcomes"][str(outcome)] = (int(n), str(error), int(k_min), int(k_max))
+    return out
+
+
+def _kl_mean(moments: Sequence[Any] | None, conf: float) -> Any:
+    """clustered_mean of y from kl_select's row (without its variant); None with no scored request."""
+    if moments is None or not int(moments[0]):
+        return None
+    g, largest, n, s, nn, ns, ss, yy = moments[:8]
+    arm = ArmMoments(
+        total=np.array([float(n), float(s)]),
+        cross=np.array([[float(nn), float(ns)], [float(ns), float(ss)]]),
+        clusters=int(g),
+        largest=int(largest),
+        sum_yy=float(yy),
+    )
+    return clustered_mean(arm, conf)
+
+
+def kl_entry(
+    mine: dict[str, Any] | None, control: dict[str, Any] | None, conf: float
+) -> dict[str, Any] | None:
+    """A variant's ``fidelity.kl`` (docs/report-json.md, "Answer fidelity") from kl_rows' entries
+    of the variant and of the control; None where no request of the variant was scored."""
+    if not mine or not mine["outcomes"]:
+        return None
+    outcomes = mine["outcomes"]
+    scored = outcomes.get("ok", (0, "", 0, 0))[0]
+    failures = {o: {"n": n, "example": err} for o, (n, err, _lo, _hi) in sorted(outcomes.items()) if o != "ok"}
+    k_low = min(lo for _n, _e, lo, _hi in outcomes.values())
+    k_high = max(hi for _n, _e, _lo, hi in outcomes.values())
+    mean = _kl_mean(mine["moments"], conf)
+    m = mine["moments"]
+    noise = _kl_mean(control["moments"], conf) if control else None
+    note = None
+    if failures:
+        note = f"{sum(f['n'] for f in failures.values())} of {scored + sum(f['n'] for f in failures.values())} "
+        note += "requests picked were not scored: " + "; ".join(
+            f"{o} ({f['n']}): {f['example']}" for o, f in failures.items()
+        )
+    return {
+        "unit": KL_UNIT,
+        "mean": mean.estimate if mean is not None else None,
+        "low": mean.lo if mean is not None else None,
+        "high": mean.hi if mean is not None else None,
+        "conf": conf,
+        "interval": mean.as_dict() if mean is not None else None,
+        "requests_scored": scored,
+        "requests_failed": sum(f["n"] for f in failures.values()),
+        "failures": failures,
+        "tokens_scored": int(m[8]) if mean is not None else 0,
+        "top_k": k_high if k_low == k_high else None,
+        "top_k_range": [k_low, k_high],
+        "truncation": TRUNCATION.format(k=k_high if k_low == k_high else f"{k_low}..{k_high}"),
+        "max": float(m[10]) if mean is not None else None,
+        "top1_agreement": int(m[9]) / int(m[8]) if mean is not None and int(m[8]) else None,
+        "control_noise": noise.estimate if noise is not None else None,
+        "note": note,
+    }
+
+
+def with_kl(
+    entry: dict[str, Any] | None,
+    mine: dict[str, Any] | None,
+    control: dict[str, Any] | None,
+    conf: float,
+    score_share: float,
+) -> dict[str, Any] | None:
+    """``entry`` (fidelity_entry's) with its ``kl`` and ``kl_note``: the scores where the runs
+    read have some, else null and why (the share is 0, or nothing scored yet)."""
+    if entry is None:
+        return None
+    kl = kl_entry(mine, control, conf)
+    if kl is not None:
+        note = kl["truncation"]
+    else:
+        note = NO_KL_SHARE_0 if score_share <= 0 else NO_KL
+    return {**entry, "kl": kl, "kl_note": note}

@@ -41,6 +41,9 @@ class ExperimentInfo:
     # the document's fidelity.store_answers: mirror replays keep answers' texts, and the report
     # shows a few diverged ones (analysis.answer_fidelity); off: fingerprints only
     store_answers: bool = False
+    # the document's fidelity.score_share: the share of a mirror run's requests scored by teacher
+    # forcing after it ends (the report's fidelity.kl); 0: none
+    score_share: float = 0.0
 
     @property
     def unit(self) -> str:

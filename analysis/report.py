@@ -186,6 +186,8 @@ def build_report(
             jobs[f"fidelity_{v}"] = lambda v=v: reader.fidelity_pairs(
                 filters, exp.unit, control, v, examples=exp.store_answers
             )
+        if mirror_with:  # the scoring pass's teacher-forced KL, every variant's at once
+            jobs["kl_scores"] = lambda: reader.fidelity_scores(filters, exp.unit, control)
     got = run_queries(par, jobs)
     order_stats: dict[tuple[str, str], dict[int, float]] = {}
     for name, value in got.items():
@@ -193,11 +195,18 @@ def build_report(
             order_stats.update({(v, name[len("os_") :]): by_rank for v, by_rank in value.items()})
     cdf = cdf_points(hist)
     pairs = {k[len("pairs_") :]: p for k, p in got.items() if k.startswith("pairs_")}
+    kl_scores = got.get("kl_scores", {})
     fidelity = {
-        k[len("fidelity_") :]: answer_fidelity.with_examples(
-            answer_fidelity.fidelity_entry(p["moments"], p["kinds"], control, DEFAULT_CONF),
-            exp.store_answers,
-            p.get("examples"),
+        k[len("fidelity_") :]: answer_fidelity.with_kl(
+            answer_fidelity.with_examples(
+                answer_fidelity.fidelity_entry(p["moments"], p["kinds"], control, DEFAULT_CONF),
+                exp.store_answers,
+                p.get("examples"),
+            ),
+            kl_scores.get(k[len("fidelity_") :]),
+            kl_scores.get(control),
+            DEFAULT_CONF,
+            exp.score_share,
         )
         for k, p in got.items()
         if k.startswith("fidelity_")

@@ -80,6 +80,7 @@ def experiment_info(experiment: Any) -> ExperimentInfo:
         cluster_by_user=experiment.analysis_cluster_by_user,
         adjust=experiment.analysis_adjust,
         store_answers=experiment.fidelity_store_answers,
+        score_share=experiment.fidelity_score_share,
     )
 
 

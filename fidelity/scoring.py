@@ -13,6 +13,10 @@ vllm/entrypoints/openai/completion/protocol.py and serving.py):
 1. ``answer_request``: the reference's greedy answer as token ids: ``temperature: 0`` and
    ``return_token_ids: true``, so the choice carries ``prompt_token_ids`` (the prompt as the
    server tokenized it) and ``token_ids`` (the answer); ``parse_answer`` reads them.
+   ``chat_answer_request`` asks the chat API the same (vLLM's chat completions take
+   ``return_token_ids`` too and put ``prompt_token_ids`` beside the choices: the messages with
+   the server's chat template applied), so a chat request is scored as the token ids the server
+   actually generated from.
 2. ``scoring_request``: the completions API with ``prompt`` the token ids prompt + answer,
    ``max_tokens: 1``, ``temperature: 0`` and vLLM's extra parameter ``prompt_logprobs: k``
    (not streamed: vLLM refuses prompt_logprobs with ``stream: true``; k at most the server's
@@ -74,6 +78,24 @@ def answer_request(
     return body | dict(extra or {})
 
 
+def chat_answer_request(
+    model: str, messages: Sequence[Mapping[str, Any]], max_tokens: int, extra: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The body of a greedy /v1/chat/completions request whose answer and templated prompt come
+    back as token ids."""
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError("messages: a non-empty list of message objects is required")
+    body = {
+        "model": model,
+        "messages": [dict(m) for m in messages],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": False,
+        "return_token_ids": True,
+    }
+    return body | dict(extra or {})
+
+
 class Answer(NamedTuple):
     prompt_ids: tuple[int, ...]  # the prompt as the server tokenized it
     answer_ids: tuple[int, ...]
@@ -92,16 +114,20 @@ def _choice(response: Any, what: str) -> Mapping[str, Any]:
 
 
 def parse_answer(response: Any) -> Answer:
-    """The prompt's and the answer's token ids from the response to ``answer_request``."""
+    """The prompt's and the answer's token ids from the response to ``answer_request`` (in the
+    choice) or ``chat_answer_request`` (the prompt's beside the choices)."""
     choice = _choice(response, "answer")
-    for field in ("prompt_token_ids", "token_ids"):
-        if choice.get(field) is None:
+    prompt_ids, where = choice.get("prompt_token_ids"), "choices[0].prompt_token_ids"
+    if prompt_ids is None and response.get("object") == "chat.completion":
+        prompt_ids, where = response.get("prompt_token_ids"), "prompt_token_ids"
+    for field, value in (("prompt_token_ids", prompt_ids), ("token_ids", choice.get("token_ids"))):
+        if value is None:
             raise ValueError(
-                f"answer: choices[0] has no {field!r}: the server ignored return_token_ids "
+                f"answer: the response has no {field!r}: the server ignored return_token_ids "
                 "(not vLLM, or a vLLM older than the parameter)"
             )
     return Answer(
-        tuple(_ids(choice["prompt_token_ids"], "answer: choices[0].prompt_token_ids")),
+        tuple(_ids(prompt_ids, f"answer: {where}")),
         tuple(_ids(choice["token_ids"], "answer: choices[0].token_ids")),
         choice.get("finish_reason"),
     )

@@ -189,9 +189,13 @@ class WorkersConfig(AppConfig):
 
         from experiments.signals import experiment_transitioned
         from samples.factory import set_spool_hooks
+        from samples.signals import replay_finished
+        from workers.fidelity_scores import queue_scoring
 
         configure_metrics()
         experiment_transitioned.connect(stop_replays, dispatch_uid="workers.stop_replays")
+        # a mirror run's scoring pass (teacher-forced KL) once its samples are final
+        replay_finished.connect(queue_scoring, dispatch_uid="workers.fidelity_scores")
         set_spool_hooks(spool_hooks())
         worker_process_init.connect(start_spool_flusher, dispatch_uid="workers.spool_flusher", weak=False)
         worker_ready.connect(

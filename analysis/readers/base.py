@@ -19,6 +19,8 @@ Result shapes (what the report reads):
 - mirror pairs: {"cells": {both_hit, control_only, variant_only, both_miss}, "diff_values",
   "diff_counts"};
 - fidelity pairs: {"moments", "kinds"} (analysis.answer_fidelity), "examples" when asked;
+- fidelity scores: {variant: {"moments", "outcomes"}} of the teacher-forced KL
+  (analysis.answer_fidelity.kl_rows);
 - failures: {variant: {outcome: {"n", "http_status", "example"}}} of the requests not 'ok';
 - setup errors: {variant: {http status: {"n", "example"}}} of the setup errors
   (definitions.SETUP_ERROR), which every other query leaves out (analysis.sql.JUDGED);
@@ -81,6 +83,11 @@ class SampleReader(Protocol):
     ) -> dict[str, Any]:
         """{"moments": row or None, "kinds": rows} of analysis.answer_fidelity's pairs_select,
         and with ``examples`` "examples": the rows of its examples_select."""
+        ...
+
+    def fidelity_scores(self, f: Filters, unit: str, control: str) -> dict[str, dict[str, Any]]:
+        """{variant: {"moments", "outcomes"}} of analysis.answer_fidelity's kl_select and
+        kl_outcomes_select (the scoring pass's table), the control's own rows included."""
         ...
 
     def failures(self, f: Filters) -> dict[str, dict[str, dict[str, Any]]]: ...

@@ -225,5 +225,9 @@ class MergedReader:
         """From the samples: answers are compared per request, a rollup keeps none."""
         return self.raw.fidelity_pairs(f, unit, control, variant, examples=examples)
 
+    def fidelity_scores(self, f: Filters, unit: str, control: str) -> dict[str, dict[str, Any]]:
+        """From the scoring pass's table: a rollup keeps no scores."""
+        return self.raw.fidelity_scores(f, unit, control)
+
     def data_version(self, experiment: str) -> DataVersion:
         return self.raw.data_version(experiment)

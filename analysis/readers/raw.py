@@ -387,6 +387,17 @@ class RawReader:
             out["examples"] = self.store.query(*answer_fidelity.examples_select(f, control, variant))
         return out
 
+    def fidelity_scores(self, f: Filters, unit: str, control: str) -> dict[str, dict[str, Any]]:
+        """{variant: {"moments", "outcomes"}} of the scoring pass's teacher-forced KL, the control's
+        noise floor included (answer_fidelity.kl_rows): one pass for the moments, one for the
+        outcomes, over the scores alone (a few rows per request picked)."""
+        jobs = {
+            "moments": lambda: self.store.query(*answer_fidelity.kl_select(f, unit, control)),
+            "outcomes": lambda: self.store.query(*answer_fidelity.kl_outcomes_select(f, control)),
+        }
+        got = run_queries(self.parallel_queries, jobs)
+        return answer_fidelity.kl_rows(got["moments"], got["outcomes"])
+
     # 7. Data version (the report cache's key)
 
     def data_version(self, experiment: str) -> DataVersion:
