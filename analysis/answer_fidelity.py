@@ -54,7 +54,11 @@ POSITION_UNIT_TOKENS = "token"  # every compared answer streamed one token per c
 POSITION_UNIT_CHUNKS = "chunk"  # some chunk held several tokens (speculative decoding, a proxy)
 NO_KL = (
     "not measured: no request of the runs read was scored by teacher forcing (the experiment's "
-    "fidelity.score_share is 0, or no mirror run has ended since it was set)"
+    "fidelity.score_share is 0, or no mirror run read ended while it was above 0)"
+)
+NO_KL_NOT_YET = (
+    "not measured yet: no request of the runs read was scored by teacher forcing (none of them "
+    "ended while the experiment's fidelity.score_share was above 0)"
 )
 NO_KL_SHARE_0 = (
     "not measured: the experiment scores no request (its document's fidelity.score_share is 0); "
@@ -445,7 +449,9 @@ def kl_entry(
         return None
     outcomes = mine["outcomes"]
     scored = outcomes.get("ok", (0, "", 0, 0))[0]
-    failures = {o: {"n": n, "example": err} for o, (n, err, _lo, _hi) in sorted(outcomes.items()) if o != "ok"}
+    failures = {
+        o: {"n": n, "example": err} for o, (n, err, _lo, _hi) in sorted(outcomes.items()) if o != "ok"
+    }
     k_low = min(lo for _n, _e, lo, _hi in outcomes.values())
     k_high = max(hi for _n, _e, _lo, hi in outcomes.values())
     mean = _kl_mean(mine["moments"], conf)
@@ -453,7 +459,9 @@ def kl_entry(
     noise = _kl_mean(control["moments"], conf) if control else None
     note = None
     if failures:
-        note = f"{sum(f['n'] for f in failures.values())} of {scored + sum(f['n'] for f in failures.values())} "
+        note = (
+            f"{sum(f['n'] for f in failures.values())} of {scored + sum(f['n'] for f in failures.values())} "
+        )
         note += "requests picked were not scored: " + "; ".join(
             f"{o} ({f['n']}): {f['example']}" for o, f in failures.items()
         )
@@ -483,15 +491,64 @@ def with_kl(
     mine: dict[str, Any] | None,
     control: dict[str, Any] | None,
     conf: float,
-    score_share: float,
+    score_share: float | None,
 ) -> dict[str, Any] | None:
     """``entry`` (fidelity_entry's) with its ``kl`` and ``kl_note``: the scores where the runs
-    read have some, else null and why (the share is 0, or nothing scored yet)."""
+    read have some, else null and why (the share is 0, or nothing scored yet; ``score_share``
+    None: not known, both reasons named)."""
     if entry is None:
         return None
     kl = kl_entry(mine, control, conf)
     if kl is not None:
         note = kl["truncation"]
     else:
-        note = NO_KL_SHARE_0 if score_share <= 0 else NO_KL
+        if score_share is None:
+            note = NO_KL
+        else:
+            note = NO_KL_SHARE_0 if score_share <= 0 else NO_KL_NOT_YET
     return {**entry, "kl": kl, "kl_note": note}
+
+
+def _nats(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def kl_text(fid: dict[str, Any] | None) -> str:
+    """A variant's mean KL with its interval for a table, "1.61e-05 [1.57e-05, 1.65e-05]"; "-"
+    where nothing was scored."""
+    kl = (fid or {}).get("kl")
+    if not kl or kl["mean"] is None:
+        return "-"
+    if kl["low"] is None:
+        return f"{_nats(kl['mean'])} (no interval)"
+    return f"{_nats(kl['mean'])} [{_nats(kl['low'])}, {_nats(kl['high'])}]"
+
+
+def kl_line(key: str, fid: dict[str, Any] | None) -> str | None:
+    """ "awq: KL 1.61e-05 nats per answer token [95% CI ...] from fp16 (48 requests, ...)"; None
+    where the variant's requests were not scored at all."""
+    kl = (fid or {}).get("kl")
+    if not kl:
+        return None
+    failed = ", ".join(f"{o} {f['n']:,}" for o, f in kl["failures"].items())
+    if kl["mean"] is None:
+        first = next(iter(kl["failures"].values()), {"example": ""})
+        return (
+            f"{key}: KL not measured: {kl['requests_failed']:,} requests picked, none scored "
+            f"({failed}: {first['example']})"
+        )
+    ci = (
+        f" [{kl['conf']:.0%} CI {_nats(kl['low'])}-{_nats(kl['high'])}]"
+        if kl["low"] is not None
+        else " (no interval)"
+    )
+    k = kl["top_k"] if kl["top_k"] is not None else "k"
+    line = (
+        f"{key}: KL {_nats(kl['mean'])} nats per answer token{ci} from {fid['reference']}, top-{k} "
+        f"truncated ({kl['requests_scored']:,} requests, {kl['tokens_scored']:,} tokens); "
+        f"top-1 agreement {100 * kl['top1_agreement']:.1f}%; largest at one token {_nats(kl['max'])}; "
+        f"{fid['reference']} against itself {_nats(kl['control_noise'])}"
+    )
+    if failed:
+        line += f"; {kl['requests_failed']:,} not scored ({failed})"
+    return line

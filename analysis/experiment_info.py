@@ -42,8 +42,9 @@ class ExperimentInfo:
     # shows a few diverged ones (analysis.answer_fidelity); off: fingerprints only
     store_answers: bool = False
     # the document's fidelity.score_share: the share of a mirror run's requests scored by teacher
-    # forcing after it ends (the report's fidelity.kl); 0: none
-    score_share: float = 0.0
+    # forcing after it ends (the report's fidelity.kl); 0: none; None: not told (its kl_note then
+    # names both reasons a KL can be missing)
+    score_share: float | None = None
 
     @property
     def unit(self) -> str:

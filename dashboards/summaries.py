@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from statistics import NormalDist
 from typing import Any
 
-from analysis.answer_fidelity import identical_line
+from analysis.answer_fidelity import identical_line, kl_line, kl_text
 from analysis.definitions import METRIC_LABELS
 from dashboards.tables import (
     ANYTIME_DIFFERENCES,
@@ -316,6 +316,9 @@ def fidelity_summary(report: Mapping[str, Any]) -> dict[str, Any]:
                 "unrecorded": fid["unrecorded"],
                 "line": identical_line(e["key"], fid),
                 "note": ident.get("note"),
+                # the scoring pass's teacher-forced KL (analysis.answer_fidelity.kl_entry)
+                "kl": kl_text(fid),
+                "kl_line": kl_line(e["key"], fid),
             }
         )
         if fid["unrecorded"]:
@@ -324,7 +327,14 @@ def fidelity_summary(report: Mapping[str, Any]) -> dict[str, Any]:
                 "before fingerprints were kept, or not a mirror replay): not compared"
             )
     if not rows:
-        return {"rows": [], "compares": None, "reference": None, "notes": [], "kl": None}
+        return {
+            "rows": [],
+            "compares": None,
+            "reference": None,
+            "notes": [],
+            "kl": None,
+            "kl_measured": False,
+        }
     first = next(e["fidelity"] for e in report["variants"] if e.get("fidelity"))
     return {
         "rows": rows,
@@ -332,6 +342,8 @@ def fidelity_summary(report: Mapping[str, Any]) -> dict[str, Any]:
         "compares": first["compares"],
         "notes": notes,
         "kl": first["kl_note"],
+        # any variant's requests scored (each row's kl_line); otherwise "kl" says why none
+        "kl_measured": any(r["kl_line"] for r in rows),
     }
 
 

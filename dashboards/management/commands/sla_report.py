@@ -195,7 +195,8 @@ def itl_lines(report) -> list[str]:
 
 def fidelity_lines(report) -> list[str]:
     """Answers against the control's in mirror replays: the identical share per variant with its
-    interval, where the others part, and what was not compared."""
+    interval, where the others part, and what was not compared; then each variant's teacher-forced
+    KL from the control where its requests were scored."""
     summary = summaries.fidelity_summary(report)
     if not summary["rows"]:
         return []
@@ -214,7 +215,11 @@ def fidelity_lines(report) -> list[str]:
     for e in report["variants"]:
         for ex in (e.get("fidelity") or {}).get("examples", []):
             lines.append(example_line(e["key"], summary["reference"], ex))
-    lines.append(f"  KL divergence: {summary['kl']}")
+    if summary["kl_measured"]:  # teacher-forced KL from the scoring pass, per variant scored
+        lines += [f"  {r['kl_line']}" for r in summary["rows"] if r["kl_line"]]
+        lines += [f"  {r['variant']}: KL not measured" for r in summary["rows"] if not r["kl_line"]]
+    else:
+        lines.append(f"  KL divergence: {summary['kl']}")
     return lines
 
 
