@@ -25,7 +25,9 @@ Inference: with the experiment's ``analysis.cluster_by_user`` (the default) the 
 carries per-user aggregates and attainment and error rate are read with users as the
 independent unit, their differences to the control adjusted on pre-request covariates unless
 ``analysis.adjust`` is off; each guardrail in the decision's numbers names how it was read
-(stats/sequential/guardrails.py).
+(stats/sequential/guardrails.py). An identical_answers guardrail reads the candidate's live
+requests shadowed to the control (the reading's ``candidate.shadows``) and must be shown to hold
+before a step is promoted; its check in the numbers carries the shadows' counts.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from experiments.document import parse_duration, resolve_guardrail
-from stats.sequential.arm_snapshot import ArmSnapshot
+from stats.sequential.arm_snapshot import IDENTICAL_ANSWERS, ArmSnapshot
 from stats.sequential.guardrail_spec import Guardrail
 from stats.sequential.guardrails import BREACH, HALT, PASS, RolloutDecision, decide
 from stats.sequential.srm import SrmSequence
@@ -116,6 +118,10 @@ class Plan:
         """The latency columns the quantile guardrails read (ttft_ms for p99_ttft_ms)."""
         return sorted({g.quantile[1] for g in self.guardrails if g.quantile is not None})
 
+    def reads_shadows(self) -> bool:
+        """An identical_answers guardrail: the step's reading needs the candidate's shadows."""
+        return any(g.metric == IDENTICAL_ANSWERS for g in self.guardrails)
+
 
 @dataclasses.dataclass(frozen=True)
 class State:
@@ -140,8 +146,9 @@ class StoreView:
 @dataclasses.dataclass(frozen=True)
 class StepReading:
     """This step's samples (config revision = the step's): per-arm totals (with per-user
-    aggregates when the plan clusters by user: ArmSnapshot.per_user) and distinct users.
-    ``error`` set: the sample store could not be read."""
+    aggregates when the plan clusters by user: ArmSnapshot.per_user; with the candidate's
+    shadowed requests when the plan has an identical_answers guardrail: ArmSnapshot.shadows)
+    and distinct users. ``error`` set: the sample store could not be read."""
 
     control: ArmSnapshot | None = None
     candidate: ArmSnapshot | None = None

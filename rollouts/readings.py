@@ -14,6 +14,14 @@ and covariate-adjusted guardrails need nothing else (stats.clustered.ArmMoments)
 10^6 users is read as one row per arm, not a row per user. The arm's totals are then those
 moments' sums, so totals and per-user aggregates come from one snapshot of the table even while
 samples arrive.
+
+With an identical_answers guardrail the step also reads the candidate's live requests the gateway
+shadowed to the control (samples.schema.FIDELITY_SHADOWS_TABLE, its rows under the step's
+revision): grouped by user inside the store (a request without a user is a user of its own) and
+reduced to one row, the rows, the compared ones (outcome ok: only those are judged), the
+identical ones among them, the users and the sums over users of the products of [compared,
+identical] (stats.sequential.arm_snapshot.Shadows). FINAL collapses a batch the gateway wrote
+twice: one experiment's step of shadows is a small share of its requests.
 """
 
 from __future__ import annotations
@@ -27,8 +35,10 @@ from analysis.definitions import SETUP_ERROR, Filters, Slo
 from analysis.sql import ASSIGNED_USERS, JUDGED, SAMPLES, hit_expr, metric_ok
 from experiments.document import ROLLOUT_LATENCIES
 from rollouts.controller import Plan, StepReading
+from samples.schema import FIDELITY_SHADOWS_TABLE
 from samples.store import StoreError
-from stats.sequential.arm_snapshot import ATTAINMENT, ERROR_RATE, ArmSnapshot, UserMoments
+from stats.clustered import ArmMoments
+from stats.sequential.arm_snapshot import ATTAINMENT, ERROR_RATE, ArmSnapshot, Shadows, UserMoments
 from stats.sequential.quantiles import LatencyHistogram, latency_edges
 
 EDGES = latency_edges(60_000.0, 1.0)  # 0..60 s at 1 ms; slower lands in the overflow bucket
@@ -39,6 +49,35 @@ REVISION = "config_revision = %(revision)s"
 
 def _where() -> str:
     return f"FROM {SAMPLES} PREWHERE experiment = %(experiment)s WHERE {REVISION}"
+
+
+# The candidate's shadows in the step, per user (n: compared, y: identical), then over the users.
+SHADOWS_SQL = (
+    "SELECT sum(rows) AS shadowed, sum(n) AS ok, sum(y) AS identical, countIf(n > 0) AS users, "
+    "max(n) AS largest, sum(n * n) AS nn, sum(n * y) AS ny, sum(y * y) AS yy FROM ("
+    "SELECT count() AS rows, countIf(outcome = 'ok') AS n, countIf(outcome = 'ok' AND identical = 1) AS y "
+    f"FROM {FIDELITY_SHADOWS_TABLE} FINAL PREWHERE experiment = %(experiment)s "
+    f"WHERE variant = %(candidate)s AND {REVISION} "
+    "GROUP BY cityHash64(user_id, if(user_id = '', request_id, '')))"
+)
+
+
+def shadows_of(row: dict[str, Any], by_user: bool) -> Shadows:
+    """Shadows from SHADOWS_SQL's one row; ``by_user``: with the per-user moments."""
+    got = {
+        k: int(row[k][0]) if row.get(k) else 0 for k in ("shadowed", "ok", "identical", "users", "largest")
+    }
+    moments = None
+    if by_user and got["ok"]:
+        nn, ny, yy = (float(row[k][0]) for k in ("nn", "ny", "yy"))
+        moments = ArmMoments(
+            np.array([got["ok"], got["identical"]], dtype=float),
+            np.array([[nn, ny], [ny, yy]]),
+            got["users"],
+            got["largest"],
+            binary=True,
+        )
+    return Shadows(got["shadowed"], got["ok"], got["identical"], got["users"], moments, by_user)
 
 
 def user_moments(moments: units.UnitMoments | None) -> UserMoments:
@@ -89,6 +128,12 @@ def read_step(
                 if variant in per:
                     per[variant][max(0, int(bucket))] += int(c)
             hists[name] = per
+        shadows = None
+        if plan.reads_shadows():
+            row = store.query_columns(
+                SHADOWS_SQL, {**params, "candidate": plan.candidate}, settings=QUERY_SETTINGS
+            )
+            shadows = shadows_of(row, per_user)
     except (StoreError, OSError, EOFError) as exc:
         return StepReading(error=f"{type(exc).__name__}: {exc}"[:500])
     except Exception as exc:  # a driver's own network error types: still "the store did not answer"
@@ -109,6 +154,7 @@ def read_step(
             # The totals of the per-user moments: the same snapshot as the aggregates
             sums = user_moments(moments.get(arm))
             n, hits, errors = sums.requests, sums.events(ATTAINMENT), sums.events(ERROR_RATE)
-        snaps[arm] = ArmSnapshot(n, hits, errors, lat, sums, setup.get(arm, 0))
+        mine = shadows if arm == plan.candidate else None
+        snaps[arm] = ArmSnapshot(n, hits, errors, lat, sums, setup.get(arm, 0), mine)
     users = {arm: got.get(arm, (0, 0, 0, 0))[3] for arm in arms}
     return StepReading(snaps[plan.control], snaps[plan.candidate], users)

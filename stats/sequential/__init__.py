@@ -14,8 +14,9 @@ Split by kind; import from the module that defines a name:
 - ``srm``: the sequential sample ratio mismatch test (an e-value and an anytime p-value);
 - ``guardrails``: the rollout decision (breach, halt, pass, undecided) from guardrails as the
   document states them (``guardrail_spec``), reading each arm's ``arm_snapshot`` (totals,
-  latencies, per-user aggregates), the shares through ``share_reading`` (exact, user-clustered
-  or adjusted) and the candidate's setup errors through ``setup_errors``;
+  latencies, per-user aggregates, the candidate's shadowed answers), the shares through
+  ``share_reading`` (exact, user-clustered or adjusted) and the candidate's setup errors
+  through ``setup_errors``;
 - ``adjusted``: asymptotic confidence sequences for the user-clustered mean and difference of
   means and the covariate-adjusted difference (normal mixture on the robust variance).
 

@@ -1,10 +1,13 @@
 """One arm's reading in a rollout step, as the guardrails take it (stats.sequential.guardrails):
 its totals (``ArmSnapshot``: requests, SLA hits, errors, setup errors kept apart), its latency
 sources for quantile guardrails, and optionally the per-user aggregates the totals add up from,
-a row per user (``UserSums``) or reduced over the users in the store (``UserMoments``).
+a row per user (``UserSums``) or reduced over the users in the store (``UserMoments``), and the
+candidate's live requests shadowed to the control (``Shadows``).
 
 The two shares a guardrail reads from the totals: ``ATTAINMENT`` (SLA hits, errors count as
-misses) and ``ERROR_RATE`` (errors).
+misses) and ``ERROR_RATE`` (errors). The third share, ``IDENTICAL_ANSWERS``, is read from the
+shadows: of the shadowed requests both of whose answers came back, those whose answers are the
+same.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from stats.clustered import ArmMoments, ClusterSums
 from stats.sequential._base import SequentialInterval
 
 ATTAINMENT, ERROR_RATE = "attainment", "error_rate"
+IDENTICAL_ANSWERS = "identical_answers"
 
 
 class QuantileSource(Protocol):
@@ -209,6 +213,81 @@ class UserMoments:
 PerUser = UserSums | UserMoments
 
 
+def _count(v: Any, where: str, name: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+        raise ValueError(f"{where}: {name} must be an integer count >= 0, got {v!r}")
+    return int(v)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Shadows:
+    """The candidate's live requests shadowed to the control in the step (the gateway's
+    fidelity_shadows rows under the step's config revision), as the ``identical_answers``
+    guardrail reads them.
+
+    ``shadowed``: the rows; ``ok``: those compared (outcome ok: both answers came back), the only
+    ones judged; ``identical``: of those, the answers the same as the control's; ``users``: the
+    distinct users among the ok ones (a request without a user is a user of its own).
+    ``by_user``: read with users as the independent unit (the plan's cluster_by_user); then
+    ``per_user`` holds the ok shadows' per-user vector [requests, identical] reduced over the
+    users (0/1 ArmMoments without covariates: its sums and the sums of its products), None only
+    while no shadow is ok. It offers what the clustered sequences read of a share (``users``,
+    ``requests``, ``events``, ``clustered_source``), as UserMoments does for the other two."""
+
+    shadowed: int
+    ok: int
+    identical: int
+    users: int = 0
+    per_user: ArmMoments | None = None
+    by_user: bool = False
+
+    def __post_init__(self) -> None:
+        where = "Shadows"
+        shadowed, ok, identical, users = (
+            _count(getattr(self, name), where, name) for name in ("shadowed", "ok", "identical", "users")
+        )
+        if not identical <= ok <= shadowed:
+            raise ValueError(
+                f"{where}: needs identical <= ok <= shadowed, got {identical}, {ok}, {shadowed} "
+                "(only compared shadows are judged)"
+            )
+        if users > ok or (ok and not users):
+            raise ValueError(f"{where}: {users} users cannot have sent {ok} compared shadows")
+        u = self.per_user
+        if u is not None:
+            if not isinstance(u, ArmMoments) or not u.binary or u.covariates:
+                raise ValueError(f"{where}: per_user must be 0/1 ArmMoments without covariates")
+            if (u.n, round(float(u.total[1])), u.clusters) != (ok, identical, users):
+                raise ValueError(
+                    f"{where}: the per-user moments hold {u.n} shadows, {float(u.total[1]):g} identical, "
+                    f"{u.clusters} users, not ok, identical, users = {ok}, {identical}, {users}"
+                )
+            object.__setattr__(self, "by_user", True)
+        elif self.by_user and ok:
+            raise ValueError(f"{where}: read by user, {ok} compared shadows need their per-user moments")
+        for name, v in (("shadowed", shadowed), ("ok", ok), ("identical", identical), ("users", users)):
+            object.__setattr__(self, name, v)
+
+    @property
+    def requests(self) -> int:
+        """The judged shadows (outcome ok)."""
+        return self.ok
+
+    def events(self, metric: str = IDENTICAL_ANSWERS) -> int:
+        """The judged shadows whose answers were identical."""
+        return self.identical
+
+    def clustered_source(self, metric: str = IDENTICAL_ANSWERS) -> ArmMoments:
+        """The per-user moments the clustered sequence reads."""
+        if self.per_user is None:
+            raise ValueError("Shadows: no compared shadow read by user, no identical_answers to read")
+        return self.per_user
+
+    def counts(self) -> dict[str, int]:
+        """What a decision shows of them."""
+        return {"shadowed": self.shadowed, "ok": self.ok, "identical": self.identical, "users": self.users}
+
+
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class ArmSnapshot:
     """One arm's totals in the current step: requests, SLA hits (errors count as misses), errors,
@@ -219,7 +298,10 @@ class ArmSnapshot:
     ``setup_errors``: the requests the arm answered with a setup error (a 4xx but 408 and 429:
     an unknown model, auth, a bad request; analysis.definitions.SETUP_ERROR), kept out of n,
     hits and errors: they measure how the arm is configured or called, not how it serves, so no
-    guardrail reads them (``decide`` checks them on their own, ``setup_error_check``)."""
+    guardrail reads them (``decide`` checks them on their own, ``setup_error_check``).
+
+    ``shadows``: the candidate's live requests shadowed to the control (``Shadows``), read when
+    a plan has an ``identical_answers`` guardrail; None otherwise."""
 
     n: int
     hits: int
@@ -227,12 +309,13 @@ class ArmSnapshot:
     latencies: Mapping[str, QuantileSource] = dataclasses.field(default_factory=dict)
     per_user: PerUser | None = None
     setup_errors: int = 0
+    shadows: Shadows | None = None
 
     def __post_init__(self) -> None:
+        if self.shadows is not None and not isinstance(self.shadows, Shadows):
+            raise ValueError(f"ArmSnapshot: shadows must be Shadows, got {type(self.shadows).__name__}")
         for name in ("n", "hits", "errors", "setup_errors"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
-                raise ValueError(f"ArmSnapshot: {name} must be an integer count >= 0, got {v!r}")
+            _count(getattr(self, name), "ArmSnapshot", name)
         if self.hits + self.errors > self.n:
             raise ValueError(
                 f"ArmSnapshot: hits ({self.hits}) + errors ({self.errors}) exceed n ({self.n}); "

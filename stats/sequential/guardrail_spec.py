@@ -4,6 +4,12 @@ candidate arm, or its difference to the control, against a limit.
     {metric: attainment, at_least: 0.992}              candidate attainment >= 0.992
     {metric: error_rate, at_most_over_control: 0.005}  candidate - control error rate <= 0.005
     {metric: p99_ttft_ms, at_most_over_control: 20}    candidate p99 - control p99 <= 20 ms
+    {metric: identical_answers, at_least: 0.95}        candidate's shadowed answers identical
+                                                       to the control's: share >= 0.95
+
+``identical_answers`` takes at_least and at_most only: its share already compares the candidate
+with the control (the control's answers are the reference, identical to themselves), so a
+difference to the control's own share would compare it with 1.
 
 ``Guardrail`` checks the form; stats.sequential.guardrails reads it against the arms.
 """
@@ -18,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from stats._common import AsDict
-from stats.sequential.arm_snapshot import ATTAINMENT, ERROR_RATE
+from stats.sequential.arm_snapshot import ATTAINMENT, ERROR_RATE, IDENTICAL_ANSWERS
 
 AT_LEAST, AT_MOST = "at_least", "at_most"
 AT_LEAST_OVER, AT_MOST_OVER = "at_least_over_control", "at_most_over_control"
@@ -40,14 +46,20 @@ class Guardrail(AsDict):
         if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t):
             raise ValueError(f"{where}: {self.rule} must be a finite number, got {t!r}")
         object.__setattr__(self, "threshold", float(t))
-        if self.metric in (ATTAINMENT, ERROR_RATE):
+        if self.metric == IDENTICAL_ANSWERS and self.over_control:
+            raise ValueError(
+                f"{where}: {self.rule} does not apply: the share already compares the candidate's "
+                f"answers with the control's (the reference, identical to itself); use {AT_LEAST} "
+                f"(or {AT_MOST})"
+            )
+        if self.metric in (ATTAINMENT, ERROR_RATE, IDENTICAL_ANSWERS):
             low = -1.0 if self.over_control else 0.0
             if not low <= t <= 1.0:
                 raise ValueError(f"{where}: {self.rule} must be a share in [{low:g}, 1], got {t!r}")
         elif self.quantile is None:
             raise ValueError(
-                f"guardrail metric must be {ATTAINMENT}, {ERROR_RATE} or a quantile like p99_ttft_ms, "
-                f"got {self.metric!r}"
+                f"guardrail metric must be {ATTAINMENT}, {ERROR_RATE}, {IDENTICAL_ANSWERS} or a "
+                f"quantile like p99_ttft_ms, got {self.metric!r}"
             )
 
     @property

@@ -7,19 +7,25 @@ its difference to the control, against a limit (the experiment document's
     {metric: attainment, at_least: 0.992}              candidate attainment >= 0.992
     {metric: error_rate, at_most_over_control: 0.005}  candidate - control error rate <= 0.005
     {metric: p99_ttft_ms, at_most_over_control: 20}    candidate p99 - control p99 <= 20 ms
+    {metric: identical_answers, at_least: 0.95}        candidate's answers identical to the
+                                                       control's on >= 95% of shadowed requests
 
 Metrics: ``attainment`` (share of requests meeting the SLA, errors count as misses),
-``error_rate``, and a quantile ``p<NN>_<latency>`` (p99_ttft_ms: the 0.99 quantile of the arm's
-``ttft_ms`` latencies). Rules: at_least, at_most (the candidate's value), at_least_over_control,
-at_most_over_control (candidate - control).
+``error_rate``, a quantile ``p<NN>_<latency>`` (p99_ttft_ms: the 0.99 quantile of the arm's
+``ttft_ms`` latencies), and ``identical_answers`` (of the candidate's live requests shadowed to
+the control whose comparison came back, the share whose answers were identical: ArmSnapshot.
+shadows). Rules: at_least, at_most (the candidate's value), at_least_over_control,
+at_most_over_control (candidate - control; not for identical_answers, already a comparison).
 
 Inference, per guardrail (``GuardrailCheck.inference``): attainment and error rate are read
 ``user-clustered`` (``user-clustered, adjusted`` on the pre-request covariates) when the arms
 carry per-user aggregates and enough users and events, else through the exact sequence for
 independent ``requests`` (stats.sequential.share_reading says when and how; ``inference_note``
-says why not clustered or adjusted). Quantile guardrails are read through ``order statistics``,
-always: per request (not clustered) and not adjusted, since subtracting a covariate term leaves a
-mean where it is but moves a quantile to another quantity (stats.adjusted). An arm's reading is
+says why not clustered or adjusted); identical_answers likewise, a one-arm share with the
+candidate's shadows for requests, never adjusted (its check carries their ``counts``). Quantile
+guardrails are read through ``order statistics``, always: per request (not clustered) and not
+adjusted, since subtracting a covariate term leaves a mean where it is but moves a quantile to
+another quantity (stats.adjusted). An arm's reading is
 an ``ArmSnapshot`` (stats.sequential.arm_snapshot).
 
 Setup errors (a 4xx but 408 and 429: an unknown model, auth, a bad request) are no measure of
@@ -30,12 +36,19 @@ them is shown above the control's refuses, as configured, what the control serve
 halts for a person (never a rollback, never a promotion). A step never passes with no judged
 request in an arm.
 
+An identical_answers guardrail must be shown to hold before a step passes (``MUST_HOLD``), even
+under promote_on="no_breach": the gateway shadows only a share of the candidate's requests, so
+min_samples says nothing of how many answers were compared, and "no breach shown" on a handful
+of them would promote answers nobody checked. Its sequence decides when there are enough: with
+none compared it never passes.
+
 The guarantee, per rollout step (one config revision, counts from that step only): with k
 guardrails at overall ``alpha``, each gets a = alpha/k. Without per-user aggregates it is read
-through one sequence at a (a difference through per-arm sequences at a/2). With them, attainment
-and error rate hold two sequences: the clustered one at ``CLUSTERED_SHARE`` * a (share_reading)
-and the exact one at the rest; each look reads one of them, and a false breach at any look needs
-one of the two to miss the truth at some look, so the union bound gives a again. With
+through one sequence at a (a difference through per-arm sequences at a/2). With them,
+attainment, error rate and identical answers hold two sequences: the clustered one at
+``CLUSTERED_SHARE`` * a (share_reading) and the exact one at the rest; each look reads one of
+them, and a false breach at any look needs one of the two to miss the truth at some look, so
+the union bound gives a again. With
 probability >= 1 - alpha every sequence holds at every look of the step at once, so
 
     P(any guardrail is declared breached at any look while it actually holds) <= alpha,
@@ -63,7 +76,7 @@ from collections.abc import Sequence
 from stats._common import AsDict
 from stats.sequential._base import DEFAULT_ALPHA, DEFAULT_PRIOR, SequentialInterval, check_alpha
 from stats.sequential.adjusted import DEFAULT_MIN_CLUSTERS, DEFAULT_TARGET_N
-from stats.sequential.arm_snapshot import ATTAINMENT, ERROR_RATE, ArmSnapshot
+from stats.sequential.arm_snapshot import ATTAINMENT, ERROR_RATE, IDENTICAL_ANSWERS, ArmSnapshot
 from stats.sequential.guardrail_spec import AT_LEAST, AT_LEAST_OVER, AT_MOST, AT_MOST_OVER, Guardrail
 from stats.sequential.quantiles import quantile_difference_interval
 from stats.sequential.setup_errors import SetupErrorCheck, setup_error_check
@@ -74,6 +87,8 @@ BREACH, OK, UNCLEAR = "breach", "ok", "unclear"  # per guardrail
 HALT, PASS, UNDECIDED = "halt", "pass", "undecided"  # the decision (and BREACH)
 NO_BREACH, ALL_CONFIRMED = "no_breach", "all_confirmed"  # promote_on
 ORDER_STATISTICS = "order statistics"  # GuardrailCheck.inference of a quantile (shares: share_reading)
+# Metrics a step passes only once shown to hold, whatever promote_on says (module docstring).
+MUST_HOLD = (IDENTICAL_ANSWERS,)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -88,6 +103,8 @@ class GuardrailCheck(AsDict):
     inference_note: str | None = None  # why not clustered or adjusted, when it could have been
     variance_reduction: float | None = None  # adjusted: 1 - V_adjusted / V_unadjusted (clustered)
     covariates: tuple[str, ...] = ()  # adjusted: the covariates used
+    # identical_answers: the candidate's shadows (shadowed, ok, identical, users); None otherwise
+    counts: dict[str, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,7 +126,7 @@ class RolloutDecision(AsDict):
 def _fmt(metric: str, x: float | None) -> str:
     if x is None:
         return "inf"
-    return f"{x:.3%}" if metric in (ATTAINMENT, ERROR_RATE) else f"{x:.1f}"
+    return f"{x:.3%}" if metric in (ATTAINMENT, ERROR_RATE, IDENTICAL_ANSWERS) else f"{x:.1f}"
 
 
 def _status(rule: str, threshold: float, iv: SequentialInterval) -> str:
@@ -174,6 +191,14 @@ def check_guardrail(
     how = read.inference
     if read.variance_reduction is not None:
         how += f" on {', '.join(read.covariates)}, variance {-read.variance_reduction:+.0%}"
+    counts = None
+    if g.metric == IDENTICAL_ANSWERS:
+        assert candidate.shadows is not None  # read_share refuses a reading without them
+        counts = candidate.shadows.counts()
+        how += (
+            f"; {counts['identical']} identical of {counts['ok']} compared from {counts['users']} users, "
+            f"{counts['shadowed'] - counts['ok']} of {counts['shadowed']} shadowed not compared"
+        )
     message = (
         f"{what} {_fmt(g.metric, iv.estimate) if iv.estimate is not None else 'n/a'} "
         f"(anytime {1 - iv.alpha:.4g} interval {_fmt(g.metric, iv.lo) if iv.lo is not None else '-inf'}"
@@ -191,6 +216,7 @@ def check_guardrail(
         read.note,
         read.variance_reduction,
         read.covariates,
+        counts,
     )
 
 
@@ -222,8 +248,9 @@ def decide(
        younger than ``min_duration_s``. Setup errors are not among those requests: a step
        never passes on requests no guardrail could judge.
     4. pass: with promote_on="no_breach" (the rollout default: promote unless harm is shown),
-       once the minimums are met; with "all_confirmed", only when every guardrail is shown to
-       hold (a stronger claim that needs much more traffic), else undecided.
+       once the minimums are met and every ``MUST_HOLD`` guardrail (identical_answers) is shown
+       to hold; with "all_confirmed", only when every guardrail is shown to hold (a stronger
+       claim that needs much more traffic), else undecided.
 
     ``adjust``, ``min_clusters``, ``target_n``: how attainment and error rate are read when the
     arms carry per-user aggregates (``check_guardrail``).
@@ -282,9 +309,13 @@ def decide(
         waiting.append(f"step has run {elapsed_s:.0f} of {min_duration_s:.0f} s")
     if waiting:
         return result(UNDECIDED, "no breach; waiting: " + ", ".join(waiting))
-    unclear = [c for c in checks if c.status != OK]
-    if promote_on == ALL_CONFIRMED and unclear:
+    unclear = [c for c in checks if c.status != OK and (promote_on == ALL_CONFIRMED or c.metric in MUST_HOLD)]
+    if unclear:
         return result(UNDECIDED, "no breach; not yet shown to hold: " + "; ".join(c.message for c in unclear))
     if promote_on == ALL_CONFIRMED:
         return result(PASS, "every guardrail shown to hold: " + "; ".join(c.message for c in checks))
-    return result(PASS, "no guardrail breached after the minimum samples and duration")
+    shown = [c.message for c in checks if c.metric in MUST_HOLD]
+    return result(
+        PASS,
+        "no guardrail breached after the minimum samples and duration" + "".join(f"; {m}" for m in shown),
+    )

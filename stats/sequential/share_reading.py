@@ -1,7 +1,13 @@
-"""How a share guardrail (attainment, error rate) is read: the candidate's share, or its
-difference to the control, as an anytime-valid interval and the inference behind it
-(``GuardrailReading``; stats.sequential.guardrails.check_guardrail reports it as
+"""How a share guardrail (attainment, error rate, identical answers) is read: the candidate's
+share, or its difference to the control, as an anytime-valid interval and the inference behind
+it (``GuardrailReading``; stats.sequential.guardrails.check_guardrail reports it as
 ``GuardrailCheck.inference``).
+
+``identical_answers`` is a one-arm share like the candidate's attainment, read the same way from
+the candidate's shadows (ArmSnapshot.shadows, stats.sequential.arm_snapshot.Shadows): of its
+live requests shadowed to the control and compared (outcome ok), the share whose answers were
+identical; with ``by_user`` its units are the users (their per-user moments of [requests,
+identical]), so a user who sends many alike requests counts as one draw, not many.
 
 - ``user-clustered`` / ``user-clustered, adjusted``: when the arms carry per-user aggregates
   (``ArmSnapshot.per_user``: a row per user, UserSums, or those rows reduced over the users in
@@ -35,7 +41,15 @@ from stats.sequential.adjusted import (
     clustered_difference_sequence,
     clustered_mean_sequence,
 )
-from stats.sequential.arm_snapshot import ATTAINMENT, ERROR_RATE, SHARES, ArmSnapshot, PerUser
+from stats.sequential.arm_snapshot import (
+    ATTAINMENT,
+    ERROR_RATE,
+    IDENTICAL_ANSWERS,
+    SHARES,
+    ArmSnapshot,
+    PerUser,
+    Shadows,
+)
 from stats.sequential.guardrail_spec import Guardrail
 from stats.sequential.means import MeanSequence, difference_interval
 
@@ -73,19 +87,25 @@ def _clip(iv: SequentialInterval, low: float, high: float) -> SequentialInterval
     return dataclasses.replace(iv, lo=lo, hi=hi)
 
 
-def _exact(
+def _exact_difference(
     g: Guardrail, control: ArmSnapshot, candidate: ArmSnapshot, alpha: float, prior: tuple[float, float]
 ) -> SequentialInterval:
-    """The beta-binomial sequence of the share (of the difference: per-arm sequences at alpha/2)."""
+    """The beta-binomial sequence of the difference: per-arm sequences at alpha/2."""
     key = SHARES[g.metric]
     cand = MeanSequence(candidate.n, getattr(candidate, key), alpha, prior)
-    if not g.over_control:
-        return cand.interval()
     ctrl = MeanSequence(control.n, getattr(control, key), alpha, prior)
     return difference_interval(ctrl, cand, alpha)
 
 
-def _too_few(metric: str, arms: Sequence[tuple[str, PerUser]], min_clusters: int) -> str | None:
+# What a share's 0/1 value is called, for the notes: (value 1, value 0).
+OUTCOMES = {
+    ATTAINMENT: ("hits", "misses"),
+    ERROR_RATE: ("errors", "successes"),
+    IDENTICAL_ANSWERS: ("identical answers", "different ones"),
+}
+
+
+def _too_few(metric: str, arms: Sequence[tuple[str, PerUser | Shadows]], min_clusters: int) -> str | None:
     """Why the clustered sequence may not read this look yet (None: it may)."""
     why = []
     for label, u in arms:
@@ -94,7 +114,7 @@ def _too_few(metric: str, arms: Sequence[tuple[str, PerUser]], min_clusters: int
         if u.users < min_clusters:
             why.append(f"{label} has {u.users} users of the {min_clusters}")
         elif min(events, others) < MIN_EVENTS:
-            what = {ATTAINMENT: ("hits", "misses"), ERROR_RATE: ("errors", "successes")}[metric]
+            what = OUTCOMES[metric]
             why.append(f"{label} has {events} {what[0]} and {others} {what[1]}, not {MIN_EVENTS} of each")
     if not why:
         return None
@@ -125,6 +145,33 @@ def _adjusted(
     return None
 
 
+NO_USERS = "no per-user aggregates in this reading: requests read as independent draws"
+
+
+def _one_arm(
+    metric: str,
+    n: int,
+    events: int,
+    per_user: PerUser | Shadows | None,
+    alpha: float,
+    prior: tuple[float, float],
+    min_clusters: int,
+    target_n: float,
+) -> GuardrailReading:
+    """One arm's share (``events`` of ``n``) against a fixed limit: the clustered sequence of its
+    ratio mean when ``per_user`` is given and has enough users and events (at CLUSTERED_SHARE of
+    alpha, the exact sequence at the rest reading the looks before that), else the exact one."""
+    if per_user is None:  # the whole guardrail alpha to the exact sequence
+        return GuardrailReading(MeanSequence(n, events, alpha, prior).interval(), REQUESTS, NO_USERS)
+    short = _too_few(metric, [("candidate", per_user)], min_clusters)
+    if short is not None:
+        iv = MeanSequence(n, events, alpha * (1.0 - CLUSTERED_SHARE), prior).interval()
+        return GuardrailReading(iv, REQUESTS, short)
+    source = per_user.clustered_source(metric)
+    iv = clustered_mean_sequence(source, alpha * CLUSTERED_SHARE, target_n, min_clusters)
+    return GuardrailReading(_clip(iv, 0.0, 1.0), CLUSTERED)
+
+
 def read_share(
     g: Guardrail,
     control: ArmSnapshot,
@@ -135,14 +182,30 @@ def read_share(
     min_clusters: int,
     target_n: float,
 ) -> GuardrailReading:
-    """Attainment or error rate: clustered (and adjusted) when the arms carry per-user
-    aggregates and enough users, else the exact sequence (this module's docstring)."""
-    arms = (("control", control), ("candidate", candidate)) if g.over_control else (("candidate", candidate),)
+    """Attainment, error rate or identical answers: clustered (and adjusted) when the arms carry
+    per-user aggregates and enough users, else the exact sequence (this module's docstring)."""
+    if g.metric == IDENTICAL_ANSWERS:
+        shadows = candidate.shadows
+        if shadows is None:
+            raise ValueError(
+                "check_guardrail: identical_answers needs the candidate's shadowed requests "
+                "(ArmSnapshot.shadows); it has none"
+            )
+        per_user = shadows if shadows.by_user else None
+        return _one_arm(
+            g.metric, shadows.ok, shadows.identical, per_user, alpha, prior, min_clusters, target_n
+        )
+    if not g.over_control:
+        events = getattr(candidate, SHARES[g.metric])
+        return _one_arm(
+            g.metric, candidate.n, events, candidate.per_user, alpha, prior, min_clusters, target_n
+        )
     sums: list[tuple[str, PerUser]] = []
-    for label, arm in arms:
+    for label, arm in (("control", control), ("candidate", candidate)):
         if arm.per_user is None:  # the whole guardrail alpha to the exact sequence, as always
-            note = "no per-user aggregates in this reading: requests read as independent draws"
-            return GuardrailReading(_exact(g, control, candidate, alpha, prior), REQUESTS, note)
+            return GuardrailReading(
+                _exact_difference(g, control, candidate, alpha, prior), REQUESTS, NO_USERS
+            )
         sums.append((label, arm.per_user))
     if len({type(u) for _label, u in sums}) > 1:
         raise TypeError(
@@ -150,17 +213,10 @@ def read_share(
         )
     short = _too_few(g.metric, sums, min_clusters)
     if short is not None:
-        return GuardrailReading(
-            _exact(g, control, candidate, alpha * (1.0 - CLUSTERED_SHARE), prior),
-            REQUESTS,
-            short,
-        )
+        iv = _exact_difference(g, control, candidate, alpha * (1.0 - CLUSTERED_SHARE), prior)
+        return GuardrailReading(iv, REQUESTS, short)
     a = alpha * CLUSTERED_SHARE
-    cand = sums[-1][1]
-    if not g.over_control:
-        iv = clustered_mean_sequence(cand.clustered_source(g.metric), a, target_n, min_clusters)
-        return GuardrailReading(_clip(iv, 0.0, 1.0), CLUSTERED)
-    ctrl = sums[0][1]
+    cand, ctrl = sums[1][1], sums[0][1]
     note = "adjustment off (the experiment's analysis.adjust)"
     if adjust:
         read = _adjusted(g.metric, ctrl, cand, a, target_n, min_clusters)

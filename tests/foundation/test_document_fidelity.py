@@ -173,3 +173,32 @@ def test_the_admin_form_sets_it(users, experiment, document):
     assert response.status_code == 302, response.content.decode()[:3000]
     experiment.refresh_from_db()
     assert experiment.fidelity_store_answers is False
+
+
+def test_a_rollout_guardrail_on_identical_answers_needs_shadows_and_refuses_a_difference(document):
+    document["variants"] = document["variants"][:2]
+    document["variants"][0]["weight"], document["variants"][1]["weight"] = 100, 0
+    document["rollout"] = {
+        "candidate": "awq",
+        "steps": [5, 50, 100],
+        "min_samples": 100,
+        "min_duration": "10m",
+        "guardrails": [
+            {"metric": "attainment", "at_least": "sla_target"},
+            {"metric": "identical_answers", "at_least": 0.95},
+        ],
+    }
+    assert errors_of(document) == {
+        "rollout.guardrails[1]": [
+            "identical_answers reads live requests shadowed to the control: set "
+            "fidelity.shadow_share above 0 (e.g. 0.05) so the gateway sends some"
+        ]
+    }
+    document["fidelity"] = {"shadow_share": 0.05}
+    doc = validate_document(document)
+    assert doc["rollout"]["guardrails"][1] == {"metric": "identical_answers", "at_least": 0.95}
+    document["rollout"]["guardrails"][1] = {"metric": "identical_answers", "at_least_over_control": -0.01}
+    errors = errors_of(document)
+    assert list(errors) == ["rollout.guardrails[1]"]
+    assert "at_least_over_control does not apply" in errors["rollout.guardrails[1]"][0]
+    assert "use at_least" in errors["rollout.guardrails[1]"][0]

@@ -132,3 +132,46 @@ def insert_step(store, key: str, revision: int, arms: dict, *, run_id: int = 1, 
             seq += 1
     store.insert_samples(rows)
     return seq
+
+
+def shadow_rows(
+    key: str, revision: int, identical: list[list[int]], *, variant: str = "awq-fa2", not_ok: int = 0
+) -> list[dict]:
+    """The gateway's fidelity_shadows rows: identical[u] = user u's compared shadows, 1 where the
+    answer was the control's (user "" for the users at odd positions: a request without a user),
+    then ``not_ok`` shadows whose control answered an error, on the first user."""
+    import time
+
+    rows, now = [], int(time.time())
+    for u, answers in enumerate(identical):
+        for i, same in enumerate(answers):
+            rows.append(
+                shadow_row(key, revision, f"sh-{revision}-{u}-{i}", "" if u % 2 else f"user-{u}", same)
+            )
+    for i in range(not_ok):
+        rows.append(shadow_row(key, revision, f"sh-{revision}-err-{i}", "user-0", 0, outcome="control_error"))
+    for row in rows:
+        row["variant"], row["sent_at"] = variant, now
+    return rows
+
+
+def shadow_row(key: str, revision: int, request_id: str, user: str, same: int, outcome: str = "ok") -> dict:
+    return {
+        "experiment": key,
+        "variant": "awq-fa2",
+        "control": "fp16",
+        "request_id": request_id,
+        "user_id": user,
+        "config_revision": revision,
+        "sent_at": 0,
+        "compared": "live",
+        "outcome": outcome,
+        "error": "" if outcome == "ok" else "connect refused",
+        "identical": int(same),
+        "first_divergence": -1 if same else 3,
+        "unit": "token",
+        "variant_tokens": 16,
+        "control_tokens": 16,
+        "variant_fp": 1,
+        "control_fp": 1 if same else 2,
+    }
