@@ -5,7 +5,9 @@ replay_finished signal: every shard has stopped sending, so the pass never compe
 run's latency sampling), ``queue_scoring`` queues ``score_run``. The task:
 
 1. re-reads the run and its experiment and returns quietly when there is nothing to score (the
-   run is gone, not a mirror run, the share is 0, the control was not replayed);
+   run is gone, not a mirror run, the share is 0, the control was not replayed), and puts itself
+   off while another replay sends to the same servers (``sending_to``): the pass's calls would
+   be load in that run's latency;
 2. picks the requests: of the seqs the control recorded in the run, those fidelity.scores.chosen
    takes under the share (the same ones every time), ``CHUNK`` of them per task, the rest in a
    task it queues next (so a large run never meets the Celery time limit);
@@ -67,6 +69,9 @@ CALL_TIMEOUT_S = 300.0  # one answer or scoring call (a long prompt scored on a 
 # The answer is asked as the replay asked it: greedy, and to its full max_tokens (the replay's
 # ShardSpec.ignore_eos), so the answer scored is the one the mirror run compared.
 ANSWER_EXTRA = {"ignore_eos": True}
+# While another replay sends to the same servers the pass waits, WAIT_S at a time, up to a day.
+WAIT_S = 60
+MAX_WAITS = 24 * 60
 
 
 def queue_scoring(sender: Any, *, run_id: int, experiment: str, **kwargs: Any) -> None:
@@ -77,7 +82,21 @@ def queue_scoring(sender: Any, *, run_id: int, experiment: str, **kwargs: Any) -
         score_run.delay(run_id)
 
 
+def sending_to(run: ReplayRun, variants: Sequence[Any]) -> int | None:
+    """The id of another replay run queued or sending to one of these variants' endpoints (its
+    latency would be measured beside the pass's calls), or None."""
+    endpoints = {v.endpoint for v in variants}
+    others = ReplayRun.objects.filter(status__in=(ReplayRun.Status.QUEUED, ReplayRun.Status.RUNNING)).exclude(
+        pk=run.pk
+    )
+    for other in others.select_related("experiment"):
+        if endpoints & {v.endpoint for v in other.replay_variants()}:
+            return other.pk
+    return None
+
+
 @shared_task(
+    bind=True,
     acks_late=True,
     reject_on_worker_lost=True,
     ignore_result=True,
@@ -87,9 +106,10 @@ def queue_scoring(sender: Any, *, run_id: int, experiment: str, **kwargs: Any) -
     max_retries=5,
 )
 @context_from_args(run="run_id")
-def score_run(run_id: int, start: int = 0) -> int:
+def score_run(self, run_id: int, start: int = 0, waited: int = 0) -> int:
     """Score the run's picked requests from the ``start``-th on (module docstring); returns the
-    rows written by this task."""
+    rows written by this task. ``waited``: how often it was put off for another run's
+    measurements (WAIT_S apart, at most MAX_WAITS, then it scores regardless, saying so)."""
     run = ReplayRun.objects.select_related("experiment").filter(pk=run_id).first()
     if run is None or run.mode != MIRROR:
         return 0
@@ -99,6 +119,16 @@ def score_run(run_id: int, start: int = 0) -> int:
     control = experiment.control_key()
     if share <= 0 or control not in {v.key for v in variants}:
         return 0
+    # 1b. Off every latency path the platform measures: another replay sending to these servers
+    # now (the next step of a capacity search, another experiment's run) would measure the
+    # pass's calls as load, so the pass waits for it. (Eager Celery has no broker to wait
+    # through: it scores at once.)
+    busy = sending_to(run, variants)
+    if busy is not None and not self.request.is_eager:
+        if waited < MAX_WAITS:
+            score_run.apply_async((run_id, start, waited + 1), countdown=WAIT_S)
+            return 0
+        log.warning("run %s: scoring beside run %s, still sending after %d waits", run_id, busy, waited)
     # 2. The picked requests, in seq order; this task's chunk of them.
     store = sample_store()
     recorded = [
@@ -144,7 +174,7 @@ def score_run(run_id: int, start: int = 0) -> int:
     else:
         rows = []
     if start + CHUNK < len(picked):
-        score_run.delay(run_id, start + CHUNK)
+        score_run.delay(run_id, start + CHUNK, waited)
     return len(rows)
 
 

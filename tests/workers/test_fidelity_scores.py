@@ -190,7 +190,7 @@ def test_the_pass_measures_the_simulators_known_kl(document, users, sample_store
 
 @pytest.mark.django_db(transaction=True)
 def test_half_the_requests_a_refusing_variant_and_a_second_pass(
-    document, users, sample_store, noisy_sims, tmp_path
+    document, users, sample_store, noisy_sims, tmp_path, monkeypatch
 ):
     """Share 0.5: the requests hashed under it, about half, the same on every pass; awq-fa2's
     server refuses prompt_logprobs: its rows say so and the report counts them as not scored;
@@ -219,6 +219,13 @@ def test_half_the_requests_a_refusing_variant_and_a_second_pass(
     assert (refused["requests_scored"], refused["requests_failed"], refused["mean"]) == (0, len(picked), None)
     assert refused["failures"]["no_prompt_logprobs"]["n"] == len(picked)
     assert "the server refuses prompt_logprobs" in refused["note"]
+    # while another replay sends to the same servers, the pass puts itself off
+    fields = ReplayRun.objects.filter(pk=run.pk).values().get()
+    other = ReplayRun.objects.create(**{**fields, "id": None, "status": "running"})
+    queued = []
+    monkeypatch.setattr(score_run, "apply_async", lambda args, **kw: queued.append((args, kw)))
+    assert score_run(run.pk) == 0 and queued == [((run.pk, 0, 1), {"countdown": 60})]
+    other.delete()
     # a second pass (a redelivered task, a pass by hand): the same requests, rows replaced
     assert score_run(run.pk) == 3 * len(picked)
     assert len(score_rows(sample_store, run.pk)) == 3 * len(picked)
