@@ -44,7 +44,7 @@ from gateway.attempts import Attempts, Recorder
 from gateway.config import GatewayConfig
 from gateway.http import DUMPS, Receive, Scope, Send, error_body, respond
 from gateway.limits import Admission, ProcessLimits, Refused
-from gateway.request import RequestContext, parse_body, traceparent_for
+from gateway.request import RequestContext, parse_body, sample_key_for, traceparent_for
 from gateway.routing import Decision, RequestError, decide, experiment_for, split_path, user_for
 from gateway.shared_limits import SharedLimits, limits_client
 from gateway.variants import Directory
@@ -184,6 +184,7 @@ class Gateway:
                 try:
                     if self.shared_limits is not None:
                         await self.shared_limits.aclose()
+                    await self.attempts.shadows.aclose()
                     await asyncio.to_thread(self.shutdown)
                 finally:
                     await send({"type": "lifespan.shutdown.complete"})
@@ -417,6 +418,7 @@ class Gateway:
                 n: headers[n.encode()].decode("latin-1") for n in cfg.forward_headers if n.encode() in headers
             },
             accept=headers.get(b"accept", b"application/json").decode("latin-1"),
+            sample_key=sample_key_for(headers.get(b"x-request-id"), request_id),
         )
         await self.attempts.forward(ctx, target, receive, send, t_body)
 

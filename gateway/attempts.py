@@ -17,17 +17,18 @@ import ssl
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.config import GatewayConfig
-from gateway.forwarder import Forwarder, read_error
+from gateway.forwarder import Forwarder, read_error, settle
 from gateway.http import DUMPS, Receive, Send, error_body, respond
 from gateway.request import RequestContext, estimate_prompt_tokens
+from gateway.shadow import ShadowPlan, Shadows
 from gateway.upstream import Exchange, Pool, UpstreamError
 from gateway.variants import Directory, Target
 from streaming.egress import Allowlist
 from streaming.endpoint import Endpoint
-from streaming.response import ResponseReader, timeout_outcome
+from streaming.response import ResponseReader
 from streaming.result import Outcome, StreamResult
 from streaming.timing import StreamTimer
 from telemetry.metrics import GatewayMeter
@@ -57,6 +58,8 @@ class Recorder(Protocol):
 
     def close(self, timeout: float = 10.0) -> None: ...
 
+    def record_shadow(self, row: dict[str, Any]) -> None: ...
+
 
 class Attempts:
     def __init__(
@@ -82,13 +85,23 @@ class Attempts:
         # over every chunk this process forwarded (bench/bench_gateway.py reads it).
         self.forward_ns = 0
         self.forwarded_chunks = 0
+        # The answers re-sent to the control after a variant answered (gateway/shadow.py),
+        # through these pools: the same egress allowlist, TLS and deadlines as users' requests.
+        self.shadows = Shadows(
+            directory=directory,
+            recorder=recorder,
+            meter=meter,
+            pool=self.pool,
+            deadlines=config.deadlines,
+            cap=config.shadows_in_flight,
+        )
 
     def close(self) -> None:
         for pool in self.pools.values():
             pool.close()
         self.pools.clear()
 
-    def _pool(self, endpoint: Endpoint) -> Pool:
+    def pool(self, endpoint: Endpoint) -> Pool:
         pool = self.pools.get(endpoint)
         if pool is None:
             ctx = self.ssl_context if endpoint.scheme == "https" else None
@@ -124,13 +137,23 @@ class Attempts:
                 if task is not None:
                     task.cancel()
 
+        # Sampled for a shadow (gateway/shadow.py): decided before the send, as the live answer
+        # keeps its fingerprints only when it is the one compared.
+        shadow = self.shadows.plan(ctx, target)
+        served: list[StreamResult] = []  # the attempt's result, once recorded
         watcher = asyncio.ensure_future(receive())
         watcher.add_done_callback(on_receive)
         try:
             for attempt, tgt in enumerate(plan, 1):
                 last = attempt == len(plan)
-                forwarded_any = await self._attempt(ctx, tgt, send, t_body, attempt, last, state)
+                forwarded_any = await self._attempt(
+                    ctx, tgt, send, t_body, attempt, last, state, shadow if attempt == 1 else None, served
+                )
                 if forwarded_any:
+                    # The user's response has ended: only now, and only for the variant's own
+                    # answer that ended OK, does its shadow start (never on the user's path).
+                    if shadow is not None and attempt == 1 and served and served[0].ok and not state["gone"]:
+                        self.shadows.launch(shadow, ctx, tgt, served[0])
                     return
                 t_body = _perf()  # the retry's own time starts where the failed attempt ended
         except asyncio.CancelledError:
@@ -143,10 +166,21 @@ class Attempts:
             watcher.cancel()
 
     async def _attempt(
-        self, ctx: RequestContext, tgt: Target, send: Send, t_body: int, attempt: int, last: bool, state: dict
+        self,
+        ctx: RequestContext,
+        tgt: Target,
+        send: Send,
+        t_body: int,
+        attempt: int,
+        last: bool,
+        state: dict,
+        shadow: ShadowPlan | None = None,
+        served: list[StreamResult] | None = None,
     ) -> bool:
         """One try on one variant. True: the response (or an error) went to the user; False:
-        it failed before its first byte and the next attempt may take over."""
+        it failed before its first byte and the next attempt may take over. ``shadow``: this
+        request's shadow plan (its live answer fingerprinted when compared as served);
+        ``served`` receives the attempt's recorded result."""
         cfg = self.config
         decision, request, request_id, traceparent = (
             ctx.decision,
@@ -165,7 +199,7 @@ class Attempts:
             **tgt.headers,
         }
         result = StreamResult(request_id=request_id, traceparent=traceparent, trace_id=ctx.trace_id)
-        timer = StreamTimer(0, result)
+        timer = StreamTimer(0, result, fingerprint=shadow is not None and shadow.live)
         # A user who asked for a whole answer (stream false) gets one: not an event stream.
         reader = ResponseReader(timer, cfg.deadlines, whole_ok=not ctx.request.get("stream"))
         start = _perf()  # the clock: just before the upstream send, as the replay's
@@ -181,6 +215,8 @@ class Attempts:
             if recorded[0]:
                 return
             recorded[0] = True
+            if served is not None:
+                served.append(res)
             self.counts[f"outcome_{res.outcome.value}"] += 1
             self.meter.upstream(decision.experiment, tgt.key, res.outcome.value)
             try:
@@ -221,7 +257,7 @@ class Attempts:
                     take_5xx=last,
                     state=state,
                 )
-                ex = await self._pool(tgt.endpoint).send(
+                ex = await self.pool(tgt.endpoint).send(
                     ctx.api_path, up_headers, content, cfg.deadlines, fwd.on_head
                 )
             except UpstreamError as exc:
@@ -322,15 +358,8 @@ class Attempts:
         if fwd.send_error is not None and ex.error is None:
             ex.fail(UpstreamError(Outcome.CANCELLED, f"writing to the user failed: {fwd.send_error}"))
         now = _perf()
-        reader, failed = fwd.reader, ex.error
-        if failed is None or ex.server_closed:
-            reader.end(now)  # the body ended, or the variant closed the connection: what it says
-        elif failed.outcome in (Outcome.STALL, Outcome.TOTAL_TIMEOUT):
-            # the gap deadline ran out in the reader's phase (before the first token or after)
-            total = failed.outcome is Outcome.TOTAL_TIMEOUT
-            reader.decide(*timeout_outcome(reader.phase, reader.timeouts, total=total))
-        else:
-            reader.decide(failed.outcome, failed.message)
+        reader = fwd.reader
+        settle(reader, ex, now)
         res = reader.finish(now)
         # Recorded before the response's end goes out (as complete() does when the body ended)
         record(res, gateway_ns)

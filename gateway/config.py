@@ -56,6 +56,7 @@ class GatewayConfig:
     deadlines: Deadlines = field(default_factory=Deadlines)
     drain_s: int = 30
     variants_refresh_s: int = 5
+    shadows_in_flight: int = 8  # shadows to the control at once per process (gateway/shadow.py)
 
     def retries(self, experiment: str) -> bool:
         return "*" in self.retry_on_control or experiment in self.retry_on_control
@@ -136,4 +137,5 @@ class GatewayConfig:
             ),
             drain_s=s.GATEWAY_DRAIN_S,
             variants_refresh_s=s.GATEWAY_VARIANTS_REFRESH_S,
+            shadows_in_flight=s.GATEWAY_SHADOWS_IN_FLIGHT,
         )

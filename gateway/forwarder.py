@@ -14,7 +14,8 @@ from collections.abc import Callable
 from gateway.http import Send
 from gateway.stepped_send import resume, step
 from gateway.upstream import Exchange
-from streaming.response import ResponseReader
+from streaming.response import ResponseReader, timeout_outcome
+from streaming.result import Outcome
 
 _perf = time.perf_counter_ns
 # Response headers not passed on: hop-by-hop (RFC 9110 7.6.1) and the framing uvicorn redoes.
@@ -232,3 +233,18 @@ async def read_error(ex: Exchange, reader: ResponseReader) -> None:
             return
         for t_ns, data in batch:
             reader.body(t_ns, data)
+
+
+def settle(reader: ResponseReader, ex: Exchange, now: int) -> None:
+    """The body's reads are all in the reader: decide what the response was at ``now``, from
+    what the exchange says ended it (its end, the variant closing, a deadline in the reader's
+    phase, or another failure)."""
+    failed = ex.error
+    if failed is None or ex.server_closed:
+        reader.end(now)  # the body ended, or the variant closed the connection: what it says
+    elif failed.outcome in (Outcome.STALL, Outcome.TOTAL_TIMEOUT):
+        # the gap deadline ran out in the reader's phase (before the first token or after)
+        total = failed.outcome is Outcome.TOTAL_TIMEOUT
+        reader.decide(*timeout_outcome(reader.phase, reader.timeouts, total=total))
+    else:
+        reader.decide(failed.outcome, failed.message)

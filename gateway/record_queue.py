@@ -12,6 +12,9 @@ Layout of live-queue/:
                      (SAMPLE, recorded_ms, outcome, result values, experiment, variant, user_id,
                       config_revision, sent_unix_ms, request_id, prompt_tokens, max_tokens,
                       gateway_ms, attempt)                                     one per request
+                     (SHADOW, recorded_ms, {column: value})   one per shadow of a request to
+                                                              the control (gateway/shadow.py): a
+                                                              fidelity_shadows row but recorded_ms
                      (CLOSED, appended, dropped, rejected)                     at a clean close
                    The writer holds an flock on it for its life: a file whose lock is free has
                    no writer (closed, or its process is gone).
@@ -39,13 +42,14 @@ import os
 import re
 import socket
 import struct
+from collections import Counter
 from typing import Any
 
 from samples.file_lock import flock_held
 from streaming.result import Outcome, StreamResult
 
 FORMAT = 1
-HEADER, SAMPLE, CLOSED = 0, 1, 2
+HEADER, SAMPLE, CLOSED, SHADOW = 0, 1, 2, 3  # a recorder that does not know a kind skips it
 QUEUE_DIR = "live-queue"
 LOCK_FILE = "recorder.lock"
 RUNNING_FILE = "recorder.running"
@@ -102,32 +106,47 @@ class QueueWriter:
         self.appended = 0  # samples written
         self.dropped = 0  # samples whose write failed (the disk full or failing), or after close
         self.rejected = 0  # measurements marshal could not take (a caller's bug)
+        self.shadows: Counter[str] = (
+            Counter()
+        )  # shadow records: "appended", "dropped", "rejected" (not samples)
 
     def append(self, sample: tuple) -> bool:
         """One sample tuple (sample_record). False when it was not written (counted)."""
-        if self.fd is None:
+        how = self._write(sample)
+        if how == "appended":
+            self.appended += 1
+        elif how == "dropped":
             self.dropped += 1
-            return False
-        try:
-            data = marshal.dumps(sample)
-        except ValueError:
+        else:
             self.rejected += 1
-            return False
+        return how == "appended"
+
+    def append_shadow(self, recorded_ms: float, row: dict) -> bool:
+        """One SHADOW record (module docstring); counted apart from the samples."""
+        how = self._write((SHADOW, recorded_ms, row))
+        self.shadows[how] += 1
+        return how == "appended"
+
+    def _write(self, record: tuple) -> str:
+        """One record: "appended", "dropped" (not written) or "rejected" (marshal refused it)."""
+        if self.fd is None:
+            return "dropped"
+        try:
+            data = marshal.dumps(record)
+        except ValueError:
+            return "rejected"
         buf = _LEN.pack(len(data)) + data
         try:
             written = os.write(self.fd, buf)
         except OSError:
-            self.dropped += 1
-            return False
+            return "dropped"
         if written != len(buf):  # the disk filled mid-record: the rest, or the file is torn
             try:
                 _write_all(self.fd, buf[written:])
             except OSError:
-                self.dropped += 1
                 self.close_fd()  # a torn record ends what a reader can read: write nothing after it
-                return False
-        self.appended += 1
-        return True
+                return "dropped"
+        return "appended"
 
     def close(self) -> bool:
         """Write the closing record (the writer's counts) and release the file. False if that

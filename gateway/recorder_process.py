@@ -19,6 +19,10 @@ process itself. Its work, off the gateway's interpreter:
 4. A file whose writer is gone (its flock free) and whose records are all durable: its runs'
    books are saved closed with exact counts (the closing record adds the writer's own: what it
    could not write), the run catalog is told, and the file and its state are removed.
+5. A SHADOW record (a shadow's comparison row, gateway/shadow.py) is not a sample: the reader
+   keeps it aside, and the loop's thread writes the ones read at each pass through the
+   ShadowWriter (gateway/shadow_store.py: the store's fidelity_shadows, or its own spool while
+   the store is down); once written, it is durable like a sample and the offset moves past it.
 
 No duplicates across a crash of the recorder: after a crash between a store write and the
 state's write, the records after the durable offset are read again. A start that finds the
@@ -44,6 +48,7 @@ from typing import Any
 from gateway import record_queue as rq
 from gateway.live_books import MODE, LiveBooks, RunBooks, live_spool_hooks
 from gateway.live_catalog import LiveCatalog
+from gateway.shadow_store import ShadowWriter
 from samples.columns import SampleError, SampleRow
 from samples.flush import Built, FlushHooks, FlushLoop, InvalidRows
 from samples.rows import SampleContext, row_from
@@ -77,7 +82,7 @@ class _Entry:
     run: int = 0  # index in the file's runs, once built
     seq: int = 0
     experiment: str = ""
-    done: str = ""  # "store", "spool", "rejected", "invalid", "mark" (not a sample)
+    done: str = ""  # "store", "spool", "rejected", "invalid", "mark", "shadow" (not a sample)
 
 
 @dataclasses.dataclass(eq=False)
@@ -143,6 +148,8 @@ class QueueRecorder:
         self.heartbeat_s, self.max_seq, self.flush_budget_s = heartbeat_s, max_seq, flush_budget_s
         self.max_in_flight = max_in_flight
         self.writer: SpoolingWriter | None = None
+        self.shadow_writer: ShadowWriter | None = None
+        self.shadows: list[tuple[_Tail, _Entry, tuple]] = []  # SHADOW records read, not written (lock)
         self.books: LiveBooks | None = None
         self.tails: dict[int, _Tail] = {}
         self.lock = threading.Lock()  # tails' entries: the reader appends, the loop's thread acks
@@ -198,6 +205,7 @@ class QueueRecorder:
                 flush_budget_s=self.flush_budget_s,
             )
             self.books = LiveBooks(self.writer.spool)
+            self.shadow_writer = ShadowWriter(store, self.spool_dir, pause_s=self.retry_s)
         hooks = _LoopHooks(self, LiveCatalog(self.books, self.writer))
         self.loop.start(self._write, spill_to=self.writer, hooks=hooks)
 
@@ -241,7 +249,10 @@ class QueueRecorder:
 
     def idle_for(self) -> float:
         """Seconds with no queue file, nothing in flight and nothing spooled (0 when busy)."""
-        if self.tails or self.in_flight or (self.writer and self.writer.spool.pending_files()):
+        spooled = (self.writer and self.writer.spool.pending_files()) or (
+            self.shadow_writer and self.shadow_writer.pending_files()
+        )
+        if self.tails or self.in_flight or spooled:
             self._idle_since = time.monotonic()
         return time.monotonic() - self._idle_since
 
@@ -321,6 +332,12 @@ class QueueRecorder:
                     self.in_flight += 1
                 self.loop.put((tail, entry, record))
                 continue
+            if kind == rq.SHADOW:
+                with self.lock:
+                    tail.entries.append(entry)
+                    self.in_flight += 1
+                    self.shadows.append((tail, entry, record))
+                continue
             if kind == rq.HEADER:
                 tail.header = record
             elif kind == rq.CLOSED:
@@ -365,6 +382,8 @@ class QueueRecorder:
             if entry.done == "mark":
                 continue
             self.in_flight -= 1
+            if entry.done == "shadow":
+                continue  # not a sample: no seq, no count
             if entry.done in ("rejected",):
                 counts = tail.counts.setdefault(tail.runs[entry.run], _zero())
                 counts["rejected"] += 1
@@ -377,6 +396,37 @@ class QueueRecorder:
             counts["recorded"] += 1
             counts["stored" if entry.done == "store" else "spooled"] += 1
             counts["experiments"][entry.experiment] = counts["experiments"].get(entry.experiment, 0) + 1
+
+    def write_shadows(self) -> None:
+        """The loop's thread: write the SHADOW records read so far (module docstring, 5), or,
+        with none, flush the shadows' spool once the store may be back. A write that fails
+        otherwise (the spool's disk) leaves them to the next pass."""
+        writer = self.shadow_writer
+        assert writer is not None
+        with self.lock:
+            pending, self.shadows = self.shadows, []
+        if not pending:
+            if writer.retry_due():
+                writer.retry()
+            return
+        rows = []
+        for _tail, _entry, record in pending:
+            row = record[2] if len(record) > 2 else None
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                log.warning("live recorder: a shadow record that is not a row, skipped: %r", record[:3])
+        try:
+            writer.write(rows)
+        except Exception:
+            log.exception("live recorder: writing %d shadow rows failed; retrying", len(rows))
+            with self.lock:
+                self.shadows[:0] = pending
+            return
+        for _tail, entry, _record in pending:
+            entry.done = "shadow"
+        for tail in {id(t): t for t, _e, _r in pending}.values():
+            self.save_state(tail)
 
     def save_state(self, tail: _Tail) -> None:
         """The loop's thread: write the file's state if its durable offset moved (or its runs
@@ -438,6 +488,7 @@ class _LoopHooks(FlushHooks):
 
     def started(self) -> None:
         self.rec.loop.retry_spool()  # what an earlier recorder left spooled
+        self.rec.write_shadows()  # and its spooled shadow rows
         self.catalog.finish_ended()
 
     def rows(self, items: list[Any]) -> Built:
@@ -546,6 +597,7 @@ class _LoopHooks(FlushHooks):
 
     def tick(self) -> None:
         metrics.LIVE_QUEUE_ROWS.set(self.rec.loop.queued())
+        self.rec.write_shadows()
         if any(t.ended and not t.entries for t in list(self.rec.tails.values())):
             self.rec.finish_ended()
             self.catalog.tell()
@@ -556,6 +608,7 @@ class _LoopHooks(FlushHooks):
             _close_connections()
 
     def drained(self) -> None:
+        self.rec.write_shadows()
         for tail in list(self.rec.tails.values()):
             self.rec.save_state(tail)
         self.rec.finish_ended()

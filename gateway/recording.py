@@ -237,6 +237,18 @@ class LiveRecorder:
         except Exception:  # pragma: no cover - a bug here must not fail a user's request
             log.exception("live recorder: record() failed")
 
+    def record_shadow(self, row: dict[str, Any]) -> None:
+        """Append one shadow's row (gateway/shadow.py: a fidelity_shadows row but recorded_ms) to
+        the queue file: the host's recorder writes it to the store, or to its spool while the
+        store is down (gateway/shadow_store.py). Never raises; not a sample (counts() leaves it out)."""
+        queue = self._queue
+        if queue is None:
+            return
+        try:
+            queue.append_shadow(_now() * 1000.0, row)
+        except Exception:  # pragma: no cover - a bug here must not reach the event loop
+            log.exception("live recorder: record_shadow() failed")
+
     def close(self, timeout: float = 10.0) -> bool:
         """Write the closing record, release the queue file and wait (``timeout``) for the
         recorder to drain it and close the run. True once it has; False (logged) when the

@@ -34,6 +34,9 @@ class RequestContext:
     max_tokens: int  # 0: not given
     forwarded: dict[str, str]  # the client headers passed on (ABPLAT_GATEWAY_FORWARD_HEADERS)
     accept: str
+    # what the shadow sampling hashes (fidelity.shadow.sampled): the client's own X-Request-Id
+    # when it sent one (its retries carry it again), else request_id
+    sample_key: str = ""
 
 
 def estimate_prompt_tokens(request: dict) -> int:
@@ -91,3 +94,16 @@ def traceparent_for(raw: bytes | None, request_id: str) -> tuple[str, str]:
             return value, value[3:35]
     trace_id, span_id = trace_ids(request_id)
     return f"00-{trace_id}-{span_id}-01", trace_id
+
+
+MAX_CLIENT_ID_CHARS = 256
+
+
+def sample_key_for(raw: bytes | None, request_id: str) -> str:
+    """The client's X-Request-Id when it is printable text of at most MAX_CLIENT_ID_CHARS, else
+    the gateway's own request id."""
+    if raw:
+        value = raw.decode("latin-1").strip()
+        if value and len(value) <= MAX_CLIENT_ID_CHARS and value.isprintable():
+            return value
+    return request_id

@@ -46,6 +46,7 @@ class ExperimentTargets:
     control: str
     variants: Mapping[str, Target]
     team: str = ""
+    shadow_share: float = 0.0  # the document's fidelity.shadow_share (gateway/shadow.py)
 
 
 _EMPTY: Mapping[str, ExperimentTargets] = MappingProxyType({})
@@ -89,7 +90,12 @@ def load_targets(
                 control = v.key
         if control:
             out[exp.key] = ExperimentTargets(
-                exp.key, exp.status, control, MappingProxyType(variants), team=exp.team.name
+                exp.key,
+                exp.status,
+                control,
+                MappingProxyType(variants),
+                team=exp.team.name,
+                shadow_share=float(exp.fidelity_shadow_share or 0.0),
             )
     return out
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -49,7 +50,7 @@ import re
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -196,14 +197,8 @@ class Spool:
             "counts": {str(run): n for run, n in sorted(counts.items())},
             "columns": list(COLUMN_NAMES),
         }
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(header) + "\n")
-            for r in rows:
-                f.write(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(self.dir, name))
-        self._fsync_dir()
+        lines = (json.dumps(r, ensure_ascii=False, allow_nan=False) for r in rows)
+        write_durably(tmp, os.path.join(self.dir, name), itertools.chain([json.dumps(header)], lines))
         return name
 
     def _fsync_dir(self) -> None:
@@ -324,6 +319,23 @@ class Spool:
         os.replace(os.path.join(self.dir, name), target)
         self._fsync_dir()
         return target
+
+
+def write_durably(tmp: str, path: str, lines: Iterable[str]) -> None:
+    """A file of lines, durably (module docstring, "Durability"): written to ``tmp``, fsync'ed,
+    renamed to ``path``, its directory fsync'ed. Also the gateway's spool of shadow rows
+    (gateway/shadow_store.py)."""
+    with open(tmp, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _row_reader(header: Mapping[str, Any]) -> Callable[[Any], Any] | None:

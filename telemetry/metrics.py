@@ -305,6 +305,14 @@ GATEWAY_LIMIT_FALLBACKS = _counter(
     ("reason",),
 )
 
+GATEWAY_SHADOWS = _counter(
+    "abplat_gateway_shadow_requests_total",
+    "Live requests shadowed to their experiment's control (gateway/shadow.py), by outcome: ok, "
+    "control_error, variant_error, timeout, cancelled, gateway_error (each one row in fidelity_shadows), "
+    "or skipped_busy (the process had its cap of shadows in flight: no row).",
+    ("experiment", "outcome"),
+)
+
 # ---- spool (samples/spool.py) -----------------------------------------------------------------
 SPOOL_ROWS = _gauge(
     "abplat_spool_rows", "Samples waiting in this host's spool for the store to come back.", "livemostrecent"
@@ -532,6 +540,12 @@ class GatewayMeter:
                 child = self._upstream[key] = GATEWAY_UPSTREAM.labels(experiment, variant, outcome)
             child.inc()
         except Exception as exc:  # noqa: BLE001 - never into the request path
+            self._failure(exc)
+
+    def shadow(self, experiment: str, outcome: str) -> None:
+        try:
+            GATEWAY_SHADOWS.labels(experiment, outcome).inc()
+        except Exception as exc:  # noqa: BLE001 - never into the event loop
             self._failure(exc)
 
     def limit_fallback(self, reason: str) -> None:

@@ -31,6 +31,7 @@ class FakeRecorder:
 
     def __init__(self) -> None:
         self.records: list[dict] = []
+        self.shadows: list[dict] = []  # record_shadow's rows (gateway/shadow.py)
         self.started = self.closed = False
         self._lock = threading.Lock()
 
@@ -40,6 +41,10 @@ class FakeRecorder:
     def record(self, result, **fields) -> None:
         with self._lock:
             self.records.append({"result": result, **fields})
+
+    def record_shadow(self, row: dict) -> None:
+        with self._lock:
+            self.shadows.append(row)
 
     def close(self, timeout: float = 10.0) -> None:
         self.closed = True
