@@ -117,7 +117,8 @@ class Shadows:
         if target.control or self.cap <= 0:
             return None
         exp = self.directory.targets.get(ctx.decision.experiment)
-        if exp is None or exp.shadow_share <= 0.0 or not sampled(ctx.sample_key, exp.shadow_share):
+        key = ctx.sample_key or ctx.request_id
+        if exp is None or exp.shadow_share <= 0.0 or not sampled(key, exp.shadow_share):
             return None
         live = ctx.request.get("stream") is True and is_greedy(ctx.request)
         return ShadowPlan(COMPARED_LIVE if live else COMPARED_PAIR)

@@ -22,8 +22,8 @@ from gateway.request import RequestContext
 from gateway.routing import Decision, Reason
 from gateway.upstream import Deadlines
 from simulator.profiles import get_profile
-from telemetry.metrics import GATEWAY_SHADOWS
 from tests.gateway.conftest import KEY, dead_port, user_on
+from tests.gateway.test_gateway_metrics import value
 
 pytestmark = pytest.mark.django_db(transaction=False)
 
@@ -153,6 +153,7 @@ def test_a_greedy_live_answer_is_compared_as_served_with_the_control_s_and_match
     running_with(with_share(1.0))
     gw = make_gateway()
     user = user_on(process.live_router(), EXPERIMENT, "awq")
+    ok_before = value("abplat_gateway_shadow_requests_total", experiment=EXPERIMENT, outcome="ok")
     truths = []
     for prompt in PROMPTS:
         resp = post(gw, chat(prompt, user, temperature=0))
@@ -180,6 +181,8 @@ def test_a_greedy_live_answer_is_compared_as_served_with_the_control_s_and_match
     assert shadow["messages"] == [{"role": "user", "content": PROMPTS[0]}]
     # the shadows are no samples: one per user request
     assert len(gw.recorder.records) == len(PROMPTS)
+    ok_after = value("abplat_gateway_shadow_requests_total", experiment=EXPERIMENT, outcome="ok")
+    assert ok_after - ok_before == len(PROMPTS)
 
 
 def test_a_sampling_request_is_compared_as_a_greedy_pair(running_with, make_gateway, sims, seen):
@@ -378,8 +381,7 @@ def test_over_the_cap_a_shadow_is_skipped_and_counted_never_queued(running_with,
         running_with(with_share(1.0, control_endpoint=held.url))
         gw = make_gateway(shadows_in_flight=1)
         user = user_on(process.live_router(), EXPERIMENT, "awq")
-        skipped = GATEWAY_SHADOWS.labels(EXPERIMENT, "skipped_busy")
-        before = skipped._value.get()
+        before = value("abplat_gateway_shadow_requests_total", experiment=EXPERIMENT, outcome="skipped_busy")
         assert post(gw, chat(PROMPTS[0], user, temperature=0)).status_code == 200
         assert held.accepted.acquire(timeout=10)  # the first shadow waits on the control
         for prompt in PROMPTS[1:4]:
@@ -388,7 +390,8 @@ def test_over_the_cap_a_shadow_is_skipped_and_counted_never_queued(running_with,
         idle(gw)
         shadows = gw.gateway.attempts.shadows
         assert len(shadows.tasks) == 1 and shadows.counts["skipped_busy"] == 3
-        assert skipped._value.get() - before == 3
+        after = value("abplat_gateway_shadow_requests_total", experiment=EXPERIMENT, outcome="skipped_busy")
+        assert after - before == 3
         assert gw.recorder.shadows == []  # a skipped shadow has no row
         held.close()  # the control closes without answering: the one shadow in flight fails
         [row] = wait_for(lambda: list(gw.recorder.shadows))
@@ -437,3 +440,15 @@ def test_a_failed_user_request_is_not_shadowed(running_with, make_gateway):
     assert post(gw, chat(PROMPTS[0], user, temperature=0)).status_code == 502
     idle(gw)
     assert not gw.gateway.attempts.shadows.tasks and gw.recorder.shadows == []
+
+
+def test_a_shadow_obeys_the_gateway_s_egress_allowlist(running_with, make_gateway, settings):
+    # the document may name 10.0.0.0/8 here, the gateway's allowlist (tests/gateway/conftest.py)
+    # is 127.0.0.0/8: a control elsewhere is never dialled by a shadow, as for a user
+    settings.VARIANT_ALLOWED_HOSTS = ["127.0.0.0/8", "10.0.0.0/8"]
+    running_with(with_share(1.0, control_endpoint="http://10.255.255.1:8000/v1"))
+    gw = make_gateway()
+    user = user_on(process.live_router(), EXPERIMENT, "awq")
+    assert post(gw, chat(PROMPTS[0], user, temperature=0)).status_code == 200
+    [row] = wait_for(lambda: list(gw.recorder.shadows))
+    assert row["outcome"] == "control_error" and "egress refused" in row["error"]
