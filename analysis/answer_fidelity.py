@@ -40,7 +40,7 @@ from analysis.sql import from_where, run_conditions
 from analysis.units import UNITS
 from fidelity.compare import TRUNCATION
 from fidelity.fingerprints import output_fp
-from samples.schema import FIDELITY_SCORES_TABLE
+from samples.schema import FIDELITY_SCORES_TABLE, FIDELITY_SHADOWS_TABLE
 from stats.clustered import ArmMoments, clustered_mean
 from stats.quantiles import quantile_rank
 
@@ -551,4 +551,193 @@ def kl_line(key: str, fid: dict[str, Any] | None) -> str | None:
     )
     if failed:
         line += f"; {kl['requests_failed']:,} not scored ({failed})"
+    return line
+
+
+# ---- live answers: the gateway's shadows (samples.schema.FIDELITY_SHADOWS_TABLE) -------------
+#
+# A share of the live requests a variant served is sent again to the control greedily (and to
+# the variant too when the live request was not greedy) by the gateway, and the two answers'
+# fingerprints are compared there: one row per shadowed request. The report reads the experiment's
+# shadows in its time window (all of them without one; a shadow carries no run), the latest
+# writing of each request, and gives per variant the identical share among those compared ("ok")
+# with the user-clustered interval the mirror pairs get, and where the others part.
+
+LIVE_COMPARES = (
+    "live answers of a share of the variant's requests, each against the control's greedy answer "
+    "to the same request sent again by the gateway (compared 'live': the live answer was greedy "
+    "and is compared as served; 'greedy_pair': both sent again greedily)"
+)
+
+
+def _shadows_latest(f: Any, control: str) -> tuple[str, dict[str, Any]]:
+    """One row per (variant, request) of the experiment's shadows against ``control`` in the
+    report's time window, its latest writing: uid, oc, err, cmp, ident, fd, un."""
+    params: dict[str, Any] = {"experiment": f.experiment, "live_control": control}
+    conds = ["experiment = %(experiment)s", "control = %(live_control)s"]
+    if f.since is not None:
+        conds.append("sent_at >= %(since)s")
+        params["since"] = f.since
+    if f.until is not None:
+        conds.append("sent_at < %(until)s")
+        params["until"] = f.until
+    if f.variants:
+        conds.append("variant IN %(variants)s")
+        params["variants"] = tuple(f.variants)
+    sql = f"""
+        SELECT variant, request_id,
+               argMax(user_id, recorded_ms) AS uid, argMax(outcome, recorded_ms) AS oc,
+               argMax(error, recorded_ms) AS err, argMax(compared, recorded_ms) AS cmp,
+               argMax(identical, recorded_ms) AS ident, argMax(first_divergence, recorded_ms) AS fd,
+               argMax(unit, recorded_ms) AS un
+        FROM {FIDELITY_SHADOWS_TABLE}
+        WHERE {" AND ".join(conds)}
+        GROUP BY variant, request_id
+    """
+    return sql, params
+
+
+def shadows_select(f: Any, unit: str, control: str) -> tuple[str, dict[str, Any]]:
+    """Per variant, the identical share's moments over the compared shadows (outcome "ok"), as
+    pairs_select's: variant, clusters, largest, sums of n, s, n^2, n s, s^2."""
+    if unit not in UNITS:
+        raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
+    latest, params = _shadows_latest(f, control)
+    key = "cityHash64(if(uid = '', request_id, uid))" if unit == "user" else "cityHash64(request_id)"
+    sql = f"""
+        SELECT variant, countIf(n > 0), max(n), sum(n), sum(s), sum(n * n), sum(n * s), sum(s * s)
+        FROM (SELECT variant, {key} AS cluster, toFloat64(countIf(oc = 'ok')) AS n,
+                     toFloat64(sumIf(ident, oc = 'ok')) AS s
+              FROM ({latest}) GROUP BY variant, cluster)
+        GROUP BY variant
+    """
+    return sql, params
+
+
+def shadow_kinds_select(f: Any, control: str) -> tuple[str, dict[str, Any]]:
+    """Per variant the shadows counted by outcome, how they were compared, first divergence (-1:
+    identical or not compared) and unit, with an example error: variant, oc, cmp, fd, un, count,
+    error."""
+    latest, params = _shadows_latest(f, control)
+    sql = f"""
+        SELECT variant, oc, cmp, if(oc = 'ok' AND ident = 0, fd, -1) AS pos, un, count(), any(err)
+        FROM ({latest}) GROUP BY variant, oc, cmp, pos, un ORDER BY variant, oc, cmp, pos, un
+    """
+    return sql, params
+
+
+def shadow_rows(
+    moments: Sequence[Sequence[Any]], kinds: Sequence[Sequence[Any]]
+) -> dict[str, dict[str, Any]]:
+    """shadows_select's and shadow_kinds_select's rows as {variant: {"moments", "kinds"}}."""
+    out: dict[str, dict[str, Any]] = {}
+    for variant, *row in moments:
+        out.setdefault(str(variant), {"moments": None, "kinds": []})["moments"] = tuple(row)
+    for variant, *row in kinds:
+        out.setdefault(str(variant), {"moments": None, "kinds": []})["kinds"].append(tuple(row))
+    return out
+
+
+def live_entry(got: dict[str, Any] | None, conf: float) -> dict[str, Any] | None:
+    """A variant's ``fidelity.live`` (docs/report-json.md, "Answer fidelity"); None without a
+    shadow."""
+    if not got or not got["kinds"]:
+        return None
+    shadowed = ok = 0
+    how: dict[str, int] = {}
+    failures: dict[str, dict[str, Any]] = {}
+    hist: dict[int, int] = {}
+    units: set[str] = set()
+    for outcome, compared, position, unit, n, error in got["kinds"]:
+        n = int(n)
+        shadowed += n
+        if str(outcome) != "ok":
+            f = failures.setdefault(str(outcome), {"n": 0, "example": str(error)})
+            f["n"] += n
+            continue
+        ok += n
+        how[str(compared)] = how.get(str(compared), 0) + n
+        if int(position) >= 0:
+            hist[int(position)] = hist.get(int(position), 0) + n
+            units.add(str(unit))
+    arm = arm_moments(got["moments"]) if got["moments"] is not None else None
+    if arm is not None and arm.n != ok:
+        raise ValueError(f"fidelity.live: {arm.n} compared shadows in the moments, {ok} in the counts")
+    positions = sorted(hist)
+    counts = [hist[p] for p in positions]
+    return {
+        "compares": LIVE_COMPARES,
+        "shadowed": shadowed,
+        "ok": ok,
+        "compared_as": dict(sorted(how.items())),
+        "failed": shadowed - ok,
+        "failures": dict(sorted(failures.items())),
+        "identical": clustered_mean(arm, conf).as_dict() if arm is not None else None,
+        "diverged": sum(counts),
+        "first_divergence": {
+            "unit": POSITION_UNIT_TOKENS if units <= {POSITION_UNIT_TOKENS} else POSITION_UNIT_CHUNKS,
+            "positions": positions,
+            "counts": counts,
+            "median": _quantile(positions, counts, 0.5),
+            "p90": _quantile(positions, counts, 0.9),
+        },
+    }
+
+
+def empty_entry(control: str) -> dict[str, Any]:
+    """A variant's ``fidelity`` where no mirror pair was read but live shadows were: the mirror
+    fields at nothing compared (with_examples, with_kl and with_live complete it)."""
+    return {
+        "reference": control,
+        "compares": COMPARES,
+        "pairs": 0,
+        "compared": 0,
+        "failed": 0,
+        "unrecorded": 0,
+        "identical": None,
+        "diverged": 0,
+        "first_divergence": {
+            "unit": POSITION_UNIT_TOKENS,
+            "positions": [],
+            "counts": [],
+            "median": None,
+            "p90": None,
+        },
+        "kl": None,
+        "kl_note": NO_KL,
+    }
+
+
+def with_live(entry: dict[str, Any] | None, live: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``entry`` with its ``live`` (None: no shadow of the variant in the report's window)."""
+    return None if entry is None else {**entry, "live": live}
+
+
+def live_line(key: str, fid: dict[str, Any] | None) -> str | None:
+    """ "awq: live answers 93.5% identical to fp16 [95% CI 90.1-96.0%] of 400 shadowed ..."; None
+    without a shadow."""
+    live = (fid or {}).get("live")
+    if not live:
+        return None
+    line = f"{key}: live answers "
+    ident = live["identical"]
+    if ident is None:
+        line += f"none compared of {live['shadowed']:,} shadowed"
+    else:
+        ci = (
+            f" [{ident['conf']:.0%} CI {100 * ident['lo']:.1f}-{100 * ident['hi']:.1f}%]"
+            if ident["lo"] is not None
+            else " (no interval)"
+        )
+        line += (
+            f"{100 * ident['estimate']:.1f}% identical to {fid['reference']}{ci}, {live['ok']:,} of "
+            f"{live['shadowed']:,} shadowed compared ({ident['clusters']:,} clusters)"
+        )
+        pos = live["first_divergence"]
+        if pos["median"] is not None:
+            line += (
+                f"; {live['diverged']:,} diverged (median {pos['unit']} {pos['median']}, p90 {pos['p90']})"
+            )
+    if live["failures"]:
+        line += "; not compared: " + ", ".join(f"{o} {f['n']:,}" for o, f in live["failures"].items())
     return line

@@ -188,6 +188,8 @@ def build_report(
             )
         if mirror_with:  # the scoring pass's teacher-forced KL, every variant's at once
             jobs["kl_scores"] = lambda: reader.fidelity_scores(filters, exp.unit, control)
+    if modes.get("live"):  # the gateway's live answers against the control's (its own or not)
+        jobs["live_shadows"] = lambda: reader.fidelity_shadows(filters, exp.unit, control)
     got = run_queries(par, jobs)
     order_stats: dict[tuple[str, str], dict[int, float]] = {}
     for name, value in got.items():
@@ -211,6 +213,20 @@ def build_report(
         for k, p in got.items()
         if k.startswith("fidelity_")
     }
+    for v, shadows in got.get("live_shadows", {}).items():
+        live = answer_fidelity.live_entry(shadows, DEFAULT_CONF)
+        if v == control or v not in known or live is None:
+            continue
+        if v not in fidelity:  # no mirror pair read: the entry holds the live answers alone
+            fidelity[v] = answer_fidelity.with_kl(
+                answer_fidelity.with_examples(answer_fidelity.empty_entry(control), exp.store_answers, None),
+                None,
+                None,
+                DEFAULT_CONF,
+                exp.score_share,
+            )
+        fidelity[v] = answer_fidelity.with_live(fidelity[v], live)
+    fidelity = {v: answer_fidelity.with_live(e, e.get("live")) if e else e for v, e in fidelity.items()}
     cells, series = got["cells"], got["series"]
 
     def estimate(v: str, m: str, quant: float, conf: float = DEFAULT_CONF) -> Any:

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from statistics import NormalDist
 from typing import Any
 
-from analysis.answer_fidelity import identical_line, kl_line, kl_text
+from analysis.answer_fidelity import identical_line, kl_line, kl_text, live_line
 from analysis.definitions import METRIC_LABELS
 from dashboards.tables import (
     ANYTIME_DIFFERENCES,
@@ -319,6 +319,9 @@ def fidelity_summary(report: Mapping[str, Any]) -> dict[str, Any]:
                 # the scoring pass's teacher-forced KL (analysis.answer_fidelity.kl_entry)
                 "kl": kl_text(fid),
                 "kl_line": kl_line(e["key"], fid),
+                "pairs": fid["pairs"],
+                # the gateway's live shadows (analysis.answer_fidelity.live_entry)
+                "live_line": live_line(e["key"], fid),
             }
         )
         if fid["unrecorded"]:

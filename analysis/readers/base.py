@@ -21,6 +21,8 @@ Result shapes (what the report reads):
 - fidelity pairs: {"moments", "kinds"} (analysis.answer_fidelity), "examples" when asked;
 - fidelity scores: {variant: {"moments", "outcomes"}} of the teacher-forced KL
   (analysis.answer_fidelity.kl_rows);
+- fidelity shadows: {variant: {"moments", "kinds"}} of the gateway's live shadows
+  (analysis.answer_fidelity.shadow_rows);
 - failures: {variant: {outcome: {"n", "http_status", "example"}}} of the requests not 'ok';
 - setup errors: {variant: {http status: {"n", "example"}}} of the setup errors
   (definitions.SETUP_ERROR), which every other query leaves out (analysis.sql.JUDGED);
@@ -88,6 +90,11 @@ class SampleReader(Protocol):
     def fidelity_scores(self, f: Filters, unit: str, control: str) -> dict[str, dict[str, Any]]:
         """{variant: {"moments", "outcomes"}} of analysis.answer_fidelity's kl_select and
         kl_outcomes_select (the scoring pass's table), the control's own rows included."""
+        ...
+
+    def fidelity_shadows(self, f: Filters, unit: str, control: str) -> dict[str, dict[str, Any]]:
+        """{variant: {"moments", "kinds"}} of analysis.answer_fidelity's shadows_select and
+        shadow_kinds_select (the gateway's live answers against the control's)."""
         ...
 
     def failures(self, f: Filters) -> dict[str, dict[str, dict[str, Any]]]: ...

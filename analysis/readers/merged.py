@@ -229,5 +229,9 @@ class MergedReader:
         """From the scoring pass's table: a rollup keeps no scores."""
         return self.raw.fidelity_scores(f, unit, control)
 
+    def fidelity_shadows(self, f: Filters, unit: str, control: str) -> dict[str, dict[str, Any]]:
+        """From the gateway's shadows table: a rollup keeps no shadows."""
+        return self.raw.fidelity_shadows(f, unit, control)
+
     def data_version(self, experiment: str) -> DataVersion:
         return self.raw.data_version(experiment)

@@ -398,6 +398,17 @@ class RawReader:
         got = run_queries(self.parallel_queries, jobs)
         return answer_fidelity.kl_rows(got["moments"], got["outcomes"])
 
+    def fidelity_shadows(self, f: Filters, unit: str, control: str) -> dict[str, dict[str, Any]]:
+        """{variant: {"moments", "kinds"}} of the gateway's live shadows against the control
+        (answer_fidelity.shadow_rows): one pass for the identical share's moments, one for the
+        counts by outcome and first divergence."""
+        jobs = {
+            "moments": lambda: self.store.query(*answer_fidelity.shadows_select(f, unit, control)),
+            "kinds": lambda: self.store.query(*answer_fidelity.shadow_kinds_select(f, control)),
+        }
+        got = run_queries(self.parallel_queries, jobs)
+        return answer_fidelity.shadow_rows(got["moments"], got["kinds"])
+
     # 7. Data version (the report cache's key)
 
     def data_version(self, experiment: str) -> DataVersion:

@@ -202,6 +202,8 @@ def fidelity_lines(report) -> list[str]:
         return []
     lines = ["", f"Answers against {summary['reference']} ({summary['compares']}):"]
     for r in summary["rows"]:
+        if not r["pairs"]:  # live answers alone (below)
+            continue
         line = f"  {r['variant']:<12}identical {r['identical']:<26}of {r['compared']:,} compared"
         if r["clusters"]:
             line += f" ({r['clusters']:,} clusters)"
@@ -218,8 +220,9 @@ def fidelity_lines(report) -> list[str]:
     if summary["kl_measured"]:  # teacher-forced KL from the scoring pass, per variant scored
         lines += [f"  {r['kl_line']}" for r in summary["rows"] if r["kl_line"]]
         lines += [f"  {r['variant']}: KL not measured" for r in summary["rows"] if not r["kl_line"]]
-    else:
+    elif any(r["pairs"] for r in summary["rows"]):
         lines.append(f"  KL divergence: {summary['kl']}")
+    lines += [f"  {r['live_line']}" for r in summary["rows"] if r["live_line"]]
     return lines
 
 
