@@ -205,7 +205,9 @@ class QueueRecorder:
                 flush_budget_s=self.flush_budget_s,
             )
             self.books = LiveBooks(self.writer.spool)
-            self.shadow_writer = ShadowWriter(store, self.spool_dir, pause_s=self.retry_s)
+            self.shadow_writer = ShadowWriter(
+                store, self.spool_dir, pause_s=self.retry_s, store_paused=self.writer.paused
+            )
         hooks = _LoopHooks(self, LiveCatalog(self.books, self.writer))
         self.loop.start(self._write, spill_to=self.writer, hooks=hooks)
 

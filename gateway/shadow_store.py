@@ -38,7 +38,9 @@ _NAME = re.compile(r"^(\d{12})\.jsonl$")
 
 class ShadowWriter:
     """write(rows) -> "stored" | "spooled"; retry() flushes the spool once the store answers.
-    ``pause_s``: after the store failed, rows are spooled without trying it for this long."""
+    ``pause_s``: after the store failed, rows are spooled without trying it for this long;
+    ``store_paused``: the samples' writer has seen it fail just now (the same store: spooled
+    without a try either, which would cost its connect timeout on the recorder's thread)."""
 
     def __init__(
         self,
@@ -46,18 +48,19 @@ class ShadowWriter:
         spool_dir: str,
         *,
         pause_s: float,
+        store_paused: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         self.dir = os.path.join(os.path.abspath(spool_dir), FIDELITY_SHADOWS_TABLE)
         self.quarantine = os.path.join(self.dir, "quarantine")
         os.makedirs(self.quarantine, exist_ok=True)
-        self.pause_s, self._clock = pause_s, clock
+        self.pause_s, self._clock, self._store_paused = pause_s, clock, store_paused
         self._down_until = 0.0
         self.stored = self.spooled = self.flushed = self.rejected = 0
 
     def paused(self) -> bool:
-        return self._clock() < self._down_until
+        return self._clock() < self._down_until or self._store_paused()
 
     def pending_files(self) -> list[str]:
         return sorted(n for n in os.listdir(self.dir) if _NAME.match(n))

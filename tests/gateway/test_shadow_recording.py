@@ -15,6 +15,7 @@ from gateway.recording import LiveRecorder
 from gateway.shadow_store import ShadowWriter
 from samples.store import StoreUnavailable
 from tests.gateway.test_recording import record, stored
+from tests.samples.conftest import switch_off
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.engine]
 
@@ -92,31 +93,35 @@ def test_shadow_rows_are_stored_beside_the_samples_and_are_not_counted_as_sample
 
 
 def test_the_store_down_spools_shadow_rows_and_the_next_recorder_writes_them(store, tmp_path, monkeypatch):
+    down = switch_off(store, monkeypatch)  # the samples' writes
     real = store.insert_fidelity_shadows
-    down = {"on": True}
 
     def failing(rows):
-        if down["on"]:
+        if down.is_set():
             raise StoreUnavailable("the store is down (test)")
         return real(rows)
 
     monkeypatch.setattr(store, "insert_fidelity_shadows", failing)
+    down.set()
     rec = recorder(store, tmp_path)
     rec.start()
+    ids = []
     for i in range(25):
+        ids.append(record(rec, i))
         rec.record_shadow(shadow_row(i))
-    assert rec.close() is True  # drained: the rows are durable in the spool, the queue file gone
+    assert rec.close() is True  # drained: every row durable in the spools, the queue file gone
     spool = os.path.join(str(tmp_path / "spool"), "fidelity_shadows")
     assert [n for n in os.listdir(spool) if n.endswith(".jsonl")]
-    assert shadows_stored(store) == []
+    assert shadows_stored(store) == [] and stored(store, rec.run_id) == []
 
-    down["on"] = False
+    down.clear()
     again = recorder(store, tmp_path)
-    again.start()  # its recorder flushes the shadows' spool first
+    again.start()  # its recorder flushes both spools first
     again.record_shadow(shadow_row(25))
     assert again.close() is True
     assert [r["request_id"] for r in shadows_stored(store)] == [f"gw-shadow-{i:04d}" for i in range(26)]
     assert not [n for n in os.listdir(spool) if n.endswith(".jsonl")]
+    assert [r["request_id"] for r in stored(store, rec.run_id)] == ids
 
 
 def test_a_torn_spool_file_gives_up_its_whole_rows_and_moves_to_quarantine(store, tmp_path):
