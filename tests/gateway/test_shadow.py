@@ -264,6 +264,8 @@ def test_sampling_picks_the_share_by_request_id_alike_on_two_gateway_instances(r
     # the control's own answers are never shadowed
     control = first.gateway.directory.target(EXPERIMENT, "fp16")
     assert all(first.gateway.attempts.shadows.plan(context(rid), control) is None for rid in ids[:200])
+    # a cap of 0 turns shadowing off in that process, whatever the share
+    assert picked(make_gateway(shadows_in_flight=0)) == set()
 
 
 def test_the_sampling_hash_is_pinned_and_a_client_s_request_id_samples_its_retries_alike():
@@ -452,3 +454,16 @@ def test_a_shadow_obeys_the_gateway_s_egress_allowlist(running_with, make_gatewa
     assert post(gw, chat(PROMPTS[0], user, temperature=0)).status_code == 200
     [row] = wait_for(lambda: list(gw.recorder.shadows))
     assert row["outcome"] == "control_error" and "egress refused" in row["error"]
+
+
+@pytest.mark.parametrize("raw", ["-1", "many", "10001"])
+def test_the_cap_setting_is_parsed_strictly(raw, tmp_path):
+    from django.core.exceptions import ImproperlyConfigured
+
+    from abplat.config import settings_from
+
+    env = {"ABPLAT_VAR": str(tmp_path)}
+    assert settings_from(env)["GATEWAY_SHADOWS_IN_FLIGHT"] == 8
+    assert settings_from({**env, "ABPLAT_GATEWAY_SHADOWS_IN_FLIGHT": "0"})["GATEWAY_SHADOWS_IN_FLIGHT"] == 0
+    with pytest.raises(ImproperlyConfigured, match="ABPLAT_GATEWAY_SHADOWS_IN_FLIGHT"):
+        settings_from({**env, "ABPLAT_GATEWAY_SHADOWS_IN_FLIGHT": raw})
