@@ -440,7 +440,7 @@ def validate_document(raw: Any, *, allow: Allowlist | None = None, resolve: Reso
         doc["rollout"] = _validate_rollout(c, raw["rollout"], doc, allow, resolve)
     doc["analysis"] = _validate_analysis(c, raw.get("analysis"))
     doc["fidelity"] = _validate_fidelity(c, raw.get("fidelity"))
-    _check_shadow_guardrails(c, doc)
+    _check_shadow_guardrails(c, raw.get("rollout"), doc)
     if c.errors:
         raise DocumentError(c.errors)
     return doc
@@ -451,10 +451,12 @@ def validate_document(raw: Any, *, allow: Allowlist | None = None, resolve: Reso
 IDENTICAL_ANSWERS = "identical_answers"
 
 
-def _check_shadow_guardrails(c: _Collector, doc: dict) -> None:
-    rollout = doc.get("rollout") or {}
+def _check_shadow_guardrails(c: _Collector, rollout: Any, doc: dict) -> None:
+    """Paths count in the document's own list (a guardrail refused before this one keeps its place)."""
+    if not isinstance(rollout, dict) or not isinstance(rollout.get("guardrails"), list):
+        return
     share = (doc.get("fidelity") or {}).get("shadow_share", 0.0)
-    for i, spec in enumerate(rollout.get("guardrails") or ()):
+    for i, spec in enumerate(rollout["guardrails"]):
         if isinstance(spec, dict) and spec.get("metric") == IDENTICAL_ANSWERS and not share > 0:
             c.add(
                 f"rollout.guardrails[{i}]",

@@ -167,7 +167,10 @@ def test_the_admin_form_sets_it(users, experiment, document):
     assert response.status_code == 302, response.content.decode()[:3000]
     experiment.refresh_from_db()
     assert experiment.fidelity_store_answers is True
-    assert AuditEntry.objects.filter(action="update").get().after["fidelity"] == {**DEFAULTS, "store_answers": True}
+    assert AuditEntry.objects.filter(action="update").get().after["fidelity"] == {
+        **DEFAULTS,
+        "store_answers": True,
+    }
     # unticked: a browser posts nothing for it, and it is off again
     response = client.post(change_url(experiment), form_data(document, experiment))
     assert response.status_code == 302, response.content.decode()[:3000]
@@ -202,3 +205,24 @@ def test_a_rollout_guardrail_on_identical_answers_needs_shadows_and_refuses_a_di
     assert list(errors) == ["rollout.guardrails[1]"]
     assert "at_least_over_control does not apply" in errors["rollout.guardrails[1]"][0]
     assert "use at_least" in errors["rollout.guardrails[1]"][0]
+
+
+def test_the_shadow_share_error_names_the_guardrail_at_its_place_after_a_refused_one(document):
+    document["variants"] = document["variants"][:2]
+    document["variants"][0]["weight"], document["variants"][1]["weight"] = 100, 0
+    document["rollout"] = {
+        "candidate": "awq",
+        "steps": [5, 100],
+        "min_samples": 100,
+        "min_duration": "10m",
+        "guardrails": [
+            {"metric": "bogus", "at_least": 0.5},
+            {"metric": "identical_answers", "at_least": 0.95},
+        ],
+    }
+    errors = errors_of(document)
+    assert "guardrail metric must be" in errors["rollout.guardrails[0]"][0]
+    assert errors["rollout.guardrails[1]"] == [
+        "identical_answers reads live requests shadowed to the control: set "
+        "fidelity.shadow_share above 0 (e.g. 0.05) so the gateway sends some"
+    ]
