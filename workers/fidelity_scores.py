@@ -31,7 +31,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 from celery import shared_task
@@ -72,6 +72,13 @@ ANSWER_EXTRA = {"ignore_eos": True}
 # While another replay sends to the same servers the pass waits, WAIT_S at a time, up to a day.
 WAIT_S = 60
 MAX_WAITS = 24 * 60
+
+
+class _Job(NamedTuple):
+    key: scores.Request
+    prompt: Any  # as the replay sent it to the control (a text or a message list)
+    max_tokens: int
+    missing: str = ""  # why there is no prompt to send (the source changed or is gone)
 
 
 def queue_scoring(sender: Any, *, run_id: int, experiment: str, **kwargs: Any) -> None:
@@ -142,7 +149,11 @@ def score_run(self, run_id: int, start: int = 0, waited: int = 0) -> int:
     picked = scores.choose(run.pk, recorded, share)
     batch = picked[start : start + CHUNK]
     if batch:
-        by_seq = {r.seq: r for r in run_requests(run).requests}
+        try:
+            by_seq = {r.seq: r for r in run_requests(run).requests}
+            missing = "the request is no longer in the run's source (changed since the run)"
+        except (OSError, ValueError) as exc:  # replay.sources.SourceError is a ValueError
+            by_seq, missing = {}, f"the run's source cannot be read: {error_text(exc)}"
         control_variant = next(v for v in variants if v.key == control)
         plan = plan_from_json(run.prompt_plan, only=set(batch)).get(control, {})
         jobs = []
@@ -157,9 +168,9 @@ def score_run(self, run_id: int, start: int = 0, waited: int = 0) -> int:
                 top_k=top_k,
             )
             if req is None:
-                jobs.append((key, None, 0))
+                jobs.append(_Job(key, None, 0, missing))
             else:
-                jobs.append((key, _sent_prompt(run, req, plan, control_variant.api), req.max_tokens))
+                jobs.append(_Job(key, _sent_prompt(run, req, plan, control_variant.api), req.max_tokens))
         rows = run_coroutine(_score_all(jobs, variants, int(settings.FIDELITY_SCORE_CONCURRENCY)))
         store.insert_fidelity_scores(rows)
         log.info(
@@ -255,16 +266,13 @@ async def _scoring(caller: _Caller, variant: Any, prompt_ids, answer_ids, top_k:
         return scores.Scoring(None, *scores.unreadable(exc))
 
 
-async def _score_one(
-    caller: _Caller, key: scores.Request, prompt: Any, max_tokens: int, variants: Sequence[Any]
-) -> list[dict[str, Any]]:
+async def _score_one(caller: _Caller, job: _Job, variants: Sequence[Any]) -> list[dict[str, Any]]:
     """The rows of one picked request: the control's answer, then its scoring everywhere."""
-    keys = [v.key for v in variants]
+    key, keys = job.key, [v.key for v in variants]
     control = next(v for v in variants if v.key == key.control)
-    if prompt is None:
-        why = "the request is no longer in the run's source (changed since the run)"
-        return scores.failed_rows(key, keys, scores.CONTROL_ERROR, why)
-    answer = await _answer(caller, control, prompt, max_tokens)
+    if job.missing:
+        return scores.failed_rows(key, keys, scores.CONTROL_ERROR, job.missing)
+    answer = await _answer(caller, control, job.prompt, job.max_tokens)
     if isinstance(answer, str):
         return scores.failed_rows(key, keys, scores.CONTROL_ERROR, answer)
     if not answer.answer_ids:
@@ -278,15 +286,13 @@ async def _score_one(
 
 
 async def _score_all(
-    jobs: Sequence[tuple[scores.Request, Any, int]],
+    jobs: Sequence[_Job],
     variants: Sequence[Any],
     concurrency: int,
 ) -> list[dict[str, Any]]:
     caller = _Caller(variants, concurrency)
     try:
-        done = await asyncio.gather(
-            *(_score_one(caller, key, prompt, max_tokens, variants) for key, prompt, max_tokens in jobs)
-        )
+        done = await asyncio.gather(*(_score_one(caller, job, variants) for job in jobs))
     finally:
         await caller.aclose()
     return [row for rows in done for row in rows]

@@ -271,3 +271,16 @@ def test_chat_requests_are_scored_on_the_prompt_ids_the_chat_template_gave(
     rep = report.build_report(sample_store, report.experiment_info(experiment), Filters("ttft-opt"))
     kl = {v["key"]: v["fidelity"]["kl"] for v in rep["variants"][1:]}
     assert kl["awq"]["control_noise"] == 0.0 and 0 < kl["awq"]["mean"] < kl["awq-fa2"]["mean"] * 3
+    # the control unreachable on a second pass: every picked request keeps a row per variant,
+    # saying why, and the report counts them as not scored
+    from experiments.models import Variant
+
+    Variant.objects.filter(experiment=experiment, key="fp16").update(endpoint="http://127.0.0.1:9/v1")
+    assert score_run(run.pk) == 36
+    rows = score_rows(sample_store, run.pk)
+    assert {r[3] for r in rows} == {"control_error"} and len(rows) == 36
+    assert all(r[4].startswith("the control's answer: ConnectError") for r in rows), rows[0]
+    rep = report.build_report(sample_store, report.experiment_info(experiment), Filters("ttft-opt"))
+    kl = {v["key"]: v["fidelity"]["kl"] for v in rep["variants"][1:]}
+    assert (kl["awq"]["requests_scored"], kl["awq"]["requests_failed"], kl["awq"]["mean"]) == (0, 12, None)
+    assert kl["awq"]["failures"]["control_error"]["n"] == 12
