@@ -467,3 +467,23 @@ def test_the_cap_setting_is_parsed_strictly(raw, tmp_path):
     assert settings_from({**env, "ABPLAT_GATEWAY_SHADOWS_IN_FLIGHT": "0"})["GATEWAY_SHADOWS_IN_FLIGHT"] == 0
     with pytest.raises(ImproperlyConfigured, match="ABPLAT_GATEWAY_SHADOWS_IN_FLIGHT"):
         settings_from({**env, "ABPLAT_GATEWAY_SHADOWS_IN_FLIGHT": raw})
+
+
+def test_a_client_s_retries_under_its_own_request_id_are_sampled_alike(running_with, make_gateway):
+    running_with(with_share(0.5))
+    gw = make_gateway()
+    user = user_on(process.live_router(), EXPERIMENT, "awq")
+    names = [f"client-req-{i}" for i in range(40)]
+    yes = next(n for n in names if sampled(n, 0.5))
+    no = next(n for n in names if not sampled(n, 0.5))
+    sent = {}
+    for client_id in (yes, no, yes, no):
+        resp = post(gw, chat(PROMPTS[0], user, temperature=0), **{"x-request-id": client_id})
+        assert resp.status_code == 200
+        sent.setdefault(client_id, []).append(resp.headers["x-request-id"])  # the gateway's own
+    wait_for(lambda: len(gw.recorder.shadows) >= 2)
+    idle(gw)
+    assert not gw.gateway.attempts.shadows.tasks
+    # both of the sampled id's requests (each its own gateway id), none of the other's
+    assert sorted(r["request_id"] for r in gw.recorder.shadows) == sorted(sent[yes])
+    assert len(set(sent[yes])) == 2
