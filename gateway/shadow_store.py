@@ -8,10 +8,12 @@ once this writer has stored or spooled them: a shadow row is lost in no case a s
 Layout of ``<spool dir>/fidelity_shadows/``: one file per spooled batch, ``<seq>.jsonl``
 numbered in write order, written durably as the samples' (samples.spool.write_durably); line 1
 a header ``{"table": "fidelity_shadows", "rows": N}``, then one JSON object per row. Files are
-flushed in order once the store answers (``retry``); a file that cannot be read whole, or whose
-rows the store refuses as invalid, moves to ``quarantine/`` beside them, logged. Inserting a
+flushed in order once the store answers (``retry``); a file that cannot be read whole gives up
+its whole rows and moves to ``quarantine/`` beside them, logged; a row the store's checked
+writer refuses (samples/store_fidelity.py) is logged and counted, never retried. Inserting a
 file again after an ambiguous failure is harmless: the table is a ReplacingMergeTree on
-(experiment, variant, request_id) (samples/schema.py).
+(experiment, variant, request_id) (samples/schema.py). A spool left by a host's recorder is
+flushed by the next one that starts on it (`manage.py gateway_recorder --spool-dir DIR`).
 
 One writer per spool directory: the recorder that holds the host's lock, on its flush loop's
 thread (as every store call of the recorder).
