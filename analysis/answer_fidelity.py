@@ -27,6 +27,12 @@ user share that user's prompts, so they are not independent. Users are the clust
 experiment counts users as its unit (analysis.units), requests otherwise; a request with no user is
 its own cluster. The store returns the per-cluster moments already summed (``ArmMoments``), a
 handful of numbers whatever the number of users.
+
+Two more readings complete the entry. ``kl``: the teacher-forced KL of the scoring pass that
+follows a mirror run (``kl_select``, table fidelity_scores: how far a variant's next-token
+distributions are from the control's along the control's answers). ``live``: the gateway's
+shadows of live requests (``shadows_select``, table fidelity_shadows: live answers against the
+control's greedy ones), with the same identical share and first divergence as the mirror pairs.
 """
 
 from __future__ import annotations

@@ -284,3 +284,53 @@ def test_chat_requests_are_scored_on_the_prompt_ids_the_chat_template_gave(
     kl = {v["key"]: v["fidelity"]["kl"] for v in rep["variants"][1:]}
     assert (kl["awq"]["requests_scored"], kl["awq"]["requests_failed"], kl["awq"]["mean"]) == (0, 12, None)
     assert kl["awq"]["failures"]["control_error"]["n"] == 12
+
+
+@pytest.mark.django_db(transaction=True)
+def test_synthetic_prompts_are_scored_as_the_run_planned_them(
+    document, users, sample_store, noisy_sims, monkeypatch
+):
+    """An Azure trace gives token counts, not text: the pass sends the control the prompt the run
+    planned for it (replay.calibration, stored with the run), so its greedy answer is the one the
+    run compared (the same fingerprint), and scored under itself every token is its most likely."""
+    from fidelity.fingerprints import output_fp
+    from workers import fidelity_scores
+
+    answers_seen = []
+    parse = fidelity_scores.parse_answer
+    monkeypatch.setattr(
+        fidelity_scores, "parse_answer", lambda r: answers_seen.append(parse(r)) or answers_seen[-1]
+    )
+    experiment = start(document, users, noisy_sims, share=1.0)
+    out = io.StringIO()
+    call_command(
+        "replay",
+        "ttft-opt",
+        "--trace",
+        "data/traces/azure_llm_2023_conv.csv",
+        "--limit",
+        "3",
+        "--speed",
+        "50",
+        "--mode",
+        "mirror",
+        stdout=out,
+    )
+    run = ReplayRun.objects.latest("pk")
+    assert run.prompt_plan  # calibrated on the simulators' /tokenize
+    rows = score_rows(sample_store, run.pk)
+    assert len(rows) == 9 and {r[3] for r in rows} == {"ok"}, {r[4] for r in rows}
+    fp16 = [r for r in rows if r[0] == "fp16"]
+    sent = sample_store.query(
+        "SELECT seq, output_tokens, output_fp FROM samples FINAL WHERE run_id = %(r)s AND variant = 'fp16'",
+        {"r": run.pk},
+    )
+    assert all(
+        r[5] == dict((s, n) for s, n, _fp in sent)[r[1]] and r[8] == r[5] and r[6] == 0.0 for r in fp16
+    )
+    # the pass's answers are the run's: the same texts, so the same prompts were sent
+    assert sorted(output_fp([tokens.decode(t) for t in a.answer_ids]) for a in answers_seen) == sorted(
+        fp for _s, _n, fp in sent
+    )
+    rep = report.build_report(sample_store, report.experiment_info(experiment), Filters("ttft-opt"))
+    assert next(v for v in rep["variants"] if v["key"] == "awq")["fidelity"]["kl"]["mean"] > 0
