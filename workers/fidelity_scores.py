@@ -118,14 +118,9 @@ def score_run(self, run_id: int, start: int = 0, waited: int = 0) -> int:
     rows written by this task. ``waited``: how often it was put off for another run's
     measurements (WAIT_S apart, at most MAX_WAITS, then it scores regardless, saying so)."""
     run = ReplayRun.objects.select_related("experiment").filter(pk=run_id).first()
-    if run is None or run.mode != MIRROR:
+    if run is None or run.mode != MIRROR or run.experiment.fidelity_score_share <= 0:
         return 0
-    experiment = run.experiment
-    share, top_k = float(experiment.fidelity_score_share), int(experiment.fidelity_score_top_k)
     variants = run.replay_variants()
-    control = experiment.control_key()
-    if share <= 0 or control not in {v.key for v in variants}:
-        return 0
     # 1b. Off every latency path the platform measures: another replay sending to these servers
     # now (the next step of a capacity search, another experiment's run) would measure the
     # pass's calls as load, so the pass waits for it. (Eager Celery has no broker to wait
@@ -136,7 +131,23 @@ def score_run(self, run_id: int, start: int = 0, waited: int = 0) -> int:
             score_run.apply_async((run_id, start, waited + 1), countdown=WAIT_S)
             return 0
         log.warning("run %s: scoring beside run %s, still sending after %d waits", run_id, busy, waited)
-    # 2. The picked requests, in seq order; this task's chunk of them.
+    rows, picked = score_chunk(run, start)
+    if start + CHUNK < picked:
+        score_run.delay(run_id, start + CHUNK, waited)
+    return rows
+
+
+def score_chunk(run: ReplayRun, start: int) -> tuple[int, int]:
+    """Score the picked requests ``start`` to ``start + CHUNK`` of a run (module docstring, 2-5);
+    (rows written, requests picked in the whole run). No check that another run is sending:
+    score_run's, or the caller's (``manage.py score_fidelity``)."""
+    experiment = run.experiment
+    share, top_k = float(experiment.fidelity_score_share), int(experiment.fidelity_score_top_k)
+    variants = run.replay_variants()
+    control = experiment.control_key()
+    if run.mode != MIRROR or share <= 0 or control not in {v.key for v in variants}:
+        return 0, 0
+    # 2. The picked requests, in seq order; this chunk of them.
     store = sample_store()
     recorded = [
         int(seq)
@@ -148,45 +159,44 @@ def score_run(self, run_id: int, start: int = 0, waited: int = 0) -> int:
     ]
     picked = scores.choose(run.pk, recorded, share)
     batch = picked[start : start + CHUNK]
-    if batch:
-        try:
-            by_seq = {r.seq: r for r in run_requests(run).requests}
-            missing = "the request is no longer in the run's source (changed since the run)"
-        except (OSError, ValueError) as exc:  # replay.sources.SourceError is a ValueError
-            by_seq, missing = {}, f"the run's source cannot be read: {error_text(exc)}"
-        control_variant = next(v for v in variants if v.key == control)
-        plan = plan_from_json(run.prompt_plan, only=set(batch)).get(control, {})
-        jobs = []
-        for seq in batch:
-            req = by_seq.get(seq)
-            key = scores.Request(
-                experiment=experiment.key,
-                run_id=run.pk,
-                seq=seq,
-                user_id=req.user_id if req is not None else "",
-                control=control,
-                top_k=top_k,
-            )
-            if req is None:
-                jobs.append(_Job(key, None, 0, missing))
-            else:
-                jobs.append(_Job(key, _sent_prompt(run, req, plan, control_variant.api), req.max_tokens))
-        rows = run_coroutine(_score_all(jobs, variants, int(settings.FIDELITY_SCORE_CONCURRENCY)))
-        store.insert_fidelity_scores(rows)
-        log.info(
-            "run %s: scored %d requests (%d to %d of %d picked), %d rows",
-            run.pk,
-            len(batch),
-            start,
-            start + len(batch) - 1,
-            len(picked),
-            len(rows),
+    if not batch:
+        return 0, len(picked)
+    # 3. Each one's prompt as the run sent it to the control.
+    try:
+        by_seq = {r.seq: r for r in run_requests(run).requests}
+        missing = "the request is no longer in the run's source (changed since the run)"
+    except (OSError, ValueError) as exc:  # replay.sources.SourceError is a ValueError
+        by_seq, missing = {}, f"the run's source cannot be read: {error_text(exc)}"
+    control_variant = next(v for v in variants if v.key == control)
+    plan = plan_from_json(run.prompt_plan, only=set(batch)).get(control, {})
+    jobs = []
+    for seq in batch:
+        req = by_seq.get(seq)
+        key = scores.Request(
+            experiment=experiment.key,
+            run_id=run.pk,
+            seq=seq,
+            user_id=req.user_id if req is not None else "",
+            control=control,
+            top_k=top_k,
         )
-    else:
-        rows = []
-    if start + CHUNK < len(picked):
-        score_run.delay(run_id, start + CHUNK, waited)
-    return len(rows)
+        if req is None:
+            jobs.append(_Job(key, None, 0, missing))
+        else:
+            jobs.append(_Job(key, _sent_prompt(run, req, plan, control_variant.api), req.max_tokens))
+    # 4 and 5. The control's answers scored everywhere; the rows written.
+    rows = run_coroutine(_score_all(jobs, variants, int(settings.FIDELITY_SCORE_CONCURRENCY)))
+    store.insert_fidelity_scores(rows)
+    log.info(
+        "run %s: scored %d requests (%d to %d of %d picked), %d rows",
+        run.pk,
+        len(batch),
+        start,
+        start + len(batch) - 1,
+        len(picked),
+        len(rows),
+    )
+    return len(rows), len(picked)
 
 
 def _sent_prompt(run: ReplayRun, req, plan: Mapping[int, Any], api: str) -> Any:

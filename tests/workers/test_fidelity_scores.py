@@ -254,6 +254,20 @@ def test_an_experiment_that_scores_nothing_says_so(document, users, sample_store
     from dashboards.management.commands.sla_report import render_text
 
     assert f"  KL divergence: {af.NO_KL_SHARE_0}" in render_text(rep)
+    # by hand: refused while the share is 0, then the run is scored once it is set
+    from django.core.management.base import CommandError
+
+    with pytest.raises(CommandError, match="scores nothing"):
+        call_command("score_fidelity", str(run.pk))
+    type(experiment).objects.filter(pk=experiment.pk).update(fidelity_score_share=1.0)
+    out = io.StringIO()
+    call_command("score_fidelity", str(run.pk), "--json", stdout=out)
+    assert json.loads(out.getvalue()) == {
+        "runs": [{"run_id": run.pk, "picked": REQUESTS, "rows": 3 * REQUESTS}]
+    }
+    experiment.refresh_from_db()
+    rep = report.build_report(sample_store, report.experiment_info(experiment), Filters("ttft-opt"))
+    assert [v["fidelity"]["kl"]["requests_scored"] for v in rep["variants"][1:]] == [REQUESTS, REQUESTS]
 
 
 @pytest.mark.django_db(transaction=True)
