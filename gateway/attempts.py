@@ -12,6 +12,7 @@ secret name behind it go to the log and the sample.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import ssl
 import time
@@ -216,7 +217,10 @@ class Attempts:
                 return
             recorded[0] = True
             if served is not None:
-                served.append(res)
+                served.append(dataclasses.replace(res))  # the shadow's copy, fingerprints and all
+                # the sample is the one it would be without shadowing: fingerprints are a mirror
+                # run's columns, and the shadow's row (fidelity_shadows) keeps what is compared
+                res.token_fps, res.output_fp = [], 0
             self.counts[f"outcome_{res.outcome.value}"] += 1
             self.meter.upstream(decision.experiment, tgt.key, res.outcome.value)
             try:

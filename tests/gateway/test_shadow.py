@@ -179,8 +179,9 @@ def test_a_greedy_live_answer_is_compared_as_served_with_the_control_s_and_match
     assert shadow["temperature"] == 0 and shadow["seed"] == SHADOW_SEED and shadow["stream"] is True
     assert shadow["model"] == "tiny-llama" and shadow["max_tokens"] == 16
     assert shadow["messages"] == [{"role": "user", "content": PROMPTS[0]}]
-    # the shadows are no samples: one per user request
+    # the shadows are no samples: one per user request, and each as without shadowing
     assert len(gw.recorder.records) == len(PROMPTS)
+    assert all(r["result"].output_fp == 0 and r["result"].token_fps == [] for r in gw.recorder.records)
     ok_after = value("abplat_gateway_shadow_requests_total", experiment=EXPERIMENT, outcome="ok")
     assert ok_after - ok_before == len(PROMPTS)
 
