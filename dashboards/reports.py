@@ -136,10 +136,12 @@ def cache_key(
     filters: Filters,
     version: Sequence[Sequence[int]],
     catalog: Sequence[Mapping[str, Any]] = (),
+    answers: Sequence[int] = (),
 ) -> str:
     """Everything the report depends on: the store, the experiment's settings and weights
-    history, the filters, the experiment's data version (RawReader.data_version) and its run
-    catalog (SampleStore.runs: a run going from running to done changes the runs read)."""
+    history, the filters, the experiment's data version (RawReader.data_version), its run
+    catalog (SampleStore.runs: a run going from running to done changes the runs read) and its
+    answers' version (RawReader.answers_version: a scoring pass ends after its run)."""
     blob = json.dumps(
         {
             "format": [SCHEMA_VERSION, CACHE_FORMAT],
@@ -147,6 +149,7 @@ def cache_key(
             "experiment": dataclasses.asdict(exp),
             "filters": filters.as_dict(),
             "version": list(version),
+            "answers": list(answers),
             "catalog": [
                 [c["run_id"], c["status"], c["mode"], c["version"], c.get("label"), c.get("complete")]
                 for c in catalog
@@ -204,7 +207,9 @@ def report_for(
     from django.core.cache import caches
 
     cache = caches[CACHE_ALIAS]
-    key = cache_key(store, info, filters, version, catalog)
+    key = cache_key(
+        store, info, filters, version, catalog, RawReader(store).answers_version(filters.experiment)
+    )
     try:
         cached = cache.get(key)
     except CACHE_ERRORS as exc:  # a shared cache (ABPLAT_CACHE_URL) that is down: compute

@@ -73,6 +73,7 @@ from analysis.sql import (
     values_at_ranks,
 )
 from analysis.units import UnitMoments
+from samples.schema import FIDELITY_SCORES_TABLE, FIDELITY_SHADOWS_TABLE
 
 # Metrics whose order statistics the raw reader locates through a histogram (the others ask
 # quantilesExact: a histogram per metric would cost a pass each): TTFT, whose histogram the
@@ -425,6 +426,19 @@ class RawReader:
             params,
         )
         return tuple((int(r), int(n), int(total), int(newest)) for r, n, total, newest in rows)
+
+    def answers_version(self, experiment: str) -> tuple[int, ...]:
+        """(rows, max of the write stamp) of the experiment's fidelity scores and live shadows:
+        written after their samples (a scoring pass ends after its run), so the report cache's key
+        holds them beside data_version."""
+        params = {"experiment": experiment}
+        out: list[int] = []
+        for table, stamp in ((FIDELITY_SCORES_TABLE, "scored_ms"), (FIDELITY_SHADOWS_TABLE, "recorded_ms")):
+            ((n, newest),) = self.store.query(
+                f"SELECT count(), max({stamp}) FROM {table} WHERE experiment = %(experiment)s", params
+            )
+            out += [int(n), int(newest)]
+        return tuple(out)
 
     def run_modes(self, experiment: str) -> dict[int, str]:
         """{run_id: mode} of an experiment's runs from their samples (the mode with the most rows;

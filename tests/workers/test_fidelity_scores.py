@@ -260,13 +260,17 @@ def test_an_experiment_that_scores_nothing_says_so(document, users, sample_store
     with pytest.raises(CommandError, match="scores nothing"):
         call_command("score_fidelity", str(run.pk))
     type(experiment).objects.filter(pk=experiment.pk).update(fidelity_score_share=1.0)
+    experiment.refresh_from_db()
+    cached = report.report_for(experiment, Filters("ttft-opt"), sample_store)  # cached before the pass
+    assert cached["variants"][1]["fidelity"]["kl"] is None
     out = io.StringIO()
     call_command("score_fidelity", str(run.pk), "--json", stdout=out)
     assert json.loads(out.getvalue()) == {
         "runs": [{"run_id": run.pk, "picked": REQUESTS, "rows": 3 * REQUESTS}]
     }
-    experiment.refresh_from_db()
-    rep = report.build_report(sample_store, report.experiment_info(experiment), Filters("ttft-opt"))
+    # the cached report is not served once the scores are written (the same samples, new scores)
+    rep = report.report_for(experiment, Filters("ttft-opt"), sample_store)
+    assert rep["timing"]["cache"] == "miss"
     assert [v["fidelity"]["kl"]["requests_scored"] for v in rep["variants"][1:]] == [REQUESTS, REQUESTS]
 
 
