@@ -18,7 +18,8 @@ Three servers, one after the other (one in memory at a time on this 2-core machi
   kernels (its C++ CPU ops, oneDNN GEMMs, chosen by the CPU's ISA), which round at other places
   than torch's eager bf16 path, and bf16 logits of magnitude 8-16 are quantized in steps of
   0.0625: the two bf16 computations' log-probabilities differ by up to ~0.1, so their KLs against
-  float32 (~1e-4..1e-3) agree in size, not to 1e-4. Measured and bounded here, not claimed.
+  float32 (~1e-4..1e-3) agree per position in size, not to 1e-4; their means over the answers
+  (the figure the report gives) agree to 1e-4. Measured and bounded here.
 - ``int8-weights``: float32 compute on a copy whose decoder projections are rounded to int8 per
   output row (simulated weight-only quantization). A numerics change torch reproduces exactly
   (float32 both), so its KL from vLLM's log-probabilities must equal the direct one to 1e-4.
@@ -204,8 +205,10 @@ def test_bfloat16_kl_is_measured_and_its_size_is_torchs(runs):
         f"max |logprob vLLM bf16 - torch bf16| = {worst:.3g}"
     )
     assert all(shared > 0 for _, _, shared, _ in rows)
-    # kernel differences (module docstring): the same size, not the same value
+    # kernel differences (module docstring): per position the same size, not the same value; the
+    # mean over the answers (what the report gives) agrees to 1e-4 (4.3e-6 when measured)
     assert 0.5 < mean_v / mean_d < 2.0
+    assert abs(mean_v - mean_d) < 1e-4
     assert gap < 2e-3
 
 
