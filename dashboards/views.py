@@ -80,6 +80,8 @@ def experiment(request: HttpRequest, key: str) -> HttpResponse:
         "all_variants": [v.key for v in exp.variants.all()],
         # the answer first: per variant its verdict and intervals, drawn (charts "answer")
         "answer": summaries.answer(report),
+        # answers against the control's: identical, where they part, KL, live shadows
+        "fidelity": summaries.fidelity_summary(report),
         "charts": charts.page_sections(charts.all_figures(report)),
         "percentiles": summaries.percentile_summary(report),
         "variant_rows": list(tables.variants(report)),

@@ -16,6 +16,7 @@ from django.core.management import call_command
 
 from analysis.definitions import Filters
 from dashboards import reports as report
+from dashboards import summaries
 from experiments import services
 from fidelity import scores
 from simulator import answers, logprobs, tokens
@@ -186,6 +187,17 @@ def test_the_pass_measures_the_simulators_known_kl(document, users, sample_store
         and line.endswith("fp16 against itself 0")
         for line in text
     ), text
+    # the dashboard page: the answers' detail carries each variant's KL with its interval and line
+    from django.test import Client
+
+    client = Client()
+    client.force_login(users["product"])
+    page = client.get("/dashboards/ttft-opt/").content.decode()
+    assert '<details class="method" id="answers">' in page
+    for key in ("awq", "awq-fa2"):
+        row = page.split(f'<tr data-variant="{key}">', 2)[-1].split("</tr>")[0]
+        assert f'<td class="iv kl">{summaries.kl_text(fid[key])}</td>' in row
+    assert page.count('<p class="sub kl-line">') == 2
 
 
 @pytest.mark.django_db(transaction=True)
