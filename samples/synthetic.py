@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -91,6 +91,10 @@ class SyntheticSpec:
     users: int = 0
     user_sigma: float = 0.0
     no_user_share: float = 0.0
+    # The users' own draws (rates, effects, arms) from a stream of this seed instead of the run's:
+    # the chunks of one run (generate_chunks) then share their users. None: the run's stream.
+    users_seed: int | None = None
+    seq_offset: int = 0  # the first request's seq (a chunk of a larger run: generate_chunks)
     max_tokens: Sequence[int] = (256,)  # requested output tokens, drawn per request when several
     answers: bool = False  # mirror mode: fingerprinted answers, some diverging (module docstring)
     answer_texts: bool = False  # with answers: each answer's text too (module docstring)
@@ -146,6 +150,10 @@ def _check(spec: SyntheticSpec) -> None:
         raise ValueError("SyntheticSpec.variants needs exactly one control")
     if spec.n < 1:
         raise ValueError(f"SyntheticSpec.n must be >= 1, got {spec.n}")
+    if spec.seq_offset < 0 or spec.seq_offset + spec.n > 2**32:
+        raise ValueError(
+            f"SyntheticSpec.seq_offset + n must fit seq's UInt32, got {spec.seq_offset} + {spec.n}"
+        )
     if spec.users < 0 or spec.user_sigma < 0 or not 0 <= spec.no_user_share <= 1 or not spec.max_tokens:
         raise ValueError(
             "SyntheticSpec: users >= 0, user_sigma >= 0, no_user_share in [0, 1], max_tokens given"
@@ -170,7 +178,7 @@ def generate(spec: SyntheticSpec) -> Synthetic:
     n_req = spec.n
 
     # 1. the traffic: one request per seq, sent in order over the run
-    seq_req = np.arange(n_req, dtype=np.uint32)
+    seq_req = np.arange(spec.seq_offset, spec.seq_offset + n_req, dtype=np.uint32)
     offset_ms = np.sort(rng.uniform(0, spec.duration_s * 1000.0, n_req))
     prompt = np.clip(rng.lognormal(np.log(400), 1.0, n_req), 4, 16000).astype(np.uint32)
     in_flight = rng.poisson(6, n_req).astype(np.uint32)
@@ -191,12 +199,14 @@ def generate(spec: SyntheticSpec) -> Synthetic:
     user_of = np.arange(n_req)
     user_mult: float | np.ndarray = 1.0
     if spec.users:
-        rates = urng.lognormal(0.0, 1.0, spec.users)
+        # the same draws in the same order from one stream unless users_seed gives the users their own
+        users_rng = urng if spec.users_seed is None else np.random.default_rng([spec.users_seed, 16])
+        rates = users_rng.lognormal(0.0, 1.0, spec.users)
         user_of = urng.choice(spec.users, size=n_req, p=rates / rates.sum())
-        user_mult = urng.lognormal(0.0, spec.user_sigma, spec.users)[user_of][req]
+        user_mult = users_rng.lognormal(0.0, spec.user_sigma, spec.users)[user_of][req]
         if spec.mode == "split":
             w = np.array([v.weight for v in spec.variants], dtype=float)
-            arm = urng.choice(len(keys), size=spec.users, p=w / w.sum())[user_of]
+            arm = users_rng.choice(len(keys), size=spec.users, p=w / w.sum())[user_of]
     no_user = urng.random(n_req) < spec.no_user_share if spec.no_user_share else np.zeros(n_req, dtype=bool)
     if len(spec.max_tokens) == 1:
         max_tokens = np.full(n, spec.max_tokens[0], dtype=np.uint32)
@@ -332,6 +342,45 @@ def generate(spec: SyntheticSpec) -> Synthetic:
     missing = set(colmod.COLUMN_NAMES) ^ set(cols)
     assert not missing, f"synthetic columns out of sync with samples.columns: {missing}"
     return Synthetic(spec, {k: cols[k] for k in colmod.COLUMN_NAMES}, is_dup, diverged_at)
+
+
+def generate_chunks(spec: SyntheticSpec, chunk_rows: int, first_chunk: int = 0) -> Iterator[Synthetic]:
+    """One run of spec.n requests generated chunk_rows requests at a time, so a run of 10^8 rows
+    never sits in memory at once: chunk k holds seqs [k chunk_rows, (k+1) chunk_rows), sent in the
+    k-th slice of the run's duration, under the config revision of that slice (spec's revisions
+    split evenly over the chunks, in time order), each chunk from a seed of its own.
+
+    With spec.users, every chunk draws its requests from the same users (users_seed, default
+    spec.seed): a user keeps their rate, TTFT effect and arm across chunks, as in one generate().
+    The chunks are not generate(spec) cut into pieces (other random streams); their union is one
+    run of the same model, with unique request ids and seqs. ``first_chunk``: start at that
+    chunk (a load resumed), the later chunks as they would have been."""
+    if chunk_rows < 1 or first_chunk < 0:
+        raise ValueError(
+            f"generate_chunks: chunk_rows >= 1 and first_chunk >= 0 needed, got {chunk_rows}, {first_chunk}"
+        )
+    _check(spec)
+    starts = range(0, spec.n, chunk_rows)
+    revs = list(spec.config_revisions)
+    users_seed = spec.seed if spec.users_seed is None else spec.users_seed
+    for k, first in enumerate(starts):
+        if k < first_chunk:
+            continue
+        size = min(chunk_rows, spec.n - first)
+        share = spec.duration_s / spec.n  # each request's slice of the run, so chunks tile it
+        part = dataclasses.replace(
+            spec,
+            n=size,
+            seed=spec.seed * 1_000_003 + k,
+            seq_offset=spec.seq_offset + first,
+            start_unix_ms=spec.start_unix_ms + first * share * 1000.0,
+            duration_s=size * share,
+            config_revisions=(revs[min(len(revs) - 1, (2 * k + 1) * len(revs) // (2 * len(starts)))],),
+            users_seed=users_seed,
+        )
+        data = generate(part)
+        data.columns["scheduled_offset_ms"] = data.columns["scheduled_offset_ms"] + first * share * 1000.0
+        yield data
 
 
 def _answers(
