@@ -67,10 +67,10 @@ COVARIATES: dict[str, str] = {
 }
 UNITS = ("user", "request")
 # A request's cluster within its variant: its user, or the request itself when it came without
-# one (moments_select reads those ungrouped). A user is hashed with the variant into one UInt64
-# (as sql.DISTINCT_USERS): grouping on it was 3x faster on 18.16 than on (variant, key) and far
-# faster than on the strings; a collision (~3e-6 at 10^7 users) merges two users into one cluster.
-USER_KEY = "cityHash64(variant, user_id)"
+# one. Hashed with the variant into one UInt64 (as sql.DISTINCT_USERS): grouping on it was 3x
+# faster on 18.16 than on (variant, key) and far faster than on the strings; a collision (~3e-6
+# at 10^7 users) merges two users into one cluster.
+CLUSTER_KEY = "cityHash64(variant, user_id, if(user_id = '', request_id, ''))"
 
 INFERENCE_USER = "user-clustered"
 INFERENCE_REQUEST = "requests"
@@ -192,17 +192,16 @@ def moments_select(
         raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
     blocks, params = _blocks(slo)
     lay = layout(slo)
-    per_user: list[str] = []  # a user's sums over their requests
-    per_request: list[str] = []  # a request's own values: its own cluster
+    inner: list[str] = []
     names: dict[tuple[str, str], str] = {}
     for name, cond, parts, _squares in blocks:
         for c, expr in parts:
-            alias = f"c{len(per_user)}"
+            alias = f"c{len(inner)}"
             names[(name, c)] = alias
-            per_user.append(f"{'sumIf' if cond else 'sum'}({expr}{f', {cond}' if cond else ''}) AS {alias}")
-            # CAST: 18.16 gives LowCardinality(Float64) for expressions over a LowCardinality
-            # column (outcome), which a UNION ALL with the sums' Float64 refuses
-            per_request.append(f"CAST({f'if({cond}, {expr}, 0)' if cond else expr} AS Float64) AS {alias}")
+            if unit == "user":
+                inner.append(f"{'sumIf' if cond else 'sum'}({expr}{f', {cond}' if cond else ''}) AS {alias}")
+            else:
+                inner.append(f"{f'if({cond}, {expr}, 0)' if cond else expr} AS {alias}")
     counts = []
     for name in lay.blocks:
         n = names[(name, "n")]
@@ -212,25 +211,15 @@ def moments_select(
         sums[i] = f"sum({names[(name, c)]})"
     for (name, a, b), i in lay.cross.items():
         sums[i] = f"sum({names[(name, a)]} * {names[(name, b)]})"
-    arm = "CAST(variant AS String)"  # a String in both branches below (variant is LowCardinality)
+    fw, fparams = from_where(f, extra)
     if unit == "user":
-        # Requests with a user are grouped per user; each request without one is a cluster of
-        # its own, read ungrouped in a second branch: neither reads request_id, and the GROUP BY
-        # hashes only (variant, user_id). One GROUP BY on a key of user or request id read every
-        # request's id and was slower on 18.16 (bench/RESULTS.md, "At 100M samples").
-        fw, fparams = from_where(f, [*extra, "user_id != ''"])
-        alone, _same = from_where(f, [*extra, "user_id = ''"])
-        source = (
-            f"SELECT any({arm}) AS arm, {', '.join(per_user)} {fw} GROUP BY {USER_KEY} "
-            f"UNION ALL SELECT {arm} AS arm, {', '.join(per_request)} {alone}"
-        )
+        arm, group = "any(variant)", f" GROUP BY {CLUSTER_KEY}"  # one variant per key
     else:
-        fw, fparams = from_where(f, extra)
-        source = f"SELECT {arm} AS arm, {', '.join(per_request)} {fw}"
+        arm, group = "variant", ""
     sql = (
-        f"SELECT {''.join(h + ', ' for h in head)}arm AS variant, "
+        f"SELECT {''.join(h + ', ' for h in head)}toString(arm) AS variant, "
         f"[{', '.join(counts)}] AS counts, [{', '.join(sums)}] AS sums "
-        f"FROM ({source}) GROUP BY arm"
+        f"FROM (SELECT {arm} AS arm, {', '.join(inner)} {fw}{group}) GROUP BY arm"
     )
     return sql, {**params, **fparams}
 
