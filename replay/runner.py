@@ -26,6 +26,12 @@ router), one streaming client per variant, a sink for rows and a cancel probe.
 9. The assigner may raise StopReplay (e.g. the experiment's weights were retired because it
    was concluded): the shard stops sending and ends cancelled, with that reason. Any other
    error of a send task is re-raised after the requests in flight were recorded.
+10. The send loop wakes ``SEND_LEAD_S`` before a request's send time and starts its send task
+   then; the task waits out the rest on its own timer and sends. A new task's first step runs
+   one loop pass after it is made, after every read callback that pass brings: under a few
+   hundred streams that pass alone took milliseconds, and it was schedule lag. The task's own
+   timer wakes it in the pass the time comes, before the reads. The lag is measured as before,
+   when the task begins the request; a request whose time comes after a cancel is not sent.
 """
 
 from __future__ import annotations
@@ -136,6 +142,9 @@ class ShardStats:
 
 
 class ShardRunner:
+    # How much before a request's send time the send loop wakes and starts its send task (10.).
+    SEND_LEAD_S = 0.003
+
     def __init__(
         self,
         spec: ShardSpec,
@@ -176,6 +185,7 @@ class ShardRunner:
         self._in_flight = 0
         self._cancel = asyncio.Event()
         self._sleeper: asyncio.Future[None] | None = None  # the send loop's wait, woken by _stop
+        self._wake_at = 0.0  # loop time of the latest send task's timer (_until)
         self._error: BaseException | None = None
         self._api_set = tuple(sorted(set(self.apis.values())))
         # One read-only mapping for every request (the clients only read it). A mirror run asks
@@ -206,7 +216,9 @@ class ShardRunner:
                 # The prompt is built before the wait, so its cost never shows as schedule lag.
                 prepared = self._prompt(req)
                 planned = start_mono + (spec.offsets[i] if spec.offsets is not None else 0.0)
-                delay = planned + shift - time.perf_counter()
+                due = planned + shift
+                # 10. Woken SEND_LEAD_S early: the send task starts then and waits out the rest.
+                delay = due - self.SEND_LEAD_S - time.perf_counter()
                 if delay > 0 and await self._sleep(delay):  # cancelled while waiting
                     self.stats.not_sent += len(spec.requests) - i
                     break
@@ -214,8 +226,8 @@ class ShardRunner:
                     self.stats.not_sent += len(spec.requests) - i
                     break
                 if spec.offsets is None:
-                    planned = time.perf_counter()  # closed loop: sent when a slot frees
-                task = asyncio.create_task(self._send(req, planned, start_mono, prepared))
+                    planned = due = time.perf_counter()  # closed loop: sent when a slot frees
+                task = asyncio.create_task(self._send(req, planned, start_mono, prepared, due))
                 tasks.add(task)
                 task.add_done_callback(lambda t: self._done(t, tasks, slots))
             await self._drain(tasks)
@@ -245,6 +257,25 @@ class ShardRunner:
             timer.cancel()
             self._sleeper = None
         return self._cancel.is_set()
+
+    async def _until(self, due: float) -> None:
+        """Wait for the send time ``due`` (perf_counter) on a timer of this task's own, in send
+        order: each timer is set strictly after the previous request's, so two requests due at
+        the same moment still go in schedule order (equal timers have no order on asyncio's loop)."""
+        wait = due - time.perf_counter()
+        if wait <= 0 and self._wake_at <= 0.0:
+            return
+        loop = asyncio.get_running_loop()
+        at = max(loop.time() + wait, self._wake_at + 1e-6)
+        self._wake_at = at
+        if at <= loop.time():
+            return
+        woken: asyncio.Future[None] = loop.create_future()
+        timer = loop.call_at(at, _wake, woken)
+        try:
+            await woken
+        finally:
+            timer.cancel()
 
     def _stop(self) -> None:
         """Cancel the shard: nothing new is sent (the send loop wakes from its wait at once)."""
@@ -335,9 +366,23 @@ class ShardRunner:
                 await asyncio.to_thread(self.on_progress, self.stats)
 
     async def _send(
-        self, req: TraceRequest, planned: float, start_mono: float, prepared: tuple[Any, int, bool]
+        self,
+        req: TraceRequest,
+        planned: float,
+        start_mono: float,
+        prepared: tuple[Any, int, bool],
+        due: float | None = None,
     ) -> None:
         spec = self.spec
+        if due is not None:
+            try:
+                await self._until(due)
+            except asyncio.CancelledError:
+                self.stats.not_sent += 1  # cancelled before it was sent
+                raise
+            if self._cancel.is_set():  # cancelled in the last moment before its send time
+                self.stats.not_sent += 1
+                return
         if spec.mode == SPLIT:
             variant, revision = self.assign(req.user_id)
             targets = [(variant, request_id(spec.run_id, req.seq))]

@@ -16,12 +16,20 @@ time the loop wants the interpreter back it may wait a whole interval, and under
 streams those waits pile up into the schedule lag: the demo's capacity steps lagged 8-163 ms at
 p99 at 64-128 req/s, 4.5-7.3 ms with the shorter interval on the same quiet machine
 (bench/RESULTS.md, "The demo").
+
+While a replay shard runs, the heap it started with is frozen (``frozen_heap``): gc.freeze()
+moves every object alive then out of the collector's sight, so a full collection during the
+schedule walks only what the shard itself made. A Celery worker process holds ~150,000 tracked
+objects (Django, Celery, the libraries); one full collection over them takes ~100 ms, and one
+comes every few tens of thousands of promoted objects, i.e. every few seconds at a few hundred
+requests per second: a send due in that pause goes late by up to its length.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import sys
 import threading
 from collections.abc import Callable, Coroutine, Iterator
@@ -34,6 +42,8 @@ SWITCH_INTERVAL_S = 0.0005
 _switch_lock = threading.Lock()
 _switch_users = 0
 _switch_before = 0.0
+_freeze_users = 0
+_frozen_before = False
 
 
 @contextlib.contextmanager
@@ -55,6 +65,29 @@ def short_switch_interval(interval_s: float = SWITCH_INTERVAL_S) -> Iterator[Non
             _switch_users -= 1
             if _switch_users == 0:
                 sys.setswitchinterval(_switch_before)
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """The heap as it is now, collected once and frozen (gc.freeze) while any caller is inside;
+    unfrozen (back in the oldest generation, collectable again) when the last one leaves, unless
+    the process had frozen its heap itself before (the gateway does at start: that stays). The
+    first caller pays one full collection here, before its schedule starts; a caller that
+    enters while another is inside freezes without collecting (the other's loop is running)."""
+    global _freeze_users, _frozen_before
+    with _switch_lock:
+        if _freeze_users == 0:
+            _frozen_before = gc.get_freeze_count() > 0
+            gc.collect()
+        gc.freeze()
+        _freeze_users += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _freeze_users -= 1
+            if _freeze_users == 0 and not _frozen_before:
+                gc.unfreeze()
 
 
 def loop_factory(name: str = "uvloop") -> Callable[[], asyncio.AbstractEventLoop]:

@@ -374,3 +374,34 @@ def test_every_request_gets_the_same_read_only_extra_options():
     assert stats.recorded == 3 and all(dict(e) == {"ignore_eos": True} for e in seen)
     with pytest.raises(TypeError):
         seen[0]["ignore_eos"] = False  # shared by every request: nobody may change it
+
+
+@pytest.mark.parametrize("loop_name", ["uvloop", "asyncio"])
+def test_requests_due_together_or_within_the_send_lead_go_in_schedule_order(loop_name):
+    """Each send task waits out its last SEND_LEAD_S on a timer of its own (runner step 10):
+    requests due at the same moment, or closer together than the lead, still start in schedule
+    order on either loop."""
+    from streaming import loop as streaming_loop
+
+    n = 60
+    reqs = [TraceRequest(i, 0.0, f"u{i}", 4, 2) for i in range(n)]
+    spec = spec_for(reqs, variants=["a"])
+    spec.offsets = [0.0] * 20 + [0.001 * i / 40 for i in range(40)]  # 20 at once, 40 within 1 ms
+    started = []
+
+    class Order:
+        api = "chat"
+
+        async def stream(self, rid, prompt, max_tokens, extra=None):
+            from streaming.result import Outcome, StreamResult
+
+            started.append(int(rid.rsplit("-", 1)[-1]))
+            return StreamResult(outcome=Outcome.OK, request_id=rid)
+
+    async def main():
+        runner = ShardRunner(spec, {"a": Order()}, lambda user: ("a", 1), lambda row: None)
+        return await runner.run()
+
+    stats = streaming_loop.run(main(), loop_name)
+    assert stats.sent == n and stats.not_sent == 0
+    assert started == sorted(started) and len(started) == n
