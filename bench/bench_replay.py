@@ -830,8 +830,10 @@ def part4(bench: Bench, args) -> None:
         theirs: dict[float, dict] = {}
         data = pathlib.Path(tempfile.mkdtemp(prefix="bench-replay-vllm-")) / "prompts.jsonl"
         mine = os.sched_getaffinity(0)
-        top = max(best.get((one_core, 1), 0.0), args.worker_rates[0])
-        for rate in [x for x in args.worker_rates if x <= 2 * top]:
+        short = 0
+        for rate in args.worker_rates:
+            if short >= 2:  # two rates in a row it fell short of: higher ones only take time
+                break
             n, reqs, _ = poisson(trace, rate, args)
             with data.open("w") as f:
                 for q in reqs:
@@ -854,6 +856,7 @@ def part4(bench: Bench, args) -> None:
                 os.sched_setaffinity(0, mine)
             theirs[rate] = t
             tput = t["request_throughput"] or 0.0
+            short = short + 1 if tput < 0.9 * rate else 0
             print(
                 f"| {rate:g} | {n} | {tput:.1f} | {tput / rate:.2f} | {t['ttft_p50_ms']:.1f} | "
                 f"{t['ttft_p99_ms']:.1f} | {t['cpu_s'] * 1000 / n:.2f} |",
@@ -875,7 +878,7 @@ def part4(bench: Bench, args) -> None:
                 f"{1000 / ms * cores:.0f} |"
             )
         if theirs:
-            rate = max(r for r in theirs if r <= max(top, min(theirs)))
+            rate = max(r for r in theirs if r <= max(base, min(theirs)))
             t = theirs[rate]
             ours_ms = statistics.median(per_req.get((one_core, 1), [float("nan")]))
             theirs_ms = t["cpu_s"] * 1000 / max(t["n"], 1)
