@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> None:
         check_report(reports[True], reports[False], per_variant, f"{size} samples")
         cold_s, raw_s = statistics.median(fast), statistics.median(raw)
         version_s, _ = timed(lambda: RawReader(store).data_version("ttft-opt"), args.repeat)  # noqa: B023
-        page = _page(url, args.repeat)
+        page = dashboard_page(url, args.repeat)
         rows.append(
             (
                 size,
@@ -307,7 +307,10 @@ def _with_live_run(store, spec, exp, f, n: int, repeat: int) -> tuple[int, float
             time.sleep(0.5)
 
 
-def _page(url: str, repeat: int) -> dict[str, float]:
+def dashboard_page(url: str, repeat: int, cluster: str = "") -> dict[str, float]:
+    """The dashboard of experiment ttft-opt (this bench's three variants) over the store at url
+    (through the Distributed tables of ``cluster`` when given), in a fresh test database: page
+    cold (cache cleared) and hot, the hot report_for, the page's and plotly.js's bytes."""
     from django.contrib.auth.models import User
     from django.core.cache import cache
     from django.db import connection
@@ -351,7 +354,9 @@ def _page(url: str, repeat: int) -> dict[str, float]:
                 factors=fac,
             )
         user = User.objects.create_superuser("bench", password="x")
-        with override_settings(CLICKHOUSE_URL=url):  # the project's own URLs (abplat/urls.py)
+        with override_settings(
+            CLICKHOUSE_URL=url, CLICKHOUSE_CLUSTER=cluster
+        ):  # the project's own URLs (abplat/urls.py)
             _cache.clear()
             c = Client()
             c.force_login(user)

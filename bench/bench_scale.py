@@ -1,0 +1,731 @@
+"""The SLA report, the dashboard page and a rollout look at 100M samples of a million users, on
+one ClickHouse server and on the two-shard test cluster (docs/clickhouse-cluster.md).
+
+    scripts/clickhouse.sh start && scripts/clickhouse_cluster.sh start
+    B="flock /tmp/abplat-bench.lock .venv/bin/python -u bench/bench_scale.py"
+    $B load --target server --minutes 12        # again until it prints "loaded: all", or:
+    $B fill --target server --minutes 12        # the rest as copies of the writer's rows
+    $B load --target cluster --minutes 0.6      # the writer's rate through the Distributed table
+    $B fill --target cluster --minutes 14       # the rest of the server's rows, copied
+    $B rollup --target server; $B rollup --target cluster
+    ABPLAT_DEBUG=true $B measure --target server; ABPLAT_DEBUG=true $B measure --target cluster
+    $B shards; $B layout --zstd-url clickhouse://default:@127.0.0.1:19301
+    .venv/bin/python bench/bench_scale.py table
+    ABPLAT_DEBUG=true .venv/bin/python bench/bench_scale.py all --quick   # 200k samples, every stage
+
+The run: --rows samples (default 10^8) of --users users (default 10^6) in split mode, the demo's
+three variants, two config revisions (the first and second half of the run), no inter-token gaps
+(as bench_report.py), no duplicate recordings (deduplicating 10^8 rows is an OPTIMIZE FINAL of
+whole partitions, not what is measured here). Users are heavy-tailed (samples.synthetic:
+lognormal request rates, sigma 1; each user keeps one arm and a TTFT factor of their own),
+generated in chunks of --chunk rows (samples.synthetic.generate_chunks) so memory stays bounded.
+
+Stages, each short enough to run under the shared bench lock:
+- load: chunk after chunk through the project's writer (SampleStore.insert_columns: the columnar
+  validator, then one INSERT per chunk; on the cluster through its Distributed table with
+  insert_distributed_sync), until the table holds --rows or --minutes have passed. It resumes
+  where the table stands (the chunks are deterministic, so the server and the cluster get the
+  same rows) and adds its rows and seconds to var/bench_scale_load.json: the insert rate.
+- fill: the rest of the rows without the Python writer, inside ClickHouse: on the server, copies
+  of the writer's rows under the next seqs (fill's docstring); on the cluster, the server's rows
+  it lacks (INSERT ... SELECT FROM remote() into the Distributed table): the same rows on both.
+- rollup: the run's report rollup (analysis.rollup.build_run_rollup), as a finished run's.
+- measure: bytes per sample on disk (system.parts, per column from system.columns); one cold
+  report from the rollup and one from the raw samples (use_rollup=False), each with its slowest
+  queries, the two compared number by number; the dashboard page cold and hot; a rollout look
+  (rollouts.readings.read_step, a plan clustering by user, an attainment and a p99 guardrail) at
+  the step of revision 1 (~10^6 users) and at a step of ~10^3 users (a table of its own,
+  --small-rows samples of --small-users users, loaded on first use).
+- shards: the raw report's per-user moments query (analysis.units.moments_select) on the server,
+  through the cluster's Distributed table, and on each shard's local table alone: what the
+  cluster's time is made of when both shards share this machine's two cores.
+- layout: the first --layout-rows samples copied into tables of other sorting keys, lz4 (the
+  server's) and zstd (a server configured for it: 18.16 has no column CODEC clause), each merged
+  to one part per partition: bytes per sample and the moments query's time on each.
+- table: every figure recorded so far (var/bench_scale_results.json) as one table.
+Each timed figure is one run. Checks (bench FAILED on stderr, exit 1): every table holds the
+rows it should; the report counts every sample; the raw and rollup reports agree; the page
+answers 200; the rollout reading has no error and counts the step's samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.parse
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_report import check, check_report, dashboard_page  # noqa: E402
+from bench.benchlib import BenchFailed, run_checked  # noqa: E402
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "abplat.settings")
+
+ROOT = Path(__file__).resolve().parents[1]
+# The server's URL; a database in it (the quick test's) names this bench's databases.
+_URL = urllib.parse.urlsplit(
+    os.environ.get("ABPLAT_BENCH_CLICKHOUSE_URL", "clickhouse://default:@127.0.0.1:19000")
+)
+SERVER_URL = urllib.parse.urlunsplit(_URL._replace(path=""))
+DATABASE = _URL.path.strip("/") or "abplat_bench_scale"
+CLUSTER_URL = os.environ.get("ABPLAT_BENCH_CLUSTER_URL", "clickhouse://default:@127.0.0.1:19101")
+CLUSTER = os.environ.get("ABPLAT_BENCH_CLUSTER", "abplat_test_cluster")
+EXPERIMENT = "ttft-opt"
+VAR = Path(os.environ.get("ABPLAT_VAR") or ROOT / "var")
+LOAD_LOG = VAR / "bench_scale_load.json"
+
+
+def spec_for(rows: int, users: int, seed: int = 1):
+    from samples import synthetic
+
+    return synthetic.SyntheticSpec(
+        experiment=EXPERIMENT,
+        n=rows,
+        seed=seed,
+        variants=synthetic.demo_variants(),
+        factor_effects=synthetic.DEMO_FACTOR_EFFECTS,
+        config_revisions=(1, 2),
+        gaps=False,
+        users=users,
+        user_sigma=0.3,
+        duration_s=30 * 24 * 3600.0 * rows / 1e9,  # 1B samples a month
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "stage",
+        nargs="?",
+        default="all",
+        choices=("load", "fill", "rollup", "measure", "shards", "layout", "shapes", "table", "all"),
+    )
+    ap.add_argument("--against", default="HEAD", help="shapes: the revision whose moments query to time")
+    ap.add_argument("--layout-rows", type=int, default=10_000_000, help="layout: samples copied per layout")
+    ap.add_argument("--zstd-url", default="", help="layout: a server compressing parts with zstd")
+    ap.add_argument("--target", choices=("server", "cluster"), default="server")
+    ap.add_argument("--rows", type=int, default=100_000_000)
+    ap.add_argument("--users", type=int, default=1_000_000)
+    ap.add_argument("--chunk", type=int, default=2_000_000)
+    ap.add_argument("--minutes", type=float, default=12.0, help="load: stop after the chunk that passes this")
+    ap.add_argument(
+        "--looks",
+        default="150000:1500,6000000:1500,6000000:4000000",
+        help="measure: more rollout steps, each SAMPLES:USERS in a table of its own",
+    )
+    ap.add_argument("--database", default=DATABASE)
+    ap.add_argument("--raw-only", action="store_true", help="measure: no rollup report, no page")
+    ap.add_argument("--quick", action="store_true", help="200k samples of 2,000 users, every stage")
+    args = ap.parse_args()
+    if args.quick:
+        args.rows, args.users, args.chunk, args.looks, args.layout_rows = (
+            200_000,
+            2000,
+            70_000,
+            "20000:300",
+            50_000,
+        )
+        args.database += "_quick" if args.database == "abplat_bench_scale" else ""
+    sys.exit(run_checked(run, args))
+
+
+def run(args: argparse.Namespace) -> None:
+    import django
+
+    django.setup()
+    stages = ("load", "rollup", "measure", "shards") if args.stage == "all" else (args.stage,)
+    targets = ("server", "cluster") if args.stage == "all" else (args.target,)
+    if args.stage == "table":
+        table(args.database)
+        return
+    steps = {
+        "load": load,
+        "fill": fill,
+        "rollup": build_rollup,
+        "measure": measure,
+        "shards": shards,
+        "layout": layout,
+        "shapes": shapes,
+    }
+    for stage in stages:
+        for target in targets if stage not in ("shards", "layout", "shapes") else ("server",):
+            steps[stage](args, target)
+    if args.quick:  # the cluster's databases: nobody else drops them
+        cluster = open_store(args, "cluster")
+        for srv in cluster.servers():
+            for (name,) in srv.query(
+                f"SELECT name FROM system.databases WHERE startsWith(name, '{args.database}')"
+            ):
+                srv.execute(f"DROP DATABASE IF EXISTS {name}")
+        cluster.close()
+
+
+def open_store(args: argparse.Namespace, target: str, database: str | None = None):
+    from samples.backends.clickhouse import ClickHouseServerBackend
+    from samples.backends.cluster import ClickHouseClusterBackend
+
+    db = database or args.database
+    try:
+        if target == "cluster":
+            store = ClickHouseClusterBackend(f"{CLUSTER_URL}/{db}", CLUSTER, send_receive_timeout=1800)
+        else:
+            store = ClickHouseServerBackend(f"{SERVER_URL}/{db}", send_receive_timeout=1800)
+        store.migrate()
+    except Exception as e:  # noqa: BLE001 - the precondition, named
+        raise BenchFailed(f"ClickHouse {target} for {db} not usable: {type(e).__name__}: {e}") from None
+    return store
+
+
+def url_of(args: argparse.Namespace, target: str) -> str:
+    return f"{CLUSTER_URL if target == 'cluster' else SERVER_URL}/{args.database}"
+
+
+# ---------------------------------------------------------------------------------------------
+# load
+
+
+def load(args: argparse.Namespace, target: str) -> None:
+    from samples import synthetic
+
+    store = open_store(args, target)
+    have = store.query("SELECT count() FROM samples")[0][0]
+    check(have % args.chunk == 0 or have == args.rows, f"{target}: {have} rows, not a whole number of chunks")
+    spec = spec_for(args.rows, args.users)
+    log = json.loads(LOAD_LOG.read_text()) if LOAD_LOG.exists() else {}
+    key = f"{target}/{args.database}/{args.rows}/{args.chunk}"
+    if have == 0:
+        log[key] = {"rows": 0, "insert_s": 0.0, "generate_s": 0.0}
+    entry = log.setdefault(key, {"rows": 0, "insert_s": 0.0, "generate_s": 0.0})
+    started = time.monotonic()
+    rows = ins_s = gen_s = 0.0
+    # the chunks of the whole run from the first one the table lacks: the same seeds as one load
+    t = time.perf_counter()
+    for data in synthetic.generate_chunks(spec, args.chunk, first_chunk=have // args.chunk):
+        gen_s += time.perf_counter() - t
+        t = time.perf_counter()
+        synthetic.insert(store, data, chunk_rows=args.chunk)
+        ins_s += time.perf_counter() - t
+        rows += data.n_rows
+        print(
+            f"{target}: +{data.n_rows:,} rows in {time.perf_counter() - t:.1f} s "
+            f"({have + int(rows):,} of {args.rows:,})",
+            flush=True,
+        )
+        del data
+        if time.monotonic() - started > args.minutes * 60:
+            break
+        t = time.perf_counter()
+    entry["rows"] += int(rows)
+    entry["insert_s"] += ins_s
+    entry["generate_s"] += gen_s
+    LOAD_LOG.parent.mkdir(exist_ok=True)
+    LOAD_LOG.write_text(json.dumps(log, indent=1))
+    now = store.query("SELECT count() FROM samples")[0][0]
+    check(now == have + rows, f"{target}: the table holds {now} rows after loading {have} + {int(rows)}")
+    rate = entry["rows"] / entry["insert_s"] if entry["insert_s"] else float("nan")
+    print(
+        f"{target}: this run {int(rows):,} rows, insert {ins_s:.1f} s, generate {gen_s:.1f} s; "
+        f"whole load so far {entry['rows']:,} rows at {rate:,.0f} rows/s through insert_columns "
+        f"(generation {entry['generate_s']:.0f} s apart)",
+        flush=True,
+    )
+    print(f"loaded: {'all' if now == args.rows else f'{now:,} of {args.rows:,}'}", flush=True)
+    store.close()
+
+
+def fill(args: argparse.Namespace, target: str) -> None:
+    """The rows past those the writer loaded, without a second pass through Python. On the
+    server: copies of the writer's rows (seqs [0, B)) as the next seqs (seq + k B, their request
+    ids, send times shifted by k B requests' share of the run, the revision of their place in the
+    run, as generate_chunks gives them): the same users and their arms, each user's request count
+    scaled alike. On the cluster: the server's rows it lacks, read through remote() into the
+    Distributed table (sharded as the writer's were): the same rows on both."""
+    from samples import columns as colmod
+
+    store = open_store(args, target)
+    have = store.query("SELECT count() FROM samples")[0][0]
+    cols = list(colmod.COLUMN_NAMES)
+    if target == "cluster":
+        server = f"remote('{SERVER_URL.rsplit('@', 1)[1]}', {args.database}, samples)"
+
+        def statement(done: int) -> str:
+            last = min(done + 20_000_000, args.rows)
+            return (
+                f"INSERT INTO samples ({', '.join(cols)}) SELECT {', '.join(cols)} FROM {server} "
+                f"WHERE seq >= {done} AND seq < {last}"
+            )
+    else:
+        spec = spec_for(args.rows, args.users)
+        base = written(args)  # the writer's rows: the first seqs
+        check(base > 0 and base % args.chunk == 0, f"server: {base} rows from the writer, not whole chunks")
+        per_request_ms = spec.duration_s * 1000.0 / spec.n
+        n_chunks = -(-args.rows // args.chunk)
+
+        def statement(done: int) -> str:
+            shift = done * per_request_ms  # the copy of seq s lands at seq s + done
+            chunk = f"intDiv(seq + {done}, {args.chunk})"
+            expr = {
+                "seq": f"seq + {done}",
+                "request_id": f"concat('r{spec.run_id}-', toString(seq + {done}), '-', variant)",
+                "config_revision": f"toInt64(1 + intDiv((2 * {chunk} + 1) * 2, {2 * n_chunks}))",
+                # as samples.synthetic derives them from the send time
+                "sent_at": f"toDateTime(toUInt32(floor((sent_unix_ms + {shift}) / 1000)))",
+                "sent_unix_ms": f"sent_unix_ms + {shift}",
+                "scheduled_offset_ms": f"scheduled_offset_ms + {shift}",
+                "recorded_ms": f"toUInt64(floor(sent_unix_ms + {shift} + 10000))",
+            }
+            return (
+                f"INSERT INTO samples ({', '.join(cols)}) SELECT {', '.join(expr.get(c, c) for c in cols)} "
+                f"FROM samples WHERE seq < {min(base, args.rows - done)}"
+            )
+
+    started = time.monotonic()
+    while have < args.rows and time.monotonic() - started < args.minutes * 60:
+        t = time.perf_counter()
+        store.execute(statement(have))
+        now = store.query("SELECT count() FROM samples")[0][0]
+        print(
+            f"{target}: copied {now - have:,} rows in {time.perf_counter() - t:.1f} s ({now:,})", flush=True
+        )
+        check(now > have, f"{target}: the copy added no rows")
+        have = now
+    record(args.database, target, {"copied_rows": args.rows - written(args, target)})
+    print(f"loaded: {'all' if have == args.rows else f'{have:,} of {args.rows:,}'}", flush=True)
+    store.close()
+
+
+def written(args: argparse.Namespace, target: str = "server") -> int:
+    """Rows the writer loaded into this database (var/bench_scale_load.json)."""
+    log = json.loads(LOAD_LOG.read_text()) if LOAD_LOG.exists() else {}
+    return int(log.get(f"{target}/{args.database}/{args.rows}/{args.chunk}", {}).get("rows", 0))
+
+
+def build_rollup(args: argparse.Namespace, target: str) -> None:
+    from analysis import rollup
+    from analysis.definitions import Slo
+
+    store = open_store(args, target)
+    t = time.perf_counter()
+    built = rollup.build_run_rollup(store, EXPERIMENT, 1, Slo(200.0))
+    build_s = time.perf_counter() - t
+    check(
+        built is not None and built.rows == args.rows,
+        f"{target}: rollup of run 1: {built} != {args.rows} rows",
+    )
+    record(args.database, target, {"rollup_build_s": build_s})
+    print(f"{target}: rollup of {built.rows:,} samples built in {build_s:.1f} s", flush=True)
+    store.close()
+
+
+def record(database: str, target: str, figures: dict) -> None:
+    path = VAR / "bench_scale_results.json"
+    got = json.loads(path.read_text()) if path.exists() else {}
+    got.setdefault(database, {}).setdefault(target, {}).update(figures)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(got, indent=1))
+
+
+def disk_bytes(store, target: str) -> tuple[int, int, int, list[tuple[str, int]]]:
+    """(rows, compressed bytes, uncompressed bytes, [(column, compressed bytes)] largest first) of
+    the samples table's active parts, summed over every server of a cluster."""
+    servers = store.servers() if target == "cluster" else [store]
+    table = "samples_local" if target == "cluster" else "samples"
+    rows = comp = raw = 0
+    per: dict[str, int] = {}
+    for srv in servers:
+        r, c, u = srv.query(
+            "SELECT sum(rows), sum(data_compressed_bytes), sum(data_uncompressed_bytes) FROM system.parts "
+            f"WHERE database = '{store.database}' AND table = '{table}' AND active"
+        )[0]
+        rows, comp, raw = rows + r, comp + c, raw + u
+        for name, b in srv.query(
+            "SELECT name, data_compressed_bytes FROM system.columns "
+            f"WHERE database = '{store.database}' AND table = '{table}'"
+        ):
+            per[name] = per.get(name, 0) + b
+    return rows, comp, raw, sorted(per.items(), key=lambda kv: -kv[1])
+
+
+def experiment_info():
+    from analysis import report as r
+    from analysis.definitions import Slo
+    from samples import synthetic
+
+    return r.ExperimentInfo(
+        EXPERIMENT,
+        "bench",
+        Slo(200.0),
+        0.9,
+        [r.VariantInfo(v.key, v.control, v.weight, v.factors) for v in synthetic.demo_variants()],
+    )
+
+
+def timing_queries(store) -> list[tuple[float, str]]:
+    """Time every SELECT the store runs from now on (wall seconds, the SQL's start), until
+    ``del store._select``; the report runs some at once, so their times overlap."""
+    spent: list[tuple[float, str]] = []
+    inner = store._select
+
+    def select(sql, settings=None):
+        t = time.perf_counter()
+        try:
+            return inner(sql, settings)
+        finally:
+            spent.append((time.perf_counter() - t, " ".join(sql.split())[:110]))
+
+    store._select = select
+    return spent
+
+
+def rollout_plan():
+    from rollouts.controller import Plan
+    from stats.sequential.guardrail_spec import Guardrail
+
+    return Plan(
+        candidate="awq",
+        control="fp16",
+        steps=(5, 50, 100),
+        min_samples=100,
+        min_duration_s=0.0,
+        guardrails=(Guardrail("attainment", "at_least", 0.9), Guardrail("p99_ttft_ms", "at_most", 1000.0)),
+        on_breach="rollback",
+        notify=(),
+        alpha=0.05,
+        cluster_by_user=True,
+    )
+
+
+def rollout_look(store, revision: int) -> tuple[float, int, int]:
+    """(seconds, users, requests) of one read_step of the plan's two arms at this revision."""
+    from analysis.definitions import Slo
+    from rollouts.readings import read_step
+
+    plan = rollout_plan()
+    spent = timing_queries(store)
+    t = time.perf_counter()
+    try:
+        reading = read_step(store, EXPERIMENT, revision, plan, Slo(200.0))
+    finally:
+        del store._select
+    look_s = time.perf_counter() - t
+    print("    its queries: " + "; ".join(f"{q_s:.2f} s {q[:40]}" for q_s, q in spent), flush=True)
+    check(reading.error == "", f"rollout reading at revision {revision}: {reading.error}")
+    want = store.query(
+        "SELECT count(), uniqExact(user_id) FROM samples WHERE config_revision = %(r)s AND variant IN ('fp16', 'awq')",
+        {"r": revision},
+    )[0]
+    n = reading.control.n + reading.candidate.n
+    check(
+        n > 0 and n == want[0],
+        f"rollout reading at revision {revision}: {n} requests, the table has {want[0]}",
+    )
+    return look_s, int(want[1]), int(n)
+
+
+def measure(args: argparse.Namespace, target: str) -> None:
+    from analysis import report as r
+    from analysis.definitions import Filters
+    from samples import synthetic
+    from stats import quantiles
+
+    store = open_store(args, target)
+    have = store.query("SELECT count() FROM samples")[0][0]
+    check(have == args.rows, f"{target}: the samples table holds {have} rows, not {args.rows}")
+    rows, comp, raw, per = disk_bytes(store, target)
+    check(rows == have, f"{target}: active parts hold {rows} rows, the table {have}")
+    print(
+        f"{target}: {comp / rows:.1f} B/sample compressed ({raw / rows:.1f} uncompressed, {raw / comp:.1f}x)"
+    )
+    for name, b in per[:8]:
+        print(f"    {name}: {b / rows:.2f} B/sample")
+    exp, f = experiment_info(), Filters(EXPERIMENT)
+    reports, times, spent = {}, {}, {}
+    for use in (False,) if args.raw_only else (True, False):
+        quantiles._quantile_ci_ranks.cache_clear()
+        spent[use] = timing_queries(store)
+        t = time.perf_counter()
+        try:
+            rep = r.build_report(store, exp, f, use_rollup=use)
+        finally:
+            del store._select  # the class's again
+        times[use] = time.perf_counter() - t
+        want = "rollup" if use else "samples"
+        check(rep["timing"]["source"] == want, f"{target}: report source {rep['timing']} (want {want})")
+        reports[use] = rep
+        print(f"{target}: report from the {want}: {times[use]:.2f} s; its slowest queries:", flush=True)
+        for q_s, q in sorted(spent[use], reverse=True)[:6]:
+            print(f"    {q_s:6.2f} s  {q}", flush=True)
+    per_variant = dict(store.query("SELECT variant, count() FROM samples GROUP BY variant"))
+    got = {v["key"]: v["n"] for v in reports[False]["variants"]}
+    check(got == per_variant, f"{target}: report n per variant {got} != samples per variant {per_variant}")
+    figures = {}
+    if not args.raw_only:
+        check_report(reports[True], reports[False], per_variant, f"{target}, {have} samples")
+        page = dashboard_page(url_of(args, target), 1, CLUSTER if target == "cluster" else "")
+        print(f"{target}: page cold {page['cold_s']:.2f} s, hot {page['hot_s']:.3f} s", flush=True)
+        figures = {
+            "report_rollup_s": times[True],
+            "rollup_queries": sorted(spent[True], reverse=True)[:4],
+            "page_cold_s": page["cold_s"],
+            "page_hot_s": page["hot_s"],
+        }
+    look_s, users, n = rollout_look(store, 1)
+    print(
+        f"{target}: rollout look at revision 1 ({users:,} users, {n:,} requests): {look_s:.2f} s", flush=True
+    )
+    figures |= {
+        "rows": rows,
+        "bytes_per_sample": comp / rows,
+        "raw_bytes_per_sample": raw / rows,
+        "top_columns": [(name, b / rows) for name, b in per[:8]],
+        "report_raw_s": times[False],
+        "raw_queries": sorted(spent[False], reverse=True)[:8],
+        "look_s": look_s,
+        "look_users": users,
+        "look_requests": n,
+    }
+    # steps of their own tables, the same model: (samples, users) each
+    looks = []
+    for spec_text in args.looks.split(","):
+        n_rows, n_users = (int(x) for x in spec_text.split(":"))
+        db = f"{args.database}_look_{n_rows}_{n_users}"
+        small = open_store(args, target, db)
+        if small.query("SELECT count() FROM samples")[0][0] != n_rows:
+            small.execute("TRUNCATE TABLE samples")
+            # two chunks at least: the first half of the run under revision 1, as in the large table
+            half = min(-(-n_rows // 2), args.chunk)
+            for data in synthetic.generate_chunks(spec_for(n_rows, n_users), half):
+                synthetic.insert(small, data, chunk_rows=args.chunk)
+        small_s, small_users, small_n = rollout_look(small, 1)
+        small.close()
+        print(
+            f"{target}: rollout look at {small_users:,} users ({small_n:,} requests): {small_s:.3f} s",
+            flush=True,
+        )
+        looks.append((small_s, small_users, small_n))
+    figures["looks"] = looks
+    record(args.database, target, figures)
+    store.close()
+    table(args.database)
+
+
+def shards(args: argparse.Namespace, target: str) -> None:
+    """The raw per-user moments query on one server, through the cluster, and on each shard's
+    local table alone (one after the other, each with the machine's two cores to itself)."""
+    from analysis import units
+    from analysis.definitions import Filters, Slo
+
+    sql, params = units.moments_select(Filters(EXPERIMENT), Slo(200.0), "user")
+    server, cluster = open_store(args, "server"), open_store(args, "cluster")
+    got = {}
+    for name, store, q in (
+        ("server", server, sql),
+        ("cluster", cluster, sql),
+        *(
+            (f"shard {i + 1} alone", srv, sql.replace("FROM samples ", "FROM samples_local "))
+            for i, srv in enumerate(cluster.servers())
+        ),
+    ):
+        t = time.perf_counter()
+        out = store.query(q, params)
+        got[name] = time.perf_counter() - t
+        n = sum(int(c[0]) for _v, c, _s in out)  # clusters of block "all"
+        print(f"moments query, {name}: {got[name]:.2f} s ({n:,} users over its arms)", flush=True)
+    record(args.database, "shards", got)
+    table(args.database)
+
+
+def shapes(args: argparse.Namespace, target: str) -> None:
+    """The per-user moments query of analysis/units.py at --against (a revision) against this
+    tree's, on the server's table, alternating (theirs, ours, theirs, ours): each one's time and
+    the check that both give the same moments."""
+    import importlib.util
+    import subprocess
+
+    import numpy as np
+
+    from analysis import units
+    from analysis.definitions import Filters, Slo
+
+    text = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{args.against}:analysis/units.py"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    spec = importlib.util.spec_from_loader("units_against", loader=None)
+    theirs = importlib.util.module_from_spec(spec)
+    sys.modules["units_against"] = theirs  # dataclasses look their module up
+    exec(compile(text, f"{args.against}:analysis/units.py", "exec"), theirs.__dict__)  # noqa: S102
+    store = open_store(args, target)
+    got: dict[str, list[float]] = {args.against: [], "this tree": []}
+    answers = {}
+    for _ in range(2):
+        for name, mod in ((args.against, theirs), ("this tree", units)):
+            sql, params = mod.moments_select(Filters(EXPERIMENT), Slo(200.0), "user")
+            t = time.perf_counter()
+            answers[name] = units.rows_to_moments(store.query(sql, params))
+            got[name].append(time.perf_counter() - t)
+            print(f"{target}: moments query of {name}: {got[name][-1]:.2f} s", flush=True)
+    a, b = answers[args.against], answers["this tree"]
+    check(
+        set(a) == set(b) and all(a[v].counts == b[v].counts and np.allclose(a[v].sums, b[v].sums) for v in a),
+        "the two moments queries disagree",
+    )
+    record(args.database, "shapes", {k: min(v) for k, v in got.items()})
+    store.close()
+
+
+LAYOUTS = {
+    "ORDER BY (experiment, variant, run_id, seq, request_id) (the table's)": "experiment, variant, run_id, seq, request_id",
+    "ORDER BY (experiment, variant, run_id, user_id, seq, request_id)": "experiment, variant, run_id, user_id, seq, request_id",
+    "ORDER BY (experiment, run_id, seq, request_id)": "experiment, run_id, seq, request_id",
+}
+
+
+def layout(args: argparse.Namespace, target: str) -> None:
+    """The samples table's sorting key and compression chosen by measurement: the first
+    --layout-rows samples of the server's run copied into tables of each ORDER BY (LAYOUTS), on
+    the server (lz4, 18.16's default and only method without a server config) and, with
+    --zstd-url, on a server whose config compresses parts with zstd (18.16 has no per-column
+    CODEC clause: its <compression> section is the only choice), each merged to one part per
+    partition (OPTIMIZE FINAL); bytes per sample, the largest columns, and the per-user moments
+    query's time on each."""
+    from analysis import units
+    from analysis.definitions import Filters, Slo
+    from samples.backends.clickhouse import ClickHouseServerBackend
+
+    source = f"remote('{SERVER_URL.rsplit('@', 1)[1]}', {args.database}, samples)"
+    sql, params = units.moments_select(Filters(EXPERIMENT), Slo(200.0), "user")
+    main = open_store(args, "server")
+    # the table as migrated (later migrations added columns to the first one's text)
+    columns = ", ".join(
+        f"{name} {kind}"
+        for name, kind in main.query(
+            f"SELECT name, type FROM system.columns WHERE database = '{args.database}' AND table = 'samples'"
+        )
+    )
+    main.close()
+    servers = [("lz4", SERVER_URL)] + ([("zstd", args.zstd_url)] if args.zstd_url else [])
+    got = {}
+    for method, url in servers:
+        store = ClickHouseServerBackend(f"{url}/default", send_receive_timeout=1800)
+        store.execute(f"CREATE DATABASE IF NOT EXISTS {args.database}_layout")
+        for i, (label, key) in enumerate(LAYOUTS.items()):
+            scratch = f"{args.database}_layout.samples_{i}"
+            store.execute(f"DROP TABLE IF EXISTS {scratch}")
+            create = (
+                f"CREATE TABLE {scratch} ({columns}) ENGINE = ReplacingMergeTree(recorded_ms) "
+                f"PARTITION BY toYYYYMM(sent_at) ORDER BY ({key})"
+            )
+            store.execute(create)
+            store.execute(f"INSERT INTO {scratch} SELECT * FROM {source} WHERE seq < {args.layout_rows}")
+            store.execute(f"OPTIMIZE TABLE {scratch} FINAL")
+            rows, comp = store.query(
+                "SELECT sum(rows), sum(data_compressed_bytes) FROM system.parts "
+                f"WHERE database = '{args.database}_layout' AND table = 'samples_{i}' AND active"
+            )[0]
+            check(rows == args.layout_rows, f"layout {label}: {rows} rows, not {args.layout_rows}")
+            per = store.query(
+                "SELECT name, data_compressed_bytes FROM system.columns "
+                f"WHERE database = '{args.database}_layout' AND table = 'samples_{i}' "
+                "ORDER BY data_compressed_bytes DESC LIMIT 6"
+            )
+            t = time.perf_counter()
+            store.query(sql.replace("FROM samples ", f"FROM {scratch} "), params)
+            q_s = time.perf_counter() - t
+            got[f"{method}, {label}"] = {
+                "bytes_per_sample": comp / rows,
+                "top": [(name, b / rows) for name, b in per],
+                "moments_s": q_s,
+            }
+            print(
+                f"{method}, {label}: {comp / rows:.1f} B/sample; moments query {q_s:.2f} s; "
+                + ", ".join(f"{name} {b / rows:.1f}" for name, b in per),
+                flush=True,
+            )
+        store.close()
+    record(args.database, "layout", got)
+    table(args.database)
+
+
+def table(database: str) -> None:
+    path = VAR / "bench_scale_results.json"
+    got = (json.loads(path.read_text()) if path.exists() else {}).get(database, {})
+    log = json.loads(LOAD_LOG.read_text()) if LOAD_LOG.exists() else {}
+    print()
+    print("| figure | server | 2-shard cluster | cluster / server | target |")
+    print("|---|---:|---:|---:|---|")
+    srv, clu = got.get("server", {}), got.get("cluster", {})
+
+    def row(label, key, fmt, target=""):
+        a, b = srv.get(key), clu.get(key)
+        ratio = f"{b / a:.2f}x" if a and b else "-"
+        fa = fmt.format(a) if a is not None else "-"
+        fb = fmt.format(b) if b is not None else "-"
+        print(f"| {label} | {fa} | {fb} | {ratio} | {target} |")
+
+    for t in ("server", "cluster"):
+        for k, v in log.items():
+            if k.startswith(f"{t}/{database}/") and v["insert_s"]:
+                got.setdefault(t, {})["insert_rate"] = v["rows"] / v["insert_s"]
+                got[t]["insert_rows"] = v["rows"]
+    srv, clu = got.get("server", {}), got.get("cluster", {})
+    row("samples", "rows", "{:,}")
+    row("insert through insert_columns, rows/s", "insert_rate", "{:,.0f}")
+    row("rows loaded through the writer", "insert_rows", "{:,}")
+    row("rows copied inside ClickHouse (fill)", "copied_rows", "{:,}")
+    row("bytes per sample on disk (compressed)", "bytes_per_sample", "{:.1f}")
+    row("bytes per sample uncompressed", "raw_bytes_per_sample", "{:.1f}")
+    row("rollup build, s", "rollup_build_s", "{:.1f}")
+    row("report COLD from the rollup, s", "report_rollup_s", "{:.2f}", "<= 2 s (server)")
+    row("report COLD from raw samples, s", "report_raw_s", "{:.1f}", "cluster <= 0.6x")
+    row("dashboard page COLD, s", "page_cold_s", "{:.2f}", "<= 3 s")
+    row("dashboard page HOT, s", "page_hot_s", "{:.3f}")
+    print()
+    print(
+        "| rollout look (read_step, per-user moments, 2 guardrails) | users | requests | server s | cluster s |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    if srv.get("look_s") is not None:
+        c = f"{clu['look_s']:.3f}" if clu.get("look_s") is not None else "-"
+        print(
+            f"| the run's revision 1 | {srv['look_users']:,} | {srv['look_requests']:,} | {srv['look_s']:.3f} | {c} |"
+        )
+    a, b = srv.get("looks", []), clu.get("looks", [])
+    for i in range(max(len(a), len(b))):
+        users, n = (a if i < len(a) else b)[i][1:]
+        a_s = f"{a[i][0]:.3f}" if i < len(a) else "-"
+        b_s = f"{b[i][0]:.3f}" if i < len(b) else "-"
+        print(f"| a table of its own | {users:,} | {n:,} | {a_s} | {b_s} |")
+    if got.get("shapes"):
+        print()
+        print("| per-user moments query, the server's table (best of 2) | s |")
+        print("|---|---:|")
+        for k, v in got["shapes"].items():
+            print(f"| {k} | {v:.2f} |")
+    lay = got.get("layout", {})
+    if lay:
+        print()
+        print(
+            f"| layout (first {lay and 'N'} samples, one part per partition) | B/sample | moments query s | largest columns, B/sample |"
+        )
+        print("|---|---:|---:|---|")
+        for k, v in lay.items():
+            cols = ", ".join(f"{n} {b:.1f}" for n, b in v["top"])
+            print(f"| {k} | {v['bytes_per_sample']:.1f} | {v['moments_s']:.2f} | {cols} |")
+    sh = got.get("shards", {})
+    if sh:
+        print()
+        print("| per-user moments query (raw report's largest) | s | vs server |")
+        print("|---|---:|---:|")
+        for k, v in sh.items():
+            print(f"| {k} | {v:.1f} | {v / sh['server']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
