@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from analysis.sql import from_where, run_conditions
+from analysis.sql import from_where, run_conditions, window_conditions
 from analysis.units import UNITS
 from fidelity.compare import TRUNCATION
 from fidelity.fingerprints import output_fp
@@ -580,16 +580,7 @@ def _shadows_latest(f: Any, control: str) -> tuple[str, dict[str, Any]]:
     """One row per (variant, request) of the experiment's shadows against ``control`` in the
     report's time window, its latest writing: uid, oc, err, cmp, ident, fd, un."""
     params: dict[str, Any] = {"experiment": f.experiment, "live_control": control}
-    conds = ["experiment = %(experiment)s", "control = %(live_control)s"]
-    if f.since is not None:
-        conds.append("sent_at >= %(since)s")
-        params["since"] = f.since
-    if f.until is not None:
-        conds.append("sent_at < %(until)s")
-        params["until"] = f.until
-    if f.variants:
-        conds.append("variant IN %(variants)s")
-        params["variants"] = tuple(f.variants)
+    conds = ["experiment = %(experiment)s", "control = %(live_control)s", *window_conditions(f, params)]
     sql = f"""
         SELECT variant, request_id,
                argMax(user_id, recorded_ms) AS uid, argMax(outcome, recorded_ms) AS oc,

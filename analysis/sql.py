@@ -52,6 +52,15 @@ def conditions(
             params["builds"] = tuple(sorted(builds.values()))
     else:
         pre.extend(run_conditions(f, params))
+    conds.extend(window_conditions(f, params))
+    conds.extend(extra)
+    return pre, conds, params
+
+
+def window_conditions(f: Filters, params: dict[str, Any]) -> list[str]:
+    """The conditions on the send time (since/until) and the variants a filter asks for, their
+    values put in ``params``: the samples and the live shadows are read by the same."""
+    conds: list[str] = []
     if f.since is not None:
         conds.append("sent_at >= %(since)s")
         params["since"] = f.since
@@ -61,8 +70,7 @@ def conditions(
     if f.variants:
         conds.append("variant IN %(variants)s")
         params["variants"] = tuple(f.variants)
-    conds.extend(extra)
-    return pre, conds, params
+    return conds
 
 
 def run_conditions(f: Filters, params: dict[str, Any]) -> list[str]:
