@@ -34,6 +34,7 @@ class FakeRecorder:
         self.shadows: list[dict] = []  # record_shadow's rows (gateway/shadow.py)
         self.started = self.closed = False
         self._lock = threading.Lock()
+        self._shadowed = threading.Condition(self._lock)
 
     def start(self) -> None:
         self.started = True
@@ -43,8 +44,17 @@ class FakeRecorder:
             self.records.append({"result": result, **fields})
 
     def record_shadow(self, row: dict) -> None:
-        with self._lock:
+        with self._shadowed:
             self.shadows.append(row)
+            self._shadowed.notify_all()
+
+    def wait_shadows(self, n: int, timeout: float = 10.0) -> list[dict]:
+        """The shadow rows once there are at least n (a shadow ends after its request's response);
+        woken by record_shadow, no polling."""
+        with self._shadowed:
+            if not self._shadowed.wait_for(lambda: len(self.shadows) >= n, timeout):
+                raise AssertionError(f"timed out waiting for {n} shadow rows, got {len(self.shadows)}")
+            return list(self.shadows)
 
     def close(self, timeout: float = 10.0) -> None:
         self.closed = True

@@ -10,7 +10,6 @@ import json
 import re
 import socket
 import threading
-import time
 
 import httpx
 import pytest
@@ -23,7 +22,7 @@ from gateway.routing import Decision, Reason
 from gateway.upstream import Deadlines
 from simulator.profiles import get_profile
 from tests.gateway.conftest import KEY, dead_port, user_on
-from tests.gateway.test_gateway_metrics import value
+from tests.gateway.test_gateway_metrics import value, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=False)
 
@@ -119,19 +118,9 @@ def diverged_at(raw: bytes) -> int | None:
     return usage["abplat"]["diverged_at"]
 
 
-def wait_for(predicate, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.005)
-    raise AssertionError("timed out")
-
-
 def idle(gw) -> None:
     """Until every request handler of the gateway returned (a shadow is launched before)."""
-    wait_for(lambda: gw.gateway.active == 0)
+    wait_for(lambda: gw.gateway.active == 0, "the gateway's handlers to return")
 
 
 def chat(prompt: str, user: str, *, max_tokens: int = 16, **over) -> dict:
@@ -159,7 +148,7 @@ def test_a_greedy_live_answer_is_compared_as_served_with_the_control_s_and_match
         resp = post(gw, chat(prompt, user, temperature=0))
         assert resp.status_code == 200 and resp.headers["x-abplat-variant"] == "awq"
         truths.append((resp.headers["x-request-id"], diverged_at(resp.content)))
-    rows = wait_for(lambda: len(gw.recorder.shadows) >= len(PROMPTS) and list(gw.recorder.shadows))
+    rows = gw.recorder.wait_shadows(len(PROMPTS))
     by_id = {r["request_id"]: r for r in rows}
     assert {t is None for _rid, t in truths} == {True, False}  # both kinds among the prompts
     for rid, truth in truths:
@@ -201,7 +190,7 @@ def test_a_sampling_request_is_compared_as_a_greedy_pair(running_with, make_gate
             timeout=30,
         )
         truths[resp.headers["x-request-id"]] = diverged_at(greedy.content)
-    rows = wait_for(lambda: len(gw.recorder.shadows) >= 6 and list(gw.recorder.shadows))
+    rows = gw.recorder.wait_shadows(6)
     assert {t is None for t in truths.values()} == {True, False}
     for row in rows:
         truth = truths[row["request_id"]]
@@ -346,7 +335,7 @@ def test_the_user_s_stream_is_the_same_with_and_without_shadowing(running_with, 
         assert [(k, v) for k, v in a.headers.items() if k not in skip] == [
             (k, v) for k, v in b.headers.items() if k not in skip
         ]
-    wait_for(lambda: len(with_shadows.recorder.shadows) == 2)
+    assert len(with_shadows.recorder.wait_shadows(2)) == 2
     assert without.recorder.shadows == []
 
 
@@ -397,7 +386,7 @@ def test_over_the_cap_a_shadow_is_skipped_and_counted_never_queued(running_with,
         assert after - before == 3
         assert gw.recorder.shadows == []  # a skipped shadow has no row
         held.close()  # the control closes without answering: the one shadow in flight fails
-        [row] = wait_for(lambda: list(gw.recorder.shadows))
+        [row] = gw.recorder.wait_shadows(1)
         assert row["outcome"] == "control_error" and "control:" in row["error"]
         assert row["identical"] == 0 and row["first_divergence"] == -1 and row["control_fp"] == 0
     finally:
@@ -412,7 +401,7 @@ def test_a_control_that_is_down_leaves_a_control_error_row_and_the_user_unaffect
     user = user_on(process.live_router(), EXPERIMENT, "awq")
     resp = post(gw, chat(PROMPTS[0], user, temperature=0))
     assert resp.status_code == 200 and len(events(resp.content)) > 16
-    [row] = wait_for(lambda: list(gw.recorder.shadows))
+    [row] = gw.recorder.wait_shadows(1)
     assert row["outcome"] == "control_error" and "connect_error" in row["error"]
     assert row["compared"] == "live" and row["variant"] == "awq"
     assert gw.recorder.records[0]["result"].ok  # the user's own sample: served OK
@@ -425,7 +414,7 @@ def test_a_control_that_does_not_answer_in_time_leaves_a_timeout_row(running_wit
         gw = make_gateway(deadlines=Deadlines(connect_s=2, headers_s=0.2, stall_s=5, total_s=10))
         user = user_on(process.live_router(), EXPERIMENT, "awq")
         assert post(gw, chat(PROMPTS[0], user, temperature=0.3)).status_code == 200
-        [row] = wait_for(lambda: list(gw.recorder.shadows))
+        [row] = gw.recorder.wait_shadows(1)
         assert row["outcome"] == "timeout" and "headers_timeout" in row["error"]
         assert row["compared"] == "greedy_pair"
     finally:
@@ -453,7 +442,7 @@ def test_a_shadow_obeys_the_gateway_s_egress_allowlist(running_with, make_gatewa
     gw = make_gateway()
     user = user_on(process.live_router(), EXPERIMENT, "awq")
     assert post(gw, chat(PROMPTS[0], user, temperature=0)).status_code == 200
-    [row] = wait_for(lambda: list(gw.recorder.shadows))
+    [row] = gw.recorder.wait_shadows(1)
     assert row["outcome"] == "control_error" and "egress refused" in row["error"]
 
 
@@ -482,7 +471,7 @@ def test_a_client_s_retries_under_its_own_request_id_are_sampled_alike(running_w
         resp = post(gw, chat(PROMPTS[0], user, temperature=0), **{"x-request-id": client_id})
         assert resp.status_code == 200
         sent.setdefault(client_id, []).append(resp.headers["x-request-id"])  # the gateway's own
-    wait_for(lambda: len(gw.recorder.shadows) >= 2)
+    gw.recorder.wait_shadows(2)
     idle(gw)
     assert not gw.gateway.attempts.shadows.tasks
     # both of the sampled id's requests (each its own gateway id), none of the other's
