@@ -56,6 +56,8 @@ __all__ = [
 ]
 
 
-class SampleStore(StoreMigrations, SampleWrites, SampleReads, RunCatalog, ServerMetricsWrites, FidelityWrites):
+class SampleStore(
+    StoreMigrations, SampleWrites, SampleReads, RunCatalog, ServerMetricsWrites, FidelityWrites
+):
     """Backend-independent API: every part above, on one backend (a subclass implementing the
     hooks of StoreBase)."""

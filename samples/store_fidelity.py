@@ -74,7 +74,7 @@ class FidelityWrites(StoreBase):
             return 0
         self.check_schema()
         columns = schema.table_columns(table)
-        given, stamp = columns[:-1], columns[-1][0]
+        given = columns[:-1]  # the last, recorded_ms, is stamped at insert
         checked = []
         for i, row in enumerate(rows):
             if not isinstance(row, Mapping):
