@@ -42,6 +42,7 @@ __all__ = [
     "PHASE_ROWS",
     "PROMPT_TOKEN_EDGES",
     "TIME_BUCKETS_S",
+    "SERIES_LEVELS_S",
     "Filters",
     "QueryError",
     "RUN_STATUSES",
@@ -254,15 +255,19 @@ MAX_TIME_BUCKETS = 120
 # The rollup tables' format (built by analysis.rollup, read by analysis.readers)
 
 GRAIN_S = 10  # every report time bucket (definitions.TIME_BUCKETS_S) is a multiple of this
+# The p99 chart's levels a rollup keeps above its 10 s grain: every report time bucket, each a
+# multiple of the one before, so a chart of bucket b reads the largest level dividing b.
+SERIES_LEVELS_S = tuple(b for b in TIME_BUCKETS_S if b > 10)
 SERIES_KEY = "toInt64(floor(assumeNotNull(ttft_ms)))"  # 1 ms buckets for the p99 chart
 GRAIN_SQL = f"toUInt32(intDiv(toUInt32(sent_at), {GRAIN_S}) * {GRAIN_S})"  # the 10 s cell of a sample
 
 # Bump when what a build computes changes (a histogram key, a bucket edge, a column): builds of
 # another version are then not used, and the report reads the raw samples until rebuilt.
-FORMAT_VERSION = 7  # 2: distinct users on a 64-bit hash (sql.DISTINCT_USERS); 3: itl_ms over every gap;
+FORMAT_VERSION = 8  # 2: distinct users on a 64-bit hash (sql.DISTINCT_USERS); 3: itl_ms over every gap;
 # 4: distinct users of live traffic's assigned requests too (sql.SRM_SAMPLES); 5: per-unit moments
 # (rollup_moments, analysis.units); 6: the gateway phase (rollup_cells.s_gateway, PHASE_COLUMNS);
-# 7: setup errors (SETUP_ERROR) left out of every table but the SRM users
+# 7: setup errors (SETUP_ERROR) left out of every table but the SRM users; 8: the failed requests
+# by class (rollup_failures) and the p99 chart's coarser levels (rollup_series_levels)
 
 
 def build_spec(slo: Slo) -> str:

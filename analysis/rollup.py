@@ -4,7 +4,8 @@ A finished run's samples no longer change (the dedup contract, see analysis.read
 everything additive the report needs from them is summed once, at the end of the run, into the
 rollup tables (samples.schema migration 2): counts, SLO hits and phase sums per cell, value
 histograms per metric and every value sorted by its bucket, a TTFT histogram per 10 s for the
-p99 chart, distinct users for SRM, and the per-user and per-request moments of the clustered and
+p99 chart (and per coarser time bucket, for long runs), distinct users for SRM, the failed
+requests by class, and the per-user and per-request moments of the clustered and
 adjusted statistics (analysis.units: a few rows per variant however many users the run had). The pooled inter-token gaps (itl_ms, definitions.GAP_METRICS)
 get a histogram of gaps at the other metrics' resolution and, instead of a row per gap, each
 distinct gap value per bucket with its count (rollup_gaps): the same exact ranks as the raw
@@ -38,6 +39,8 @@ from analysis.definitions import (
     PHASE_ROWS,
     PROMPT_TOKEN_EDGES,
     SERIES_KEY,
+    SERIES_LEVELS_S,
+    SETUP_ERROR,
     Filters,
     Slo,
     build_spec,
@@ -140,7 +143,36 @@ def build_run_rollup(store: Any, experiment: str, run_id: int, slo: Slo) -> Buil
         {run_scope} WHERE {SRM_SAMPLES}
         GROUP BY config_revision, variant
         """,
+        # the failed requests by class, as RawReader.failures and setup_errors read them
+        f"""
+        INSERT INTO {schema.ROLLUP_FAILURES_TABLE}
+        SELECT {head}, toString(variant), 'failure', toString(outcome), any(http_status), count(), any(error)
+        {scope} AND outcome != 'ok'
+        GROUP BY variant, outcome
+        """,
+        f"""
+        INSERT INTO {schema.ROLLUP_FAILURES_TABLE}
+        SELECT {head}, toString(variant), 'setup', '', http_status, count(), any(error)
+        {run_scope} WHERE {SETUP_ERROR}
+        GROUP BY variant, http_status
+        """,
     ]
+    # the p99 chart's coarser levels, each summed from the one below (10 s: rollup_series)
+    of_build = "experiment = %(e)s AND run_id = %(r)s AND build_id = %(b)s"
+    below = f"SELECT variant, tb, k, n, top FROM {schema.ROLLUP_SERIES_TABLE} WHERE {of_build}"
+    for g in SERIES_LEVELS_S:
+        statements.append(
+            f"""
+            INSERT INTO {schema.ROLLUP_SERIES_LEVELS_TABLE}
+            SELECT {head}, {g}, variant, intDiv(tb, {g}) * {g} AS tb2, k, sum(n), max(top)
+            FROM ({below})
+            GROUP BY variant, tb2, k
+            """
+        )
+        below = (
+            f"SELECT variant, tb, k, n, top FROM {schema.ROLLUP_SERIES_LEVELS_TABLE} "
+            f"WHERE {of_build} AND g = {g}"
+        )
     for metric in GAP_METRICS:
         statements.append(
             f"""

@@ -139,8 +139,17 @@ ROLLUP_HIST_TABLE = "rollup_hist"
 ROLLUP_SERIES_TABLE = "rollup_series"
 ROLLUP_USERS_TABLE = "rollup_users"
 ROLLUP_VALUES_TABLE = "rollup_values"
+ROLLUP_FAILURES_TABLE = "rollup_failures"  # migration 11, below
+ROLLUP_SERIES_LEVELS_TABLE = "rollup_series_levels"  # migration 11, below
 # rollup tables whose rows carry (experiment, run_id, build_id); rollup_values carries build_id only
-ROLLUP_TABLES = (ROLLUP_CELLS_TABLE, ROLLUP_HIST_TABLE, ROLLUP_SERIES_TABLE, ROLLUP_USERS_TABLE)
+ROLLUP_TABLES = (
+    ROLLUP_CELLS_TABLE,
+    ROLLUP_HIST_TABLE,
+    ROLLUP_SERIES_TABLE,
+    ROLLUP_USERS_TABLE,
+    ROLLUP_FAILURES_TABLE,
+    ROLLUP_SERIES_LEVELS_TABLE,
+)
 
 CREATE_ROLLUP_BUILDS = f"""
 CREATE TABLE IF NOT EXISTS {ROLLUP_BUILDS_TABLE} (
@@ -480,6 +489,48 @@ PARTITION BY toYYYYMM(sent_at)
 ORDER BY (experiment, variant, request_id)
 """.strip()
 
+# ---- what a report still read from the samples: failures and a long run's chart ----------
+# Who writes: the rollup build (analysis.rollup); who reads: analysis.readers.rollup.
+# - rollup_failures: per (variant, kind) the requests that failed, counted by class: kind
+#   'failure' by outcome (the requests other than 'ok' that are judged), kind 'setup' by HTTP
+#   status (definitions.SETUP_ERROR); one HTTP status and one error message per class as
+#   RawReader.failures / setup_errors give them. A handful of rows per run; without it every
+#   report scanned the run's outcome column for the few failed rows.
+# - rollup_series_levels: rollup_series (TTFT per 10 s and 1 ms key) summed again per coarser
+#   time bucket g, every definitions.TIME_BUCKETS_S level above 10 s, each from the one below:
+#   the p99 chart of a run of days reads its own level (a few hundred thousand rows) instead of
+#   re-grouping the 10 s rows (a row per 10 s and ms key: 20M for three days).
+CREATE_ROLLUP_FAILURES = f"""
+CREATE TABLE IF NOT EXISTS {ROLLUP_FAILURES_TABLE} (
+    experiment String,
+    run_id UInt64,
+    build_id UInt64,
+    variant String,
+    kind String,
+    outcome String,
+    http_status UInt16,
+    n UInt64,
+    example String
+)
+ENGINE = MergeTree
+ORDER BY (experiment, run_id, build_id, variant, kind)
+""".strip()
+CREATE_ROLLUP_SERIES_LEVELS = f"""
+CREATE TABLE IF NOT EXISTS {ROLLUP_SERIES_LEVELS_TABLE} (
+    experiment String,
+    run_id UInt64,
+    build_id UInt64,
+    g UInt32,
+    variant String,
+    tb UInt32,
+    k Int64,
+    n UInt64,
+    top Float64
+)
+ENGINE = MergeTree
+ORDER BY (experiment, run_id, build_id, g, variant, tb, k)
+""".strip()
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "create samples", (CREATE_SAMPLES_TABLE,)),
     Migration(
@@ -506,6 +557,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(8, "answer fingerprints", (ADD_OUTPUT_FP, ADD_TOKEN_FPS)),
     Migration(9, "answer texts", (ADD_ANSWER_TEXT,)),
     Migration(10, "answer scores and live shadows", (CREATE_FIDELITY_SCORES, CREATE_FIDELITY_SHADOWS)),
+    Migration(11, "rollup failures and chart levels", (CREATE_ROLLUP_FAILURES, CREATE_ROLLUP_SERIES_LEVELS)),
 )
 
 

@@ -163,6 +163,52 @@ def histogram_rows(rows: Iterable[Sequence[Any]]) -> dict[str, Hist]:
     return out
 
 
+# A failure's example message in reports, at most this long: enough to say what broke, and a
+# variant's error body that quotes the prompt shows analysts no more than its start.
+FAILURE_EXAMPLE_CHARS = 300
+Failures = dict[str, dict[Any, dict[str, Any]]]
+
+
+def failure_rows(rows: Iterable[Sequence[Any]]) -> Failures:
+    """(variant, outcome, n, http status, error) rows as SampleReader.failures:
+    {variant: {outcome: {"n", "http_status", "example"}}}."""
+    out: Failures = {}
+    for v, outcome, n, status, example in rows:
+        out.setdefault(str(v), {})[str(outcome)] = {
+            "n": int(n),
+            "http_status": int(status),
+            "example": str(example)[:FAILURE_EXAMPLE_CHARS],
+        }
+    return out
+
+
+def setup_error_rows(rows: Iterable[Sequence[Any]]) -> Failures:
+    """(variant, http status, n, error) rows as SampleReader.setup_errors:
+    {variant: {http status: {"n", "example"}}}."""
+    out: Failures = {}
+    for v, status, n, example in rows:
+        out.setdefault(str(v), {})[int(status)] = {
+            "n": int(n),
+            "example": str(example)[:FAILURE_EXAMPLE_CHARS],
+        }
+    return out
+
+
+def merge_failures(*parts: Failures) -> Failures:
+    """failures or setup_errors of disjoint runs added up: counts add; the status and example
+    of a class are the first part's that has the class (each is any one of its requests')."""
+    out: Failures = {}
+    for part in parts:
+        for v, classes in part.items():
+            mine = out.setdefault(v, {})
+            for key, entry in classes.items():
+                if key in mine:
+                    mine[key] = {**mine[key], "n": mine[key]["n"] + entry["n"]}
+                else:
+                    mine[key] = dict(entry)
+    return out
+
+
 def p99_rows(rows: Iterable[Sequence[Any]]) -> dict[str, list[tuple[int, int, float]]]:
     """(variant, bucket start unix s, n, p99) rows, in bucket order, as the p99 chart's series:
     {variant: [(bucket start, n, p99)]}."""

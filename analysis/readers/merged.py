@@ -21,7 +21,15 @@ from typing import Any
 
 from analysis import units
 from analysis.definitions import GAP_REQUESTS, METRICS, Filters, Slo, build_spec
-from analysis.readers.base import DataVersion, SampleReader, Summary, run_queries, with_phases
+from analysis.readers.base import (
+    DataVersion,
+    Failures,
+    SampleReader,
+    Summary,
+    merge_failures,
+    run_queries,
+    with_phases,
+)
 from analysis.readers.raw import RawReader
 from analysis.readers.rollup import RollupReader
 from analysis.sql import Hist, where
@@ -188,13 +196,17 @@ class MergedReader:
         users = None if self.scope.live else self.rollup.srm_users(f)
         return self.raw.srm_users(f) if users is None else users
 
-    def failures(self, f: Filters) -> dict[str, dict[str, dict[str, Any]]]:
-        """From the samples: a rollup keeps no error classes (the failed rows are few)."""
-        return self.raw.failures(f)
+    def failures(self, f: Filters) -> Failures:
+        """The builds' failure classes and the live runs', added up."""
+        live = self._live(f)
+        rolled = self.rollup.failures(f)
+        return rolled if live is None else merge_failures(rolled, self.raw.failures(live))
 
-    def setup_errors(self, f: Filters) -> dict[str, dict[int, dict[str, Any]]]:
-        """From the samples, as failures: a rollup keeps none (it leaves them out)."""
-        return self.raw.setup_errors(f)
+    def setup_errors(self, f: Filters) -> Failures:
+        """As failures: the builds' setup errors and the live runs', added up."""
+        live = self._live(f)
+        rolled = self.rollup.setup_errors(f)
+        return rolled if live is None else merge_failures(rolled, self.raw.setup_errors(live))
 
     def p99_over_time(self, f: Filters, bucket_s: int) -> dict[str, list[tuple[int, int, float]]]:
         return self.rollup.p99_over_time(f, bucket_s, self._live(f))

@@ -45,10 +45,13 @@ from analysis.definitions import (
 from analysis.phases import phases_from_sums
 from analysis.readers.base import (
     DataVersion,
+    Failures,
     Summary,
+    failure_rows,
     histogram_rows,
     p99_rows,
     run_queries,
+    setup_error_rows,
     summary_rows,
     with_phases,
 )
@@ -79,9 +82,6 @@ from samples.schema import FIDELITY_SCORES_TABLE, FIDELITY_SHADOWS_TABLE
 # quantilesExact: a histogram per metric would cost a pass each): TTFT, whose histogram the
 # rank test and the CDF need anyway, and the pooled gaps, too many values for quantilesExact.
 HIST_METRICS = ("ttft_ms", *GAP_METRICS)
-# A failure's example message in reports, at most this long: enough to say what broke, and a
-# variant's error body that quotes the prompt shows analysts no more than its start.
-FAILURE_EXAMPLE_CHARS = 300
 
 
 class RawReader:
@@ -277,34 +277,21 @@ class RawReader:
         sql = f"SELECT config_revision AS rev, variant, {DISTINCT_USERS} AS users {fw} GROUP BY rev, variant"
         return [{"rev": int(r), "variant": v, "n": int(n)} for r, v, n in self.store.query(sql, params)]
 
-    def failures(self, f: Filters) -> dict[str, dict[str, dict[str, Any]]]:
+    def failures(self, f: Filters) -> Failures:
         """{variant: {outcome: {"n", "http_status", "example"}}} of the failed requests (outcome
         other than 'ok'; setup errors are setup_errors'): what broke, by error class, with one HTTP status and error message,
         cut to FAILURE_EXAMPLE_CHARS (a variant's error body may quote the request)."""
         fw, params = from_where(f, ["outcome != 'ok'"])
         sql = f"SELECT variant, outcome, count(), any(http_status), any(error) {fw} GROUP BY variant, outcome"
-        out: dict[str, dict[str, dict[str, Any]]] = {}
-        for v, outcome, n, status, example in self.store.query(sql, params):
-            out.setdefault(v, {})[str(outcome)] = {
-                "n": int(n),
-                "http_status": int(status),
-                "example": str(example)[:FAILURE_EXAMPLE_CHARS],
-            }
-        return out
+        return failure_rows(self.store.query(sql, params))
 
-    def setup_errors(self, f: Filters) -> dict[str, dict[int, dict[str, Any]]]:
+    def setup_errors(self, f: Filters) -> Failures:
         """{variant: {http status: {"n", "example"}}} of the setup errors (definitions.SETUP_ERROR):
         the requests every other query leaves out, counted apart, with one error message per
         status cut to FAILURE_EXAMPLE_CHARS."""
         fw, params = from_where(f, [SETUP_ERROR], setup_errors=True)
         sql = f"SELECT variant, http_status, count(), any(error) {fw} GROUP BY variant, http_status"
-        out: dict[str, dict[int, dict[str, Any]]] = {}
-        for v, status, n, example in self.store.query(sql, params):
-            out.setdefault(str(v), {})[int(status)] = {
-                "n": int(n),
-                "example": str(example)[:FAILURE_EXAMPLE_CHARS],
-            }
-        return out
+        return setup_error_rows(self.store.query(sql, params))
 
     def unit_moments(self, f: Filters, slo: Slo, unit: str) -> dict[str, UnitMoments]:
         """{variant: moments} per user or per request (analysis.units.moments_select): one

@@ -24,10 +24,19 @@ from analysis.definitions import (
     MODES,
     PHASE_COLUMNS,
     SERIES_KEY,
+    SERIES_LEVELS_S,
     Filters,
     QueryError,
 )
-from analysis.readers.base import Summary, histogram_rows, p99_rows, summary_rows
+from analysis.readers.base import (
+    Failures,
+    Summary,
+    failure_rows,
+    histogram_rows,
+    p99_rows,
+    setup_error_rows,
+    summary_rows,
+)
 from analysis.sql import (
     HIST_KEYS,
     Hist,
@@ -45,6 +54,12 @@ from samples import schema
 def _check_bucket(bucket_s: int) -> None:
     if not isinstance(bucket_s, int) or bucket_s < GRAIN_S or bucket_s % GRAIN_S:
         raise QueryError(f"bucket_s must be a positive multiple of {GRAIN_S}, got {bucket_s!r}")
+
+
+def series_level(bucket_s: int) -> int:
+    """The coarsest p99-chart level a build keeps (GRAIN_S or one of SERIES_LEVELS_S) that
+    divides bucket_s: its rows add up to the bucket's exactly."""
+    return max((g for g in SERIES_LEVELS_S if bucket_s % g == 0), default=GRAIN_S)
 
 
 class RollupReader:
@@ -177,6 +192,27 @@ class RollupReader:
         )
         return [{"rev": int(r), "variant": v, "n": int(n)} for r, v, n in rows]
 
+    def failures(self, f: Filters) -> Failures:
+        """RawReader.failures from rollup_failures (kind 'failure'): the same classes and
+        counts; the status and example of a class are any one of its requests'."""
+        cond, params = where(f, ["kind = 'failure'"], builds=self.builds)
+        rows = self.store.query(
+            f"SELECT variant, outcome, sum(n), any(http_status), any(example) "
+            f"FROM {schema.ROLLUP_FAILURES_TABLE} WHERE {cond} GROUP BY variant, outcome",
+            params,
+        )
+        return failure_rows(rows)
+
+    def setup_errors(self, f: Filters) -> Failures:
+        """RawReader.setup_errors from rollup_failures (kind 'setup')."""
+        cond, params = where(f, ["kind = 'setup'"], builds=self.builds)
+        rows = self.store.query(
+            f"SELECT variant, http_status, sum(n), any(example) "
+            f"FROM {schema.ROLLUP_FAILURES_TABLE} WHERE {cond} GROUP BY variant, http_status",
+            params,
+        )
+        return setup_error_rows(rows)
+
     def unit_moments(self, f: Filters, unit: str) -> dict[str, UnitMoments] | None:
         """RawReader.unit_moments from the rollup; None for unit "user" when the scope holds
         several runs (a user may appear in more than one, so per-run moments do not add up;
@@ -203,8 +239,13 @@ class RollupReader:
         The rank is found in SQL (running counts per time bucket, ARRAY JOIN, the first bucket
         reaching the rank): one row per time bucket travels, not one per 1 ms bucket."""
         _check_bucket(bucket_s)
-        cond, params = where(f, builds=self.builds)
-        rows = f"SELECT variant, tb, k, n, top FROM {schema.ROLLUP_SERIES_TABLE} WHERE {cond}"
+        level = series_level(bucket_s)
+        if level == GRAIN_S:
+            cond, params = where(f, builds=self.builds)
+            rows = f"SELECT variant, tb, k, n, top FROM {schema.ROLLUP_SERIES_TABLE} WHERE {cond}"
+        else:  # the build's coarser level that divides the bucket: fewer rows to group again
+            cond, params = where(f, [f"g = {level}"], builds=self.builds)
+            rows = f"SELECT variant, tb, k, n, top FROM {schema.ROLLUP_SERIES_LEVELS_TABLE} WHERE {cond}"
         if live is not None:  # runs without a build: their samples, one row each
             fw, raw_params = from_where(live, [metric_ok("ttft_ms")])
             rows += (

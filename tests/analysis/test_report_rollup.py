@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import math
+import re
 import time
 from collections.abc import Iterator
 
@@ -16,9 +17,9 @@ import pytest
 from analysis import definitions as q
 from analysis import report as r
 from analysis import rollup
-from analysis.readers.merged import report_scope
+from analysis.readers.merged import reader_for, report_scope
 from analysis.readers.raw import RawReader
-from analysis.readers.rollup import RollupReader
+from analysis.readers.rollup import RollupReader, series_level
 from samples import schema, synthetic
 from samples.store import SampleStore
 from tests.analysis.fixtures_report import (  # noqa: F401 - fixtures
@@ -104,7 +105,8 @@ def test_p99_chart_from_rollup_is_within_its_1ms_bucket_and_counts_match(store):
     f = q.Filters(spec.experiment, run_id=SPLIT_RUN)
     builds = report_scope(store, f, SLO).builds
     assert list(builds) == [SPLIT_RUN]
-    for bucket_s in (30, 60, 300):
+    # 20: re-grouped from the 10 s rows; the others: each from its own coarser level
+    for bucket_s in (20, 30, 60, 300, 900, 3600):
         exact = RawReader(store).p99_over_time(f, bucket_s)
         fast = RollupReader(store, builds).p99_over_time(f, bucket_s)
         assert set(exact) == set(fast)
@@ -112,6 +114,62 @@ def test_p99_chart_from_rollup_is_within_its_1ms_bucket_and_counts_match(store):
             assert [(t, n) for t, n, _ in exact[v]] == [(t, n) for t, n, _ in fast[v]]
             for (_, _, e), (_, _, g) in zip(exact[v], fast[v], strict=True):
                 assert math.floor(e) == math.floor(g) and g >= e
+
+
+def test_the_chart_reads_the_coarsest_level_dividing_its_bucket():
+    assert q.SERIES_LEVELS_S[0] > q.GRAIN_S
+    for finer, coarser in zip((q.GRAIN_S, *q.SERIES_LEVELS_S), q.SERIES_LEVELS_S, strict=False):
+        assert coarser % finer == 0, (finer, coarser)
+    assert [series_level(b) for b in (10, 20, 30, 90, 120, 600, 3600, 7200, 86400, 172800)] == [
+        10,
+        10,
+        30,
+        30,
+        60,
+        300,
+        3600,
+        3600,
+        86400,
+        86400,
+    ]
+
+
+def test_a_report_from_rollups_reads_the_samples_only_for_their_signature(store, monkeypatch):
+    """Failures, setup errors and the chart come from the rollup too: once a run is built, the
+    only passes over its samples are the staleness check (count and recorded sum per run) and,
+    for runs without a catalog row, their modes."""
+    spec = split_spec()
+    seen: list[str] = []
+    real = type(store).query
+
+    def query(self, sql, *a, **kw):
+        seen.append(sql)
+        return real(self, sql, *a, **kw)
+
+    monkeypatch.setattr(type(store), "query", query)
+    rep = r.build_report(store, info(spec), q.Filters(spec.experiment, run_id=SPLIT_RUN))
+    assert rep["timing"]["source"] == "rollup"
+    assert sum(c["n"] for v in rep["variants"] for c in v["failures"].values()) > 0
+    on_samples = [sql for sql in seen if re.search(rf"\bFROM {schema.SAMPLES_TABLE}\b", sql)]
+    # the signature, and the modes of these runs, which have no catalog row (analysis.runs)
+    assert len(on_samples) == 2, on_samples
+    assert "sum(recorded_ms)" in on_samples[0] and "GROUP BY run_id, mode" in on_samples[1], on_samples
+
+
+def test_failure_classes_from_rollups_and_live_runs_add_up(store):
+    spec = split_spec()
+    f = q.Filters(spec.experiment)  # the built run and the live one
+    merged = reader_for(store, f, SLO)
+    assert merged.source == "rollup+samples"
+    raw = RawReader(store)
+    assert merged.failures(f) == raw.failures(f)
+    assert merged.setup_errors(f) == raw.setup_errors(f)
+    one = raw.failures(q.Filters(spec.experiment, run_id=SPLIT_RUN))
+    live = raw.failures(q.Filters(spec.experiment, run_id=LIVE_RUN))
+    for v, classes in merged.failures(f).items():
+        for outcome, entry in classes.items():
+            both = one.get(v, {}).get(outcome, {}).get("n", 0) + live.get(v, {}).get(outcome, {}).get("n", 0)
+            assert entry["n"] == both > 0
 
 
 def test_a_time_window_or_another_slo_reads_the_raw_samples(store):
