@@ -52,7 +52,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from analysis.definitions import Filters, Slo
-from analysis.sql import from_where, hit_expr, metric_ok
+from analysis.sql import SAMPLES, from_where, hit_expr, metric_ok
 from stats._common import DEFAULT_CONF
 from stats.adjusted import adjusted_difference
 from stats.clustered import ArmMoments, clustered_difference, clustered_mean
@@ -181,13 +181,19 @@ def layout(slo: Slo | None = None) -> Layout:
 
 
 def moments_select(
-    f: Filters, slo: Slo, unit: str, head: Sequence[str] = (), extra: Sequence[str] = ()
+    f: Filters,
+    slo: Slo,
+    unit: str,
+    head: Sequence[str] = (),
+    extra: Sequence[str] = (),
+    table: str = SAMPLES,
 ) -> tuple[str, dict[str, Any]]:
     """SELECT variant[, head...], counts (Array(UInt64)), sums (Array(Float64)) per variant over
     the samples in f: the per-unit moments (module docstring), for the raw reader, the rollup
     build and a rollout step's reading. ``head``: SQL placed before variant (the rollup's build
     id); ``extra``: more conditions on the samples (a rollout step's config revision; their
-    parameters are the caller's to add)."""
+    parameters are the caller's to add); ``table``: the samples table read (a shard's own,
+    SampleStore.unit_shards)."""
     if unit not in UNITS:
         raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
     blocks, params = _blocks(slo)
@@ -211,7 +217,7 @@ def moments_select(
         sums[i] = f"sum({names[(name, c)]})"
     for (name, a, b), i in lay.cross.items():
         sums[i] = f"sum({names[(name, a)]} * {names[(name, b)]})"
-    fw, fparams = from_where(f, extra)
+    fw, fparams = from_where(f, extra, table)
     if unit == "user":
         arm, group = "any(variant)", f" GROUP BY {CLUSTER_KEY}"  # one variant per key
     else:
@@ -244,8 +250,10 @@ class UnitMoments:
         return cls(tuple(int(c) for c in counts), np.asarray(sums, dtype=float))
 
     def add(self, other: UnitMoments) -> UnitMoments:
-        """The moments of two disjoint sets of clusters (runs read per request): clusters add,
-        the largest is the larger, sums add. Not for users, who may appear in both."""
+        """The moments of two disjoint sets of clusters (runs read per request; the shards of a
+        cluster whose samples are sharded by the unit, which hold disjoint users): clusters add,
+        the largest is the larger, sums add. Not for the users of two runs, who may appear in
+        both."""
         counts = [
             a + b if i % 2 == 0 else max(a, b) for i, (a, b) in enumerate(zip(self.counts, other.counts))
         ]
@@ -296,7 +304,9 @@ def rows_to_moments(rows: Sequence[Sequence[Any]]) -> dict[str, UnitMoments]:
 
 
 def merge(*parts: Mapping[str, UnitMoments]) -> dict[str, UnitMoments]:
-    """Per-request moments of disjoint runs, added up per variant."""
+    """Moments of disjoint sets of clusters (per-request moments of disjoint runs, per-user
+    moments of the shards of a cluster sharded by the unit), added up per variant
+    (UnitMoments.add)."""
     out: dict[str, UnitMoments] = {}
     for part in parts:
         for v, um in part.items():

@@ -107,6 +107,13 @@ class TimeLimitedStore:
     def query_columns(self, sql: str, params: Mapping[str, Any] | None = None) -> dict[str, list[Any]]:
         return self._store.query_columns(sql, params, settings=self._settings)
 
+    def unit_shards(self) -> list[tuple[str, Any, str]]:
+        """The wrapped store's parts (SampleStore.unit_shards), each under the same limit."""
+        return [
+            (name, TimeLimitedStore(part, self.time_limit_s), table)
+            for name, part, table in self._store.unit_shards()
+        ]
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 

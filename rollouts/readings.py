@@ -9,7 +9,9 @@ arm, the SLA report's query (analysis.units.moments_select, unit "user": a reque
 user is a user of its own) under the step's revision: per arm the sums over its users of the
 per-user vector [requests, hits, errors, the pre-request covariates (analysis.units.COVARIATES),
 their products, their products with hits and with errors] and of the products of its
-components, reduced in the store (stats.sequential.arm_snapshot.UserMoments). The user-clustered
+components, reduced in the store (stats.sequential.arm_snapshot.UserMoments); on a cluster whose
+samples are sharded by the unit, on each shard's own table, the shards' moments added up
+(analysis.readers.shards). The user-clustered
 and covariate-adjusted guardrails need nothing else (stats.clustered.ArmMoments), so a step of
 10^6 users is read as one row per arm, not a row per user. The arm's totals are then those
 moments' sums, so totals and per-user aggregates come from one snapshot of the table even while
@@ -32,6 +34,7 @@ import numpy as np
 
 from analysis import units
 from analysis.definitions import SETUP_ERROR, Filters, Slo
+from analysis.readers import shards
 from analysis.sql import ASSIGNED_USERS, JUDGED, SAMPLES, hit_expr, metric_ok
 from experiments.document import ROLLOUT_LATENCIES
 from rollouts.controller import Plan, StepReading
@@ -111,8 +114,16 @@ def read_step(
             settings=QUERY_SETTINGS,
         )
         if per_user:
-            sql, mp = units.moments_select(Filters(experiment), slo, "user", extra=[REVISION])
-            moments = units.rows_to_moments(store.query(sql, {**mp, **params}, settings=QUERY_SETTINGS))
+            # per shard on a cluster sharded by the unit, else one query (analysis.readers.shards)
+            moments = shards.unit_moments(
+                store,
+                Filters(experiment),
+                slo,
+                "user",
+                extra=[REVISION],
+                params=params,
+                settings=QUERY_SETTINGS,
+            )
         hists: dict[str, dict[str, np.ndarray]] = {}
         for name in plan.latencies():
             if name not in ROLLOUT_LATENCIES:  # the document refuses others; never interpolate one

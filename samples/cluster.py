@@ -8,11 +8,22 @@ becomes two on every server of the cluster:
 - `<table>`, a Distributed table over the `_local` tables of every shard, under the name the
   code reads and writes, so queries and inserts are unchanged.
 
-The sharding key is sipHash64 of the table's sorting key (its ORDER BY): a ReplacingMergeTree's
-sorting key is its dedup key, so every recording of one row (a retried insert, a spool flush
-after an ambiguous failure) goes to the same shard, where the engine, FINAL and
-SampleStore.deduplicate collapse it, exactly as on one server. A table without a sorting key
-(ORDER BY tuple()) has nothing to dedupe: its rows are spread by rand().
+Sharding keys (sharding_key):
+- samples: the unit the report clusters by, SAMPLES_SHARDING_KEY = sipHash64(experiment, variant,
+  user_id, if(user_id = '', request_id, '')): a user's requests (a request without a user is a
+  unit of its own, as in analysis.units.CLUSTER_KEY) are all on one shard, so a query grouping
+  by user runs on each shard's `samples_local` alone and the shards' per-arm sums add up
+  (SampleStore.unit_shards). Every recording of one request has the same experiment, variant,
+  user and request id, so it still lands on one shard, where the ReplacingMergeTree, FINAL and
+  SampleStore.deduplicate collapse it, exactly as on one server.
+- every other table: sipHash64 of its sorting key (its ORDER BY). A ReplacingMergeTree's sorting
+  key is its dedup key, so every recording of one row (a retried insert, a spool flush after an
+  ambiguous failure) goes to the same shard. A table without a sorting key (ORDER BY tuple())
+  has nothing to dedupe: its rows are spread by rand().
+A cluster migrated by older code keeps the Distributed samples table it has (CREATE TABLE IF NOT
+EXISTS), sharded by the sorting key: sharded_by_unit tells the two apart from the table's
+engine_full, and only a cluster sharded by the unit is read shard by shard
+(docs/clickhouse-cluster.md, "Moving an existing cluster").
 
 The migrations keep their versions and checksums: each server records them in its own
 schema_migrations (a plain local table), applied when both its tables exist.
@@ -25,6 +36,9 @@ import re
 from samples import schema
 
 LOCAL_SUFFIX = "_local"
+# The samples' shard: their unit (user, or the request without one) within the variant, hashed
+# with the experiment so one experiment's users spread over the shards.
+SAMPLES_SHARDING_KEY = "sipHash64(experiment, variant, user_id, if(user_id = '', request_id, ''))"
 
 _CREATE_HEAD = re.compile(r"^CREATE TABLE IF NOT EXISTS (\w+) \(")
 _ORDER_BY = re.compile(r"\nORDER BY (.+?)\s*$", re.S)
@@ -40,8 +54,12 @@ def local_name(table: str) -> str:
 
 
 def sharding_key(create_sql: str) -> str:
-    """The Distributed table's sharding key for a CREATE TABLE statement: sipHash64 of its
-    ORDER BY (the dedup key of a ReplacingMergeTree), rand() for ORDER BY tuple()."""
+    """The Distributed table's sharding key for a CREATE TABLE statement: SAMPLES_SHARDING_KEY
+    for the samples; else sipHash64 of its ORDER BY (the dedup key of a ReplacingMergeTree),
+    rand() for ORDER BY tuple()."""
+    head = _CREATE_HEAD.match(create_sql.strip())
+    if head and head.group(1) == schema.SAMPLES_TABLE:
+        return SAMPLES_SHARDING_KEY
     m = _ORDER_BY.search(create_sql)
     if m is None:
         raise ClusterSchemaError(
@@ -53,6 +71,19 @@ def sharding_key(create_sql: str) -> str:
     if key in ("", "tuple()"):
         return "rand()"
     return f"sipHash64({key})"
+
+
+def sharded_by_unit(engine_full: str) -> bool:
+    """Whether a Distributed samples table (its system.tables engine_full) shards by
+    SAMPLES_SHARDING_KEY, as this code makes it, rather than by the sorting key, as older code
+    did. Whitespace aside, the server prints the key as it was written."""
+
+    def bare(text: str) -> str:
+        return "".join(text.split())
+
+    return bare(engine_full).startswith("Distributed(") and bare(engine_full).endswith(
+        "," + bare(SAMPLES_SHARDING_KEY) + ")"
+    )
 
 
 def server_statements(statement: str, cluster: str, database: str) -> tuple[str, ...]:

@@ -97,6 +97,15 @@ class StoreBase:
         """A statement without result rows (DDL, ALTER, OPTIMIZE)."""
         self._explained(self._command, bind(sql, params))
 
+    def unit_shards(self) -> list[tuple[str, StoreBase, str]]:
+        """Where a query that groups the samples by unit (a user, or a request without one:
+        analysis.units.CLUSTER_KEY) runs whole, as (name, store, samples table) parts: every
+        unit's rows are in exactly one part, so the parts' per-unit sums add up. The one place
+        that decides "per shard or through the Distributed table" (the cluster backend, when its
+        samples are sharded by the unit: samples.cluster.sharded_by_unit); here, one server or
+        chDB, the store itself."""
+        return [(self.describe(), self, schema.SAMPLES_TABLE)]
+
     # ---- is the store migrated? ----------------------------------------------------------
     def check_schema(self) -> None:
         """NotMigrated (self.not_migrated_error) unless every migration of this code is recorded

@@ -112,9 +112,10 @@ class SampleReader(Protocol):
 # ---------------------------------------------------------------------------------------------
 # Running independent queries together
 
-# Two pools for the process, created on first use (and again in a forked child): the report's
-# jobs run in the first, the parts a reader merges (rollup + raw) in the second, so a job
-# waiting for its parts never starves the pool its parts need. Their threads keep their store
+# Up to three pools for the process, created on first use (and again in a forked child): the
+# report's jobs run in the first, the parts a reader merges (rollup + raw) in the second, a
+# cluster's shards (analysis.readers.shards) in the next free one, so a job waiting for its
+# parts never starves the pool its parts need. Their threads keep their store
 # connections between reports: clickhouse-driver clients are not thread-safe and the server
 # store keeps one per thread; chDB serializes queries itself (parallel_queries = 1).
 POOL_THREADS = 4
@@ -143,9 +144,10 @@ def _executor(level: int) -> ThreadPoolExecutor:
 
 def run_queries(parallel: int, jobs: Mapping[str, Callable[[], Any]]) -> dict[str, Any]:
     """Run independent query jobs, concurrently when the store allows it (parallel > 1);
-    {name: result}. Jobs may call run_queries once more (one nested level); deeper runs inline."""
+    {name: result}. Jobs may call run_queries twice more (a merged reader's parts, then a
+    cluster's shards: analysis.readers.shards); deeper runs inline."""
     level = getattr(_local, "level", 0) + 1
-    if parallel <= 1 or len(jobs) <= 1 or level > 2:
+    if parallel <= 1 or len(jobs) <= 1 or level > 3:
         return {name: fn() for name, fn in jobs.items()}
     pool = _executor(level)
     futures = {name: pool.submit(fn) for name, fn in jobs.items()}

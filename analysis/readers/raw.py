@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from analysis import answer_fidelity, units
+from analysis import answer_fidelity
 from analysis.definitions import (
     GAP_METRICS,
     GAP_REQUESTS,
@@ -43,6 +43,7 @@ from analysis.definitions import (
     Slo,
 )
 from analysis.phases import phases_from_sums
+from analysis.readers import shards
 from analysis.readers.base import (
     DataVersion,
     Failures,
@@ -296,9 +297,9 @@ class RawReader:
     def unit_moments(self, f: Filters, slo: Slo, unit: str) -> dict[str, UnitMoments]:
         """{variant: moments} per user or per request (analysis.units.moments_select): one
         pass, a GROUP BY per cluster inside it for unit "user"; a few hundred sums per variant
-        travel."""
-        sql, params = units.moments_select(f, slo, unit)
-        return units.rows_to_moments(self.store.query(sql, params))
+        travel. On a cluster sharded by the unit, one pass per shard over its own table, side
+        by side, added up (analysis.readers.shards)."""
+        return shards.unit_moments(self.store, f, slo, unit)
 
     # 4. p99 TTFT per time bucket (chart)
 

@@ -11,14 +11,19 @@ another set of servers than the one the Distributed tables read (docs/clickhouse
 - Inserts go through the Distributed tables with insert_distributed_sync=1: an insert returns
   once every shard has its rows (the default queues them on the entry's disk and sends them
   later, so a read right after would miss them, and a lost entry disk would lose them). A
-  retried insert sends each row to the shard of its sorting key again, where the
-  ReplacingMergeTree collapses the copies.
+  retried insert sends each row to the same shard again (samples.cluster's sharding keys), where
+  the ReplacingMergeTree collapses the copies.
 - distributed_product_mode='global': a subquery over a Distributed table inside a query over
   another (the report's `build_id IN (SELECT ... FROM rollup_builds FINAL)`) runs once, on the
   entry, and its result goes to every shard (GLOBAL IN); 18.16's default refuses such queries.
 - OPTIMIZE, TRUNCATE and ALTER ... DELETE, which a Distributed table refuses or ignores, run on
   every server's local table (samples.cluster.per_shard_form); SampleStore.deduplicate runs on
   each server (the duplicates of one request are on one shard).
+- Queries grouping the samples by user (the per-user moments) run on one replica of each shard's
+  `samples_local` alone when the samples are sharded by the unit (unit_shards): the entry then
+  merges a few rows per arm instead of every user's partial sums. A cluster whose Distributed
+  samples table older code made (sharded by the sorting key, each user on every shard) is read
+  through the Distributed table as before; which one it is, the entry's system.tables says.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 
 from samples import cluster as clustermod
 from samples.backends.clickhouse import ClickHouseServerBackend
+from samples.schema import SAMPLES_TABLE
 from samples.sql import bind
 from samples.store import MIGRATE_ALL_COMMAND, StoreError, check_ident
 
@@ -45,6 +51,8 @@ class ClickHouseClusterBackend(ClickHouseServerBackend):
         self._url_parts = urllib.parse.urlsplit(url)
         self._conn_kwargs["settings"] = {"insert_distributed_sync": 1, "distributed_product_mode": "global"}
         self._servers: list[ClickHouseServerBackend] | None = None
+        self._shard_nums: list[int] = []  # each server's shard_num, in servers() order
+        self._by_unit: bool | None = None  # samples_sharded_by_unit(), once read
         self._tables = clustermod.distributed_tables()
 
     def describe(self) -> str:
@@ -80,12 +88,47 @@ class ClickHouseClusterBackend(ClickHouseServerBackend):
                     f"its remote_servers config (it has: {', '.join(r[0] for r in known) or 'none'})"
                 )
             self._servers = [self._server(host, int(port)) for _shard, _replica, host, port in rows]
+            self._shard_nums = [int(shard) for shard, _replica, _host, _port in rows]
         return self._servers
+
+    def shards(self) -> list[tuple[int, ClickHouseServerBackend]]:
+        """(shard_num, its first replica) for every shard: each shard's rows once."""
+        servers = self.servers()  # reads the shard numbers with them
+        first: dict[int, ClickHouseServerBackend] = {}
+        for num, server in zip(self._shard_nums, servers, strict=True):
+            first.setdefault(num, server)
+        return sorted(first.items())
+
+    def samples_sharded_by_unit(self) -> bool:
+        """Whether the entry's Distributed samples table shards by the unit
+        (samples.cluster.SAMPLES_SHARDING_KEY, as this code's migrations make it), not by the
+        sorting key (a cluster made by older code: CREATE TABLE IF NOT EXISTS kept it). Read once
+        per store object: after the table is recreated, a process sees it when it restarts."""
+        if self._by_unit is None:
+            rows = self._system(
+                bind(
+                    "SELECT engine_full FROM system.tables WHERE database = %(db)s AND name = %(t)s",
+                    {"db": self.database, "t": SAMPLES_TABLE},
+                )
+            )
+            self._by_unit = bool(rows) and clustermod.sharded_by_unit(rows[0][0])
+        return self._by_unit
+
+    def unit_shards(self) -> list[tuple[str, Any, str]]:
+        """StoreBase.unit_shards: each shard's `samples_local` (its first replica) when the
+        samples are sharded by the unit, else the Distributed table through the entry."""
+        if not self.samples_sharded_by_unit():
+            return super().unit_shards()
+        local = clustermod.local_name(SAMPLES_TABLE)
+        return [
+            (f"shard {num} of cluster {self.cluster} ({server.url_safe})", server, local)
+            for num, server in self.shards()
+        ]
 
     def _system(self, sql: str) -> list[tuple[Any, ...]]:
         """Rows of a query on system tables, connected to the `default` database (the store's
         own may not exist yet)."""
-        return self._run(lambda c: c.execute(sql), "read system.clusters", database="default")
+        return self._run(lambda c: c.execute(sql), "read system tables", database="default")
 
     def _server(self, host: str, port: int) -> ClickHouseServerBackend:
         p = self._url_parts

@@ -76,6 +76,32 @@ def test_every_report_query_carries_the_time_limit(loaded, experiment, settings,
     assert len(seen) - len(limited) <= 1
 
 
+def test_the_parts_a_report_reads_by_unit_carry_the_time_limit():
+    """A cluster's shards (SampleStore.unit_shards), read one by one, keep the report's limit."""
+    from analysis.readers.shards import query_by_unit
+    from dashboards.reports import TimeLimitedStore
+
+    class Part:
+        def __init__(self, name):
+            self.name, self.seen = name, []
+
+        def query(self, sql, params=None, *, settings=None):
+            self.seen.append((sql, settings))
+            return [(self.name,)]
+
+    class Sharded:
+        parallel_queries = 2
+        parts = [Part("a"), Part("b")]
+
+        def unit_shards(self):
+            return [(p.name, p, "samples_local") for p in self.parts]
+
+    store = Sharded()
+    got = query_by_unit(TimeLimitedStore(store, 7), lambda table: (f"SELECT 1 FROM {table}", {}))
+    assert got == [[("a",)], [("b",)]]
+    assert [p.seen for p in store.parts] == [[("SELECT 1 FROM samples_local", {"max_execution_time": 7})]] * 2
+
+
 def test_a_report_past_its_time_limit_is_a_400_saying_so(
     client, client_for, users, loaded, settings, monkeypatch
 ):

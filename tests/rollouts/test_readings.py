@@ -163,6 +163,9 @@ class RowCounting:
         self.rows.append(len(next(iter(got.values()), [])))
         return got
 
+    def unit_shards(self):
+        return [("counted", self, SAMPLES)]
+
 
 def step_samples(exp: str, rev: int, seed: int, run_id: int, constant_max_tokens: bool = False) -> dict:
     """A step's random samples: heavy-tailed users within each arm (the router keeps a user on

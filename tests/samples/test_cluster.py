@@ -1,9 +1,10 @@
 """The sample store on a two-shard ClickHouse cluster (scripts/clickhouse_cluster.sh).
 
 Migrations make every table of samples.schema on both servers as `<table>_local` plus a
-Distributed `<table>`; inserts spread over both shards by the sorting key, so a retried insert
-stays exactly once; the report read through the cluster equals the report of the same samples on
-one server. The cluster is the servers of ABPLAT_TEST_CLICKHOUSE_CLUSTER_URLS (entry first),
+Distributed `<table>`; inserts spread over both shards (the samples by user, the other tables by
+their sorting key), so a retried insert stays exactly once; the report read through the cluster
+equals the report of the same samples on one server, and so do the per-user moments read shard
+by shard, or through the Distributed table of a cluster sharded the older way. The cluster is the servers of ABPLAT_TEST_CLICKHOUSE_CLUSTER_URLS (entry first),
 named ABPLAT_TEST_CLICKHOUSE_CLUSTER in their remote_servers config.
 """
 
@@ -17,16 +18,20 @@ import urllib.parse
 import uuid
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 from django.core.management import call_command
 
 from analysis import definitions as q
 from analysis import report as r
-from analysis import rollup
+from analysis import rollup, units
+from analysis.readers.raw import RawReader
+from rollouts.controller import Plan
+from rollouts.readings import read_step
 from samples import cluster, factory, schema, synthetic
 from samples.backends.clickhouse import ClickHouseServerBackend
 from samples.backends.cluster import ClickHouseClusterBackend
-from samples.store import NotMigrated, SchemaMismatch, StoreError
+from samples.store import NotMigrated, SchemaMismatch, StoreError, StoreUnavailable
 from tests.plugin import SERVER_URL, server_url_for
 from tests.samples.truncate import truncate_for_tests
 
@@ -514,10 +519,13 @@ def test_every_create_becomes_a_local_table_and_a_distributed_one_sharded_by_its
     assert stmts[0] == schema.CREATE_SAMPLES_TABLE.replace(
         "CREATE TABLE IF NOT EXISTS samples (", "CREATE TABLE IF NOT EXISTS samples_local (", 1
     )
+    # the samples by their unit (analysis.units.CLUSTER_KEY within one experiment), the rest by
+    # their sorting key
     assert stmts[1] == (
         "CREATE TABLE IF NOT EXISTS samples AS samples_local ENGINE = Distributed(c1, db, samples_local, "
-        "sipHash64(experiment, variant, run_id, seq, request_id))"
+        "sipHash64(experiment, variant, user_id, if(user_id = '', request_id, '')))"
     )
+    assert cluster.SAMPLES_SHARDING_KEY == "sipHash64(experiment, " + units.CLUSTER_KEY.split("(", 1)[1]
     assert cluster.sharding_key(schema.CREATE_RUNS) == "sipHash64(experiment, run_id)"
     table = "CREATE TABLE IF NOT EXISTS t (\n    a UInt8\n)\nENGINE = MergeTree\nORDER BY "
     assert cluster.sharding_key(table + "a") == "sipHash64(a)"
@@ -531,6 +539,16 @@ def test_every_create_becomes_a_local_table_and_a_distributed_one_sharded_by_its
     )
     with pytest.raises(cluster.ClusterSchemaError, match="INSERT INTO samples .* has no cluster form"):
         cluster.server_statements("INSERT INTO samples SELECT 1", "c1", "db")
+
+
+def test_the_samples_sharding_key_is_told_apart_from_the_older_one():
+    ours = cluster.server_statements(schema.CREATE_SAMPLES_TABLE, "c1", "db")[1].split("ENGINE = ", 1)[1]
+    assert cluster.sharded_by_unit(ours)
+    assert cluster.sharded_by_unit(ours.replace(", ", ",  "))  # whitespace aside
+    older = "Distributed(c1, db, samples_local, sipHash64(experiment, variant, run_id, seq, request_id))"
+    assert not cluster.sharded_by_unit(older)
+    assert not cluster.sharded_by_unit("ReplacingMergeTree(recorded_ms) ORDER BY (experiment)")
+    assert not cluster.sharded_by_unit("")
 
 
 def test_what_a_distributed_table_refuses_runs_on_the_local_tables():
@@ -597,3 +615,187 @@ def test_migration_10_creates_the_fidelity_tables_on_every_server_and_spreads_th
         s.query("SELECT count() FROM fidelity_shadows_local WHERE experiment = 'e'")[0][0] for s in servers
     ]
     assert sum(per_server) == 40 and all(n > 0 for n in per_server)  # sharded by the request's key
+
+
+# ---- reads grouped by user, shard by shard -------------------------------------------------------
+
+SLO = q.Slo(200.0)
+PLAN = Plan(
+    candidate="awq",
+    control="fp16",
+    steps=(5, 50, 100),
+    min_samples=100,
+    min_duration_s=0.0,
+    guardrails=(),
+    on_breach="rollback",
+    notify=(),
+    alpha=0.05,
+)
+
+
+def users_samples(experiment: str = "ttft-opt", duplicate_rate: float = 0.0) -> synthetic.Synthetic:
+    """Heavy-tailed users, some sending many requests, 10% of the requests without a user (each
+    a unit of its own), two config revisions; with ``duplicate_rate``, older recordings too."""
+    return synthetic.generate(
+        synthetic.SyntheticSpec(
+            experiment=experiment,
+            n=3000,
+            seed=21,
+            run_id=31,
+            variants=synthetic.demo_variants(),
+            factor_effects=synthetic.DEMO_FACTOR_EFFECTS,
+            config_revisions=(1, 2),
+            users=150,
+            no_user_share=0.1,
+            duplicate_rate=duplicate_rate,
+            duration_s=600.0,
+        )
+    )
+
+
+def assert_same_moments(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and len(a) == 3
+    for v in a:
+        assert a[v].counts == b[v].counts, v
+        np.testing.assert_allclose(a[v].sums, b[v].sums, rtol=1e-9, atol=0)
+
+
+def assert_same_reading(a, b) -> None:
+    assert a.error == b.error == ""
+    for arm in ("control", "candidate"):
+        x, y = getattr(a, arm), getattr(b, arm)
+        assert (x.n, x.hits, x.errors) == (y.n, y.hits, y.errors) and x.n > 0, arm
+        for metric in ("attainment", "error_rate"):
+            gx, gy = getattr(x.per_user, metric), getattr(y.per_user, metric)
+            assert (gx.clusters, gx.largest) == (gy.clusters, gy.largest), (arm, metric)
+            np.testing.assert_allclose(gx.total, gy.total, rtol=1e-9, atol=0)
+            np.testing.assert_allclose(gx.cross, gy.cross, rtol=1e-9, atol=0)
+
+
+def spy_queries(stores, monkeypatch) -> list[tuple[str, str]]:
+    """(store, SQL) of every query the given stores run from now on."""
+    seen: list[tuple[str, str]] = []
+    for store in stores:
+        real = store.query
+
+        def query(sql, params=None, *, settings=None, real=real, name=store.url_safe):
+            seen.append((name, sql))
+            return real(sql, params, settings=settings)
+
+        monkeypatch.setattr(store, "query", query)
+    return seen
+
+
+def test_a_users_requests_land_on_one_shard_and_a_rerecording_still_collapses(cstore, servers):
+    cstore.migrate()
+    data = users_samples(duplicate_rate=0.05)
+    synthetic.insert(cstore, data)
+    per_shard = [
+        {u for (u,) in s.query("SELECT DISTINCT user_id FROM samples_local WHERE user_id != ''")}
+        for s in servers
+    ]
+    assert min(map(len, per_shard)) > 10 and not per_shard[0] & per_shard[1]
+    # every recording of a request is on one shard: there the engine collapses them
+    ids = [set(r for (r,) in s.query("SELECT DISTINCT request_id FROM samples_local")) for s in servers]
+    assert not ids[0] & ids[1]
+    unique = len(data.latest()["seq"])
+    assert sum(local_rows(servers)) == data.n_rows > unique
+    assert cstore.query(f"SELECT count() FROM {schema.SAMPLES_FROM}") == [(unique,)]
+    assert cstore.deduplicate(31) == data.n_rows - unique
+    assert sum(local_rows(servers)) == unique
+
+
+def test_moments_per_shard_equal_one_query_over_the_same_rows(cstore, servers, single, monkeypatch):
+    data = users_samples()
+    for store in (cstore, single):
+        store.migrate()
+        synthetic.insert(store, data)
+    assert cstore.samples_sharded_by_unit()
+    parts = cstore.unit_shards()
+    assert [(table, part.url_safe) for _n, part, table in parts] == [
+        ("samples_local", s.url_safe) for s in servers
+    ]
+    f = q.Filters("ttft-opt")
+    shard_servers = [part for _n, part, _t in parts]
+    for unit in units.UNITS:
+        sql, params = units.moments_select(f, SLO, unit)
+        distributed = units.rows_to_moments(cstore.query(sql, params))
+        seen = spy_queries(shard_servers, monkeypatch)
+        per_shard = RawReader(cstore).unit_moments(f, SLO, unit)
+        assert sorted(name for name, sql in seen if "FROM samples_local " in sql) == sorted(
+            s.url_safe for s in servers
+        )
+        monkeypatch.undo()
+        assert_same_moments(per_shard, distributed)
+        assert_same_moments(per_shard, RawReader(single).unit_moments(f, SLO, unit))
+    # a rollout step's reading: the per-user moments under one revision, per shard
+    seen = spy_queries(shard_servers, monkeypatch)
+    reading = read_step(cstore, "ttft-opt", 1, PLAN, SLO)
+    assert len([sql for _n, sql in seen if "FROM samples_local " in sql and "config_revision" in sql]) == 2
+    monkeypatch.undo()
+    assert_same_reading(reading, read_step(single, "ttft-opt", 1, PLAN, SLO))
+    users = reading.control.per_user.attainment
+    assert users.clusters < reading.control.n  # users who sent several requests: clustered
+
+
+def test_a_cluster_sharded_the_older_way_is_read_through_its_distributed_table(
+    cstore, servers, single, cluster_urls
+):
+    # the Distributed samples table as older code made it (sharded by the sorting key): what an
+    # existing cluster keeps, CREATE TABLE IF NOT EXISTS leaving it as it is
+    cstore.migrate()
+    older = "sipHash64(experiment, variant, run_id, seq, request_id)"
+    for server in servers:
+        server.execute("DROP TABLE samples")
+        server.execute(
+            "CREATE TABLE samples AS samples_local "
+            f"ENGINE = Distributed({CLUSTER}, {CLUSTER_DB}, samples_local, {older})"
+        )
+    store = ClickHouseClusterBackend(server_url_for(CLUSTER_DB, cluster_urls[0]), CLUSTER)
+    try:
+        assert store.migrate() == []
+        data = users_samples()
+        synthetic.insert(store, data)
+        single.migrate()
+        synthetic.insert(single, data)
+        per_shard = [
+            {u for (u,) in s.query("SELECT DISTINCT user_id FROM samples_local WHERE user_id != ''")}
+            for s in servers
+        ]
+        assert per_shard[0] & per_shard[1]  # users on both shards: a shard's sums are not theirs
+        assert not store.samples_sharded_by_unit()
+        assert store.unit_shards() == [(store.describe(), store, "samples")]
+        f = q.Filters("ttft-opt")
+        for unit in units.UNITS:
+            assert_same_moments(
+                RawReader(store).unit_moments(f, SLO, unit), RawReader(single).unit_moments(f, SLO, unit)
+            )
+        assert_same_reading(
+            read_step(store, "ttft-opt", 1, PLAN, SLO), read_step(single, "ttft-opt", 1, PLAN, SLO)
+        )
+    finally:
+        store.close()
+
+
+def test_a_shard_that_fails_fails_the_read_naming_it(cstore, servers, monkeypatch):
+    cstore.migrate()
+    synthetic.insert(cstore, users_samples())
+    f = q.Filters("ttft-opt")
+    name = rf"(?s)^shard 2 of cluster {CLUSTER} \(clickhouse://[^)]*:{servers[1]._conn_kwargs['port']}/"
+    servers[1].execute("RENAME TABLE samples_local TO samples_away")
+    try:
+        with pytest.raises(StoreError, match=name + ".*(doesn't exist|There is no table)"):
+            RawReader(cstore).unit_moments(f, SLO, "user")
+    finally:
+        servers[1].execute("RENAME TABLE samples_away TO samples_local")
+    # a shard that is down: the error stays transient, and a rollout step reads as not read
+    (_n1, first), (_n2, second) = cstore.shards()
+
+    def down(*a, **kw):
+        raise StoreUnavailable("connection refused (test)")
+
+    monkeypatch.setattr(second, "query", down)
+    with pytest.raises(StoreUnavailable, match=name + ".*connection refused"):
+        RawReader(cstore).unit_moments(f, SLO, "user")
+    reading = read_step(cstore, "ttft-opt", 1, PLAN, SLO)
+    assert f"shard 2 of cluster {CLUSTER}" in reading.error and reading.control is None
