@@ -32,13 +32,18 @@ Stages, each short enough to run under the shared bench lock:
 - rollup: the run's report rollup (analysis.rollup.build_run_rollup), as a finished run's.
 - measure: bytes per sample on disk (system.parts, per column from system.columns); one cold
   report from the rollup and one from the raw samples (use_rollup=False), each with its slowest
-  queries, the two compared number by number; the dashboard page cold and hot; a rollout look
-  (rollouts.readings.read_step, a plan clustering by user, an attainment and a p99 guardrail) at
-  the step of revision 1 (~10^6 users) and at a step of ~10^3 users (a table of its own,
-  --small-rows samples of --small-users users, loaded on first use).
+  queries (on a cluster, a shard's own queries prefixed by its port), the two compared number
+  by number; the dashboard page cold and hot; a rollout look (rollouts.readings.read_step, a
+  plan clustering by user, an attainment and a p99 guardrail) at the step of revision 1 (~10^6
+  users) and at a step of ~10^3 users (a table of its own, --small-rows samples of
+  --small-users users, loaded on first use).
 - shards: the raw report's per-user moments query (analysis.units.moments_select) on the server,
-  through the cluster's Distributed table, and on each shard's local table alone: what the
-  cluster's time is made of when both shards share this machine's two cores.
+  through the cluster's Distributed table, per shard as the report reads it (each shard's local
+  table side by side, the per-arm moments added: analysis.readers.shards; the cluster's samples
+  must be sharded by the unit, samples.cluster.SAMPLES_SHARDING_KEY) and on each shard's local
+  table alone: what the cluster's time is made of when both shards share this machine's two
+  cores. A cluster database made before the samples were sharded by user must be dropped and
+  loaded again (load/fill) for the per-shard path to be measured.
 - layout: the first --layout-rows samples copied into tables of other sorting keys, lz4 (the
   server's) and zstd (a server configured for it: 18.16 has no column CODEC clause), each merged
   to one part per partition: bytes per sample and the moments query's time on each.
@@ -366,19 +371,28 @@ def experiment_info():
 
 def timing_queries(store) -> list[tuple[float, str]]:
     """Time every SELECT the store runs from now on (wall seconds, the SQL's start), until
-    ``del store._select``; the report runs some at once, so their times overlap."""
+    untime(store); the report runs some at once, so their times overlap. On a cluster, also
+    those its shards run on their own tables (analysis.readers.shards), named by their port."""
     spent: list[tuple[float, str]] = []
-    inner = store._select
+    for s in (store, *(store.servers() if hasattr(store, "servers") else ())):
+        inner = s._select
+        label = "" if s is store else f"[{s._conn_kwargs['port']}] "
 
-    def select(sql, settings=None):
-        t = time.perf_counter()
-        try:
-            return inner(sql, settings)
-        finally:
-            spent.append((time.perf_counter() - t, " ".join(sql.split())[:110]))
+        def select(sql, settings=None, inner=inner, label=label):
+            t = time.perf_counter()
+            try:
+                return inner(sql, settings)
+            finally:
+                spent.append((time.perf_counter() - t, label + " ".join(sql.split())[:110]))
 
-    store._select = select
+        s._select = select
     return spent
+
+
+def untime(store) -> None:
+    """Stop timing_queries: the class's _select again, on the store and its servers."""
+    for s in (store, *(store.servers() if hasattr(store, "servers") else ())):
+        s.__dict__.pop("_select", None)
 
 
 def rollout_plan():
@@ -410,7 +424,7 @@ def rollout_look(store, revision: int) -> tuple[float, int, int]:
     try:
         reading = read_step(store, EXPERIMENT, revision, plan, Slo(200.0))
     finally:
-        del store._select
+        untime(store)
     look_s = time.perf_counter() - t
     print("    its queries: " + "; ".join(f"{q_s:.2f} s {q[:40]}" for q_s, q in spent), flush=True)
     check(reading.error == "", f"rollout reading at revision {revision}: {reading.error}")
@@ -451,7 +465,7 @@ def measure(args: argparse.Namespace, target: str) -> None:
         try:
             rep = r.build_report(store, exp, f, use_rollup=use)
         finally:
-            del store._select  # the class's again
+            untime(store)
         times[use] = time.perf_counter() - t
         want = "rollup" if use else "samples"
         check(rep["timing"]["source"] == want, f"{target}: report source {rep['timing']} (want {want})")
@@ -514,27 +528,48 @@ def measure(args: argparse.Namespace, target: str) -> None:
 
 
 def shards(args: argparse.Namespace, target: str) -> None:
-    """The raw per-user moments query on one server, through the cluster, and on each shard's
-    local table alone (one after the other, each with the machine's two cores to itself)."""
+    """The raw per-user moments query on one server, through the cluster's Distributed table,
+    per shard as the report reads it (analysis.readers.shards: each shard's local table, side by
+    side, the per-arm moments added; only when the cluster's samples are sharded by the unit),
+    and on each shard's local table alone (one after the other, each with the machine's two
+    cores to itself). Checks that the per-shard moments are the Distributed table's."""
+    import numpy as np
+
     from analysis import units
     from analysis.definitions import Filters, Slo
+    from analysis.readers import shards as by_shard
 
-    sql, params = units.moments_select(Filters(EXPERIMENT), Slo(200.0), "user")
+    f, slo = Filters(EXPERIMENT), Slo(200.0)
+    sql, params = units.moments_select(f, slo, "user")
     server, cluster = open_store(args, "server"), open_store(args, "cluster")
-    got = {}
-    for name, store, q in (
-        ("server", server, sql),
-        ("cluster", cluster, sql),
-        *(
-            (f"shard {i + 1} alone", srv, sql.replace("FROM samples ", "FROM samples_local "))
-            for i, srv in enumerate(cluster.servers())
-        ),
-    ):
+    by_unit = cluster.samples_sharded_by_unit()
+    print(f"cluster samples sharded by the unit: {by_unit}", flush=True)
+    got, moments = {}, {}
+    steps = [
+        ("server", lambda: units.rows_to_moments(server.query(sql, params))),
+        ("cluster, Distributed table", lambda: units.rows_to_moments(cluster.query(sql, params))),
+        ("cluster, per shard side by side", lambda: by_shard.unit_moments(cluster, f, slo, "user")),
+    ]
+    local_sql, local_params = units.moments_select(f, slo, "user", table="samples_local")
+    steps += [
+        (f"shard {num} alone", lambda srv=srv: units.rows_to_moments(srv.query(local_sql, local_params)))
+        for num, srv in cluster.shards()
+    ]
+    for name, step in steps:
         t = time.perf_counter()
-        out = store.query(q, params)
+        moments[name] = step()
         got[name] = time.perf_counter() - t
-        n = sum(int(c[0]) for _v, c, _s in out)  # clusters of block "all"
+        n = sum(m.counts[0] for m in moments[name].values())  # clusters of block "all"
         print(f"moments query, {name}: {got[name]:.2f} s ({n:,} users over its arms)", flush=True)
+    check(by_unit, "the cluster's samples are not sharded by the unit: the per-shard path was not taken")
+    want, per = moments["cluster, Distributed table"], moments["cluster, per shard side by side"]
+    check(want.keys() == per.keys(), f"per-shard arms {sorted(per)} != {sorted(want)}")
+    for v in want:
+        check(want[v].counts == per[v].counts, f"{v}: per-shard counts {per[v].counts} != {want[v].counts}")
+        check(
+            bool(np.allclose(per[v].sums, want[v].sums, rtol=1e-9, atol=0)),
+            f"{v}: per-shard sums differ from the Distributed table's beyond 1e-9",
+        )
     record(args.database, "shards", got)
     table(args.database)
 
