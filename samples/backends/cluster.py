@@ -103,7 +103,8 @@ class ClickHouseClusterBackend(ClickHouseServerBackend):
         """Whether the entry's Distributed samples table shards by the unit
         (samples.cluster.SAMPLES_SHARDING_KEY, as this code's migrations make it), not by the
         sorting key (a cluster made by older code: CREATE TABLE IF NOT EXISTS kept it). Read once
-        per store object: after the table is recreated, a process sees it when it restarts."""
+        per store object: after the table is recreated, a process sees it when it restarts. No
+        table yet (not migrated): False, and asked again next time."""
         if self._by_unit is None:
             rows = self._system(
                 bind(
@@ -111,7 +112,9 @@ class ClickHouseClusterBackend(ClickHouseServerBackend):
                     {"db": self.database, "t": SAMPLES_TABLE},
                 )
             )
-            self._by_unit = bool(rows) and clustermod.sharded_by_unit(rows[0][0])
+            if not rows:
+                return False
+            self._by_unit = clustermod.sharded_by_unit(rows[0][0])
         return self._by_unit
 
     def unit_shards(self) -> list[tuple[str, Any, str]]:

@@ -706,6 +706,7 @@ def test_a_users_requests_land_on_one_shard_and_a_rerecording_still_collapses(cs
 
 
 def test_moments_per_shard_equal_one_query_over_the_same_rows(cstore, servers, single, monkeypatch):
+    assert not cstore.samples_sharded_by_unit()  # no table yet: asked again once there is one
     data = users_samples()
     for store in (cstore, single):
         store.migrate()
