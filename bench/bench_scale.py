@@ -9,7 +9,7 @@ one ClickHouse server and on the two-shard test cluster (docs/clickhouse-cluster
     $B fill --target cluster --minutes 14       # the rest of the server's rows, copied
     $B rollup --target server; $B rollup --target cluster
     ABPLAT_DEBUG=true $B measure --target server; ABPLAT_DEBUG=true $B measure --target cluster
-    $B shards; $B layout --zstd-url clickhouse://default:@127.0.0.1:19301
+    $B shards; $B hosts; $B kept; $B layout --zstd-url clickhouse://default:@127.0.0.1:19301
     .venv/bin/python bench/bench_scale.py table
     ABPLAT_DEBUG=true .venv/bin/python bench/bench_scale.py all --quick   # 200k samples, every stage
 
@@ -44,6 +44,14 @@ Stages, each short enough to run under the shared bench lock:
   table alone: what the cluster's time is made of when both shards share this machine's two
   cores. A cluster database made before the samples were sharded by user must be dropped and
   loaded again (load/fill) for the per-shard path to be measured.
+- hosts: the raw report and the per-user moments query with each ClickHouse server pinned to a
+  core of its own (taskset on its pid file's process), as hosts of one core each: the single
+  server on core 0, then the cluster's shards on cores 0 and 1; every server gets both cores back
+  at the end. The cluster's ratio against one server as two hosts against one would show it,
+  which two shards sharing this machine's cores cannot.
+- kept: a rollout look's per-user moments of revision 1 from the samples, and the same moments
+  over a table of one row per user holding the inner sums (built once, dropped after): what a
+  look would cost if a step's per-user sums were kept as samples arrive.
 - layout: the first --layout-rows samples copied into tables of other sorting keys, lz4 (the
   server's) and zstd (a server configured for it: 18.16 has no column CODEC clause), each merged
   to one part per partition: bytes per sample and the moments query's time on each.
@@ -107,7 +115,19 @@ def main() -> None:
         "stage",
         nargs="?",
         default="all",
-        choices=("load", "fill", "rollup", "measure", "shards", "layout", "shapes", "table", "all"),
+        choices=(
+            "load",
+            "fill",
+            "rollup",
+            "measure",
+            "shards",
+            "hosts",
+            "kept",
+            "layout",
+            "shapes",
+            "table",
+            "all",
+        ),
     )
     ap.add_argument("--against", default="HEAD", help="shapes: the revision whose moments query to time")
     ap.add_argument("--layout-rows", type=int, default=10_000_000, help="layout: samples copied per layout")
@@ -153,11 +173,15 @@ def run(args: argparse.Namespace) -> None:
         "rollup": build_rollup,
         "measure": measure,
         "shards": shards,
+        "hosts": hosts,
+        "kept": kept,
         "layout": layout,
         "shapes": shapes,
     }
     for stage in stages:
-        for target in targets if stage not in ("shards", "layout", "shapes") else ("server",):
+        for target in (
+            targets if stage not in ("shards", "hosts", "kept", "layout", "shapes") else ("server",)
+        ):
             steps[stage](args, target)
     if args.quick:  # the cluster's databases: nobody else drops them
         cluster = open_store(args, "cluster")
@@ -572,6 +596,127 @@ def shards(args: argparse.Namespace, target: str) -> None:
         )
     record(args.database, "shards", got)
     table(args.database)
+
+
+# The servers' pid files (scripts/clickhouse.sh, scripts/clickhouse_cluster.sh): the hosts stage
+# pins each server's threads to cores of its own.
+PID_FILES = {
+    "server": VAR / "clickhouse" / "server.pid",
+    "shard 1": VAR / "clickhouse-shard1" / "clickhouse" / "server.pid",
+    "shard 2": VAR / "clickhouse-shard2" / "clickhouse" / "server.pid",
+}
+
+
+def _pin(name: str, cores: str) -> None:
+    """Every thread of one ClickHouse server onto the given cores (taskset -a)."""
+    import subprocess
+
+    pid = PID_FILES[name].read_text().strip()
+    subprocess.run(["taskset", "-a", "-cp", cores, pid], check=True, capture_output=True)
+
+
+def hosts(args: argparse.Namespace, target: str) -> None:
+    """The raw report and the per-user moments query with each server on a core of its own, as
+    if each were a host of one core: the single server on core 0, then the cluster's shard 1 on
+    core 0 and shard 2 on core 1 (two hosts against one: what a Distributed table should divide).
+    Every server gets both cores back at the end. The raw report reads the same rows on both
+    (measure checks the counts); the moments are checked equal to 1e-9."""
+    import os
+
+    import numpy as np
+
+    from analysis import report as r
+    from analysis import units
+    from analysis.definitions import Filters, Slo
+    from analysis.readers import shards as by_shard
+
+    check(os.cpu_count() >= 2, "hosts: needs two cores")
+    f, slo, exp = Filters(EXPERIMENT), Slo(200.0), experiment_info()
+    server, cluster = open_store(args, "server"), open_store(args, "cluster")
+    check(cluster.samples_sharded_by_unit(), "hosts: the cluster's samples are not sharded by the unit")
+    sql, params = units.moments_select(f, slo, "user")
+    got, moments, ns = {}, {}, {}
+    try:
+        _pin("server", "0")
+        _pin("shard 1", "0")
+        _pin("shard 2", "1")
+        for target_name, store, moments_of in (
+            ("server", server, lambda: units.rows_to_moments(server.query(sql, params))),
+            ("cluster", cluster, lambda: by_shard.unit_moments(cluster, f, slo, "user")),
+        ):
+            t = time.perf_counter()
+            moments[target_name] = moments_of()
+            got[f"{target_name} moments"] = time.perf_counter() - t
+            t = time.perf_counter()
+            rep = r.build_report(store, exp, f, use_rollup=False)
+            got[f"{target_name} raw report"] = time.perf_counter() - t
+            ns[target_name] = {v["key"]: v["n"] for v in rep["variants"]}
+            print(
+                f"{target_name}: moments {got[f'{target_name} moments']:.2f} s, "
+                f"raw report {got[f'{target_name} raw report']:.2f} s",
+                flush=True,
+            )
+    finally:
+        for name in PID_FILES:
+            _pin(name, f"0-{os.cpu_count() - 1}")
+    check(ns["server"] == ns["cluster"], f"hosts: report n per variant {ns['cluster']} != {ns['server']}")
+    for v, want in moments["server"].items():
+        per = moments["cluster"][v]
+        check(want.counts == per.counts, f"{v}: per-shard counts {per.counts} != {want.counts}")
+        check(bool(np.allclose(per.sums, want.sums, rtol=1e-9, atol=0)), f"{v}: sums differ beyond 1e-9")
+    print("\n| one core per host | server s | 2-shard cluster s | cluster / server | target |")
+    print("|---|---:|---:|---:|---|")
+    for what, target_text in (("raw report", "<= 0.6x"), ("moments", "-")):
+        a, b = got[f"server {what}"], got[f"cluster {what}"]
+        print(f"| {what} | {a:.2f} | {b:.2f} | {b / a:.2f}x | {target_text} |")
+    record(args.database, "hosts", got)
+
+
+def kept(args: argparse.Namespace, target: str) -> None:
+    """What a rollout look at ~10^6 users would cost if the step's per-user sums were kept
+    already: the moments query of revision 1 as read_step runs it, then its outer part (the
+    sums over users per arm) over a table holding one row per user of the same inner sums
+    (built here once, dropped after). The two must give the same moments."""
+    import re
+
+    import numpy as np
+
+    from analysis import units
+    from analysis.definitions import Filters, Slo
+
+    store = open_store(args, "server")
+    sql, params = units.moments_select(Filters(EXPERIMENT), Slo(200.0), "user", extra=["config_revision = 1"])
+    m = re.match(
+        r"SELECT (.*) FROM \(SELECT (.*?) (FROM samples .*) GROUP BY (.*)\) GROUP BY arm$", sql, re.S
+    )
+    check(m is not None, "kept: the moments query's shape changed (inner GROUP BY per unit, outer per arm)")
+    outer, inner, source, key = m.groups()
+    t = time.perf_counter()
+    full = units.rows_to_moments(store.query(sql, params))
+    full_s = time.perf_counter() - t
+    store.execute("DROP TABLE IF EXISTS bench_kept_users")
+    store.execute(
+        f"CREATE TABLE bench_kept_users ENGINE = MergeTree ORDER BY tuple() AS SELECT {inner} {source} GROUP BY {key}",
+        params,
+    )
+    try:
+        users = store.query("SELECT count() FROM bench_kept_users")[0][0]
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            rows = store.query(f"SELECT {outer} FROM bench_kept_users GROUP BY arm")
+            best = min(best, time.perf_counter() - t)
+        kept_m = units.rows_to_moments(rows)
+    finally:
+        store.execute("DROP TABLE IF EXISTS bench_kept_users")
+    for v, want in full.items():
+        check(kept_m[v].counts == want.counts, f"kept: {v} counts differ")
+        check(bool(np.allclose(kept_m[v].sums, want.sums, rtol=1e-9, atol=0)), f"kept: {v} sums differ")
+    print(
+        f"moments of revision 1 from its samples: {full_s:.2f} s; from {users:,} kept per-user rows: {best:.3f} s"
+    )
+    print(f"kept / from samples: {best / full_s:.3f}x")
+    record(args.database, "kept", {"from_samples_s": full_s, "kept_s": best, "users": users})
 
 
 def shapes(args: argparse.Namespace, target: str) -> None:
