@@ -1,6 +1,6 @@
 """What shadow sampling costs a live request that is not shadowed, and one that is.
 
-    .venv/bin/python bench/bench_shadow.py
+    .venv/bin/python bench/bench_shadow.py            # --quick: a tenth of the calls, for the tests
 
 1. The decision on the request path (gateway/shadow.py ``Shadows.plan``): an experiment with no
    ``shadow_share`` (a lookup), one with a share whose hash does not pick the request (the hash),
@@ -9,12 +9,14 @@
    with and without the token chunks' fingerprints: only a sampled request that is compared as
    served keeps them; every other request reads its answer exactly as without shadowing.
 
-Checks: the unsampled request's timer is the one without fingerprints (its result has none),
+Printed as a table with each row's ratio to its baseline (the decision with no share; the answer
+read without fingerprints). Checks: the unsampled request's timer is the one without fingerprints (its result has none),
 and the sampled one's has one fingerprint a token. Any failure prints `bench FAILED: <what>`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -104,26 +106,38 @@ def _per_call_ns(call: Callable[[], object], n: int) -> float:
 
 
 def main() -> int:
-    rows = []
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a tenth of the calls (the tests' run)")
+    args = ap.parse_args()
+    calls, reads = (10_000, 20) if args.quick else (100_000, 200)
     ids = [f"gw-{i:032x}" for i in range(4000)]
     none, target = _shadows(0.0)
     some, _ = _shadows(0.3)
     unsampled = _context(next(r for r in ids if some.plan(_context(r), target) is None))
     picked = _context(next(r for r in ids if some.plan(_context(r), target) is not None))
-    rows.append(("plan(): share 0", _per_call_ns(lambda: none.plan(unsampled, target), 100_000)))
-    rows.append(
-        ("plan(): share 0.3, not sampled", _per_call_ns(lambda: some.plan(unsampled, target), 100_000))
-    )
-    rows.append(("plan(): share 0.3, sampled", _per_call_ns(lambda: some.plan(picked, target), 100_000)))
     plain, fingerprinted = _reader(False), _reader(True)
     if plain() != 0 or fingerprinted() != TOKENS:
         raise BenchFailed("the reader kept fingerprints it should not, or not one a token")
-    rows.append((f"{TOKENS}-token answer read, no fingerprints", _per_call_ns(plain, 200)))
-    rows.append((f"{TOKENS}-token answer read, fingerprinted", _per_call_ns(fingerprinted, 200)))
-    width = max(len(name) for name, _ in rows)
-    print(f"{'what':<{width}}  {'us':>9}")
-    for name, ns in rows:
-        print(f"{name:<{width}}  {ns / 1000:9.2f}")
+    # (what, ns per call, the row it is compared with)
+    base_plan = "plan(): share 0"
+    base_read = f"{TOKENS}-token answer read, no fingerprints"
+    rows = [
+        (base_plan, _per_call_ns(lambda: none.plan(unsampled, target), calls), base_plan),
+        (
+            "plan(): share 0.3, not sampled",
+            _per_call_ns(lambda: some.plan(unsampled, target), calls),
+            base_plan,
+        ),
+        ("plan(): share 0.3, sampled", _per_call_ns(lambda: some.plan(picked, target), calls), base_plan),
+        (base_read, _per_call_ns(plain, reads), base_read),
+        (f"{TOKENS}-token answer read, fingerprinted", _per_call_ns(fingerprinted, reads), base_read),
+    ]
+    ns_of = {name: ns for name, ns, _base in rows}
+    print("| what | us per call | vs baseline |")
+    print("|---|---:|---:|")
+    for name, ns, base in rows:
+        ratio = "1.00x (baseline)" if base == name else f"{ns / ns_of[base]:.2f}x"
+        print(f"| {name} | {ns / 1000:.2f} | {ratio} |")
     return 0
 
 
