@@ -44,8 +44,9 @@ Stages, each short enough to run under the shared bench lock:
   table alone: what the cluster's time is made of when both shards share this machine's two
   cores. A cluster database made before the samples were sharded by user must be dropped and
   loaded again (load/fill) for the per-shard path to be measured.
-- hosts: the raw report and the per-user moments query with each ClickHouse server pinned to a
-  core of its own (taskset on its pid file's process), as hosts of one core each: the single
+- hosts: the raw report, the per-user moments query and the rollout look at revision 1 (as
+  measure's) with each ClickHouse server pinned to a core of its own (taskset on its pid
+  file's process), as hosts of one core each: the single
   server on core 0, then the cluster's shards on cores 0 and 1; every server gets both cores back
   at the end. The cluster's ratio against one server as two hosts against one would show it,
   which two shards sharing this machine's cores cannot.
@@ -616,9 +617,10 @@ def _pin(name: str, cores: str) -> None:
 
 
 def hosts(args: argparse.Namespace, target: str) -> None:
-    """The raw report and the per-user moments query with each server on a core of its own, as
-    if each were a host of one core: the single server on core 0, then the cluster's shard 1 on
-    core 0 and shard 2 on core 1 (two hosts against one: what a Distributed table should divide).
+    """The raw report, the per-user moments query and the rollout look at revision 1 with each
+    server on a core of its own, as if each were a host of one core: the single server on core
+    0, then the cluster's shard 1 on core 0 and shard 2 on core 1 (two hosts against one: what a
+    Distributed table should divide).
     Every server gets both cores back at the end. The raw report reads the same rows on both
     (measure checks the counts); the moments are checked equal to 1e-9."""
     import os
@@ -651,9 +653,11 @@ def hosts(args: argparse.Namespace, target: str) -> None:
             rep = r.build_report(store, exp, f, use_rollup=False)
             got[f"{target_name} raw report"] = time.perf_counter() - t
             ns[target_name] = {v["key"]: v["n"] for v in rep["variants"]}
+            got[f"{target_name} rollout look"], _users, _n = rollout_look(store, 1)
             print(
                 f"{target_name}: moments {got[f'{target_name} moments']:.2f} s, "
-                f"raw report {got[f'{target_name} raw report']:.2f} s",
+                f"raw report {got[f'{target_name} raw report']:.2f} s, "
+                f"rollout look at revision 1 {got[f'{target_name} rollout look']:.2f} s",
                 flush=True,
             )
     finally:
@@ -666,7 +670,7 @@ def hosts(args: argparse.Namespace, target: str) -> None:
         check(bool(np.allclose(per.sums, want.sums, rtol=1e-9, atol=0)), f"{v}: sums differ beyond 1e-9")
     print("\n| one core per host | server s | 2-shard cluster s | cluster / server | target |")
     print("|---|---:|---:|---:|---|")
-    for what, target_text in (("raw report", "<= 0.6x"), ("moments", "-")):
+    for what, target_text in (("raw report", "<= 0.6x"), ("moments", "-"), ("rollout look", "-")):
         a, b = got[f"server {what}"], got[f"cluster {what}"]
         print(f"| {what} | {a:.2f} | {b:.2f} | {b / a:.2f}x | {target_text} |")
     record(args.database, "hosts", got)

@@ -397,6 +397,24 @@ def wait_until(predicate, timeout: float = 30.0) -> None:
         time.sleep(0.2)
 
 
+class SpyStore:
+    """A store whose reads are noted (their SQL) and then run."""
+
+    def __init__(self, store, sent: list[str]) -> None:
+        self._store, self._sent = store, sent
+
+    def query(self, sql, params=None, **kw):
+        self._sent.append(sql)
+        return self._store.query(sql, params, **kw)
+
+    def query_columns(self, sql, params=None, **kw):
+        self._sent.append(sql)
+        return self._store.query_columns(sql, params, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
 def test_the_report_through_the_cluster_equals_one_servers(cstore, servers, single):
     common = dict(variants=synthetic.demo_variants(), factor_effects=synthetic.DEMO_FACTOR_EFFECTS)
     specs = [
@@ -433,6 +451,7 @@ def test_the_report_through_the_cluster_equals_one_servers(cstore, servers, sing
         for spec in specs
     ]
     reports: dict[str, list] = {}
+    sent: dict[str, list[str]] = {"single": [], "cluster": []}
     for name, store in (("single", single), ("cluster", cstore)):
         store.migrate()
         for data in datasets:
@@ -440,7 +459,9 @@ def test_the_report_through_the_cluster_equals_one_servers(cstore, servers, sing
         assert 0 <= store.deduplicate() <= sum(int(d.is_duplicate.sum()) for d in datasets)
         for spec, exp in zip(specs, exps, strict=True):
             store.record_run(spec.run_id, spec.experiment, spec.mode, "done")
-            raw = r.build_report(store, exp, q.Filters(spec.experiment), use_rollup=False)
+            raw = r.build_report(
+                SpyStore(store, sent[name]), exp, q.Filters(spec.experiment), use_rollup=False
+            )
             rollup.build_run_rollup(store, spec.experiment, spec.run_id, exp.slo)
             fast = r.build_report(store, exp, q.Filters(spec.experiment))
             assert (raw["timing"]["source"], fast["timing"]["source"]) == ("samples", "rollup")
@@ -452,6 +473,10 @@ def test_the_report_through_the_cluster_equals_one_servers(cstore, servers, sing
     for (one_raw, one_fast), (many_raw, many_fast) in zip(reports["single"], reports["cluster"], strict=True):
         assert_same_numbers(one_raw, many_raw)
         assert_same_numbers(one_fast, many_fast)
+    # one server ranks the other metrics with quantilesExact; through a Distributed table that
+    # would ship every value to the entry, so the cluster ranks every metric through its histogram
+    assert any("quantilesExact" in sql for sql in sent["single"])
+    assert not any("quantilesExact" in sql for sql in sent["cluster"])
     # a rebuild deletes the older build's rows on every shard (ALTER ... DELETE per local table)
     spec, exp = specs[0], exps[0]
     rollup.build_run_rollup(cstore, spec.experiment, spec.run_id, exp.slo)
