@@ -131,16 +131,6 @@ def shard_positions(run: ReplayRun, shard: ReplayShard, offsets: list[float] | N
     return ()
 
 
-def _import_store_driver() -> None:
-    """Import the sample store's driver now, before the schedule. Its backend imports it on
-    first use, which is the sink's first write, 0.5 s into the schedule: ~0.2 s of imports in
-    the sink's thread, holding the interpreter against the event loop while sends are due."""
-    try:
-        import clickhouse_driver  # noqa: F401
-    except ImportError:  # an embedded store (chDB) needs none
-        pass
-
-
 def execute_shard(
     shard: ReplayShard,
     *,
@@ -314,7 +304,6 @@ def execute_shard(
         await asyncio.to_thread(call)
 
     scrape_plan = server_metrics.plan_for(shard)  # None: another shard scrapes, or it is off
-    _import_store_driver()
     try:
         # The worker's heap frozen while the shard runs: no full collection over Django's and
         # Celery's objects in the middle of the schedule (streaming/loop.py, frozen_heap).
