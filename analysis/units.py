@@ -52,7 +52,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from analysis.definitions import Filters, Slo
-from analysis.sql import SAMPLES, from_where, hit_expr, metric_ok
+from analysis.sql import JUDGED, SAMPLES, from_where, hit_expr, metric_ok
 from stats._common import DEFAULT_CONF
 from stats.adjusted import adjusted_difference
 from stats.clustered import ArmMoments, clustered_difference, clustered_mean
@@ -228,6 +228,58 @@ def moments_select(
         f"FROM (SELECT {arm} AS arm, {', '.join(inner)} {fw}{group}) GROUP BY arm"
     )
     return sql, {**params, **fparams}
+
+
+def vector_sums(slo: Slo) -> tuple[list[str], dict[str, Any]]:
+    """The per-unit sums of v's components as aggregates over the samples, one per component in
+    ``vector_positions`` order, for a query that reads setup errors too (a rollout step's kept
+    sums count them apart): every sum is conditioned on JUDGED, the "ttft" block's also on a
+    successful TTFT, so the sums are moments_select's inner ones. Their SQL parameters."""
+    blocks, params = _blocks(slo)
+    out = []
+    for _name, cond, parts, _squares in blocks:
+        where = f"{JUDGED} AND {cond}" if cond else JUDGED
+        out += [f"sumIf({expr}, {where})" for _c, expr in parts]
+    return out, params
+
+
+def vector_positions() -> dict[tuple[str, str], int]:
+    """(block, component) -> its 0-based position in a unit's vector of sums (vector_sums)."""
+    return {key: i for i, key in enumerate(layout().total)}
+
+
+def moments_of_vectors(k: str, d: str | None = None) -> tuple[str, str]:
+    """(counts, sums) SELECT expressions, in layout() order, over units whose sums of v are an
+    Array(Float64) column (vector_sums' order): moments_select's outer part.
+
+    With ``d``: the moments' increment when units holding ``k`` (kept; an empty array for a unit
+    not seen before) gain ``d``: the clusters that are new (k's count 0, d's above 0), the
+    largest count after the gain, the totals of d, and per product a*b the sum of
+    (k_a + d_a)(k_b + d_b) - k_a k_b. UnitMoments.add of the kept moments and this increment is
+    the moments of k + d (an empty array reads 0 at every index)."""
+    lay, pos = layout(), vector_positions()
+
+    def at(col: str, key: tuple[str, str]) -> str:
+        return f"{col}[{pos[key] + 1}]"
+
+    def now(key: tuple[str, str]) -> str:
+        return at(k, key) if d is None else f"({at(k, key)} + {at(d, key)})"
+
+    counts = []
+    for block in lay.blocks:
+        n = (block, "n")
+        new = f"{now(n)} > 0" if d is None else f"{at(k, n)} = 0 AND {at(d, n)} > 0"
+        counts += [f"toUInt64(countIf({new}))", f"toUInt64(max({now(n)}))"]
+    sums = [""] * (len(lay.total) + len(lay.cross))
+    for key, i in lay.total.items():
+        sums[i] = f"sum({at(k if d is None else d, key)})"
+    for (block, a, b), i in lay.cross.items():
+        ka, kb = (block, a), (block, b)
+        if d is None:
+            sums[i] = f"sum({at(k, ka)} * {at(k, kb)})"
+        else:
+            sums[i] = f"sum({now(ka)} * {now(kb)} - {at(k, ka)} * {at(k, kb)})"
+    return f"[{', '.join(counts)}]", f"[{', '.join(sums)}]"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -50,9 +50,10 @@ Stages, each short enough to run under the shared bench lock:
   server on core 0, then the cluster's shards on cores 0 and 1; every server gets both cores back
   at the end. The cluster's ratio against one server as two hosts against one would show it,
   which two shards sharing this machine's cores cannot.
-- kept: a rollout look's per-user moments of revision 1 from the samples, and the same moments
-  over a table of one row per user holding the inner sums (built once, dropped after): what a
-  look would cost if a step's per-user sums were kept as samples arrive.
+- kept: rollout looks through the step's kept per-user sums (rollouts.kept) against the whole
+  read (measure's look): the first kept look, which builds them, then two looks a minute apart
+  while --rate requests a second arrive, at revision 1 and at measure's look tables; each kept
+  reading checked equal to the whole one.
 - layout: the first --layout-rows samples copied into tables of other sorting keys, lz4 (the
   server's) and zstd (a server configured for it: 18.16 has no column CODEC clause), each merged
   to one part per partition: bytes per sample and the moments query's time on each.
@@ -145,6 +146,7 @@ def main() -> None:
     )
     ap.add_argument("--database", default=DATABASE)
     ap.add_argument("--raw-only", action="store_true", help="measure: no rollup report, no page")
+    ap.add_argument("--rate", type=float, default=1000.0, help="kept: live requests a second between looks")
     ap.add_argument("--quick", action="store_true", help="200k samples of 2,000 users, every stage")
     args = ap.parse_args()
     if args.quick:
@@ -156,6 +158,7 @@ def main() -> None:
             50_000,
         )
         args.database += "_quick" if args.database == "abplat_bench_scale" else ""
+        args.rate = 20.0
     sys.exit(run_checked(run, args))
 
 
@@ -163,7 +166,7 @@ def run(args: argparse.Namespace) -> None:
     import django
 
     django.setup()
-    stages = ("load", "rollup", "measure", "shards") if args.stage == "all" else (args.stage,)
+    stages = ("load", "rollup", "measure", "shards", "kept") if args.stage == "all" else (args.stage,)
     targets = ("server", "cluster") if args.stage == "all" else (args.target,)
     if args.stage == "table":
         table(args.database)
@@ -447,7 +450,7 @@ def rollout_look(store, revision: int) -> tuple[float, int, int]:
     spent = timing_queries(store)
     t = time.perf_counter()
     try:
-        reading = read_step(store, EXPERIMENT, revision, plan, Slo(200.0))
+        reading = read_step(store, EXPERIMENT, revision, plan, Slo(200.0), keep=False)
     finally:
         untime(store)
     look_s = time.perf_counter() - t
@@ -677,50 +680,138 @@ def hosts(args: argparse.Namespace, target: str) -> None:
 
 
 def kept(args: argparse.Namespace, target: str) -> None:
-    """What a rollout look at ~10^6 users would cost if the step's per-user sums were kept
-    already: the moments query of revision 1 as read_step runs it, then its outer part (the
-    sums over users per arm) over a table holding one row per user of the same inner sums
-    (built here once, dropped after). The two must give the same moments."""
-    import re
+    """Rollout looks through the step's kept per-user sums (rollouts.kept) against reading the
+    whole step (keep=False), on revision 1 of the 100M run and on the look tables of `measure`:
+    the first kept look (it builds the sums from every request of the step), then two looks a
+    minute apart while live traffic arrives at --rate requests a second (3 minutes of new
+    samples of the same users before each: one minute to fold, the lag's two to read afresh).
+    Every kept reading equals the whole one (counts, users and histograms exactly, moments to
+    1e-9). The new samples go to a partition of their own (sent in 2030-01), dropped after, with
+    the kept sums."""
 
+    from analysis.definitions import Slo
+    from rollouts import kept as keptmod
+    from rollouts.readings import read_step
+    from samples import schema, synthetic
+
+    plan, slo = rollout_plan(), Slo(200.0)
+    steps = [(args.database, "the 100M run's revision 1")]
+    for spec_text in args.looks.split(","):
+        n_rows, n_users = (int(x) for x in spec_text.split(":"))
+        steps.append((f"{args.database}_look_{n_rows}_{n_users}", f"{n_rows:,} samples of {n_users:,} users"))
+    out = []
+    for db, label in steps:
+        store = open_store(args, target, db)
+        if not store.query("SELECT count() FROM samples")[0][0]:
+            print(f"{label}: no samples (run `measure` first)", flush=True)
+            continue
+        users = (
+            int(
+                store.query("SELECT max(toUInt64(substring(user_id, 2))) FROM samples WHERE user_id != ''")[
+                    0
+                ][0]
+            )
+            + 1
+        )
+
+        def forget(store=store) -> None:
+            for table in (schema.ROLLOUT_USER_SUMS_TABLE, schema.ROLLOUT_FOLDS_TABLE):
+                store.execute(f"TRUNCATE TABLE {table}")
+            if store.query(
+                "SELECT count() FROM system.parts WHERE database = currentDatabase() AND table = 'samples' "
+                "AND partition = '203001' AND active"
+            )[0][0]:
+                store.execute("ALTER TABLE samples DROP PARTITION 203001")
+
+        forget()
+        top = int(store.query("SELECT max(recorded_ms) FROM samples WHERE config_revision = 1")[0][0])
+        now = top + keptmod.KEEP_LAG_MS + 1
+        try:
+            t = time.perf_counter()
+            whole = read_step(store, EXPERIMENT, 1, plan, slo, keep=False)
+            whole_s = time.perf_counter() - t
+            t = time.perf_counter()
+            first = read_step(store, EXPERIMENT, 1, plan, slo, now_ms=now)
+            first_s = time.perf_counter() - t
+            same_reading(whole, first, f"{label}, first kept look")
+            steady = []
+            for k in range(2):
+                # recorded after the last look's watermark (its now - lag): none of it late
+                since = now - keptmod.KEEP_LAG_MS + 1 + k * 60_000
+                traffic(store, synthetic, users, args.rate, since, seed=50 + k)
+                spent = timing_queries(store)
+                t = time.perf_counter()
+                try:
+                    got = read_step(store, EXPERIMENT, 1, plan, slo, now_ms=now + (k + 1) * 60_000)
+                finally:
+                    untime(store)
+                steady.append(time.perf_counter() - t)
+                print(
+                    "    its queries: " + "; ".join(f"{q_s:.3f} s {q[:36]}" for q_s, q in spent), flush=True
+                )
+                same_reading(
+                    read_step(store, EXPERIMENT, 1, plan, slo, keep=False), got, f"{label}, look {k + 2}"
+                )
+            n = got.control.n + got.candidate.n
+            arm_users = sum(got.users.values())
+        finally:
+            forget()
+            store.close()
+        print(
+            f"{label}: {arm_users:,} users, {n:,} requests: whole {whole_s:.2f} s; kept: first {first_s:.2f} s, "
+            f"then {steady[0]:.3f} s and {steady[1]:.3f} s ({min(steady) / whole_s:.3f}x the whole)",
+            flush=True,
+        )
+        out.append(
+            {
+                "label": label,
+                "users": arm_users,
+                "requests": n,
+                "whole_s": whole_s,
+                "first_s": first_s,
+                "steady_s": steady,
+            }
+        )
+    record(args.database, f"kept/{target}", {"rate": args.rate, "steps": out})
+
+
+def traffic(store, synthetic, users: int, rate: float, from_ms: int, seed: int) -> None:
+    """Three minutes of live traffic at ``rate`` requests a second of the step's users (the same
+    model as the run), recorded from ``from_ms``, under revision 1, sent in 2030-01."""
     import numpy as np
 
-    from analysis import units
-    from analysis.definitions import Filters, Slo
+    n = int(rate * 180)
+    c = synthetic.generate(spec_for(max(n, 1000), users, seed=seed)).columns
+    k = len(c["variant"])
+    rng = np.random.default_rng(seed)
+    c["config_revision"] = np.ones(k, dtype=np.int64)
+    c["run_id"] = np.full(k, 2030_01_00 + seed, dtype=np.uint64)
+    c["recorded_ms"] = (from_ms + rng.random(k) * 180_000).astype(np.uint64)
+    c["sent_at"] = np.full(k, 1893456000 + 3600, dtype=np.uint32)  # 2030-01-01 01:00 UTC
+    store.insert_columns(c)
 
-    store = open_store(args, "server")
-    sql, params = units.moments_select(Filters(EXPERIMENT), Slo(200.0), "user", extra=["config_revision = 1"])
-    m = re.match(
-        r"SELECT (.*) FROM \(SELECT (.*?) (FROM samples .*) GROUP BY (.*)\) GROUP BY arm$", sql, re.S
-    )
-    check(m is not None, "kept: the moments query's shape changed (inner GROUP BY per unit, outer per arm)")
-    outer, inner, source, key = m.groups()
-    t = time.perf_counter()
-    full = units.rows_to_moments(store.query(sql, params))
-    full_s = time.perf_counter() - t
-    store.execute("DROP TABLE IF EXISTS bench_kept_users")
-    store.execute(
-        f"CREATE TABLE bench_kept_users ENGINE = MergeTree ORDER BY tuple() AS SELECT {inner} {source} GROUP BY {key}",
-        params,
-    )
-    try:
-        users = store.query("SELECT count() FROM bench_kept_users")[0][0]
-        best = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            rows = store.query(f"SELECT {outer} FROM bench_kept_users GROUP BY arm")
-            best = min(best, time.perf_counter() - t)
-        kept_m = units.rows_to_moments(rows)
-    finally:
-        store.execute("DROP TABLE IF EXISTS bench_kept_users")
-    for v, want in full.items():
-        check(kept_m[v].counts == want.counts, f"kept: {v} counts differ")
-        check(bool(np.allclose(kept_m[v].sums, want.sums, rtol=1e-9, atol=0)), f"kept: {v} sums differ")
-    print(
-        f"moments of revision 1 from its samples: {full_s:.2f} s; from {users:,} kept per-user rows: {best:.3f} s"
-    )
-    print(f"kept / from samples: {best / full_s:.3f}x")
-    record(args.database, "kept", {"from_samples_s": full_s, "kept_s": best, "users": users})
+
+def same_reading(a, b, what: str) -> None:
+    """Two StepReadings read the same: counts, users, setup errors and histograms exactly, the
+    per-user moments to 1e-9."""
+    import numpy as np
+
+    check(a.error == "" and b.error == "", f"{what}: {a.error or b.error}")
+    check(a.users == b.users, f"{what}: users {a.users} != {b.users}")
+    for x, y in ((a.control, b.control), (a.candidate, b.candidate)):
+        check(
+            (x.n, x.hits, x.errors, x.setup_errors) == (y.n, y.hits, y.errors, y.setup_errors),
+            f"{what}: counts {(x.n, x.hits, x.errors)} != {(y.n, y.hits, y.errors)}",
+        )
+        for name in x.latencies:
+            check(bool(np.array_equal(x.latencies[name].counts, y.latencies[name].counts)), f"{what}: {name}")
+        for metric in ("attainment", "error_rate"):
+            p, q = getattr(x.per_user, metric), getattr(y.per_user, metric)
+            check((p is None) == (q is None), f"{what}: {metric} moments on one side only")
+            if p is not None:
+                check((p.clusters, p.largest) == (q.clusters, q.largest), f"{what}: {metric} clusters")
+                check(bool(np.allclose(p.total, q.total, rtol=1e-9, atol=0)), f"{what}: {metric} totals")
+                check(bool(np.allclose(p.cross, q.cross, rtol=1e-9, atol=0)), f"{what}: {metric} products")
 
 
 def shapes(args: argparse.Namespace, target: str) -> None:
@@ -886,6 +977,22 @@ def table(database: str) -> None:
         a_s = f"{a[i][0]:.3f}" if i < len(a) else "-"
         b_s = f"{b[i][0]:.3f}" if i < len(b) else "-"
         print(f"| a table of its own | {users:,} | {n:,} | {a_s} | {b_s} |")
+    for target in ("server", "cluster"):
+        k = got.get(f"kept/{target}")
+        if not k:
+            continue
+        print()
+        print(
+            f"| rollout look through the kept sums, {target}, {k['rate']:,.0f} req/s arriving | users | "
+            "requests | whole s | first kept s | next looks s | kept / whole |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for st in k["steps"]:
+            nxt = " / ".join(f"{x:.3f}" for x in st["steady_s"])
+            print(
+                f"| {st['label']} | {st['users']:,} | {st['requests']:,} | {st['whole_s']:.2f} | "
+                f"{st['first_s']:.2f} | {nxt} | {min(st['steady_s']) / st['whole_s']:.3f}x |"
+            )
     if got.get("shapes"):
         print()
         print("| per-user moments query, the server's table (best of 2) | s |")

@@ -28,6 +28,8 @@ twice: one experiment's step of shadows is a small share of its requests.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import Any
 
 import numpy as np
@@ -37,14 +39,15 @@ from analysis.definitions import SETUP_ERROR, Filters, Slo
 from analysis.readers import shards
 from analysis.sql import ASSIGNED_USERS, JUDGED, SAMPLES, hit_expr, metric_ok
 from experiments.document import ROLLOUT_LATENCIES
+from rollouts import kept
 from rollouts.controller import Plan, StepReading
 from samples.schema import FIDELITY_SHADOWS_TABLE
 from samples.store import StoreError
 from stats.clustered import ArmMoments
 from stats.sequential.arm_snapshot import ATTAINMENT, ERROR_RATE, ArmSnapshot, Shadows, UserMoments
-from stats.sequential.quantiles import LatencyHistogram, latency_edges
+from stats.sequential.quantiles import LatencyHistogram
 
-EDGES = latency_edges(60_000.0, 1.0)  # 0..60 s at 1 ms; slower lands in the overflow bucket
+EDGES = kept.EDGES  # 0..60 s at 1 ms; slower lands in the overflow bucket
 QUERY_SETTINGS = {"max_execution_time": 30}
 # The step's samples among the experiment's (the moments query's condition beside the experiment).
 REVISION = "config_revision = %(revision)s"
@@ -94,51 +97,39 @@ def user_moments(moments: units.UnitMoments | None) -> UserMoments:
 
 
 def read_step(
-    store: Any, experiment: str, revision: int, plan: Plan, slo: Slo, *, per_user: bool | None = None
+    store: Any,
+    experiment: str,
+    revision: int,
+    plan: Plan,
+    slo: Slo,
+    *,
+    per_user: bool | None = None,
+    keep: bool = True,
+    now_ms: int | None = None,
 ) -> StepReading:
     """The step's StepReading; ``error`` set (never raised) when the store cannot answer.
-    ``per_user``: read the per-user aggregates (default: the plan's cluster_by_user)."""
+    ``per_user``: read the per-user aggregates (default: the plan's cluster_by_user).
+    ``keep``: through the step's kept per-user sums (rollouts.kept), folded up to ``now_ms``
+    (default: now) less its lag; else every request of the step is read again."""
     params: dict[str, Any] = {"experiment": experiment, "revision": int(revision)}
-    hit, hp = hit_expr(slo)
     arms = (plan.control, plan.candidate)
     if per_user is None:
         per_user = plan.cluster_by_user
-    moments: dict[str, units.UnitMoments] | None = None
     try:
-        cols = store.query_columns(
-            # setup errors apart (ArmSnapshot.setup_errors): no guardrail reads them
-            f"SELECT variant, countIf({JUDGED}) AS n, countIf({JUDGED} AND outcome != 'ok') AS errors, "
-            f"countIf({hit}) AS hits, countIf({SETUP_ERROR}) AS setup, "
-            f"{ASSIGNED_USERS} AS users {_where()} GROUP BY variant",
-            {**params, **hp},
-            settings=QUERY_SETTINGS,
-        )
-        if per_user:
-            # per shard on a cluster sharded by the unit, else one query (analysis.readers.shards)
-            moments = shards.unit_moments(
-                store,
-                Filters(experiment),
-                slo,
-                "user",
-                extra=[REVISION],
-                params=params,
-                settings=QUERY_SETTINGS,
+        if keep:
+            state = None
+            try:
+                step = kept.KeptStep(store, experiment, revision, arms, slo, plan.latencies())
+                state = step.read(int(time.time() * 1000) if now_ms is None else now_ms)
+            except kept.KeptStale:
+                pass  # late rows keep arriving: this look reads the whole step
+            got = (
+                _from_state(state, arms)
+                if state is not None
+                else _read_whole(store, params, plan, slo, per_user)
             )
-        hists: dict[str, dict[str, np.ndarray]] = {}
-        for name in plan.latencies():
-            if name not in ROLLOUT_LATENCIES:  # the document refuses others; never interpolate one
-                raise ValueError(f"unknown latency {name!r}")
-            rows = store.query_columns(
-                f"SELECT variant, toInt64(least(ceil({name}), {EDGES.size})) AS bucket, count() AS c "
-                f"{_where()} AND {metric_ok(name)} GROUP BY variant, bucket",
-                params,
-                settings=QUERY_SETTINGS,
-            )
-            per = {arm: np.zeros(EDGES.size + 1, dtype=np.int64) for arm in arms}
-            for variant, bucket, c in zip(rows["variant"], rows["bucket"], rows["c"], strict=True):
-                if variant in per:
-                    per[variant][max(0, int(bucket))] += int(c)
-            hists[name] = per
+        else:
+            got = _read_whole(store, params, plan, slo, per_user)
         shadows = None
         if plan.reads_shadows():
             row = store.query_columns(
@@ -151,21 +142,98 @@ def read_step(
         if type(exc).__module__.split(".")[0] not in ("clickhouse_driver", "chdb", "socket"):
             raise
         return StepReading(error=f"{type(exc).__name__}: {exc}"[:500])
-    got = {
-        v: (int(cols["n"][i]), int(cols["hits"][i]), int(cols["errors"][i]), int(cols["users"][i]))
-        for i, v in enumerate(cols.get("variant", []))
-    }
-    setup = {v: int(cols["setup"][i]) for i, v in enumerate(cols.get("variant", []))}
     snaps = {}
     for arm in arms:
-        n, hits, errors, _ = got.get(arm, (0, 0, 0, 0))
-        lat = {name: LatencyHistogram(EDGES, per[arm]) for name, per in hists.items()}
-        sums = None
-        if moments is not None:
+        a = got.get(arm, _Arm())
+        lat = {name: LatencyHistogram(EDGES, a.hists.get(name, _empty())) for name in plan.latencies()}
+        sums, n, hits, errors = None, a.n, a.hits, a.errors
+        if a.moments is not None or per_user:
             # The totals of the per-user moments: the same snapshot as the aggregates
-            sums = user_moments(moments.get(arm))
-            n, hits, errors = sums.requests, sums.events(ATTAINMENT), sums.events(ERROR_RATE)
+            moments = user_moments(a.moments)
+            n, hits, errors = moments.requests, moments.events(ATTAINMENT), moments.events(ERROR_RATE)
+            sums = moments if per_user else None
         mine = shadows if arm == plan.candidate else None
-        snaps[arm] = ArmSnapshot(n, hits, errors, lat, sums, setup.get(arm, 0), mine)
-    users = {arm: got.get(arm, (0, 0, 0, 0))[3] for arm in arms}
+        snaps[arm] = ArmSnapshot(n, hits, errors, lat, sums, a.setup, mine)
+    users = {arm: got.get(arm, _Arm()).users for arm in arms}
     return StepReading(snaps[plan.control], snaps[plan.candidate], users)
+
+
+@dataclasses.dataclass
+class _Arm:
+    """One arm of the step as read: counts (when no moments were read), per-user moments,
+    setup errors, assigned users, a histogram per latency."""
+
+    n: int = 0
+    hits: int = 0
+    errors: int = 0
+    setup: int = 0
+    users: int = 0
+    moments: units.UnitMoments | None = None
+    hists: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+
+def _empty() -> np.ndarray:
+    return np.zeros(EDGES.size + 1, dtype=np.int64)
+
+
+def _from_state(state: kept.State, arms: tuple[str, str]) -> dict[str, _Arm]:
+    out = {}
+    for arm in arms:
+        a = state.arms.get(arm)
+        if a is None:
+            continue
+        # every unit of the kept sums has a moments row; an arm without one had setup errors alone
+        out[arm] = _Arm(setup=a.setup, users=a.users, moments=a.moments, hists=a.hists)
+    return out
+
+
+def _read_whole(store: Any, params: dict[str, Any], plan: Plan, slo: Slo, per_user: bool) -> dict[str, _Arm]:
+    """Every request of the step read again: the counts, the per-user moments (``per_user``),
+    the histograms."""
+    hit, hp = hit_expr(slo)
+    arms = (plan.control, plan.candidate)
+    cols = store.query_columns(
+        # setup errors apart (ArmSnapshot.setup_errors): no guardrail reads them
+        f"SELECT variant, countIf({JUDGED}) AS n, countIf({JUDGED} AND outcome != 'ok') AS errors, "
+        f"countIf({hit}) AS hits, countIf({SETUP_ERROR}) AS setup, "
+        f"{ASSIGNED_USERS} AS users {_where()} GROUP BY variant",
+        {**params, **hp},
+        settings=QUERY_SETTINGS,
+    )
+    out = {
+        str(v): _Arm(
+            int(cols["n"][i]),
+            int(cols["hits"][i]),
+            int(cols["errors"][i]),
+            int(cols["setup"][i]),
+            int(cols["users"][i]),
+        )
+        for i, v in enumerate(cols.get("variant", []))
+    }
+    if per_user:
+        # per shard on a cluster sharded by the unit, else one query (analysis.readers.shards)
+        moments = shards.unit_moments(
+            store,
+            Filters(params["experiment"]),
+            slo,
+            "user",
+            extra=[REVISION],
+            params=params,
+            settings=QUERY_SETTINGS,
+        )
+        for arm, m in moments.items():
+            out.setdefault(arm, _Arm()).moments = m
+    for name in plan.latencies():
+        if name not in ROLLOUT_LATENCIES:  # the document refuses others; never interpolate one
+            raise ValueError(f"unknown latency {name!r}")
+        rows = store.query_columns(
+            f"SELECT variant, toInt64(least(ceil({name}), {EDGES.size})) AS bucket, count() AS c "
+            f"{_where()} AND {metric_ok(name)} GROUP BY variant, bucket",
+            params,
+            settings=QUERY_SETTINGS,
+        )
+        for variant, bucket, c in zip(rows["variant"], rows["bucket"], rows["c"], strict=True):
+            if variant in arms:
+                h = out.setdefault(str(variant), _Arm()).hists.setdefault(name, _empty())
+                h[max(0, int(bucket))] += int(c)
+    return out

@@ -531,6 +531,51 @@ ENGINE = MergeTree
 ORDER BY (experiment, run_id, build_id, g, variant, tb, k)
 """.strip()
 
+# ---- a rollout step's kept per-user sums ------------------------------------------------------
+# Who writes and reads: rollouts.kept (its docstring says how a look uses them).
+# - rollout_user_sums: per unit of a step (experiment, config revision, spec) one row per fold
+#   that saw it: the sums of its requests' vector (analysis.units.vector_sums, in that order),
+#   its setup errors, rows and their sum of recorded_ms, whether the router assigned it. Plain
+#   MergeTree, appended to: a unit's sums are the sum of its rows up to the state's fold, and rows
+#   of a later fold (one that stopped before writing its state) are detected, never merged away.
+#   ORDER BY puts one step's generation together, by unit.
+# - rollout_folds: one row per fold, the step's state at its watermark as JSON (rollouts.kept.
+#   State): a handful of rows per step, the newest read.
+ROLLOUT_USER_SUMS_TABLE = "rollout_user_sums"
+ROLLOUT_FOLDS_TABLE = "rollout_folds"
+CREATE_ROLLOUT_USER_SUMS = f"""
+CREATE TABLE IF NOT EXISTS {ROLLOUT_USER_SUMS_TABLE} (
+    experiment String,
+    config_revision Int64,
+    spec String,
+    generation UInt64,
+    fold UInt32,
+    variant String,
+    cluster UInt64,
+    assigned UInt8,
+    anon UInt8,
+    setup UInt64,
+    rows UInt64,
+    recorded_sum UInt64,
+    v Array(Float64)
+)
+ENGINE = MergeTree
+ORDER BY (experiment, config_revision, spec, generation, cluster)
+""".strip()
+CREATE_ROLLOUT_FOLDS = f"""
+CREATE TABLE IF NOT EXISTS {ROLLOUT_FOLDS_TABLE} (
+    experiment String,
+    config_revision Int64,
+    spec String,
+    generation UInt64,
+    fold UInt32,
+    upto_ms UInt64,
+    state String
+)
+ENGINE = MergeTree
+ORDER BY (experiment, config_revision, spec, generation, fold)
+""".strip()
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "create samples", (CREATE_SAMPLES_TABLE,)),
     Migration(
@@ -558,6 +603,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(9, "answer texts", (ADD_ANSWER_TEXT,)),
     Migration(10, "answer scores and live shadows", (CREATE_FIDELITY_SCORES, CREATE_FIDELITY_SHADOWS)),
     Migration(11, "rollup failures and chart levels", (CREATE_ROLLUP_FAILURES, CREATE_ROLLUP_SERIES_LEVELS)),
+    Migration(12, "rollout kept sums", (CREATE_ROLLOUT_USER_SUMS, CREATE_ROLLOUT_FOLDS)),
 )
 
 

@@ -68,7 +68,7 @@ def test_the_step_reads_the_candidates_shadows_as_one_row_whatever_the_number_of
 
     counting = RowCounting(store)
     reading = read_step(
-        counting, KEY, rev, plan(Guardrail("identical_answers", "at_least", 0.95)), Slo(200.0)
+        counting, KEY, rev, plan(Guardrail("identical_answers", "at_least", 0.95)), Slo(200.0), keep=False
     )
     assert reading.error == ""
     assert len(counting.rows) == 3 and counting.rows[-1] == 1  # totals, moments, shadows: one row
@@ -95,7 +95,9 @@ def test_the_step_reads_the_candidates_shadows_as_one_row_whatever_the_number_of
 
     # A plan without the guardrail reads no shadows.
     counting = RowCounting(store)
-    without = read_step(counting, KEY, rev, plan(Guardrail("attainment", "at_least", 0.9)), Slo(200.0))
+    without = read_step(
+        counting, KEY, rev, plan(Guardrail("attainment", "at_least", 0.9)), Slo(200.0), keep=False
+    )
     assert without.candidate.shadows is None and len(counting.rows) == 2
     # Users off (the experiment's analysis.cluster_by_user): the same counts, read as requests.
     off = dataclasses.replace(plan(Guardrail("identical_answers", "at_least", 0.95)), cluster_by_user=False)

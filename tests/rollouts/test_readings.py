@@ -163,6 +163,9 @@ class RowCounting:
         self.rows.append(len(next(iter(got.values()), [])))
         return got
 
+    def execute(self, sql, params=None):
+        return self.store.execute(sql, params)
+
     def unit_shards(self):
         return [("counted", self, SAMPLES)]
 
@@ -223,9 +226,16 @@ def test_a_step_reads_one_row_per_arm_and_decides_as_the_per_user_rows_did(store
         alpha=0.05,
     )
     counting = RowCounting(store)
-    reading = read_step(counting, exp, rev, plan, Slo(200.0))
+    reading = read_step(counting, exp, rev, plan, Slo(200.0), keep=False)
     assert reading.error == ""
     assert max(counting.rows) == 2 and len(counting.rows) == 2  # totals and moments: a row per arm
+    # through the step's kept per-user sums (rollouts.kept): no query returns a row per user either
+    counting = RowCounting(store)
+    through_kept = read_step(counting, exp, rev, plan, Slo(200.0))
+    assert through_kept.users == reading.users and max(counting.rows) == 2
+    for a, b in ((through_kept.control, reading.control), (through_kept.candidate, reading.candidate)):
+        assert (a.n, a.hits, a.errors) == (b.n, b.hits, b.errors)
+        np.testing.assert_allclose(a.per_user.attainment.cross, b.per_user.attainment.cross, rtol=1e-12)
     legacy = legacy_user_sums(store, exp, rev, Slo(200.0))
     for variant, snap in (("base", reading.control), ("cand", reading.candidate)):
         u, old = snap.per_user, legacy[variant]

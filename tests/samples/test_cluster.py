@@ -208,7 +208,7 @@ def test_migration_7_adds_gateway_ms_on_every_server_and_keeps_the_rows(
     before = _rows_of_older_code(
         cstore, servers, monkeypatch, 6, "mode, schedule_lag_ms, outcome", "'split', 1.5, 'ok'"
     )
-    assert cstore.migrate() == [7, 8, 9, 10, 11]  # and every migration after it
+    assert cstore.migrate() == [7, 8, 9, 10, 11, 12]  # and every migration after it
     assert local_rows(servers) == before  # every row where it was
     for server in servers:
         for table in ("samples", "samples_local"):
@@ -243,7 +243,7 @@ def test_migration_9_adds_answer_text_on_every_server_and_keeps_the_rows(
         "mode, outcome, output_fp, token_fps",
         "'mirror', 'ok', number + 1, [toUInt32(number)]",
     )
-    assert cstore.migrate() == [9, 10, 11]  # and the tables after it
+    assert cstore.migrate() == [9, 10, 11, 12]  # and the tables after it
     assert local_rows(servers) == before  # every row where it was
     for server in servers:
         for table in ("samples", "samples_local"):

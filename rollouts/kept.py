@@ -1,0 +1,454 @@
+"""A rollout step's per-user sums kept in the sample store between looks, so that a look reads
+what arrived since the last one instead of every request of the step again.
+
+Why: a look reduces the step to a few numbers per arm (rollouts/readings.py), but reducing them
+from the samples means grouping every request of the step by user each minute: 15 s at 669k
+users and 33M requests on a 2-core ClickHouse 18.16 server. The same moments over one kept row
+per user take 0.26 s (bench/RESULTS.md, "At 100M samples").
+
+What is kept, per (experiment, config revision, spec), in two tables (samples.schema, migration
+12):
+- rollout_user_sums: per unit (a user; a request without one: analysis.units.CLUSTER_KEY) the
+  sums of its requests' vector v (analysis.units.vector_sums), its setup errors, whether the
+  router assigned it (analysis.sql.SRM_SAMPLES), its rows and their sum of recorded_ms. Every
+  fold appends one row per unit it saw; a unit's kept sums are the sum of its rows.
+- rollout_folds: after each fold, one row naming the generation, the fold's number, its
+  watermark (every sample of the step recorded at or before it is in the kept rows) and the
+  step's state at the watermark (each arm's moments as analysis.units.UnitMoments, setup errors,
+  assigned users, latency histograms; the kept rows' count and sum of recorded_ms).
+
+A look (``read``):
+1. The newest fold row. Rows of a later fold number in the user sums (a fold that stopped
+   between its two writes) make the generation unusable: a new one is built.
+2. Fold, when the watermark can move by FOLD_EVERY_MS: the samples recorded after the watermark
+   and up to ``now - KEEP_LAG_MS`` are summed per unit into the user sums, the moments' increment
+   is computed over the units they touch alone (analysis.units.moments_of_vectors), and the new
+   state is written.
+3. Read: the state, plus the increment of the samples recorded after the watermark (grouped per
+   unit, joined to those units' kept sums), plus their histograms.
+4. Check: the samples recorded up to the watermark must still be exactly the kept ones (count
+   and sum of recorded_ms). A row stored late (recorded before the watermark, stored after the
+   fold), or a duplicate recording removed since, changes that: the state is built again from
+   the samples, in a new generation, and read again. Never a stale answer; at worst a look
+   costs what it costs without kept sums.
+Every look costs a scan of the step's recorded_ms (the check) and the work of the requests since
+the watermark, not the work of every request of the step by user.
+
+The hits depend on the SLO, the vector on analysis.units' layout, the histograms on the plan's
+latencies: ``spec`` hashes them, and a change starts sums of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from analysis import units
+from analysis.definitions import SETUP_ERROR, Slo
+from analysis.sql import SAMPLES, SRM_SAMPLES, metric_ok
+from experiments.document import ROLLOUT_LATENCIES
+from samples.schema import ROLLOUT_FOLDS_TABLE, ROLLOUT_USER_SUMS_TABLE
+from stats.sequential.quantiles import latency_edges
+
+FORMAT = 1
+EDGES = latency_edges(60_000.0, 1.0)  # 0..60 s at 1 ms; slower lands in the overflow bucket
+# Samples recorded in the last KEEP_LAG_MS are read afresh at every look and never kept: rows
+# reach the store a few seconds after their recorded time (the gateway's recorder, a replay's
+# spool), and a row stored after the watermark passed its recorded time forces a rebuild.
+KEEP_LAG_MS = 120_000
+# A fold moves the watermark by at least this much (a look in between reads from the last one).
+FOLD_EVERY_MS = 60_000
+# A generation holding more rows than COMPACT_ABOVE per unit (and COMPACT_MIN rows) is summed
+# into one row per unit, in a new generation, at the next fold.
+COMPACT_ABOVE = 2.0
+COMPACT_MIN = 50_000
+QUERY_SETTINGS = {"max_execution_time": 30}
+MOD64 = 1 << 64  # sum(recorded_ms) is a UInt64 sum: it wraps, the same on both sides
+
+_UNIT_COLUMNS = ("variant", "cluster", "assigned", "anon", "setup", "rows", "recorded_sum", "v")
+
+
+class KeptStale(Exception):
+    """The kept sums could not be made to agree with the samples (rows keep arriving late)."""
+
+
+@dataclasses.dataclass
+class ArmState:
+    """One arm's step state: per-user moments, setup errors, assigned users (those with an id,
+    and whether a request without one was assigned), a histogram per latency."""
+
+    moments: units.UnitMoments | None = None
+    setup: int = 0
+    named: int = 0
+    anon: bool = False
+    hists: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    @property
+    def users(self) -> int:
+        """analysis.sql.ASSIGNED_USERS: every request without a user id counts as one user."""
+        return self.named + (1 if self.anon else 0)
+
+    def hist(self, latency: str) -> np.ndarray:
+        return self.hists.get(latency, np.zeros(EDGES.size + 1, dtype=np.int64))
+
+
+@dataclasses.dataclass
+class State:
+    generation: int
+    fold: int = 0
+    upto_ms: int = 0
+    rows: int = 0
+    recorded_sum: int = 0
+    entries: int = 0  # rows of the user sums in this generation
+    units: int = 0  # units among them
+    arms: dict[str, ArmState] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> str:
+        arms = {}
+        for arm, a in self.arms.items():
+            arms[arm] = {
+                "counts": list(a.moments.counts) if a.moments else None,
+                "sums": [float(x) for x in a.moments.sums] if a.moments else None,
+                "setup": a.setup,
+                "named": a.named,
+                "anon": a.anon,
+                "hists": {
+                    name: [[int(b), int(h[b])] for b in np.flatnonzero(h)] for name, h in a.hists.items()
+                },
+            }
+        body = {k: getattr(self, k) for k in ("rows", "recorded_sum", "entries", "units")}
+        return json.dumps({"format": FORMAT, **body, "arms": arms}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, generation: int, fold: int, upto_ms: int, text: str) -> State:
+        body = json.loads(text)
+        arms = {}
+        for arm, a in body["arms"].items():
+            moments = None
+            if a["counts"] is not None:
+                moments = units.UnitMoments.from_row(a["counts"], a["sums"])
+            hists = {}
+            for name, pairs in a["hists"].items():
+                h = np.zeros(EDGES.size + 1, dtype=np.int64)
+                for b, c in pairs:
+                    h[b] = c
+                hists[name] = h
+            arms[arm] = ArmState(moments, a["setup"], a["named"], a["anon"], hists)
+        got = {k: int(body[k]) for k in ("rows", "recorded_sum", "entries", "units")}
+        return cls(generation, fold, upto_ms, arms=arms, **got)
+
+
+@dataclasses.dataclass(frozen=True)
+class Increment:
+    """What a set of samples adds to the state: per arm an ArmState of increments (the moments'
+    by analysis.units.moments_of_vectors), the rows and their recorded_ms sum, units new and
+    touched."""
+
+    arms: dict[str, ArmState]
+    rows: int = 0
+    recorded_sum: int = 0
+    new_units: int = 0
+    touched: int = 0
+
+
+def add(state: State, inc: Increment, *, into: State | None = None) -> State:
+    """state + inc (a new State, or ``into`` filled): moments by UnitMoments.add, the rest
+    summed; the generation, fold and watermark are the caller's."""
+    out = into or dataclasses.replace(state, arms={})
+    out.rows = state.rows + inc.rows
+    out.recorded_sum = (state.recorded_sum + inc.recorded_sum) % MOD64
+    out.units = state.units + inc.new_units
+    out.arms = {}
+    for arm in set(state.arms) | set(inc.arms):
+        a, b = state.arms.get(arm, ArmState()), inc.arms.get(arm, ArmState())
+        if a.moments is None or b.moments is None:
+            moments = a.moments or b.moments
+        else:
+            moments = a.moments.add(b.moments)
+        hists = {name: a.hist(name) + b.hist(name) for name in set(a.hists) | set(b.hists)}
+        out.arms[arm] = ArmState(moments, a.setup + b.setup, a.named + b.named, a.anon or b.anon, hists)
+    return out
+
+
+def spec_of(arms: Sequence[str], slo: Slo, latencies: Sequence[str]) -> str:
+    """What the kept sums depend on, hashed: the arms, the SLO (the hits), the vector's layout
+    and covariates, the histograms' latencies and buckets."""
+    what = {
+        "format": FORMAT,
+        "arms": list(arms),
+        "slo": sorted(slo.limits().items()),
+        "components": [list(k) for k in units.layout().total],
+        "covariates": units.COVARIATES,
+        "latencies": sorted(latencies),
+        "edges": int(EDGES.size),
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class KeptStep:
+    """One step's kept sums in ``store``: read() is a look."""
+
+    def __init__(
+        self,
+        store: Any,
+        experiment: str,
+        revision: int,
+        arms: Sequence[str],
+        slo: Slo,
+        latencies: Sequence[str],
+    ) -> None:
+        for name in latencies:
+            if name not in ROLLOUT_LATENCIES:  # the document refuses others; never interpolate one
+                raise ValueError(f"unknown latency {name!r}")
+        self.store = store
+        self.arms = tuple(arms)
+        self.latencies = tuple(latencies)
+        self.spec = spec_of(self.arms, slo, self.latencies)
+        self.vector, vparams = units.vector_sums(slo)
+        self.params: dict[str, Any] = {
+            "experiment": experiment,
+            "revision": int(revision),
+            "arms": self.arms,
+            "spec": self.spec,
+            **vparams,
+        }
+        self.queries = 0  # statements sent, for tests and benches
+
+    # ------------------------------------------------------------------------------ SQL
+
+    def _step(self, *ranges: str, where: Sequence[str] = ()) -> str:
+        """FROM the step's samples (its arms, its revision) in ``ranges`` on recorded_ms, and
+        ``where``. The ranges go to PREWHERE: a look's new samples are a few granules at the end
+        of each run's rows, and only those granules' other columns are read."""
+        pre = "".join(f" AND {r}" for r in ranges)
+        more = "".join(f" AND {w}" for w in where)
+        return (
+            f"FROM {SAMPLES} PREWHERE experiment = %(experiment)s AND variant IN %(arms)s{pre} "
+            f"WHERE config_revision = %(revision)s{more}"
+        )
+
+    def _units_sql(self, *ranges: str) -> str:
+        """Per unit of the step's samples in ``ranges``: the user sums' columns."""
+        return (
+            f"SELECT arm AS variant, {', '.join(_UNIT_COLUMNS[1:])} FROM ("
+            f"SELECT toString(any(variant)) AS arm, {units.CLUSTER_KEY} AS cluster, "
+            f"toUInt8(max({SRM_SAMPLES})) AS assigned, toUInt8(max(user_id = '')) AS anon, "
+            f"countIf({SETUP_ERROR}) AS setup, count() AS rows, sum(recorded_ms) AS recorded_sum, "
+            f"[{', '.join(self.vector)}] AS v {self._step(*ranges)} GROUP BY cluster)"
+        )
+
+    def _kept_where(self) -> str:
+        return (
+            "experiment = %(experiment)s AND config_revision = %(revision)s AND spec = %(spec)s "
+            "AND generation = %(generation)s"
+        )
+
+    def _increment_sql(self, new: str) -> str:
+        """Per arm, what the units of ``new`` (a query of the user sums' columns, one row per
+        unit) add to the kept sums of generation %(generation)s up to fold %(kept_fold)s."""
+        counts, sums = units.moments_of_vectors("k", "d")
+        cols = ", ".join(_UNIT_COLUMNS)
+        return (
+            f"SELECT arm AS variant, {counts} AS counts, {sums} AS sums, sum(setup_d) AS setup_n, "
+            "countIf(ka = 0 AND da = 1 AND unnamed = 0) AS named, max(da * unnamed) AS anon_any, "
+            "sum(rows_d) AS rows_n, sum(recsum_d) AS recorded_n, countIf(empty(k)) AS new_units, "
+            "count() AS touched "
+            "FROM (SELECT cluster, any(variant) AS arm, sumForEachIf(v, old = 1) AS k, "
+            "sumForEachIf(v, old = 0) AS d, maxIf(assigned, old = 1) AS ka, "
+            "maxIf(assigned, old = 0) AS da, max(anon) AS unnamed, sumIf(setup, old = 0) AS setup_d, "
+            "sumIf(rows, old = 0) AS rows_d, sumIf(recorded_sum, old = 0) AS recsum_d FROM ("
+            f"SELECT {cols}, toUInt8(1) AS old FROM {ROLLOUT_USER_SUMS_TABLE} "
+            f"WHERE {self._kept_where()} AND fold <= %(kept_fold)s "
+            f"AND cluster IN (SELECT cluster FROM ({new})) "
+            f"UNION ALL SELECT {cols}, toUInt8(0) AS old FROM ({new})"
+            ") GROUP BY cluster) GROUP BY arm"
+        )
+
+    def _first_sql(self) -> str:
+        """_increment_sql when nothing is kept yet: the moments of the fold's own rows, one per
+        unit (no kept sums to join: 0.26 s at 10^6 units where the join took 4-30 s)."""
+        counts, sums = units.moments_of_vectors("v")
+        return (
+            f"SELECT variant, {counts} AS counts, {sums} AS sums, sum(setup) AS setup_n, "
+            "countIf(assigned = 1 AND anon = 0) AS named, max(assigned * anon) AS anon_any, "
+            "sum(rows) AS rows_n, sum(recorded_sum) AS recorded_n, count() AS new_units, "
+            f"count() AS touched FROM {ROLLOUT_USER_SUMS_TABLE} "
+            f"WHERE {self._kept_where()} AND fold = %(fold)s GROUP BY variant"
+        )
+
+    def _query(self, sql: str, params: Mapping[str, Any]) -> dict[str, list[Any]]:
+        self.queries += 1
+        return self.store.query_columns(sql, {**self.params, **params}, settings=QUERY_SETTINGS)
+
+    def _execute(self, sql: str, params: Mapping[str, Any]) -> None:
+        self.queries += 1
+        self.store.execute(sql, {**self.params, **params})
+
+    # ------------------------------------------------------------------------------ pieces
+
+    def _increment(self, new: str | None, state: State, params: Mapping[str, Any]) -> Increment:
+        """What ``new`` (None: the fold's own rows, nothing kept before them) adds to ``state``."""
+        sql = self._first_sql() if new is None else self._increment_sql(new)
+        cols = self._query(sql, {"generation": state.generation, "kept_fold": state.fold, **params})
+        arms: dict[str, ArmState] = {}
+        rows = recorded = fresh = touched = 0
+        for i, arm in enumerate(cols.get("variant", [])):
+            moments = units.UnitMoments.from_row(cols["counts"][i], cols["sums"][i])
+            arms[str(arm)] = ArmState(
+                moments, int(cols["setup_n"][i]), int(cols["named"][i]), bool(cols["anon_any"][i])
+            )
+            rows += int(cols["rows_n"][i])
+            recorded += int(cols["recorded_n"][i])
+            fresh += int(cols["new_units"][i])
+            touched += int(cols["touched"][i])
+        return Increment(arms, rows, recorded % MOD64, fresh, touched)
+
+    def _hists(self, inc: Increment, *ranges: str, params: Mapping[str, Any]) -> None:
+        """The samples' latency histograms in ``ranges``, into inc's arms (bucket k holds
+        (k-1, k] ms: stats.sequential.quantiles.LatencyHistogram)."""
+        for name in self.latencies:
+            rows = self._query(
+                f"SELECT variant, toInt64(least(ceil({name}), {EDGES.size})) AS bucket, count() AS c "
+                f"{self._step(*ranges, where=[metric_ok(name)])} GROUP BY variant, bucket",
+                params,
+            )
+            for variant, bucket, c in zip(rows["variant"], rows["bucket"], rows["c"], strict=True):
+                arm = inc.arms.setdefault(str(variant), ArmState())
+                h = arm.hists.setdefault(name, np.zeros(EDGES.size + 1, dtype=np.int64))
+                h[max(0, int(bucket))] += int(c)
+
+    def newest(self) -> State | None:
+        """The newest usable state of this step, or None (none kept, or an unfinished fold)."""
+        cols = self._query(
+            f"SELECT generation, fold, upto_ms, state FROM {ROLLOUT_FOLDS_TABLE} "
+            "WHERE experiment = %(experiment)s AND config_revision = %(revision)s AND spec = %(spec)s "
+            "ORDER BY generation DESC, fold DESC LIMIT 1",
+            {},
+        )
+        if not cols.get("generation"):
+            return None
+        generation, fold = int(cols["generation"][0]), int(cols["fold"][0])
+        later = self._query(
+            f"SELECT max(fold) AS fold FROM {ROLLOUT_USER_SUMS_TABLE} WHERE {self._kept_where()}",
+            {"generation": generation},
+        )
+        if later.get("fold") and int(later["fold"][0]) > fold:
+            return None  # rows of a fold that never wrote its state: they would count twice
+        return State.from_json(generation, fold, int(cols["upto_ms"][0]), cols["state"][0])
+
+    def _write_state(self, state: State) -> None:
+        self._execute(
+            f"INSERT INTO {ROLLOUT_FOLDS_TABLE} (experiment, config_revision, spec, generation, fold, "
+            "upto_ms, state) SELECT %(experiment)s, %(revision)s, %(spec)s, %(generation)s, %(fold)s, "
+            "%(upto)s, %(state)s",
+            {
+                "generation": state.generation,
+                "fold": state.fold,
+                "upto": state.upto_ms,
+                "state": state.to_json(),
+            },
+        )
+
+    def _forget_others(self, generation: int) -> None:
+        """Drop the user sums of every other generation, revision and spec of the experiment
+        (a mutation, applied in the background): a step reads its own generation alone."""
+        self._execute(
+            f"ALTER TABLE {ROLLOUT_USER_SUMS_TABLE} DELETE WHERE experiment = %(experiment)s AND NOT "
+            "(config_revision = %(revision)s AND spec = %(spec)s AND generation = %(generation)s)",
+            {"generation": generation},
+        )
+
+    def fold(self, state: State, upto_ms: int) -> State:
+        """Keep the samples recorded in (state.upto_ms, upto_ms]: their per-unit sums as fold
+        state.fold + 1, then the state at upto_ms (written last: until then the new rows are
+        a later fold's, which newest() refuses)."""
+        nxt = state.fold + 1
+        at = {"generation": state.generation, "fold": nxt, "after": state.upto_ms, "upto": upto_ms}
+        ranges = ("recorded_ms > %(after)s", "recorded_ms <= %(upto)s")
+        self._execute(
+            f"INSERT INTO {ROLLOUT_USER_SUMS_TABLE} (experiment, config_revision, spec, generation, fold, "
+            f"{', '.join(_UNIT_COLUMNS)}) SELECT %(experiment)s, %(revision)s, %(spec)s, %(generation)s, "
+            f"%(fold)s, {', '.join(_UNIT_COLUMNS)} FROM ({self._units_sql(*ranges)})",
+            at,
+        )
+        new = (
+            f"SELECT {', '.join(_UNIT_COLUMNS)} FROM {ROLLOUT_USER_SUMS_TABLE} "
+            f"WHERE {self._kept_where()} AND fold = %(fold)s"
+        )
+        inc = self._increment(new if state.entries else None, state, at)
+        self._hists(inc, *ranges, params=at)
+        out = add(state, inc)
+        out.fold, out.upto_ms = nxt, upto_ms
+        out.entries = state.entries + inc.touched
+        self._write_state(out)
+        if out.entries > max(COMPACT_MIN, COMPACT_ABOVE * max(out.units, 1)):
+            out = self.compact(out)
+        return out
+
+    def compact(self, state: State) -> State:
+        """The generation's rows summed per unit into a new generation (fold 1, the same
+        watermark and state), then the old rows dropped."""
+        gen = next_generation(state.generation)
+        cols = ", ".join(c for c in _UNIT_COLUMNS if c not in ("variant", "cluster", "v"))
+        sums = ", ".join(
+            f"{'max' if c in ('assigned', 'anon') else 'sum'}({c})"
+            for c in _UNIT_COLUMNS
+            if c not in ("variant", "cluster", "v")
+        )
+        self._execute(
+            f"INSERT INTO {ROLLOUT_USER_SUMS_TABLE} (experiment, config_revision, spec, generation, fold, "
+            f"variant, cluster, {cols}, v) SELECT %(experiment)s, %(revision)s, %(spec)s, %(new)s, 1, "
+            f"any(variant), cluster, {sums}, sumForEach(v) FROM {ROLLOUT_USER_SUMS_TABLE} "
+            f"WHERE {self._kept_where()} AND fold <= %(fold)s GROUP BY cluster",
+            {"generation": state.generation, "fold": state.fold, "new": gen},
+        )
+        out = dataclasses.replace(state, generation=gen, fold=1, entries=state.units)
+        self._write_state(out)
+        self._forget_others(gen)
+        return out
+
+    # ------------------------------------------------------------------------------ a look
+
+    def read(self, now_ms: int) -> State:
+        """The step's state now: kept sums folded as far as now_ms - KEEP_LAG_MS allows, plus
+        what was recorded after them, checked against the samples (module docstring).
+        Raises KeptStale when the kept sums disagree with the samples twice in a row."""
+        state = self.newest()
+        upto = int(now_ms) - KEEP_LAG_MS
+        for _attempt in range(2):
+            if state is None:
+                gen = next_generation(0)
+                self._forget_others(gen)
+                state = State(gen)
+            if upto - state.upto_ms >= FOLD_EVERY_MS or (state.fold == 0 and upto > state.upto_ms):
+                state = self.fold(state, upto)
+            at = {"generation": state.generation, "after": state.upto_ms, "upto": state.upto_ms}
+            after = "recorded_ms > %(after)s"
+            inc = self._increment(self._units_sql(after), state, at)
+            self._hists(inc, after, params=at)
+            sig = self._query(
+                f"SELECT count() AS rows, sum(recorded_ms) AS recorded_sum {self._step('recorded_ms <= %(upto)s')}",
+                at,
+            )
+            rows = int(sig["rows"][0]) if sig.get("rows") else 0
+            recorded = int(sig["recorded_sum"][0]) % MOD64 if sig.get("recorded_sum") else 0
+            if (rows, recorded) == (state.rows, state.recorded_sum):
+                return add(state, inc)
+            state = None  # stored late or removed since: build again from the samples
+        raise KeptStale(
+            "the step's kept sums disagree with its samples after a rebuild: rows recorded more "
+            f"than {KEEP_LAG_MS // 1000} s ago keep arriving"
+        )
+
+
+def next_generation(after: int) -> int:
+    """A generation number above ``after`` and above every one made earlier on any host whose
+    clock is not far behind: the time in ms, shifted, with random low bits."""
+    return max(after + 1, (int(time.time() * 1000) << 12) | random.getrandbits(12))

@@ -1,0 +1,280 @@
+"""A rollout step read through its kept per-user sums (rollouts.kept) reads what reading every
+request of the step again reads, look after look, whatever happened in between: samples arriving,
+a row stored after its recorded time passed the watermark, a duplicate recording removed, a fold
+that stopped half-way, an SLO changed, the kept rows compacted. And once kept, a look reads only
+the samples recorded after the watermark (and counts the rest)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from analysis.definitions import Slo
+from rollouts import kept
+from rollouts.controller import Plan
+from rollouts.readings import read_step
+from samples.schema import ROLLOUT_FOLDS_TABLE, ROLLOUT_USER_SUMS_TABLE
+from stats.sequential.guardrail_spec import Guardrail
+from tests.rollouts.test_readings import RUN, step_samples
+
+pytestmark = pytest.mark.services
+
+T0 = 1_750_000_000_000  # the step's first recorded_ms
+MIN = 60_000
+SLO = Slo(200.0)
+
+
+@pytest.fixture(params=["chdb", "server"])
+def store(request, shared_store):
+    return shared_store(request.param)
+
+
+PLAN = Plan(
+    candidate="cand",
+    control="base",
+    steps=(5, 50, 100),
+    min_samples=100,
+    min_duration_s=0.0,
+    guardrails=(Guardrail("p99_ttft_ms", "at_most", 1000.0),),
+    on_breach="rollback",
+    notify=(),
+    alpha=0.05,
+)
+
+
+def samples(exp: str, rev: int, seed: int, start_ms: int, minutes: float, run: int = RUN + 40) -> dict:
+    """A step's samples (tests/rollouts/test_readings.step_samples: heavy-tailed users, requests
+    without a user, errors) recorded over ``minutes`` from ``start_ms``, with setup errors and
+    live retries on the control (not assigned by the router)."""
+    c = step_samples(exp, rev, seed=seed, run_id=run)
+    rng = np.random.default_rng(seed + 100)
+    n = len(c["variant"])
+    c["recorded_ms"] = (start_ms + rng.random(n) * minutes * MIN).astype(np.uint64)
+    setup = rng.random(n) < 0.03
+    c["outcome"] = np.where(setup, "http_4xx", c["outcome"]).astype(object)
+    c["http_status"] = np.where(setup, 400, c["http_status"]).astype(np.uint16)
+    retry = (rng.random(n) < 0.05) & (c["variant"] == "base")
+    c["mode"] = np.where(retry, "live", c["mode"]).astype(object)
+    c["attempt"] = np.where(retry, 2, c["attempt"]).astype(np.uint8)
+    return c
+
+
+def same(a, b) -> None:
+    """Two StepReadings read the same: counts, users, setup errors, histograms exactly; the
+    per-user moments to 1e-9."""
+    assert a.error == b.error == ""
+    assert a.users == b.users
+    for x, y in ((a.control, b.control), (a.candidate, b.candidate)):
+        assert (x.n, x.hits, x.errors, x.setup_errors) == (y.n, y.hits, y.errors, y.setup_errors)
+        assert set(x.latencies) == set(y.latencies) == {"ttft_ms"}
+        for name in x.latencies:
+            np.testing.assert_array_equal(x.latencies[name].counts, y.latencies[name].counts)
+        for metric in ("attainment", "error_rate"):
+            p, q = getattr(x.per_user, metric), getattr(y.per_user, metric)
+            assert (p is None) == (q is None)
+            if p is not None:
+                assert (p.clusters, p.largest, p.n) == (q.clusters, q.largest, q.n)
+                np.testing.assert_allclose(p.total, q.total, rtol=1e-9)
+                np.testing.assert_allclose(p.cross, q.cross, rtol=1e-9)
+
+
+def look(store, exp, rev, now_ms, slo=SLO, plan=PLAN):
+    """The kept reading at now_ms and the whole one, checked equal; the kept one returned."""
+    got = read_step(store, exp, rev, plan, slo, now_ms=now_ms)
+    same(got, read_step(store, exp, rev, plan, slo, keep=False))
+    return got
+
+
+def state(store, exp, rev, slo=SLO):
+    return kept.KeptStep(store, exp, rev, (PLAN.control, PLAN.candidate), slo, PLAN.latencies()).newest()
+
+
+def test_looks_as_samples_arrive_read_as_the_whole_step(store):
+    exp, rev = "kept-arrive", 3
+    store.insert_columns(samples(exp, rev, 1, T0, 10))
+    store.insert_columns(samples(exp, rev + 1, 2, T0, 10, run=RUN + 41))  # the next step's: not read
+    first = look(store, exp, rev, T0)  # nothing old enough to keep: all of it read as new
+    assert first.control.n > 1000 and first.candidate.per_user.attainment.clusters > 50
+    s = state(store, exp, rev)
+    assert s is None or s.rows == 0
+    look(store, exp, rev, T0 + 7 * MIN)  # the first 5 minutes kept
+    s = state(store, exp, rev)
+    assert s.upto_ms == T0 + 5 * MIN and 0 < s.rows < 4000
+    # more samples, some from users already kept; then looks a minute apart, each folding
+    store.insert_columns(samples(exp, rev, 3, T0 + 10 * MIN, 5, run=RUN + 42))
+    for m in (12, 13, 14, 30):
+        look(store, exp, rev, T0 + m * MIN)
+    s2 = state(store, exp, rev)
+    assert s2.generation == s.generation and s2.fold == s.fold + 4 and s2.upto_ms == T0 + 28 * MIN
+    assert s2.rows == 8000  # every sample of the step kept
+    # a look between folds (watermark moves less than FOLD_EVERY_MS) writes nothing
+    look(store, exp, rev, T0 + 30 * MIN + 10_000)
+    assert state(store, exp, rev).fold == s2.fold
+
+
+def test_a_row_stored_after_the_watermark_passed_it_is_counted(store):
+    exp, rev = "kept-late", 4
+    store.insert_columns(samples(exp, rev, 4, T0, 10))
+    look(store, exp, rev, T0 + 20 * MIN)
+    before = state(store, exp, rev)
+    late = samples(exp, rev, 5, T0 + 2 * MIN, 1, run=RUN + 43)  # recorded long before the watermark
+    store.insert_columns({k: v[:50] for k, v in late.items()})
+    got = look(store, exp, rev, T0 + 20 * MIN + 1000)
+    after = state(store, exp, rev)
+    assert after.generation != before.generation and after.rows == before.rows + 50
+    assert got.control.n + got.candidate.n + got.control.setup_errors + got.candidate.setup_errors == 4050
+
+
+def test_a_duplicate_recording_removed_after_the_fold_is_no_longer_counted(store):
+    exp, rev = "kept-dup", 5
+    c = samples(exp, rev, 6, T0, 10)
+    store.insert_columns(c)
+    dup = {k: v[:30] for k, v in c.items()}  # the same requests written again (a retried insert)
+    store.insert_columns(dup)
+    look(store, exp, rev, T0 + 20 * MIN)  # both copies kept, as the whole read counts them now
+    assert state(store, exp, rev).rows == 4030
+    store.deduplicate()
+    look(store, exp, rev, T0 + 20 * MIN + 1000)
+    assert state(store, exp, rev).rows == 4000
+
+
+def test_a_fold_that_stopped_before_its_state_is_built_again(store, monkeypatch):
+    exp, rev = "kept-crash", 6
+    store.insert_columns(samples(exp, rev, 7, T0, 10))
+    look(store, exp, rev, T0 + 6 * MIN)
+    s = state(store, exp, rev)
+
+    def crash(self, st):
+        raise RuntimeError("killed between the fold's two writes")
+
+    monkeypatch.setattr(kept.KeptStep, "_write_state", crash)
+    with pytest.raises(RuntimeError):
+        read_step(store, exp, rev, PLAN, Slo(200.0), now_ms=T0 + 20 * MIN)
+    monkeypatch.undo()
+    # the fold's user sums are there, its state is not: never counted twice
+    assert (
+        store.query(
+            f"SELECT max(fold) FROM {ROLLOUT_USER_SUMS_TABLE} WHERE experiment = %(e)s AND generation = %(g)s",
+            {"e": exp, "g": s.generation},
+        )[0][0]
+        == s.fold + 1
+    )
+    assert state(store, exp, rev) is None
+    look(store, exp, rev, T0 + 20 * MIN)
+    assert state(store, exp, rev).generation != s.generation
+
+
+def test_another_slo_keeps_sums_of_its_own(store):
+    exp, rev = "kept-slo", 7
+    store.insert_columns(samples(exp, rev, 8, T0, 10))
+    a = look(store, exp, rev, T0 + 20 * MIN, Slo(200.0))
+    b = look(store, exp, rev, T0 + 20 * MIN, Slo(50.0))
+    assert b.control.hits < a.control.hits
+    assert state(store, exp, rev, Slo(50.0)) is not None
+
+
+def test_a_generation_of_many_folds_is_compacted(store, monkeypatch):
+    exp, rev = "kept-compact", 8
+    monkeypatch.setattr(kept, "COMPACT_MIN", 100)
+    store.insert_columns(samples(exp, rev, 9, T0, 30))
+    first = None
+    for m in range(3, 34):
+        look(store, exp, rev, T0 + m * MIN)
+        s = state(store, exp, rev)
+        first = first or s.generation
+        assert s.entries <= max(kept.COMPACT_MIN, kept.COMPACT_ABOVE * s.units)
+    assert s.generation != first and s.rows == 4000
+    per_unit = store.query(
+        f"SELECT count(), uniqExact(cluster) FROM {ROLLOUT_USER_SUMS_TABLE} "
+        "WHERE experiment = %(e)s AND generation = %(g)s",
+        {"e": exp, "g": s.generation},
+    )[0]
+    assert per_unit[0] <= kept.COMPACT_ABOVE * per_unit[1]
+
+
+class Spy:
+    """The store, with every SELECT's SQL recorded."""
+
+    def __init__(self, store):
+        self.store, self.sql = store, []
+
+    def query_columns(self, sql, params=None, *, settings=None):
+        self.sql.append(sql)
+        return self.store.query_columns(sql, params, settings=settings)
+
+    def execute(self, sql, params=None):
+        self.sql.append(sql)
+        return self.store.execute(sql, params)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_look_after_the_fold_reads_only_what_was_recorded_since(store):
+    exp, rev = "kept-cost", 9
+    store.insert_columns(samples(exp, rev, 10, T0, 10))
+    look(store, exp, rev, T0 + 20 * MIN)
+    spy = Spy(store)
+    got = read_step(spy, exp, rev, PLAN, Slo(200.0), now_ms=T0 + 20 * MIN + 1000)
+    assert got.error == ""
+    on_samples = [q for q in spy.sql if "FROM samples" in q]
+    assert not any(q.startswith("INSERT") for q in spy.sql)  # nothing to fold
+    # every read of the samples is of rows recorded after the watermark, but the check, which counts
+    grouped = [q for q in on_samples if "recorded_ms > " in q]
+    counted = [q for q in on_samples if "recorded_ms > " not in q]
+    assert grouped and len(counted) == 1
+    assert counted[0].startswith("SELECT count() AS rows, sum(recorded_ms) AS recorded_sum FROM samples")
+    assert "GROUP BY" not in counted[0]
+
+
+def test_rows_that_keep_arriving_late_fall_back_to_reading_the_whole_step(store, monkeypatch):
+    exp, rev = "kept-stale", 10
+    store.insert_columns(samples(exp, rev, 11, T0, 10))
+    plain = read_step(store, exp, rev, PLAN, Slo(200.0), keep=False)
+    calls = []
+
+    def stale(self, now_ms):
+        calls.append(now_ms)
+        raise kept.KeptStale("late rows")
+
+    monkeypatch.setattr(kept.KeptStep, "read", stale)
+    got = read_step(store, exp, rev, PLAN, Slo(200.0), now_ms=T0 + 20 * MIN)
+    assert calls == [T0 + 20 * MIN]
+    same(got, plain)
+
+
+def test_the_kept_check_gives_up_after_two_disagreements(store, monkeypatch):
+    exp, rev = "kept-late-again", 11
+    store.insert_columns(samples(exp, rev, 12, T0, 10))
+    look(store, exp, rev, T0 + 20 * MIN)
+    step = kept.KeptStep(store, exp, rev, ("base", "cand"), Slo(200.0), PLAN.latencies())
+    late = samples(exp, rev, 13, T0 + MIN, 1, run=RUN + 44)
+    real = step._query
+    seq = iter(range(10**6))
+
+    def query(sql, params):  # before every check, one more row recorded before the watermark
+        if sql.startswith("SELECT count() AS rows"):
+            i = next(seq)
+            store.insert_columns({k: v[i : i + 1] for k, v in late.items()})
+        return real(sql, params)
+
+    step._query = query
+    with pytest.raises(kept.KeptStale, match="keep arriving"):
+        step.read(T0 + 20 * MIN + 1000)
+    # the whole reading still counts every row
+    whole = read_step(store, exp, rev, dataclasses.replace(PLAN), Slo(200.0), keep=False)
+    assert (
+        whole.control.n + whole.candidate.n + whole.control.setup_errors + whole.candidate.setup_errors
+        == 4002
+    )
+
+
+def test_the_state_is_written_after_the_user_sums(store):
+    exp, rev = "kept-order", 12
+    store.insert_columns(samples(exp, rev, 14, T0, 10))
+    spy = Spy(store)
+    read_step(spy, exp, rev, PLAN, Slo(200.0), now_ms=T0 + 20 * MIN)
+    inserts = [q.split(" (")[0] for q in spy.sql if q.startswith("INSERT")]
+    assert inserts == [f"INSERT INTO {ROLLOUT_USER_SUMS_TABLE}", f"INSERT INTO {ROLLOUT_FOLDS_TABLE}"]
