@@ -731,7 +731,7 @@ def kept(args: argparse.Namespace, target: str) -> None:
             whole = read_step(store, EXPERIMENT, 1, plan, slo, keep=False)
             whole_s = time.perf_counter() - t
             t = time.perf_counter()
-            first = read_step(store, EXPERIMENT, 1, plan, slo, now_ms=now)
+            first = read_step(store, EXPERIMENT, 1, plan, slo, keep=True, now_ms=now)
             first_s = time.perf_counter() - t
             same_reading(whole, first, f"{label}, first kept look")
             steady = []
@@ -742,7 +742,7 @@ def kept(args: argparse.Namespace, target: str) -> None:
                 spent = timing_queries(store)
                 t = time.perf_counter()
                 try:
-                    got = read_step(store, EXPERIMENT, 1, plan, slo, now_ms=now + (k + 1) * 60_000)
+                    got = read_step(store, EXPERIMENT, 1, plan, slo, keep=True, now_ms=now + (k + 1) * 60_000)
                 finally:
                     untime(store)
                 steady.append(time.perf_counter() - t)

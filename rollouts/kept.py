@@ -63,6 +63,8 @@ EDGES = latency_edges(60_000.0, 1.0)  # 0..60 s at 1 ms; slower lands in the ove
 # reach the store a few seconds after their recorded time (the gateway's recorder, a replay's
 # spool), and a row stored after the watermark passed its recorded time forces a rebuild.
 KEEP_LAG_MS = 120_000
+# A request recorded after the watermark was sent at most this long before it (see _after).
+SENT_BEFORE_MS = 3_600_000
 # A fold moves the watermark by at least this much (a look in between reads from the last one).
 FOLD_EVERY_MS = 60_000
 # A generation holding more rows than COMPACT_ABOVE per unit (and COMPACT_MIN rows) is summed
@@ -371,7 +373,7 @@ class KeptStep:
         a later fold's, which newest() refuses)."""
         nxt = state.fold + 1
         at = {"generation": state.generation, "fold": nxt, "after": state.upto_ms, "upto": upto_ms}
-        ranges = ("recorded_ms > %(after)s", "recorded_ms <= %(upto)s")
+        ranges = (*_after(state.upto_ms, at), "recorded_ms <= %(upto)s")
         self._execute(
             f"INSERT INTO {ROLLOUT_USER_SUMS_TABLE} (experiment, config_revision, spec, generation, fold, "
             f"{', '.join(_UNIT_COLUMNS)}) SELECT %(experiment)s, %(revision)s, %(spec)s, %(generation)s, "
@@ -430,9 +432,9 @@ class KeptStep:
             if upto - state.upto_ms >= FOLD_EVERY_MS or (state.fold == 0 and upto > state.upto_ms):
                 state = self.fold(state, upto)
             at = {"generation": state.generation, "after": state.upto_ms, "upto": state.upto_ms}
-            after = "recorded_ms > %(after)s"
-            inc = self._increment(self._units_sql(after), state, at)
-            self._hists(inc, after, params=at)
+            after = _after(state.upto_ms, at)
+            inc = self._increment(self._units_sql(*after), state, at)
+            self._hists(inc, *after, params=at)
             sig = self._query(
                 f"SELECT count() AS rows, sum(recorded_ms) AS recorded_sum {self._step('recorded_ms <= %(upto)s')}",
                 at,
@@ -446,6 +448,19 @@ class KeptStep:
             "the step's kept sums disagree with its samples after a rebuild: rows recorded more "
             f"than {KEEP_LAG_MS // 1000} s ago keep arriving"
         )
+
+
+def _after(upto_ms: int, params: dict[str, Any]) -> tuple[str, ...]:
+    """The conditions "recorded after ``upto_ms``", its parameters put in ``params``: with a
+    bound on the send time SENT_BEFORE_MS earlier, which prunes every part of the table holding
+    older samples alone (the partition key's min-max index is kept per part). A row recorded
+    after the watermark but sent before that bound is missed here and counted by the check at
+    the next fold: a rebuild, never a lost row."""
+    params["after"] = int(upto_ms)
+    if upto_ms <= 0:
+        return ("recorded_ms > %(after)s",)
+    params["sent_from"] = max(0, (int(upto_ms) - SENT_BEFORE_MS) // 1000)
+    return ("recorded_ms > %(after)s", "sent_at >= toDateTime(%(sent_from)s)")
 
 
 def next_generation(after: int) -> int:

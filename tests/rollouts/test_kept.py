@@ -46,12 +46,14 @@ PLAN = Plan(
 
 def samples(exp: str, rev: int, seed: int, start_ms: int, minutes: float, run: int = RUN + 40) -> dict:
     """A step's samples (tests/rollouts/test_readings.step_samples: heavy-tailed users, requests
-    without a user, errors) recorded over ``minutes`` from ``start_ms``, with setup errors and
+    without a user, errors) recorded over ``minutes`` from ``start_ms`` (each sent 1-30 s
+    before), with setup errors and
     live retries on the control (not assigned by the router)."""
     c = step_samples(exp, rev, seed=seed, run_id=run)
     rng = np.random.default_rng(seed + 100)
     n = len(c["variant"])
     c["recorded_ms"] = (start_ms + rng.random(n) * minutes * MIN).astype(np.uint64)
+    c["sent_at"] = (c["recorded_ms"] // 1000 - rng.integers(1, 30, n).astype(np.uint64)).astype(np.uint32)
     setup = rng.random(n) < 0.03
     c["outcome"] = np.where(setup, "http_4xx", c["outcome"]).astype(object)
     c["http_status"] = np.where(setup, 400, c["http_status"]).astype(np.uint16)
@@ -82,7 +84,7 @@ def same(a, b) -> None:
 
 def look(store, exp, rev, now_ms, slo=SLO, plan=PLAN):
     """The kept reading at now_ms and the whole one, checked equal; the kept one returned."""
-    got = read_step(store, exp, rev, plan, slo, now_ms=now_ms)
+    got = read_step(store, exp, rev, plan, slo, keep=True, now_ms=now_ms)
     same(got, read_step(store, exp, rev, plan, slo, keep=False))
     return got
 
@@ -151,7 +153,7 @@ def test_a_fold_that_stopped_before_its_state_is_built_again(store, monkeypatch)
 
     monkeypatch.setattr(kept.KeptStep, "_write_state", crash)
     with pytest.raises(RuntimeError):
-        read_step(store, exp, rev, PLAN, Slo(200.0), now_ms=T0 + 20 * MIN)
+        read_step(store, exp, rev, PLAN, Slo(200.0), keep=True, now_ms=T0 + 20 * MIN)
     monkeypatch.undo()
     # the fold's user sums are there, its state is not: never counted twice
     assert (
@@ -217,7 +219,7 @@ def test_a_look_after_the_fold_reads_only_what_was_recorded_since(store):
     store.insert_columns(samples(exp, rev, 10, T0, 10))
     look(store, exp, rev, T0 + 20 * MIN)
     spy = Spy(store)
-    got = read_step(spy, exp, rev, PLAN, Slo(200.0), now_ms=T0 + 20 * MIN + 1000)
+    got = read_step(spy, exp, rev, PLAN, Slo(200.0), keep=True, now_ms=T0 + 20 * MIN + 1000)
     assert got.error == ""
     on_samples = [q for q in spy.sql if "FROM samples" in q]
     assert not any(q.startswith("INSERT") for q in spy.sql)  # nothing to fold
@@ -240,7 +242,7 @@ def test_rows_that_keep_arriving_late_fall_back_to_reading_the_whole_step(store,
         raise kept.KeptStale("late rows")
 
     monkeypatch.setattr(kept.KeptStep, "read", stale)
-    got = read_step(store, exp, rev, PLAN, Slo(200.0), now_ms=T0 + 20 * MIN)
+    got = read_step(store, exp, rev, PLAN, Slo(200.0), keep=True, now_ms=T0 + 20 * MIN)
     assert calls == [T0 + 20 * MIN]
     same(got, plain)
 
@@ -275,6 +277,23 @@ def test_the_state_is_written_after_the_user_sums(store):
     exp, rev = "kept-order", 12
     store.insert_columns(samples(exp, rev, 14, T0, 10))
     spy = Spy(store)
-    read_step(spy, exp, rev, PLAN, Slo(200.0), now_ms=T0 + 20 * MIN)
+    read_step(spy, exp, rev, PLAN, Slo(200.0), keep=True, now_ms=T0 + 20 * MIN)
     inserts = [q.split(" (")[0] for q in spy.sql if q.startswith("INSERT")]
     assert inserts == [f"INSERT INTO {ROLLOUT_USER_SUMS_TABLE}", f"INSERT INTO {ROLLOUT_FOLDS_TABLE}"]
+
+
+def test_a_row_sent_long_before_it_was_recorded_is_counted_once_the_watermark_passes_it(store):
+    # A look reads the new samples of the parts holding samples sent since an hour before the
+    # watermark (kept.SENT_BEFORE_MS): a request recorded after it but sent earlier still than
+    # that is found by the check once a fold passes its recorded time, and the sums built again.
+    exp, rev = "kept-slow", 13
+    store.insert_columns(samples(exp, rev, 15, T0, 10))
+    look(store, exp, rev, T0 + 20 * MIN)
+    before = state(store, exp, rev)
+    slow = samples(exp, rev, 16, T0 + 19 * MIN, 0.5, run=RUN + 45)
+    slow = {k: v[:3] for k, v in slow.items()}
+    slow["sent_at"] = np.full(3, (T0 + 18 * MIN - kept.SENT_BEFORE_MS) // 1000 - 60, dtype=np.uint32)
+    store.insert_columns(slow)
+    look(store, exp, rev, T0 + 25 * MIN)  # the watermark passes them: counted
+    after = state(store, exp, rev)
+    assert after.generation != before.generation and after.rows == before.rows + 3

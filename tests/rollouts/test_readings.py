@@ -231,7 +231,7 @@ def test_a_step_reads_one_row_per_arm_and_decides_as_the_per_user_rows_did(store
     assert max(counting.rows) == 2 and len(counting.rows) == 2  # totals and moments: a row per arm
     # through the step's kept per-user sums (rollouts.kept): no query returns a row per user either
     counting = RowCounting(store)
-    through_kept = read_step(counting, exp, rev, plan, Slo(200.0))
+    through_kept = read_step(counting, exp, rev, plan, Slo(200.0), keep=True)
     assert through_kept.users == reading.users and max(counting.rows) == 2
     for a, b in ((through_kept.control, reading.control), (through_kept.candidate, reading.candidate)):
         assert (a.n, a.hits, a.errors) == (b.n, b.hits, b.errors)
