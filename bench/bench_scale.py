@@ -471,7 +471,6 @@ def rollout_look(store, revision: int) -> tuple[float, int, int]:
 def measure(args: argparse.Namespace, target: str) -> None:
     from analysis import report as r
     from analysis.definitions import Filters
-    from samples import synthetic
     from stats import quantiles
 
     store = open_store(args, target)
@@ -534,14 +533,7 @@ def measure(args: argparse.Namespace, target: str) -> None:
     looks = []
     for spec_text in args.looks.split(","):
         n_rows, n_users = (int(x) for x in spec_text.split(":"))
-        db = f"{args.database}_look_{n_rows}_{n_users}"
-        small = open_store(args, target, db)
-        if small.query("SELECT count() FROM samples")[0][0] != n_rows:
-            small.execute("TRUNCATE TABLE samples")
-            # two chunks at least: the first half of the run under revision 1, as in the large table
-            half = min(-(-n_rows // 2), args.chunk)
-            for data in synthetic.generate_chunks(spec_for(n_rows, n_users), half):
-                synthetic.insert(small, data, chunk_rows=args.chunk)
+        small = look_store(args, target, n_rows, n_users)
         small_s, small_users, small_n = rollout_look(small, 1)
         small.close()
         print(
@@ -553,6 +545,21 @@ def measure(args: argparse.Namespace, target: str) -> None:
     record(args.database, target, figures)
     store.close()
     table(args.database)
+
+
+def look_store(args: argparse.Namespace, target: str, n_rows: int, n_users: int):
+    """The store of a look table: a step of its own, n_rows samples of n_users users (the run's
+    model), loaded on first use."""
+    from samples import synthetic
+
+    small = open_store(args, target, f"{args.database}_look_{n_rows}_{n_users}")
+    if small.query("SELECT count() FROM samples")[0][0] != n_rows:
+        small.execute("TRUNCATE TABLE samples")
+        # two chunks at least: the first half of the run under revision 1, as in the large table
+        half = min(-(-n_rows // 2), args.chunk)
+        for data in synthetic.generate_chunks(spec_for(n_rows, n_users), half):
+            synthetic.insert(small, data, chunk_rows=args.chunk)
+    return small
 
 
 def shards(args: argparse.Namespace, target: str) -> None:
@@ -695,16 +702,14 @@ def kept(args: argparse.Namespace, target: str) -> None:
     from samples import schema, synthetic
 
     plan, slo = rollout_plan(), Slo(200.0)
-    steps = [(args.database, "the 100M run's revision 1")]
+    steps = [(None, "the 100M run's revision 1")]
     for spec_text in args.looks.split(","):
         n_rows, n_users = (int(x) for x in spec_text.split(":"))
-        steps.append((f"{args.database}_look_{n_rows}_{n_users}", f"{n_rows:,} samples of {n_users:,} users"))
+        steps.append(((n_rows, n_users), f"{n_rows:,} samples of {n_users:,} users"))
     out = []
-    for db, label in steps:
-        store = open_store(args, target, db)
-        if not store.query("SELECT count() FROM samples")[0][0]:
-            print(f"{label}: no samples (run `measure` first)", flush=True)
-            continue
+    for size, label in steps:
+        store = open_store(args, target) if size is None else look_store(args, target, *size)
+        check(store.query("SELECT count() FROM samples")[0][0] > 0, f"{label}: no samples (load first)")
         users = (
             int(
                 store.query("SELECT max(toUInt64(substring(user_id, 2))) FROM samples WHERE user_id != ''")[

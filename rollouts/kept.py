@@ -21,18 +21,24 @@ A look (``read``):
 1. The newest fold row. Rows of a later fold number in the user sums (a fold that stopped
    between its two writes) make the generation unusable: a new one is built.
 2. Fold, when the watermark can move by FOLD_EVERY_MS: the samples recorded after the watermark
-   and up to ``now - KEEP_LAG_MS`` are summed per unit into the user sums, the moments' increment
-   is computed over the units they touch alone (analysis.units.moments_of_vectors), and the new
-   state is written.
+   and up to ``now - KEEP_LAG_MS`` are summed per unit into the user sums, the moments'
+   increment is computed from the units they touch alone (analysis.units.moments_of_vectors:
+   per product, (k + d)_a (k + d)_b - k_a k_b), and the new state is written. A generation whose
+   rows outnumber its units COMPACT_ABOVE times is summed into one row per unit.
 3. Read: the state, plus the increment of the samples recorded after the watermark (grouped per
-   unit, joined to those units' kept sums), plus their histograms.
+   unit, with those units' kept sums), plus their histograms.
 4. Check: the samples recorded up to the watermark must still be exactly the kept ones (count
    and sum of recorded_ms). A row stored late (recorded before the watermark, stored after the
    fold), or a duplicate recording removed since, changes that: the state is built again from
    the samples, in a new generation, and read again. Never a stale answer; at worst a look
-   costs what it costs without kept sums.
-Every look costs a scan of the step's recorded_ms (the check) and the work of the requests since
-the watermark, not the work of every request of the step by user.
+   costs what it costs without kept sums. Rows that keep arriving late raise KeptStale, and the
+   reader reads the whole step instead (rollouts.readings).
+What a look costs: three reads of the samples side by side (the new ones grouped by unit, their
+histograms, the check's count), each a scan of the step's rows' recorded_ms (the new ones also
+bounded by send time, which prunes parts of older samples alone), and one grouping of the kept
+rows of the units those touch. Not the work of every request of the step by user; but on 18.16 at
+100M samples each recorded_ms scan still costs ~1.3 s (bench/RESULTS.md), which is why
+read_step does not go through these sums by default.
 
 The hits depend on the SLO, the vector on analysis.units' layout, the histograms on the plan's
 latencies: ``spec`` hashes them, and a change starts sums of its own.
@@ -52,6 +58,7 @@ import numpy as np
 
 from analysis import units
 from analysis.definitions import SETUP_ERROR, Slo
+from analysis.readers.base import run_queries
 from analysis.sql import SAMPLES, SRM_SAMPLES, metric_ok
 from experiments.document import ROLLOUT_LATENCIES
 from samples.schema import ROLLOUT_FOLDS_TABLE, ROLLOUT_USER_SUMS_TABLE
@@ -221,7 +228,6 @@ class KeptStep:
             "spec": self.spec,
             **vparams,
         }
-        self.queries = 0  # statements sent, for tests and benches
 
     # ------------------------------------------------------------------------------ SQL
 
@@ -254,7 +260,9 @@ class KeptStep:
 
     def _increment_sql(self, new: str) -> str:
         """Per arm, what the units of ``new`` (a query of the user sums' columns, one row per
-        unit) add to the kept sums of generation %(generation)s up to fold %(kept_fold)s."""
+        unit) add to the kept sums of generation %(generation)s up to fold %(kept_fold)s. Only
+        the kept rows of the units in ``new`` are grouped (sumForEachIf over every kept row
+        costs ~2.5 s per 10^6 units on 18.16), at the price of running ``new`` twice."""
         counts, sums = units.moments_of_vectors("k", "d")
         cols = ", ".join(_UNIT_COLUMNS)
         return (
@@ -286,11 +294,9 @@ class KeptStep:
         )
 
     def _query(self, sql: str, params: Mapping[str, Any]) -> dict[str, list[Any]]:
-        self.queries += 1
         return self.store.query_columns(sql, {**self.params, **params}, settings=QUERY_SETTINGS)
 
     def _execute(self, sql: str, params: Mapping[str, Any]) -> None:
-        self.queries += 1
         self.store.execute(sql, {**self.params, **params})
 
     # ------------------------------------------------------------------------------ pieces
@@ -418,6 +424,30 @@ class KeptStep:
 
     # ------------------------------------------------------------------------------ a look
 
+    def _since(self, state: State) -> tuple[Increment, dict[str, list[Any]]]:
+        """What the samples recorded after the state's watermark add to it, and the check's
+        count and recorded_ms sum of those up to it: three reads of the samples, side by side
+        when the store takes queries at once."""
+        at = {"generation": state.generation, "after": state.upto_ms, "upto": state.upto_ms}
+        after = _after(state.upto_ms, at)
+        hists = Increment({})
+        got = run_queries(
+            max(int(getattr(self.store, "parallel_queries", 1)), 1),
+            {
+                "inc": lambda: self._increment(self._units_sql(*after), state, at),
+                "hists": lambda: self._hists(hists, *after, params=at),
+                "sig": lambda: self._query(
+                    "SELECT count() AS rows, sum(recorded_ms) AS recorded_sum "
+                    f"{self._step('recorded_ms <= %(upto)s')}",
+                    at,
+                ),
+            },
+        )
+        inc = got["inc"]
+        for arm, h in hists.arms.items():
+            inc.arms.setdefault(arm, ArmState()).hists.update(h.hists)
+        return inc, got["sig"]
+
     def read(self, now_ms: int) -> State:
         """The step's state now: kept sums folded as far as now_ms - KEEP_LAG_MS allows, plus
         what was recorded after them, checked against the samples (module docstring).
@@ -431,14 +461,7 @@ class KeptStep:
                 state = State(gen)
             if upto - state.upto_ms >= FOLD_EVERY_MS or (state.fold == 0 and upto > state.upto_ms):
                 state = self.fold(state, upto)
-            at = {"generation": state.generation, "after": state.upto_ms, "upto": state.upto_ms}
-            after = _after(state.upto_ms, at)
-            inc = self._increment(self._units_sql(*after), state, at)
-            self._hists(inc, *after, params=at)
-            sig = self._query(
-                f"SELECT count() AS rows, sum(recorded_ms) AS recorded_sum {self._step('recorded_ms <= %(upto)s')}",
-                at,
-            )
+            inc, sig = self._since(state)
             rows = int(sig["rows"][0]) if sig.get("rows") else 0
             recorded = int(sig["recorded_sum"][0]) % MOD64 if sig.get("recorded_sum") else 0
             if (rows, recorded) == (state.rows, state.recorded_sum):
