@@ -15,7 +15,8 @@ What is kept, per (experiment, config revision, spec), in two tables (samples.sc
 - rollout_folds: after each fold, one row naming the generation, the fold's number, its
   watermark (every sample of the step recorded at or before it is in the kept rows) and the
   step's state at the watermark (each arm's moments as analysis.units.UnitMoments, setup errors,
-  assigned users, latency histograms; the kept rows' count and sum of recorded_ms).
+  assigned users, latency histograms; the kept rows' count and sum of recorded_ms; the settled
+  parts, below).
 
 A look (``read``):
 1. The newest fold row. Rows of a later fold number in the user sums (a fold that stopped
@@ -23,8 +24,8 @@ A look (``read``):
 2. Fold, when the watermark can move by FOLD_EVERY_MS: the samples recorded after the watermark
    and up to ``now - KEEP_LAG_MS`` are summed per unit into the user sums, the moments'
    increment is computed from the units they touch alone (analysis.units.moments_of_vectors:
-   per product, (k + d)_a (k + d)_b - k_a k_b), and the new state is written. A generation whose
-   rows outnumber its units COMPACT_ABOVE times is summed into one row per unit.
+   per product, (k + d)_a (k + d)_b - k_a k_b), checked (4.) and the new state written. A
+   generation whose rows outnumber its units COMPACT_ABOVE times is summed into one row per unit.
 3. Read: the state, plus the increment of the samples recorded after the watermark (grouped per
    unit, with those units' kept sums), plus their histograms.
 4. Check: the samples recorded up to the watermark must still be exactly the kept ones (count
@@ -33,12 +34,18 @@ A look (``read``):
    the samples, in a new generation, and read again. Never a stale answer; at worst a look
    costs what it costs without kept sums. Rows that keep arriving late raise KeptStale, and the
    reader reads the whole step instead (rollouts.readings).
-What a look costs: three reads of the samples side by side (the new ones grouped by unit, their
-histograms, the check's count), each a scan of the step's rows' recorded_ms (the new ones also
-bounded by send time, which prunes parts of older samples alone), and one grouping of the kept
-rows of the units those touch. Not the work of every request of the step by user; but on 18.16 at
-100M samples each recorded_ms scan still costs ~1.3 s (bench/RESULTS.md), which is why
-read_step does not go through these sums by default.
+
+Settled parts: a part of the samples table never changes once written; inserts and merges
+(a duplicate removed too) make parts of new names (SampleReads.active_parts). The state keeps,
+per part whose rows of the step were all recorded by the watermark, their count and recorded_ms
+sum. Every read of the samples skips those parts (``_part NOT IN``, pruned without reading): the
+new samples are in the others, and the check adds the settled parts' counts to a read of the
+others alone. So a look reads the parts written or merged since the last fold, however many
+samples the step already has; a merge makes a large part unsettled once, until the next fold
+settles it. A merge between the check's listing of the parts and its read counts rows twice or
+not at all: every part is read again before the sums are thrown away. On a cluster the
+Distributed table has no parts of its own: every look counts every row of the step, and the new
+samples' reads prune by send time alone (_after).
 
 The hits depend on the SLO, the vector on analysis.units' layout, the histograms on the plan's
 latencies: ``spec`` hashes them, and a change starts sums of its own.
@@ -64,7 +71,7 @@ from experiments.document import ROLLOUT_LATENCIES
 from samples.schema import ROLLOUT_FOLDS_TABLE, ROLLOUT_USER_SUMS_TABLE
 from stats.sequential.quantiles import latency_edges
 
-FORMAT = 1
+FORMAT = 2
 EDGES = latency_edges(60_000.0, 1.0)  # 0..60 s at 1 ms; slower lands in the overflow bucket
 # Samples recorded in the last KEEP_LAG_MS are read afresh at every look and never kept: rows
 # reach the store a few seconds after their recorded time (the gateway's recorder, a replay's
@@ -118,6 +125,9 @@ class State:
     entries: int = 0  # rows of the user sums in this generation
     units: int = 0  # units among them
     arms: dict[str, ArmState] = dataclasses.field(default_factory=dict)
+    # The samples table's parts settled at the watermark: every row of the step in them recorded
+    # at or before it. Name -> [rows, recorded_ms sum] of the step's rows in the part.
+    parts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:
         arms = {}
@@ -133,7 +143,9 @@ class State:
                 },
             }
         body = {k: getattr(self, k) for k in ("rows", "recorded_sum", "entries", "units")}
-        return json.dumps({"format": FORMAT, **body, "arms": arms}, separators=(",", ":"))
+        return json.dumps(
+            {"format": FORMAT, **body, "arms": arms, "parts": self.parts}, separators=(",", ":")
+        )
 
     @classmethod
     def from_json(cls, generation: int, fold: int, upto_ms: int, text: str) -> State:
@@ -151,7 +163,8 @@ class State:
                 hists[name] = h
             arms[arm] = ArmState(moments, a["setup"], a["named"], a["anon"], hists)
         got = {k: int(body[k]) for k in ("rows", "recorded_sum", "entries", "units")}
-        return cls(generation, fold, upto_ms, arms=arms, **got)
+        parts = {str(p): [int(n), int(r)] for p, (n, r) in body.get("parts", {}).items()}
+        return cls(generation, fold, upto_ms, arms=arms, parts=parts, **got)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +178,16 @@ class Increment:
     recorded_sum: int = 0
     new_units: int = 0
     touched: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Tally:
+    """The step's samples recorded up to a watermark: their count and recorded_ms sum, and the
+    parts settled at it (State.parts)."""
+
+    rows: int
+    recorded_sum: int
+    parts: dict[str, list[int]]
 
 
 def add(state: State, inc: Increment, *, into: State | None = None) -> State:
@@ -242,14 +265,14 @@ class KeptStep:
             f"WHERE config_revision = %(revision)s{more}"
         )
 
-    def _units_sql(self, *ranges: str) -> str:
-        """Per unit of the step's samples in ``ranges``: the user sums' columns."""
+    def _units_sql(self, *ranges: str, where: Sequence[str] = ()) -> str:
+        """Per unit of the step's samples in ``ranges`` (and ``where``): the user sums' columns."""
         return (
             f"SELECT arm AS variant, {', '.join(_UNIT_COLUMNS[1:])} FROM ("
             f"SELECT toString(any(variant)) AS arm, {units.CLUSTER_KEY} AS cluster, "
             f"toUInt8(max({SRM_SAMPLES})) AS assigned, toUInt8(max(user_id = '')) AS anon, "
             f"countIf({SETUP_ERROR}) AS setup, count() AS rows, sum(recorded_ms) AS recorded_sum, "
-            f"[{', '.join(self.vector)}] AS v {self._step(*ranges)} GROUP BY cluster)"
+            f"[{', '.join(self.vector)}] AS v {self._step(*ranges, where=where)} GROUP BY cluster)"
         )
 
     def _kept_where(self) -> str:
@@ -318,19 +341,67 @@ class KeptStep:
             touched += int(cols["touched"][i])
         return Increment(arms, rows, recorded % MOD64, fresh, touched)
 
-    def _hists(self, inc: Increment, *ranges: str, params: Mapping[str, Any]) -> None:
-        """The samples' latency histograms in ``ranges``, into inc's arms (bucket k holds
-        (k-1, k] ms: stats.sequential.quantiles.LatencyHistogram)."""
+    def _hists(
+        self, inc: Increment, *ranges: str, where: Sequence[str] = (), params: Mapping[str, Any]
+    ) -> None:
+        """The samples' latency histograms in ``ranges`` (and ``where``), into inc's arms (bucket
+        k holds (k-1, k] ms: stats.sequential.quantiles.LatencyHistogram)."""
         for name in self.latencies:
             rows = self._query(
                 f"SELECT variant, toInt64(least(ceil({name}), {EDGES.size})) AS bucket, count() AS c "
-                f"{self._step(*ranges, where=[metric_ok(name)])} GROUP BY variant, bucket",
+                f"{self._step(*ranges, where=[*where, metric_ok(name)])} GROUP BY variant, bucket",
                 params,
             )
             for variant, bucket, c in zip(rows["variant"], rows["bucket"], rows["c"], strict=True):
                 arm = inc.arms.setdefault(str(variant), ArmState())
                 h = arm.hists.setdefault(name, np.zeros(EDGES.size + 1, dtype=np.int64))
                 h[max(0, int(bucket))] += int(c)
+
+    def _tally(self, settled: Mapping[str, Sequence[int]], upto_ms: int) -> Tally:
+        """The step's samples recorded up to upto_ms: the settled parts' kept figures (those
+        still active) plus one read of every other part, grouped by part. A part read whose rows
+        of the step were all recorded by upto_ms is settled from now on, and so is a listed part
+        the read found none in. On a cluster (no parts listed) every row is read."""
+        listed = self.store.active_parts()
+        if listed is None:
+            cols = self._query(
+                "SELECT count() AS rows, sum(recorded_ms) AS recorded_sum "
+                f"{self._step('recorded_ms <= %(upto)s')}",
+                {"upto": upto_ms},
+            )
+            rows = int(cols["rows"][0]) if cols.get("rows") else 0
+            recorded = int(cols["recorded_sum"][0]) if cols.get("recorded_sum") else 0
+            return Tally(rows, recorded % MOD64, {})
+        keep = {p: list(settled[p]) for p in listed if p in settled}
+        params: dict[str, Any] = {"upto": upto_ms}
+        cols = self._query(
+            "SELECT _part AS part, countIf(recorded_ms <= %(upto)s) AS rows, "
+            "sumIf(recorded_ms, recorded_ms <= %(upto)s) AS recorded_sum, max(recorded_ms) AS top "
+            f"{self._step(where=_skipping(keep, params))} GROUP BY part",
+            params,
+        )
+        parts = dict(keep)
+        rows = sum(n for n, _ in keep.values())
+        recorded = sum(r for _, r in keep.values())
+        for part, n, r, top in zip(
+            cols["part"], cols["rows"], cols["recorded_sum"], cols["top"], strict=True
+        ):
+            rows, recorded = rows + int(n), recorded + int(r)
+            if int(top) <= upto_ms:
+                parts[str(part)] = [int(n), int(r) % MOD64]
+        for part in set(listed) - set(keep) - set(map(str, cols["part"])):
+            parts[part] = [0, 0]  # none of the step's rows (or merged away since the listing)
+        return Tally(rows, recorded % MOD64, parts)
+
+    def _check(self, want: State, tally: Tally | None = None) -> dict[str, list[int]] | None:
+        """The parts settled at want's watermark when the samples recorded up to it are exactly
+        the kept ones (``tally`` of them, or read now), None when they are not. A part merged
+        between the listing and the read is counted twice or not at all: before giving up,
+        every part is read again."""
+        tally = tally or self._tally(want.parts, want.upto_ms)
+        if (tally.rows, tally.recorded_sum) != (want.rows, want.recorded_sum) and want.parts:
+            tally = self._tally({}, want.upto_ms)
+        return tally.parts if (tally.rows, tally.recorded_sum) == (want.rows, want.recorded_sum) else None
 
     def newest(self) -> State | None:
         """The newest usable state of this step, or None (none kept, or an unfinished fold)."""
@@ -373,28 +444,42 @@ class KeptStep:
             {"generation": generation},
         )
 
-    def fold(self, state: State, upto_ms: int) -> State:
+    def fold(self, state: State, upto_ms: int) -> State | None:
         """Keep the samples recorded in (state.upto_ms, upto_ms]: their per-unit sums as fold
         state.fold + 1, then the state at upto_ms (written last: until then the new rows are
-        a later fold's, which newest() refuses)."""
+        a later fold's, which newest() refuses), once checked against the samples (_check, after
+        the histograms' read: a row stored late in between is counted there). None when they
+        disagree: nothing written but the fold's user sums, which newest() refuses."""
         nxt = state.fold + 1
         at = {"generation": state.generation, "fold": nxt, "after": state.upto_ms, "upto": upto_ms}
         ranges = (*_after(state.upto_ms, at), "recorded_ms <= %(upto)s")
+        skip = _skipping(state.parts, at)
         self._execute(
             f"INSERT INTO {ROLLOUT_USER_SUMS_TABLE} (experiment, config_revision, spec, generation, fold, "
             f"{', '.join(_UNIT_COLUMNS)}) SELECT %(experiment)s, %(revision)s, %(spec)s, %(generation)s, "
-            f"%(fold)s, {', '.join(_UNIT_COLUMNS)} FROM ({self._units_sql(*ranges)})",
+            f"%(fold)s, {', '.join(_UNIT_COLUMNS)} FROM ({self._units_sql(*ranges, where=skip)})",
             at,
         )
         new = (
             f"SELECT {', '.join(_UNIT_COLUMNS)} FROM {ROLLOUT_USER_SUMS_TABLE} "
             f"WHERE {self._kept_where()} AND fold = %(fold)s"
         )
-        inc = self._increment(new if state.entries else None, state, at)
-        self._hists(inc, *ranges, params=at)
+        hists = Increment({})
+        got = run_queries(
+            self._parallel(),
+            {
+                "inc": lambda: self._increment(new if state.entries else None, state, at),
+                "hists": lambda: self._hists(hists, *ranges, where=skip, params=at),
+            },
+        )
+        inc = _with_hists(got["inc"], hists)
         out = add(state, inc)
         out.fold, out.upto_ms = nxt, upto_ms
         out.entries = state.entries + inc.touched
+        parts = self._check(out)
+        if parts is None:
+            return None
+        out.parts = parts
         self._write_state(out)
         if out.entries > max(COMPACT_MIN, COMPACT_ABOVE * max(out.units, 1)):
             out = self.compact(out)
@@ -424,29 +509,26 @@ class KeptStep:
 
     # ------------------------------------------------------------------------------ a look
 
-    def _since(self, state: State) -> tuple[Increment, dict[str, list[Any]]]:
-        """What the samples recorded after the state's watermark add to it, and the check's
-        count and recorded_ms sum of those up to it: three reads of the samples, side by side
-        when the store takes queries at once."""
+    def _parallel(self) -> int:
+        return max(int(getattr(self.store, "parallel_queries", 1)), 1)
+
+    def _since(self, state: State, *, check: bool) -> tuple[Increment, bool]:
+        """What the samples recorded after the state's watermark add to it, and whether the
+        samples up to it are still the kept ones (``check``; True without): up to three reads
+        of the samples' unsettled parts, side by side when the store takes queries at once."""
         at = {"generation": state.generation, "after": state.upto_ms, "upto": state.upto_ms}
         after = _after(state.upto_ms, at)
+        skip = _skipping(state.parts, at)
         hists = Increment({})
-        got = run_queries(
-            max(int(getattr(self.store, "parallel_queries", 1)), 1),
-            {
-                "inc": lambda: self._increment(self._units_sql(*after), state, at),
-                "hists": lambda: self._hists(hists, *after, params=at),
-                "sig": lambda: self._query(
-                    "SELECT count() AS rows, sum(recorded_ms) AS recorded_sum "
-                    f"{self._step('recorded_ms <= %(upto)s')}",
-                    at,
-                ),
-            },
-        )
-        inc = got["inc"]
-        for arm, h in hists.arms.items():
-            inc.arms.setdefault(arm, ArmState()).hists.update(h.hists)
-        return inc, got["sig"]
+        queries: dict[str, Any] = {
+            "inc": lambda: self._increment(self._units_sql(*after, where=skip), state, at),
+            "hists": lambda: self._hists(hists, *after, where=skip, params=at),
+        }
+        if check:
+            queries["tally"] = lambda: self._tally(state.parts, state.upto_ms)
+        got = run_queries(self._parallel(), queries)
+        agree = not check or self._check(state, got["tally"]) is not None
+        return _with_hists(got["inc"], hists), agree
 
     def read(self, now_ms: int) -> State:
         """The step's state now: kept sums folded as far as now_ms - KEEP_LAG_MS allows, plus
@@ -459,18 +541,38 @@ class KeptStep:
                 gen = next_generation(0)
                 self._forget_others(gen)
                 state = State(gen)
+            checked = False
             if upto - state.upto_ms >= FOLD_EVERY_MS or (state.fold == 0 and upto > state.upto_ms):
-                state = self.fold(state, upto)
-            inc, sig = self._since(state)
-            rows = int(sig["rows"][0]) if sig.get("rows") else 0
-            recorded = int(sig["recorded_sum"][0]) % MOD64 if sig.get("recorded_sum") else 0
-            if (rows, recorded) == (state.rows, state.recorded_sum):
+                folded = self.fold(state, upto)
+                if folded is None:
+                    state = None  # stored late or removed since: build again from the samples
+                    continue
+                state, checked = folded, True
+            inc, agree = self._since(state, check=not checked)
+            if agree:
                 return add(state, inc)
-            state = None  # stored late or removed since: build again from the samples
+            state = None
         raise KeptStale(
             "the step's kept sums disagree with its samples after a rebuild: rows recorded more "
             f"than {KEEP_LAG_MS // 1000} s ago keep arriving"
         )
+
+
+def _skipping(settled: Mapping[str, Any], params: dict[str, Any]) -> list[str]:
+    """The condition "not in a settled part" (none when nothing is settled), its parameter put
+    in ``params``. _part goes in WHERE: 18.16 refuses it in PREWHERE, and skips the parts
+    either way without reading them."""
+    if not settled:
+        return []
+    params["settled"] = tuple(sorted(settled))
+    return ["_part NOT IN %(settled)s"]
+
+
+def _with_hists(inc: Increment, hists: Increment) -> Increment:
+    """inc with the histograms read beside it put into its arms."""
+    for arm, h in hists.arms.items():
+        inc.arms.setdefault(arm, ArmState()).hists.update(h.hists)
+    return inc
 
 
 def _after(upto_ms: int, params: dict[str, Any]) -> tuple[str, ...]:

@@ -15,7 +15,8 @@ from samples.store_base import StoreBase
 
 
 class SampleReads(StoreBase):
-    """recorded_request_ids, count, counts_by_variant and existing_keys, on any backend."""
+    """recorded_request_ids, count, counts_by_variant, active_parts and existing_keys, on any
+    backend."""
 
     def recorded_request_ids(
         self,
@@ -53,6 +54,20 @@ class SampleReads(StoreBase):
             {"run_id": run_id},
         )
         return {v: int(n) for v, n in rows}
+
+    def active_parts(self) -> list[str] | None:
+        """The names of the samples table's active parts, or None on a cluster (each shard's
+        table has parts of its own; the Distributed table has none). A part never changes once
+        written (merges and inserts make new ones), so what a reader counted of a part it can
+        keep as long as the name is active (rollouts.kept); the virtual column _part names a
+        row's part, and a condition on it in WHERE skips the other parts without reading them."""
+        if self.cluster:
+            return None
+        rows = self.query(
+            "SELECT name FROM system.parts WHERE database = %(db)s AND table = %(t)s AND active",
+            {"db": self.database, "t": schema.SAMPLES_TABLE},
+        )
+        return sorted(str(r[0]) for r in rows)
 
     def existing_keys(self, keys: Iterable[tuple[str, str, int, str]]) -> set[tuple]:
         """Which of these (experiment, variant, run_id, request_id) keys are already stored."""

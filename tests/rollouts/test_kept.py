@@ -197,13 +197,14 @@ def test_a_generation_of_many_folds_is_compacted(store, monkeypatch):
 
 
 class Spy:
-    """The store, with every SELECT's SQL recorded."""
+    """The store, with every SELECT's SQL (and its parameters) recorded."""
 
     def __init__(self, store):
-        self.store, self.sql = store, []
+        self.store, self.sql, self.params = store, [], []
 
     def query_columns(self, sql, params=None, *, settings=None):
         self.sql.append(sql)
+        self.params.append(params or {})
         return self.store.query_columns(sql, params, settings=settings)
 
     def execute(self, sql, params=None):
@@ -214,21 +215,33 @@ class Spy:
         return getattr(self.store, name)
 
 
-def test_a_look_after_the_fold_reads_only_what_was_recorded_since(store):
+def step_parts(store, exp) -> set[str]:
+    return {
+        r[0] for r in store.query("SELECT DISTINCT _part FROM samples WHERE experiment = %(e)s", {"e": exp})
+    }
+
+
+def test_a_look_after_the_fold_reads_only_the_parts_written_since(store):
     exp, rev = "kept-cost", 9
     store.insert_columns(samples(exp, rev, 10, T0, 10))
     look(store, exp, rev, T0 + 20 * MIN)
+    kept_parts = step_parts(store, exp)
+    assert kept_parts and kept_parts <= set(state(store, exp, rev).parts)
+    store.insert_columns(samples(exp, rev, 17, T0 + 19 * MIN, 0.5, run=RUN + 46))  # after the watermark
+    new_parts = step_parts(store, exp) - kept_parts
+    assert new_parts
     spy = Spy(store)
     got = read_step(spy, exp, rev, PLAN, Slo(200.0), keep=True, now_ms=T0 + 20 * MIN + 1000)
-    assert got.error == ""
-    on_samples = [q for q in spy.sql if "FROM samples" in q]
+    same(got, read_step(store, exp, rev, PLAN, Slo(200.0), keep=False))
     assert not any(q.startswith("INSERT") for q in spy.sql)  # nothing to fold
-    # every read of the samples is of rows recorded after the watermark, but the check, which counts
-    grouped = [q for q in on_samples if "recorded_ms > " in q]
-    counted = [q for q in on_samples if "recorded_ms > " not in q]
-    assert grouped and len(counted) == 1
-    assert counted[0].startswith("SELECT count() AS rows, sum(recorded_ms) AS recorded_sum FROM samples")
-    assert "GROUP BY" not in counted[0]
+    # every read of the samples (the new rows grouped by unit, their histograms, the check's
+    # count) skips the parts whose rows are all kept: what it reads is the part written since
+    on_samples = [(q, p) for q, p in zip(spy.sql, spy.params, strict=True) if "FROM samples" in q]
+    assert len(on_samples) >= 3
+    for q, p in on_samples:
+        assert "_part NOT IN %(settled)s" in q and kept_parts <= set(p["settled"]), q
+        assert not new_parts & set(p["settled"])
+    assert any(q.startswith("SELECT _part AS part") for q, _ in on_samples)  # the check
 
 
 def test_rows_that_keep_arriving_late_fall_back_to_reading_the_whole_step(store, monkeypatch):
@@ -253,24 +266,47 @@ def test_the_kept_check_gives_up_after_two_disagreements(store, monkeypatch):
     look(store, exp, rev, T0 + 20 * MIN)
     step = kept.KeptStep(store, exp, rev, ("base", "cand"), Slo(200.0), PLAN.latencies())
     late = samples(exp, rev, 13, T0 + MIN, 1, run=RUN + 44)
-    real = step._query
-    seq = iter(range(10**6))
+    real = step._tally
+    sent = []
 
-    def query(sql, params):  # before every check, one more row recorded before the watermark
-        if sql.startswith("SELECT count() AS rows"):
-            i = next(seq)
-            store.insert_columns({k: v[i : i + 1] for k, v in late.items()})
-        return real(sql, params)
+    def tally(settled, upto_ms):  # before every count, one more row recorded before the watermark
+        i = len(sent)
+        store.insert_columns({k: v[i : i + 1] for k, v in late.items()})
+        sent.append(i)
+        return real(settled, upto_ms)
 
-    step._query = query
+    step._tally = tally
     with pytest.raises(kept.KeptStale, match="keep arriving"):
         step.read(T0 + 20 * MIN + 1000)
-    # the whole reading still counts every row
+    # a look's count, every part's count again, and the rebuild's count: each found one more
+    assert len(sent) == 3
     whole = read_step(store, exp, rev, dataclasses.replace(PLAN), Slo(200.0), keep=False)
     assert (
         whole.control.n + whole.candidate.n + whole.control.setup_errors + whole.candidate.setup_errors
-        == 4002
+        == 4000 + len(sent)
     )
+
+
+def test_a_merge_between_the_parts_listing_and_the_count_is_no_rebuild(store, monkeypatch):
+    # The check adds the settled parts' kept counts to a read of the others; a merge of settled
+    # parts just before the read puts their rows in a part it reads too. Counted twice, every
+    # part is read again before the sums are thrown away.
+    exp, rev = "kept-merge", 14
+    for seed in (18, 19):
+        store.insert_columns(samples(exp, rev, seed, T0, 10, run=RUN + 47 + seed))
+    look(store, exp, rev, T0 + 20 * MIN)
+    before = state(store, exp, rev)
+    listed = store.active_parts()
+    assert step_parts(store, exp) <= set(before.parts) & set(listed)
+    store.execute("OPTIMIZE TABLE samples FINAL")  # the step's rows now in parts of new names
+    assert not step_parts(store, exp) & set(before.parts)
+    monkeypatch.setattr(type(store), "active_parts", lambda self: listed)  # the listing before it
+    spy = Spy(store)
+    look(spy, exp, rev, T0 + 20 * MIN + 1000)
+    after = state(store, exp, rev)
+    assert after.generation == before.generation and after.fold == before.fold
+    counts = [p for q, p in zip(spy.sql, spy.params, strict=True) if q.startswith("SELECT _part AS part")]
+    assert len(counts) == 2 and counts[0]["settled"] and "settled" not in counts[1]
 
 
 def test_the_state_is_written_after_the_user_sums(store):

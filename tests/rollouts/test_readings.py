@@ -169,6 +169,9 @@ class RowCounting:
     def unit_shards(self):
         return [("counted", self, SAMPLES)]
 
+    def active_parts(self):  # a listing of the table's parts (rollouts.kept), not a read of the step
+        return self.store.active_parts()
+
 
 def step_samples(exp: str, rev: int, seed: int, run_id: int, constant_max_tokens: bool = False) -> dict:
     """A step's random samples: heavy-tailed users within each arm (the router keeps a user on
