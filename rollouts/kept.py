@@ -86,6 +86,17 @@ FOLD_EVERY_MS = 60_000
 COMPACT_ABOVE = 2.0
 COMPACT_MIN = 50_000
 QUERY_SETTINGS = {"max_execution_time": 30}
+# The increment's rows per unit reach its per-arm sums in one block up to 10^6 units or 1 GiB of
+# states. Past 10^5 units 18.16 aggregates in two levels and hands the units on in 256 small
+# blocks, over which the ~140 products of the outer query cost three times as much (1.5 s
+# against 0.5 s at 114k touched units, bench/RESULTS.md "Rollout looks through kept per-user
+# sums"); past the bounds two levels again, whose merge needs less memory (a fold after a long
+# pause in the looks: at 4M units one level exceeds a 3.7 GiB query limit).
+INCREMENT_SETTINGS = {
+    **QUERY_SETTINGS,
+    "group_by_two_level_threshold": 1_000_000,
+    "group_by_two_level_threshold_bytes": 1 << 30,
+}
 MOD64 = 1 << 64  # sum(recorded_ms) is a UInt64 sum: it wraps, the same on both sides
 
 _UNIT_COLUMNS = ("variant", "cluster", "assigned", "anon", "setup", "rows", "recorded_sum", "v")
@@ -316,8 +327,10 @@ class KeptStep:
             f"WHERE {self._kept_where()} AND fold = %(fold)s GROUP BY variant"
         )
 
-    def _query(self, sql: str, params: Mapping[str, Any]) -> dict[str, list[Any]]:
-        return self.store.query_columns(sql, {**self.params, **params}, settings=QUERY_SETTINGS)
+    def _query(
+        self, sql: str, params: Mapping[str, Any], settings: Mapping[str, int] = QUERY_SETTINGS
+    ) -> dict[str, list[Any]]:
+        return self.store.query_columns(sql, {**self.params, **params}, settings=settings)
 
     def _execute(self, sql: str, params: Mapping[str, Any]) -> None:
         self.store.execute(sql, {**self.params, **params})
@@ -327,7 +340,9 @@ class KeptStep:
     def _increment(self, new: str | None, state: State, params: Mapping[str, Any]) -> Increment:
         """What ``new`` (None: the fold's own rows, nothing kept before them) adds to ``state``."""
         sql = self._first_sql() if new is None else self._increment_sql(new)
-        cols = self._query(sql, {"generation": state.generation, "kept_fold": state.fold, **params})
+        cols = self._query(
+            sql, {"generation": state.generation, "kept_fold": state.fold, **params}, INCREMENT_SETTINGS
+        )
         arms: dict[str, ArmState] = {}
         rows = recorded = fresh = touched = 0
         for i, arm in enumerate(cols.get("variant", [])):
