@@ -690,8 +690,9 @@ def kept(args: argparse.Namespace, target: str) -> None:
     """Rollout looks through the step's kept per-user sums (rollouts.kept) against reading the
     whole step (keep=False), on revision 1 of the 100M run and on the look tables of `measure`:
     the first kept look (it builds the sums from every request of the step), then two looks a
-    minute apart while live traffic arrives at --rate requests a second (3 minutes of new
-    samples of the same users before each: one minute to fold, the lag's two to read afresh).
+    minute apart while live traffic of the same users arrives at --rate requests a second (3
+    minutes of it before the first: one minute to fold, the lag's two to read afresh; the
+    minute since before the second).
     Every kept reading equals the whole one (counts, users and histograms exactly, moments to
     1e-9). The new samples go to a partition of their own (sent in 2030-01), dropped after, with
     the kept sums."""
@@ -741,9 +742,11 @@ def kept(args: argparse.Namespace, target: str) -> None:
             same_reading(whole, first, f"{label}, first kept look")
             steady = []
             for k in range(2):
-                # recorded after the last look's watermark (its now - lag): none of it late
-                since = now - keptmod.KEEP_LAG_MS + 1 + k * 60_000
-                traffic(store, synthetic, users, args.rate, since, seed=50 + k)
+                # recorded after the first look's watermark (its now - lag), none of it late: 3
+                # minutes before the second look (one to fold, the lag's two to read afresh), the
+                # minute since before the third; every look sees --rate requests a second
+                since = now - keptmod.KEEP_LAG_MS + 1 + (0 if k == 0 else 180_000 + (k - 1) * 60_000)
+                traffic(store, synthetic, users, args.rate, since, 180 if k == 0 else 60, seed=50 + k)
                 spent = timing_queries(store)
                 t = time.perf_counter()
                 try:
@@ -780,18 +783,18 @@ def kept(args: argparse.Namespace, target: str) -> None:
     record(args.database, f"kept/{target}", {"rate": args.rate, "steps": out})
 
 
-def traffic(store, synthetic, users: int, rate: float, from_ms: int, seed: int) -> None:
-    """Three minutes of live traffic at ``rate`` requests a second of the step's users (the same
+def traffic(store, synthetic, users: int, rate: float, from_ms: int, seconds: int, seed: int) -> None:
+    """``seconds`` of live traffic at ``rate`` requests a second of the step's users (the same
     model as the run), recorded from ``from_ms``, under revision 1, sent in 2030-01."""
     import numpy as np
 
-    n = int(rate * 180)
+    n = int(rate * seconds)
     c = synthetic.generate(spec_for(max(n, 1000), users, seed=seed)).columns
     k = len(c["variant"])
     rng = np.random.default_rng(seed)
     c["config_revision"] = np.ones(k, dtype=np.int64)
     c["run_id"] = np.full(k, 2030_01_00 + seed, dtype=np.uint64)
-    c["recorded_ms"] = (from_ms + rng.random(k) * 180_000).astype(np.uint64)
+    c["recorded_ms"] = (from_ms + rng.random(k) * seconds * 1000).astype(np.uint64)
     c["sent_at"] = np.full(k, 1893456000 + 3600, dtype=np.uint32)  # 2030-01-01 01:00 UTC
     store.insert_columns(c)
 

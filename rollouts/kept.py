@@ -27,7 +27,8 @@ A look (``read``):
    per product, (k + d)_a (k + d)_b - k_a k_b), checked (4.) and the new state written. A
    generation whose rows outnumber its units COMPACT_ABOVE times is summed into one row per unit.
 3. Read: the state, plus the increment of the samples recorded after the watermark (grouped per
-   unit, with those units' kept sums), plus their histograms.
+   unit, with those units' kept sums), plus their histograms: beside the fold's own reads when
+   the look folds (they need the fold's user sums, not its moments).
 4. Check: the samples recorded up to the watermark must still be exactly the kept ones (count
    and sum of recorded_ms). A row stored late (recorded before the watermark, stored after the
    fold), or a duplicate recording removed since, changes that: the state is built again from
@@ -58,7 +59,7 @@ import hashlib
 import json
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -459,12 +460,14 @@ class KeptStep:
             {"generation": generation},
         )
 
-    def fold(self, state: State, upto_ms: int) -> State | None:
+    def fold(self, state: State, upto_ms: int) -> tuple[State | None, Increment]:
         """Keep the samples recorded in (state.upto_ms, upto_ms]: their per-unit sums as fold
         state.fold + 1, then the state at upto_ms (written last: until then the new rows are
         a later fold's, which newest() refuses), once checked against the samples (_check, after
         the histograms' read: a row stored late in between is counted there). None when they
-        disagree: nothing written but the fold's user sums, which newest() refuses."""
+        disagree: nothing written but the fold's user sums, which newest() refuses.
+        Beside the fold's own reads, what the samples recorded after upto_ms add to the new
+        state (_since_queries): they need its user sums, not its moments."""
         nxt = state.fold + 1
         at = {"generation": state.generation, "fold": nxt, "after": state.upto_ms, "upto": upto_ms}
         ranges = (*_after(state.upto_ms, at), "recorded_ms <= %(upto)s")
@@ -479,26 +482,29 @@ class KeptStep:
             f"SELECT {', '.join(_UNIT_COLUMNS)} FROM {ROLLOUT_USER_SUMS_TABLE} "
             f"WHERE {self._kept_where()} AND fold = %(fold)s"
         )
-        hists = Increment({})
+        hists, after_hists = Increment({}), Increment({})
+        ahead = dataclasses.replace(state, fold=nxt, upto_ms=upto_ms)
         got = run_queries(
             self._parallel(),
             {
                 "inc": lambda: self._increment(new if state.entries else None, state, at),
                 "hists": lambda: self._hists(hists, *ranges, where=skip, params=at),
+                **self._since_queries(ahead, after_hists),
             },
         )
         inc = _with_hists(got["inc"], hists)
+        after = _with_hists(got["since"], after_hists)
         out = add(state, inc)
         out.fold, out.upto_ms = nxt, upto_ms
         out.entries = state.entries + inc.touched
         parts = self._check(out)
         if parts is None:
-            return None
+            return None, after
         out.parts = parts
         self._write_state(out)
         if out.entries > max(COMPACT_MIN, COMPACT_ABOVE * max(out.units, 1)):
             out = self.compact(out)
-        return out
+        return out, after
 
     def compact(self, state: State) -> State:
         """The generation's rows summed per unit into a new generation (fold 1, the same
@@ -527,23 +533,28 @@ class KeptStep:
     def _parallel(self) -> int:
         return max(int(getattr(self.store, "parallel_queries", 1)), 1)
 
-    def _since(self, state: State, *, check: bool) -> tuple[Increment, bool]:
-        """What the samples recorded after the state's watermark add to it, and whether the
-        samples up to it are still the kept ones (``check``; True without): up to three reads
-        of the samples' unsettled parts, side by side when the store takes queries at once."""
+    def _since_queries(self, state: State, hists: Increment) -> dict[str, Callable[[], Any]]:
+        """The reads of what the samples recorded after the state's watermark add to it (the
+        user sums up to state.fold): "since", the increment, and "since_hists", histograms put
+        into ``hists``. They read the parts not settled in the state."""
         at = {"generation": state.generation, "after": state.upto_ms, "upto": state.upto_ms}
         after = _after(state.upto_ms, at)
         skip = _skipping(state.parts, at)
-        hists = Increment({})
-        queries: dict[str, Any] = {
-            "inc": lambda: self._increment(self._units_sql(*after, where=skip), state, at),
-            "hists": lambda: self._hists(hists, *after, where=skip, params=at),
+        return {
+            "since": lambda: self._increment(self._units_sql(*after, where=skip), state, at),
+            "since_hists": lambda: self._hists(hists, *after, where=skip, params=at),
         }
-        if check:
-            queries["tally"] = lambda: self._tally(state.parts, state.upto_ms)
-        got = run_queries(self._parallel(), queries)
-        agree = not check or self._check(state, got["tally"]) is not None
-        return _with_hists(got["inc"], hists), agree
+
+    def _since(self, state: State) -> tuple[Increment, bool]:
+        """What the samples recorded after the state's watermark add to it, and whether the
+        samples up to it are still the kept ones: three reads of the samples' unsettled parts,
+        side by side when the store takes queries at once."""
+        hists = Increment({})
+        got = run_queries(
+            self._parallel(),
+            {**self._since_queries(state, hists), "tally": lambda: self._tally(state.parts, state.upto_ms)},
+        )
+        return _with_hists(got["since"], hists), self._check(state, got["tally"]) is not None
 
     def read(self, now_ms: int) -> State:
         """The step's state now: kept sums folded as far as now_ms - KEEP_LAG_MS allows, plus
@@ -556,17 +567,15 @@ class KeptStep:
                 gen = next_generation(0)
                 self._forget_others(gen)
                 state = State(gen)
-            checked = False
             if upto - state.upto_ms >= FOLD_EVERY_MS or (state.fold == 0 and upto > state.upto_ms):
-                folded = self.fold(state, upto)
-                if folded is None:
-                    state = None  # stored late or removed since: build again from the samples
-                    continue
-                state, checked = folded, True
-            inc, agree = self._since(state, check=not checked)
-            if agree:
-                return add(state, inc)
-            state = None
+                folded, inc = self.fold(state, upto)
+                if folded is not None:  # checked as it was folded
+                    return add(folded, inc)
+            else:
+                inc, agree = self._since(state)
+                if agree:
+                    return add(state, inc)
+            state = None  # stored late or removed since: build again from the samples
         raise KeptStale(
             "the step's kept sums disagree with its samples after a rebuild: rows recorded more "
             f"than {KEEP_LAG_MS // 1000} s ago keep arriving"

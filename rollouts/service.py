@@ -34,6 +34,7 @@ import socket
 import uuid
 from typing import Any
 
+from django.conf import settings
 from django.db import connection, transaction
 
 from analysis.definitions import slo_of
@@ -325,7 +326,14 @@ def _look(
             return result(None, recovered, state)
     reading = None
     if state.step is not None and view.revision is not None:
-        reading = read_step(sample_store(), key, state.last_seen_revision, plan, slo_of(experiment))
+        reading = read_step(
+            sample_store(),
+            key,
+            state.last_seen_revision,
+            plan,
+            slo_of(experiment),
+            keep=settings.ROLLOUT_KEPT_SUMS,
+        )
     decision = controller.decide_step(plan, state.as_state(), view, reading, db_now())
     note = _carry_out(experiment, plan, decision, owner, view)
     state.refresh_from_db()

@@ -453,3 +453,37 @@ def test_the_plan_follows_the_experiments_analysis_block(rollout_document):
     # Anything without the block (or with it as a mapping) reads leniently: both on by default.
     assert service.analysis_of(types.SimpleNamespace()) == {"cluster_by_user": True, "adjust": True}
     assert service.analysis_of(types.SimpleNamespace(analysis={"adjust": False}))["adjust"] is False
+
+
+def test_looks_read_the_step_through_its_kept_sums_unless_turned_off(
+    weights_backend, ch_store, rollout_document, settings, monkeypatch
+):
+    import json
+
+    from rollouts import readings
+    from samples.schema import ROLLOUT_FOLDS_TABLE
+
+    def folds() -> list[dict]:
+        rows = ch_store.query(
+            f"SELECT state FROM {ROLLOUT_FOLDS_TABLE} WHERE experiment = %(e)s ORDER BY generation, fold",
+            {"e": KEY},
+        )
+        return [json.loads(r[0]) for r in rows]
+
+    started(rollout_document)
+    service.look(KEY, interval_s=0)
+    _, rev1 = stored_weights()
+    insert_step(ch_store, KEY, rev1, {"fp16": [100.0] * 80 + [None] * 10, "awq-fa2": [90.0] * 10})
+    settings.ROLLOUT_KEPT_SUMS = False
+    whole = service.look(KEY, interval_s=0)
+    assert whole.decision.action == c.HOLD and folds() == []
+    # ten minutes on, every sample is older than the kept sums' lag: the look keeps them all
+    later = readings.time.time() + 600
+    monkeypatch.setattr(readings, "time", types.SimpleNamespace(time=lambda: later))
+    settings.ROLLOUT_KEPT_SUMS = True
+    through = service.look(KEY, interval_s=0)
+    assert through.decision.action == c.HOLD and through.note == whole.note
+    a, b = (dict(r.decision.as_dict()["numbers"]["verdict"]) for r in (whole, through))
+    assert a.pop("elapsed_s") < b.pop("elapsed_s")  # the step's age, by the database's clock
+    assert a == b and a["n_control"] == 90
+    assert [f["rows"] for f in folds()] == [100]
