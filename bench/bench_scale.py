@@ -762,12 +762,28 @@ def kept(args: argparse.Namespace, target: str) -> None:
                 )
             n = got.control.n + got.candidate.n
             arm_users = sum(got.users.values())
+            # the kept rows summed to one per unit (what a fold does once they pass COMPACT_ABOVE
+            # per unit), then a look from the compacted generation
+            step = keptmod.KeptStep(
+                store, EXPERIMENT, 1, (plan.control, plan.candidate), slo, plan.latencies()
+            )
+            state = step.newest()
+            t = time.perf_counter()
+            compacted = step.compact(state)
+            compact_s = time.perf_counter() - t
+            check(compacted.generation != state.generation, f"{label}: compaction made no generation")
+            same_reading(
+                read_step(store, EXPERIMENT, 1, plan, slo, keep=False),
+                read_step(store, EXPERIMENT, 1, plan, slo, keep=True, now_ms=now + 2 * 60_000),
+                f"{label}, after compaction",
+            )
         finally:
             forget()
             store.close()
         print(
             f"{label}: {arm_users:,} users, {n:,} requests: whole {whole_s:.2f} s; kept: first {first_s:.2f} s, "
-            f"then {steady[0]:.3f} s and {steady[1]:.3f} s ({min(steady) / whole_s:.3f}x the whole)",
+            f"then {steady[0]:.3f} s and {steady[1]:.3f} s ({min(steady) / whole_s:.3f}x the whole); "
+            f"compacting {state.entries:,} kept rows {compact_s:.2f} s",
             flush=True,
         )
         out.append(
@@ -778,6 +794,8 @@ def kept(args: argparse.Namespace, target: str) -> None:
                 "whole_s": whole_s,
                 "first_s": first_s,
                 "steady_s": steady,
+                "compact_rows": state.entries,
+                "compact_s": compact_s,
             }
         )
     record(args.database, f"kept/{target}", {"rate": args.rate, "steps": out})
@@ -992,14 +1010,15 @@ def table(database: str) -> None:
         print()
         print(
             f"| rollout look through the kept sums, {target}, {k['rate']:,.0f} req/s arriving | users | "
-            "requests | whole s | first kept s | next looks s | kept / whole |"
+            "requests | whole s | first kept s | next looks s | kept / whole | compaction: rows, s |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for st in k["steps"]:
             nxt = " / ".join(f"{x:.3f}" for x in st["steady_s"])
+            compaction = f"{st['compact_rows']:,}, {st['compact_s']:.2f}" if "compact_s" in st else "-"
             print(
                 f"| {st['label']} | {st['users']:,} | {st['requests']:,} | {st['whole_s']:.2f} | "
-                f"{st['first_s']:.2f} | {nxt} | {min(st['steady_s']) / st['whole_s']:.3f}x |"
+                f"{st['first_s']:.2f} | {nxt} | {min(st['steady_s']) / st['whole_s']:.3f}x | {compaction} |"
             )
     if got.get("shapes"):
         print()

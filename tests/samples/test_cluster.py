@@ -762,6 +762,19 @@ def test_moments_per_shard_equal_one_query_over_the_same_rows(cstore, servers, s
     assert_same_reading(reading, read_step(single, "ttft-opt", 1, PLAN, SLO))
     users = reading.control.per_user.attainment
     assert users.clusters < reading.control.n  # users who sent several requests: clustered
+    # through the step's kept per-user sums (the controller's default), on the Distributed
+    # tables: the first look keeps every sample, the next reads from them and counts every row
+    # (the Distributed table has no parts of its own to settle)
+    for _look in range(2):
+        assert_same_reading(read_step(cstore, "ttft-opt", 1, PLAN, SLO, keep=True), reading)
+    kept_rows = [
+        s.query("SELECT count() FROM rollout_user_sums_local WHERE experiment = 'ttft-opt'")[0][0]
+        for s in servers
+    ]
+    assert (
+        all(kept_rows) and sum(kept_rows) == users.clusters + reading.candidate.per_user.attainment.clusters
+    )
+    assert cstore.query("SELECT count() FROM rollout_folds WHERE experiment = 'ttft-opt'")[0][0] == 1
 
 
 def test_a_cluster_sharded_the_older_way_is_read_through_its_distributed_table(
