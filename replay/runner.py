@@ -186,6 +186,7 @@ class ShardRunner:
         self._cancel = asyncio.Event()
         self._sleeper: asyncio.Future[None] | None = None  # the send loop's wait, woken by _stop
         self._wake_at = 0.0  # loop time of the latest send task's timer (_until)
+        self._went: asyncio.Future[None] | None = None  # done once the latest send task's wait is over
         self._error: BaseException | None = None
         self._api_set = tuple(sorted(set(self.apis.values())))
         # One read-only mapping for every request (the clients only read it). A mirror run asks
@@ -261,11 +262,25 @@ class ShardRunner:
     async def _until(self, due: float) -> None:
         """Wait for the send time ``due`` (perf_counter) on a timer of this task's own, in send
         order: each timer is set strictly after the previous request's, so two requests due at
-        the same moment still go in schedule order (equal timers have no order on asyncio's loop)."""
+        the same moment still go in schedule order (equal timers have no order on asyncio's
+        loop); and a task whose time has passed when it runs still waits for the one before it,
+        whose timer may not have fired yet (uvloop keeps timers in whole milliseconds, so its
+        loop time can pass a timer's time a pass before the timer fires)."""
+        loop = asyncio.get_running_loop()
+        before, went = self._went, loop.create_future()
+        self._went = went
+        try:
+            await self._timer(loop, due)
+            if before is not None and not before.done():
+                await before
+        finally:
+            if not went.done():
+                went.set_result(None)
+
+    async def _timer(self, loop: asyncio.AbstractEventLoop, due: float) -> None:
         wait = due - time.perf_counter()
         if wait <= 0 and self._wake_at <= 0.0:
             return
-        loop = asyncio.get_running_loop()
         at = max(loop.time() + wait, self._wake_at + 1e-6)
         self._wake_at = at
         if at <= loop.time():

@@ -405,3 +405,33 @@ def test_requests_due_together_or_within_the_send_lead_go_in_schedule_order(loop
     stats = streaming_loop.run(main(), loop_name)
     assert stats.sent == n and stats.not_sent == 0
     assert started == sorted(started) and len(started) == n
+
+
+def test_a_send_whose_time_passed_before_its_task_ran_still_waits_for_the_one_before_it():
+    # The earlier request's timer fires late (a busy loop; on uvloop, whole milliseconds) and
+    # the later request's time has passed by the time its task runs: it still goes second.
+    spec = spec_for([TraceRequest(i, 0.0, f"u{i}", 4, 2) for i in range(2)], variants=["a"])
+    order = []
+
+    async def main():
+        runner = ShardRunner(spec, {"a": object()}, lambda user: ("a", 1), lambda row: None)
+        loop = asyncio.get_running_loop()
+        real = loop.call_at
+
+        def late(when, callback, *args, **kw):  # the first timer set fires 30 ms after its time
+            loop.call_at = real
+            return real(when + 0.03, callback, *args, **kw)
+
+        async def send(i, due):
+            await runner._until(due)
+            order.append(i)
+
+        now = time.perf_counter()
+        loop.call_at = late
+        first = asyncio.create_task(send(0, now + 0.002))
+        await asyncio.sleep(0)  # the first task runs and sets its timer
+        await asyncio.sleep(0.01)  # the second request's time passes meanwhile
+        await asyncio.gather(first, asyncio.create_task(send(1, now + 0.0021)))
+
+    asyncio.run(main())
+    assert order == [0, 1]
