@@ -66,7 +66,7 @@ import numpy as np
 
 from analysis import units
 from analysis.definitions import SETUP_ERROR, Slo
-from analysis.readers.base import run_queries
+from analysis.readers.base import parallelism, run_queries
 from analysis.sql import SAMPLES, SRM_SAMPLES, metric_ok
 from experiments.document import ROLLOUT_LATENCIES
 from samples.schema import ROLLOUT_FOLDS_TABLE, ROLLOUT_USER_SUMS_TABLE
@@ -486,7 +486,7 @@ class KeptStep:
         hists, after_hists = Increment({}), Increment({})
         ahead = dataclasses.replace(state, fold=nxt, upto_ms=upto_ms)
         got = run_queries(
-            self._parallel(),
+            parallelism(self.store),
             {
                 "inc": lambda: self._increment(new if state.entries else None, state, at),
                 "hists": lambda: self._hists(hists, *ranges, where=skip, params=at),
@@ -531,9 +531,6 @@ class KeptStep:
 
     # ------------------------------------------------------------------------------ a look
 
-    def _parallel(self) -> int:
-        return max(int(getattr(self.store, "parallel_queries", 1)), 1)
-
     def _since_queries(self, state: State, hists: Increment) -> dict[str, Callable[[], Any]]:
         """The reads of what the samples recorded after the state's watermark add to it (the
         user sums up to state.fold): "since", the increment, and "since_hists", histograms put
@@ -552,7 +549,7 @@ class KeptStep:
         side by side when the store takes queries at once."""
         hists = Increment({})
         got = run_queries(
-            self._parallel(),
+            parallelism(self.store),
             {**self._since_queries(state, hists), "tally": lambda: self._tally(state.parts, state.upto_ms)},
         )
         return _with_hists(got["since"], hists), self._check(state, got["tally"]) is not None

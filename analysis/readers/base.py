@@ -142,6 +142,12 @@ def _executor(level: int) -> ThreadPoolExecutor:
         return _pools[level]
 
 
+def parallelism(store: Any) -> int:
+    """How many queries a reader may run at once through ``store``: its parallel_queries
+    (samples.store_base.StoreBase), at least 1; 1 for a wrapper that does not say."""
+    return max(int(getattr(store, "parallel_queries", 1)), 1)
+
+
 def run_queries(parallel: int, jobs: Mapping[str, Callable[[], Any]]) -> dict[str, Any]:
     """Run independent query jobs, concurrently when the store allows it (parallel > 1);
     {name: result}. Jobs may call run_queries twice more (a merged reader's parts, then a

@@ -51,6 +51,7 @@ from analysis.readers.base import (
     failure_rows,
     histogram_rows,
     p99_rows,
+    parallelism,
     run_queries,
     setup_error_rows,
     summary_rows,
@@ -93,7 +94,7 @@ class RawReader:
 
     def __init__(self, store: Any) -> None:
         self.store = store
-        self.parallel_queries = int(getattr(store, "parallel_queries", 1))
+        self.parallel_queries = parallelism(store)
         # On a cluster, quantilesExact ships every value of a metric from every shard to the
         # entry, which sorts them alone (at 100M samples slower than on one server); a histogram
         # is summed on each shard and merged small, and the exact values then come from the few

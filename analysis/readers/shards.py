@@ -17,7 +17,7 @@ from typing import Any
 
 from analysis import units
 from analysis.definitions import Filters, Slo
-from analysis.readers.base import run_queries
+from analysis.readers.base import parallelism, run_queries
 from analysis.units import UnitMoments
 from samples.store_errors import StoreError
 
@@ -50,7 +50,7 @@ def query_by_unit(
             raise type(e)(f"{name}: {e}") from e
 
     jobs = {name: (lambda n=name, p=part, t=table: job(n, p, t)) for name, part, table in parts}
-    got = run_queries(max(int(getattr(store, "parallel_queries", 1)), 1), jobs)
+    got = run_queries(parallelism(store), jobs)
     return [got[name] for name, _part, _table in parts]
 
 
