@@ -112,8 +112,8 @@ def read_step(
     ``keep``: through the step's kept per-user sums (rollouts.kept), folded up to ``now_ms``
     (default: now) less its lag; else (the default) every request of the step is read again.
     The controller reads through them unless ABPLAT_ROLLOUT_KEPT_SUMS is off: a look at a step
-    of 33M requests costs 0.8-1.2 s through the kept sums against 20 s whole on ClickHouse
-    18.16; a small step's costs more through them, but little (0.3 s against 0.05 s at 280k
+    of 34M requests costs 0.7 s through the kept sums against 22 s whole on ClickHouse
+    18.16; a small step's costs more through them, but little (0.24 s against 0.05 s at 200k
     requests): bench/RESULTS.md "Rollout looks through kept per-user sums"."""
     params: dict[str, Any] = {"experiment": experiment, "revision": int(revision)}
     arms = (plan.control, plan.candidate)
