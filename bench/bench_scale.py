@@ -52,8 +52,9 @@ Stages, each short enough to run under the shared bench lock:
   which two shards sharing this machine's cores cannot.
 - kept: rollout looks through the step's kept per-user sums (rollouts.kept) against the whole
   read (measure's look): the first kept look, which builds them, then two looks a minute apart
-  while --rate requests a second arrive, at revision 1 and at measure's look tables; each kept
-  reading checked equal to the whole one.
+  while --rate requests a second arrive, at revision 1 and at measure's look tables (those alone
+  with --own-tables), the sums kept --lag seconds behind; each kept reading checked equal to the
+  whole one.
 - layout: the first --layout-rows samples copied into tables of other sorting keys, lz4 (the
   server's) and zstd (a server configured for it: 18.16 has no column CODEC clause), each merged
   to one part per partition: bytes per sample and the moments query's time on each.
@@ -146,7 +147,17 @@ def main() -> None:
     )
     ap.add_argument("--database", default=DATABASE)
     ap.add_argument("--raw-only", action="store_true", help="measure: no rollup report, no page")
-    ap.add_argument("--rate", type=float, default=1000.0, help="kept: live requests a second between looks")
+    ap.add_argument(
+        "--rate", default="1000", help="kept: live requests a second between looks (several: comma-separated)"
+    )
+    ap.add_argument(
+        "--lag",
+        default="120",
+        help="kept: the kept sums' lag in seconds, ABPLAT_ROLLOUT_KEPT_LAG_S (comma-separated)",
+    )
+    ap.add_argument(
+        "--own-tables", action="store_true", help="kept: the look tables alone, not the 100M run's step"
+    )
     ap.add_argument("--quick", action="store_true", help="200k samples of 2,000 users, every stage")
     args = ap.parse_args()
     if args.quick:
@@ -158,7 +169,7 @@ def main() -> None:
             50_000,
         )
         args.database += "_quick" if args.database == "abplat_bench_scale" else ""
-        args.rate = 20.0
+        args.rate = "20"
     sys.exit(run_checked(run, args))
 
 
@@ -688,122 +699,168 @@ def hosts(args: argparse.Namespace, target: str) -> None:
 
 def kept(args: argparse.Namespace, target: str) -> None:
     """Rollout looks through the step's kept per-user sums (rollouts.kept) against reading the
-    whole step (keep=False), on revision 1 of the 100M run and on the look tables of `measure`:
-    the first kept look (it builds the sums from every request of the step), then two looks a
-    minute apart while live traffic of the same users arrives at --rate requests a second (3
-    minutes of it before the first: one minute to fold, the lag's two to read afresh; the
-    minute since before the second).
+    whole step (keep=False), on revision 1 of the 100M run and on the look tables of `measure`
+    (those alone with --own-tables), at each --lag and each --rate: the first kept look (it
+    builds the sums from every request of the step), then two looks a minute apart while live
+    traffic of the same users arrives at the rate (a minute and the lag before the first: the
+    minute to fold, the lag's to read afresh; the minute since before the second), then the kept
+    rows compacted and a look from the compacted generation.
     Every kept reading equals the whole one (counts, users and histograms exactly, moments to
     1e-9). The new samples go to a partition of their own (sent in 2030-01), dropped after, with
-    the kept sums."""
+    the kept sums. Last, the later looks per lag and rate side by side, with the ratio of the
+    most users' to the fewest's."""
 
+    plan = rollout_plan()
+    steps = [] if args.own_tables else [(None, "the 100M run's revision 1")]
+    for spec_text in args.looks.split(","):
+        n_rows, n_users = (int(x) for x in spec_text.split(":"))
+        steps.append(((n_rows, n_users), f"{n_rows:,} samples of {n_users:,} users"))
+    lags = [int(x) for x in str(args.lag).split(",")]
+    rates = [float(x) for x in str(args.rate).split(",")]
+    out = []
+    for size, label in steps:
+        store = open_store(args, target) if size is None else look_store(args, target, *size)
+        try:
+            check(store.query("SELECT count() FROM samples")[0][0] > 0, f"{label}: no samples (load first)")
+            for lag_s in lags:
+                for rate in rates:
+                    out.append(
+                        {
+                            "label": label,
+                            "lag_s": lag_s,
+                            "rate": rate,
+                            **kept_looks(store, plan, label, lag_s, rate),
+                        }
+                    )
+                    st = out[-1]
+                    print(
+                        f"{label}, lag {lag_s} s, {rate:,.0f} req/s: {st['users']:,} users, {st['requests']:,} "
+                        f"requests: whole {st['whole_s']:.2f} s; kept: first {st['first_s']:.2f} s, then "
+                        f"{st['steady_s'][0]:.3f} s and {st['steady_s'][1]:.3f} s "
+                        f"({min(st['steady_s']) / st['whole_s']:.3f}x the whole; units in the traffic each "
+                        f"look is the first to see: {st['traffic_units'][0]:,}, {st['traffic_units'][1]:,}); "
+                        f"compacting {st['compact_rows']:,} kept rows {st['compact_s']:.2f} s",
+                        flush=True,
+                    )
+        finally:
+            store.close()
+    record(args.database, f"kept/{target}", {"lags": lags, "rates": rates, "steps": out})
+    print()
+    print(kept_sweep(out))
+
+
+def kept_sweep(out: list[dict]) -> str:
+    """The later looks (their mean) per lag and rate, a column per step, and the ratio of the
+    step with the most users to the one with the fewest."""
+    labels = list(dict.fromkeys(st["label"] for st in out))
+    users = {lb: max(st["users"] for st in out if st["label"] == lb) for lb in labels}
+    most, fewest = max(labels, key=users.get), min(labels, key=users.get)
+    lines = [
+        "| lag s | req/s | " + " | ".join(f"{lb}, s" for lb in labels) + f" | {most} / {fewest} |",
+        "|---:|---:|" + "---:|" * (len(labels) + 1),
+    ]
+    cells = {(st["lag_s"], st["rate"], st["label"]): sum(st["steady_s"]) / 2 for st in out}
+    for lag_s, rate in dict.fromkeys((st["lag_s"], st["rate"]) for st in out):
+        row = [cells.get((lag_s, rate, lb)) for lb in labels]
+        a, b = cells.get((lag_s, rate, most)), cells.get((lag_s, rate, fewest))
+        ratio = f"{a / b:.2f}x" if a is not None and b else "-"
+        lines.append(
+            f"| {lag_s} | {rate:,.0f} | "
+            + " | ".join("-" if x is None else f"{x:.3f}" for x in row)
+            + f" | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def kept_looks(store, plan, label: str, lag_s: int, rate: float) -> dict:
+    """One step's kept looks at one lag and rate (kept's docstring), checked; their figures."""
     from analysis.definitions import Slo
     from rollouts import kept as keptmod
     from rollouts.readings import read_step
     from samples import schema, synthetic
 
-    plan, slo = rollout_plan(), Slo(200.0)
-    steps = [(None, "the 100M run's revision 1")]
-    for spec_text in args.looks.split(","):
-        n_rows, n_users = (int(x) for x in spec_text.split(":"))
-        steps.append(((n_rows, n_users), f"{n_rows:,} samples of {n_users:,} users"))
-    out = []
-    for size, label in steps:
-        store = open_store(args, target) if size is None else look_store(args, target, *size)
-        check(store.query("SELECT count() FROM samples")[0][0] > 0, f"{label}: no samples (load first)")
-        users = (
-            int(
-                store.query("SELECT max(toUInt64(substring(user_id, 2))) FROM samples WHERE user_id != ''")[
-                    0
-                ][0]
+    slo = Slo(200.0)
+    users = (
+        int(store.query("SELECT max(toUInt64(substring(user_id, 2))) FROM samples WHERE user_id != ''")[0][0])
+        + 1
+    )
+
+    def forget() -> None:
+        for table in (schema.ROLLOUT_USER_SUMS_TABLE, schema.ROLLOUT_FOLDS_TABLE):
+            store.execute(f"TRUNCATE TABLE {table}")
+        if store.query(
+            "SELECT count() FROM system.parts WHERE database = currentDatabase() AND table = 'samples' "
+            "AND partition = '203001' AND active"
+        )[0][0]:
+            store.execute("ALTER TABLE samples DROP PARTITION 203001")
+
+    what = f"{label}, lag {lag_s} s, {rate:,.0f} req/s"
+
+    def look(now_ms: int):
+        return read_step(store, EXPERIMENT, 1, plan, slo, keep=True, now_ms=now_ms, keep_lag_ms=lag_ms)
+
+    forget()
+    lag_ms = lag_s * 1000
+    top = int(store.query("SELECT max(recorded_ms) FROM samples WHERE config_revision = 1")[0][0])
+    now = top + lag_ms + 1
+    try:
+        t = time.perf_counter()
+        whole = read_step(store, EXPERIMENT, 1, plan, slo, keep=False)
+        whole_s = time.perf_counter() - t
+        t = time.perf_counter()
+        first = look(now)
+        first_s = time.perf_counter() - t
+        same_reading(whole, first, f"{what}: first kept look")
+        steady, touched = [], []
+        for k in range(2):
+            # recorded after the first look's watermark (its now - lag), none of it late
+            lead_s = 60 + lag_s
+            since = now - lag_ms + 1 + (0 if k == 0 else (lead_s + (k - 1) * 60) * 1000)
+            touched.append(
+                traffic(store, synthetic, users, rate, since, lead_s if k == 0 else 60, seed=50 + k)
             )
-            + 1
+            spent = timing_queries(store)
+            t = time.perf_counter()
+            try:
+                got = look(now + (k + 1) * 60_000)
+            finally:
+                untime(store)
+            steady.append(time.perf_counter() - t)
+            print("    its queries: " + "; ".join(f"{q_s:.3f} s {q[:36]}" for q_s, q in spent), flush=True)
+            same_reading(read_step(store, EXPERIMENT, 1, plan, slo, keep=False), got, f"{what}: look {k + 2}")
+        # the kept rows summed to one per unit (what a fold does once they pass COMPACT_ABOVE per
+        # unit), then a look from the compacted generation
+        step = keptmod.KeptStep(
+            store, EXPERIMENT, 1, (plan.control, plan.candidate), slo, plan.latencies(), lag_ms=lag_ms
         )
-
-        def forget(store=store) -> None:
-            for table in (schema.ROLLOUT_USER_SUMS_TABLE, schema.ROLLOUT_FOLDS_TABLE):
-                store.execute(f"TRUNCATE TABLE {table}")
-            if store.query(
-                "SELECT count() FROM system.parts WHERE database = currentDatabase() AND table = 'samples' "
-                "AND partition = '203001' AND active"
-            )[0][0]:
-                store.execute("ALTER TABLE samples DROP PARTITION 203001")
-
+        state = step.newest()
+        t = time.perf_counter()
+        compacted = step.compact(state)
+        compact_s = time.perf_counter() - t
+        check(compacted.generation != state.generation, f"{what}: compaction made no generation")
+        same_reading(
+            read_step(store, EXPERIMENT, 1, plan, slo, keep=False),
+            look(now + 2 * 60_000),
+            f"{what}: after compaction",
+        )
+    finally:
         forget()
-        top = int(store.query("SELECT max(recorded_ms) FROM samples WHERE config_revision = 1")[0][0])
-        now = top + keptmod.KEEP_LAG_MS + 1
-        try:
-            t = time.perf_counter()
-            whole = read_step(store, EXPERIMENT, 1, plan, slo, keep=False)
-            whole_s = time.perf_counter() - t
-            t = time.perf_counter()
-            first = read_step(store, EXPERIMENT, 1, plan, slo, keep=True, now_ms=now)
-            first_s = time.perf_counter() - t
-            same_reading(whole, first, f"{label}, first kept look")
-            steady = []
-            for k in range(2):
-                # recorded after the first look's watermark (its now - lag), none of it late: 3
-                # minutes before the second look (one to fold, the lag's two to read afresh), the
-                # minute since before the third; every look sees --rate requests a second
-                since = now - keptmod.KEEP_LAG_MS + 1 + (0 if k == 0 else 180_000 + (k - 1) * 60_000)
-                traffic(store, synthetic, users, args.rate, since, 180 if k == 0 else 60, seed=50 + k)
-                spent = timing_queries(store)
-                t = time.perf_counter()
-                try:
-                    got = read_step(store, EXPERIMENT, 1, plan, slo, keep=True, now_ms=now + (k + 1) * 60_000)
-                finally:
-                    untime(store)
-                steady.append(time.perf_counter() - t)
-                print(
-                    "    its queries: " + "; ".join(f"{q_s:.3f} s {q[:36]}" for q_s, q in spent), flush=True
-                )
-                same_reading(
-                    read_step(store, EXPERIMENT, 1, plan, slo, keep=False), got, f"{label}, look {k + 2}"
-                )
-            n = got.control.n + got.candidate.n
-            arm_users = sum(got.users.values())
-            # the kept rows summed to one per unit (what a fold does once they pass COMPACT_ABOVE
-            # per unit), then a look from the compacted generation
-            step = keptmod.KeptStep(
-                store, EXPERIMENT, 1, (plan.control, plan.candidate), slo, plan.latencies()
-            )
-            state = step.newest()
-            t = time.perf_counter()
-            compacted = step.compact(state)
-            compact_s = time.perf_counter() - t
-            check(compacted.generation != state.generation, f"{label}: compaction made no generation")
-            same_reading(
-                read_step(store, EXPERIMENT, 1, plan, slo, keep=False),
-                read_step(store, EXPERIMENT, 1, plan, slo, keep=True, now_ms=now + 2 * 60_000),
-                f"{label}, after compaction",
-            )
-        finally:
-            forget()
-            store.close()
-        print(
-            f"{label}: {arm_users:,} users, {n:,} requests: whole {whole_s:.2f} s; kept: first {first_s:.2f} s, "
-            f"then {steady[0]:.3f} s and {steady[1]:.3f} s ({min(steady) / whole_s:.3f}x the whole); "
-            f"compacting {state.entries:,} kept rows {compact_s:.2f} s",
-            flush=True,
-        )
-        out.append(
-            {
-                "label": label,
-                "users": arm_users,
-                "requests": n,
-                "whole_s": whole_s,
-                "first_s": first_s,
-                "steady_s": steady,
-                "compact_rows": state.entries,
-                "compact_s": compact_s,
-            }
-        )
-    record(args.database, f"kept/{target}", {"rate": args.rate, "steps": out})
+    return {
+        "users": sum(got.users.values()),
+        "requests": got.control.n + got.candidate.n,
+        "whole_s": whole_s,
+        "first_s": first_s,
+        "steady_s": steady,
+        "traffic_units": touched,
+        "compact_rows": state.entries,
+        "compact_s": compact_s,
+    }
 
 
-def traffic(store, synthetic, users: int, rate: float, from_ms: int, seconds: int, seed: int) -> None:
+def traffic(store, synthetic, users: int, rate: float, from_ms: int, seconds: int, seed: int) -> int:
     """``seconds`` of live traffic at ``rate`` requests a second of the step's users (the same
-    model as the run), recorded from ``from_ms``, under revision 1, sent in 2030-01."""
+    model as the run), recorded from ``from_ms``, under revision 1, sent in 2030-01; how many
+    units (users, and requests without one) it holds."""
     import numpy as np
 
     n = int(rate * seconds)
@@ -815,6 +872,8 @@ def traffic(store, synthetic, users: int, rate: float, from_ms: int, seconds: in
     c["recorded_ms"] = (from_ms + rng.random(k) * seconds * 1000).astype(np.uint64)
     c["sent_at"] = np.full(k, 1893456000 + 3600, dtype=np.uint32)  # 2030-01-01 01:00 UTC
     store.insert_columns(c)
+    named = c["user_id"] != ""
+    return int(np.unique(c["user_id"][named]).size + (~named).sum())  # a request without a user is a unit
 
 
 def same_reading(a, b, what: str) -> None:
@@ -1005,21 +1064,23 @@ def table(database: str) -> None:
         print(f"| a table of its own | {users:,} | {n:,} | {a_s} | {b_s} |")
     for target in ("server", "cluster"):
         k = got.get(f"kept/{target}")
-        if not k:
+        if not k or "lags" not in k:  # recorded before the stage took several lags and rates
             continue
         print()
         print(
-            f"| rollout look through the kept sums, {target}, {k['rate']:,.0f} req/s arriving | users | "
-            "requests | whole s | first kept s | next looks s | kept / whole | compaction: rows, s |"
+            f"| rollout look through the kept sums, {target} | lag s | req/s arriving | users | requests | "
+            "whole s | first kept s | next looks s | kept / whole | compaction: rows, s |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for st in k["steps"]:
             nxt = " / ".join(f"{x:.3f}" for x in st["steady_s"])
-            compaction = f"{st['compact_rows']:,}, {st['compact_s']:.2f}" if "compact_s" in st else "-"
             print(
-                f"| {st['label']} | {st['users']:,} | {st['requests']:,} | {st['whole_s']:.2f} | "
-                f"{st['first_s']:.2f} | {nxt} | {min(st['steady_s']) / st['whole_s']:.3f}x | {compaction} |"
+                f"| {st['label']} | {st['lag_s']} | {st['rate']:,.0f} | {st['users']:,} | {st['requests']:,} | "
+                f"{st['whole_s']:.2f} | {st['first_s']:.2f} | {nxt} | {min(st['steady_s']) / st['whole_s']:.3f}x | "
+                f"{st['compact_rows']:,}, {st['compact_s']:.2f} |"
             )
+        print()
+        print(kept_sweep(k["steps"]))
     if got.get("shapes"):
         print()
         print("| per-user moments query, the server's table (best of 2) | s |")

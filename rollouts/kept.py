@@ -22,7 +22,8 @@ A look (``read``):
 1. The newest fold row. Rows of a later fold number in the user sums (a fold that stopped
    between its two writes) make the generation unusable: a new one is built.
 2. Fold, when the watermark can move by FOLD_EVERY_MS: the samples recorded after the watermark
-   and up to ``now - KEEP_LAG_MS`` are summed per unit into the user sums, the moments'
+   and up to ``now`` less the lag (KEEP_LAG_MS unless told) are summed per unit into the user
+   sums, the moments'
    increment is computed from the units they touch alone (analysis.units.moments_of_vectors:
    per product, (k + d)_a (k + d)_b - k_a k_b), checked (4.) and the new state written. A
    generation whose rows outnumber its units COMPACT_ABOVE times is summed into one row per unit.
@@ -74,9 +75,14 @@ from stats.sequential.quantiles import latency_edges
 
 FORMAT = 2
 EDGES = latency_edges(60_000.0, 1.0)  # 0..60 s at 1 ms; slower lands in the overflow bucket
-# Samples recorded in the last KEEP_LAG_MS are read afresh at every look and never kept: rows
-# reach the store a few seconds after their recorded time (the gateway's recorder, a replay's
-# spool), and a row stored after the watermark passed its recorded time forces a rebuild.
+# Samples recorded in the last KEEP_LAG_MS (the default lag; ABPLAT_ROLLOUT_KEPT_LAG_S) are read
+# afresh at every look and never kept: rows reach the store a few seconds after their recorded
+# time (the gateway's recorder within about one; a spool after a store outage as late as the
+# outage), and a row stored after the watermark passed its recorded time forces a rebuild. A
+# shorter lag reads less at every look (the lag's traffic is grouped afresh each time: at 10^6
+# users and 1,000 req/s 0.55-0.63 s at 30 s against 0.71-0.72 s at 120 s; at 10,000 req/s
+# 3.0-4.1 s against 5.9-6.5 s: bench/RESULTS.md "How a look's cost grows with the traffic") and
+# rebuilds after a shorter outage.
 KEEP_LAG_MS = 120_000
 # A request recorded after the watermark was sent at most this long before it (see _after).
 SENT_BEFORE_MS = 3_600_000
@@ -248,11 +254,16 @@ class KeptStep:
         arms: Sequence[str],
         slo: Slo,
         latencies: Sequence[str],
+        *,
+        lag_ms: int = KEEP_LAG_MS,
     ) -> None:
+        if lag_ms < 0:  # a watermark ahead of now would keep rows still being recorded
+            raise ValueError(f"the kept sums' lag must be 0 ms or more, not {lag_ms}")
         for name in latencies:
             if name not in ROLLOUT_LATENCIES:  # the document refuses others; never interpolate one
                 raise ValueError(f"unknown latency {name!r}")
         self.store = store
+        self.lag_ms = int(lag_ms)
         self.arms = tuple(arms)
         self.latencies = tuple(latencies)
         self.spec = spec_of(self.arms, slo, self.latencies)
@@ -555,11 +566,11 @@ class KeptStep:
         return _with_hists(got["since"], hists), self._check(state, got["tally"]) is not None
 
     def read(self, now_ms: int) -> State:
-        """The step's state now: kept sums folded as far as now_ms - KEEP_LAG_MS allows, plus
+        """The step's state now: kept sums folded as far as now_ms less the lag allows, plus
         what was recorded after them, checked against the samples (module docstring).
         Raises KeptStale when the kept sums disagree with the samples twice in a row."""
         state = self.newest()
-        upto = int(now_ms) - KEEP_LAG_MS
+        upto = int(now_ms) - self.lag_ms
         for _attempt in range(2):
             if state is None:
                 gen = next_generation(0)
@@ -576,7 +587,7 @@ class KeptStep:
             state = None  # stored late or removed since: build again from the samples
         raise KeptStale(
             "the step's kept sums disagree with its samples after a rebuild: rows recorded more "
-            f"than {KEEP_LAG_MS // 1000} s ago keep arriving"
+            f"than {self.lag_ms / 1000:g} s ago keep arriving"
         )
 
 

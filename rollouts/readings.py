@@ -106,11 +106,13 @@ def read_step(
     per_user: bool | None = None,
     keep: bool = False,
     now_ms: int | None = None,
+    keep_lag_ms: int = kept.KEEP_LAG_MS,
 ) -> StepReading:
     """The step's StepReading; ``error`` set (never raised) when the store cannot answer.
     ``per_user``: read the per-user aggregates (default: the plan's cluster_by_user).
     ``keep``: through the step's kept per-user sums (rollouts.kept), folded up to ``now_ms``
-    (default: now) less its lag; else (the default) every request of the step is read again.
+    (default: now) less ``keep_lag_ms``; else (the default) every request of the step is read
+    again.
     The controller reads through them unless ABPLAT_ROLLOUT_KEPT_SUMS is off: a look at a step
     of 34M requests costs 0.7 s through the kept sums against 22 s whole on ClickHouse
     18.16; a small step's costs more through them, but little (0.24 s against 0.05 s at 200k
@@ -123,7 +125,9 @@ def read_step(
         if keep:
             state = None
             try:
-                step = kept.KeptStep(store, experiment, revision, arms, slo, plan.latencies())
+                step = kept.KeptStep(
+                    store, experiment, revision, arms, slo, plan.latencies(), lag_ms=keep_lag_ms
+                )
                 state = step.read(int(time.time() * 1000) if now_ms is None else now_ms)
             except kept.KeptStale:
                 pass  # late rows keep arriving: this look reads the whole step

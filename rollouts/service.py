@@ -333,6 +333,7 @@ def _look(
             plan,
             slo_of(experiment),
             keep=settings.ROLLOUT_KEPT_SUMS,
+            keep_lag_ms=settings.ROLLOUT_KEPT_LAG_S * 1000,
         )
     decision = controller.decide_step(plan, state.as_state(), view, reading, db_now())
     note = _carry_out(experiment, plan, decision, owner, view)

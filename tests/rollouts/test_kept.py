@@ -82,9 +82,9 @@ def same(a, b) -> None:
                 np.testing.assert_allclose(p.cross, q.cross, rtol=1e-9)
 
 
-def look(store, exp, rev, now_ms, slo=SLO, plan=PLAN):
+def look(store, exp, rev, now_ms, slo=SLO, plan=PLAN, **kw):
     """The kept reading at now_ms and the whole one, checked equal; the kept one returned."""
-    got = read_step(store, exp, rev, plan, slo, keep=True, now_ms=now_ms)
+    got = read_step(store, exp, rev, plan, slo, keep=True, now_ms=now_ms, **kw)
     same(got, read_step(store, exp, rev, plan, slo, keep=False))
     return got
 
@@ -127,6 +127,33 @@ def test_a_row_stored_after_the_watermark_passed_it_is_counted(store):
     after = state(store, exp, rev)
     assert after.generation != before.generation and after.rows == before.rows + 50
     assert got.control.n + got.candidate.n + got.control.setup_errors + got.candidate.setup_errors == 4050
+
+
+def test_the_sums_are_kept_as_far_behind_now_as_the_lag_says(store):
+    exp, rev = "kept-lag", 12
+    store.insert_columns(samples(exp, rev, 20, T0, 10))
+    look(store, exp, rev, T0 + 10 * MIN, keep_lag_ms=30_000)
+    s = state(store, exp, rev)
+    assert s.upto_ms == T0 + 10 * MIN - 30_000 and 3000 < s.rows < 4000
+    # a row recorded 20 s before the watermark and stored after the fold: later than the lag,
+    # so the sums are built again, the row in them
+    late = samples(exp, rev, 21, T0 + 10 * MIN - 50_000, 1 / 3, run=RUN + 47)
+    store.insert_columns({k: v[:20] for k, v in late.items()})
+    look(store, exp, rev, T0 + 10 * MIN + 1000, keep_lag_ms=30_000)
+    rebuilt = state(store, exp, rev)
+    assert rebuilt.generation != s.generation and rebuilt.upto_ms == T0 + 10 * MIN - 29_000
+    # the lag raised to the default: now less it is behind the watermark; nothing is folded,
+    # what was recorded after the watermark is read
+    look(store, exp, rev, T0 + 11 * MIN)
+    assert state(store, exp, rev).fold == rebuilt.fold
+    # lowered to 5 s: everything kept
+    look(store, exp, rev, T0 + 12 * MIN, keep_lag_ms=5_000)
+    assert state(store, exp, rev).rows == 4020
+
+
+def test_a_negative_lag_is_refused():
+    with pytest.raises(ValueError, match="lag must be 0 ms or more, not -1"):
+        kept.KeptStep(None, "e", 1, ("a", "b"), SLO, ("ttft_ms",), lag_ms=-1)
 
 
 def test_a_duplicate_recording_removed_after_the_fold_is_no_longer_counted(store):
