@@ -211,9 +211,10 @@ def _settings(env: Reader) -> dict[str, Any]:
     # whole step again.
     ROLLOUT_KEPT_SUMS = env.env_bool("ABPLAT_ROLLOUT_KEPT_SUMS", True)
     # How far behind now the kept sums stay, in whole seconds: what was recorded since is read
-    # afresh at every look. A row stored later than this after its recorded time builds the sums
-    # again (one whole read); a shorter lag reads less at every look (rollouts/kept.py).
-    ROLLOUT_KEPT_LAG_S = env.env_int("ABPLAT_ROLLOUT_KEPT_LAG_S", 120, minimum=5, maximum=3600)
+    # afresh at every look. A row stored later than this after its recorded time (a store outage
+    # that long) builds the sums again, one look reading the whole step; a longer lag reads more
+    # at every look (rollouts/kept.py KEEP_LAG_MS).
+    ROLLOUT_KEPT_LAG_S = env.env_int("ABPLAT_ROLLOUT_KEPT_LAG_S", 30, minimum=5, maximum=3600)
     # ---- the live gateway: docs/gateway.md, gateway/config.py checks the rest ----
     # keys: every client sends "Authorization: Bearer KEY" listed in the keys file (one
     # "TENANT KEY" a line); none: no client auth (development and tests only).

@@ -51,7 +51,7 @@ Stages, each short enough to run under the shared bench lock:
   at the end. The cluster's ratio against one server as two hosts against one would show it,
   which two shards sharing this machine's cores cannot.
 - kept: rollout looks through the step's kept per-user sums (rollouts.kept) against the whole
-  read (measure's look): the first kept look, which builds them, then two looks a minute apart
+  read (measure's look): the first kept look, which builds them, then --kept-looks a minute apart
   while --rate requests a second arrive, at revision 1 and at measure's look tables (those alone
   with --own-tables), the sums kept --lag seconds behind; each kept reading checked equal to the
   whole one.
@@ -73,6 +73,7 @@ import sys
 import time
 import urllib.parse
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -152,9 +153,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--lag",
-        default="120",
+        default="30",
         help="kept: the kept sums' lag in seconds, ABPLAT_ROLLOUT_KEPT_LAG_S (comma-separated)",
     )
+    ap.add_argument("--kept-looks", type=int, default=5, help="kept: looks after the first, a minute apart")
     ap.add_argument(
         "--own-tables", action="store_true", help="kept: the look tables alone, not the 100M run's step"
     )
@@ -701,14 +703,14 @@ def kept(args: argparse.Namespace, target: str) -> None:
     """Rollout looks through the step's kept per-user sums (rollouts.kept) against reading the
     whole step (keep=False), on revision 1 of the 100M run and on the look tables of `measure`
     (those alone with --own-tables), at each --lag and each --rate: the first kept look (it
-    builds the sums from every request of the step), then two looks a minute apart while live
-    traffic of the same users arrives at the rate (a minute and the lag before the first: the
-    minute to fold, the lag's to read afresh; the minute since before the second), then the kept
-    rows compacted and a look from the compacted generation.
+    builds the sums from every request of the step), then --kept-looks looks a minute apart
+    while live traffic of the same users arrives at the rate (a minute and the lag before the
+    first: the minute to fold, the lag's to read afresh; the minute since before each of the
+    others), then the kept rows compacted and a look from the compacted generation.
     Every kept reading equals the whole one (counts, users and histograms exactly, moments to
     1e-9). The new samples go to a partition of their own (sent in 2030-01), dropped after, with
-    the kept sums. Last, the later looks per lag and rate side by side, with the ratio of the
-    most users' to the fewest's."""
+    the kept sums. Last, the later looks' medians per lag and rate side by side, with the ratio
+    of the most users' to the fewest's."""
 
     plan = rollout_plan()
     steps = [] if args.own_tables else [(None, "the 100M run's revision 1")]
@@ -729,16 +731,17 @@ def kept(args: argparse.Namespace, target: str) -> None:
                             "label": label,
                             "lag_s": lag_s,
                             "rate": rate,
-                            **kept_looks(store, plan, label, lag_s, rate),
+                            **kept_looks(store, plan, label, lag_s, rate, args.kept_looks),
                         }
                     )
                     st = out[-1]
                     print(
                         f"{label}, lag {lag_s} s, {rate:,.0f} req/s: {st['users']:,} users, {st['requests']:,} "
                         f"requests: whole {st['whole_s']:.2f} s; kept: first {st['first_s']:.2f} s, then "
-                        f"{st['steady_s'][0]:.3f} s and {st['steady_s'][1]:.3f} s "
-                        f"({min(st['steady_s']) / st['whole_s']:.3f}x the whole; units in the traffic each "
-                        f"look is the first to see: {st['traffic_units'][0]:,}, {st['traffic_units'][1]:,}); "
+                        f"{len(st['steady_s'])} looks, median {median(st['steady_s']):.3f} s "
+                        f"({', '.join(f'{x:.3f}' for x in st['steady_s'])}; the median "
+                        f"{median(st['steady_s']) / st['whole_s']:.3f}x the whole; units in the traffic each "
+                        f"look is the first to see: {', '.join(f'{x:,}' for x in st['traffic_units'])}); "
                         f"compacting {st['compact_rows']:,} kept rows {st['compact_s']:.2f} s",
                         flush=True,
                     )
@@ -750,7 +753,7 @@ def kept(args: argparse.Namespace, target: str) -> None:
 
 
 def kept_sweep(out: list[dict]) -> str:
-    """The later looks (their mean) per lag and rate, a column per step, and the ratio of the
+    """The later looks (their median) per lag and rate, a column per step, and the ratio of the
     step with the most users to the one with the fewest."""
     labels = list(dict.fromkeys(st["label"] for st in out))
     users = {lb: max(st["users"] for st in out if st["label"] == lb) for lb in labels}
@@ -759,7 +762,7 @@ def kept_sweep(out: list[dict]) -> str:
         "| lag s | req/s | " + " | ".join(f"{lb}, s" for lb in labels) + f" | {most} / {fewest} |",
         "|---:|---:|" + "---:|" * (len(labels) + 1),
     ]
-    cells = {(st["lag_s"], st["rate"], st["label"]): sum(st["steady_s"]) / 2 for st in out}
+    cells = {(st["lag_s"], st["rate"], st["label"]): median(st["steady_s"]) for st in out}
     for lag_s, rate in dict.fromkeys((st["lag_s"], st["rate"]) for st in out):
         row = [cells.get((lag_s, rate, lb)) for lb in labels]
         a, b = cells.get((lag_s, rate, most)), cells.get((lag_s, rate, fewest))
@@ -772,7 +775,7 @@ def kept_sweep(out: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def kept_looks(store, plan, label: str, lag_s: int, rate: float) -> dict:
+def kept_looks(store, plan, label: str, lag_s: int, rate: float, looks: int) -> dict:
     """One step's kept looks at one lag and rate (kept's docstring), checked; their figures."""
     from analysis.definitions import Slo
     from rollouts import kept as keptmod
@@ -812,7 +815,7 @@ def kept_looks(store, plan, label: str, lag_s: int, rate: float) -> dict:
         first_s = time.perf_counter() - t
         same_reading(whole, first, f"{what}: first kept look")
         steady, touched = [], []
-        for k in range(2):
+        for k in range(looks):
             # recorded after the first look's watermark (its now - lag), none of it late
             lead_s = 60 + lag_s
             since = now - lag_ms + 1 + (0 if k == 0 else (lead_s + (k - 1) * 60) * 1000)
@@ -840,7 +843,7 @@ def kept_looks(store, plan, label: str, lag_s: int, rate: float) -> dict:
         check(compacted.generation != state.generation, f"{what}: compaction made no generation")
         same_reading(
             read_step(store, EXPERIMENT, 1, plan, slo, keep=False),
-            look(now + 2 * 60_000),
+            look(now + looks * 60_000),
             f"{what}: after compaction",
         )
     finally:
@@ -1069,14 +1072,14 @@ def table(database: str) -> None:
         print()
         print(
             f"| rollout look through the kept sums, {target} | lag s | req/s arriving | users | requests | "
-            "whole s | first kept s | next looks s | kept / whole | compaction: rows, s |"
+            "whole s | first kept s | next looks s: median (range) | kept / whole | compaction: rows, s |"
         )
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for st in k["steps"]:
-            nxt = " / ".join(f"{x:.3f}" for x in st["steady_s"])
+            nxt = f"{median(st['steady_s']):.3f} ({min(st['steady_s']):.3f}-{max(st['steady_s']):.3f})"
             print(
                 f"| {st['label']} | {st['lag_s']} | {st['rate']:,.0f} | {st['users']:,} | {st['requests']:,} | "
-                f"{st['whole_s']:.2f} | {st['first_s']:.2f} | {nxt} | {min(st['steady_s']) / st['whole_s']:.3f}x | "
+                f"{st['whole_s']:.2f} | {st['first_s']:.2f} | {nxt} | {median(st['steady_s']) / st['whole_s']:.3f}x | "
                 f"{st['compact_rows']:,}, {st['compact_s']:.2f} |"
             )
         print()

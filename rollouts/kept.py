@@ -76,14 +76,13 @@ from stats.sequential.quantiles import latency_edges
 FORMAT = 2
 EDGES = latency_edges(60_000.0, 1.0)  # 0..60 s at 1 ms; slower lands in the overflow bucket
 # Samples recorded in the last KEEP_LAG_MS (the default lag; ABPLAT_ROLLOUT_KEPT_LAG_S) are read
-# afresh at every look and never kept: rows reach the store a few seconds after their recorded
-# time (the gateway's recorder within about one; a spool after a store outage as late as the
-# outage), and a row stored after the watermark passed its recorded time forces a rebuild. A
-# shorter lag reads less at every look (the lag's traffic is grouped afresh each time: at 10^6
-# users and 1,000 req/s 0.55-0.63 s at 30 s against 0.71-0.72 s at 120 s; at 10,000 req/s
-# 3.0-4.1 s against 5.9-6.5 s: bench/RESULTS.md "How a look's cost grows with the traffic") and
-# rebuilds after a shorter outage.
-KEEP_LAG_MS = 120_000
+# afresh at every look and never kept. Rows reach the store about a second after their recorded
+# time (the gateway's recorder; 5 s more per failed insert it retries), later only after a store
+# outage (the spool), and a row stored after the watermark passed its recorded time builds the
+# sums again: 30 s leaves room for five retries. A longer lag reads more at every look: the lag's
+# traffic is grouped afresh each time (bench/RESULTS.md "How a look's cost grows with the
+# traffic").
+KEEP_LAG_MS = 30_000
 # A request recorded after the watermark was sent at most this long before it (see _after).
 SENT_BEFORE_MS = 3_600_000
 # A fold moves the watermark by at least this much (a look in between reads from the last one).

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.services
 
 T0 = 1_750_000_000_000  # the step's first recorded_ms
 MIN = 60_000
+LAG = 2 * MIN  # the kept sums' lag the looks below are timed for (not the default's 30 s)
 SLO = Slo(200.0)
 
 
@@ -84,6 +85,7 @@ def same(a, b) -> None:
 
 def look(store, exp, rev, now_ms, slo=SLO, plan=PLAN, **kw):
     """The kept reading at now_ms and the whole one, checked equal; the kept one returned."""
+    kw.setdefault("keep_lag_ms", LAG)
     got = read_step(store, exp, rev, plan, slo, keep=True, now_ms=now_ms, **kw)
     same(got, read_step(store, exp, rev, plan, slo, keep=False))
     return got
@@ -142,8 +144,8 @@ def test_the_sums_are_kept_as_far_behind_now_as_the_lag_says(store):
     look(store, exp, rev, T0 + 10 * MIN + 1000, keep_lag_ms=30_000)
     rebuilt = state(store, exp, rev)
     assert rebuilt.generation != s.generation and rebuilt.upto_ms == T0 + 10 * MIN - 29_000
-    # the lag raised to the default: now less it is behind the watermark; nothing is folded,
-    # what was recorded after the watermark is read
+    # the lag raised to 2 minutes: now less it is behind the watermark; nothing is folded, what
+    # was recorded after the watermark is read
     look(store, exp, rev, T0 + 11 * MIN)
     assert state(store, exp, rev).fold == rebuilt.fold
     # lowered to 5 s: everything kept
@@ -180,7 +182,7 @@ def test_a_fold_that_stopped_before_its_state_is_built_again(store, monkeypatch)
 
     monkeypatch.setattr(kept.KeptStep, "_write_state", crash)
     with pytest.raises(RuntimeError):
-        read_step(store, exp, rev, PLAN, Slo(200.0), keep=True, now_ms=T0 + 20 * MIN)
+        read_step(store, exp, rev, PLAN, Slo(200.0), keep=True, now_ms=T0 + 20 * MIN, keep_lag_ms=LAG)
     monkeypatch.undo()
     # the fold's user sums are there, its state is not: never counted twice
     assert (
@@ -258,7 +260,7 @@ def test_a_look_after_the_fold_reads_only_the_parts_written_since(store):
     new_parts = step_parts(store, exp) - kept_parts
     assert new_parts
     spy = Spy(store)
-    got = read_step(spy, exp, rev, PLAN, Slo(200.0), keep=True, now_ms=T0 + 20 * MIN + 1000)
+    got = read_step(spy, exp, rev, PLAN, Slo(200.0), keep=True, now_ms=T0 + 20 * MIN + 1000, keep_lag_ms=LAG)
     same(got, read_step(store, exp, rev, PLAN, Slo(200.0), keep=False))
     assert not any(q.startswith("INSERT") for q in spy.sql)  # nothing to fold
     # every read of the samples (the new rows grouped by unit, their histograms, the check's
@@ -282,7 +284,7 @@ def test_rows_that_keep_arriving_late_fall_back_to_reading_the_whole_step(store,
         raise kept.KeptStale("late rows")
 
     monkeypatch.setattr(kept.KeptStep, "read", stale)
-    got = read_step(store, exp, rev, PLAN, Slo(200.0), keep=True, now_ms=T0 + 20 * MIN)
+    got = read_step(store, exp, rev, PLAN, Slo(200.0), keep=True, now_ms=T0 + 20 * MIN, keep_lag_ms=LAG)
     assert calls == [T0 + 20 * MIN]
     same(got, plain)
 
@@ -291,7 +293,7 @@ def test_the_kept_check_gives_up_after_two_disagreements(store, monkeypatch):
     exp, rev = "kept-late-again", 11
     store.insert_columns(samples(exp, rev, 12, T0, 10))
     look(store, exp, rev, T0 + 20 * MIN)
-    step = kept.KeptStep(store, exp, rev, ("base", "cand"), Slo(200.0), PLAN.latencies())
+    step = kept.KeptStep(store, exp, rev, ("base", "cand"), Slo(200.0), PLAN.latencies(), lag_ms=LAG)
     late = samples(exp, rev, 13, T0 + MIN, 1, run=RUN + 44)
     real = step._tally
     sent = []
@@ -340,7 +342,7 @@ def test_the_state_is_written_after_the_user_sums(store):
     exp, rev = "kept-order", 12
     store.insert_columns(samples(exp, rev, 14, T0, 10))
     spy = Spy(store)
-    read_step(spy, exp, rev, PLAN, Slo(200.0), keep=True, now_ms=T0 + 20 * MIN)
+    read_step(spy, exp, rev, PLAN, Slo(200.0), keep=True, now_ms=T0 + 20 * MIN, keep_lag_ms=LAG)
     inserts = [q.split(" (")[0] for q in spy.sql if q.startswith("INSERT")]
     assert inserts == [f"INSERT INTO {ROLLOUT_USER_SUMS_TABLE}", f"INSERT INTO {ROLLOUT_FOLDS_TABLE}"]
 

@@ -481,7 +481,7 @@ def test_looks_read_the_step_through_its_kept_sums_unless_turned_off(
     later = readings.time.time() + 600
     monkeypatch.setattr(readings, "time", types.SimpleNamespace(time=lambda: later))
     settings.ROLLOUT_KEPT_SUMS = True
-    settings.ROLLOUT_KEPT_LAG_S = 30
+    settings.ROLLOUT_KEPT_LAG_S = 45
     through = service.look(KEY, interval_s=0)
     assert through.decision.action == c.HOLD and through.note == whole.note
     a, b = (dict(r.decision.as_dict()["numbers"]["verdict"]) for r in (whole, through))
@@ -489,4 +489,4 @@ def test_looks_read_the_step_through_its_kept_sums_unless_turned_off(
     assert a == b and a["n_control"] == 90
     assert [f["rows"] for f in folds()] == [100]
     upto = ch_store.query(f"SELECT upto_ms FROM {ROLLOUT_FOLDS_TABLE} WHERE experiment = %(e)s", {"e": KEY})
-    assert upto == [(int(later * 1000) - 30_000,)]  # kept up to now less the setting's lag
+    assert upto == [(int(later * 1000) - 45_000,)]  # kept up to now less the setting's lag
