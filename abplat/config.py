@@ -207,7 +207,7 @@ def _settings(env: Reader) -> dict[str, Any]:
     ROLLOUT_INTERVAL_S = env.env_int("ABPLAT_ROLLOUT_INTERVAL_S", 60, minimum=1, maximum=86400)
     # A look reads the step through its per-user sums kept in the sample store between looks
     # (rollouts/kept.py): the parts written since the last look, not every request of the step
-    # (0.7 s against 22 s at 34M requests, bench/RESULTS.md). Off: every look reads the
+    # (0.5 s against 20 s at 34M requests, bench/RESULTS.md). Off: every look reads the
     # whole step again.
     ROLLOUT_KEPT_SUMS = env.env_bool("ABPLAT_ROLLOUT_KEPT_SUMS", True)
     # How far behind now the kept sums stay, in whole seconds: what was recorded since is read

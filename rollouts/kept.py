@@ -4,7 +4,8 @@ what arrived since the last one instead of every request of the step again.
 Why: a look reduces the step to a few numbers per arm (rollouts/readings.py), but reducing them
 from the samples means grouping every request of the step by user each minute: 15 s at 669k
 users and 33M requests on a 2-core ClickHouse 18.16 server. Through the kept sums a look at that
-size takes 0.7 s (bench/RESULTS.md, "Rollout looks through kept per-user sums").
+size takes 0.5 s at 1,000 req/s arriving (bench/RESULTS.md, "Rollout looks through kept
+per-user sums"); what a look costs follows the units the traffic since the last one touches.
 
 What is kept, per (experiment, config revision, spec), in two tables (samples.schema, migration
 12):

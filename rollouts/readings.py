@@ -114,8 +114,8 @@ def read_step(
     (default: now) less ``keep_lag_ms``; else (the default) every request of the step is read
     again.
     The controller reads through them unless ABPLAT_ROLLOUT_KEPT_SUMS is off: a look at a step
-    of 34M requests costs 0.7 s through the kept sums against 22 s whole on ClickHouse
-    18.16; a small step's costs more through them, but little (0.24 s against 0.05 s at 200k
+    of 34M requests costs 0.5 s through the kept sums against 20 s whole on ClickHouse
+    18.16; a small step's costs more through them, but little (0.2 s against 0.05 s at 280k
     requests): bench/RESULTS.md "Rollout looks through kept per-user sums"."""
     params: dict[str, Any] = {"experiment": experiment, "revision": int(revision)}
     arms = (plan.control, plan.candidate)
