@@ -80,9 +80,10 @@ EDGES = latency_edges(60_000.0, 1.0)  # 0..60 s at 1 ms; slower lands in the ove
 # afresh at every look and never kept. Rows reach the store about a second after their recorded
 # time (the gateway's recorder; 5 s more per failed insert it retries), later only after a store
 # outage (the spool), and a row stored after the watermark passed its recorded time builds the
-# sums again: 30 s leaves room for five retries. A longer lag reads more at every look: the lag's
-# traffic is grouped afresh each time (bench/RESULTS.md "How a look's cost grows with the
-# traffic").
+# sums again: 30 s leaves room for five retries (and for the gateway hosts' clocks, which stamp
+# recorded_ms at each request's end, to differ from the workers' by seconds). A longer lag reads
+# more at every look: the lag's traffic is grouped afresh each time (bench/RESULTS.md "How a
+# look's cost grows with the traffic").
 KEEP_LAG_MS = 30_000
 # A request recorded after the watermark was sent at most this long before it (see _after).
 SENT_BEFORE_MS = 3_600_000
