@@ -815,9 +815,9 @@ def kept_looks(store, plan, label: str, lag_s: int, rate: float, looks: int) -> 
         first_s = time.perf_counter() - t
         same_reading(whole, first, f"{what}: first kept look")
         steady, touched = [], []
+        lead_s = 60 + lag_s  # the first later look's traffic: the minute to fold and the lag
         for k in range(looks):
             # recorded after the first look's watermark (its now - lag), none of it late
-            lead_s = 60 + lag_s
             since = now - lag_ms + 1 + (0 if k == 0 else (lead_s + (k - 1) * 60) * 1000)
             touched.append(
                 traffic(store, synthetic, users, rate, since, lead_s if k == 0 else 60, seed=50 + k)

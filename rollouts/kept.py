@@ -24,10 +24,10 @@ A look (``read``):
    between its two writes) make the generation unusable: a new one is built.
 2. Fold, when the watermark can move by FOLD_EVERY_MS: the samples recorded after the watermark
    and up to ``now`` less the lag (KEEP_LAG_MS unless told) are summed per unit into the user
-   sums, the moments'
-   increment is computed from the units they touch alone (analysis.units.moments_of_vectors:
-   per product, (k + d)_a (k + d)_b - k_a k_b), checked (4.) and the new state written. A
-   generation whose rows outnumber its units COMPACT_ABOVE times is summed into one row per unit.
+   sums, the moments' increment is computed from the units they touch alone
+   (analysis.units.moments_of_vectors: per product, (k + d)_a (k + d)_b - k_a k_b), checked (4.)
+   and the new state written. A generation whose rows outnumber its units COMPACT_ABOVE times is
+   summed into one row per unit.
 3. Read: the state, plus the increment of the samples recorded after the watermark (grouped per
    unit, with those units' kept sums), plus their histograms: beside the fold's own reads when
    the look folds (they need the fold's user sums, not its moments).
