@@ -645,6 +645,7 @@ def _unlink(path: str) -> None:
 def serve(spool_dir: str, *, idle_exit_s: float | None = None, stop: threading.Event | None = None) -> int:
     """`manage.py gateway_recorder`: the host's recorder until SIGTERM/SIGINT (or, with
     ``idle_exit_s``, until idle that long). 0, or 3 when another recorder holds the lock."""
+    import faulthandler
     import signal
 
     # Below the gateway's processes in the CPU scheduler: on a host whose cores are busy, a
@@ -660,6 +661,9 @@ def serve(spool_dir: str, *, idle_exit_s: float | None = None, stop: threading.E
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
+        # `kill -USR1 <pid>`: every thread's stack to stderr (recorder.log when a gateway started
+        # it), to see where a recorder that does not stop or does not drain is waiting
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     log.info("live recorder: pid %s on %s (%s)", os.getpid(), rec.dir, socket.gethostname())
     rec.start()
     rec.run(stop, idle_exit_s=idle_exit_s)

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.parse
 import uuid
 from pathlib import Path
@@ -89,15 +90,34 @@ def gateway_env(tmp_path, clickhouse_server):
         store.close()
 
 
-def stop_recorder(spool_dir: str) -> None:
+def recorder_log(directory: str) -> str:
+    """What the recorder a gateway started on the queue ``directory`` wrote (its stdout and stderr)."""
+    try:
+        return Path(directory, "recorder.log").read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def stop_recorder(spool_dir: str, limit_s: float = 60.0) -> None:
     """SIGTERM the recorder process a gateway started on ``spool_dir`` (if it still runs): it
-    drains and exits; a test leaves no process behind."""
+    drains and exits; a test leaves no process behind. One still running after ``limit_s`` fails
+    the test with its log and every thread's stack (SIGUSR1), then is killed."""
     directory = record_queue.queue_dir(spool_dir)
     pid = record_queue.recorder_pid(directory)
     if pid is None or not record_queue.recorder_running(directory):
         return
     os.kill(pid, signal.SIGTERM)
-    wait_until(lambda: not record_queue.recorder_running(directory), "the recorder stopped", limit_s=60.0)
+    deadline = time.monotonic() + limit_s
+    while record_queue.recorder_running(directory):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGUSR1)
+            time.sleep(2.0)  # faulthandler writes from its own signal handler
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError(
+                f"the recorder (pid {pid}) did not stop within {limit_s:g} s of SIGTERM; its log and "
+                f"stacks:\n{recorder_log(directory)[-20000:]}"
+            )
+        time.sleep(0.005)
 
 
 def start_child(env: dict, count: int, tag: str) -> subprocess.Popen:
@@ -200,3 +220,27 @@ def test_a_gateway_killed_mid_batch_and_restarted_duplicates_nothing_and_loses_n
         "both runs catalogued done",
         60.0,
     )
+
+
+def test_sigusr1_writes_the_recorder_s_stacks_to_its_log_and_it_goes_on_and_stops_on_sigterm(
+    gateway_env, tmp_path
+):
+    env, _proxy, store = gateway_env
+    child = start_child(env, 30, "s")
+    out, _ = child.communicate(timeout=120)
+    assert child.returncode == 0 and "CLOSED True" in out, out[-2000:]
+    directory = record_queue.queue_dir(str(tmp_path / "spool"))
+    pid = record_queue.recorder_pid(directory)
+    assert pid is not None and record_queue.recorder_running(directory)  # idle, it waits 10 s
+
+    os.kill(pid, signal.SIGUSR1)
+    wait_until(lambda: "most recent call first" in recorder_log(directory), "the stacks in recorder.log")
+    log = recorder_log(directory)
+    # the main thread waits in its reading loop, the flush loop's thread on its queue
+    assert "in run" in log and "recorder_process.py" in log and "flush.py" in log, log[-4000:]
+    assert record_queue.recorder_running(directory)  # a dump, not an exit
+
+    stop_recorder(str(tmp_path / "spool"), limit_s=30.0)
+    assert not record_queue.recorder_running(directory)
+    [(n,)] = store.query("SELECT count() FROM samples WHERE request_id LIKE 's-%%'")
+    assert n == 30
