@@ -23,7 +23,9 @@ Two blocks of components, each over its own requests:
 - "ttft", the successful requests with a TTFT (the report's latency population): count, TTFT,
   TTFT^2 (the unclustered standard error), each covariate and product, covariate * TTFT.
 Products are taken within a block, and not between two metrics' own components (hits and
-errors): no statistic needs those.
+errors): no statistic needs those. A reader that needs some metrics alone reads their blocks
+alone (``blocks``, blocks_of: a rollout step's guardrails read "all", not "ttft"); the arrays keep
+their layout, the blocks not read hold zeros, and UnitMoments refuses to build a metric from one.
 
 Covariates (COVARIATES): prompt_tokens and max_tokens, both fixed by the client before the
 variant sees the request. Never output tokens, chunks or anything the variant's response
@@ -180,6 +182,10 @@ def layout(slo: Slo | None = None) -> Layout:
     return Layout(tuple(b[0] for b in blocks), comps, total, cross)
 
 
+# Every block, in layout order ("all", "ttft").
+BLOCKS = layout().blocks
+
+
 def moments_select(
     f: Filters,
     slo: Slo,
@@ -187,20 +193,24 @@ def moments_select(
     head: Sequence[str] = (),
     extra: Sequence[str] = (),
     table: str = SAMPLES,
+    blocks: Sequence[str] | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """SELECT variant[, head...], counts (Array(UInt64)), sums (Array(Float64)) per variant over
     the samples in f: the per-unit moments (module docstring), for the raw reader, the rollup
     build and a rollout step's reading. ``head``: SQL placed before variant (the rollup's build
     id); ``extra``: more conditions on the samples (a rollout step's config revision; their
     parameters are the caller's to add); ``table``: the samples table read (a shard's own,
-    SampleStore.unit_shards)."""
+    SampleStore.unit_shards); ``blocks``: those alone (every one by default), the others zeros."""
     if unit not in UNITS:
         raise ValueError(f"unit must be one of {UNITS}, got {unit!r}")
-    blocks, params = _blocks(slo)
+    chosen = _chosen(blocks)
+    parts_of, params = _blocks(slo)
     lay = layout(slo)
     inner: list[str] = []
     names: dict[tuple[str, str], str] = {}
-    for name, cond, parts, _squares in blocks:
+    for name, cond, parts, _squares in parts_of:
+        if name not in chosen:
+            continue
         for c, expr in parts:
             alias = f"c{len(inner)}"
             names[(name, c)] = alias
@@ -208,15 +218,17 @@ def moments_select(
                 inner.append(f"{'sumIf' if cond else 'sum'}({expr}{f', {cond}' if cond else ''}) AS {alias}")
             else:
                 inner.append(f"{f'if({cond}, {expr}, 0)' if cond else expr} AS {alias}")
-    counts = []
-    for name in lay.blocks:
-        n = names[(name, "n")]
-        counts += [f"toUInt64(countIf({n} > 0))", f"toUInt64(max({n}))"]
-    sums = [""] * (len(lay.total) + len(lay.cross))
+    counts, sums = _unread(lay, chosen)
+    for b_i, name in enumerate(lay.blocks):
+        if name in chosen:
+            n = names[(name, "n")]
+            counts[2 * b_i : 2 * b_i + 2] = [f"toUInt64(countIf({n} > 0))", f"toUInt64(max({n}))"]
     for (name, c), i in lay.total.items():
-        sums[i] = f"sum({names[(name, c)]})"
+        if name in chosen:
+            sums[i] = f"sum({names[(name, c)]})"
     for (name, a, b), i in lay.cross.items():
-        sums[i] = f"sum({names[(name, a)]} * {names[(name, b)]})"
+        if name in chosen:
+            sums[i] = f"sum({names[(name, a)]} * {names[(name, b)]})"
     fw, fparams = from_where(f, extra, table)
     if unit == "user":
         arm, group = "any(variant)", f" GROUP BY {CLUSTER_KEY}"  # one variant per key
@@ -224,40 +236,76 @@ def moments_select(
         arm, group = "variant", ""
     sql = (
         f"SELECT {''.join(h + ', ' for h in head)}toString(arm) AS variant, "
-        f"[{', '.join(counts)}] AS counts, [{', '.join(sums)}] AS sums "
+        f"[{', '.join(map(str, counts))}] AS counts, [{', '.join(map(str, sums))}] AS sums "
         f"FROM (SELECT {arm} AS arm, {', '.join(inner)} {fw}{group}) GROUP BY arm"
     )
     return sql, {**params, **fparams}
 
 
-def vector_sums(slo: Slo) -> tuple[list[str], dict[str, Any]]:
-    """The per-unit sums of v's components as aggregates over the samples, one per component in
-    ``vector_positions`` order, for a query that reads setup errors too (a rollout step's kept
-    sums count them apart): every sum is conditioned on JUDGED, the "ttft" block's also on a
-    successful TTFT, so the sums are moments_select's inner ones. Their SQL parameters."""
-    blocks, params = _blocks(slo)
+def blocks_of(metrics: Sequence[str]) -> tuple[str, ...]:
+    """The blocks holding these metrics (METRICS), in layout order."""
+    want = {METRICS[m].block for m in metrics}
+    return tuple(b for b in BLOCKS if b in want)
+
+
+def _chosen(blocks: Sequence[str] | None) -> tuple[str, ...]:
+    """``blocks`` checked (None: every block), in layout order."""
+    if blocks is None:
+        return BLOCKS
+    unknown = set(blocks) - set(BLOCKS)
+    if unknown or not blocks:
+        raise ValueError(f"blocks must be some of {BLOCKS}, got {tuple(blocks)}")
+    return tuple(b for b in BLOCKS if b in blocks)
+
+
+def vector_sums(slo: Slo, blocks: Sequence[str] | None = None) -> tuple[list[str], dict[str, Any]]:
+    """The per-unit sums of v's components (of ``blocks``, every one by default) as aggregates
+    over the samples, one per component in ``vector_positions`` order, for a query that reads
+    setup errors too (a rollout step's kept sums count them apart): every sum is conditioned on
+    JUDGED, the "ttft" block's also on a successful TTFT, so the sums are moments_select's inner
+    ones. Their SQL parameters."""
+    chosen = _chosen(blocks)
+    parts_of, params = _blocks(slo)
     out = []
-    for _name, cond, parts, _squares in blocks:
-        where = f"{JUDGED} AND {cond}" if cond else JUDGED
-        out += [f"sumIf({expr}, {where})" for _c, expr in parts]
+    for name, cond, parts, _squares in parts_of:
+        if name in chosen:
+            where = f"{JUDGED} AND {cond}" if cond else JUDGED
+            out += [f"sumIf({expr}, {where})" for _c, expr in parts]
     return out, params
 
 
-def vector_positions() -> dict[tuple[str, str], int]:
-    """(block, component) -> its 0-based position in a unit's vector of sums (vector_sums)."""
-    return {key: i for i, key in enumerate(layout().total)}
+def vector_positions(blocks: Sequence[str] | None = None) -> dict[tuple[str, str], int]:
+    """(block, component) -> its 0-based position in a unit's vector of sums of ``blocks``
+    (vector_sums)."""
+    chosen = _chosen(blocks)
+    return {key: i for i, key in enumerate(k for k in layout().total if k[0] in chosen)}
 
 
-def moments_of_vectors(k: str, d: str | None = None) -> tuple[str, str]:
-    """(counts, sums) SELECT expressions, in layout() order, over units whose sums of v are an
-    Array(Float64) column (vector_sums' order): moments_select's outer part.
+def _unread(lay: Layout, chosen: tuple[str, ...]) -> tuple[list[str | None], list[str | None]]:
+    """The counts and sums arrays of a query over ``chosen`` blocks: zeros in the others' places
+    (literal SQL), None where the query computes the number."""
+    counts: list[str | None] = []
+    for block in lay.blocks:
+        counts += [None, None] if block in chosen else ["toUInt64(0)", "toUInt64(0)"]
+    sums: list[str | None] = [None] * (len(lay.total) + len(lay.cross))
+    for key, i in [*lay.total.items(), *lay.cross.items()]:
+        if key[0] not in chosen:
+            sums[i] = "toFloat64(0)"
+    return counts, sums
+
+
+def moments_of_vectors(k: str, d: str | None = None, blocks: Sequence[str] | None = None) -> tuple[str, str]:
+    """(counts, sums) SELECT expressions, in layout() order, over units whose sums of v (of
+    ``blocks``, every one by default) are an Array(Float64) column (vector_sums' order):
+    moments_select's outer part; the blocks not read are zeros.
 
     With ``d``: the moments' increment when units holding ``k`` (kept; an empty array for a unit
     not seen before) gain ``d``: the clusters that are new (k's count 0, d's above 0), the
     largest count after the gain, the totals of d, and per product a*b the sum of
     (k_a + d_a)(k_b + d_b) - k_a k_b. UnitMoments.add of the kept moments and this increment is
     the moments of k + d (an empty array reads 0 at every index)."""
-    lay, pos = layout(), vector_positions()
+    chosen = _chosen(blocks)
+    lay, pos = layout(), vector_positions(chosen)
 
     def at(col: str, key: tuple[str, str]) -> str:
         return f"{col}[{pos[key] + 1}]"
@@ -265,21 +313,24 @@ def moments_of_vectors(k: str, d: str | None = None) -> tuple[str, str]:
     def now(key: tuple[str, str]) -> str:
         return at(k, key) if d is None else f"({at(k, key)} + {at(d, key)})"
 
-    counts = []
-    for block in lay.blocks:
-        n = (block, "n")
-        new = f"{now(n)} > 0" if d is None else f"{at(k, n)} = 0 AND {at(d, n)} > 0"
-        counts += [f"toUInt64(countIf({new}))", f"toUInt64(max({now(n)}))"]
-    sums = [""] * (len(lay.total) + len(lay.cross))
+    counts, sums = _unread(lay, chosen)
+    for b_i, block in enumerate(lay.blocks):
+        if block in chosen:
+            n = (block, "n")
+            new = f"{now(n)} > 0" if d is None else f"{at(k, n)} = 0 AND {at(d, n)} > 0"
+            counts[2 * b_i : 2 * b_i + 2] = [f"toUInt64(countIf({new}))", f"toUInt64(max({now(n)}))"]
     for key, i in lay.total.items():
-        sums[i] = f"sum({at(k if d is None else d, key)})"
+        if key[0] in chosen:
+            sums[i] = f"sum({at(k if d is None else d, key)})"
     for (block, a, b), i in lay.cross.items():
+        if block not in chosen:
+            continue
         ka, kb = (block, a), (block, b)
         if d is None:
             sums[i] = f"sum({at(k, ka)} * {at(k, kb)})"
         else:
             sums[i] = f"sum({now(ka)} * {now(kb)} - {at(k, ka)} * {at(k, kb)})"
-    return f"[{', '.join(counts)}]", f"[{', '.join(sums)}]"
+    return f"[{', '.join(map(str, counts))}]", f"[{', '.join(map(str, sums))}]"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,33 +339,51 @@ def moments_of_vectors(k: str, d: str | None = None) -> tuple[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class UnitMoments:
-    """One variant's moments as the query returns them (flat arrays in ``layout()`` order)."""
+    """One variant's moments as the query returns them (flat arrays in ``layout()`` order), of
+    the blocks read (``blocks``; the others hold zeros)."""
 
     counts: tuple[int, ...]
     sums: np.ndarray
+    blocks: tuple[str, ...] = ()  # () for every block (BLOCKS)
 
     @classmethod
-    def from_row(cls, counts: Sequence[Any], sums: Sequence[Any]) -> UnitMoments:
+    def from_row(
+        cls, counts: Sequence[Any], sums: Sequence[Any], blocks: Sequence[str] | None = None
+    ) -> UnitMoments:
         lay = layout()
         want = (2 * len(lay.blocks), len(lay.total) + len(lay.cross))
         if (len(counts), len(sums)) != want:
             raise ValueError(f"moments row: {len(counts)} counts and {len(sums)} sums, expected {want}")
-        return cls(tuple(int(c) for c in counts), np.asarray(sums, dtype=float))
+        chosen = _chosen(blocks)
+        return cls(
+            tuple(int(c) for c in counts), np.asarray(sums, dtype=float), () if chosen == BLOCKS else chosen
+        )
+
+    def read(self) -> tuple[str, ...]:
+        """The blocks these moments hold."""
+        return self.blocks or BLOCKS
 
     def add(self, other: UnitMoments) -> UnitMoments:
         """The moments of two disjoint sets of clusters (runs read per request; the shards of a
         cluster whose samples are sharded by the unit, which hold disjoint users): clusters add,
         the largest is the larger, sums add. Not for the users of two runs, who may appear in
-        both."""
+        both. Both must hold the same blocks."""
+        if self.read() != other.read():
+            raise ValueError(f"moments of blocks {self.read()} and {other.read()} do not add")
         counts = [
             a + b if i % 2 == 0 else max(a, b) for i, (a, b) in enumerate(zip(self.counts, other.counts))
         ]
-        return UnitMoments(tuple(counts), self.sums + other.sums)
+        return UnitMoments(tuple(counts), self.sums + other.sums, self.blocks)
 
     def arm(self, metric: str, covariates: Sequence[str] = ()) -> ArmMoments | None:
         """stats.clustered.ArmMoments of one metric (METRICS) with these covariates; None when
-        the variant has no request in the metric's block (no successful TTFT)."""
+        the variant has no request in the metric's block (no successful TTFT). A metric whose
+        block was not read raises ValueError."""
         m = METRICS[metric]
+        if m.block not in self.read():
+            raise ValueError(
+                f"{metric}: its block {m.block!r} was not read (these moments hold {self.read()})"
+            )
         lay = layout()
         clusters = self.counts[lay.count_index(m.block, "clusters")]
         if not clusters:
@@ -345,12 +414,14 @@ class UnitMoments:
         )
 
 
-def rows_to_moments(rows: Sequence[Sequence[Any]]) -> dict[str, UnitMoments]:
-    """{variant: UnitMoments} from (variant, counts, sums) rows; rows of one variant (several
-    rollup builds read per request) are added up."""
+def rows_to_moments(
+    rows: Sequence[Sequence[Any]], blocks: Sequence[str] | None = None
+) -> dict[str, UnitMoments]:
+    """{variant: UnitMoments} from (variant, counts, sums) rows (of ``blocks``, every one by
+    default); rows of one variant (several rollup builds read per request) are added up."""
     out: dict[str, UnitMoments] = {}
     for variant, counts, sums in rows:
-        got = UnitMoments.from_row(counts, sums)
+        got = UnitMoments.from_row(counts, sums, blocks)
         out[str(variant)] = out[str(variant)].add(got) if str(variant) in out else got
     return out
 

@@ -10,9 +10,10 @@ per-user sums"); what a look costs follows the units the traffic since the last 
 What is kept, per (experiment, config revision, spec), in two tables (samples.schema, migration
 12):
 - rollout_user_sums: per unit (a user; a request without one: analysis.units.CLUSTER_KEY) the
-  sums of its requests' vector v (analysis.units.vector_sums), its setup errors, whether the
-  router assigned it (analysis.sql.SRM_SAMPLES), its rows and their sum of recorded_ms. Every
-  fold appends one row per unit it saw; a unit's kept sums are the sum of its rows.
+  sums of its requests' vector v (analysis.units.vector_sums of BLOCKS), its setup errors,
+  whether the router assigned it (analysis.sql.SRM_SAMPLES), its rows and their sum of
+  recorded_ms. Every fold appends one row per unit it saw; a unit's kept sums are the sum of its
+  rows.
 - rollout_folds: after each fold, one row naming the generation, the fold's number, its
   watermark (every sample of the step recorded at or before it is in the kept rows) and the
   step's state at the watermark (each arm's moments as analysis.units.UnitMoments, setup errors,
@@ -72,9 +73,15 @@ from analysis.readers.base import parallelism, run_queries
 from analysis.sql import SAMPLES, SRM_SAMPLES, metric_ok
 from experiments.document import ROLLOUT_LATENCIES
 from samples.schema import ROLLOUT_FOLDS_TABLE, ROLLOUT_USER_SUMS_TABLE
+from stats.sequential.arm_snapshot import ATTAINMENT, ERROR_RATE
 from stats.sequential.quantiles import latency_edges
 
-FORMAT = 2
+FORMAT = 3
+# The moments' blocks a step's guardrails read (attainment and error rate, per user and adjusted:
+# rollouts.readings.user_moments): "all" alone. Not the "ttft" block's mean TTFT, which no
+# guardrail reads; without it a unit's vector has 12 sums, not 22, and the increment 81 of the
+# moments' 136 (bench/RESULTS.md "Rollout looks through kept per-user sums").
+BLOCKS = units.blocks_of((ATTAINMENT, ERROR_RATE))
 EDGES = latency_edges(60_000.0, 1.0)  # 0..60 s at 1 ms; slower lands in the overflow bucket
 # Samples recorded in the last KEEP_LAG_MS (the default lag; ABPLAT_ROLLOUT_KEPT_LAG_S) are read
 # afresh at every look and never kept. Rows reach the store about a second after their recorded
@@ -174,7 +181,7 @@ class State:
         for arm, a in body["arms"].items():
             moments = None
             if a["counts"] is not None:
-                moments = units.UnitMoments.from_row(a["counts"], a["sums"])
+                moments = units.UnitMoments.from_row(a["counts"], a["sums"], BLOCKS)
             hists = {}
             for name, pairs in a["hists"].items():
                 h = np.zeros(EDGES.size + 1, dtype=np.int64)
@@ -236,7 +243,7 @@ def spec_of(arms: Sequence[str], slo: Slo, latencies: Sequence[str]) -> str:
         "format": FORMAT,
         "arms": list(arms),
         "slo": sorted(slo.limits().items()),
-        "components": [list(k) for k in units.layout().total],
+        "components": [list(k) for k in units.vector_positions(BLOCKS)],
         "covariates": units.COVARIATES,
         "latencies": sorted(latencies),
         "edges": int(EDGES.size),
@@ -268,7 +275,7 @@ class KeptStep:
         self.arms = tuple(arms)
         self.latencies = tuple(latencies)
         self.spec = spec_of(self.arms, slo, self.latencies)
-        self.vector, vparams = units.vector_sums(slo)
+        self.vector, vparams = units.vector_sums(slo, BLOCKS)
         self.params: dict[str, Any] = {
             "experiment": experiment,
             "revision": int(revision),
@@ -311,7 +318,7 @@ class KeptStep:
         unit) add to the kept sums of generation %(generation)s up to fold %(kept_fold)s. Only
         the kept rows of the units in ``new`` are grouped (sumForEachIf over every kept row
         costs ~2.5 s per 10^6 units on 18.16), at the price of running ``new`` twice."""
-        counts, sums = units.moments_of_vectors("k", "d")
+        counts, sums = units.moments_of_vectors("k", "d", BLOCKS)
         cols = ", ".join(_UNIT_COLUMNS)
         return (
             f"SELECT arm AS variant, {counts} AS counts, {sums} AS sums, sum(setup_d) AS setup_n, "
@@ -332,7 +339,7 @@ class KeptStep:
     def _first_sql(self) -> str:
         """_increment_sql when nothing is kept yet: the moments of the fold's own rows, one per
         unit (no kept sums to join: 0.26 s at 10^6 units where the join took 4-30 s)."""
-        counts, sums = units.moments_of_vectors("v")
+        counts, sums = units.moments_of_vectors("v", blocks=BLOCKS)
         return (
             f"SELECT variant, {counts} AS counts, {sums} AS sums, sum(setup) AS setup_n, "
             "countIf(assigned = 1 AND anon = 0) AS named, max(assigned * anon) AS anon_any, "
@@ -360,7 +367,7 @@ class KeptStep:
         arms: dict[str, ArmState] = {}
         rows = recorded = fresh = touched = 0
         for i, arm in enumerate(cols.get("variant", [])):
-            moments = units.UnitMoments.from_row(cols["counts"][i], cols["sums"][i])
+            moments = units.UnitMoments.from_row(cols["counts"][i], cols["sums"][i], BLOCKS)
             arms[str(arm)] = ArmState(
                 moments, int(cols["setup_n"][i]), int(cols["named"][i]), bool(cols["anon_any"][i])
             )

@@ -228,6 +228,7 @@ def _read_whole(store: Any, params: dict[str, Any], plan: Plan, slo: Slo, per_us
             extra=[REVISION],
             params=params,
             settings=QUERY_SETTINGS,
+            blocks=kept.BLOCKS,  # what the guardrails read, as the kept sums
         )
         for arm, m in moments.items():
             out.setdefault(arm, _Arm()).moments = m

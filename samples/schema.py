@@ -534,10 +534,11 @@ ORDER BY (experiment, run_id, build_id, g, variant, tb, k)
 # ---- a rollout step's kept per-user sums ------------------------------------------------------
 # Who writes and reads: rollouts.kept (its docstring says how a look uses them).
 # - rollout_user_sums: per unit of a step (experiment, config revision, spec) one row per fold
-#   that saw it: the sums of its requests' vector (analysis.units.vector_sums, in that order),
-#   its setup errors, rows and their sum of recorded_ms, whether the router assigned it. Plain
-#   MergeTree, appended to: a unit's sums are the sum of its rows up to the state's fold, and rows
-#   of a later fold (one that stopped before writing its state) are detected, never merged away.
+#   that saw it: the sums of its requests' vector (analysis.units.vector_sums of the blocks its
+#   guardrails read, rollouts.kept.BLOCKS, in that order), its setup errors, rows and their sum
+#   of recorded_ms, whether the router assigned it. Plain MergeTree, appended to: a unit's sums
+#   are the sum of its rows up to the state's fold, and rows of a later fold (one that stopped
+#   before writing its state) are detected, never merged away.
 #   ORDER BY puts one step's generation together, by unit.
 # - rollout_folds: one row per fold, the step's state at its watermark as JSON (rollouts.kept.
 #   State): a handful of rows per step, the newest read.

@@ -63,14 +63,16 @@ def unit_moments(
     extra: Sequence[str] = (),
     params: Mapping[str, Any] | None = None,
     settings: Mapping[str, int] | None = None,
+    blocks: Sequence[str] | None = None,
 ) -> dict[str, UnitMoments]:
     """{variant: moments} per user or per request (analysis.units.moments_select) over the
     samples in f, each part of the store's (query_by_unit) added up. ``extra``/``params``: more
-    conditions on the samples and their parameters (a rollout step's revision)."""
+    conditions on the samples and their parameters (a rollout step's revision); ``blocks``: the
+    moments' blocks to read (every one by default)."""
 
     def select(table: str) -> tuple[str, dict[str, Any]]:
-        sql, mp = units.moments_select(f, slo, unit, extra=extra, table=table)
+        sql, mp = units.moments_select(f, slo, unit, extra=extra, table=table, blocks=blocks)
         return sql, {**mp, **(params or {})}
 
     parts = query_by_unit(store, select, settings=settings)
-    return units.merge(*(units.rows_to_moments(rows) for rows in parts))
+    return units.merge(*(units.rows_to_moments(rows, blocks) for rows in parts))
