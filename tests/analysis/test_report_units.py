@@ -360,6 +360,48 @@ def test_a_bad_unit_is_refused():
         units.moments_select(q.Filters("x"), SLO, "session")
 
 
+@pytest.mark.parametrize("unit", units.UNITS)
+def test_moments_of_one_block_equal_that_block_of_every_block_and_refuse_the_others(store, unit):
+    """A reader of some metrics alone (a rollout step's guardrails: attainment and error rate)
+    reads their block: the same numbers there as the whole query, zeros elsewhere, and a metric
+    of a block not read is refused rather than read as "no request"."""
+    spec = users_spec()
+    f = q.Filters(spec.experiment, run_id=RUN)
+    every = RawReader(store).unit_moments(f, SLO, unit)
+    sql, params = units.moments_select(f, SLO, unit, blocks=units.blocks_of(["attainment", "error_rate"]))
+    alone = units.rows_to_moments(store.query(sql, params), ("all",))
+    assert set(alone) == set(every) and len(every) == 3
+    lay = units.layout()
+    for variant, got in alone.items():
+        want = every[variant]
+        assert got.read() == ("all",) and want.read() == units.BLOCKS
+        for key, i in [*lay.total.items(), *lay.cross.items()]:
+            if key[0] == "all":
+                assert got.sums[i] == pytest.approx(want.sums[i], rel=1e-12, abs=1e-9), (variant, key)
+            else:
+                assert got.sums[i] == 0.0, (variant, key)
+        for b_i, block in enumerate(lay.blocks):
+            pair = got.counts[2 * b_i : 2 * b_i + 2]
+            assert pair == (want.counts[2 * b_i : 2 * b_i + 2] if block == "all" else (0, 0))
+        for metric in ("attainment", "error_rate"):
+            a, b = got.arm(metric, COVARIATES), want.arm(metric, COVARIATES)
+            assert a.clusters == b.clusters and np.allclose(a.cross, b.cross, rtol=1e-12)
+        with pytest.raises(ValueError, match="mean_ttft_ms: its block 'ttft' was not read"):
+            got.arm("mean_ttft_ms")
+        with pytest.raises(ValueError, match="do not add"):
+            got.add(want)
+        assert got.add(got).counts[0] == 2 * got.counts[0]
+
+
+def test_blocks_are_checked_and_kept_in_layout_order():
+    assert units.blocks_of(["mean_ttft_ms", "attainment"]) == ("all", "ttft") == units.BLOCKS
+    assert units.vector_positions(("ttft",))[("ttft", "n")] == 0
+    assert len(units.vector_sums(SLO, ("all",))[0]) == len(units.layout().components["all"])
+    for bad in ((), ("all", "p99")):
+        with pytest.raises(ValueError, match="blocks must be some of"):
+            units.moments_select(q.Filters("x"), SLO, "user", blocks=bad)
+
+
 @pytest.mark.parametrize("kind", ["chdb", "server"])
 def test_moments_of_another_layout_are_not_read_from_the_rollup(kind, shared_store):
     """A build's moments in another layout (written by other code) are not trusted: the report
