@@ -36,6 +36,16 @@ BatchSink into the ClickHouse server. Simulators run in their own processes, one
 
     .venv/bin/python bench/bench_replay.py --part 4 --worker-rates 100,200,300,400,500,600,800
 
+5. (on request: --part 5) Workers added with their own CPU: 1, 2 and 4 worker processes on the
+   worker core, each in a cgroup of its own capped at --worker-quota of a core (the CFS quota,
+   over a --quota-period-ms period), the servers on the other core. A worker that holds R req/s on
+   its budget alone should hold N x R beside N - 1 others with the same budget: nothing is shared
+   between them but the store and the simulators. On a 2-core machine this is how "more workers
+   add rate linearly" is measured: part 4's workers compete for one core, so their sum cannot
+   grow. Needs a writable cgroup cpu controller (root; v1 or v2).
+
+    .venv/bin/python bench/bench_replay.py --part 5 --worker-quota 0.2
+
 The row-by-row vs batched insert comparison is bench/bench_insert.py.
 """
 
@@ -44,6 +54,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import multiprocessing as mp
@@ -377,6 +388,7 @@ class Bench:
         kind: str = "real",
         cpus: list[tuple[int, ...]] | None = None,  # per worker: the CPUs it is pinned to
         before: bool = False,
+        budgets: CpuBudgets | None = None,  # per worker: a cgroup capped at a share of a core
     ) -> dict:
         if kind in ("real", "prebuilt"):
             require_healthy(variants, f"before a {mode} run of {len(requests)} requests")
@@ -407,6 +419,8 @@ class Bench:
             parent, child = self.ctx.Pipe()
             p = self.ctx.Process(target=worker_main, args=(child, job), daemon=True)
             p.start()
+            if budgets is not None:
+                budgets.enter(len(procs), p.pid)  # before it warms up: every thread it starts inherits
             procs.append(p)
             conns.append(parent)
         try:
@@ -429,7 +443,10 @@ class Bench:
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
-        return self._summarize(run_id, mode, requests, offsets, variants, start_at, results, kind)
+        out = self._summarize(run_id, mode, requests, offsets, variants, start_at, results, kind)
+        if budgets is not None:
+            out["throttled"] = budgets.throttled(len(procs))
+        return out
 
     @staticmethod
     def _recv(conn, timeout_s: float):
@@ -561,8 +578,7 @@ def part1(bench: Bench, sims: dict, args) -> None:
         "| run | workers | target/s | requests | lag p50 ms | lag p99 ms | lag max ms | "
         "outcomes | in store | worker CPU | CPU ms/req | sustained |"
     )
-    print(head)
-    print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
+    print_head(head)
     best: dict = {1: 0.0, 2: 0.0, "prebuilt": 0.0}
     live: dict = {1: True, 2: True, "prebuilt": True}
     strikes: dict = {1: 0, 2: 0, "prebuilt": 0}
@@ -646,8 +662,7 @@ def table_runs(bench, urls, trace, offsets, args, modes, profile) -> list[dict]:
         "| mode | profile | requests | speed | schedule s | wall s | lag p50 ms | lag p99 ms | "
         "lag max ms | outcomes | count | FINAL | raw rows | expected | exact |"
     )
-    print(head)
-    print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
+    print_head(head)
     out = []
     for mode in modes:
         r = bench.replay(
@@ -741,6 +756,66 @@ def clickhouse_pids() -> list[int]:
     return pids
 
 
+@contextlib.contextmanager
+def servers_pinned(cpus: str):
+    """Three `fast` simulators (one per variant) started, and they and the local ClickHouse
+    servers pinned to ``cpus``: (the simulators' handles, their URLs, the ClickHouse pids). On
+    the way out the ClickHouse servers get every CPU back and the simulators stop."""
+    all_cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    sims = start_simulators({v: "fast" for v in VARIANTS})
+    ch = clickhouse_pids()
+    try:
+        pin([h.pid for h in sims.values()] + ch, cpus)
+        yield sims, {v: h.url for v, h in sims.items()}, ch
+    finally:
+        pin(ch, all_cpus)
+        for h in sims.values():
+            h.stop()
+
+
+def print_head(head: str) -> None:
+    """A markdown table's head and rule."""
+    print(head)
+    print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
+
+
+def highest_sustained(
+    bench: Bench, trace, urls: dict[str, str], args, rates: list[float], cells: str, where: str, **replay
+) -> tuple[float, list[float]]:
+    """Run each rate (Poisson, SPLIT) with ``replay``'s workers, a row each after ``cells`` (the
+    last but one column: the run's "throttled", else "preempted"), until two in a row are not
+    sustained: (the highest sustained rate, 0 if none; the CPU ms per request of each run)."""
+    best, per_req, fails = 0.0, [], 0
+    for rate in rates:
+        n, reqs, offsets = poisson(trace, rate, args)
+        workers = replay["workers"]
+        r = bench.replay(
+            mode=SPLIT,
+            requests=reqs,
+            offsets=offsets,
+            variants=urls,
+            shard_count=args.shards * workers,
+            **replay,
+        )
+        check_run(r, f"{where}, {workers} worker(s) at {rate:g} req/s", stored=True)
+        ok = r["lag_p99"] < LAG_LIMIT_MS
+        cpu = "+".join(f"{c * 100:.0f}%" for c in r["cpu"])
+        print(
+            f"| {cells} | {rate:g} | {n} | {r['lag_p50']:.2f} | {r['lag_p99']:.2f} | {r['lag_max']:.1f} | "
+            f"{cpu} | {r['cpu_ms_per_request']:.2f} | {r.get('throttled', r['preempted'])} | "
+            f"{'yes' if ok else 'NO'} |",
+            flush=True,
+        )
+        per_req.append(r["cpu_ms_per_request"])
+        if ok:
+            best, fails = max(best, rate), 0
+        else:
+            fails += 1
+            if fails >= 2:  # two in a row past the knee: higher rates only take time
+                break
+    return best, per_req
+
+
 def part4(bench: Bench, args) -> None:
     """The highest sustained rate per worker count, each worker's own CPU per request, and
     `vllm bench serve` against the same simulator at the same rates, in one run."""
@@ -752,11 +827,7 @@ def part4(bench: Bench, args) -> None:
     servers = args.server_cpus
     trace = load_trace()
     venv, model_dir = vllm_install()
-    sims = start_simulators({v: "fast" for v in VARIANTS})
-    ch = clickhouse_pids()
-    try:
-        pin([h.pid for h in sims.values()] + ch, servers)
-        urls = {v: h.url for v, h in sims.items()}
+    with servers_pinned(servers) as (sims, urls, ch):
         print(
             f"\nPart 4: the rate per worker. Poisson arrivals, split 34/33/33 over 3 x `fast` simulator "
             f"subprocesses, {args.seconds:g} s per rate (at least {args.min_requests} requests), "
@@ -767,12 +838,10 @@ def part4(bench: Bench, args) -> None:
             "CPU (user + sys, every thread: loop, sink, store insert) per request; preempted: their "
             "involuntary context switches in the run (the core taken by another process)."
         )
-        head = (
+        print_head(
             "| placement | workers | target/s | requests | lag p50 ms | lag p99 ms | lag max ms | "
             "worker CPU | CPU ms/req | preempted | sustained |"
         )
-        print(head)
-        print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
         one_core = f"workers on CPU {args.worker_cpus}"
         setups = [(one_core, w, [(worker_cpus[i % len(worker_cpus)],) for i in range(w)]) for w in (1, 2, 4)]
         before = f"{one_core}, before (no send lead, heap not frozen)"
@@ -784,36 +853,20 @@ def part4(bench: Bench, args) -> None:
         for placement, workers, cpus in setups:
             if "servers unpinned" in placement:
                 pin([h.pid for h in sims.values()] + ch, all_cpus)
-            fails = 0
-            for rate in args.worker_rates:
-                n, reqs, offsets = poisson(trace, rate, args)
-                r = bench.replay(
-                    mode=SPLIT,
-                    requests=reqs,
-                    offsets=offsets,
-                    variants=urls,
-                    workers=workers,
-                    shard_count=args.shards * workers,
-                    cpus=cpus,
-                    before=placement == before,
-                )
-                check_run(r, f"part 4, {placement}, {workers} worker(s) at {rate:g} req/s", stored=True)
-                ok = r["lag_p99"] < LAG_LIMIT_MS
-                cpu = "+".join(f"{c * 100:.0f}%" for c in r["cpu"])
-                print(
-                    f"| {placement} | {workers} | {rate:g} | {n} | {r['lag_p50']:.2f} | "
-                    f"{r['lag_p99']:.2f} | {r['lag_max']:.1f} | {cpu} | {r['cpu_ms_per_request']:.2f} | "
-                    f"{r['preempted']} | {'yes' if ok else 'NO'} |",
-                    flush=True,
-                )
-                per_req.setdefault((placement, workers), []).append(r["cpu_ms_per_request"])
-                if ok:
-                    best[(placement, workers)] = max(best.get((placement, workers), 0.0), rate)
-                    fails = 0
-                else:
-                    fails += 1
-                    if fails >= 2:  # two in a row past the knee: higher rates only take time
-                        break
+            got, per_req[(placement, workers)] = highest_sustained(
+                bench,
+                trace,
+                urls,
+                args,
+                args.worker_rates,
+                f"{placement} | {workers}",
+                f"part 4, {placement}",
+                workers=workers,
+                cpus=cpus,
+                before=placement == before,
+            )
+            if got:
+                best[(placement, workers)] = got
             if "servers unpinned" in placement:
                 pin([h.pid for h in sims.values()] + ch, servers)
 
@@ -825,8 +878,7 @@ def part4(bench: Bench, args) -> None:
             "throughput, TTFT and its client's CPU per request (its request loop and metrics)."
         )
         head2 = "| target/s | requests | achieved req/s | achieved / target | TTFT p50 ms | TTFT p99 ms | CPU ms/req |"
-        print(head2)
-        print("|" + "|".join("-" * len(c) for c in head2.split("|")[1:-1]) + "|")
+        print_head(head2)
         theirs: dict[float, dict] = {}
         data = pathlib.Path(tempfile.mkdtemp(prefix="bench-replay-vllm-")) / "prompts.jsonl"
         mine = os.sched_getaffinity(0)
@@ -888,10 +940,137 @@ def part4(bench: Bench, args) -> None:
                 f"{t['request_throughput']:.1f} req/s; CPU ms/request ours {ours_ms:.2f} (median over "
                 f"the rates) / theirs {theirs_ms:.2f} = {ours_ms / theirs_ms:.2f}"
             )
+
+
+class CpuBudgets:
+    """One cgroup per worker slot, each capped at ``share`` of a core by the CFS quota (cgroup v2's
+    cpu.max, or v1's cpu controller), so that N workers get N budgets whatever core they share.
+    Slots are made once and reused run after run; close() removes them (after their processes)."""
+
+    def __init__(self, share: float, period_ms: float, slots: int) -> None:
+        if not 0.01 <= share <= 1.0:
+            raise BenchFailed(f"--worker-quota {share:g}: expected a share of one core, 0.01-1")
+        if not 1.0 <= period_ms <= 1000.0:
+            raise BenchFailed(f"--quota-period-ms {period_ms:g}: expected 1-1000 ms")
+        period_us = int(period_ms * 1000)
+        quota_us = max(1000, int(period_us * share))
+        root = pathlib.Path("/sys/fs/cgroup")
+        v2 = (
+            "cpu" in (root / "cgroup.controllers").read_text().split()
+            if (root / "cgroup.controllers").exists()
+            else False
+        )
+        base = root if v2 else root / "cpu"
+        if not os.access(base, os.W_OK) or not (v2 or (base / "cpu.cfs_quota_us").exists()):
+            raise BenchFailed(
+                f"--part 5 needs a writable cgroup cpu controller at {base} (run as root on a host "
+                "whose cgroups are writable); none here"
+            )
+        self.v2 = v2
+        self.dirs: list[pathlib.Path] = []
+        self._throttled_before: list[int] = []
+        try:
+            for i in range(slots):
+                d = base / f"abplat-bench-{os.getpid()}-{i}"
+                d.mkdir(exist_ok=True)
+                if v2:
+                    (d / "cpu.max").write_text(f"{quota_us} {period_us}")
+                else:
+                    (d / "cpu.cfs_period_us").write_text(str(period_us))
+                    (d / "cpu.cfs_quota_us").write_text(str(quota_us))
+                self.dirs.append(d)
+        except OSError as exc:
+            self.close()
+            raise BenchFailed(f"could not make a CPU budget cgroup under {base}: {exc}") from None
+
+    def enter(self, slot: int, pid: int) -> None:
+        """Move process ``pid`` (every thread of it) into slot ``slot``'s cgroup."""
+        d = self.dirs[slot]
+        while len(self._throttled_before) <= slot:
+            self._throttled_before.append(0)
+        self._throttled_before[slot] = self._stat(d)
+        (d / "cgroup.procs").write_text(str(pid))
+
+    def throttled(self, slots: int) -> int:
+        """Periods in which the first ``slots`` slots ran out of quota since their process entered."""
+        return sum(self._stat(self.dirs[i]) - self._throttled_before[i] for i in range(slots))
+
+    @staticmethod
+    def _stat(d: pathlib.Path) -> int:
+        for line in (d / "cpu.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "nr_throttled":
+                return int(value)
+        return 0
+
+    def close(self) -> None:
+        for d in self.dirs:
+            for _ in range(50):  # a worker's exit is seen by the cgroup a moment later
+                try:
+                    d.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+        self.dirs = []
+
+
+def part5(bench: Bench, args) -> None:
+    """Workers with a CPU budget each: the highest sustained rate of 1, 2 and 4 of them."""
+    worker_cpus = tuple(int(c) for c in args.worker_cpus.split(","))
+    servers = args.server_cpus
+    # as many as the worker core(s) hold at that budget, of 1, 2 and 4
+    counts = tuple(n for n in (1, 2, 4) if n * args.worker_quota <= len(worker_cpus) + 1e-9)
+    if len(counts) < 2:
+        raise BenchFailed(
+            f"--worker-quota {args.worker_quota:g}: 2 workers would need {2 * args.worker_quota:g} "
+            f"cores, --worker-cpus {args.worker_cpus} has {len(worker_cpus)}"
+        )
+    trace = load_trace()
+    budgets = CpuBudgets(args.worker_quota, args.quota_period_ms, max(counts))
+    try:
+        with servers_pinned(servers) as (_sims, urls, _ch):
+            print(
+                f"\nPart 5: workers with a CPU budget each. Every worker process pinned to CPU "
+                f"{args.worker_cpus} in a cgroup of its own capped at {args.worker_quota:g} of a core "
+                f"(CFS quota per {args.quota_period_ms:g} ms period); simulators and the ClickHouse "
+                f"server(s) pinned to CPU {servers}. Poisson arrivals over 3 x `fast` simulators, "
+                f"{args.seconds:g} s per rate (at least {args.min_requests} requests), {args.shards} shards "
+                f"per worker. Sustained: lag p99 < {LAG_LIMIT_MS:g} ms, every request ok and stored. "
+                "Throttled: periods in which a worker ran out of its quota (and waited for the next)."
+            )
+            print_head(
+                "| workers | budget | target/s | requests | lag p50 ms | lag p99 ms | lag max ms | "
+                "worker CPU | CPU ms/req | throttled | sustained |"
+            )
+            best: dict[int, float] = {}
+            per_req: dict[int, list[float]] = {}
+            budget = f"{args.worker_quota:g} core each"
+            for workers in counts:
+                best[workers], per_req[workers] = highest_sustained(
+                    bench,
+                    trace,
+                    urls,
+                    args,
+                    [r * workers for r in args.quota_rates],
+                    f"{workers} | {budget}",
+                    "part 5",
+                    workers=workers,
+                    cpus=[worker_cpus],
+                    budgets=budgets,
+                )
+            print(
+                "\n| workers | budget | highest sustained req/s | per worker | vs 1 worker | "
+                "CPU ms/req (median) |"
+            )
+            print("|---|---|---|---|---|---|")
+            base = best.get(1, 0.0)
+            for workers in counts:
+                b = best.get(workers, 0.0)
+                ratio = f"{b / base:.2f}x" if base else "n/a"
+                ms = statistics.median(per_req.get(workers, [float("nan")]))
+                print(f"| {workers} | {budget} | {b:g} | {b / workers:g} | {ratio} | {ms:.2f} |")
     finally:
-        pin(ch, all_cpus)
-        for h in sims.values():
-            h.stop()
+        budgets.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -904,9 +1083,9 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--part",
         type=int,
-        choices=(1, 2, 3, 4),
+        choices=(1, 2, 3, 4, 5),
         action="append",
-        help="run only this part (repeatable); default 1-3 (4, the rate per worker, on request)",
+        help="run only this part (repeatable); default 1-3 (4 and 5, the rate per worker, on request)",
     )
     ap.add_argument("--clickhouse-url", default=DEFAULT_URL, help=f"default {DEFAULT_URL}")
     ap.add_argument("--rates", default="50,100,200,400,800", help="part 1 req/s, comma-separated")
@@ -918,6 +1097,13 @@ def run(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--worker-cpus", default="0", help="part 4: CPUs the worker processes are pinned to")
     ap.add_argument("--server-cpus", default="1", help="part 4: CPUs the simulators and ClickHouse get")
+    ap.add_argument("--worker-quota", type=float, default=0.2, help="part 5: each worker's share of a core")
+    ap.add_argument("--quota-period-ms", type=float, default=5.0, help="part 5: the CFS quota's period")
+    ap.add_argument(
+        "--quota-rates",
+        default="25,50,75,100,125,150,175,200",
+        help="part 5 req/s per worker, comma-separated (N workers are asked N times each)",
+    )
     ap.add_argument("--speed", type=float, default=20.0, help="part 2 trace speed")
     ap.add_argument("--limit", type=int, default=None, help="part 2: first N trace requests")
     ap.add_argument("--trace-workers", type=int, default=2, help="part 2/3 worker processes")
@@ -929,13 +1115,14 @@ def run(argv: list[str] | None = None) -> int:
     try:
         args.rates = [float(x) for x in args.rates.split(",") if x.strip()]
         args.worker_rates = [float(x) for x in args.worker_rates.split(",") if x.strip()]
+        args.quota_rates = [float(x) for x in args.quota_rates.split(",") if x.strip()]
     except ValueError:
         ap.error(f"--rates {args.rates!r}: expected comma-separated numbers, e.g. 50,100,200")
     if args.shards < 1 or args.trace_workers < 1 or args.trace_workers > args.shards:
         ap.error("--shards must be >= 1 and --trace-workers within [1, --shards]")
     parts = sorted(set(args.part or [1, 2, 3]))
-    if 4 in parts and os.cpu_count() == 1:
-        ap.error("--part 4 pins workers and servers apart: it needs at least 2 CPUs")
+    if (4 in parts or 5 in parts) and os.cpu_count() == 1:
+        ap.error("--part 4 and 5 pin workers and servers apart: they need at least 2 CPUs")
     if args.quick:
         args.rates, args.seconds, args.min_requests = [50.0], 1.0, 50
         args.limit, args.speed = args.limit or 60, 100.0
@@ -973,6 +1160,8 @@ def run(argv: list[str] | None = None) -> int:
             part3(bench, args)
         if 4 in parts:
             part4(bench, args)
+        if 5 in parts:
+            part5(bench, args)
         print(f"\nbench_replay: done in {time.perf_counter() - t0:.0f} s")
     return 0
 

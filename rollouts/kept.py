@@ -103,11 +103,11 @@ COMPACT_MIN = 50_000
 QUERY_SETTINGS = {"max_execution_time": 30}
 # The increment's rows per unit reach its per-arm sums in one block up to 10^6 units or 1 GiB of
 # states. Past 10^5 units 18.16 aggregates in two levels and hands the units on in 256 small
-# blocks, over which the ~140 products of the outer query cost about three times as much
-# (1.3-1.55 s against 0.39-0.57 s at ~114k touched units, bench/RESULTS.md "Rollout looks
-# through kept per-user sums"); past the bounds two levels again, whose merge needs less memory
-# (a fold after a long pause in the looks; the whole read's per-user query, one level at 3.9M
-# units, exceeds a 3.7 GiB query limit).
+# blocks, over which the outer query's products (136 then, of both blocks) cost about three
+# times as much (1.3-1.55 s against 0.39-0.57 s at ~114k touched units, bench/RESULTS.md
+# "Rollout looks through kept per-user sums"); past the bounds two levels again, whose merge
+# needs less memory (a fold after a long pause in the looks; the whole read's per-user query, one
+# level at 3.9M units, exceeds a 3.7 GiB query limit).
 INCREMENT_SETTINGS = {
     **QUERY_SETTINGS,
     "group_by_two_level_threshold": 1_000_000,
