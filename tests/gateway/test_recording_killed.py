@@ -234,10 +234,15 @@ def test_sigusr1_writes_the_recorder_s_stacks_to_its_log_and_it_goes_on_and_stop
     assert pid is not None and record_queue.recorder_running(directory)  # idle, it waits 10 s
 
     os.kill(pid, signal.SIGUSR1)
-    wait_until(lambda: "most recent call first" in recorder_log(directory), "the stacks in recorder.log")
-    log = recorder_log(directory)
-    # the main thread waits in its reading loop, the flush loop's thread on its queue
-    assert "in run" in log and "recorder_process.py" in log and "flush.py" in log, log[-4000:]
+
+    def dumped() -> bool:
+        """Both threads' stacks written whole (the dump is read as it is being written): the
+        flush loop's thread waiting on its queue, the main thread in its reading loop down to
+        manage.py's module level, which comes last."""
+        log = recorder_log(directory)
+        return all(s in log for s in ("flush.py", "recorder_process.py", "in run", "in <module>"))
+
+    wait_until(dumped, "the flush thread's and the reading loop's stacks in recorder.log")
     assert record_queue.recorder_running(directory)  # a dump, not an exit
 
     stop_recorder(str(tmp_path / "spool"), limit_s=30.0)
