@@ -12,11 +12,11 @@ the recorder process the first of them starts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.parse
 import uuid
 from pathlib import Path
@@ -98,6 +98,13 @@ def recorder_log(directory: str) -> str:
         return ""
 
 
+def stacks_dumped(directory: str, before: int = 0) -> bool:
+    """A recorder's SIGUSR1 dump is in its log whole, after the ``before`` earlier ones: the
+    dump is read while faulthandler writes it, and the main thread's stack, down to manage.py's
+    module level, comes last."""
+    return recorder_log(directory).count("in <module>") > before
+
+
 def stop_recorder(spool_dir: str, limit_s: float = 60.0) -> None:
     """SIGTERM the recorder process a gateway started on ``spool_dir`` (if it still runs): it
     drains and exits; a test leaves no process behind. One still running after ``limit_s`` fails
@@ -107,17 +114,19 @@ def stop_recorder(spool_dir: str, limit_s: float = 60.0) -> None:
     if pid is None or not record_queue.recorder_running(directory):
         return
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + limit_s
-    while record_queue.recorder_running(directory):
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGUSR1)
-            time.sleep(2.0)  # faulthandler writes from its own signal handler
-            os.kill(pid, signal.SIGKILL)
-            raise AssertionError(
-                f"the recorder (pid {pid}) did not stop within {limit_s:g} s of SIGTERM; its log and "
-                f"stacks:\n{recorder_log(directory)[-20000:]}"
-            )
-        time.sleep(0.005)
+    try:
+        wait_until(lambda: not record_queue.recorder_running(directory), "the recorder stopped", limit_s)
+    except AssertionError:
+        dumps = recorder_log(directory).count("in <module>")
+        os.kill(pid, signal.SIGUSR1)
+        with contextlib.suppress(AssertionError):  # a recorder that cannot run its handler writes none
+            wait_until(lambda: stacks_dumped(directory, dumps), "the recorder's stacks", 10.0)
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not record_queue.recorder_running(directory), "the killed recorder gone", 10.0)
+        raise AssertionError(
+            f"the recorder (pid {pid}) did not stop within {limit_s:g} s of SIGTERM; its log and "
+            f"stacks:\n{recorder_log(directory)[-20000:]}"
+        ) from None
 
 
 def start_child(env: dict, count: int, tag: str) -> subprocess.Popen:
@@ -234,15 +243,10 @@ def test_sigusr1_writes_the_recorder_s_stacks_to_its_log_and_it_goes_on_and_stop
     assert pid is not None and record_queue.recorder_running(directory)  # idle, it waits 10 s
 
     os.kill(pid, signal.SIGUSR1)
-
-    def dumped() -> bool:
-        """Both threads' stacks written whole (the dump is read as it is being written): the
-        flush loop's thread waiting on its queue, the main thread in its reading loop down to
-        manage.py's module level, which comes last."""
-        log = recorder_log(directory)
-        return all(s in log for s in ("flush.py", "recorder_process.py", "in run", "in <module>"))
-
-    wait_until(dumped, "the flush thread's and the reading loop's stacks in recorder.log")
+    wait_until(lambda: stacks_dumped(directory), "the recorder's stacks in recorder.log")
+    log = recorder_log(directory)
+    # the flush loop's thread waits on its queue, the main thread in its reading loop
+    assert all(s in log for s in ("flush.py", "recorder_process.py", "in run")), log[-4000:]
     assert record_queue.recorder_running(directory)  # a dump, not an exit
 
     stop_recorder(str(tmp_path / "spool"), limit_s=30.0)
