@@ -44,7 +44,7 @@ BatchSink into the ClickHouse server. Simulators run in their own processes, one
    add rate linearly" is measured: part 4's workers compete for one core, so their sum cannot
    grow. Needs a writable cgroup cpu controller (root; v1 or v2).
 
-    .venv/bin/python bench/bench_replay.py --part 5 --worker-quota 0.2
+    .venv/bin/python bench/bench_replay.py --part 5 --worker-quota 0.45 --quota-period-ms 10
 
 The row-by-row vs batched insert comparison is bench/bench_insert.py.
 """
@@ -966,9 +966,8 @@ class CpuBudgets:
                 f"--part 5 needs a writable cgroup cpu controller at {base} (run as root on a host "
                 "whose cgroups are writable); none here"
             )
-        self.v2 = v2
         self.dirs: list[pathlib.Path] = []
-        self._throttled_before: list[int] = []
+        self._throttled_before = [0] * slots  # each slot's nr_throttled when its process entered
         try:
             for i in range(slots):
                 d = base / f"abplat-bench-{os.getpid()}-{i}"
@@ -986,8 +985,6 @@ class CpuBudgets:
     def enter(self, slot: int, pid: int) -> None:
         """Move process ``pid`` (every thread of it) into slot ``slot``'s cgroup."""
         d = self.dirs[slot]
-        while len(self._throttled_before) <= slot:
-            self._throttled_before.append(0)
         self._throttled_before[slot] = self._stat(d)
         (d / "cgroup.procs").write_text(str(pid))
 
