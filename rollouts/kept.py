@@ -20,13 +20,29 @@ What is kept, per (experiment, config revision, spec), in two tables (samples.sc
   assigned users, latency histograms; the kept rows' count and sum of recorded_ms; the settled
   parts, below).
 
+The index: a look needs the kept sums of the units its new samples touch. Found in
+rollout_user_sums, every kept row is read to find theirs (a scan that grows with the step's
+users: 0.14-0.17 s of CPU per look at 1.15M kept rows, twice per look). So each generation's user
+sums are copied, fold by fold, into a Join-engine table of the store (samples.schema,
+ROLLOUT_SUMS_INDEX_PREFIX), which the server keeps in memory (235 MB of the server's resident
+memory per 10^6 kept rows, measured on 18.16: up to twice the step's units before a compaction)
+and on disk: a look joins its units on it, at a cost that follows its units alone. rollout_user_sums
+stays the record: compaction reads it, and an index that is missing (never built on this server,
+dropped, a server of a cluster other than the one that built it) or lacks a fold's marker (a
+copy that stopped) is built again from it before it is read, checked against the state's count
+of kept rows. An experiment's indexes other than its current generation's are dropped with their
+user sums (_forget_others).
+
 A look (``read``):
 1. The newest fold row. Rows of a later fold number in the user sums (a fold that stopped
-   between its two writes) make the generation unusable: a new one is built.
+   between its writes) make the generation unusable: a new one is built. The index is checked
+   (and built again when it must be); user sums that no longer hold the state's rows (removed
+   by another spec's look) make the generation unusable too.
 2. Fold, when the watermark can move by FOLD_EVERY_MS: the samples recorded after the watermark
    and up to ``now`` less the lag (KEEP_LAG_MS unless told) are summed per unit into the user
-   sums, the moments' increment is computed from the units they touch alone
-   (analysis.units.moments_of_vectors: per product, (k + d)_a (k + d)_b - k_a k_b), checked (4.)
+   sums and copied into the index, the moments' increment is computed from the units they touch
+   alone (their kept rows joined from the index;
+   analysis.units.moments_of_vectors: per product, (k + d)_a (k + d)_b - k_a k_b), checked (4.)
    and the new state written. A generation whose rows outnumber its units COMPACT_ABOVE times is
    summed into one row per unit.
 3. Read: the state, plus the increment of the samples recorded after the watermark (grouped per
@@ -61,6 +77,7 @@ import dataclasses
 import hashlib
 import json
 import random
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -72,7 +89,8 @@ from analysis.definitions import SETUP_ERROR, Slo
 from analysis.readers.base import parallelism, run_queries
 from analysis.sql import SAMPLES, SRM_SAMPLES, metric_ok
 from experiments.document import ROLLOUT_LATENCIES
-from samples.schema import ROLLOUT_FOLDS_TABLE, ROLLOUT_USER_SUMS_TABLE
+from samples.schema import ROLLOUT_FOLDS_TABLE, ROLLOUT_SUMS_INDEX_PREFIX, ROLLOUT_USER_SUMS_TABLE
+from samples.store_errors import StoreError, StoreUnavailable
 from stats.sequential.arm_snapshot import ATTAINMENT, ERROR_RATE
 from stats.sequential.quantiles import latency_edges
 
@@ -116,6 +134,12 @@ INCREMENT_SETTINGS = {
 MOD64 = 1 << 64  # sum(recorded_ms) is a UInt64 sum: it wraps, the same on both sides
 
 _UNIT_COLUMNS = ("variant", "cluster", "assigned", "anon", "setup", "rows", "recorded_sum", "v")
+# A generation's index (samples.schema): its user sums' unit, fold, vector and assigned flag in a
+# Join-engine table, ALL rows of a unit returned by a join on it. Markers: one row per fold whose
+# copy finished, on unit 0 with an empty vector (a unit's vector never is), so that a unit whose
+# key is 0 gains nothing from them.
+_INDEX_COLUMNS = "cluster UInt64, kfold UInt32, kv Array(Float64), kassigned UInt8"
+_INDEX_NAME = re.compile(rf"{ROLLOUT_SUMS_INDEX_PREFIX}[0-9a-f]{{12}}_[0-9a-f]{{16}}")
 
 
 class KeptStale(Exception):
@@ -272,6 +296,7 @@ class KeptStep:
                 raise ValueError(f"unknown latency {name!r}")
         self.store = store
         self.lag_ms = int(lag_ms)
+        self._experiment_key = hashlib.sha256(experiment.encode()).hexdigest()[:12]
         self.arms = tuple(arms)
         self.latencies = tuple(latencies)
         self.spec = spec_of(self.arms, slo, self.latencies)
@@ -313,27 +338,24 @@ class KeptStep:
             "AND generation = %(generation)s"
         )
 
-    def _increment_sql(self, new: str) -> str:
+    def _increment_sql(self, new: str, generation: int) -> str:
         """Per arm, what the units of ``new`` (a query of the user sums' columns, one row per
-        unit) add to the kept sums of generation %(generation)s up to fold %(kept_fold)s. Only
-        the kept rows of the units in ``new`` are grouped (sumForEachIf over every kept row
-        costs ~2.5 s per 10^6 units on 18.16), at the price of running ``new`` twice."""
+        unit) add to the kept sums of ``generation`` up to fold %(kept_fold)s. Their kept rows
+        come from the generation's index, a join by unit: the cost follows the units of ``new``,
+        not the units kept (the MergeTree rows' scan and grouping, every kept row read to find
+        theirs, took 0.14-0.17 s of a 0.37-0.40 s increment at 1.15M kept rows;
+        bench/RESULTS.md "Rollout looks through kept per-user sums")."""
         counts, sums = units.moments_of_vectors("k", "d", BLOCKS)
-        cols = ", ".join(_UNIT_COLUMNS)
         return (
             f"SELECT arm AS variant, {counts} AS counts, {sums} AS sums, sum(setup_d) AS setup_n, "
             "countIf(ka = 0 AND da = 1 AND unnamed = 0) AS named, max(da * unnamed) AS anon_any, "
             "sum(rows_d) AS rows_n, sum(recsum_d) AS recorded_n, countIf(empty(k)) AS new_units, "
             "count() AS touched "
-            "FROM (SELECT cluster, any(variant) AS arm, sumForEachIf(v, old = 1) AS k, "
-            "sumForEachIf(v, old = 0) AS d, maxIf(assigned, old = 1) AS ka, "
-            "maxIf(assigned, old = 0) AS da, max(anon) AS unnamed, sumIf(setup, old = 0) AS setup_d, "
-            "sumIf(rows, old = 0) AS rows_d, sumIf(recorded_sum, old = 0) AS recsum_d FROM ("
-            f"SELECT {cols}, toUInt8(1) AS old FROM {ROLLOUT_USER_SUMS_TABLE} "
-            f"WHERE {self._kept_where()} AND fold <= %(kept_fold)s "
-            f"AND cluster IN (SELECT cluster FROM ({new})) "
-            f"UNION ALL SELECT {cols}, toUInt8(0) AS old FROM ({new})"
-            ") GROUP BY cluster) GROUP BY arm"
+            "FROM (SELECT cluster, any(variant) AS arm, sumForEachIf(kv, kfold <= %(kept_fold)s) AS k, "
+            "any(v) AS d, maxIf(kassigned, kfold <= %(kept_fold)s) AS ka, any(assigned) AS da, "
+            "any(anon) AS unnamed, any(setup) AS setup_d, any(rows) AS rows_d, "
+            f"any(recorded_sum) AS recsum_d FROM ({new}) AS new "
+            f"ALL LEFT JOIN {self.index_name(generation)} USING cluster GROUP BY cluster) GROUP BY arm"
         )
 
     def _first_sql(self) -> str:
@@ -356,11 +378,86 @@ class KeptStep:
     def _execute(self, sql: str, params: Mapping[str, Any]) -> None:
         self.store.execute(sql, {**self.params, **params})
 
+    # ------------------------------------------------------------------------------ the index
+
+    def index_name(self, generation: int) -> str:
+        """The name of the generation's index: hex digests alone after the prefix, so that no
+        name a user gave reaches the SQL."""
+        what = f"{self.params['revision']}|{self.spec}|{int(generation)}"
+        return f"{ROLLOUT_SUMS_INDEX_PREFIX}{self._experiment_key}_{hashlib.sha256(what.encode()).hexdigest()[:16]}"
+
+    def _index_create(self, generation: int) -> None:
+        """The generation's index, empty (one left by an earlier attempt dropped first)."""
+        index = self.index_name(generation)
+        self._execute(f"DROP TABLE IF EXISTS {index}", {})
+        self._execute(f"CREATE TABLE {index} ({_INDEX_COLUMNS}) ENGINE = Join(ALL, LEFT, cluster)", {})
+
+    def _index_add(self, generation: int, first: int, last: int) -> None:
+        """The generation's user sums of folds first..last copied into its index, then a marker
+        per fold: the folds whose copy finished (_index_folds). A copy that stopped half-way
+        leaves no marker, and the index is built again before it is read."""
+        index, at = self.index_name(generation), {"generation": generation, "first": first, "last": last}
+        self._execute(
+            f"INSERT INTO {index} (cluster, kfold, kv, kassigned) SELECT cluster, fold, v, assigned "
+            f"FROM {ROLLOUT_USER_SUMS_TABLE} WHERE {self._kept_where()} "
+            "AND fold >= %(first)s AND fold <= %(last)s",
+            at,
+        )
+        self._execute(
+            f"INSERT INTO {index} (cluster, kfold, kv, kassigned) SELECT toUInt64(0), "
+            "toUInt32(%(first)s + number), emptyArrayFloat64(), toUInt8(0) FROM numbers(%(count)s)",
+            {**at, "count": last - first + 1},
+        )
+
+    def _index_folds(self, generation: int) -> set[int] | None:
+        """The folds whose copy into the generation's index finished; None when it has no index
+        (never built, dropped, or a server other than the one that built it)."""
+        index = self.index_name(generation)
+        try:
+            cols = self._query(
+                "SELECT groupArrayIf(kfold, empty(kv) AND kfold > 0) AS folds "
+                f"FROM (SELECT toUInt64(0) AS cluster) AS marker ALL LEFT JOIN {index} USING cluster",
+                {},
+            )
+        except StoreUnavailable:
+            raise
+        except StoreError:
+            there = self._query(
+                "SELECT count() AS n FROM system.tables WHERE database = currentDatabase() "
+                "AND name = %(index)s",
+                {"index": index},
+            )
+            if int(there["n"][0]):
+                raise  # the index is there: the error is another one
+            return None
+        return {int(f) for f in cols["folds"][0]} if cols.get("folds") else set()
+
+    def _index_ready(self, state: State) -> bool:
+        """Whether the state's index holds every fold up to the state's, built again from the
+        user sums when not. False when the user sums no longer hold the state's rows (another
+        spec or revision of the experiment started since and forgot them, _forget_others): the
+        state is then unusable."""
+        if state.fold == 0:
+            return True
+        folds = self._index_folds(state.generation)
+        if folds is not None and set(range(1, state.fold + 1)) <= folds:
+            return True
+        self._index_create(state.generation)
+        self._index_add(state.generation, 1, state.fold)
+        # counted after the copy: rows removed before it show here, rows removed after it were
+        # copied; either way the index never holds less than the state counted without saying so
+        cols = self._query(
+            f"SELECT count() AS n FROM {ROLLOUT_USER_SUMS_TABLE} WHERE {self._kept_where()} "
+            "AND fold <= %(fold)s",
+            {"generation": state.generation, "fold": state.fold},
+        )
+        return int(cols["n"][0]) == state.entries
+
     # ------------------------------------------------------------------------------ pieces
 
     def _increment(self, new: str | None, state: State, params: Mapping[str, Any]) -> Increment:
         """What ``new`` (None: the fold's own rows, nothing kept before them) adds to ``state``."""
-        sql = self._first_sql() if new is None else self._increment_sql(new)
+        sql = self._first_sql() if new is None else self._increment_sql(new, state.generation)
         cols = self._query(
             sql, {"generation": state.generation, "kept_fold": state.fold, **params}, INCREMENT_SETTINGS
         )
@@ -479,6 +576,14 @@ class KeptStep:
             "(config_revision = %(revision)s AND spec = %(spec)s AND generation = %(generation)s)",
             {"generation": generation},
         )
+        keep = self.index_name(generation)
+        names = self._query(
+            "SELECT name FROM system.tables WHERE database = currentDatabase() AND startsWith(name, %(prefix)s)",
+            {"prefix": f"{ROLLOUT_SUMS_INDEX_PREFIX}{self._experiment_key}_"},
+        )
+        for name in names.get("name", []):
+            if name != keep and _INDEX_NAME.fullmatch(name):
+                self._execute(f"DROP TABLE IF EXISTS {name}", {})
 
     def fold(self, state: State, upto_ms: int) -> tuple[State | None, Increment]:
         """Keep the samples recorded in (state.upto_ms, upto_ms]: their per-unit sums as fold
@@ -498,6 +603,9 @@ class KeptStep:
             f"%(fold)s, {', '.join(_UNIT_COLUMNS)} FROM ({self._units_sql(*ranges, where=skip)})",
             at,
         )
+        if state.fold == 0:
+            self._index_create(state.generation)
+        self._index_add(state.generation, nxt, nxt)
         new = (
             f"SELECT {', '.join(_UNIT_COLUMNS)} FROM {ROLLOUT_USER_SUMS_TABLE} "
             f"WHERE {self._kept_where()} AND fold = %(fold)s"
@@ -528,7 +636,10 @@ class KeptStep:
 
     def compact(self, state: State) -> State:
         """The generation's rows summed per unit into a new generation (fold 1, the same
-        watermark and state), then the old rows dropped."""
+        watermark and state) and its index, then the old rows dropped. When the new generation
+        holds fewer units than the state counts (its user sums removed since their index was
+        built: _index_ready), ``state`` unchanged, its index dropped: the next look builds the
+        sums anew rather than fold through a record that lost rows."""
         gen = next_generation(state.generation)
         cols = ", ".join(c for c in _UNIT_COLUMNS if c not in ("variant", "cluster", "v"))
         sums = ", ".join(
@@ -543,7 +654,16 @@ class KeptStep:
             f"WHERE {self._kept_where()} AND fold <= %(fold)s GROUP BY cluster",
             {"generation": state.generation, "fold": state.fold, "new": gen},
         )
+        cols = self._query(
+            f"SELECT count() AS n FROM {ROLLOUT_USER_SUMS_TABLE} WHERE {self._kept_where()}",
+            {"generation": gen},
+        )
+        if int(cols["n"][0]) != state.units:
+            self._execute(f"DROP TABLE IF EXISTS {self.index_name(state.generation)}", {})
+            return state
         out = dataclasses.replace(state, generation=gen, fold=1, entries=state.units)
+        self._index_create(gen)
+        self._index_add(gen, 1, 1)
         self._write_state(out)
         self._forget_others(gen)
         return out
@@ -578,6 +698,8 @@ class KeptStep:
         what was recorded after them, checked against the samples (module docstring).
         Raises KeptStale when the kept sums disagree with the samples twice in a row."""
         state = self.newest()
+        if state is not None and not self._index_ready(state):
+            state = None
         upto = int(now_ms) - self.lag_ms
         for _attempt in range(2):
             if state is None:

@@ -542,8 +542,15 @@ ORDER BY (experiment, run_id, build_id, g, variant, tb, k)
 #   ORDER BY puts one step's generation together, by unit.
 # - rollout_folds: one row per fold, the step's state at its watermark as JSON (rollouts.kept.
 #   State): a handful of rows per step, the newest read.
+# - rollout_sums_index_<experiment hash>_<generation hash>: not a migration's table. A step's
+#   generation of user sums (their unit, fold, vector and assigned flag) again, in a Join-engine
+#   table the server holds in memory (and on disk, to load at a restart), so that a look finds the
+#   kept sums of the units its new samples touch by key instead of scanning every kept row.
+#   rollouts.kept creates, fills, checks and drops them; rollout_user_sums stays the record they
+#   are built from.
 ROLLOUT_USER_SUMS_TABLE = "rollout_user_sums"
 ROLLOUT_FOLDS_TABLE = "rollout_folds"
+ROLLOUT_SUMS_INDEX_PREFIX = "rollout_sums_index_"
 CREATE_ROLLOUT_USER_SUMS = f"""
 CREATE TABLE IF NOT EXISTS {ROLLOUT_USER_SUMS_TABLE} (
     experiment String,

@@ -7,6 +7,7 @@ the samples recorded after the watermark (and counts the rest)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from analysis.definitions import Slo
 from rollouts import kept
 from rollouts.controller import Plan
 from rollouts.readings import read_step
-from samples.schema import ROLLOUT_FOLDS_TABLE, ROLLOUT_USER_SUMS_TABLE
+from samples.schema import ROLLOUT_FOLDS_TABLE, ROLLOUT_SUMS_INDEX_PREFIX, ROLLOUT_USER_SUMS_TABLE
 from stats.sequential.guardrail_spec import Guardrail
 from tests.rollouts.test_readings import RUN, step_samples
 
@@ -91,8 +92,12 @@ def look(store, exp, rev, now_ms, slo=SLO, plan=PLAN, **kw):
     return got
 
 
+def step(store, exp, rev, slo=SLO):
+    return kept.KeptStep(store, exp, rev, (PLAN.control, PLAN.candidate), slo, PLAN.latencies())
+
+
 def state(store, exp, rev, slo=SLO):
-    return kept.KeptStep(store, exp, rev, (PLAN.control, PLAN.candidate), slo, PLAN.latencies()).newest()
+    return step(store, exp, rev, slo).newest()
 
 
 def test_looks_as_samples_arrive_read_as_the_whole_step(store):
@@ -344,7 +349,15 @@ def test_the_state_is_written_after_the_user_sums(store):
     spy = Spy(store)
     read_step(spy, exp, rev, PLAN, Slo(200.0), keep=True, now_ms=T0 + 20 * MIN, keep_lag_ms=LAG)
     inserts = [q.split(" (")[0] for q in spy.sql if q.startswith("INSERT")]
-    assert inserts == [f"INSERT INTO {ROLLOUT_USER_SUMS_TABLE}", f"INSERT INTO {ROLLOUT_FOLDS_TABLE}"]
+    index = f"INSERT INTO {step(store, exp, rev).index_name(state(store, exp, rev).generation)}"
+    # the user sums, then their copy into the index and its marker, the state last
+    assert inserts == [
+        f"INSERT INTO {ROLLOUT_USER_SUMS_TABLE}",
+        index,
+        index,
+        f"INSERT INTO {ROLLOUT_FOLDS_TABLE}",
+    ]
+    assert "emptyArrayFloat64()" in [q for q in spy.sql if q.startswith(index)][1]
 
 
 def test_a_row_sent_long_before_it_was_recorded_is_counted_once_the_watermark_passes_it(store):
@@ -362,3 +375,116 @@ def test_a_row_sent_long_before_it_was_recorded_is_counted_once_the_watermark_pa
     look(store, exp, rev, T0 + 25 * MIN)  # the watermark passes them: counted
     after = state(store, exp, rev)
     assert after.generation != before.generation and after.rows == before.rows + 3
+
+
+def indexes(store) -> set[str]:
+    return {
+        r[0]
+        for r in store.query(
+            "SELECT name FROM system.tables WHERE database = currentDatabase() AND startsWith(name, %(p)s)",
+            {"p": ROLLOUT_SUMS_INDEX_PREFIX},
+        )
+    }
+
+
+def removed(store, where: str, params: dict) -> None:
+    """Wait until the user sums matching ``where`` are gone: an ALTER ... DELETE is a mutation
+    the store applies in the background (well under a second here)."""
+    deadline = time.monotonic() + 30
+    while store.query(f"SELECT count() FROM {ROLLOUT_USER_SUMS_TABLE} WHERE {where}", params)[0][0]:
+        assert time.monotonic() < deadline, f"the user sums where {where} were never removed"
+        time.sleep(0.05)
+
+
+def test_a_look_finds_the_kept_sums_of_its_units_by_key(store):
+    # Through the generation's index: the kept user sums are read for the fold's own rows alone,
+    # never scanned whole for the units the new samples touch.
+    exp, rev = "kept-by-key", 14
+    store.insert_columns(samples(exp, rev, 18, T0, 10))
+    look(store, exp, rev, T0 + 6 * MIN)
+    spy = Spy(store)
+    look(spy, exp, rev, T0 + 9 * MIN)  # folds the third minute, reads what came after
+    index = step(store, exp, rev).index_name(state(store, exp, rev).generation)
+    increments = [q for q in spy.sql if "sumForEachIf(kv" in q]
+    assert len(increments) == 2 and all(f"ALL LEFT JOIN {index} USING cluster" in q for q in increments)
+    for q in spy.sql:
+        if q.startswith("SELECT") and f"FROM {ROLLOUT_USER_SUMS_TABLE}" in q:
+            assert "fold = %(fold)s" in q or "max(fold)" in q, q
+
+
+@pytest.mark.parametrize("loss", ["dropped", "half-copied"])
+def test_an_index_lost_or_half_copied_is_built_again(store, loss):
+    # A server restarted without the index's files, another server of a cluster taking the
+    # queries, a copy that stopped after its rows and before its marker: the look builds the
+    # index again from the user sums before reading through it.
+    exp, rev = f"kept-index-{loss}", 15
+    store.insert_columns(samples(exp, rev, 19, T0, 10))
+    look(store, exp, rev, T0 + 6 * MIN)
+    look(store, exp, rev, T0 + 8 * MIN)
+    s, st = state(store, exp, rev), step(store, exp, rev)
+    assert s.fold == 2 and st._index_folds(s.generation) == {1, 2}
+    if loss == "dropped":
+        store.execute(f"DROP TABLE {st.index_name(s.generation)}")
+        assert st._index_folds(s.generation) is None
+    else:
+        st._index_create(s.generation)
+        st._index_add(s.generation, 1, 1)  # the second fold's rows and marker missing
+        assert st._index_folds(s.generation) == {1}
+    look(store, exp, rev, T0 + 8 * MIN + 1000)  # no fold: the new samples against the index
+    assert st._index_folds(s.generation) == {1, 2}
+    look(store, exp, rev, T0 + 20 * MIN)  # a fold through it
+    after = state(store, exp, rev)
+    assert after.generation == s.generation and after.fold == 3
+
+
+def test_user_sums_another_spec_forgot_are_never_read_as_kept(store):
+    # A look of another SLO starts sums of its own and removes the others (a mutation, in the
+    # background). A look of the first SLO after that finds its state but not its user sums: its
+    # index, dropped with them, cannot be built again with every row, and the sums are built anew.
+    exp, rev = "kept-slo-back", 16
+    store.insert_columns(samples(exp, rev, 20, T0, 10))
+    other = "kept-slo-back-other"
+    store.insert_columns(samples(other, rev, 21, T0, 10))
+    look(store, other, rev, T0 + 20 * MIN)
+    look(store, exp, rev, T0 + 20 * MIN, Slo(200.0))
+    first = state(store, exp, rev, Slo(200.0))
+    look(store, exp, rev, T0 + 20 * MIN, Slo(50.0))
+    assert indexes(store) == {
+        step(store, other, rev).index_name(state(store, other, rev).generation),
+        step(store, exp, rev, Slo(50.0)).index_name(state(store, exp, rev, Slo(50.0)).generation),
+    }
+    removed(
+        store, "experiment = %(e)s AND spec = %(s)s", {"e": exp, "s": step(store, exp, rev, Slo(200.0)).spec}
+    )
+    assert state(store, exp, rev, Slo(200.0)).generation == first.generation  # the state is still there
+    store.insert_columns(samples(exp, rev, 22, T0 + 19 * MIN, 0.5, run=RUN + 47))  # after its watermark
+    look(store, exp, rev, T0 + 21 * MIN, Slo(200.0))
+    assert state(store, exp, rev, Slo(200.0)).generation != first.generation
+
+
+def test_no_name_a_user_gives_reaches_the_index_name():
+    hostile = "x'; DROP TABLE samples; --\n`\u00e9"
+    st = kept.KeptStep(None, hostile, 3, ("a", "b"), SLO, ("ttft_ms",))
+    assert kept._INDEX_NAME.fullmatch(st.index_name(2**63 + 5))
+    assert (
+        st.index_name(1) != st.index_name(2) != kept.KeptStep(None, "y", 3, ("a", "b"), SLO, ()).index_name(2)
+    )
+
+
+def test_a_compaction_of_user_sums_removed_meanwhile_is_not_kept(store):
+    # The user sums removed after their index was built (another spec's look, racing): the index
+    # still reads right, but a compaction from the record would lose units. It keeps the old
+    # generation, drops its index, and the next look builds the sums anew.
+    exp, rev = "kept-compact-lost", 17
+    store.insert_columns(samples(exp, rev, 23, T0, 10))
+    look(store, exp, rev, T0 + 6 * MIN)
+    look(store, exp, rev, T0 + 8 * MIN)
+    s, st = state(store, exp, rev), step(store, exp, rev)
+    store.execute(
+        f"ALTER TABLE {ROLLOUT_USER_SUMS_TABLE} DELETE WHERE experiment = %(e)s AND fold = 1", {"e": exp}
+    )
+    removed(store, "experiment = %(e)s AND fold = 1", {"e": exp})
+    assert st.compact(s) is s
+    assert st._index_folds(s.generation) is None
+    look(store, exp, rev, T0 + 20 * MIN)
+    assert state(store, exp, rev).generation != s.generation
