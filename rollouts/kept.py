@@ -34,8 +34,9 @@ of kept rows. An experiment's indexes other than its current generation's are dr
 user sums (_forget_others).
 
 A look (``read``):
-1. The newest fold row. Rows of a later fold number in the user sums (a fold that stopped
-   between its writes) make the generation unusable: a new one is built. The index is checked
+1. The newest fold row. A fold marks its start in rollout_folds before it writes user sums, and
+   a mark with no state after it (a fold that stopped between its writes, whose rows would count
+   twice) makes the generation unusable: a new one is built. The index is checked
    (and built again when it must be); user sums that no longer hold the state's rows (removed
    by another spec's look) make the generation unusable too.
 2. Fold, when the watermark can move by FOLD_EVERY_MS: the samples recorded after the watermark
@@ -94,7 +95,7 @@ from samples.store_errors import StoreError, StoreUnavailable
 from stats.sequential.arm_snapshot import ATTAINMENT, ERROR_RATE
 from stats.sequential.quantiles import latency_edges
 
-FORMAT = 3
+FORMAT = 4
 # The moments' blocks a step's guardrails read (attainment and error rate, per user and adjusted:
 # rollouts.readings.user_moments): "all" alone. Not the "ttft" block's mean TTFT, which no
 # guardrail reads; without it a unit's vector has 12 sums, not 22, and the increment 81 of the
@@ -537,36 +538,32 @@ class KeptStep:
         return tally.parts if (tally.rows, tally.recorded_sum) == (want.rows, want.recorded_sum) else None
 
     def newest(self) -> State | None:
-        """The newest usable state of this step, or None (none kept, or an unfinished fold)."""
+        """The newest usable state of this step, or None (none kept, or an unfinished fold).
+        The newest row of the step's folds, a state before the mark of its own fold's start:
+        a mark alone is a fold that began (and may have written user sums, which would count
+        twice) and never wrote its state."""
         cols = self._query(
             f"SELECT generation, fold, upto_ms, state FROM {ROLLOUT_FOLDS_TABLE} "
             "WHERE experiment = %(experiment)s AND config_revision = %(revision)s AND spec = %(spec)s "
-            "ORDER BY generation DESC, fold DESC LIMIT 1",
+            "ORDER BY generation DESC, fold DESC, state = '' LIMIT 1",
             {},
         )
-        if not cols.get("generation"):
+        if not cols.get("generation") or cols["state"][0] == "":
             return None
-        generation, fold = int(cols["generation"][0]), int(cols["fold"][0])
-        later = self._query(
-            f"SELECT max(fold) AS fold FROM {ROLLOUT_USER_SUMS_TABLE} WHERE {self._kept_where()}",
-            {"generation": generation},
+        return State.from_json(
+            int(cols["generation"][0]), int(cols["fold"][0]), int(cols["upto_ms"][0]), cols["state"][0]
         )
-        if later.get("fold") and int(later["fold"][0]) > fold:
-            return None  # rows of a fold that never wrote its state: they would count twice
-        return State.from_json(generation, fold, int(cols["upto_ms"][0]), cols["state"][0])
 
-    def _write_state(self, state: State) -> None:
+    def _write_fold_row(self, generation: int, fold: int, upto_ms: int, text: str) -> None:
         self._execute(
             f"INSERT INTO {ROLLOUT_FOLDS_TABLE} (experiment, config_revision, spec, generation, fold, "
             "upto_ms, state) SELECT %(experiment)s, %(revision)s, %(spec)s, %(generation)s, %(fold)s, "
             "%(upto)s, %(state)s",
-            {
-                "generation": state.generation,
-                "fold": state.fold,
-                "upto": state.upto_ms,
-                "state": state.to_json(),
-            },
+            {"generation": generation, "fold": fold, "upto": upto_ms, "state": text},
         )
+
+    def _write_state(self, state: State) -> None:
+        self._write_fold_row(state.generation, state.fold, state.upto_ms, state.to_json())
 
     def _forget_others(self, generation: int) -> None:
         """Drop the user sums of every other generation, revision and spec of the experiment
@@ -586,15 +583,17 @@ class KeptStep:
                 self._execute(f"DROP TABLE IF EXISTS {name}", {})
 
     def fold(self, state: State, upto_ms: int) -> tuple[State | None, Increment]:
-        """Keep the samples recorded in (state.upto_ms, upto_ms]: their per-unit sums as fold
-        state.fold + 1, then the state at upto_ms (written last: until then the new rows are
-        a later fold's, which newest() refuses), once checked against the samples (_check, after
-        the histograms' read: a row stored late in between is counted there). None when they
-        disagree: nothing written but the fold's user sums, which newest() refuses.
+        """Keep the samples recorded in (state.upto_ms, upto_ms]: the mark of the fold's start,
+        their per-unit sums as fold state.fold + 1 (and in the index), then the state at upto_ms
+        (written last: until then the fold is a mark alone, which newest() refuses), once checked
+        against the samples (_check, after the histograms' read: a row stored late in between is
+        counted there). None when they disagree: nothing written but the mark and the fold's user
+        sums, which newest() refuses.
         Beside the fold's own reads, what the samples recorded after upto_ms add to the new
         state (_since_queries): they need its user sums, not its moments."""
         nxt = state.fold + 1
         at = {"generation": state.generation, "fold": nxt, "after": state.upto_ms, "upto": upto_ms}
+        self._write_fold_row(state.generation, nxt, upto_ms, "")  # begun: newest() refuses it alone
         ranges = (*_after(state.upto_ms, at), "recorded_ms <= %(upto)s")
         skip = _skipping(state.parts, at)
         self._execute(
@@ -605,19 +604,28 @@ class KeptStep:
         )
         if state.fold == 0:
             self._index_create(state.generation)
-        self._index_add(state.generation, nxt, nxt)
         new = (
             f"SELECT {', '.join(_UNIT_COLUMNS)} FROM {ROLLOUT_USER_SUMS_TABLE} "
             f"WHERE {self._kept_where()} AND fold = %(fold)s"
         )
         hists, after_hists = Increment({}), Increment({})
         ahead = dataclasses.replace(state, fold=nxt, upto_ms=upto_ms)
+        since = self._since_queries(ahead, after_hists)
+        read_since = since["since"]
+
+        def copy_then_since() -> Increment:
+            # the since increment reads the index with this fold's rows: copied first, beside
+            # the fold's own reads (its increment reads the index up to the fold before)
+            self._index_add(state.generation, nxt, nxt)
+            return read_since()
+
         got = run_queries(
             parallelism(self.store),
             {
                 "inc": lambda: self._increment(new if state.entries else None, state, at),
                 "hists": lambda: self._hists(hists, *ranges, where=skip, params=at),
-                **self._since_queries(ahead, after_hists),
+                "since": copy_then_since,
+                "since_hists": since["since_hists"],
             },
         )
         inc = _with_hists(got["inc"], hists)

@@ -537,11 +537,11 @@ ORDER BY (experiment, run_id, build_id, g, variant, tb, k)
 #   that saw it: the sums of its requests' vector (analysis.units.vector_sums of the blocks its
 #   guardrails read, rollouts.kept.BLOCKS, in that order), its setup errors, rows and their sum
 #   of recorded_ms, whether the router assigned it. Plain MergeTree, appended to: a unit's sums
-#   are the sum of its rows up to the state's fold, and rows of a later fold (one that stopped
-#   before writing its state) are detected, never merged away.
+#   are the sum of its rows up to the state's fold; rows of a later fold (one that stopped before
+#   writing its state) are never merged away, and its mark in rollout_folds tells of them.
 #   ORDER BY puts one step's generation together, by unit.
-# - rollout_folds: one row per fold, the step's state at its watermark as JSON (rollouts.kept.
-#   State): a handful of rows per step, the newest read.
+# - rollout_folds: per fold a mark of its start (state '') then the step's state at its
+#   watermark as JSON (rollouts.kept.State): a handful of rows per step, the newest read.
 # - rollout_sums_index_<experiment hash>_<generation hash>: not a migration's table. A step's
 #   generation of user sums (their unit, fold, vector and assigned flag) again, in a Join-engine
 #   table the server holds in memory (and on disk, to load at a restart), so that a look finds the

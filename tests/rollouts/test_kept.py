@@ -243,6 +243,7 @@ class Spy:
 
     def execute(self, sql, params=None):
         self.sql.append(sql)
+        self.params.append(params or {})
         return self.store.execute(sql, params)
 
     def __getattr__(self, name):
@@ -343,20 +344,19 @@ def test_a_merge_between_the_parts_listing_and_the_count_is_no_rebuild(store, mo
     assert len(counts) == 2 and counts[0]["settled"] and "settled" not in counts[1]
 
 
-def test_the_state_is_written_after_the_user_sums(store):
+def test_a_fold_marks_its_start_then_writes_its_user_sums_and_index_and_its_state_last(store):
     exp, rev = "kept-order", 12
     store.insert_columns(samples(exp, rev, 14, T0, 10))
     spy = Spy(store)
     read_step(spy, exp, rev, PLAN, Slo(200.0), keep=True, now_ms=T0 + 20 * MIN, keep_lag_ms=LAG)
-    inserts = [q.split(" (")[0] for q in spy.sql if q.startswith("INSERT")]
-    index = f"INSERT INTO {step(store, exp, rev).index_name(state(store, exp, rev).generation)}"
-    # the user sums, then their copy into the index and its marker, the state last
-    assert inserts == [
-        f"INSERT INTO {ROLLOUT_USER_SUMS_TABLE}",
-        index,
-        index,
-        f"INSERT INTO {ROLLOUT_FOLDS_TABLE}",
+    inserts = [
+        (q.split(" (")[0], p) for q, p in zip(spy.sql, spy.params, strict=True) if q.startswith("INSERT")
     ]
+    index = f"INSERT INTO {step(store, exp, rev).index_name(state(store, exp, rev).generation)}"
+    folds = f"INSERT INTO {ROLLOUT_FOLDS_TABLE}"
+    assert [q for q, _p in inserts] == [folds, f"INSERT INTO {ROLLOUT_USER_SUMS_TABLE}", index, index, folds]
+    assert inserts[0][1]["state"] == "" and inserts[-1][1]["state"].startswith('{"format"')
+    assert inserts[0][1]["fold"] == inserts[-1][1]["fold"] == 1
     assert "emptyArrayFloat64()" in [q for q in spy.sql if q.startswith(index)][1]
 
 
