@@ -297,7 +297,7 @@ class KeptStep:
                 raise ValueError(f"unknown latency {name!r}")
         self.store = store
         self.lag_ms = int(lag_ms)
-        self._experiment_key = hashlib.sha256(experiment.encode()).hexdigest()[:12]
+        self._experiment_key = _experiment_key(experiment)
         self.arms = tuple(arms)
         self.latencies = tuple(latencies)
         self.spec = spec_of(self.arms, slo, self.latencies)
@@ -573,14 +573,7 @@ class KeptStep:
             "(config_revision = %(revision)s AND spec = %(spec)s AND generation = %(generation)s)",
             {"generation": generation},
         )
-        keep = self.index_name(generation)
-        names = self._query(
-            "SELECT name FROM system.tables WHERE database = currentDatabase() AND startsWith(name, %(prefix)s)",
-            {"prefix": f"{ROLLOUT_SUMS_INDEX_PREFIX}{self._experiment_key}_"},
-        )
-        for name in names.get("name", []):
-            if name != keep and _INDEX_NAME.fullmatch(name):
-                self._execute(f"DROP TABLE IF EXISTS {name}", {})
+        _drop_indexes(self.store, self._experiment_key, keep=self.index_name(generation))
 
     def fold(self, state: State, upto_ms: int) -> tuple[State | None, Increment]:
         """Keep the samples recorded in (state.upto_ms, upto_ms]: the mark of the fold's start,
@@ -727,6 +720,34 @@ class KeptStep:
             "the step's kept sums disagree with its samples after a rebuild: rows recorded more "
             f"than {self.lag_ms / 1000:g} s ago keep arriving"
         )
+
+
+def forget(store: Any, experiment: str) -> None:
+    """Remove every kept sum of ``experiment``, whose rollout finished: its user sums and fold
+    rows (mutations, applied in the background) and its indexes, which would otherwise hold the
+    server's memory until the experiment's next rollout."""
+    for table in (ROLLOUT_USER_SUMS_TABLE, ROLLOUT_FOLDS_TABLE):
+        store.execute(
+            f"ALTER TABLE {table} DELETE WHERE experiment = %(experiment)s", {"experiment": experiment}
+        )
+    _drop_indexes(store, _experiment_key(experiment))
+
+
+def _experiment_key(experiment: str) -> str:
+    """What an experiment's index names hold of its name: a digest, never the name itself."""
+    return hashlib.sha256(experiment.encode()).hexdigest()[:12]
+
+
+def _drop_indexes(store: Any, experiment_key: str, keep: str = "") -> None:
+    """Drop the indexes of the experiment whose key this is, but ``keep``."""
+    names = store.query_columns(
+        "SELECT name FROM system.tables WHERE database = currentDatabase() AND startsWith(name, %(prefix)s)",
+        {"prefix": f"{ROLLOUT_SUMS_INDEX_PREFIX}{experiment_key}_"},
+        settings=QUERY_SETTINGS,
+    )
+    for name in names.get("name", []):
+        if name != keep and _INDEX_NAME.fullmatch(name):
+            store.execute(f"DROP TABLE IF EXISTS {name}", {})
 
 
 def _skipping(settled: Mapping[str, Any], params: dict[str, Any]) -> list[str]:

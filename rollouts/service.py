@@ -44,12 +44,13 @@ from experiments.weights.errors import ConflictError, StoreUnavailable, WeightsE
 from experiments.weights.etcd import EtcdWeightsStore
 from experiments.weights.process import weights_store
 from experiments.weights.publish import publish_weights
-from rollouts import controller
+from rollouts import controller, kept
 from rollouts.controller import Decision, Plan, StoreView
 from rollouts.models import RolloutState
 from rollouts.readings import read_step
 from rollouts.webhooks import Webhooks, post_decision
 from samples.factory import sample_store
+from samples.store_errors import StoreError as SampleStoreError
 
 log = logging.getLogger(__name__)
 
@@ -338,8 +339,20 @@ def _look(
     decision = controller.decide_step(plan, state.as_state(), view, reading, db_now())
     note = _carry_out(experiment, plan, decision, owner, view)
     state.refresh_from_db()
+    if state.status in (controller.COMPLETED, controller.ROLLED_BACK):
+        _forget_kept_sums(key)
     sent = _notify(experiment, plan, decision, state, webhooks) if notify and plan.notify else []
     return result(decision, note, state, sent)
+
+
+def _forget_kept_sums(key: str) -> None:
+    """A finished rollout's kept sums removed (rollouts.kept.forget: their index holds the
+    sample store's memory). The decision stands when the store cannot: logged, and the sums
+    go when the experiment's next rollout starts sums of its own."""
+    try:
+        kept.forget(sample_store(), key)
+    except SampleStoreError as exc:
+        log.warning("rollout %s: its kept sums were not removed: %s", key, exc)
 
 
 def _carry_out(experiment: Experiment, plan: Plan, d: Decision, owner: str, view: StoreView) -> str:

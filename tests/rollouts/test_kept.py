@@ -387,12 +387,12 @@ def indexes(store) -> set[str]:
     }
 
 
-def removed(store, where: str, params: dict) -> None:
-    """Wait until the user sums matching ``where`` are gone: an ALTER ... DELETE is a mutation
-    the store applies in the background (well under a second here)."""
+def removed(store, where: str, params: dict, table: str = ROLLOUT_USER_SUMS_TABLE) -> None:
+    """Wait until the rows of ``table`` (the user sums) matching ``where`` are gone: an ALTER ...
+    DELETE is a mutation the store applies in the background (well under a second here)."""
     deadline = time.monotonic() + 30
-    while store.query(f"SELECT count() FROM {ROLLOUT_USER_SUMS_TABLE} WHERE {where}", params)[0][0]:
-        assert time.monotonic() < deadline, f"the user sums where {where} were never removed"
+    while store.query(f"SELECT count() FROM {table} WHERE {where}", params)[0][0]:
+        assert time.monotonic() < deadline, f"the rows of {table} where {where} were never removed"
         time.sleep(0.05)
 
 

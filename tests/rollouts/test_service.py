@@ -465,7 +465,8 @@ def test_looks_read_the_step_through_its_kept_sums_unless_turned_off(
 
     def folds() -> list[dict]:
         rows = ch_store.query(
-            f"SELECT state FROM {ROLLOUT_FOLDS_TABLE} WHERE experiment = %(e)s ORDER BY generation, fold",
+            f"SELECT state FROM {ROLLOUT_FOLDS_TABLE} WHERE experiment = %(e)s AND state != '' "
+            "ORDER BY generation, fold",
             {"e": KEY},
         )
         return [json.loads(r[0]) for r in rows]
@@ -488,5 +489,43 @@ def test_looks_read_the_step_through_its_kept_sums_unless_turned_off(
     assert a.pop("elapsed_s") < b.pop("elapsed_s")  # the step's age, by the database's clock
     assert a == b and a["n_control"] == 90
     assert [f["rows"] for f in folds()] == [100]
-    upto = ch_store.query(f"SELECT upto_ms FROM {ROLLOUT_FOLDS_TABLE} WHERE experiment = %(e)s", {"e": KEY})
+    upto = ch_store.query(
+        f"SELECT upto_ms FROM {ROLLOUT_FOLDS_TABLE} WHERE experiment = %(e)s AND state != ''", {"e": KEY}
+    )
     assert upto == [(int(later * 1000) - 45_000,)]  # kept up to now less the setting's lag
+
+
+def test_a_finished_rollout_leaves_none_of_its_kept_sums(
+    weights_backend, ch_store, rollout_document, settings
+):
+    # Its index would hold the store's memory until the experiment's next rollout.
+    from analysis.definitions import Slo
+    from rollouts import kept
+    from samples.schema import ROLLOUT_FOLDS_TABLE, ROLLOUT_SUMS_INDEX_PREFIX, ROLLOUT_USER_SUMS_TABLE
+    from tests.rollouts.test_kept import removed
+
+    def indexes() -> list[str]:
+        prefix = f"{ROLLOUT_SUMS_INDEX_PREFIX}{kept._experiment_key(KEY)}_"
+        rows = ch_store.query(
+            "SELECT name FROM system.tables WHERE database = currentDatabase() AND startsWith(name, %(p)s)",
+            {"p": prefix},
+        )
+        return [r[0] for r in rows]
+
+    settings.ROLLOUT_KEPT_SUMS = True
+    other = "kept-other-rollout"
+    kept.KeptStep(ch_store, other, 1, ("a", "b"), Slo(200.0), ()).read(10**12)  # another experiment's
+    started(rollout_document)
+    service.look(KEY, interval_s=0)
+    _, rev1 = stored_weights()
+    seq = insert_step(ch_store, KEY, rev1, {"fp16": [100.0] * 270, "awq-fa2": [90.0] * 10})
+    held = service.look(KEY, interval_s=0)
+    assert held.status == c.RUNNING and len(indexes()) == 1  # the look kept the step's sums
+    insert_step(ch_store, KEY, rev1, {"fp16": [100.0] * 30, "awq-fa2": [400.0] * 50 + [None] * 10}, seq0=seq)
+    r = service.look(KEY, interval_s=0)
+    assert r.decision.action == c.ROLLBACK and r.status == c.ROLLED_BACK
+    assert indexes() == []
+    for table in (ROLLOUT_USER_SUMS_TABLE, ROLLOUT_FOLDS_TABLE):
+        removed(ch_store, "experiment = %(e)s", {"e": KEY}, table)
+    theirs = kept.KeptStep(ch_store, other, 1, ("a", "b"), Slo(200.0), ())
+    assert theirs._index_folds(theirs.newest().generation) == {1}  # another experiment's are left

@@ -774,7 +774,17 @@ def test_moments_per_shard_equal_one_query_over_the_same_rows(cstore, servers, s
     assert (
         all(kept_rows) and sum(kept_rows) == users.clusters + reading.candidate.per_user.attainment.clusters
     )
-    assert cstore.query("SELECT count() FROM rollout_folds WHERE experiment = 'ttft-opt'")[0][0] == 1
+    # a fold's mark of its start and its state; the step's index on the entry (servers[0]) alone
+    folds = cstore.query("SELECT state = '' FROM rollout_folds WHERE experiment = 'ttft-opt' ORDER BY 1")
+    assert folds == [(0,), (1,)]
+    indexes = [
+        s.query(
+            "SELECT count() FROM system.tables WHERE database = currentDatabase() "
+            "AND name LIKE 'rollout_sums_index_%'"
+        )[0][0]
+        for s in servers
+    ]
+    assert indexes == [1, 0]
 
 
 def test_a_cluster_sharded_the_older_way_is_read_through_its_distributed_table(
