@@ -9,7 +9,7 @@ one ClickHouse server and on the two-shard test cluster (docs/clickhouse-cluster
     $B fill --target cluster --minutes 14       # the rest of the server's rows, copied
     $B rollup --target server; $B rollup --target cluster
     ABPLAT_DEBUG=true $B measure --target server; ABPLAT_DEBUG=true $B measure --target cluster
-    $B shards; $B hosts; $B kept; $B layout --zstd-url clickhouse://default:@127.0.0.1:19301
+    $B shards; $B hosts; $B kept; $B index --looks 6000000:4000000; $B layout --zstd-url clickhouse://default:@127.0.0.1:19301
     .venv/bin/python bench/bench_scale.py table
     ABPLAT_DEBUG=true .venv/bin/python bench/bench_scale.py all --quick   # 200k samples, every stage
 
@@ -55,6 +55,10 @@ Stages, each short enough to run under the shared bench lock:
   while --rate requests a second arrive, at revision 1 and at measure's look tables (those alone
   with --own-tables), the sums kept --lag seconds behind; each kept reading checked equal to the
   whole one.
+- index: the memory a rollout step's index of kept sums (rollouts.kept) holds on the server: the
+  server's resident memory (its pid file's process: the project's own server) that dropping the
+  index of the last --looks table's step (--looks 6000000:4000000: ~10^6 users) frees, after a
+  first kept look built it; per kept row.
 - layout: the first --layout-rows samples copied into tables of other sorting keys, lz4 (the
   server's) and zstd (a server configured for it: 18.16 has no column CODEC clause), each merged
   to one part per partition: bytes per sample and the moments query's time on each.
@@ -127,6 +131,7 @@ def main() -> None:
             "shards",
             "hosts",
             "kept",
+            "index",
             "layout",
             "shapes",
             "table",
@@ -192,12 +197,13 @@ def run(args: argparse.Namespace) -> None:
         "shards": shards,
         "hosts": hosts,
         "kept": kept,
+        "index": index_memory,
         "layout": layout,
         "shapes": shapes,
     }
     for stage in stages:
         for target in (
-            targets if stage not in ("shards", "hosts", "kept", "layout", "shapes") else ("server",)
+            targets if stage not in ("shards", "hosts", "kept", "index", "layout", "shapes") else ("server",)
         ):
             steps[stage](args, target)
     if args.quick:  # the cluster's databases: nobody else drops them
@@ -750,6 +756,50 @@ def kept(args: argparse.Namespace, target: str) -> None:
     record(args.database, f"kept/{target}", {"lags": lags, "rates": rates, "steps": out})
     print()
     print(kept_sweep(out))
+
+
+def index_memory(args: argparse.Namespace, target: str) -> None:
+    """index (module docstring): resident memory freed by dropping a step's index, per row."""
+    from analysis.definitions import Slo
+    from rollouts import kept as keptmod
+    from rollouts.readings import read_step
+    from samples import schema
+
+    pid_file = PID_FILES["server"]
+    check(
+        pid_file.exists(), f"index: no pid file {pid_file}: the project's own server (scripts/clickhouse.sh)"
+    )
+    pid = pid_file.read_text().strip()
+
+    def resident() -> int:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    n_rows, n_users = (int(x) for x in args.looks.split(",")[-1].split(":"))
+    store = look_store(args, target, n_rows, n_users)
+    try:
+        plan, slo = rollout_plan(), Slo(200.0)
+        for table in (schema.ROLLOUT_USER_SUMS_TABLE, schema.ROLLOUT_FOLDS_TABLE):
+            store.execute(f"TRUNCATE TABLE {table}")
+        top = int(store.query("SELECT max(recorded_ms) FROM samples WHERE config_revision = 1")[0][0])
+        reading = read_step(store, EXPERIMENT, 1, plan, slo, keep=True, now_ms=top + keptmod.KEEP_LAG_MS + 1)
+        check(reading.error == "", f"index: {reading.error}")
+        step = keptmod.KeptStep(store, EXPERIMENT, 1, (plan.control, plan.candidate), slo, plan.latencies())
+        state = step.newest()
+        check(step._index_folds(state.generation) == {1}, "index: the first look built no index")
+        time.sleep(2)  # the look's own allocations returned
+        before = resident()
+        store.execute(f"DROP TABLE {step.index_name(state.generation)}")
+        time.sleep(2)
+        freed = before - resident()
+    finally:
+        keptmod.forget(store, EXPERIMENT)
+        store.close()
+    print(
+        f"index of {state.entries:,} kept rows ({state.units:,} units): dropping it freed "
+        f"{freed / 1e6:,.1f} MB of the server's resident memory, {freed / max(state.entries, 1):,.0f} B a row"
+    )
+    record(args.database, f"index/{target}", {"rows": state.entries, "freed_bytes": freed})
 
 
 def kept_sweep(out: list[dict]) -> str:

@@ -24,14 +24,15 @@ The index: a look needs the kept sums of the units its new samples touch. Found 
 rollout_user_sums, every kept row is read to find theirs (a scan that grows with the step's
 users: 0.14-0.17 s of CPU per look at 1.15M kept rows, twice per look). So each generation's user
 sums are copied, fold by fold, into a Join-engine table of the store (samples.schema,
-ROLLOUT_SUMS_INDEX_PREFIX), which the server keeps in memory (235 MB of the server's resident
-memory per 10^6 kept rows, measured on 18.16: up to twice the step's units before a compaction)
-and on disk: a look joins its units on it, at a cost that follows its units alone. rollout_user_sums
-stays the record: compaction reads it, and an index that is missing (never built on this server,
-dropped, a server of a cluster other than the one that built it) or lacks a fold's marker (a
-copy that stopped) is built again from it before it is read, checked against the state's count
-of kept rows. An experiment's indexes other than its current generation's are dropped with their
-user sums (_forget_others).
+ROLLOUT_SUMS_INDEX_PREFIX), which the server keeps in memory and on disk: a look joins its units
+on it, at a cost that follows its units alone. It holds 260 B of the server's resident memory per
+kept row on 18.16, up to two rows per unit before a compaction (bench/RESULTS.md "Kept sums found
+by key"). rollout_user_sums stays the record: compaction reads it, and an index that is missing
+(never built on this server, dropped, a server of a cluster other than the one that built it) or
+lacks a fold's marker (a copy that stopped) is built again from it before it is read, checked
+against the state's count of kept rows. An experiment's indexes other than its current
+generation's are dropped with their user sums (_forget_others), and all of them when its rollout
+finishes (forget).
 
 A look (``read``):
 1. The newest fold row. A fold marks its start in rollout_folds before it writes user sums, and
