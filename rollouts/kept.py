@@ -346,7 +346,7 @@ class KeptStep:
         come from the generation's index, a join by unit: the cost follows the units of ``new``,
         not the units kept (the MergeTree rows' scan and grouping, every kept row read to find
         theirs, took 0.14-0.17 s of a 0.37-0.40 s increment at 1.15M kept rows;
-        bench/RESULTS.md "Rollout looks through kept per-user sums")."""
+        bench/RESULTS.md "Kept sums found by key")."""
         counts, sums = units.moments_of_vectors("k", "d", BLOCKS)
         return (
             f"SELECT arm AS variant, {counts} AS counts, {sums} AS sums, sum(setup_d) AS setup_n, "
