@@ -12,7 +12,8 @@ it; before every test that asks, one query reads what the database holds:
 
 Same tables and CREATE statements and migration rows as just after migrating: the tables holding
 rows are emptied with TRUNCATE (18.16 and chDB both have it, and it removes the parts at once);
-the migrations table is never emptied. Anything else (a table dropped, created or altered, a
+the migrations table is never emptied. A rollout step's index of kept sums (a table the code
+creates as it runs, samples.schema.ROLLOUT_SUMS_INDEX_PREFIX) is dropped, as data. Anything else (a table dropped, created or altered, a
 migration row added, the database gone) and the database is dropped and replaced by a freshly
 migrated one under a new name, so no store object, factory cache entry or chDB session still
 pointing at the old one can reach the new one. The test that held the database last is named in
